@@ -1,0 +1,59 @@
+"""parashift's exceptions: every user-facing error says what is wrong and how to fix it."""
+from __future__ import annotations
+
+__all__ = [
+    "ParashiftError", "UnknownPresetError", "StrategyError", "ClusterError", "DeviceListError",
+    "PlanError", "MemoryBudgetError", "ProgramError", "DeadlockError", "TraceFormatError",
+    "RuntimeFailure", "SwitchAborted",
+]
+
+
+class ParashiftError(Exception):
+    """Base class: the message states the problem and the fix, in one line."""
+
+
+class UnknownPresetError(ParashiftError, KeyError):
+    """A model or cluster name that is not a preset."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class StrategyError(ParashiftError, ValueError):
+    """A strategy that cannot run the model (divisibility, unknown field, bad schedule)."""
+
+
+class ClusterError(ParashiftError, ValueError):
+    """A cluster description that is malformed or too small."""
+
+
+class DeviceListError(ParashiftError, ValueError):
+    """A device list that is malformed or does not match the strategy's world size."""
+
+
+class PlanError(ParashiftError, ValueError):
+    """A switch plan or lowering that cannot be built."""
+
+
+class MemoryBudgetError(PlanError):
+    """The new layout (or a staging step) cannot fit the memory budget."""
+
+
+class ProgramError(ParashiftError, ValueError):
+    """A Program that breaks an invariant (ids, deps, matching, collectives)."""
+
+
+class DeadlockError(ProgramError):
+    """A Program whose per-stream orders cannot all complete."""
+
+
+class TraceFormatError(ParashiftError, ValueError):
+    """A preemption/availability trace that cannot be read."""
+
+
+class RuntimeFailure(ParashiftError, RuntimeError):
+    """A rank failed while executing a Program."""
+
+
+class SwitchAborted(RuntimeFailure):
+    """A live switch failed and the job was rolled back to its old layout."""

@@ -1,0 +1,64 @@
+"""Model presets matching public models' parameter counts, plus tiny CPU models."""
+from __future__ import annotations
+
+from typing import Callable
+
+from ..errors import UnknownPresetError
+from .spec import ModelSpec, gpt, moe
+
+__all__ = ["get", "names", "PUBLIC_PARAMS"]
+
+_PRESETS: dict[str, Callable[[], ModelSpec]] = {
+    # GPT-3 family (Brown et al. 2020): GELU MLP, LayerNorm with biases, learned positions, tied embeddings.
+    "gpt3-1.3b": lambda: gpt(24, 2048, 16, ffn=8192, vocab=50257, seq_len=2048, name="gpt3-1.3b",
+                             gated=False, bias=True, norm="ln", pos_emb="learned", tied=True),
+    "gpt3-175b": lambda: gpt(96, 12288, 96, ffn=49152, vocab=50257, seq_len=2048, name="gpt3-175b",
+                             gated=False, bias=True, norm="ln", pos_emb="learned", tied=True),
+    # LLaMA-2 (Touvron et al. 2023): SwiGLU, RMSNorm, RoPE, untied head.
+    "llama2-7b": lambda: gpt(32, 4096, 32, ffn=11008, vocab=32000, seq_len=4096, name="llama2-7b"),
+    "llama2-13b": lambda: gpt(40, 5120, 40, ffn=13824, vocab=32000, seq_len=4096, name="llama2-13b"),
+    "llama2-70b": lambda: gpt(80, 8192, 64, kv_heads=8, ffn=28672, vocab=32000, seq_len=4096, name="llama2-70b"),
+    # Qwen MoE family (config.json of the public checkpoints).
+    "qwen1.5-moe-a2.7b": lambda: moe(24, 2048, 16, vocab=151936, seq_len=8192, experts=60, top_k=4,
+                                     expert_ffn=1408, shared_ffn=5632, qkv_bias=True, name="qwen1.5-moe-a2.7b"),
+    "qwen3-30b-a3b": lambda: moe(48, 2048, 32, kv_heads=4, vocab=151936, seq_len=4096, experts=128, top_k=8,
+                                 expert_ffn=768, head_dim=128, qk_norm=True, name="qwen3-30b-a3b"),
+    "qwen3-235b-a22b": lambda: moe(94, 4096, 64, kv_heads=4, vocab=151936, seq_len=4096, experts=128, top_k=8,
+                                   expert_ffn=1536, head_dim=128, qk_norm=True, name="qwen3-235b-a22b"),
+    # Tiny CPU models that the runtime trains for real (fp32).
+    "tiny-gpt": lambda: gpt(4, 64, 4, kv_heads=2, ffn=128, vocab=256, seq_len=32, name="tiny-gpt",
+                            dtype="fp32", pad_vocab=8),
+    "tiny-moe": lambda: moe(4, 64, 4, kv_heads=2, vocab=256, seq_len=32, experts=8, top_k=2, expert_ffn=64,
+                            shared_ffn=64, name="tiny-moe", dtype="fp32", pad_vocab=8),
+}
+
+#: Published parameter counts the presets are checked against (within 1%).
+PUBLIC_PARAMS = {
+    "gpt3-1.3b": 1.3156e9,   # GPT-3 XL as counted on its open replicas (1,315,575,808)
+    "gpt3-175b": 175e9,
+    "llama2-7b": 6.74e9,
+    "llama2-13b": 13.0e9,
+    "llama2-70b": 69.0e9,
+    "qwen1.5-moe-a2.7b": 14.3e9,
+    "qwen3-30b-a3b": 30.5e9,
+    "qwen3-235b-a22b": 235e9,
+}
+
+_CACHE: dict[str, ModelSpec] = {}
+
+
+def names() -> list[str]:
+    return list(_PRESETS)
+
+
+def get(name: "str | ModelSpec") -> ModelSpec:
+    """A preset by name (an unknown name lists the valid ones)."""
+    if isinstance(name, ModelSpec):
+        return name
+    key = str(name).strip().lower()
+    if key not in _PRESETS:
+        raise UnknownPresetError(f"unknown model {name!r}; presets are {', '.join(_PRESETS)} "
+                                 f"(or describe one with parashift.models.gpt/moe)")
+    if key not in _CACHE:
+        _CACHE[key] = _PRESETS[key]()
+    return _CACHE[key]
