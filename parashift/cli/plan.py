@@ -1,0 +1,132 @@
+"""`parashift plan`: plan (and verify) a live switch of the training state between two strategies."""
+from __future__ import annotations
+
+import argparse
+import time
+
+HELP = "plan the in-memory switch of a model's training state from one strategy to another"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="model preset, e.g. llama2-70b (see `parashift models`)")
+    p.add_argument("--src", required=True, help='current strategy, e.g. "dp=4,tp=8,pp=4,zero=1"')
+    p.add_argument("--dst", required=True, help='new strategy, e.g. "dp=3,tp=8,pp=5,zero=1"')
+    p.add_argument("--cluster", help="cluster preset that places devices on nodes, e.g. a800-16x8 "
+                                     "(default: nodes of 8 devices)")
+    p.add_argument("--src-devices", help="device of each current rank, e.g. 0-127 (default: rank i on device i)")
+    p.add_argument("--dst-devices", help="device of each new rank, e.g. 0-39,48-127 (default: rank i on device i)")
+    p.add_argument("--kinds", default=",".join(("param", "master", "exp_avg", "exp_avg_sq")),
+                   help="state kinds to move (default: param,master,exp_avg,exp_avg_sq)")
+    p.add_argument("--frame", help="write the plan's pieces as CSV (tensor, kind, src, dst, lo, hi, nbytes)")
+    p.add_argument("--program", help="lower the plan to a switch Program and write it as JSON")
+    p.add_argument("--simulate", action="store_true",
+                   help="lower and simulate the switch; compare with the checkpoint-restart estimate")
+    p.add_argument("--memory-budget", help="bytes of switch state each device may hold (e.g. 60GiB, 7e10); "
+                                           "the switch is staged to stay under it")
+    p.add_argument("--off", default="", help="lowering passes to turn off, comma-separated: "
+                                             "select_sources, promote, stage, coalesce, xor_order")
+
+
+_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+          "TIB": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"60GiB"``, ``"7e10"``, ``"512MB"`` -> bytes."""
+    from ..errors import MemoryBudgetError
+    t = str(text).strip().upper().replace(" ", "")
+    num = t.rstrip("KMGTIB")
+    unit = t[len(num):]
+    try:
+        value = float(num) * _UNITS[unit]
+    except (KeyError, ValueError):
+        raise MemoryBudgetError(f"cannot read memory budget {text!r}; write bytes such as 60GiB, 512MB or 7e10") from None
+    if value <= 0:
+        raise MemoryBudgetError(f"memory budget {text!r} must be positive")
+    return int(value)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from .. import vps
+    from ..cluster import format_devices
+    from ..errors import PlanError
+
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    t0 = time.perf_counter()
+    plan = vps.plan_switch(args.model, args.src, args.dst, cluster=args.cluster, src_devices=args.src_devices,
+                           dst_devices=args.dst_devices, kinds=kinds)
+    plan_seconds = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    try:
+        plan.verify()
+        verified, problem = True, None
+    except PlanError as e:   # reported, not raised: the result says what is wrong
+        verified, problem = False, str(e)
+    verify_seconds = time.perf_counter() - t0
+    if args.frame:
+        plan.to_frame().to_csv(args.frame, index=False)
+    out = {"model": plan.model.name, "src": str(plan.src_strategy), "dst": str(plan.dst_strategy),
+           "cluster": plan.cluster.name, "verified": verified, "plan_seconds": plan_seconds,
+           "verify_seconds": verify_seconds, **plan.stats(),
+           "src_devices": format_devices(plan.src_devices), "dst_devices": format_devices(plan.dst_devices)}
+    if problem:
+        out["problem"] = problem
+    if args.program or args.simulate or args.memory_budget:
+        out.update(_lower(plan, args))
+    return out
+
+
+def _lower(plan, args: argparse.Namespace) -> dict:
+    from ..vps import transition
+    off = {k.strip(): False for k in args.off.split(",") if k.strip()}
+    budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+    prog = transition.lower(plan, plan.cluster, memory_budget=budget, **off)
+    prog.validate()
+    meta = prog.meta
+    out = {"lower_seconds": meta["lower_seconds"], "stages": meta["stages"], "switch_messages": meta["messages"],
+           "collectives": dict(meta["collectives"]), "instructions": prog.num_instructions(),
+           "memory_budget": budget}
+    if args.program:
+        prog.save(args.program)
+        out["program"] = args.program
+    if args.simulate:
+        from .. import sim
+        res = sim.simulate_switch(prog, plan.cluster)
+        ckpt = sim.estimate_checkpoint_restart(plan.model, plan.src_strategy, plan.dst_strategy, plan.cluster)
+        out.update({"switch_seconds": res.switch_time, "checkpoint_restart_seconds": ckpt.total_seconds,
+                    "speedup": ckpt.total_seconds / res.switch_time if res.switch_time > 0 else float("inf"),
+                    "peak_memory_max": res.peak_memory_max, "bytes_intra": res.link_bytes["intra"],
+                    "bytes_inter": res.link_bytes["inter"], "sim_seconds": res.sim_seconds})
+    return out
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def render(r: dict, args: argparse.Namespace) -> None:
+    print(f"{r['model']}: {r['src']} on devices {r['src_devices']}  ->  {r['dst']} on devices {r['dst_devices']}"
+          f"  ({r['cluster']})")
+    print(f"  kept in place   {_bytes(r['bytes_kept'])}")
+    print(f"  moved           {_bytes(r['bytes_moved'])}  (needed: {_bytes(r['bytes_needed'])}, "
+          f"across nodes: {_bytes(r['bytes_inter_node'])})")
+    print(f"  messages        {r['messages']} device pairs, {r['pieces']} pieces")
+    status = "verified: every destination element covered exactly once" if r["verified"] else \
+        f"NOT verified: {r.get('problem')}"
+    print(f"  {status}")
+    print(f"  planned in {r['plan_seconds']:.3f} s, verified in {r['verify_seconds']:.3f} s")
+    if "stages" in r:
+        coll = ", ".join(f"{v} {k}" for k, v in r["collectives"].items() if v) or "no collectives"
+        budget = f" under a budget of {_bytes(r['memory_budget'])}" if r.get("memory_budget") else ""
+        print(f"  switch program  {r['stages']} stage(s){budget}, {r['switch_messages']} messages, {coll}, "
+              f"{r['instructions']} instructions (lowered in {r['lower_seconds']:.3f} s)")
+    if "program" in r:
+        print(f"  wrote {r['program']}")
+    if "switch_seconds" in r:
+        print(f"  simulated switch {r['switch_seconds']:.3f} s, peak memory {_bytes(r['peak_memory_max'])} per device")
+        print(f"  checkpoint-restart estimate {r['checkpoint_restart_seconds']:.1f} s  ->  "
+              f"{r['speedup']:.0f}x faster in memory")

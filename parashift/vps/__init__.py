@@ -1,0 +1,8 @@
+"""Virtual parameter space: layouts of strategies as boxes, and switch plans between them."""
+from . import boxes
+from .layout import Layout, Regions, layout
+from .plan import DEFAULT_KINDS, SwitchPlan, plan_switch
+from .tensors import KINDS, ZERO_STAGE
+
+__all__ = ["boxes", "Layout", "Regions", "layout", "SwitchPlan", "plan_switch", "DEFAULT_KINDS",
+           "KINDS", "ZERO_STAGE"]

@@ -1,0 +1,17 @@
+"""State transition engine: from a switch plan to a fast, memory-safe, deadlock-free switch Program.
+
+Passes, each a pure function testable alone: :func:`select_sources` (link cost, NIC balance),
+:func:`assign_stages` (memory budget, garbage collection of old buffers),
+:func:`build_transfers` (coalescing, promotion to broadcast/scatter/gather where cheaper),
+:func:`p2p_order` (XOR rounds, with the deadlock-freedom proof in :mod:`.order`), and
+:func:`lower`, which runs them and emits the Program.
+"""
+from .lower import Options, lower
+from .order import collective_order, p2p_order, round_matchings, rounds
+from .sources import link_loads, select_sources
+from .staging import Buffers, Staging, assign_stages, budget_array, state_buffers
+from .transfers import ALIGN, Transfer, Transfers, build_transfers
+
+__all__ = ["lower", "Options", "select_sources", "link_loads", "assign_stages", "state_buffers", "budget_array",
+           "Buffers", "Staging", "build_transfers", "Transfer", "Transfers", "ALIGN", "p2p_order",
+           "collective_order", "round_matchings", "rounds"]

@@ -1,0 +1,253 @@
+"""Lowering: run the transition passes and emit the switch Program.
+
+Ranks of a switch Program are device ids 0..max (devices in neither list get an empty
+program); groups are concrete device tuples. Per device and stage, five streams:
+
+- ``pack``: first ``keep:<stage>`` (copies the stage's kept pieces from old to new buffers;
+  allocates the stage's new buffers, and at stage 0 registers the live ``old:*`` buffers), then
+  one ``pack:<tag>`` copy per outgoing transfer into its staging buffer ``buf:<tag>``; the last
+  pack instruction of a stage frees the old buffers nothing needs any more (GC);
+- ``send<l>`` / ``recv<l>`` (``l < lanes``): point-to-point transfers in XOR order (see
+  :mod:`order`); a message of XOR round ``s`` travels on lane ``hash(s) % lanes`` at both
+  ends, so the lanes of one device run concurrently and share its links;
+- ``coll<l>``: broadcast / scatter / gather in one global order; all collectives over one
+  group (one communicator) use the same lane on every member;
+- ``unpack``: one ``unpack:<tag>`` copy per received transfer, which frees its staging buffer.
+
+``meta`` says what every key means: ``pieces`` (tensor, kind, src, dst, lo, hi, nbytes, stage,
+transfer, offset; ``lo``/``hi`` flattened rows of ``dims`` coordinates, padded with unit
+dims), ``transfers`` (tag of each transfer id), ``tensors`` and ``kinds``. A transfer's
+buffer holds its pieces at their byte offsets; a piece with transfer -1 is kept on its device
+and copied by ``keep:<stage>``. Buffers whose old and new regions are equal stay in place
+(``static_memory["state"]``) and appear in no instruction.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ... import cluster as _cluster
+from ...cluster import Cluster, format_devices
+from ...errors import PlanError
+from ...ir.program import Instr, Program, RankProgram
+from ..plan import SwitchPlan
+from .order import collective_order, p2p_order
+from .sources import select_sources
+from .staging import Staging, assign_stages, budget_array, state_buffers
+from .transfers import ALIGN, Transfers, build_transfers
+
+if TYPE_CHECKING:  # pragma: no cover - the simulator loads simpy; import it only when lowering
+    from ...sim.cost import CostModel
+
+__all__ = ["Options", "lower"]
+
+STREAMS = ("pack", "unpack")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Which passes run (all by default; turn one off for ablation or search)."""
+
+    select_sources: bool = True
+    promote: bool = True
+    stage: bool = True
+    coalesce: bool = True
+    xor_order: bool = True
+    lanes: int = 4          # concurrent send/recv/collective streams per device
+
+    @classmethod
+    def make(cls, **kw: object) -> "Options":
+        names = {f.name for f in fields(cls)}
+        bad = sorted(set(kw) - names)
+        if bad:
+            raise PlanError(f"unknown lowering option(s) {', '.join(bad)}; options are {', '.join(sorted(names))}")
+        lanes = kw.pop("lanes", 4)
+        if isinstance(lanes, bool) or not isinstance(lanes, (int, np.integer)) or lanes < 1:
+            raise PlanError(f"lanes={lanes!r} must be a positive integer (streams per direction and device)")
+        return cls(**{k: bool(v) for k, v in kw.items()}, lanes=int(lanes))
+
+
+def _buf(name: str, kind: str, tensor: str) -> str:
+    return f"{name}:{kind}:{tensor}"
+
+
+def lower(plan: SwitchPlan, cluster: "Cluster | str | None" = None, *, memory_budget=None,
+          cost_model: "CostModel | None" = None, **options: object) -> Program:
+    """Lower ``plan`` to a switch Program (deadlock-free by construction; ``Program.validate()``
+    checks it).
+
+    ``memory_budget``: bytes of switch state each device may hold (a number, a device ->
+    bytes mapping, or None for no limit); ``cost_model``: the simulator's cost model (default:
+    the cluster's). ``options``: ``select_sources``, ``promote``, ``stage``, ``coalesce``,
+    ``xor_order`` (each True by default) and ``lanes`` (concurrent streams per direction, 4).
+    Raises MemoryBudgetError when the budget cannot hold the new layout, before anything moves.
+    """
+    t0 = time.perf_counter()
+    opts = Options.make(**options)
+    clus = _cluster.get(cluster) if cluster is not None else plan.cluster
+    devices = sorted(set(plan.src_devices) | set(plan.dst_devices))
+    clus.node_of(np.asarray(devices))          # every device must be in the cluster
+    if cost_model is None:
+        from ...sim.cost import CostModel
+        cost_model = CostModel.for_cluster(clus)
+    cost = cost_model
+    p = select_sources(plan, clus, cost) if opts.select_sources else plan
+    buffers = state_buffers(p)
+    budget = budget_array(memory_budget, devices[-1] + 1) if opts.stage else None
+    staging = assign_stages(p, budget, buffers)
+    xf = build_transfers(p, staging.piece_stage, clus, cost, coalesce=opts.coalesce, promote=opts.promote,
+                         memory_safe=budget is not None)
+    prog = _emit(p, staging, xf, opts, devices)
+    meta = dict(prog.meta)
+    meta.update({"cluster": clus.name, "options": asdict(opts), "lower_seconds": time.perf_counter() - t0,
+                 "memory_budget": None if memory_budget is None else
+                 (float(memory_budget) if np.ndim(memory_budget) == 0 and not isinstance(memory_budget, dict)
+                  else "per-device")})
+    return prog.replace(meta=meta)
+
+
+def _emit(p: SwitchPlan, st: Staging, xf: Transfers, opts: Options, devices: list[int]) -> Program:
+    names = p.src_layout.table.names
+    kinds = p.kinds
+    buf = st.buffers
+    lookup = np.zeros(int(buf.task.max(initial=0)) + 1, dtype=np.int64)
+    for t, k in st.task_stage.items():
+        lookup[t] = k
+    bstage = lookup[buf.task]
+    live_old = (~buf.reused) & (buf.old > 0)
+    live_new = (~buf.reused) & (buf.new > 0)
+    # kept pieces that need a copy (their buffer is not reused in place)
+    n_t = len(names)
+    bkey = (buf.dev * 8 + buf.kind) * n_t + buf.tensor
+    kept = ~p.moved
+    pkey = (p.dst * 8 + p.kind) * n_t + p.tensor
+    reused_keys = np.sort(bkey[buf.reused])
+    if len(reused_keys):
+        pos = np.minimum(np.searchsorted(reused_keys, pkey), len(reused_keys) - 1)
+        in_place = kept & (reused_keys[pos] == pkey)
+    else:
+        in_place = np.zeros(len(p), dtype=bool)
+    copy = kept & ~in_place
+    keep_bytes: dict[tuple[int, int], int] = {}
+    for d, k, b in zip(p.dst[copy].tolist(), st.piece_stage[copy].tolist(), p.nbytes[copy].tolist()):
+        keep_bytes[(d, k)] = keep_bytes.get((d, k), 0) + b
+    allocs: dict[tuple[int, int], list[tuple[str, int]]] = {}
+    frees: dict[tuple[int, int], list[str]] = {}
+    for sel, prefix in ((live_old, "old"), (live_new, "new")):
+        i = np.flatnonzero(sel)
+        nbytes = (buf.old if prefix == "old" else buf.new)[i].tolist()
+        for d, k, t, s, b in zip(buf.dev[i].tolist(), buf.kind[i].tolist(), buf.tensor[i].tolist(),
+                                 bstage[i].tolist(), nbytes):
+            name = _buf(prefix, kinds[k], names[t])
+            if prefix == "old":
+                allocs.setdefault((d, 0), []).append((name, b))
+                frees.setdefault((d, s), []).append(name)
+            else:
+                allocs.setdefault((d, s), []).append((name, b))
+    r = np.flatnonzero(buf.reused)
+    static = dict(zip(*(x.tolist() for x in _group_sum(buf.dev[r], buf.old[r]))))
+    sends, recvs = p2p_order(xf.items, xor=opts.xor_order)
+    colls = collective_order(xf.items)
+    streams: dict[int, dict[str, list[Instr]]] = {d: {s: [] for s in STREAMS} for d in devices}
+    counter = {d: 0 for d in devices}
+
+    def emit(d: int, stream: str, op: str, **kw) -> int:
+        i = counter[d]
+        counter[d] += 1
+        streams[d].setdefault(stream, []).append(Instr(i, op, stream, **kw))
+        return i
+
+    def by_stage(ids: list[int] | None) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for k in ids or ():
+            out.setdefault(xf.items[k].stage, []).append(k)
+        return out
+
+    L = opts.lanes
+    group_lane: dict[tuple[int, ...], int] = {}
+    for t in xf.items:
+        if t.op != "send":
+            group_lane.setdefault(t.group, len(group_lane) % L)
+
+    def lane(t) -> int:   # a function of the XOR round (equal at both ends), mixed: rounds share low bits
+        return ((t.root ^ t.peer) * 2654435761 >> 13) % L if t.op == "send" else group_lane[t.group]
+
+    for d in devices:
+        s_by, r_by, c_by = by_stage(sends.get(d)), by_stage(recvs.get(d)), by_stage(colls.get(d))
+        prev: tuple[int, ...] = ()
+        for k in range(st.stages):
+            begin = emit(d, "pack", "copy", deps=prev, nbytes=keep_bytes.get((d, k), 0), key=f"keep:{k}",
+                         alloc=tuple(allocs.get((d, k), ())))
+            last = {"pack": begin}
+            packed: dict[int, int] = {}
+            out_coll = [x for x in c_by.get(k, []) if d in xf.items[x].senders]
+            for x in s_by.get(k, []) + out_coll:
+                t = xf.items[x]
+                nb = t.member_bytes(d)
+                packed[x] = last["pack"] = emit(d, "pack", "copy", deps=(begin,), nbytes=nb, key=f"pack:{t.key}",
+                                                alloc=((f"buf:{t.key}", nb),))
+            gc = tuple(frees.get((d, k), ()))
+            if gc:
+                stream = streams[d]["pack"]
+                stream[-1] = replace(stream[-1], free=stream[-1].free + gc)
+            for x in s_by.get(k, []):
+                t = xf.items[x]
+                ln = f"send{lane(t)}"
+                last[ln] = emit(d, ln, "send", deps=(packed[x],), nbytes=t.nbytes, peer=t.peer, tag=t.key,
+                                key=f"buf:{t.key}", free=(f"buf:{t.key}",))
+            got: list[tuple[int, int]] = []
+            for x in r_by.get(k, []):
+                t = xf.items[x]
+                ln = f"recv{lane(t)}"
+                rid = last[ln] = emit(d, ln, "recv", deps=(begin,), nbytes=t.nbytes, peer=t.root, tag=t.key,
+                                      key=f"buf:{t.key}", alloc=((f"buf:{t.key}", t.nbytes),))
+                got.append((x, rid))
+            for x in c_by.get(k, []):
+                t = xf.items[x]
+                nb = t.member_bytes(d)
+                ln = f"coll{lane(t)}"
+                if d in t.senders:
+                    last[ln] = emit(d, ln, t.op, deps=(packed[x],), nbytes=t.nbytes, group=t.group, root=t.root,
+                                    tag=t.key, key=f"buf:{t.key}", free=(f"buf:{t.key}",))
+                else:
+                    cid = last[ln] = emit(d, ln, t.op, deps=(begin,), nbytes=t.nbytes, group=t.group, root=t.root,
+                                          tag=t.key, key=f"buf:{t.key}", alloc=((f"buf:{t.key}", nb),))
+                    got.append((x, cid))
+            for x, rid in got:
+                t = xf.items[x]
+                last["unpack"] = emit(d, "unpack", "copy", deps=(rid,), nbytes=t.member_bytes(d),
+                                      key=f"unpack:{t.key}", free=(f"buf:{t.key}",))
+            prev = tuple(sorted(last.values()))
+    ranks = {d: RankProgram({s: tuple(v) for s, v in streams[d].items() if v},
+                            {"state": static[d]} if d in static else {}) for d in devices}
+    idle = RankProgram({}, {})          # devices between the ids in use take no part (shared program)
+    ranks = {d: ranks.get(d, idle) for d in range(devices[-1] + 1)}
+    return Program(ranks, None, _meta(p, st, xf, copy))
+
+
+def _group_sum(key: np.ndarray, val: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct keys and the sum of ``val`` per key."""
+    uniq, inv = np.unique(key, return_inverse=True)
+    return uniq, np.bincount(inv, weights=val, minlength=len(uniq)).astype(np.int64)
+
+
+def _meta(p: SwitchPlan, st: Staging, xf: Transfers, copy: np.ndarray) -> dict:
+    """JSON-able description of what every key packs and unpacks (pieces kept in place omitted)."""
+    rows = np.flatnonzero((xf.piece_xfer >= 0) | copy)
+    moved = p.moved
+    return {
+        "kind": "switch", "model": p.model.name, "src": str(p.src_strategy), "dst": str(p.dst_strategy),
+        "src_devices": format_devices(p.src_devices), "dst_devices": format_devices(p.dst_devices),
+        "kinds": list(p.kinds), "tensors": list(p.src_layout.table.names), "stages": st.stages, "align": ALIGN,
+        "dims": int(p.lo.shape[1]),
+        "messages": xf.count("send"), "collectives": {op: xf.count(op) for op in ("broadcast", "scatter", "gather")},
+        "bytes_moved": int(p.nbytes[moved].sum()), "bytes_kept": int(p.nbytes[~moved].sum()),
+        "transfers": [t.key for t in xf.items],
+        "pieces": {"tensor": p.tensor[rows].tolist(), "kind": p.kind[rows].tolist(), "src": p.src[rows].tolist(),
+                   "dst": p.dst[rows].tolist(), "lo": p.lo[rows].ravel().tolist(), "hi": p.hi[rows].ravel().tolist(),
+                   "nbytes": p.nbytes[rows].tolist(), "stage": st.piece_stage[rows].tolist(),
+                   "transfer": xf.piece_xfer[rows].tolist(), "offset": xf.piece_offset[rows].tolist()},
+    }
