@@ -1,0 +1,76 @@
+"""`parashift simulate`: compile a strategy and simulate one training step on a modeled cluster."""
+from __future__ import annotations
+
+import argparse
+import time
+
+HELP = "simulate one training step of a model under a strategy on a cluster (step time, MFU, memory)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="model preset, e.g. llama2-70b (see `parashift models`)")
+    p.add_argument("--cluster", required=True, help="cluster preset, e.g. a800-16x8")
+    p.add_argument("--strategy", required=True, help='e.g. "dp=4,tp=8,pp=4,zero=1"')
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--cost-model", help="cost model JSON (default: the cluster's datasheet defaults)")
+    p.add_argument("--trace", help="write the timeline as a Chrome trace JSON file")
+    p.add_argument("--plot", help="write a Gantt chart of the timeline (PNG)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    from .. import cluster as clusters, models
+    from ..errors import ClusterError
+    from ..ir import compile as ir_compile
+    from ..sim import CostModel, simulate
+    from ..strategy import Strategy
+
+    model = models.get(args.model)
+    cl = clusters.get(args.cluster)
+    strategy = Strategy.parse(args.strategy).validate(model)
+    if strategy.world > cl.devices:
+        raise ClusterError(f"strategy {strategy} needs {strategy.world} devices but {cl.name} has {cl.devices}; "
+                           f"use a bigger cluster, e.g. {cl.with_devices(strategy.world).name}")
+    cost = CostModel.load(args.cost_model) if args.cost_model else CostModel.for_cluster(cl)
+    program = ir_compile(model, strategy, global_batch=args.global_batch, seq_len=args.seq_len)
+    t0 = time.perf_counter()
+    res = simulate(program, cl, cost)
+    sim_seconds = time.perf_counter() - t0
+    out = res.summary()
+    out["sim_seconds"] = sim_seconds
+    trace_ranks = _sample_ranks(program, strategy)
+    if args.trace:
+        res.to_chrome_trace(args.trace, ranks=trace_ranks)
+    if args.plot:
+        res.plot_timeline(args.plot, ranks=trace_ranks)
+    mem = res.memory_summary()
+    out.update({"model": model.name, "cluster": cl.name, "strategy": str(strategy), "devices": strategy.world,
+                "microbatches": program.meta.get("microbatches"), "events": res.events,
+                "memory_dominant": mem["dominant"], "memory_states": mem["states"],
+                "memory_activations": mem["activations"]})
+    return out
+
+
+def _sample_ranks(program, strategy) -> list[int]:
+    """One rank per pipeline stage (tp=0, dp=0) when the world is large, else every rank."""
+    if program.world <= 16:
+        return sorted(program.ranks)
+    return [int(strategy.rank(0, 0, s)) for s in range(strategy.pp)]
+
+
+def render(result: dict, args: argparse.Namespace) -> None:
+    gib = 2**30
+    print(f"{result['model']} on {result['cluster']} with {result['strategy']} "
+          f"({result['devices']} devices, {result['microbatches']} micro-batches)")
+    print(f"  step time      {result['step_time']:.4f} s")
+    print(f"  throughput     {result['tokens_per_s']:,.0f} tokens/s")
+    print(f"  MFU            {result['mfu'] * 100:.1f} %")
+    print(f"  bubble         {result['bubble_fraction'] * 100:.1f} %")
+    print(f"  peak memory    {result['peak_memory_max'] / gib:.1f} GiB per device (max); "
+          f"{'fits' if result['fits'] else 'DOES NOT FIT'}; dominated by {result['memory_dominant']} "
+          f"(states {result['memory_states'] / gib:.1f} GiB, activations {result['memory_activations'] / gib:.1f} GiB)")
+    print(f"  simulated in   {result['sim_seconds']:.3f} s ({result['events']} events)")
+    if args.trace:
+        print(f"  trace          {args.trace}")
+    if args.plot:
+        print(f"  plot           {args.plot}")

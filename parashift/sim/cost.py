@@ -1,0 +1,343 @@
+"""The simulator's cost model: compute from FLOPs/bytes, communication by alpha-beta per link class.
+
+Every parameter lives in one frozen :class:`CostModel` that round-trips through JSON, so
+calibration can fit it and users can edit it. Link classes: ``local`` (same device: a copy
+through HBM), ``intra`` (NVLink/PCIe inside a node) and ``inter`` (the NIC between nodes).
+
+``nbytes`` of a collective is the full buffer: the reduced tensor for all_reduce, the gathered
+(unsharded) output for all_gather, the unsharded input for reduce_scatter, the local send buffer
+for all_to_all, and the broadcast/scattered/gathered buffer at the root for the rooted ones.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field, fields, replace
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+from ..errors import ParashiftError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..cluster import Cluster, GPU
+    from ..ir.program import Instr
+
+__all__ = ["CostModel", "Phase", "LINK_CLASSES", "ALGORITHMS", "region_units", "topology"]
+
+LINK_CLASSES = ("local", "intra", "inter")
+ALGORITHMS = ("auto", "ring", "tree", "hierarchical")
+REGION_KINDS = ("embed", "attn", "mlp", "moe", "head", "layer")
+
+
+class CostModelError(ParashiftError, ValueError):
+    """A cost model file or field that cannot be used."""
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One step of a transfer: ``nbytes`` each member sends over its ``link`` class after ``latency`` s."""
+
+    link: str
+    nbytes: float
+    latency: float
+
+
+def _d(**kw: float) -> dict:
+    return dict(kw)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """All parameters of the simulated cost of an instruction.
+
+    Compute: the largest of ``flops / (peak_flops * efficiency[phase] * region_efficiency[kind])``,
+    ``nbytes / (hbm_bw * memory_efficiency)`` and the dispatch floor ``region_floor[kind]`` seconds
+    per region unit times ``phase_floor[phase]`` (the host launches kernels ahead of the GPU, so
+    small layers take as long as their launches, large ones as long as their math).
+    Communication: ``comm_overhead`` (plus ``p2p_overhead`` for send/recv) + per phase ``latency[link] * steps + bytes / (bandwidth[link] *
+    link_efficiency[link])``; ``algorithm`` picks ring, tree or hierarchical, ``auto`` the fastest.
+    Unfused attention (no flash attention): ``attention_score_bytes`` of HBM traffic per score
+    element (mbs x heads/tp x seq^2 per layer) and forward pass, added to attention regions when the
+    simulator knows the model; 0 models fused (flash) attention, whose scores never reach HBM.
+    Memory: a device fits when its peak plus ``memory_reserved`` is at most ``memory_capacity``.
+    """
+
+    gpu: str
+    peak_flops: float
+    hbm_bw: float
+    memory_capacity: int
+    efficiency: Mapping[str, float] = field(default_factory=lambda: _d(
+        fwd=0.6, bwd=0.6, bwd_input=0.6, bwd_weight=0.6, recompute=0.6, optim=0.6))
+    region_efficiency: Mapping[str, float] = field(default_factory=lambda: _d(
+        embed=0.5, attn=0.85, mlp=1.0, moe=0.8, head=1.0, layer=0.95))
+    region_floor: Mapping[str, float] = field(default_factory=lambda: _d(
+        embed=2e-5, attn=1e-4, mlp=6e-5, moe=2e-4, head=5e-5, layer=1.6e-4))
+    phase_floor: Mapping[str, float] = field(default_factory=lambda: _d(
+        fwd=1.0, bwd=2.0, bwd_input=1.0, bwd_weight=1.0, recompute=1.0, optim=1.0))
+    attention_score_bytes: float = 0.0
+    memory_efficiency: float = 0.8
+    optim_traffic: float = 2.0
+    optim_overhead: float = 2e-4
+    bandwidth: Mapping[str, float] = field(default_factory=lambda: _d(local=1e12, intra=3e11, inter=2.5e10))
+    link_efficiency: Mapping[str, float] = field(default_factory=lambda: _d(local=0.8, intra=0.77, inter=0.9))
+    latency: Mapping[str, float] = field(default_factory=lambda: _d(local=1e-6, intra=3e-6, inter=8e-6))
+    comm_overhead: float = 1e-5
+    p2p_overhead: float = 0.0
+    algorithm: str = "auto"
+    memory_reserved: int = 2 * 2**30
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise CostModelError(f"unknown collective algorithm {self.algorithm!r}; use one of {', '.join(ALGORITHMS)}")
+        for name in ("bandwidth", "link_efficiency", "latency"):
+            missing = [c for c in LINK_CLASSES if c not in getattr(self, name)]
+            if missing:
+                raise CostModelError(f"cost model field {name} lacks link classes {missing}; give all of {LINK_CLASSES}")
+        if self.peak_flops <= 0 or self.hbm_bw <= 0:
+            raise CostModelError("peak_flops and hbm_bw must be positive")
+
+    # ---- construction -----------------------------------------------------------------------
+    @classmethod
+    def for_gpu(cls, gpu: "GPU") -> "CostModel":
+        """Defaults from a GPU kind's public datasheet numbers (``parashift.cluster.GPUS``)."""
+        base = cls(gpu=gpu.name, peak_flops=gpu.peak_flops, hbm_bw=gpu.hbm_bw, memory_capacity=int(gpu.memory),
+                   bandwidth=_d(local=gpu.hbm_bw / 2, intra=gpu.intra_bw, inter=gpu.inter_bw),
+                   latency=_d(local=1e-6, intra=gpu.intra_latency, inter=gpu.inter_latency))
+        return replace(base, **_GPU_TUNING.get(gpu.name, {}))
+
+    @classmethod
+    def for_cluster(cls, cluster: "Cluster") -> "CostModel":
+        """Defaults for a cluster preset's GPU kind."""
+        return cls.for_gpu(cluster.gpu)
+
+    def replace(self, **changes: Any) -> "CostModel":
+        return replace(self, **changes)
+
+    # ---- JSON -------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        d = asdict(self)
+        return {"format": "parashift.cost_model", **{k: (dict(v) if isinstance(v, Mapping) else v) for k, v in d.items()}}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> "CostModel":
+        obj = dict(obj)
+        if obj.pop("format", "parashift.cost_model") != "parashift.cost_model":
+            raise CostModelError("not a parashift cost model (format must be parashift.cost_model)")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(obj) - known)
+        if unknown:
+            raise CostModelError(f"unknown cost model fields {unknown}; known fields are {sorted(known)}")
+        try:
+            return cls(**obj)
+        except TypeError as e:
+            raise CostModelError(f"incomplete cost model: {e}; start from CostModel.for_cluster(...).to_json()") from None
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "CostModel":
+        try:
+            with open(path) as f:
+                return cls.from_json(json.load(f))
+        except (OSError, json.JSONDecodeError) as e:
+            raise CostModelError(f"cannot read cost model {path}: {e}") from None
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.to_json(), sort_keys=True))
+
+    # ---- compute ----------------------------------------------------------------------------
+    def compute_time(self, instr: "Instr", state_bytes: float = 0.0, scores_per_layer: float = 0.0) -> float:
+        """Seconds of one compute instruction alone on its device.
+
+        ``state_bytes``: the rank's static state bytes; an optimizer step with ``nbytes == 0``
+        streams ``optim_traffic * state_bytes`` through HBM. ``scores_per_layer``: attention score
+        elements of one layer on this rank (mbs x heads/tp x seq^2), for unfused attention.
+        """
+        phase = instr.phase or "fwd"
+        if phase == "optim":
+            nbytes = instr.nbytes or self.optim_traffic * state_bytes
+            t_mem = nbytes / (self.hbm_bw * self.memory_efficiency)
+            t_flop = instr.flops / (self.peak_flops * self.efficiency.get("optim", 1.0))
+            return max(t_mem, t_flop) + self.optim_overhead
+        units = region_units(instr.region)
+        eff = self.efficiency.get(phase, 1.0)
+        kinds = [k for k, n in units if n]
+        if len(kinds) == 1:
+            eff *= self.region_efficiency.get(kinds[0], 1.0)
+        elif kinds:
+            eff *= self.region_efficiency.get("layer", 1.0)
+        t = instr.flops / (self.peak_flops * eff) if instr.flops else 0.0
+        if instr.nbytes:
+            t = max(t, instr.nbytes / (self.hbm_bw * self.memory_efficiency))
+        pf = self.phase_floor.get(phase, 1.0)
+        floor = sum(self.region_floor.get(k, 0.0) * n for k, n in units) * pf
+        t = max(t, floor)
+        if scores_per_layer and self.attention_score_bytes and phase != "bwd_weight":
+            layers = sum(n for k, n in units if k in ("attn", "layer"))
+            t += layers * scores_per_layer * self.attention_score_bytes * pf / (self.hbm_bw * self.memory_efficiency)
+        return t
+
+    # ---- communication ----------------------------------------------------------------------
+    def link_bw(self, link: str) -> float:
+        """Achieved bytes/s of one link class."""
+        return self.bandwidth[link] * self.link_efficiency[link]
+
+    def phase_time(self, ph: Phase) -> float:
+        return ph.latency + ph.nbytes / self.link_bw(ph.link)
+
+    def p2p_phases(self, nbytes: float, link: str) -> tuple[Phase, ...]:
+        return (Phase(link, float(nbytes), self.latency[link]),)
+
+    def collective_phases(self, op: str, nbytes: float, topo: tuple) -> tuple[Phase, ...]:
+        """Phases of a collective over a group of topology ``topo`` (see :func:`topology`).
+
+        With ``algorithm="auto"`` the algorithm of least uncontended time is chosen.
+        """
+        return _collective_phases(self, op, float(nbytes), topo)
+
+    def comm_time(self, phases: Sequence[Phase]) -> float:
+        return self.comm_overhead + sum(self.phase_time(p) for p in phases)
+
+    def time(self, instr: "Instr", cluster: "Cluster", devices: Sequence[int] = (), *,
+             state_bytes: float = 0.0) -> float:
+        """Uncontended seconds of ``instr`` on concrete devices.
+
+        ``devices``: the group's devices for a collective, ``(src, dst)`` for send/recv/copy,
+        ignored for compute. This is what planners call to compare, e.g., point-to-point
+        messages against a broadcast or scatter.
+        """
+        if instr.op == "compute":
+            return self.compute_time(instr, state_bytes)
+        if instr.op in ("send", "recv", "copy"):
+            if len(devices) != 2:
+                raise CostModelError(f"{instr.op} needs devices=(src, dst), got {tuple(devices)}")
+            extra = self.p2p_overhead if instr.op != "copy" else 0.0
+            return extra + self.comm_time(self.p2p_phases(instr.nbytes, link_class(cluster, devices[0], devices[1])))
+        return self.comm_time(self.collective_phases(instr.op, instr.nbytes, topology(cluster, devices)))
+
+
+def link_class(cluster: "Cluster", a: int, b: int) -> str:
+    """``local`` (same device), ``intra`` (same node) or ``inter``."""
+    if a == b:
+        return "local"
+    return "intra" if a // cluster.per_node == b // cluster.per_node else "inter"
+
+
+def topology(cluster: "Cluster", devices: Sequence[int]) -> tuple[int, int, int, bool]:
+    """``(members, nodes, max members per node, all on one device)`` of a device group."""
+    per = cluster.per_node
+    counts: dict[int, int] = {}
+    for d in devices:
+        counts[d // per] = counts.get(d // per, 0) + 1
+    return (len(devices), len(counts), max(counts.values()) if counts else 0, len(set(devices)) <= 1)
+
+
+_LOG2 = lambda n: max(1, math.ceil(math.log2(n))) if n > 1 else 0  # noqa: E731
+
+
+def _ring(cm: CostModel, op: str, b: float, n: int, link: str) -> tuple[Phase, ...]:
+    """Flat ring over ``n`` members whose bottleneck is ``link``."""
+    if n <= 1:
+        return ()
+    a = cm.latency[link]
+    f = (n - 1) / n
+    if op == "all_reduce":
+        return (Phase(link, 2 * f * b, 2 * (n - 1) * a),)
+    if op in ("all_gather", "reduce_scatter", "all_to_all", "scatter", "gather"):
+        return (Phase(link, f * b, (n - 1) * a),)
+    if op == "broadcast":  # pipelined chain
+        return (Phase(link, b, (n - 1) * a),)
+    raise CostModelError(f"unknown collective {op!r}")
+
+
+def _tree(cm: CostModel, op: str, b: float, n: int, link: str) -> tuple[Phase, ...] | None:
+    """Double binary tree (as NCCL uses between nodes; inside a node rings win)."""
+    if link != "inter":
+        return None
+    if n <= 1:
+        return ()
+    a = cm.latency[link]
+    if op == "all_reduce":  # reduce up, broadcast down, pipelined
+        return (Phase(link, 2 * b, 2 * _LOG2(n) * a),)
+    if op == "broadcast":
+        return (Phase(link, b, _LOG2(n) * a),)
+    return None
+
+
+def _hier(cm: CostModel, op: str, b: float, n: int, nodes: int, k: int) -> tuple[Phase, ...] | None:
+    """Intra-node then inter-node (then intra-node) steps; needs several members per node."""
+    if nodes <= 1 or k <= 1 or n != nodes * k:
+        return None
+    if op == "all_reduce":
+        inner = min((_ring(cm, op, b / k, nodes, "inter"), _tree(cm, op, b / k, nodes, "inter")),
+                    key=lambda ph: cm.comm_time(ph) if ph is not None else math.inf)
+        return _ring(cm, "reduce_scatter", b, k, "intra") + inner + _ring(cm, "all_gather", b, k, "intra")
+    if op == "all_gather":
+        return _ring(cm, op, b / k, nodes, "inter") + _ring(cm, op, b, k, "intra")
+    if op == "reduce_scatter":
+        return _ring(cm, op, b, k, "intra") + _ring(cm, op, b / k, nodes, "inter")
+    if op == "all_to_all":  # off-node share over the NIC, on-node share over NVLink
+        return (Phase("inter", b * (n - k) / n, (nodes - 1) * cm.latency["inter"]),
+                Phase("intra", b * (k - 1) / n, (k - 1) * cm.latency["intra"]))
+    if op == "broadcast":
+        return _ring(cm, op, b, nodes, "inter") + _ring(cm, op, b, k, "intra")
+    return None
+
+
+def _collective_phases(cm: CostModel, op: str, b: float, topo: tuple) -> tuple[Phase, ...]:
+    n, nodes, k, same = topo
+    if n <= 1:
+        return ()
+    link = "local" if same else ("intra" if nodes == 1 else "inter")
+    cands: dict[str, tuple[Phase, ...] | None] = {"ring": _ring(cm, op, b, n, link),
+                                                  "tree": _tree(cm, op, b, n, link),
+                                                  "hierarchical": _hier(cm, op, b, n, nodes, k)}
+    if cm.algorithm != "auto":
+        chosen = cands[cm.algorithm]
+        return chosen if chosen is not None else cands["ring"]  # type: ignore[return-value]
+    return min((c for c in cands.values() if c is not None), key=cm.comm_time)
+
+
+_RANGE = re.compile(r"^layers\.(\d+)-(\d+)$")
+_ONE = re.compile(r"^layers\.(\d+)\.(attn|mlp|moe)(?:\.\w+)?$")
+
+
+@lru_cache(maxsize=4096)
+def region_units(region: str | None) -> tuple[tuple[str, int], ...]:
+    """Region kinds and counts of a (possibly fused) region: ``"embed+layers.0-3"`` ->
+    ``(("embed", 1), ("layer", 4))``; ``None`` counts as one layer."""
+    if not region:
+        return (("layer", 1),)
+    out: dict[str, int] = {}
+    for part in region.split("+"):
+        m = _RANGE.match(part)
+        if m:
+            out["layer"] = out.get("layer", 0) + int(m.group(2)) - int(m.group(1)) + 1
+            continue
+        m = _ONE.match(part)
+        kind = m.group(2) if m else (part if part in REGION_KINDS else "layer")
+        out[kind] = out.get(kind, 0) + 1
+    return tuple(out.items())
+
+
+#: Per-GPU adjustments of the generic defaults (public measurements: NCCL bus bandwidth, GEMM rates).
+_GPU_TUNING: dict[str, dict] = {
+    # nccl-tests all-reduce on 2-8 A100s (traces/vtrain-a100 LUT, 1 MiB-1 GiB) fit within 4% by a fixed
+    # 62 us per operation, ~0 per ring step and 218 GB/s (73% of the 300 GB/s NVLink).
+    "a100": {"link_efficiency": _d(local=0.8, intra=0.726, inter=0.9), "comm_overhead": 6.2e-5,
+             "latency": _d(local=1e-6, intra=0.0, inter=8e-6)},
+    "a800": {"link_efficiency": _d(local=0.8, intra=0.726, inter=0.9), "comm_overhead": 6.2e-5,
+             "latency": _d(local=1e-6, intra=0.0, inter=8e-6)},
+    "h100": {"efficiency": _d(fwd=0.55, bwd=0.55, bwd_input=0.55, bwd_weight=0.55, recompute=0.55, optim=0.55),
+             "link_efficiency": _d(local=0.8, intra=0.8, inter=0.9)},
+    "h200": {"efficiency": _d(fwd=0.58, bwd=0.58, bwd_input=0.58, bwd_weight=0.58, recompute=0.58, optim=0.58),
+             "link_efficiency": _d(local=0.8, intra=0.8, inter=0.9)},
+    # gloo over loopback on one core per process: ~1 GFLOP/s effective matmuls with big per-op costs.
+    "cpu": {"efficiency": _d(fwd=0.3, bwd=0.3, bwd_input=0.3, bwd_weight=0.3, recompute=0.3, optim=0.3),
+            "region_floor": _d(embed=5e-5, attn=2e-4, mlp=1e-4, moe=3e-4, head=1e-4, layer=3e-4),
+            "link_efficiency": _d(local=0.5, intra=0.6, inter=0.6), "comm_overhead": 1e-4,
+            "optim_overhead": 1e-3, "memory_reserved": 0},
+}

@@ -1,0 +1,364 @@
+"""The simpy engine that interprets a Program on a modeled cluster.
+
+Each (rank, stream) is a simpy process that runs its instructions in order; an instruction
+starts when its deps are done (its start time is then recorded, so waiting for a peer shows in
+its duration, as a profiler would measure it). Sends meet their recvs, collectives start when
+every member arrived; transfers are fluid flows on per-device links (``out``/``in`` per link
+class, ``copy`` for local moves) and compute ops are flows on the device's compute, so
+concurrent users share them. Memory: static state plus alloc/free, tracked per device.
+"""
+from __future__ import annotations
+
+import gc
+import time
+from typing import Mapping, Sequence
+
+import numpy as np
+import simpy
+
+from ..cluster import Cluster
+from ..errors import DeadlockError, DeviceListError, ProgramError
+from ..ir.program import Instr, Program
+from .cost import CostModel, Phase, link_class, topology
+from .fluid import FluidNetwork
+from .fold import Folding, fold
+
+__all__ = ["Engine", "RawRun", "resolve_devices"]
+
+_ACT_PREFIXES = ("act", "rc.")  # activation and recompute buffers; other named buffers are comm/params
+
+
+def resolve_devices(program: Program, cluster: Cluster,
+                    devices: "Mapping[int, int] | Sequence[int] | None") -> dict[int, int]:
+    """Rank -> device: rank i on device i by default, else the given mapping or list."""
+    ranks = sorted(program.ranks)
+    if devices is None:
+        out = {r: r for r in ranks}
+    elif isinstance(devices, Mapping):
+        missing = [r for r in ranks if r not in devices]
+        if missing:
+            raise DeviceListError(f"devices= lacks ranks {missing[:8]}; map every rank of the program to a device")
+        out = {r: int(devices[r]) for r in ranks}
+    else:
+        devs = list(devices)
+        if len(devs) != len(ranks):
+            raise DeviceListError(f"{len(devs)} devices given for {len(ranks)} ranks; give one device per rank")
+        out = dict(zip(ranks, (int(d) for d in devs)))
+    if out:
+        bad = [d for d in out.values() if not 0 <= d < cluster.devices]
+        if bad:
+            raise DeviceListError(f"device {bad[0]} is not in {cluster.name} (devices 0-{cluster.devices - 1}); "
+                                  f"use a bigger cluster, e.g. {cluster.gpu.name}-{-(-max(out.values()) // cluster.per_node) + 1}x{cluster.per_node}")
+    return out
+
+
+def _links(link: str, a: int, b: "int | None") -> tuple:
+    """Resources a transfer from device ``a`` (to ``b``, if a point-to-point) occupies."""
+    if link == "local":
+        return (("copy", a),)
+    if b is None:
+        return (("out", link, a),)
+    return (("out", link, a), ("in", link, b))
+
+
+class RawRun:
+    """What one engine run produced, at the level of the simulated representatives."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[int, str, Instr, float, float]] = []  # (rep, stream, instr, start, end)
+        self.peak: dict[int, float] = {}
+        self.peak_parts: dict[int, dict[str, float]] = {}
+        self.static: dict[int, dict[str, float]] = {}
+        self.link_bytes: dict[str, float] = {"local": 0.0, "intra": 0.0, "inter": 0.0}
+        self.mem_events: list[tuple[int, float, float]] = []  # (rep rank, time, bytes in use after)
+        self.events = 0
+        self.sim_seconds = 0.0
+        self.folding: Folding | None = None
+        self.devices: dict[int, int] = {}
+
+
+class Engine:
+    """Interpret ``program`` on ``cluster`` with ``cost``; :meth:`run` returns a :class:`RawRun`."""
+
+    def __init__(self, program: Program, cluster: Cluster, cost: CostModel,
+                 devices: "Mapping[int, int] | Sequence[int] | None" = None, fold_symmetric: bool = True,
+                 scores_per_layer: float = 0.0) -> None:
+        self.program = program
+        self.scores = float(scores_per_layer)
+        self.cluster = cluster
+        self.cost = cost
+        self.devices = resolve_devices(program, cluster, devices)
+        self.fold_symmetric = fold_symmetric
+
+    # ------------------------------------------------------------------------------------------
+    def run(self) -> RawRun:
+        t0 = time.perf_counter()
+        raw = RawRun()
+        raw.devices = self.devices
+        self.raw = raw
+        self.folding = fo = fold(self.program, self.devices, self.cluster, self.fold_symmetric)
+        raw.folding = fo
+        self.env = env = simpy.Environment()
+        self.net = FluidNetwork(env)
+        self.done: dict[int, dict[int, simpy.Event]] = {}
+        self.p2p: dict[tuple, list] = {}
+        self.coll: dict[tuple, list] = {}
+        self.phase_cache: dict[tuple, tuple[Phase, ...]] = {}
+        self.ctime: dict[tuple, float] = {}
+        self.bw = {link: self.cost.link_bw(link) for link in ("local", "intra", "inter")}
+        self.group_reps: dict[tuple, tuple[tuple[int, ...], tuple]] = {}
+        self.mem_cur: dict[int, float] = {}
+        self.bufs: dict[int, dict[str, float]] = {}
+        self.act_cur: dict[int, float] = {}
+        self.progress: dict[tuple[int, str], list[int]] = {}  # instructions done per stream
+        for r in fo.reps:
+            rp = self.program.ranks[r]
+            ids = {i.id for i in rp.instrs()}
+            needed = {d for i in rp.instrs() for d in i.deps}
+            if not needed <= ids:
+                bad = min(needed - ids)
+                user = next(i for i in rp.instrs() if bad in i.deps)
+                raise ProgramError(f"rank {r} instruction {user.id} depends on unknown instruction {bad}; "
+                                   f"deps must name instructions of the same rank")
+            self.done[r] = {d: env.event() for d in needed}  # only what someone waits for
+            static = {k: float(rp.static_memory.get(k, 0)) for k in rp.static_memory}
+            raw.static[r] = static
+            base = sum(static.values())
+            self.mem_cur[r] = base
+            self.bufs[r] = {}
+            self.act_cur[r] = 0.0
+            raw.peak[r] = base
+            raw.peak_parts[r] = {"activations": 0.0, "buffers": 0.0}
+            raw.mem_events.append((r, 0.0, base))
+            computing = [s for s, instrs in rp.streams.items() if any(i.op == "compute" for i in instrs)]
+            shared = len(computing) > 1  # several streams compute: they share the device (fluid)
+            for s, instrs in rp.streams.items():
+                self.progress[(r, s)] = [0]
+                if instrs:
+                    env.process(self._stream(r, s, instrs, base, shared))
+        n = 0
+        gc_was_on = gc.isenabled()
+        gc.disable()  # the run allocates many short-lived events and no cycles worth collecting
+        try:
+            step = env.step
+            while True:
+                step()
+                n += 1
+        except simpy.core.EmptySchedule:
+            pass
+        finally:
+            if gc_was_on:
+                gc.enable()
+        raw.events = n
+        self._check_finished()
+        raw.sim_seconds = time.perf_counter() - t0
+        return raw
+
+    def _check_finished(self) -> None:
+        stuck = []
+        for (r, s), (k,) in self.progress.items():
+            instrs = self.program.ranks[r].streams[s]
+            if k < len(instrs):
+                stuck.append(f"rank {r} stream {s} at [{instrs[k]}]")
+        if stuck:
+            raise DeadlockError(f"simulation stopped with {len(stuck)} streams blocked: " + "; ".join(stuck[:8])
+                                + ("" if len(stuck) <= 8 else " ...") + "; check the program with Program.validate()")
+
+    # ---- one stream -----------------------------------------------------------------------------
+    def _stream(self, r: int, s: str, instrs: Sequence[Instr], static_bytes: float, shared_compute: bool):
+        env = self.env
+        done = self.done[r]
+        raw = self.raw
+        dev = self.devices[r]
+        ctime = self.ctime
+        rec = raw.records
+        cell = self.progress[(r, s)]
+        for k, ins in enumerate(instrs):
+            for d in ins.deps:
+                ev = done[d]
+                if not ev.processed:
+                    yield ev
+            start = env.now
+            if ins.alloc:
+                self._alloc(r, ins)
+            op = ins.op
+            if op == "compute":
+                key = (ins.phase, ins.region, ins.flops, ins.nbytes, static_bytes)
+                dt = ctime.get(key)
+                if dt is None:
+                    dt = ctime[key] = self.cost.compute_time(ins, static_bytes, self.scores)
+                ev = self.net.flow((("compute", dev),), dt) if shared_compute else env.timeout(dt)
+            elif op == "send" or op == "recv":
+                ev = self._p2p(r, ins)
+            elif op == "copy":
+                ev = self._copy(r, ins)
+            else:
+                ev = self._collective(r, ins)
+            if not ev.processed:
+                yield ev
+            rec.append((r, s, ins, start, env.now))
+            if ins.free:
+                self._free(r, ins)
+            cell[0] = k + 1
+            ev = done.get(ins.id)
+            if ev is not None:
+                ev.succeed()
+
+    # ---- memory -------------------------------------------------------------------------------
+    def _alloc(self, r: int, ins: Instr) -> None:
+        bufs = self.bufs[r]
+        for name, b in ins.alloc:
+            if name in bufs:
+                raise ProgramError(f"rank {r} instruction {ins.id} allocates buffer {name!r} twice; free it first")
+            bufs[name] = b
+            self.mem_cur[r] += b
+            if name.startswith(_ACT_PREFIXES):
+                self.act_cur[r] += b
+        self.raw.mem_events.append((r, self.env.now, self.mem_cur[r]))
+        if self.mem_cur[r] > self.raw.peak[r]:
+            self.raw.peak[r] = self.mem_cur[r]
+            act = self.act_cur[r]
+            self.raw.peak_parts[r] = {"activations": act,
+                                      "buffers": self.mem_cur[r] - act - sum(self.raw.static[r].values())}
+
+    def _free(self, r: int, ins: Instr) -> None:
+        bufs = self.bufs[r]
+        for name in ins.free:
+            b = bufs.pop(name, None)
+            if b is None:
+                raise ProgramError(f"rank {r} instruction {ins.id} frees buffer {name!r}, which is not allocated")
+            self.mem_cur[r] -= b
+            if name.startswith(_ACT_PREFIXES):
+                self.act_cur[r] -= b
+        self.raw.mem_events.append((r, self.env.now, self.mem_cur[r]))
+
+    # ---- transfers ----------------------------------------------------------------------------
+    def _run_phases(self, phases: Sequence[Phase], link_ends: list[tuple[int, int | None]],
+                    waiters: list[simpy.Event], overhead: float) -> None:
+        """Run ``phases`` in order; each phase is one flow per (device, peer device) in ``link_ends``."""
+        env, net, cost = self.env, self.net, self.cost
+        if len(phases) == 1 and len(link_ends) == 1 and len(waiters) == 1:  # the common case, no closures
+            ph = phases[0]
+            links = _links(ph.link, *link_ends[0])
+            work = ph.nbytes / self.bw[ph.link]
+            delay = overhead + ph.latency
+            if delay > 0:
+                env.timeout(delay).callbacks.append(lambda _e: net.flow(links, work, waiters[0]))
+            else:
+                net.flow(links, work, waiters[0])
+            return
+        it = iter(phases)
+        last = phases[-1:] or (None,)
+
+        def finish() -> None:
+            for w in waiters:
+                w.succeed()
+
+        def step(_e=None, extra: float = 0.0) -> None:
+            ph = next(it, None)
+            if ph is None:
+                if extra > 0:
+                    env.timeout(extra).callbacks.append(lambda _e: finish())
+                else:
+                    finish()
+                return
+            work = ph.nbytes / cost.link_bw(ph.link)
+
+            def go(_e=None) -> None:
+                if len(link_ends) == 1 and len(waiters) == 1 and last[0] is ph:
+                    a, b = link_ends[0]
+                    net.flow(_links(ph.link, a, b), work, waiters[0])
+                    return
+                evs = []
+                for a, b in link_ends:
+                    evs.append(net.flow(_links(ph.link, a, b), work))
+                if len(evs) == 1:
+                    evs[0].callbacks.append(step)
+                else:
+                    simpy.AllOf(env, evs).callbacks.append(step)
+
+            delay = ph.latency + extra
+            if delay > 0:
+                env.timeout(delay).callbacks.append(go)
+            else:
+                go()
+
+        step(extra=overhead)  # the fixed per-operation cost is paid with the first latency
+
+    def _p2p(self, r: int, ins: Instr) -> simpy.Event:
+        fo = self.folding
+        peer = fo.peers[(r, ins.peer)]
+        prep = fo.rep_of[peer]
+        key = (r, prep, ins.tag) if ins.op == "send" else (prep, r, ins.tag)
+        ev = self.env.event()
+        other = self.p2p.pop(key, None)
+        if other is None:
+            self.p2p[key] = [ins, ev, r]
+            return ev
+        o_ins, o_ev, o_r = other
+        if o_ins.op == ins.op:
+            raise ProgramError(f"rank {r} and rank {o_r} both {ins.op} tag {ins.tag!r}; pair each send with a recv")
+        send_r, send_ins = (r, ins) if ins.op == "send" else (o_r, o_ins)
+        src = self.devices[send_r]
+        dst = self.devices[fo.peers[(send_r, send_ins.peer)]]
+        link = link_class(self.cluster, src, dst)
+        phases = self.cost.p2p_phases(send_ins.nbytes, link)
+        self.raw.link_bytes[link] += send_ins.nbytes * len(fo.members[send_r])
+        self._run_phases(phases, [(src, dst)], [ev, o_ev], self.cost.comm_overhead + self.cost.p2p_overhead)
+        return ev
+
+    def _copy(self, r: int, ins: Instr) -> simpy.Event:
+        ev = self.env.event()
+        dev = self.devices[r]
+        self.raw.link_bytes["local"] += ins.nbytes * len(self.folding.members[r])
+        self._run_phases(self.cost.p2p_phases(ins.nbytes, "local"), [(dev, None)], [ev], self.cost.comm_overhead)
+        return ev
+
+    def _collective(self, r: int, ins: Instr) -> simpy.Event:
+        fo = self.folding
+        gk = (r, ins.group)
+        cached = self.group_reps.get(gk)
+        if cached is None:
+            members = fo.groups[gk]
+            reps = tuple(sorted({fo.rep_of[m] for m in members}))
+            topo = topology(self.cluster, [self.devices[m] for m in members])
+            cached = self.group_reps[gk] = (reps, topo)
+        reps, topo = cached
+        ev = self.env.event()
+        if reps == (r,):  # every member is folded into this rank: no one to wait for
+            arrived = [(r, ev, ins)]
+        else:
+            arrived = self._arrive(r, ins, ev, reps)
+            if arrived is None:
+                return ev
+        pk = (ins.op, ins.nbytes, topo)
+        phases = self.phase_cache.get(pk)
+        if phases is None:
+            phases = self.phase_cache[pk] = self.cost.collective_phases(ins.op, ins.nbytes, topo)
+        lb = self.raw.link_bytes
+        members = fo.members
+        for ph in phases:
+            for r2, _e, _i in arrived:
+                lb[ph.link] += ph.nbytes * len(members[r2])
+        devices = self.devices
+        self._run_phases(phases, [(devices[r2], None) for r2, _e, _i in arrived], [e for _r, e, _i in arrived],
+                         self.cost.comm_overhead)
+        return ev
+
+    def _arrive(self, r: int, ins: Instr, ev: simpy.Event, reps: tuple[int, ...]) -> list | None:
+        """Register ``r`` at collective ``ins``; all arrivals once the last member is in, else None."""
+        if r not in reps:
+            raise ProgramError(f"rank {r} runs {ins.op} {ins.tag!r} on a group that does not contain it")
+        key = (ins.tag, reps)
+        arrived = self.coll.get(key)
+        if arrived is None:
+            arrived = self.coll[key] = []
+        arrived.append((r, ev, ins))
+        if len(arrived) < len(reps):
+            return None
+        del self.coll[key]
+        for r2, _e, i2 in arrived:
+            if i2.op != ins.op:
+                raise ProgramError(f"collective {ins.tag!r}: rank {r2} runs {i2.op}, rank {r} runs {ins.op}; "
+                                   f"every member must issue the same collective")
+        return arrived

@@ -1,0 +1,102 @@
+"""Shared resources as fluid flows on a simpy clock: links and a device's compute.
+
+A flow needs ``work`` seconds at the full rate of every resource it crosses. Flows on one
+resource share it equally; a flow's rate is its smallest share over its resources. Rates are
+recomputed only for the flows on the resources a starting or finishing flow touches.
+"""
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+import simpy
+
+__all__ = ["FluidNetwork"]
+
+_EPS = 1e-15
+
+
+class _Flow:
+    __slots__ = ("links", "remaining", "rate", "t", "version", "done")
+
+    def __init__(self, links: tuple, work: float, done: simpy.Event, now: float) -> None:
+        self.links = links
+        self.remaining = work
+        self.rate = 0.0
+        self.t = now
+        self.version = 0
+        self.done = done
+
+
+class FluidNetwork:
+    """Processor-sharing resources keyed by any hashable name."""
+
+    def __init__(self, env: simpy.Environment) -> None:
+        self.env = env
+        self.active: dict[Hashable, list[_Flow]] = {}
+
+    def flow(self, links: Sequence[Hashable], work: float, done: "simpy.Event | None" = None) -> simpy.Event:
+        """An event (``done``, or a new one) that succeeds when ``work`` seconds of full-rate
+        service have been received."""
+        env = self.env
+        if done is None:
+            done = env.event()
+        if work <= 0.0:
+            done.succeed()
+            return done
+        links = tuple(links)
+        f = _Flow(links, work, done, env.now)
+        shared = False
+        for link in links:
+            lst = self.active.get(link)
+            if lst is None:
+                self.active[link] = [f]
+            else:
+                shared = shared or bool(lst)
+                lst.append(f)
+        if not shared:  # alone on all its resources: full rate, no one else changes
+            f.rate = 1.0
+            self._schedule(f)
+        else:
+            self._update(self._neighbours(links))
+        return done
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _neighbours(self, links: tuple) -> list[_Flow]:
+        seen: dict[int, _Flow] = {}
+        for link in links:
+            for g in self.active.get(link, ()):
+                seen[id(g)] = g
+        return list(seen.values())
+
+    def _schedule(self, f: _Flow) -> None:
+        f.version += 1
+        ev = self.env.timeout(f.remaining / f.rate)
+        v = f.version
+        ev.callbacks.append(lambda _e, f=f, v=v: self._finish(f, v))
+
+    def _update(self, flows: list[_Flow]) -> None:
+        now = self.env.now
+        active = self.active
+        for f in flows:
+            rate = min(1.0 / len(active[link]) for link in f.links)
+            if f.rate:
+                f.remaining -= f.rate * (now - f.t)
+                if f.remaining < _EPS:
+                    f.remaining = 0.0
+            f.t = now
+            if rate != f.rate:
+                f.rate = rate
+                self._schedule(f)
+
+    def _finish(self, f: _Flow, version: int) -> None:
+        if version != f.version:
+            return  # rescheduled since
+        others = False
+        for link in f.links:
+            lst = self.active[link]
+            lst.remove(f)
+            others = others or bool(lst)
+        f.rate = 0.0
+        if others:
+            self._update(self._neighbours(f.links))
+        f.done.succeed()

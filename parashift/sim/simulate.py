@@ -1,0 +1,86 @@
+"""Entry points: simulate a training-step Program or a switch Program."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+from ..cluster import Cluster, get as get_cluster
+from ..errors import ProgramError
+from ..ir.program import Program
+from .cost import CostModel
+from .engine import Engine
+from .result import SimResult
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pandas as pd
+
+    from ..models import ModelSpec
+
+__all__ = ["simulate", "simulate_switch", "SwitchSimResult"]
+
+
+def simulate(program: Program, cluster: "Cluster | str", cost_model: CostModel | None = None, *,
+             devices: "Mapping[int, int] | Sequence[int] | None" = None, fold: bool = True,
+             model: "ModelSpec | None" = None) -> SimResult:
+    """Simulate one execution of ``program`` on ``cluster``.
+
+    ``devices``: rank -> device (a mapping, or a list in rank order); rank i on device i by default.
+    ``fold``: simulate symmetric ranks once (exact; turn off only to check it).
+    ``model``: the program's model, for costs that need its shape (unfused attention); by default
+    the preset named in ``program.meta["model"]``, if any.
+    """
+    if not isinstance(program, Program):
+        raise ProgramError(f"simulate() needs a parashift Program, got {type(program).__name__}; "
+                           f"build one with parashift.ir.compile(...)")
+    cluster = get_cluster(cluster)
+    cost = cost_model if cost_model is not None else CostModel.for_cluster(cluster)
+    scores = _scores_per_layer(program, model) if cost.attention_score_bytes else 0.0
+    raw = Engine(program, cluster, cost, devices, fold, scores).run()
+    return SimResult.from_raw(program, cluster, cost, raw)
+
+
+def _scores_per_layer(program: Program, model: "ModelSpec | None") -> float:
+    """Attention score elements of one layer on one rank: mbs x heads/tp x seq^2 (0 if unknown)."""
+    from .. import models
+    if model is None:
+        name = program.meta.get("model")
+        if name not in models.names():
+            return 0.0
+        model = models.get(name)
+    s = program.strategy
+    seq = program.meta.get("seq_len") or model.seq_len
+    mbs = program.meta.get("mbs") or (s.mbs if s else 1)
+    tp = s.tp if s else 1
+    return float(mbs) * model.heads / tp * float(seq) ** 2
+
+
+@dataclass(frozen=True)
+class SwitchSimResult:
+    """A simulated switch: its duration, bytes per link class and peak memory per device."""
+
+    switch_time: float
+    link_bytes: Mapping[str, float]
+    peak_memory: Mapping[int, int] = field(repr=False)
+    fits: bool
+    sim_seconds: float
+    result: SimResult = field(repr=False)
+
+    @property
+    def peak_memory_max(self) -> int:
+        return max(self.peak_memory.values()) if self.peak_memory else 0
+
+    @property
+    def timeline(self) -> "pd.DataFrame":
+        return self.result.timeline
+
+    def summary(self) -> dict:
+        return {"switch_seconds": self.switch_time, "bytes_local": self.link_bytes["local"],
+                "bytes_intra": self.link_bytes["intra"], "bytes_inter": self.link_bytes["inter"],
+                "peak_memory_max": self.peak_memory_max, "fits": self.fits, "sim_seconds": self.sim_seconds}
+
+
+def simulate_switch(program: Program, cluster: "Cluster | str", cost_model: CostModel | None = None, *,
+                    devices: "Mapping[int, int] | Sequence[int] | None" = None) -> SwitchSimResult:
+    """Simulate a switch Program (ranks are devices unless ``devices`` maps them)."""
+    res = simulate(program, cluster, cost_model, devices=devices)
+    return SwitchSimResult(res.step_time, res.link_bytes, res.peak_memory, res.fits, res.sim_seconds, res)
