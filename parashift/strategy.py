@@ -164,7 +164,9 @@ class Strategy:
             return tuple(int(x) for x in self.rank(c["tp"], c["edp"] * self.ep + np.arange(self.ep), c["pp"]))
         if axis == "edp":  # same ep index, all expert-data-parallel replicas
             return tuple(int(x) for x in self.rank(c["tp"], c["ep"] + self.ep * np.arange(self.edp), c["pp"]))
-        raise StrategyError(f"unknown group axis {axis!r}; use tp, dp, pp, ep or edp")
+        if axis == "embed":  # first and last pipeline stage of this (tp, dp): tied embeddings
+            return tuple(sorted({int(self.rank(c["tp"], c["dp"], 0)), int(self.rank(c["tp"], c["dp"], self.pp - 1))}))
+        raise StrategyError(f"unknown group axis {axis!r}; use tp, dp, pp, ep, edp or embed")
 
     def groups(self, axis: str) -> np.ndarray:
         """All groups along ``axis`` as a 2-D array (one row per group, ranks ascending)."""
@@ -181,6 +183,8 @@ class Strategy:
         if axis == "edp":
             e = g.reshape(self.pp, self.edp, self.ep, self.tp)
             return e.transpose(0, 2, 3, 1).reshape(-1, self.edp)
+        if axis == "embed":
+            return np.unique(g[[0, -1]].transpose(1, 2, 0).reshape(-1, 2), axis=1)
         raise StrategyError(f"unknown group axis {axis!r}; use tp, dp, pp, ep or edp")
 
     # ---- model-dependent checks ------------------------------------------------------------

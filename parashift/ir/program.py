@@ -59,6 +59,16 @@ class Instr:
     alloc: tuple[tuple[str, int], ...] = ()
     free: tuple[str, ...] = ()
 
+    @classmethod
+    def make(cls, **fields: Any) -> "Instr":
+        """Fast constructor for compilers: the same instruction as ``Instr(**fields)``, built without
+        the frozen dataclass's per-field ``__setattr__`` (``id`` and ``op`` are required)."""
+        obj = object.__new__(cls)
+        d = obj.__dict__
+        d.update(_INSTR_DEFAULTS)
+        d.update(fields)
+        return obj
+
     @property
     def is_compute(self) -> bool:
         return self.op == COMPUTE
@@ -143,6 +153,9 @@ class Instr:
         if "flops" in kw:
             kw["flops"] = float(kw["flops"])
         return cls(id=i, op=op, **kw)
+
+
+_INSTR_DEFAULTS = {f.name: f.default for f in fields(Instr)[2:]}
 
 
 @dataclass(frozen=True)
@@ -231,12 +244,21 @@ class Program:
         import pandas as pd
         rows = []
         for r in (ranks if ranks is not None else sorted(self.ranks)):
+            peers: dict = {}
+            groups: dict = {}
             for stream, instrs in self.ranks[r].streams.items():
                 for k, i in enumerate(instrs):
+                    peer = group = None
+                    if i.peer is not None:
+                        peer = peers.get(i.peer)
+                        if peer is None:
+                            peer = peers[i.peer] = self.resolve_peer(r, i)
+                    if i.group is not None:
+                        group = groups.get(i.group)
+                        if group is None:
+                            group = groups[i.group] = self.resolve_group(r, i)
                     rows.append((r, stream, k, i.id, i.op, i.phase, i.stage, i.chunk, i.microbatch,
-                                 self.resolve_peer(r, i) if i.peer is not None else None,
-                                 self.resolve_group(r, i) if i.group is not None else None,
-                                 i.nbytes, i.flops, i.tag))
+                                 peer, group, i.nbytes, i.flops, i.tag))
         return pd.DataFrame(rows, columns=["rank", "stream", "index", "id", "op", "phase", "stage", "chunk",
                                            "microbatch", "peer", "group", "nbytes", "flops", "tag"])
 

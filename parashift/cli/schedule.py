@@ -1,0 +1,63 @@
+"""`parashift schedule`: compile a strategy's training step into a Program, validate it, plot/save it."""
+from __future__ import annotations
+
+import argparse
+import time
+
+HELP = "compile a strategy into a per-rank Program, validate it, and plot or save it"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="model preset, e.g. llama2-7b (see `parashift models`)")
+    p.add_argument("--strategy", required=True, help='e.g. "dp=2,tp=2,pp=4,schedule=1f1b"')
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
+    p.add_argument("--plot", metavar="PNG", help="draw the per-stage order (stage x slot) to this file")
+    p.add_argument("--out", metavar="JSON", help="save the Program to this file")
+
+
+def run(args: argparse.Namespace) -> dict:
+    from .. import ir
+    from ..ir.plot import plot_order, stage_orders
+
+    t0 = time.perf_counter()
+    prog = ir.compile(args.model, args.strategy, global_batch=args.global_batch, seq_len=args.seq_len)
+    t1 = time.perf_counter()
+    prog.validate()
+    t2 = time.perf_counter()
+    counts: dict[str, int] = {}
+    for ranks in prog.classes().values():
+        rp = prog.ranks[ranks[0]]
+        for ins in rp.instrs():
+            counts[ins.op] = counts.get(ins.op, 0) + len(ranks)
+    orders = stage_orders(prog)
+    out = {
+        "valid": True, "model": prog.meta["model"], "strategy": prog.meta["strategy"],
+        "schedule": prog.meta["schedule"], "microbatches": prog.meta["microbatches"], "ranks": prog.world,
+        "distinct_programs": len(prog.classes()), "instructions": dict(sorted(counts.items())),
+        "instructions_per_program": max(len(p) for p in {id(p): p for p in prog.ranks.values()}.values()),
+        "compile_seconds": round(t1 - t0, 4), "validate_seconds": round(t2 - t1, 4),
+        "order": {str(st): " ".join(map(str, a)) for st, a in orders.items()},
+    }
+    if args.out:
+        prog.save(args.out)
+        out["out"] = args.out
+    if args.plot:
+        out["plot"] = plot_order(prog, args.plot)
+    return out
+
+
+def render(result: dict, args: argparse.Namespace) -> None:
+    print(f"{result['model']}  {result['strategy']}  schedule={result['schedule']}  "
+          f"micro-batches={result['microbatches']}")
+    print(f"valid: {result['valid']}  ranks: {result['ranks']}  distinct rank programs: "
+          f"{result['distinct_programs']}  (largest {result['instructions_per_program']} instructions)")
+    print("instructions: " + ", ".join(f"{k}={v}" for k, v in result["instructions"].items()))
+    print(f"compile {result['compile_seconds']:.3f} s, validate {result['validate_seconds']:.3f} s")
+    orders = result["order"]
+    if sum(len(v) for v in orders.values()) <= 2000:
+        for st, text in orders.items():
+            print(f"stage {st}: {text}")
+    for k in ("out", "plot"):
+        if k in result:
+            print(f"wrote {result[k]}")

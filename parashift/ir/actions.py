@@ -1,0 +1,83 @@
+"""Schedule actions and their compact text form (torch's ``1F0``).
+
+An action is one chunk's forward or backward for one micro-batch: ``{chunk}{T}{mb}`` with T in
+``F`` (forward), ``B`` (full backward), ``I`` (input-grad backward), ``W`` (weight-grad backward).
+A stage's order is a space-separated string of actions, e.g. ``"0F0 0F1 0B0 0F2 0B1"``; two actions
+joined by ``&`` (``"0F3&5B1"``) run overlapped: their regions interleave on the compute stream, so one
+micro-batch's communication hides behind the other's compute (DualPipe's F&B blocks).
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable, NamedTuple, Sequence
+
+from ..errors import ProgramError
+
+__all__ = ["Action", "Step", "parse_order", "format_order", "TYPES", "PHASES_OF", "AFTER", "END", "OPTIM", "POST"]
+
+#: Anchors for graph nodes that belong to no action: after a chunk's last backward, at the end of the
+#: comm stream, the optimizer step, after the optimizer step.
+AFTER, END, OPTIM, POST = "after", "end", "optim", "post"
+
+TYPES = ("F", "B", "I", "W")
+#: Node phases each action type covers.
+PHASES_OF = {"F": ("fwd",), "B": ("recompute", "bwd"), "I": ("recompute", "bwd_input"), "W": ("bwd_weight",)}
+_RE = re.compile(r"^(\d+)([FBIW])(\d+)$")
+
+
+class _ActionFields(NamedTuple):
+    chunk: int
+    type: str
+    mb: int
+
+
+class Action(_ActionFields):
+    """``chunk`` (virtual stage), ``type`` (F/B/I/W), ``mb`` (micro-batch). A tuple underneath, so
+    hashing and comparing (done millions of times by the compiler) run at C speed."""
+
+    __slots__ = ()
+
+    def __new__(cls, chunk: int, type: str, mb: int) -> "Action":
+        if type not in TYPES:
+            raise ProgramError(f"action type {type!r} is not one of {', '.join(TYPES)}")
+        if chunk < 0 or mb < 0:
+            raise ProgramError(f"action {chunk}{type}{mb} has a negative chunk or micro-batch")
+        return super().__new__(cls, int(chunk), type, int(mb))
+
+    def __str__(self) -> str:
+        return f"{self.chunk}{self.type}{self.mb}"
+
+    def __repr__(self) -> str:
+        return f"Action({self.chunk}, {self.type!r}, {self.mb})"
+
+    @classmethod
+    def parse(cls, text: str) -> "Action":
+        m = _RE.match(text.strip())
+        if not m:
+            raise ProgramError(f"cannot parse action {text!r}; write '{{chunk}}{{F|B|I|W}}{{mb}}', e.g. '0F3'")
+        return cls(int(m.group(1)), m.group(2), int(m.group(3)))
+
+
+#: One step of a stage's order: one action, or several run overlapped.
+Step = tuple[Action, ...]
+
+
+def parse_order(text: str) -> list[Step]:
+    """``"0F0 0F1 0B0 0F2&1B0"`` -> steps (each a tuple of actions)."""
+    return [tuple(Action.parse(a) for a in tok.split("&")) for tok in text.split()]
+
+
+def format_order(steps: Iterable["Step | Action"]) -> str:
+    """Inverse of :func:`parse_order`."""
+    out = []
+    for st in steps:
+        acts: Sequence[Action] = (st,) if isinstance(st, Action) else st
+        out.append("&".join(map(str, acts)))
+    return " ".join(out)
+
+
+def as_steps(order: "str | Iterable[Step | Action]") -> list[Step]:
+    """Normalize a text order or a list of actions/steps to a list of steps."""
+    if isinstance(order, str):
+        return parse_order(order)
+    return [(st,) if isinstance(st, Action) else tuple(st) for st in order]

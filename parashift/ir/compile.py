@@ -1,0 +1,118 @@
+"""``ir.compile``: model + strategy -> one validated-by-construction training-step Program.
+
+The pipeline is a list of directives (see :func:`directives`), each a pure graph rewrite:
+``Split(m)`` -> ``Split(backward)`` (zero-bubble schedules) -> ``Place`` -> ``Shard(tp)`` ->
+``Shard(ep)`` -> ``Recompute`` -> ``Replicate(dp, zero)`` -> ``Stream`` (dualpipev: EP all-to-alls on
+"comm") -> ``Order`` (the schedule) -> ``Fuse`` (tp == ep == 1), then :func:`scheduler.lower`.
+The exact Program conventions are in :mod:`parashift.ir.conventions`.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from .. import models as _models
+from ..errors import StrategyError
+from ..models import ModelSpec
+from ..strategy import Strategy
+from .directives import Fuse, Order, Place, Recompute, Replicate, Shard, Split, Stream, apply_all
+from .graph import Graph
+from .memory import OPTIM_FLOPS_PER_ELEMENT, chunk_params, optimizer_elements, region_activation, static_memory
+from .model_graph import core_attention_flops, model_graph
+from .program import Program
+from .scheduler import lower
+from .schedules import schedule_order, split_backward
+
+__all__ = ["compile", "directives", "distributed_graph"]
+
+
+def _resolve(model: "str | ModelSpec", strategy: "str | Strategy") -> tuple[ModelSpec, Strategy]:
+    return _models.get(model), Strategy.parse(strategy)
+
+
+def directives(model: "str | ModelSpec", strategy: "str | Strategy", *, global_batch: int, seq_len: int,
+               order: "Order | None" = None) -> list:
+    """The directive recipe for ``strategy`` (pass ``order`` to replace the schedule's Order)."""
+    spec, s = _resolve(model, strategy)
+    m = s.num_microbatches(global_batch)
+    if seq_len < 1:
+        raise StrategyError(f"seq_len={seq_len} must be positive")
+    tokens = s.mbs * seq_len
+    db = spec.dtype_bytes
+    act_msg = tokens * spec.hidden * db
+    cp = chunk_params(spec, s)
+    opt_el = optimizer_elements(spec, s)
+    opt_bytes_per_el = spec.kind_bytes("param") + spec.kind_bytes("grad") + 2 * 3 * 4 if spec.dtype != "fp32" \
+        else 4 + 4 + 2 * 2 * 4
+    chunk_stage = tuple(int(x) for x in [s.chunk_rank_stage(c) for c in range(s.stages)])
+    rc_bytes = {k: region_activation(spec, k, mbs=s.mbs, seq_len=seq_len, tp=s.tp, recompute="none")
+                for k in ("attn", "mlp", "moe.route", "moe.experts", "moe.combine", "head")}
+    out: list = [Split(microbatches=m)]
+    if split_backward(s.schedule):
+        out.append(Split(backward=True))
+    out += [
+        Place(tuple(int(x) for x in s.layer_stages(spec.layers)), chunk_stage, act_msg,
+              tuple((OPTIM_FLOPS_PER_ELEMENT * e, e * opt_bytes_per_el) for e in opt_el),
+              vshape=s.schedule == "dualpipev"),
+        Shard("tp", s.tp, act_msg, stats_bytes=3 * tokens * 4 * s.tp),
+    ]
+    if spec.is_moe:
+        out.append(Shard("ep", s.ep, tokens * spec.top_k * spec.hidden * db))
+    out.append(Recompute(s.recompute, core_attention_flops(spec, tokens, seq_len) / s.tp, rc_bytes))
+    pb, gb = spec.kind_bytes("param"), spec.kind_bytes("grad")
+    grad_dense = cp.dense if s.ep > 1 else cp.total()
+    out.append(Replicate(s.dp, s.zero, tuple(int(x) * pb for x in (cp.dense if s.ep > 1 else cp.total())),
+                         tuple(int(x) * pb for x in (cp.expert if s.ep > 1 else cp.expert * 0)),
+                         tuple(int(x) * gb for x in grad_dense), tuple(int(x) * gb for x in cp.expert),
+                         ep=s.ep, tied_bytes=cp.tied * gb))
+    if s.schedule == "dualpipev" and s.ep > 1:
+        out.append(Stream("comm", ops=("all_to_all",), tag_prefix="ep."))
+    out.append(order if order is not None else schedule_order(s, m))
+    if s.tp == 1 and s.ep == 1:
+        out.append(Fuse())
+    return out
+
+
+def distributed_graph(model: "str | ModelSpec", strategy: "str | Strategy", *, global_batch: int, seq_len: int,
+                      order: "Order | None" = None) -> Graph:
+    """The ordered distributed DAG (before lowering), for inspection."""
+    spec, s = _resolve(model, strategy)
+    g = _base(spec, s, seq_len)
+    return apply_all(g, directives(spec, s, global_batch=global_batch, seq_len=seq_len, order=order))
+
+
+def _base(spec: ModelSpec, s: Strategy, seq_len: int) -> Graph:
+    g = model_graph(spec, mbs=s.mbs, seq_len=seq_len)
+    c = g.cols
+    for i in range(len(g)):
+        c["act"][i] = region_activation(spec, c["kind"][i], mbs=s.mbs, seq_len=seq_len, tp=s.tp,
+                                        recompute=s.recompute)
+        c["nbytes"][i] = int(c["params"][i] // s.tp + 2 * s.mbs * seq_len * spec.hidden * spec.dtype_bytes)
+    return g
+
+
+def compile(model: "str | ModelSpec | Graph", strategy: "str | Strategy", *, global_batch: int, seq_len: int | None = None,
+            order: "Order | Callable[[Strategy, int], Order] | None" = None, validate: bool = False) -> Program:
+    """Compile one training step of ``model`` under ``strategy`` into a Program.
+
+    ``model``: a preset name, a ModelSpec, or a traced region Graph (``annotate.trace``; see
+    :mod:`parashift.ir.compile_graph`). ``global_batch``: sequences per step (``dp * mbs * m``);
+    ``seq_len`` defaults to the model's.
+    ``order``: a custom Order directive (or a function ``(strategy, m) -> Order``) replacing the
+    schedule recipe. ``validate=True`` also runs :meth:`Program.validate`.
+    """
+    if isinstance(model, Graph):
+        from .compile_graph import compile_graph
+        return compile_graph(model, strategy, global_batch=global_batch, order=order, validate=validate)
+    spec, s = _resolve(model, strategy)
+    s.validate(spec)
+    seq = seq_len or spec.seq_len
+    m = s.num_microbatches(global_batch)
+    if callable(order) and not isinstance(order, Order):
+        order = order(s, m)
+    g = distributed_graph(spec, s, global_batch=global_batch, seq_len=seq, order=order)
+    meta = {"model": spec.name, "strategy": str(s), "schedule": s.schedule, "global_batch": int(global_batch),
+            "seq_len": int(seq), "microbatches": m, "mbs": s.mbs, "kind": "train_step"}
+    prog = lower(g, s, static_memory=static_memory(spec, s), meta=meta)
+    if validate:
+        prog.validate()
+    return prog

@@ -1,0 +1,453 @@
+"""Scheduling directives: pure rewrites of a :class:`~parashift.ir.graph.Graph`.
+
+Each directive is a small frozen dataclass with ``apply(graph) -> graph`` (a new graph; the input is
+not changed) that adds the communication its placement implies:
+
+- :class:`Split` makes micro-batches (forward, backward, loss edge, stashed activations) and can split
+  every backward into input-grad and weight-grad halves (zero-bubble schedules);
+- :class:`Place` assigns regions to chunks (virtual stages) and chunks to pipeline stages, adds the
+  send/recv pairs where data crosses stages and one optimizer step per stage;
+- :class:`Shard` divides regions over a TP group (adding the TP all-reduces) or experts over an EP
+  group (adding dispatch/combine all-to-alls);
+- :class:`Recompute` re-runs region forwards right before their backward;
+- :class:`Replicate` adds DP gradient sync (all-reduce, or ZeRO reduce-scatter plus parameter
+  all-gathers) and the tied-embedding all-reduce;
+- :class:`Order` fixes every stage's order of actions (see :mod:`parashift.ir.actions`) and rejects
+  an order that would create a cycle; :class:`Stream` moves nodes to another logical stream;
+  :class:`Fuse` merges a chunk's regions into one node where no communication sits between them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ..errors import ProgramError
+from .actions import AFTER, END, OPTIM, POST, Action
+from .graph import DATA, SAVED, Graph
+from .ordering import Fuse, Order, Stream
+
+__all__ = ["Split", "Place", "Shard", "Recompute", "Replicate", "Order", "Stream", "Fuse", "apply_all",
+           "END", "OPTIM", "POST", "AFTER"]
+
+_TYPE_OF_PHASE = {"fwd": "F", "bwd": "B", "bwd_input": "I", "bwd_weight": "W"}
+_BWD = ("bwd", "bwd_input", "bwd_weight")
+
+
+def _comm(g: Graph, u: int, *, op: str, tag: str, group: "str | None" = None, peer: "str | None" = None,
+          nbytes: int = 0, stream: str = "compute", dpos: float = 0.5, key: "str | None" = None) -> int:
+    """A comm node serving node ``u`` (same stage/chunk/mb/phase/action), placed after it."""
+    c = g.cols
+    return g.add(op=op, phase=c["phase"][u], region=c["region"][u], kind=c["kind"][u], layer=c["layer"][u],
+                 chunk=c["chunk"][u], mb=c["mb"][u], stage=c["stage"][u], action=c["action"][u],
+                 pos=c["pos"][u] + dpos, group=group, peer=peer, tag=tag, nbytes=int(nbytes), stream=stream,
+                 key=key)
+
+
+def _comm_many(g: Graph, us: list[int], *, op: str, tags: list[str], group: "str | None" = None,
+               nbytes: int = 0, stream: str = "compute", dpos: float = 0.5, key: "str | None" = None) -> range:
+    """Comm nodes serving nodes ``us`` (one each, same stage/chunk/mb/phase/action), placed after them."""
+    c = g.cols
+    cols = {k: [c[k][u] for u in us] for k in ("phase", "region", "kind", "layer", "chunk", "mb", "stage",
+                                             "action")}
+    cols["pos"] = [c["pos"][u] + dpos for u in us]
+    return g.extend(len(us), op=op, group=group, tag=tags, nbytes=int(nbytes), stream=stream, key=key, **cols)
+
+
+def _clone(g: Graph, src: Graph, i: int, **over) -> int:
+    attrs = {k: v[i] for k, v in src.cols.items()}
+    attrs.update(over)
+    return g.add(**attrs)
+
+
+@dataclass(frozen=True)
+class Split:
+    """``microbatches=m``: turn a single-device forward graph into a training DAG of m micro-batches
+    (fwd chain, reversed bwd chain, loss edge, stashed activations). ``backward=True``: split every
+    ``bwd`` node into ``bwd_input`` (on the gradient chain) and ``bwd_weight`` (off it)."""
+
+    microbatches: int | None = None
+    backward: bool = False
+
+    def apply(self, g: Graph) -> Graph:
+        out = g
+        if self.microbatches is not None:
+            out = self._microbatches(out)
+        if self.backward:
+            out = self._split_backward(out)
+        return out
+
+    def _microbatches(self, g: Graph) -> Graph:
+        m = self.microbatches
+        if not isinstance(m, int) or m < 1:
+            raise ProgramError(f"Split(microbatches={m!r}) needs a positive integer")
+        if any(p != "fwd" for p in g.cols["phase"]) or any(x != -1 for x in g.cols["mb"]):
+            raise ProgramError("Split(microbatches=...) applies to a single-device forward graph; "
+                               "build one with ir.model_graph or ir.annotate.trace")
+        n = len(g)
+        topo = g.topo_order((DATA,))
+        rank = np.empty(n, np.int64)
+        rank[topo] = np.arange(n)
+        sinks = set(range(n)) - set(g.src)
+        fpos = [float(x) for x in rank]
+        bpos = [float(n - 1 - x) for x in rank]
+        bflops = [2.0 * f for f in g.cols["flops"]]
+        base = {k: v for k, v in g.cols.items() if k not in ("mb", "pos")}
+        out = Graph()
+        for mb in range(m):
+            f0 = len(out)
+            out.extend(n, mb=mb, pos=fpos, **{k: list(v) for k, v in base.items()})
+            b0 = len(out)
+            out.extend(n, mb=mb, pos=bpos, **{k: list(v) for k, v in base.items()
+                                             if k not in ("phase", "flops", "act")},
+                       phase="bwd", flops=bflops, act=0)
+            for u, v in zip(g.src, g.dst):
+                out.edge(f0 + u, f0 + v, DATA)
+                out.edge(b0 + v, b0 + u, DATA)
+            for i in range(n):
+                out.edge(f0 + i, b0 + i, DATA if i in sinks else SAVED)
+        return out
+
+    @staticmethod
+    def _split_backward(g: Graph) -> Graph:
+        out = g.copy()
+        c = out.cols
+        bw = [i for i, (op, ph) in enumerate(zip(c["op"], c["phase"])) if op == "compute" and ph == "bwd"]
+        if not bw:
+            raise ProgramError("Split(backward=True) found no 'bwd' compute node; split micro-batches first")
+        weight = {}
+        for i in bw:
+            half = c["flops"][i] / 2.0
+            c["phase"][i] = "bwd_input"
+            c["flops"][i] = half
+            a = c["action"][i]
+            w = _clone(out, out, i, phase="bwd_weight", flops=half,
+                       action=Action(a.chunk, "W", a.mb) if isinstance(a, Action) else None)
+            if isinstance(a, Action):
+                c["action"][i] = Action(a.chunk, "I", a.mb)
+            weight[i] = w
+        for e in range(len(out.src)):
+            u, v, k = out.src[e], out.dst[e], out.ekind[e]
+            if k != SAVED:
+                continue
+            if u in weight:  # parameter gradients leave from the weight half
+                out.src[e] = weight[u]
+            elif v in weight and c["phase"][u] in ("fwd", "recompute"):
+                out.edge(u, weight[v], SAVED)
+        for i in weight:  # buffers the backward frees live until the weight half
+            c["free"][i] = ()
+        for i, w in weight.items():
+            out.edge(i, w, SAVED)
+        return out
+
+
+@dataclass(frozen=True)
+class Place:
+    """Place regions on chunks and chunks on pipeline stages; add send/recv where data crosses stages.
+
+    ``layer_chunk[i]``: chunk of layer i (embedding: chunk 0, head: the last chunk);
+    ``chunk_stage[c]``: pipeline stage of chunk c; ``act_bytes``: bytes of one activation message;
+    ``optim``: per stage (flops, nbytes) of its optimizer step.
+    """
+
+    layer_chunk: tuple[int, ...]
+    chunk_stage: tuple[int, ...]
+    act_bytes: int
+    optim: tuple[tuple[float, int], ...] = ()
+    vshape: bool = False
+
+    def _peer(self, cu: int, cv: int) -> str:
+        """Symbolic peer for data moving from chunk cu to the adjacent chunk cv."""
+        up = not self.vshape or (min(cu, cv) // self.pp) % 2 == 0
+        if cv < cu:
+            up = not up
+        return "pp+1" if up else "pp-1"
+
+    @property
+    def pp(self) -> int:
+        return max(self.chunk_stage) + 1
+
+    def apply(self, g: Graph) -> Graph:
+        out = g.copy()
+        c = out.cols
+        last = len(self.chunk_stage) - 1
+        L = len(self.layer_chunk)
+        for i in range(len(out)):
+            layer = c["layer"][i]
+            ch = 0 if layer < 0 else last if layer >= L else self.layer_chunk[layer]
+            c["chunk"][i] = ch
+            c["stage"][i] = self.chunk_stage[ch]
+            ph = c["phase"][i]
+            if ph in _TYPE_OF_PHASE and c["mb"][i] >= 0:
+                c["action"][i] = Action(ch, _TYPE_OF_PHASE[ph], c["mb"][i])
+            if c["stream"][i] is None:
+                c["stream"][i] = "compute"
+        for e in range(len(out.src)):
+            u, v = out.src[e], out.dst[e]
+            if out.ekind[e] != DATA or c["stage"][u] == c["stage"][v]:
+                continue
+            cu, cv, mb = c["chunk"][u], c["chunk"][v], c["mb"][u]
+            fwd = cv > cu
+            tag = f"act.c{cu}.m{mb}" if fwd else f"grad.c{cv}.m{mb}"
+            peer = self._peer(cu, cv)
+            s = _comm(out, u, op="send", tag=tag, peer=peer, nbytes=self.act_bytes, stream="p2p", dpos=0.75)
+            r = _comm(out, v, op="recv", tag=tag, peer="pp-1" if peer == "pp+1" else "pp+1",
+                      nbytes=self.act_bytes, stream="p2p", dpos=-0.75)
+            out.dst[e] = s
+            out.edge(s, r, DATA)
+            out.edge(r, v, DATA)
+        optim = self.optim or tuple((0.0, 0) for _ in range(self.pp))
+        opt_node = {st: out.add(op="compute", phase="optim", stage=st, flops=float(optim[st][0]),
+                                nbytes=int(optim[st][1]), stream="compute", action=(OPTIM,))
+                    for st in range(self.pp)}
+        for i in range(len(g)):
+            if c["op"][i] == "compute" and c["phase"][i] in _BWD:
+                out.edge(i, opt_node[c["stage"][i]], SAVED)
+        return out
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Shard regions over a group. ``axis="tp"``: divide FLOPs and parameters by ``ways`` and add the
+    TP all-reduces (row-parallel outputs in fwd, column-parallel input grads in bwd) plus the
+    vocab-parallel loss statistics all-gather after the head. ``axis="ep"``: spread experts over
+    ``ways`` ranks and add dispatch/combine all-to-alls around ``moe.experts``."""
+
+    axis: str
+    ways: int
+    nbytes: int
+    stats_bytes: int = 0
+
+    def apply(self, g: Graph) -> Graph:
+        if self.axis not in ("tp", "ep"):
+            raise ProgramError(f"Shard axis {self.axis!r} is not supported; use 'tp' or 'ep'")
+        out = g.copy()
+        if self.ways == 1:
+            return out
+        c = out.cols
+        n = len(out)
+        plan: dict[tuple, list] = {}   # (op, key) -> [(node, tag)]
+        if self.axis == "tp":
+            for i in range(n):
+                if c["op"][i] != "compute" or c["phase"][i] == "optim":
+                    continue
+                c["flops"][i] /= self.ways
+                c["params"][i] //= self.ways
+                kind, ph, mb, reg = c["kind"][i], c["phase"][i], c["mb"][i], c["region"][i]
+                if ph == "fwd" and kind in ("embed", "attn", "mlp", "moe.combine"):
+                    plan.setdefault(("all_reduce", None), []).append((i, f"tp.{reg}.fwd.m{mb}"))
+                elif ph == "fwd" and kind == "head":
+                    plan.setdefault(("all_gather", "ce_stats"), []).append((i, f"tp.head.fwd.m{mb}"))
+                elif ph in ("bwd", "bwd_input") and kind in ("head", "mlp", "attn", "moe.route"):
+                    plan.setdefault(("all_reduce", None), []).append((i, f"tp.{reg}.{ph}.m{mb}"))
+        else:
+            for i in range(n):
+                if c["op"][i] != "compute":
+                    continue
+                kind, ph, mb, layer = c["kind"][i], c["phase"][i], c["mb"][i], c["layer"][i]
+                if kind == "moe.experts":
+                    c["params"][i] //= self.ways
+                ph_tag = "bwd" if ph == "bwd_input" else ph
+                what = None
+                if ph == "fwd" and kind == "moe.route":
+                    what = "dispatch"
+                elif ph == "fwd" and kind == "moe.experts":
+                    what = "combine"
+                elif ph in ("bwd", "bwd_input") and kind == "moe.combine":
+                    what = "combine"
+                elif ph in ("bwd", "bwd_input") and kind == "moe.experts":
+                    what = "dispatch"
+                if what:
+                    plan.setdefault(("all_to_all", None), []).append(
+                        (i, f"ep.layers.{layer}.moe.{what}.{ph_tag}.m{mb}"))
+        ins: list[tuple[int, int]] = []
+        for (op, key), items in plan.items():
+            us = [u for u, _ in items]
+            nb = self.stats_bytes if key == "ce_stats" else self.nbytes
+            new = _comm_many(out, us, op=op, tags=[t for _, t in items], group=self.axis, nbytes=nb, key=key)
+            ins += list(zip(us, new))
+        out.insert_after(ins)
+        return out
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Re-run region forwards right before their backward. ``mode="full"``: every region but the
+    embedding; ``"selective"``: attention regions only, re-running ``selective_flops`` (core
+    attention; 0: the region's forward FLOPs). ``rc_bytes``: region kind -> bytes a recompute materializes (freed by the backward)."""
+
+    mode: str
+    selective_flops: float = 0.0
+    rc_bytes: Mapping[str, int] = field(default_factory=dict)
+
+    def apply(self, g: Graph) -> Graph:
+        if self.mode not in ("none", "selective", "full"):
+            raise ProgramError(f"recompute mode {self.mode!r} is not none, selective or full")
+        out = g.copy()
+        if self.mode == "none":
+            return out
+        c = out.cols
+        fwd: dict[tuple, int] = {}
+        weight: dict[tuple, int] = {}
+        for i in range(len(out)):
+            if c["op"][i] == "compute":
+                key = (c["region"][i], c["mb"][i])
+                if c["phase"][i] == "fwd":
+                    fwd[key] = i
+                elif c["phase"][i] == "bwd_weight":
+                    weight[key] = i
+        for i in range(len(out)):
+            if c["op"][i] != "compute" or c["phase"][i] not in ("bwd", "bwd_input"):
+                continue
+            kind = c["kind"][i]
+            if kind == "embed" or (self.mode == "selective" and kind != "attn"):
+                continue
+            key = (c["region"][i], c["mb"][i])
+            f = fwd[key]
+            flops = c["flops"][f] if self.mode == "full" or self.selective_flops <= 0 else self.selective_flops
+            buf = f"rc.{key[0]}.m{key[1]}"
+            r = _clone(out, out, i, phase="recompute", flops=float(flops), act=0, pos=c["pos"][i] - 0.25,
+                       alloc=((buf, int(self.rc_bytes.get(kind, 0))),), free=())
+            last = weight.get(key, i)
+            c["free"][last] = c["free"][last] + (buf,)
+            out.edge(f, r, SAVED)
+            out.edge(r, i, SAVED)
+            if last != i:
+                out.edge(r, last, SAVED)
+        return out
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Replicate every stage over a DP group of ``ways`` ranks with ZeRO stage ``zero``.
+
+    Per chunk: ``dense_bytes[c]`` / ``expert_bytes[c]`` are the chunk's parameter bytes on one rank
+    (TP/EP shard, before ZeRO) and ``grad_dense[c]`` / ``grad_expert[c]`` its gradient bytes. Expert
+    gradients sync over ``edp`` when ``ep > 1``. ``tied_bytes``: the tied word embedding's grad bytes
+    (0: untied), all-reduced over the ``embed`` group when embedding and head sit on different stages.
+    """
+
+    ways: int
+    zero: int
+    dense_bytes: tuple[int, ...]
+    expert_bytes: tuple[int, ...]
+    grad_dense: tuple[int, ...]
+    grad_expert: tuple[int, ...]
+    ep: int = 1
+    tied_bytes: int = 0
+
+    def apply(self, g: Graph) -> Graph:
+        out = g.copy()
+        c = out.cols
+        chunks = len(self.dense_bytes)
+        stage_of: dict[int, int] = {}
+        optim: dict[int, int] = {}
+        bwd_of_chunk: dict[int, list[int]] = {}
+        first_of_action: dict[Action, int] = {}
+        last_of_action: dict[Action, int] = {}
+        for i in range(len(out)):
+            if c["op"][i] != "compute":
+                continue
+            if c["phase"][i] == "optim":
+                optim[c["stage"][i]] = i
+                continue
+            stage_of[c["chunk"][i]] = c["stage"][i]
+            if c["phase"][i] in _BWD:
+                bwd_of_chunk.setdefault(c["chunk"][i], []).append(i)
+            a = c["action"][i]
+            if isinstance(a, Action):
+                if a not in first_of_action or c["pos"][i] < c["pos"][first_of_action[a]]:
+                    first_of_action[a] = i
+                if a not in last_of_action or c["pos"][i] > c["pos"][last_of_action[a]]:
+                    last_of_action[a] = i
+        if len(stage_of) != chunks:
+            raise ProgramError("Replicate needs a placed graph (apply Place first)")
+        edp = self.ways // self.ep
+        sync_nodes: dict[int, list[int]] = {}
+        for ch in range(chunks):
+            st = stage_of[ch]
+            anchor = (AFTER, ch)
+            specs = []
+            if self.ways > 1:
+                specs.append(("dp", self.grad_dense[ch], "dense"))
+            if self.ep > 1 and edp > 1 and self.grad_expert[ch]:
+                specs.append(("edp", self.grad_expert[ch], "expert"))
+            for grp, nb, what in specs:
+                s = out.add(op="all_reduce" if self.zero == 0 else "reduce_scatter", group=grp, chunk=ch,
+                            stage=st, tag=f"{grp}.grad.c{ch}", key=f"grad:c{ch}:{what}", nbytes=int(nb),
+                            stream="comm", action=anchor)
+                sync_nodes.setdefault(ch, []).append(s)
+        # reroute bwd -> optim edges through the chunk's syncs
+        syncs_by_node = {}
+        for ch, nodes in sync_nodes.items():
+            for i in bwd_of_chunk.get(ch, []):
+                syncs_by_node[i] = nodes
+        keep_s, keep_d, keep_k = [], [], []
+        for u, v, k in zip(out.src, out.dst, out.ekind):
+            if k == SAVED and u in syncs_by_node and c["phase"][v] == "optim":
+                continue
+            keep_s.append(u), keep_d.append(v), keep_k.append(k)
+        out.src, out.dst, out.ekind = keep_s, keep_d, keep_k
+        for ch, nodes in sync_nodes.items():
+            for s in nodes:
+                for i in bwd_of_chunk[ch]:
+                    out.edge(i, s, SAVED)
+                out.edge(s, optim[stage_of[ch]], SAVED)
+        # tied embedding: all-reduce between the first and the last stage, at the end of the comm stream
+        last = chunks - 1
+        if self.tied_bytes and stage_of[0] != stage_of[last]:
+            for ch, kind in ((0, "embed"), (last, "head")):
+                st = stage_of[ch]
+                t = out.add(op="all_reduce", group="embed", chunk=ch, stage=st, tag="embed.grad",
+                            key="grad:embed", nbytes=int(self.tied_bytes), stream="comm", action=(END, 0))
+                for i in bwd_of_chunk[ch]:
+                    if c["kind"][i] == kind:
+                        out.edge(i, t, SAVED)
+                for k, s in enumerate(sync_nodes.get(ch, [])):
+                    c["action"][s] = (END, 1 + k)
+                    out.edge(t, s, SAVED)
+                if not sync_nodes.get(ch):
+                    out.edge(t, optim[st], SAVED)
+        # ZeRO parameter all-gathers
+        if self.zero in (1, 2):
+            for ch in range(chunks):
+                for grp, nb, pfx in (("dp", self.dense_bytes[ch], "dp"), ("edp", self.expert_bytes[ch], "edp")):
+                    size = self.ways if grp == "dp" else (edp if self.ep > 1 else 1)
+                    if size > 1 and nb:
+                        a = out.add(op="all_gather", group=grp, chunk=ch, stage=stage_of[ch],
+                                    tag=f"{pfx}.param.c{ch}", key=f"param:c{ch}:{'dense' if grp == 'dp' else 'expert'}",
+                                    nbytes=int(nb), stream="comm", action=(POST, ch))
+                        out.edge(optim[stage_of[ch]], a, SAVED)
+        elif self.zero == 3:
+            for a, first in first_of_action.items():
+                if a.type == "W":
+                    continue
+                ph = "fwd" if a.type == "F" else "bwd"
+                users = [first]
+                end = last_of_action[a]
+                if a.type == "I":
+                    w = Action(a.chunk, "W", a.mb)
+                    users.append(first_of_action[w])
+                    end = last_of_action[w]
+                for grp, nb, pfx, buf in (("dp", self.dense_bytes[a.chunk], "z3.param", "z3"),
+                                          ("edp", self.expert_bytes[a.chunk], "z3.eparam", "z3e")):
+                    size = self.ways if grp == "dp" else (edp if self.ep > 1 else 1)
+                    if size <= 1 or not nb:
+                        continue
+                    name = f"{buf}.c{a.chunk}.{ph}.m{a.mb}"
+                    n = out.add(op="all_gather", group=grp, chunk=a.chunk, stage=c["stage"][first],
+                                phase=ph, mb=a.mb, tag=f"{pfx}.c{a.chunk}.{ph}.m{a.mb}", nbytes=int(nb),
+                                key=f"param:c{a.chunk}:{'dense' if grp == 'dp' else 'expert'}",
+                                stream="comm", action=a, pos=-1.0, alloc=((name, int(nb)),))
+                    for u in users:
+                        out.edge(n, u, SAVED)
+                    c["free"][end] = c["free"][end] + (name,)
+        return out
+
+
+def apply_all(g: Graph, directives: Sequence) -> Graph:
+    """Apply directives in order (each returns a new graph)."""
+    for d in directives:
+        g = d.apply(g)
+    return g

@@ -1,0 +1,243 @@
+"""Ordering directives: :class:`Order` (each stage's order of actions), :class:`Stream` (move nodes
+to another logical stream) and :class:`Fuse` (merge a chunk's regions where no communication sits
+between them). Like every directive, each is a pure rewrite ``apply(graph) -> graph``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ..errors import ProgramError
+from .actions import AFTER, END, OPTIM, POST, Action, Step, as_steps, format_order
+from .graph import DATA, ORDER, SAVED, Graph
+
+__all__ = ["Order", "Stream", "Fuse"]
+
+
+def _clone(g: Graph, src: Graph, i: int, **over) -> int:
+    attrs = {k: v[i] for k, v in src.cols.items()}
+    attrs.update(over)
+    return g.add(**attrs)
+
+
+@dataclass(frozen=True)
+class Stream:
+    """Move nodes whose op is in ``ops`` and whose tag starts with ``tag_prefix`` to ``stream``."""
+
+    stream: str
+    ops: tuple[str, ...] = ()
+    tag_prefix: str = ""
+
+    def apply(self, g: Graph) -> Graph:
+        out = g.copy()
+        c = out.cols
+        for i in range(len(out)):
+            if (not self.ops or c["op"][i] in self.ops) and (c["tag"][i] or "").startswith(self.tag_prefix):
+                if self.tag_prefix or self.ops:
+                    c["stream"][i] = self.stream
+        return out
+
+
+@dataclass(frozen=True)
+class Order:
+    """Fix each listed stage's order of actions: ``orders[stage]`` is a text order
+    (``"0F0 0F1 0B0 ..."``) or a list of steps. Every action of the stage must appear exactly once;
+    an order that contradicts a data dependency (a cycle) is rejected naming the actions."""
+
+    orders: Mapping[int, "str | Sequence[Step | Action]"]
+
+    def steps(self) -> dict[int, list[Step]]:
+        return {int(st): as_steps(o) for st, o in self.orders.items()}
+
+    def __str__(self) -> str:
+        return "\n".join(f"stage {st}: {format_order(s)}" for st, s in sorted(self.steps().items()))
+
+    def apply(self, g: Graph) -> Graph:
+        out = g.copy()
+        c = out.cols
+        steps = self.steps()
+        have: dict[int, set] = {}
+        for st, a in zip(c["stage"], c["action"]):
+            if isinstance(a, Action):
+                have.setdefault(st, set()).add(a)
+        position: dict[Action, int] = {}
+        for st, ss in steps.items():
+            listed = [a for step in ss for a in step]
+            dup = {str(a) for a in listed if listed.count(a) > 1} if len(set(listed)) != len(listed) else set()
+            if dup:
+                raise ProgramError(f"Order for stage {st} lists {', '.join(sorted(dup))} more than once")
+            missing = have.get(st, set()) - set(listed)
+            extra = set(listed) - have.get(st, set())
+            if missing or extra:
+                raise ProgramError(
+                    f"Order for stage {st} does not match its actions: missing "
+                    f"{' '.join(map(str, sorted(missing))) or '-'}, not on this stage "
+                    f"{' '.join(map(str, sorted(extra))) or '-'}; list every action of the stage once")
+            for k, step in enumerate(ss):
+                for a in step:
+                    position[a] = k
+        self._check_acyclic(out, steps)
+        last_bwd: dict[int, int] = {}
+        for a, k in position.items():
+            if a.type != "F":
+                last_bwd[a.chunk] = max(last_bwd.get(a.chunk, -1), k)
+        big = 1 << 40
+        # overlapped steps: spread each action's nodes evenly over [0, 1) so their regions interleave
+        overlapped = {a for ss in steps.values() for step in ss if len(step) > 1 for a in step}
+        spread: dict[int, float] = {}
+        if overlapped:
+            members: dict[Action, list[int]] = {}
+            for i in range(len(out)):
+                if c["action"][i] in overlapped and c["pos"][i] >= 0:
+                    members.setdefault(c["action"][i], []).append(i)
+            for nodes in members.values():
+                nodes.sort(key=lambda i: c["pos"][i])
+                for r, i in enumerate(nodes):
+                    spread[i] = r / len(nodes)
+        first_compute: dict[tuple[int, int], tuple[float, int]] = {}
+        last_compute: dict[tuple[int, int], tuple[float, int]] = {}
+        for i in range(len(out)):
+            a = c["action"][i]
+            st = c["stage"][i]
+            if st not in steps:
+                continue
+            if isinstance(a, Action):
+                k = position[a]
+                pos = spread.get(i, c["pos"][i])
+                c["slot"][i] = (k, pos)
+                if c["stream"][i] == "compute":
+                    key = (st, k)
+                    if key not in first_compute or pos < first_compute[key][0]:
+                        first_compute[key] = (pos, i)
+                    if key not in last_compute or pos > last_compute[key][0]:
+                        last_compute[key] = (pos, i)
+            elif a is None:
+                raise ProgramError(f"node {out.node(i)} belongs to no action; place the graph first")
+            elif a[0] == AFTER:  # behind the gather for the next step, so it overlaps that step
+                c["slot"][i] = (last_bwd[a[1]] + 1, -0.5)
+            elif a[0] == END:
+                c["slot"][i] = (big, float(a[1]))
+            elif a[0] == OPTIM:
+                c["slot"][i] = (big + 1, 0.0)
+            elif a[0] == POST:
+                c["slot"][i] = (big + 2, float(a[1]))
+        for (st, k), (_, i) in first_compute.items():
+            if (st, k - 1) in last_compute:
+                out.edge(last_compute[(st, k - 1)][1], i, ORDER)
+        # ZeRO-3 prefetch depth 1: the gather for step k waits for step k-1 to start
+        for i in range(len(out)):
+            if c["op"][i] == "all_gather" and isinstance(c["action"][i], Action) and c["stage"][i] in steps:
+                k = c["slot"][i][0]
+                if (c["stage"][i], k - 1) in first_compute:
+                    out.edge(first_compute[(c["stage"][i], k - 1)][1], i, ORDER)
+        return out
+
+    @staticmethod
+    def _check_acyclic(g: Graph, steps: dict[int, list[Step]]) -> None:
+        """Cycle check on the action graph (data edges between actions plus each stage's order)."""
+        c = g.cols
+        acts: dict[Action, int] = {}
+        aid = np.full(len(g), -1, np.int64)
+        for i, a in enumerate(c["action"]):
+            if isinstance(a, Action):
+                aid[i] = acts.setdefault(a, len(acts))
+        s, d = g.edges((DATA, SAVED))
+        su, du = aid[s], aid[d]
+        m = (su >= 0) & (du >= 0) & (su != du)
+        pairs = set(zip(su[m].tolist(), du[m].tolist()))
+        for ss in steps.values():
+            for prev, nxt in zip(ss, ss[1:]):
+                for a in prev:
+                    for b in nxt:
+                        if a in acts and b in acts:
+                            pairs.add((acts[a], acts[b]))
+        adj: dict[int, list[int]] = {}
+        for u, v in pairs:
+            adj.setdefault(u, []).append(v)
+        names = {v: k for k, v in acts.items()}
+        stage_of = {}
+        for i, a in enumerate(c["action"]):
+            if isinstance(a, Action):
+                stage_of[a] = c["stage"][i]
+        color = dict.fromkeys(range(len(acts)), 0)
+        for root in range(len(acts)):
+            if color[root]:
+                continue
+            stack = [(root, iter(adj.get(root, ())))]
+            path = [root]
+            color[root] = 1
+            while stack:
+                u, it = stack[-1]
+                v = next(it, None)
+                if v is None:
+                    color[u] = 2
+                    stack.pop()
+                    path.pop()
+                elif color[v] == 0:
+                    color[v] = 1
+                    stack.append((v, iter(adj.get(v, ()))))
+                    path.append(v)
+                elif color[v] == 1:
+                    cyc = path[path.index(v):] + [v]
+                    txt = " -> ".join(f"{names[x]} (stage {stage_of[names[x]]})" for x in cyc)
+                    raise ProgramError(f"this Order creates a cycle: {txt}; move the later action after "
+                                       f"the one it depends on")
+
+
+@dataclass(frozen=True)
+class Fuse:
+    """Merge, per action and phase, the compute nodes of actions with no communication on the
+    compute stream into one node (region ``"embed+layers.0-3"``, ``"layers.4-7+head"``)."""
+
+    def apply(self, g: Graph) -> Graph:
+        c = g.cols
+        n = len(g)
+        blocked = {c["action"][i] for i in range(n) if c["op"][i] != "compute" and c["stream"][i] == "compute"}
+        groups: dict[tuple, list[int]] = {}
+        for i in range(n):
+            a = c["action"][i]
+            if c["op"][i] == "compute" and isinstance(a, Action) and a not in blocked:
+                groups.setdefault((a, c["phase"][i]), []).append(i)
+        out = Graph()
+        new = np.full(n, -1, np.int64)
+        for i in range(n):
+            key = (c["action"][i], c["phase"][i])
+            members = groups.get(key) if c["op"][i] == "compute" else None
+            if members and len(members) > 1:
+                if members[0] != i:
+                    continue
+                new[members] = len(out)
+                _clone(out, g, i, region=_fused_name(c, members), kind="fused",
+                       flops=float(sum(c["flops"][j] for j in members)),
+                       nbytes=int(sum(c["nbytes"][j] for j in members)),
+                       act=int(sum(c["act"][j] for j in members)),
+                       params=int(sum(c["params"][j] for j in members)),
+                       pos=float(min(c["pos"][j] for j in members)),
+                       alloc=tuple(x for j in members for x in c["alloc"][j]),
+                       free=tuple(x for j in members for x in c["free"][j]),
+                       layer=min(c["layer"][j] for j in members))
+            else:
+                new[i] = len(out)
+                _clone(out, g, i)
+        seen = set()
+        for u, v, k in zip(new[np.asarray(g.src, np.int64)].tolist() if g.src else [],
+                           new[np.asarray(g.dst, np.int64)].tolist() if g.dst else [], g.ekind):
+            if u != v and (u, v, k) not in seen:
+                seen.add((u, v, k))
+                out.edge(u, v, k)
+        return out
+
+
+def _fused_name(c: dict, members: list[int]) -> str:
+    kinds = {c["kind"][j] for j in members}
+    layers = sorted({c["layer"][j] for j in members if c["kind"][j] not in ("embed", "head")})
+    parts = []
+    if "embed" in kinds:
+        parts.append("embed")
+    if layers:
+        parts.append(f"layers.{layers[0]}-{layers[-1]}")
+    if "head" in kinds:
+        parts.append("head")
+    return "+".join(parts)

@@ -1,0 +1,185 @@
+"""Pipeline schedules as data: each recipe returns every stage's order of actions, which
+:class:`~parashift.ir.directives.Order` applies to the graph.
+
+- ``gpipe``: all forwards, then all backwards.
+- ``1f1b``: stage s runs ``pp - s - 1`` warm-up forwards, alternates one forward and one backward,
+  then drains the backwards (Megatron-LM / torch.distributed.pipelining order).
+- ``interleaved-1f1b``: Megatron's interleaved schedule over ``vpp`` chunks per stage (chunk c on
+  stage ``c % pp``).
+- ``zb-h1``: zero-bubble H1: backward split into input-grad (I) and weight-grad (W); I has priority,
+  forwards keep 1F1B's in-flight bound (``pp - s``), and stage s defers at most ``pp - 1 - s``
+  weight-grads, which fill the cool-down bubbles.
+- ``dualpipev``: V-shaped placement (stage s holds chunks s and 2*pp-1-s), split backward, and a
+  forward of one micro-batch overlapped with the input-grad backward of another when both are ready
+  (``&`` steps), so one's all-to-alls and p2p hide behind the other's compute.
+
+zb-h1 and dualpipev are produced by a deterministic list scheduler over unit costs (F = I = W = 1,
+B = 2); write your own schedule as text (``"0F0 0F1 0B0 ..."``) and pass ``Order({stage: text})``.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from ..errors import StrategyError
+from ..strategy import Strategy
+from .actions import Action, Step
+from .directives import Order
+
+__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "dualpipev", "RECIPES", "schedule_steps",
+           "schedule_order"]
+
+Orders = dict[int, list[Step]]
+
+
+def _one(acts: list[Action]) -> list[Step]:
+    return [(a,) for a in acts]
+
+
+def gpipe(pp: int, m: int) -> Orders:
+    """All forwards then all backwards (micro-batches in order), one chunk per stage."""
+    return {s: _one([Action(s, "F", i) for i in range(m)] + [Action(s, "B", i) for i in range(m)])
+            for s in range(pp)}
+
+
+def one_f_one_b(pp: int, m: int) -> Orders:
+    """Canonical 1F1B (PipeDream-flush)."""
+    out: Orders = {}
+    for s in range(pp):
+        w = min(pp - s - 1, m)
+        acts = [Action(s, "F", i) for i in range(w)]
+        for i in range(m - w):
+            acts += [Action(s, "F", w + i), Action(s, "B", i)]
+        acts += [Action(s, "B", i) for i in range(m - w, m)]
+        out[s] = _one(acts)
+    return out
+
+
+def interleaved_1f1b(pp: int, vpp: int, m: int) -> Orders:
+    """Megatron-LM's interleaved 1F1B; ``m`` must be a multiple of ``pp``."""
+    if m % pp:
+        raise StrategyError(f"interleaved-1f1b needs the micro-batch count ({m}) to be a multiple of pp={pp}")
+    total = m * vpp
+    group = pp * vpp
+
+    def act(k: int, s: int, fwd: bool) -> Action:
+        kg = k % group
+        local = kg // pp
+        if not fwd:
+            local = vpp - 1 - local
+        mb = (k // group) * pp + kg % pp
+        return Action(local * pp + s, "F" if fwd else "B", mb)
+
+    out: Orders = {}
+    for s in range(pp):
+        warm = total if m == pp else min((pp - s - 1) * 2 + (vpp - 1) * pp, total)
+        acts = [act(k, s, True) for k in range(warm)]
+        for k in range(total - warm):
+            acts += [act(warm + k, s, True), act(k, s, False)]
+        acts += [act(k, s, False) for k in range(total - warm, total)]
+        out[s] = _one(acts)
+    return out
+
+
+def _list_schedule(pp: int, m: int, chunk_stage: list[int], limit: Callable[[int], int],
+                   wlimit: Callable[[int], int], overlap: bool) -> Orders:
+    """Greedy unit-cost list scheduler with split backward: a W first when more than ``wlimit(s)``
+    weight-grads are pending, else I, then F (at most ``limit(s)`` forwards awaiting their I), then W."""
+    chunks = len(chunk_stage)
+    done: dict[Action, int] = {}                       # action -> completion tick
+    nxt = {(c, t): 0 for c in range(chunks) for t in "FIW"}   # next micro-batch per (chunk, type)
+    busy = [0] * pp
+    inflight = [0] * pp
+    pending_w = [0] * pp
+    out: Orders = {s: [] for s in range(pp)}
+    mine = {s: [c for c in range(chunks) if chunk_stage[c] == s] for s in range(pp)}
+    remaining = 3 * chunks * m
+    t = 0
+
+    def ready(a: Action) -> bool:
+        def ok(d: Action) -> bool:
+            return d in done and done[d] <= t
+        if a.type == "F":
+            return a.chunk == 0 or ok(Action(a.chunk - 1, "F", a.mb))
+        if a.type == "I":
+            return ok(Action(a.chunk, "F", a.mb)) and (a.chunk == chunks - 1 or ok(Action(a.chunk + 1, "I", a.mb)))
+        return ok(Action(a.chunk, "I", a.mb))
+
+    while remaining:
+        for s in range(pp):
+            if busy[s] > t:
+                continue
+            cand = {"F": [], "I": [], "W": []}
+            for c in mine[s]:
+                for typ in "FIW":
+                    i = nxt[(c, typ)]
+                    if i < m and ready(Action(c, typ, i)):
+                        cand[typ].append(Action(c, typ, i))
+            fs = sorted(cand["F"], key=lambda a: (-a.chunk, a.mb)) if inflight[s] < limit(s) else []
+            is_ = sorted(cand["I"], key=lambda a: (a.mb, -a.chunk))
+            step: tuple[Action, ...]
+            ws = sorted(cand["W"], key=lambda a: (a.mb, -a.chunk))
+            if ws and pending_w[s] > wlimit(s):
+                step = (ws[0],)
+            elif overlap and fs and is_ and fs[0].chunk != is_[0].chunk:
+                step = (fs[0], is_[0])
+            elif is_:
+                step = (is_[0],)
+            elif fs:
+                step = (fs[0],)
+            elif ws:
+                step = (ws[0],)
+            else:
+                continue
+            busy[s] = t + len(step)
+            for a in step:
+                done[a] = t + len(step)
+                nxt[(a.chunk, a.type)] += 1
+                inflight[s] += 1 if a.type == "F" else -1 if a.type == "I" else 0
+                pending_w[s] += 1 if a.type == "I" else -1 if a.type == "W" else 0
+                remaining -= 1
+            out[s].append(step)
+        t += 1
+        if t > 100 * (3 * chunks * m + pp):  # pragma: no cover - the dependencies always admit progress
+            raise StrategyError("the list scheduler made no progress; report this schedule as a bug")
+    return out
+
+
+def zb_h1(pp: int, m: int) -> Orders:
+    """Zero-bubble H1: 1F1B's in-flight bound, backward split, weight-grads fill the bubbles."""
+    return _list_schedule(pp, m, list(range(pp)), lambda s: pp - s, lambda s: pp - 1 - s, overlap=False)
+
+
+def dualpipev(pp: int, m: int) -> Orders:
+    """DualPipeV: stage s holds chunks s and 2*pp-1-s; forwards overlap input-grad backwards."""
+    stages = [c if c < pp else 2 * pp - 1 - c for c in range(2 * pp)]
+    return _list_schedule(pp, m, stages, lambda s: 2 * pp, lambda s: pp, overlap=True)
+
+
+RECIPES: dict[str, Callable[[Strategy, int], Orders]] = {
+    "gpipe": lambda s, m: gpipe(s.pp, m),
+    "1f1b": lambda s, m: one_f_one_b(s.pp, m),
+    "interleaved-1f1b": lambda s, m: interleaved_1f1b(s.pp, s.vpp, m),
+    "zb-h1": lambda s, m: zb_h1(s.pp, m),
+    "dualpipev": lambda s, m: dualpipev(s.pp, m),
+}
+
+
+def schedule_steps(strategy: Strategy, m: int) -> Orders:
+    """Every stage's steps for ``strategy.schedule`` with ``m`` micro-batches."""
+    s = strategy
+    if s.schedule == "dualpipev" and s.vpp != 2:
+        raise StrategyError(f"dualpipev places exactly two chunks per stage (V shape); set vpp=2, not {s.vpp}")
+    if s.schedule == "interleaved-1f1b" and s.pp == 1:
+        return {0: _one([Action(c, "F", i) for i in range(m) for c in range(s.vpp)]
+                        + [Action(c, "B", i) for i in range(m) for c in reversed(range(s.vpp))])}
+    return RECIPES[s.schedule](s, m)
+
+
+def schedule_order(strategy: Strategy, m: int) -> Order:
+    """The schedule as one Order directive."""
+    return Order(schedule_steps(strategy, m))
+
+
+def split_backward(schedule: str) -> bool:
+    """Whether a schedule runs input-grad and weight-grad backwards separately."""
+    return schedule in ("zb-h1", "dualpipev")

@@ -1,0 +1,152 @@
+"""The training DAG and each directive as a pure graph rewrite."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from parashift import Strategy, models
+from parashift.errors import ProgramError
+from parashift.ir import DATA, SAVED, Graph, model_graph
+from parashift.ir.compile import directives, distributed_graph
+from parashift.ir.directives import Fuse, Order, Place, Replicate, Shard, Split, Stream
+
+SPEC = models.get("tiny-gpt")
+R = 1 + 2 * SPEC.layers + 1  # embed, attn/mlp per layer, head
+
+
+def chain(n=3):
+    g = Graph()
+    for i in range(n):
+        g.add(op="compute", phase="fwd", region=f"r{i}", flops=float(i))
+        if i:
+            g.edge(i - 1, i)
+    return g
+
+
+def reach(g: Graph, u: int, v: int) -> bool:
+    s, d = g.edges()
+    adj: dict[int, list[int]] = {}
+    for a, b in zip(s.tolist(), d.tolist()):
+        adj.setdefault(a, []).append(b)
+    seen, stack = {u}, [u]
+    while stack:
+        x = stack.pop()
+        for y in adj.get(x, ()):
+            if y == v:
+                return True
+            if y not in seen:
+                seen.add(y)
+                stack.append(y)
+    return False
+
+
+def test_graph_basics_and_cycles():
+    g = chain()
+    assert g.topo_order().tolist() == [0, 1, 2]
+    assert g.is_acyclic() and g.find_cycle() == []
+    assert g.totals()["compute"]["flops"] == 3.0
+    g.edge(2, 0)
+    cyc = g.find_cycle()
+    assert cyc[0] == cyc[-1] and set(cyc) == {0, 1, 2}
+    with pytest.raises(ProgramError, match="cycle"):
+        g.topo_order()
+    with pytest.raises(ProgramError, match="unknown node attribute"):
+        g.add(colour="red")
+    assert list(g.to_frame().columns[:3]) == ["op", "phase", "region"]
+    assert "r1" in str(g.node(1))
+
+
+def test_model_graph_is_a_region_chain():
+    g = model_graph(SPEC, mbs=2, seq_len=16)
+    assert len(g) == R and g.col("region")[:3] == ["embed", "layers.0.attn", "layers.0.mlp"]
+    assert list(zip(g.src, g.dst)) == [(i, i + 1) for i in range(R - 1)]
+    assert sum(g.col("flops")) == pytest.approx(SPEC.flops_per_token(16) / 3 * 32)
+    moe = model_graph(models.get("tiny-moe"))
+    assert moe.col("kind")[1:5] == ["attn", "moe.route", "moe.experts", "moe.combine"]
+
+
+def test_split_microbatches_and_backward():
+    g = Split(microbatches=3).apply(model_graph(SPEC))
+    assert len(g) == 3 * 2 * R
+    assert g.col("phase").count("bwd") == 3 * R
+    assert g.is_acyclic()
+    # loss edge and stashed activations: each region's fwd reaches its bwd
+    assert all(reach(g, i, i + R) for i in range(R))
+    s = Split(backward=True).apply(g)
+    assert s.col("phase").count("bwd_input") == s.col("phase").count("bwd_weight") == 3 * R
+    assert s.is_acyclic()
+    with pytest.raises(ProgramError, match="single-device forward graph"):
+        Split(microbatches=2).apply(g)
+
+
+def test_place_adds_send_recv_pairs():
+    s = Strategy(pp=2)
+    g = Split(microbatches=2).apply(model_graph(SPEC))
+    p = Place(tuple(s.layer_stages(SPEC.layers).tolist()), (0, 1), act_bytes=100).apply(g)
+    ops = p.col("op")
+    assert ops.count("send") == ops.count("recv") == 2 * 2  # act + grad per micro-batch
+    tags = sorted(t for t, o in zip(p.col("tag"), ops) if o == "send")
+    assert tags == ["act.c0.m0", "act.c0.m1", "grad.c0.m0", "grad.c0.m1"]
+    assert p.col("phase").count("optim") == 2
+    assert p.is_acyclic()
+    assert reach(p, 0, R) and reach(p, 0, R - 1)  # embed fwd -> head fwd -> ... -> embed bwd, across stages
+
+
+def test_shard_tp_and_ep():
+    g = Place((0, 0, 0, 0), (0,), act_bytes=8).apply(Split(microbatches=1).apply(model_graph(SPEC)))
+    t = Shard("tp", 2, nbytes=8, stats_bytes=4).apply(g)
+    assert t.col("op").count("all_reduce") == 1 + 2 * SPEC.layers * 2 + 1
+    assert t.col("op").count("all_gather") == 1
+    fl = np.asarray(g.col("flops"))
+    assert sum(t.col("flops")[:len(g)]) == pytest.approx(fl.sum() / 2)
+    assert t.is_acyclic()
+    assert Shard("tp", 1, nbytes=8).apply(g).col("op") == g.col("op")
+    moe = models.get("tiny-moe")
+    gm = Place((0,) * 4, (0,), act_bytes=8).apply(Split(microbatches=1).apply(model_graph(moe)))
+    e = Shard("ep", 2, nbytes=8).apply(gm)
+    assert e.col("op").count("all_to_all") == 4 * moe.layers
+    with pytest.raises(ProgramError, match="not supported"):
+        Shard("sp", 2, nbytes=8).apply(gm)
+
+
+def test_replicate_adds_grad_sync_and_zero3_gathers():
+    s = Strategy(dp=2, zero=3)
+    ds = directives(SPEC, s, global_batch=4, seq_len=16)
+    g = model_graph(SPEC, seq_len=16)
+    for d in ds:
+        g = d.apply(g)
+        if isinstance(d, Replicate):
+            break
+    ops = list(zip(g.col("op"), g.col("tag")))
+    assert ("reduce_scatter", "dp.grad.c0") in ops
+    assert sum(1 for o, t in ops if o == "all_gather" and t.startswith("z3.param")) == 2 * 2  # fwd+bwd per mb
+    assert g.is_acyclic()
+
+
+def test_stream_and_fuse():
+    g = distributed_graph(SPEC, "dp=2,pp=2", global_batch=4, seq_len=16)
+    assert set(g.col("kind")) >= {"fused"}
+    assert g.is_acyclic()
+    moved = Stream("comm", ops=("send",)).apply(g)
+    assert {s for s, o in zip(moved.col("stream"), moved.col("op")) if o == "send"} == {"comm"}
+    # fusing an already fused graph changes nothing
+    assert Fuse().apply(g).col("region") == g.col("region")
+
+
+def test_every_pipeline_keeps_the_data_dependencies():
+    s = Strategy(dp=2, tp=2, pp=2, zero=3, recompute="full", schedule="zb-h1")
+    g = distributed_graph(SPEC, s, global_batch=4, seq_len=16)
+    assert g.is_acyclic((DATA, SAVED))
+    # each micro-batch still flows from the embedding's forward to the embedding's weight grad
+    for mb in range(2):
+        f = [i for i in range(len(g)) if g.col("region")[i] == "embed" and g.col("phase")[i] == "fwd"
+             and g.col("mb")[i] == mb][0]
+        w = [i for i in range(len(g)) if g.col("region")[i] == "embed" and g.col("phase")[i] == "bwd_weight"
+             and g.col("mb")[i] == mb][0]
+        assert reach(g, f, w)
+
+
+def test_order_needs_a_placed_graph():
+    g = Split(microbatches=1).apply(model_graph(SPEC))
+    with pytest.raises(ProgramError, match="belongs to no action|not on this stage"):
+        Order({0: "0F0 0B0"}).apply(g)
