@@ -132,7 +132,7 @@ def region_activation(model: ModelSpec, kind: str, *, mbs: int, seq_len: int, tp
         return int(2 * sbh * scale) if kind not in ("embed", "moe.experts", "moe.combine") else 0
     if kind == "attn":
         v = sbh * (5 + 8 / t)
-        if recompute == "none":
+        if recompute == "none" and not model.flash_attention:
             v += 5 * a * s * s * b / t
     elif kind == "mlp":
         v = sbh * 5 + 2 * s * b * model.ffn * (mats_in + 1) / t
