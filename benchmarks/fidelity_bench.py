@@ -1,0 +1,170 @@
+"""Simulator fidelity after calibration, on this machine: prints one JSON object.
+
+Live gloo runs of tiny-gpt on ``--nprocs`` local processes. The cost model is fitted
+(``parashift.calibrate.fit``) on the measured timelines of one set of strategies, then the
+simulator predicts the step time of held-out strategies, which are also run live. Every strategy
+runs ``--repeats`` times, interleaved with the others (so a burst of load on a shared machine
+hits all of them alike), for ``--steps`` measured steps after a warm-up step; a strategy's
+measured step time is the median of its steps (the slowest rank's barrier-to-end wall time).
+
+Keys: ``median_ape`` and ``worst_ape`` (absolute percentage error of held-out step times, as
+fractions), ``spearman`` (rank correlation of predicted and measured held-out step times),
+``base_median_ape`` (the uncalibrated datasheet model, for comparison), ``fit_median_ape``
+(step times of the strategies fitted on), ``measurement_split_half_ape`` (the measurements' own
+reproducibility: median step time of the odd rounds against the even ones, median over
+strategies; no prediction can be more accurate than this on a machine as noisy),
+``switch_median_ape`` (live hot switches through SWITCHES: the measured transfer of each switch
+Program against ``simulate_switch`` of it under the fitted model, whose local link is fitted on
+the other switches; null with ``switch_reason`` when the runtime cannot hot-switch), per-strategy
+rows, and the machine's load average.
+Target: median under 10% on CPU/gloo.
+
+Usage: python benchmarks/fidelity_bench.py [--nprocs 4] [--steps 3] [--repeats 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+FIT = ("dp=4", "tp=2,dp=2", "dp=2,pp=2", "pp=4", "dp=2,pp=2,zero=1", "tp=2,dp=2,zero=1")
+HOLDOUT = ("tp=2,pp=2", "dp=4,zero=2", "dp=2,pp=2,mbs=2", "pp=4,schedule=gpipe", "dp=2,pp=2,schedule=zb-h1",
+           "dp=4,zero=1")
+
+
+def _log(msg: str) -> None:
+    print(f"fidelity: {msg}", file=sys.stderr, flush=True)
+
+
+SWITCHES = (("dp=4", "tp=2,dp=2"), ("tp=2,dp=2", "dp=2,pp=2"), ("dp=2,pp=2", "pp=4"), ("pp=4", "dp=4,zero=1"))
+
+
+def _switch_fidelity(cost_model, cluster, model: str, repeats: int, global_batch: int, seq_len: int) -> dict:
+    """Live hot switches (one job switching through SWITCHES, ``repeats`` times): the measured
+    transfer (the switch Program's execution) against ``simulate_switch`` of the same Program,
+    leave-one-out: the training-calibrated model plus the local link fitted on the other switches
+    (``switch_training_only_median_ape``: without that)."""
+    try:
+        from parashift.exec.switch import plan_live_switch
+        from parashift.exec.switch_live import run_live
+    except ImportError as e:
+        return {"switch_median_ape": None, "switch_reason": f"the runtime has no live hot switch ({e})"}
+    from parashift import models
+    from parashift.calibrate import ape
+    from parashift.sim import simulate_switch
+    from parashift.strategy import Strategy
+    spec = models.get(model)
+    plan = [(2 * (k + 1), dst, None) for k, (_src, dst) in enumerate(SWITCHES)]
+    measured: dict[int, list[float]] = {}
+    try:
+        for rep in range(repeats):
+            res = run_live(spec, SWITCHES[0][0], steps=2 * len(SWITCHES) + 2, switches=plan,
+                           global_batch=global_batch, seq_len=seq_len)
+            if any(sw.get("aborted") for sw in res.switches) or len(res.switches) != len(SWITCHES):
+                raise RuntimeError(f"live switches did not all complete: {res.switches}")
+            for k, sw in enumerate(res.switches):
+                measured.setdefault(k, []).append(sw["transfer_seconds"])
+            _log(f"switch round {rep + 1}/{repeats}: "
+                 + ", ".join(f"{sw['src']}->{sw['dst']} {sw['transfer_seconds'] * 1e3:.1f} ms" for sw in res.switches))
+    except Exception as e:  # noqa: BLE001 - the live switch is another component; report why it is missing
+        return {"switch_median_ape": None, "switch_reason": f"live hot switch failed: {type(e).__name__}: {e}"[:300]}
+    from parashift.calibrate import fit_programs
+    progs, meas = [], []
+    for k, (src, dst) in enumerate(SWITCHES):
+        a, b = Strategy.parse(src), Strategy.parse(dst)
+        progs.append(plan_live_switch(spec, a, b, tuple(range(a.world)), tuple(range(b.world))).program)
+        meas.append(float(np.median(measured[k])))
+    rows = []
+    for k, (src, dst) in enumerate(SWITCHES):
+        # the local link (switches copy through it; training never does) fitted on the other switches
+        others = [j for j in range(len(SWITCHES)) if j != k]
+        local, _ = fit_programs([progs[j] for j in others], [meas[j] for j in others], cluster, base=cost_model)
+        pred = simulate_switch(progs[k], cluster, local).switch_time
+        rows.append({"src": src, "dst": dst, "measured": meas[k], "predicted": pred,
+                     "training_only_predicted": simulate_switch(progs[k], cluster, cost_model).switch_time,
+                     "ape": float(ape([pred], [meas[k]])[0])})
+    e = [r["ape"] for r in rows]
+    e0 = ape([r["training_only_predicted"] for r in rows], meas)
+    return {"switch_median_ape": float(np.median(e)), "switch_worst_ape": float(np.max(e)),
+            "switch_training_only_median_ape": float(np.median(e0)), "switches": rows}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny-gpt")
+    ap.add_argument("--nprocs", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=None)
+    ap.add_argument("--fit", default=";".join(FIT), help='strategies to fit on, ";"-separated')
+    ap.add_argument("--holdout", default=";".join(HOLDOUT), help='strategies to predict, ";"-separated')
+    args = ap.parse_args(argv)
+
+    from parashift import cluster as clusters, models
+    from parashift.calibrate import ape, fit, spearman
+    from parashift.calibrate.probe import run_probe
+    from parashift.ir import compile as ir_compile
+    from parashift.sim import CostModel, simulate
+    from parashift.strategy import Strategy
+
+    t0 = time.perf_counter()
+    load0 = os.getloadavg()[0]
+    spec = models.get(args.model)
+    cl = clusters.get("cpu-local")
+    seq = args.seq_len or spec.seq_len
+    fit_set = [s for s in args.fit.split(";") if s]
+    hold_set = [s for s in args.holdout.split(";") if s]
+    strategies = {s: Strategy.parse(s).validate(spec) for s in fit_set + hold_set}
+    bad = [s for s, st in strategies.items() if st.world != args.nprocs]
+    if bad:
+        raise SystemExit(f"strategies {bad} do not use --nprocs={args.nprocs} processes; pass --fit/--holdout")
+    programs = {s: ir_compile(spec, st, global_batch=args.global_batch, seq_len=seq) for s, st in strategies.items()}
+    runs: dict[str, list] = {s: [] for s in programs}
+    for rep in range(args.repeats):
+        order = fit_set + hold_set if rep % 2 == 0 else list(reversed(fit_set + hold_set))
+        for s in order:
+            r = run_probe(programs[s], steps=args.steps)
+            runs[s].append(r)
+            _log(f"round {rep + 1}/{args.repeats} {s}: {r.step_time * 1e3:.1f} ms/step")
+    measured = {s: float(np.median([t for r in rs for t in r.step_times])) for s, rs in runs.items()}
+    # the measurement's own reproducibility: median step time of the odd rounds against the even ones
+    halves = {s: [float(np.median([t for r in rs[i::2] for t in r.step_times])) for i in (0, 1)]
+              for s, rs in runs.items() if len(rs) >= 2}
+    noise = [abs(a / b - 1.0) for a, b in halves.values()]
+
+    _log("fitting")
+    tls = [r.timeline for s in fit_set for r in runs[s]]
+    progs = [programs[s] for s in fit_set for _ in runs[s]]
+    f = fit(tls, cl, programs=progs, steps=False)
+    base = CostModel.for_cluster(cl)
+    pred = {s: simulate(p, cl, f.cost_model).step_time for s, p in programs.items()}
+    base_pred = {s: simulate(p, cl, base).step_time for s, p in programs.items()}
+
+    m_h = [measured[s] for s in hold_set]
+    e = ape([pred[s] for s in hold_set], m_h)
+    eb = ape([base_pred[s] for s in hold_set], m_h)
+    ef = ape([pred[s] for s in fit_set], [measured[s] for s in fit_set])
+    rows = [{"strategy": s, "set": "fit" if s in fit_set else "holdout", "measured": measured[s],
+             "predicted": pred[s], "base_predicted": base_pred[s], "ape": float(ape([pred[s]], [measured[s]])[0]),
+             "run_medians": [r.step_time for r in runs[s]]}
+            for s in fit_set + hold_set]
+    out = {"model": spec.name, "cluster": cl.name, "nprocs": args.nprocs, "steps": args.steps,
+           "repeats": args.repeats, "median_ape": float(np.median(e)), "worst_ape": float(np.max(e)),
+           "spearman": spearman([pred[s] for s in hold_set], m_h), "base_median_ape": float(np.median(eb)),
+           "base_spearman": spearman([base_pred[s] for s in hold_set], m_h),
+           "fit_median_ape": float(np.median(ef)), "instr_median_ape": f.median_ape,
+           "measurement_split_half_ape": float(np.median(noise)) if noise else None,
+           **_switch_fidelity(f.cost_model, cl, spec.name, args.repeats, args.global_batch, seq),
+           "strategies": rows,
+           "params": {r.name: r.fitted for r in f.params.itertuples()},
+           "load_average": [load0, os.getloadavg()[0]], "seconds": time.perf_counter() - t0}
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))

@@ -1,0 +1,93 @@
+"""`parashift replay`: replay a preemption trace against a live, hot-switching job."""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+HELP = ("replay a preemption/availability trace against a live job that hot-switches at every event "
+        "(optionally against checkpoint-restart)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", metavar="TRACE", help="trace file or shipped trace name (e.g. bamboo/p3-trace.csv)")
+    p.add_argument("--model", default="tiny-gpt", help="model preset the runtime can train (default tiny-gpt)")
+    p.add_argument("--strategy-policy", dest="policy", choices=("best", "switch-aware"), default="switch-aware",
+                   help="best: the best strategy per device count; switch-aware: the plan_trace dynamic program "
+                        "(default)")
+    p.add_argument("--max-procs", type=int, default=4, help="local processes at the busiest moment (default 4)")
+    p.add_argument("--time-scale", type=float, default=600.0,
+                   help="trace seconds per replay second (default 600: ten trace minutes a second)")
+    p.add_argument("--from", dest="start", type=float, help="window start in trace seconds")
+    p.add_argument("--to", dest="stop", type=float, help="window end in trace seconds")
+    p.add_argument("--max-events", type=int, help="replay only the first K events of the window")
+    p.add_argument("--notice", type=float,
+                   help="notice in trace seconds for preemptions the trace records none for (default 120, AWS)")
+    p.add_argument("--devices-per-node", type=float,
+                   help="devices per trace node (default: max-procs / the most nodes in the window)")
+    p.add_argument("--global-batch", type=int, default=8, help="sequences per step (default 8)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
+    p.add_argument("--max-steps", type=int, default=400, help="stop the replay after this many steps (default 400)")
+    p.add_argument("--baseline", choices=("checkpoint-restart",),
+                   help="also replay the same switches by DCP save, process restart and load")
+    p.add_argument("--cost-model", help="calibrated cost model JSON for the strategy search")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a job is stopped (default 900)")
+    p.add_argument("--plot", help="write availability, switches and the loss curves (PNG)")
+    p.add_argument("--table", help="write the per-event table as CSV")
+
+
+def run(args: argparse.Namespace) -> dict:
+    from ..exec.replay import replay
+    cost = None
+    if args.cost_model:
+        from ..sim import CostModel
+        cost = CostModel.load(args.cost_model)
+
+    def say(msg: str) -> None:
+        if not args.json:
+            print(f"replay: {msg}", file=sys.stderr, flush=True)
+
+    res = replay(args.trace, args.model, policy=args.policy, max_procs=args.max_procs, time_scale=args.time_scale,
+                 start=args.start, end=args.stop, max_events=args.max_events, baseline=args.baseline,
+                 notice=args.notice, devices_per_node=args.devices_per_node, global_batch=args.global_batch,
+                 seq_len=args.seq_len, cost_model=cost, max_steps=args.max_steps, timeout=args.timeout, progress=say)
+    out = res.to_json()
+    if args.plot:
+        out["plot"] = res.plot(args.plot)
+    if args.table:
+        res.to_frame().to_csv(args.table, index=False)
+        out["table"] = args.table
+    return out
+
+
+def _ms(v) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v * 1e3:.0f}"
+
+
+def render(result: dict, args: argparse.Namespace) -> None:
+    print(f"{result['model']} replaying {result['trace']} ({result['policy']}, x{result['time_scale']:g}, "
+          f"{result['devices_per_node']:g} devices/node): {result['steps']} steps in {result['duration']:.1f} s, "
+          f"starting on {result['initial_devices']} devices with {result['initial_strategy']}")
+    base = result.get("baseline")
+    print(f"  {'t(s)':>6} {'trace t':>8} {'event':>8} {'dev':>3} {'step':>5} {'pause ms':>8} {'lost ms':>8}"
+          + (f" {'restart ms':>10}" if base else "") + "  strategy")
+    for e in result["events"]:
+        step = "-" if e.get("step") is None else str(e["step"])
+        what = e["strategy"] if e["switched"] else ("(no switch)" if e["applied"] else "(not reached)")
+        print(f"  {e['time']:6.2f} {e['trace_time']:8.0f} {e['event']:>8} {e['devices']:3d} {step:>5} "
+              f"{_ms(e['pause_seconds'] if e['switched'] else None):>8} "
+              f"{_ms(e['lost_seconds'] if e['switched'] else None):>8}"
+              + (f" {_ms(e.get('baseline_lost_seconds')):>10}" if base else "") + f"  {what}")
+    print(f"  loss {result['losses'][0]:.6f} -> {result['losses'][-1]:.6f}; static job "
+          f"{result['static_losses'][0]:.6f} -> {result['static_losses'][-1]:.6f} "
+          f"(max relative difference {result['max_loss_rel_diff']:.2e})")
+    diff = ", ".join(f"{k} {v:.1e}" for k, v in result["state_difference"].items())
+    print(f"  final state vs static job (max relative difference): {diff}")
+    print(f"  time lost to reconfiguration: {result['lost_seconds']:.3f} s (hot switch)")
+    if base:
+        ratio = result.get("lost_ratio")
+        print(f"                                {result['baseline_lost_seconds']:.3f} s ({base})"
+              + (f"  -> {ratio:.1f}x more with {base}" if ratio else ""))
+    for key in ("plot", "table"):
+        if result.get(key):
+            print(f"  {key}: {result[key]}")

@@ -1,0 +1,78 @@
+"""`parashift run`: train a model under a strategy on local processes (or execute a saved plan)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..errors import StrategyError
+
+HELP = "train a model for real on local processes (gloo on CPU, NCCL on GPUs) under a strategy or a saved plan"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("plan", nargs="?", help="a deploy plan file (a saved Program); omit to compile --model/--strategy")
+    p.add_argument("--model", default="tiny-gpt", help="model preset (default tiny-gpt)")
+    p.add_argument("--strategy", default="dp=1,tp=1,pp=1", help="e.g. 'dp=2,pp=2,schedule=1f1b'")
+    p.add_argument("--nprocs", type=int, help="processes to start (default: the strategy's world size)")
+    p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    p.add_argument("--global-batch", type=int, default=8, help="sequences per step (default 8)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--trace", help="write the last step's measured timeline as a Chrome trace to this file")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the job is stopped (default 600)")
+    p.add_argument("--switch-at", action="append", default=[], metavar="STEP:STRATEGY[:DEVICES]",
+                   help="hot-switch the live job at STEP to STRATEGY (on DEVICES, e.g. 0,1,2 or 0-2: shrink, "
+                        "grow or reshape); repeatable")
+
+
+def run(args: argparse.Namespace) -> dict:
+    from .. import models
+    from ..exec import OptimConfig, compile_program, load_plan, run_program, under_torchrun
+    if args.switch_at:
+        if args.plan:
+            raise StrategyError("--switch-at runs a live job from --model/--strategy; drop the plan file")
+        if args.steps < 1:
+            raise StrategyError(f"--steps {args.steps} must be at least 1")
+        from ..exec.switch_live import run_cli
+        return run_cli(args)
+    if args.plan:
+        program = load_plan(args.plan)
+    else:
+        spec = models.get(args.model)
+        program = compile_program(spec.name, args.strategy, global_batch=args.global_batch,
+                                  seq_len=args.seq_len or spec.seq_len)
+    if args.nprocs is not None and args.nprocs != program.world:
+        raise StrategyError(f"strategy {program.strategy} needs {program.world} processes, not --nprocs {args.nprocs}; "
+                            f"drop --nprocs or change the strategy")
+    if args.steps < 1:
+        raise StrategyError(f"--steps {args.steps} must be at least 1")
+
+    def progress(step: int, loss: float, seconds: float) -> None:
+        if not args.json:
+            print(f"step {step + 1}/{args.steps}  loss {loss:.6f}  {seconds * 1e3:.1f} ms", file=sys.stderr, flush=True)
+
+    res = run_program(program, steps=args.steps, optim=OptimConfig(lr=args.lr), timeout=args.timeout,
+                      progress=progress)
+    if args.trace and not (under_torchrun() and int(os.environ["RANK"]) != 0):
+        res.to_chrome_trace(args.trace)
+    out = res.to_json()
+    if args.trace:
+        out["trace"] = args.trace
+    if under_torchrun() and int(os.environ["RANK"]) != 0:
+        sys.stdout = open(os.devnull, "w")   # every rank has the gathered result; rank 0 prints it
+    return out
+
+
+def render(result: dict, args: argparse.Namespace) -> None:
+    if "switches" in result:
+        from ..exec.switch_live import render_cli
+        render_cli(result)
+        return
+    times = sorted(result["step_times"])
+    print(f"{result['model']} under {result['strategy']} ({result['schedule']}) on {result['nprocs']} processes")
+    print(f"  loss          {result['losses'][0]:.6f} -> {result['losses'][-1]:.6f} over {len(result['losses'])} steps")
+    print(f"  step time     median {times[len(times) // 2] * 1e3:.1f} ms")
+    print(f"  peak memory   {max(result['peak_memory']) / 2**20:.2f} MiB (max over ranks)")
+    if result.get("trace"):
+        print(f"  trace         {result['trace']}")

@@ -1,0 +1,241 @@
+"""Elastic device manager: process groups on a shared TCPStore, created in the background.
+
+``torch.distributed.new_group`` is collective over the default world, which cannot grow. The
+manager instead builds each communicator directly on the job's TCPStore
+(``ProcessGroupGloo(PrefixStore(...), rank, size)``), so a fresh worker process started for a
+joining device rendezvous with the running job through the same store. Groups are cached by
+member set (members are *incarnations*: a device id and the generation its process started in,
+so a device that left and came back gets new communicators) and reused by later switches.
+
+:func:`launch_elastic` starts one process per incarnation and collects their results like
+``launch_local``; a joining device's process is started fresh when its switch is announced.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue as queue_mod
+import threading
+import time
+import traceback
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import RuntimeFailure
+
+__all__ = ["Member", "ElasticContext", "ElasticManager", "launch_elastic", "incarnations"]
+
+
+@dataclass(frozen=True)
+class Member:
+    """One worker process: device ``device`` from generation ``first`` through ``last`` (inclusive)."""
+
+    device: int
+    first: int
+    last: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.device}.{self.first}"
+
+
+def incarnations(device_sets: list[tuple[int, ...]]) -> list[Member]:
+    """The worker processes a sequence of generations needs: one per maximal run of consecutive
+    generations a device belongs to."""
+    out = []
+    for d in sorted({d for ds in device_sets for d in ds}):
+        g = 0
+        while g < len(device_sets):
+            if d in device_sets[g]:
+                a = g
+                while g + 1 < len(device_sets) and d in device_sets[g + 1]:
+                    g += 1
+                out.append(Member(d, a, g))
+            g += 1
+    return out
+
+
+@dataclass
+class ElasticContext:
+    """What a worker function receives: its incarnation, the job's store and settings."""
+
+    member: Member
+    store: Any
+    backend: str
+    timeout: float
+    report: Callable[[Any], None] | None = None
+
+    @property
+    def device(self) -> int:
+        return self.member.device
+
+
+class ElasticManager:
+    """One process's communicator cache over the job's store.
+
+    ``group(members)`` returns the process group of a tuple of incarnation keys (this process's
+    must be among them), creating it on first use; ``prepare(sets)`` creates several in a
+    background thread and returns a Future (every member must prepare the same sets, in any
+    order: creation is keyed, so the order only matters per member set). ``drop(members)``
+    forgets a group (after a failed switch: its in-flight work is abandoned), so the next
+    ``group`` call builds a fresh one under a new prefix.
+    """
+
+    def __init__(self, store: Any, me: str, timeout: float = 60.0) -> None:
+        self.store, self.me, self.timeout = store, me, timeout
+        self._groups: dict[tuple[str, ...], Any] = {}
+        self._epoch: dict[tuple[str, ...], int] = {}
+        self._lock = threading.Lock()
+        self.created = 0            # groups built (cache misses)
+        self.reused = 0             # cache hits
+
+    def group(self, members: tuple[str, ...]) -> Any:
+        members = tuple(members)
+        if len(members) < 2:
+            return None
+        with self._lock:
+            pg = self._groups.get(members)
+            if pg is not None:
+                self.reused += 1
+                return pg
+            epoch = self._epoch.get(members, 0)
+        import torch.distributed as dist
+        if self.me not in members:
+            raise RuntimeFailure(f"process {self.me} asked for group {members}, which it is not in")
+        prefix = f"pg/{','.join(members)}/{epoch}"
+        pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self.store), members.index(self.me), len(members),
+                                   datetime.timedelta(seconds=self.timeout))
+        with self._lock:
+            self._groups[members] = pg
+            self.created += 1
+        return pg
+
+    def prepare(self, sets: list[tuple[str, ...]]) -> "Future":
+        """Create the groups of ``sets`` in a background thread; the Future's result is the list of groups."""
+        fut: Future = Future()
+
+        def work() -> None:
+            try:
+                fut.set_result([self.group(m) for m in sets])
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                fut.set_exception(e)
+        threading.Thread(target=work, name="parashift-elastic", daemon=True).start()
+        return fut
+
+    def drop(self, members: tuple[str, ...]) -> None:
+        with self._lock:
+            if self._groups.pop(tuple(members), None) is not None:
+                self._epoch[tuple(members)] = self._epoch.get(tuple(members), 0) + 1
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+
+# ---- launcher -------------------------------------------------------------------------------------------
+def _child(fn: Callable, args: tuple, member: Member, port: int, results: Any, timeout: float,
+           threads: int | None, backend: str) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    key = member.key
+
+    def report_err(e: BaseException) -> None:
+        results.put((key, "err", f"{type(e).__name__}: {e}", traceback.format_exc(), time.time()))
+
+    try:
+        import torch
+        import torch.distributed as dist
+        if threads:
+            torch.set_num_threads(threads)
+        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=timeout))
+        ctx = ElasticContext(member, store, backend, timeout, lambda payload: results.put((key, "progress", payload)))
+        out = fn(ctx, *args)
+        results.put((key, "ok", out))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent with the traceback
+        report_err(e)
+    finally:
+        # flush the result, then leave without running destructors: communicators abandoned by a
+        # failed switch may still hold work posted to a dead peer, and would block until it times out
+        results.close()
+        results.join_thread()
+        os._exit(0)
+
+
+def launch_elastic(fn: Callable, members: list[Member], *, args: tuple = (), timeout: float = 300.0,
+                   backend: str = "gloo", threads: int | None = 1, allow_dead: bool = False,
+                   on_report: Callable[[str, Any], None] | None = None,
+                   start_key: Callable[[Member], str | None] | None = None) -> dict[str, Any]:
+    """Run ``fn(ctx, *args)`` in one fresh process per member; return {member key: result}.
+
+    All processes share one TCPStore held by this process. ``start_key(member)``: a store key
+    the member's process waits for before it is started (None: start at once), e.g. the notice of
+    the switch a joining device comes in at; a member whose key never appears (every started
+    process has finished) gets the result None. ``allow_dead``: a process that dies
+    without reporting (a fault test kills it) gets the result None instead of failing the job.
+    Raises RuntimeFailure when a process raises, or when the job exceeds ``timeout`` seconds.
+    """
+    import torch.distributed as dist
+    from .launch import _context, _stop
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=timeout),
+                          wait_for_workers=False)
+    ctx = _context()
+    results = ctx.Queue()
+    procs = {m.key: ctx.Process(target=_child, args=(fn, args, m, store.port, results, timeout, threads, backend),
+                                name=f"parashift-dev{m.key}", daemon=True) for m in members}
+    procs_members = {m.key: m for m in members}
+    got: dict[str, Any] = {}
+    waiting = {m.key: start_key(m) for m in members} if start_key is not None else {}
+    waiting = {k: v for k, v in waiting.items() if v is not None}
+    try:
+        for k, p in procs.items():
+            if k not in waiting:
+                p.start()
+        deadline = time.monotonic() + timeout
+        while len(got) < len(procs):
+            for k, key in list(waiting.items()):
+                if store.check([key]):
+                    procs[k].start()           # a fresh process for a joining device
+                    del waiting[k]
+            if waiting and all(k in got for k in procs if k not in waiting):
+                for k in waiting:              # nobody is left to announce their switch
+                    got[k] = None
+                waiting.clear()
+                continue
+            try:
+                item = results.get(timeout=0.1)
+            except queue_mod.Empty:
+                item = None
+            if item is not None:
+                k, kind = item[0], item[1]
+                if kind == "err":
+                    raise RuntimeFailure(f"process {k} failed: {item[2]}\n--- traceback of {k} ---\n{item[3]}")
+                if kind == "progress":
+                    if on_report is not None:
+                        on_report(k, item[2])
+                    continue
+                got[k] = item[2]
+                continue
+            for k, p in procs.items():
+                if k not in got and k not in waiting and not p.is_alive() and p.exitcode is not None:
+                    try:
+                        item = results.get(timeout=0.5)
+                    except queue_mod.Empty:
+                        item = None
+                    if item is not None:
+                        results.put(item)
+                        break
+                    store.set(f"dead/{procs_members[k].device}", k)   # survivors stop waiting for it
+                    if allow_dead:
+                        got[k] = None
+                        continue
+                    raise RuntimeFailure(f"process {k} died with exit code {p.exitcode} without reporting")
+            if time.monotonic() > deadline:
+                raise RuntimeFailure(f"the elastic job did not finish within {timeout:.0f} s (done: {sorted(got)}); "
+                                     f"raise the timeout or look for a stuck switch")
+        for p in procs.values():
+            if p.pid is not None:
+                p.join(10.0)
+    finally:
+        _stop(list(procs.values()))
+        results.close()
+        del store
+    return got

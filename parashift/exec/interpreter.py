@@ -1,0 +1,552 @@
+"""The instruction interpreter: runs one rank's Program, stream by stream, honoring deps.
+
+Each stream executes its instructions in order. Compute instructions run on the calling thread;
+communication is issued asynchronously (work handles) and polled, so the compute stream keeps
+going wherever the Program lets it: a stream's next instruction starts when the previous one of
+that stream has completed and the instructions named in its ``deps`` (other streams of this rank)
+have completed. Point-to-point sends and receives are *posted* in stream order without waiting
+for the previous one to finish (as a GPU stream enqueues them); whatever consumes a receive, or
+depends on a send, still waits for its completion through ``deps``. Collectives of
+different streams use different communicators (the ``Worlds`` channel), so their interleaving
+never mismatches between ranks.
+
+What each instruction does is decided by its op, phase, region and tag (see
+``/work/notes/conventions.md``); the numbers come from :mod:`parashift.exec.regions` and the
+state store. A failing instruction raises RuntimeFailure naming the rank, stream, instruction
+and its neighbours.
+"""
+from __future__ import annotations
+
+import re
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ..errors import RuntimeFailure
+from ..ir.program import Instr, Program
+from ..models import ModelSpec
+from .comm import Flight, Poller, a2a, all_gather, all_gather_flat, reduce_scatter
+from .profiler import tensor_bytes
+from .reference import OptimConfig, microbatch_rows
+from .regions import KINDS, Rec, RegionCtx, atomic_regions, head_logit_grad, region_kind
+from .state import _DT, StateStore
+
+__all__ = ["Interpreter", "chunk_atoms", "group_keys"]
+
+_P2P = re.compile(r"^(act|grad)\.c(\d+)\.m(\d+)$")
+_TP = re.compile(r"^tp\.(.+)\.(fwd|bwd|bwd_input)\.m(\d+)$")
+_EP = re.compile(r"^ep\.layers\.(\d+)\.moe\.(dispatch|combine)\.(fwd|bwd|bwd_input)\.m(\d+)$")
+_DP = re.compile(r"^(dp|edp)\.(grad|param)\.c(\d+)$")
+_Z3 = re.compile(r"^z3\.(e?param)\.c(\d+)\.(\w+)\.m(\d+)$")
+_P2P_ORDER = ("p2p", "comm")   # streams issued before compute, so communication starts early
+
+
+def chunk_atoms(spec: ModelSpec, strategy) -> list[list[str]]:
+    """Atomic regions of every chunk (virtual stage), in model order."""
+    ls = strategy.layer_stages(spec.layers)
+    out: list[list[str]] = [[] for _ in range(strategy.stages)]
+    out[0].append("embed")
+    for i in range(spec.layers):
+        out[int(ls[i])] += atomic_regions(f"layers.{i}-{i}", spec)
+    out[-1].append("head")
+    return out
+
+
+def group_keys(program: Program) -> set[tuple[tuple[int, ...], str]]:
+    """Every (members, channel) a program's collectives and p2p use, over all ranks."""
+    keys: set[tuple[tuple[int, ...], str]] = set()
+    world = tuple(range(program.world))
+    for r, rp in program.ranks.items():
+        for stream, instrs in rp.streams.items():
+            for i in instrs:
+                if i.group is not None:
+                    keys.add((tuple(sorted(program.resolve_group(r, i))), stream))
+                elif i.op in ("send", "recv"):
+                    keys.add((world, "p2p"))
+    return keys
+
+
+@dataclass
+class _Step:
+    """Per-step state: activation / gradient environments per (chunk, mb) and the mailboxes."""
+
+    env: dict = field(default_factory=dict)
+    genv: dict = field(default_factory=dict)
+    recs: dict = field(default_factory=dict)
+    act: dict = field(default_factory=dict)
+    gout: dict = field(default_factory=dict)
+    open_bwd: dict = field(default_factory=dict)   # chunk -> TP backward reductions not yet finished
+    loss: float = 0.0
+
+    def e(self, c: int, mb: int) -> dict:
+        return self.env.setdefault((c, mb), {})
+
+    def g(self, c: int, mb: int) -> dict:
+        return self.genv.setdefault((c, mb), {})
+
+
+class Interpreter:
+    """Executes one rank's RankProgram for one training step at a time."""
+
+    def __init__(self, program: Program, rank: int, worlds: Any, store: StateStore, spec: ModelSpec,
+                 device: torch.device, batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+                 optim: OptimConfig, record: Callable[[Instr, str, float, float], None] | None = None,
+                 timeout: float = 300.0) -> None:
+        from .models import rope_tables
+        self.program, self.rank, self.worlds, self.store, self.spec = program, rank, worlds, store, spec
+        self.device, self.batch, self.optim, self.record, self.timeout = device, batch, optim, record, timeout
+        s = self.strategy = program.strategy
+        self.rp = program.ranks[rank]
+        self.coords = s.coords(rank)
+        meta = program.meta
+        self.seq, self.gb = int(meta["seq_len"]), int(meta["global_batch"])
+        self.atoms = chunk_atoms(spec, s)
+        self.rc = {(i.chunk, i.microbatch, a) for i in self.rp.instrs() if i.phase == "recompute"
+                   for a in atomic_regions(i.region, spec)}
+        self.ctx = RegionCtx(spec, s.tp, self.coords["tp"], s.ep, self.coords["ep"], 1.0 / (self.gb * self.seq),
+                             store.param, store.grad,
+                             tuple(t.to(_DT[spec.dtype]) for t in rope_tables(self.seq, spec.head_dim, device=device)),
+                             chain=s.tp == 1 and not spec.is_moe)
+        self.streams = sorted(self.rp.streams, key=lambda n: (n not in _P2P_ORDER, _P2P_ORDER.index(n)
+                                                              if n in _P2P_ORDER else 0, n))
+        self.pos = {i.id: (st, k) for st, ins in self.rp.streams.items() for k, i in enumerate(ins)}
+        self.nccl = worlds.backend == "nccl"
+        self.pool: ThreadPoolExecutor | None = None     # waits on gloo send/recv (they cannot be polled)
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    def run_step(self, step: int) -> float:
+        """Execute the program once; returns this rank's share of the step's loss."""
+        self.st = _Step()
+        self.tokens, self.targets = self.batch(step)
+        done: set[int] = set()
+        ptr = {s: 0 for s in self.streams}
+        busy: dict[str, Flight] = {}
+        if self.pool is None and not self.nccl:
+            self.pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="parashift-p2p")
+        poller = Poller(gloo=not self.nccl, pool=self.pool, wait_only=self.worlds.backend == "fake")
+        left = len(self.rp)
+
+        def finish(items: list) -> None:
+            nonlocal left
+            for fl, err in items:
+                self._complete(fl, err)
+                done.add(fl.instr.id)
+                if busy.get(fl.stream) is fl:
+                    del busy[fl.stream]
+                left -= 1
+        try:
+            while left:
+                progressed = False
+                for s in self.streams:
+                    if s in busy or ptr[s] >= len(self.rp.streams[s]):
+                        continue
+                    ins = self.rp.streams[s][ptr[s]]
+                    if any(d not in done for d in ins.deps) or not self._grads_final(ins):
+                        continue
+                    ptr[s] += 1
+                    progressed = True
+                    fl = self._issue(ins, s)
+                    if fl is None:
+                        done.add(ins.id)
+                        left -= 1
+                    elif not fl.works:
+                        self._complete(fl, None)
+                        done.add(ins.id)
+                        left -= 1
+                    else:
+                        if ins.op not in ("send", "recv"):   # p2p is posted in order, never waited on in line
+                            busy[s] = fl
+                        poller.submit(fl)
+                    if busy:
+                        finish(poller.ready())
+                if left and not progressed:
+                    got = poller.wait(self.timeout)
+                    if not got:
+                        heads = {s: str(self.rp.streams[s][ptr[s]]) for s in self.streams
+                                 if ptr[s] < len(self.rp.streams[s])}
+                        raise RuntimeFailure(f"rank {self.rank} made no progress for {self.timeout:.0f} s; in flight: "
+                                             f"{ {s: str(f.instr) for s, f in busy.items()} }; next: {heads}")
+                    finish(got)
+        finally:
+            poller.close()
+        self.store_release_all()
+        return self.st.loss
+
+    def _grads_final(self, ins: Instr) -> bool:
+        """A DP gradient sync of chunk c also waits for c's TP backward reductions still in flight:
+        the norm-weight gradients of a region are added when its input-gradient all-reduce ends."""
+        if ins.tag is None or ".grad.c" not in ins.tag or not self.st.open_bwd:
+            return True
+        m = _DP.match(ins.tag)
+        return m is None or self.st.open_bwd.get(int(m.group(3)), 0) == 0
+
+    def store_release_all(self) -> None:
+        for b in self.store.buffers.values():
+            b.release_all()
+
+    def _fail(self, ins: Instr, stream: str, e: BaseException) -> RuntimeFailure:
+        seq = self.rp.streams[stream]
+        k = self.pos[ins.id][1]
+        near = "\n".join(("  >> " if j == k else "     ") + str(seq[j])
+                         for j in range(max(0, k - 2), min(len(seq), k + 3)))
+        return RuntimeFailure(f"rank {self.rank}, stream {stream!r}, instruction {ins.id} ({ins.op}"
+                              f"{' ' + ins.phase if ins.phase else ''}) failed: {type(e).__name__}: {e}\n{near}")
+
+    def _issue(self, ins: Instr, stream: str) -> Flight | None:
+        t0 = time.perf_counter()
+        try:
+            if ins.op == "compute":
+                self._compute(ins)
+                if self.nccl and self.record is not None:
+                    torch.cuda.synchronize()
+                self._release(ins)
+                if self.record is not None:
+                    self.record(ins, stream, t0, time.perf_counter())
+                return None
+            fl = self._comm(ins, stream)
+            fl.t0 = t0
+            return fl
+        except RuntimeFailure:
+            raise
+        except Exception as e:  # noqa: BLE001 - re-raised with the instruction's context
+            raise self._fail(ins, stream, e) from e
+
+    def _complete(self, fl: Flight, err: BaseException | None) -> None:
+        try:
+            if err is not None:
+                raise err
+            if fl.then is not None:
+                fl.then()
+            self._release(fl.instr)
+        except RuntimeFailure:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise self._fail(fl.instr, fl.stream, e) from e
+        if self.record is not None:
+            self.record(fl.instr, fl.stream, fl.t0, time.perf_counter())
+
+    def _release(self, ins: Instr) -> None:
+        for name in ins.free:
+            if name.startswith("z3."):
+                self.store.release(name)
+
+    # ---- compute ----------------------------------------------------------------------------------
+    def _compute(self, ins: Instr) -> None:
+        ph = ins.phase
+        if ph == "optim":
+            for b in self.store.buffers.values():
+                b.optimizer_step(self.optim)
+            return
+        c, mb = ins.chunk, ins.microbatch
+        atoms = atomic_regions(ins.region, self.spec)
+        if self.strategy.zero == 3:
+            self.store.active[c] = f"z3.c{c}.{'fwd' if ph == 'fwd' else 'bwd'}.m{mb}"
+        if ph == "fwd":
+            for a in atoms:
+                self._fwd(c, mb, a, ins.region)
+        elif ph == "recompute":
+            carry: dict = {}
+            for a in atoms:
+                self._recompute(c, mb, a, carry)
+        elif ph in ("bwd", "bwd_input") and self.ctx.chain:
+            self._bwd_chain(c, mb, atoms, full=ph == "bwd")
+        elif ph in ("bwd", "bwd_input"):
+            for a in reversed(atoms):
+                self._bwd(c, mb, a, full=ph == "bwd")
+        elif ph == "bwd_weight":
+            for a in reversed(atoms):
+                rec = self.st.recs[(c, mb)][a]
+                KINDS[rec.kind].bwd_weight(self.ctx, rec)
+                self._drop(c, mb, a)
+        else:
+            raise RuntimeError(f"unknown compute phase {ph!r}")
+
+    def _fwd(self, c: int, mb: int, atom: str, region: str) -> None:
+        st, env = self.st, self.st.e(c, mb)
+        first = self.atoms[c][0] == atom
+        if first:
+            if c == 0:
+                rows = microbatch_rows(self.gb, self.strategy.dp, self.coords["dp"], self.strategy.mbs, mb)
+                env["tokens"] = self.tokens[rows].to(self.device)
+            else:
+                env["h"] = st.act.pop((c - 1, mb))
+        if atom == "head":
+            rows = microbatch_rows(self.gb, self.strategy.dp, self.coords["dp"], self.strategy.mbs, mb)
+            env["targets"] = self.targets[rows].to(self.device)
+        kind, layer = region_kind(atom)
+        rec = Rec(atom, kind, layer)
+        st.recs.setdefault((c, mb), {})[atom] = rec
+        graph = (c, mb, atom) not in self.rc
+        with torch.set_grad_enabled(graph):
+            KINDS[kind].fwd(self.ctx, rec, env, graph)
+        rec.built = graph
+        if not self._needs_tp("fwd", kind):
+            self._fwd_done(c, mb, rec)
+
+    def _needs_tp(self, phase: str, kind: str) -> bool:
+        if self.strategy.tp == 1:
+            return False
+        if phase == "fwd":
+            return kind in ("embed", "attn", "mlp", "moe.combine", "head")
+        return kind in ("head", "mlp", "attn", "moe.route")
+
+    def _fwd_done(self, c: int, mb: int, rec: Rec) -> None:
+        env = self.st.e(c, mb)
+        with torch.set_grad_enabled(self.ctx.chain and rec.built):   # chain mode keeps the residual attached
+            KINDS[rec.kind].fwd_done(self.ctx, rec, env)
+        if rec.kind == "head":
+            if self.coords["tp"] == 0:
+                self.st.loss += float(env.pop("loss"))
+            else:
+                env.pop("loss")
+        if not rec.built and rec.kind != "embed":
+            rec.t.clear()
+            rec.tape.clear()
+            rec.tape_a.clear()
+        if self.atoms[c][-1] == rec.region and rec.kind != "head":
+            self.st.act[(c, mb)] = env.pop("h").detach()
+        self._account(c, mb, rec)
+
+    def _account(self, c: int, mb: int, rec: Rec) -> None:
+        """Track the bytes one region keeps for its backward (activations, stashed gradients)."""
+        uses = [(u.x, u.y) for u in rec.tape.uses] + [(u.x, u.y) for u in rec.tape_a.uses]
+        self.store.mem.alloc(f"act:{c}:{mb}:{rec.region}", tensor_bytes([rec.t, rec.saved, uses, rec.dys or []]))
+
+    def _recompute(self, c: int, mb: int, atom: str, carry: dict) -> None:
+        """Rebuild one region's graph from its saved inputs (chain mode: from the previous
+        recomputed region's attached output, so the instruction's regions form one graph)."""
+        rec = self.st.recs[(c, mb)][atom]
+        if rec.kind == "embed":
+            return
+        rec.t.clear()
+        rec.tape.clear()
+        rec.tape_a.clear()
+        tmp = dict(rec.saved)
+        if self.ctx.chain and "h" in carry:
+            tmp["h"] = carry["h"]
+        with torch.enable_grad():
+            KINDS[rec.kind].fwd(self.ctx, rec, tmp, True)
+            if self.ctx.chain and rec.kind in ("attn", "mlp"):
+                carry["h"] = rec.t["h_out"] = rec.t["h"] + rec.t["out"]
+        rec.pending = None
+        rec.built = True
+        self._account(c, mb, rec)
+
+    def _bwd(self, c: int, mb: int, atom: str, full: bool) -> None:
+        st = self.st
+        genv = st.g(c, mb)
+        if self.atoms[c][-1] == atom and atom != "head":
+            genv["h"] = st.gout.pop((c, mb))
+        rec = st.recs[(c, mb)][atom]
+        if not rec.built:
+            raise RuntimeError(f"backward of {atom} (chunk {c}, micro-batch {mb}) has no graph: "
+                               f"its forward ran without one and no recompute instruction rebuilt it")
+        kd = KINDS[rec.kind]
+        kd.bwd_input(self.ctx, rec, genv)
+        if full:
+            kd.bwd_weight(self.ctx, rec)
+        if not self._needs_tp("bwd", rec.kind):
+            self._bwd_done(c, mb, rec, drop=full)
+        else:
+            rec.t["_drop"] = full
+            self.st.open_bwd[c] = self.st.open_bwd.get(c, 0) + 1
+
+    def _bwd_chain(self, c: int, mb: int, atoms: list[str], full: bool) -> None:
+        """Backward of an instruction's regions through their one shared graph (tp == 1, dense):
+        one autograd call yields the input gradient and every parameter use's output gradient."""
+        st = self.st
+        recs = [st.recs[(c, mb)][a] for a in atoms]
+        for rec in recs:
+            if not rec.built:
+                raise RuntimeError(f"backward of {rec.region} (chunk {c}, micro-batch {mb}) has no graph: its "
+                                   f"forward ran without one and no recompute instruction rebuilt it")
+        last = recs[-1]
+        logits = None
+        if last.kind == "head":
+            logits = last.t["logits"]
+            out, gout = logits, head_logit_grad(self.ctx, last)
+        else:
+            out, gout = last.t["h_out"], st.gout.pop((c, mb))
+        body = [r for r in recs if r.kind != "embed"]
+        first = body[0].t["h"] if body else None
+        ins: list[torch.Tensor] = [first] if first is not None and first.grad_fn is None else []
+        spans = []
+        for r in body:
+            a, b = r.tape_a.outputs(), [t for t in r.tape.outputs() if t is not logits]
+            spans.append((r, len(ins), len(a), len(b)))
+            ins += a + b
+        grads = torch.autograd.grad([out], ins, [gout], allow_unused=True)
+        pos = {id(t): k for k, t in enumerate(ins)}
+        for r, _, na, nb in spans:
+            r.t["dys_a"] = [grads[pos[id(t)]] for t in r.tape_a.outputs()]
+            r.dys = [gout if t is logits else grads[pos[id(t)]] for t in r.tape.outputs()]
+        dh = grads[0] if first is not None and first.grad_fn is None else None
+        if recs[0].kind == "embed":
+            recs[0].dys = [dh]
+        elif c > 0:
+            st.gout[(c - 1, mb)] = dh
+        for r in recs:
+            r.t = {k: v for k, v in r.t.items() if k in ("dys_a", "idx", "mine")}
+            if full:
+                KINDS[r.kind].bwd_weight(self.ctx, r)
+                self._drop(c, mb, r.region)
+
+    def _bwd_done(self, c: int, mb: int, rec: Rec, drop: bool) -> None:
+        genv = self.st.g(c, mb)
+        KINDS[rec.kind].bwd_done(self.ctx, rec, genv)
+        if self.atoms[c][0] == rec.region and c > 0:
+            self.st.gout[(c - 1, mb)] = genv.pop("h")
+        if drop:
+            self._drop(c, mb, rec.region)
+
+    def _drop(self, c: int, mb: int, atom: str) -> None:
+        recs = self.st.recs[(c, mb)]
+        rec = recs.pop(atom)
+        rec.drop()
+        self.store.mem.free(f"act:{c}:{mb}:{atom}")
+        if not recs:
+            del self.st.recs[(c, mb)]
+            self.st.env.pop((c, mb), None)
+            self.st.genv.pop((c, mb), None)
+
+    # ---- communication ------------------------------------------------------------------------------
+    def _group(self, ins: Instr, stream: str):
+        return self.worlds.get(self.program.resolve_group(self.rank, ins), stream)
+
+    def _comm(self, ins: Instr, stream: str) -> Flight:
+        tag = ins.tag or ""
+        if ins.op in ("send", "recv"):
+            return self._p2p(ins, stream)
+        m = _TP.match(tag)
+        if m and (ins.op == "all_reduce" or ins.key == "ce_stats"):
+            return self._tp(ins, stream, m.group(1), m.group(2), int(m.group(3)))
+        m = _EP.match(tag)
+        if m and ins.op == "all_to_all":
+            return self._ep(ins, stream, int(m.group(1)), m.group(2), m.group(3), int(m.group(4)))
+        m = _DP.match(tag)
+        if m:
+            return self._dp(ins, stream, m.group(1), m.group(2), int(m.group(3)))
+        m = _Z3.match(tag)
+        if m and ins.op == "all_gather":
+            return self._z3(ins, stream, m.group(1), int(m.group(2)), m.group(3), int(m.group(4)))
+        raise RuntimeError(f"the runtime does not know what {ins.op} with tag {tag!r} carries")
+
+    def _p2p(self, ins: Instr, stream: str) -> Flight:
+        m = _P2P.match(ins.tag or "")
+        if not m:
+            raise RuntimeError(f"p2p tag {ins.tag!r} is not act.c<chunk>.m<mb> or grad.c<chunk>.m<mb>")
+        what, c, mb = m.group(1), int(m.group(2)), int(m.group(3))
+        box = self.st.act if what == "act" else self.st.gout
+        peer = self.program.resolve_peer(self.rank, ins)
+        group = self.worlds.get(range(self.program.world), "p2p")
+        itag = zlib.crc32(ins.tag.encode()) & 0x7FFFFFFF
+        if ins.op == "send":
+            t = box.pop((c, mb)).contiguous()
+            kw = {} if self.nccl else {"tag": itag}
+            return Flight(ins, stream, [dist.isend(t, peer, group=group, **kw)], keep=t)
+        shape = (self.strategy.mbs, self.seq, self.spec.hidden)
+        buf = torch.empty(shape, dtype=self.store.buffers["dense"].dtype, device=self.device)
+        kw = {} if self.nccl else {"tag": itag}
+        work = dist.irecv(buf, peer, group=group, **kw)
+
+        def then() -> None:
+            box[(c, mb)] = buf
+        return Flight(ins, stream, [work], then=then)
+
+    def _tp(self, ins: Instr, stream: str, region: str, phase: str, mb: int) -> Flight:
+        c = ins.chunk
+        rec = self.st.recs[(c, mb)][region]
+        g = self._group(ins, stream)
+        if phase == "fwd":
+            if ins.key == "ce_stats" or ins.op == "all_gather":
+                local = rec.pending
+                out = torch.empty((self.strategy.tp,) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
+                work = all_gather_flat(out, local.contiguous(), group=g, async_op=True)
+
+                def then_ce() -> None:
+                    rec.pending = out
+                    self._fwd_done(c, mb, rec)
+                return Flight(ins, stream, [work], then=then_ce)
+            work = dist.all_reduce(rec.pending, group=g, async_op=True)
+            return Flight(ins, stream, [work], then=lambda: self._fwd_done(c, mb, rec))
+        work = dist.all_reduce(rec.pending, group=g, async_op=True)
+
+        def then_b() -> None:
+            self.st.open_bwd[c] -= 1
+            self._bwd_done(c, mb, rec, rec.t.pop("_drop", True))
+        return Flight(ins, stream, [work], then=then_b)
+
+    def _ep(self, ins: Instr, stream: str, layer: int, which: str, phase: str, mb: int) -> Flight:
+        c = ins.chunk
+        g = self._group(ins, stream)
+        env, genv = self.st.e(c, mb), self.st.g(c, mb)
+        skey = f"moe.splits.{layer}"
+        if phase == "fwd" and which == "dispatch":
+            counts = env["moe.counts"]
+            recv_counts = torch.empty_like(counts)
+            dist.all_to_all_single(recv_counts, counts.contiguous(), group=g)
+            ins_, outs = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+            env[skey] = (ins_, outs)
+            work, out = a2a(env["moe.xs"], ins_, outs, g)
+
+            def then_d() -> None:
+                env["moe.xr"], env["moe.recv_counts"] = out, recv_counts
+            return Flight(ins, stream, [work], then=then_d, keep=env["moe.xs"])
+        sends, recvs = env[skey]
+        if phase == "fwd":            # combine: expert outputs go back to the tokens' owners
+            src, dst, box, i_s, o_s = "moe.yr", "moe.ys", env, recvs, sends
+        elif which == "combine":      # bwd of combine: output grads travel like the dispatch
+            src, dst, box, i_s, o_s = "moe.ys", "moe.yr", genv, sends, recvs
+        else:                         # bwd of dispatch: input grads travel like the combine
+            src, dst, box, i_s, o_s = "moe.xr", "moe.xs", genv, recvs, sends
+        t = box.pop(src)
+        work, out = a2a(t, i_s, o_s, g)
+
+        def then() -> None:
+            box[dst] = out
+        return Flight(ins, stream, [work], then=then, keep=t)
+
+    def _dp(self, ins: Instr, stream: str, axis: str, what: str, c: int) -> Flight:
+        g = self._group(ins, stream)
+        works, thens, keep = [], [], []
+        for b in self.store.families(axis):
+            if c not in b.ranges:
+                continue
+            if what == "grad" and ins.op == "all_reduce":
+                a, e = b.ranges[c]
+                works.append(dist.all_reduce(b.grad_buffer()[a:e], group=g, async_op=True))
+            elif what == "grad":
+                w, then, k = reduce_scatter(b, c, g)
+                works.append(w)
+                thens.append(then)
+                keep.append(k)
+            elif what == "param":
+                w, then, k = all_gather(b, c, g, b.param, b.param_shard(), base=0)
+                works.append(w)
+                thens.append(then)
+                keep.append(k)
+            else:
+                raise RuntimeError(f"unknown DP payload {what!r}")
+        return Flight(ins, stream, [w for w in works if w is not None], then=lambda: [f() for f in thens],
+                      keep=keep)
+
+    def _z3(self, ins: Instr, stream: str, what: str, c: int, phase: str, mb: int) -> Flight:
+        g = self._group(ins, stream)
+        name = f"z3.c{c}.{phase}.m{mb}"
+        fams = self.store.families("edp" if what == "eparam" else "dp")
+        works, thens, keep = [], [], []
+        for b in fams:
+            if c not in b.ranges:
+                continue
+            copy = b.new_copy(c, name)
+            w, then, k = all_gather(b, c, g, copy, b.param, base=b.ranges[c][0])
+            works.append(w)
+            thens.append(then)
+            keep.append(k)
+        return Flight(ins, stream, [w for w in works if w is not None], then=lambda: [f() for f in thens],
+                      keep=keep)

@@ -1,0 +1,142 @@
+"""tiny-gpt / tiny-moe in torch: deterministic initial values and the layers the regions use.
+
+Global tensor layouts (the TensorSpecs of ``parashift.models`` are the source of truth for
+names and shapes; these are the conventions for what the rows mean):
+
+* ``attn.qkv.weight`` ``[q + 2*kv, h]``: grouped per KV head; group ``g`` holds ``r = heads/kv_heads``
+  query heads, then its key head, then its value head (``(r + 2) * head_dim`` rows). An even TP
+  split along dim 0 keeps whole groups.
+* ``mlp.fc1.weight`` ``[2*ffn, h]`` (and ``moe.experts.fc1`` ``[E, 2*f, h]``, ``moe.shared.fc1``):
+  gate and up rows interleaved (row ``2j`` = gate ``j``, row ``2j+1`` = up ``j``), so any even TP
+  split keeps matching pairs.
+
+Weight gradients are not produced by autograd: parameters never require grad; a :class:`Tape`
+records each parameter use (input and output of a linear or a scale) and the weight gradient
+is computed from the output gradient. This is what makes split backward cheap (zb-h1,
+dualpipev): ``bwd_input`` keeps the output gradients, ``bwd_weight`` turns them into weight
+gradients with one matmul each, and the graph is never walked twice.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import StrategyError
+from ..models import ModelSpec, TensorSpec
+
+__all__ = ["check_supported", "init_tensor", "Tape", "rms_norm", "rope_tables", "apply_rope", "swiglu",
+           "INIT_STD"]
+
+INIT_STD = 0.02
+NORM_EPS = 1e-5
+
+
+def check_supported(spec: ModelSpec) -> None:
+    """Raise StrategyError when ``spec`` uses a feature the runtime's torch model does not implement."""
+    bad = []
+    if spec.norm != "rms":
+        bad.append(f"norm={spec.norm!r} (use 'rms')")
+    if spec.pos_emb != "rope":
+        bad.append(f"pos_emb={spec.pos_emb!r} (use 'rope')")
+    if not spec.gated:
+        bad.append("gated=False (use SwiGLU, gated=True)")
+    if spec.bias or spec.qkv_bias:
+        bad.append("linear biases (use bias=False, qkv_bias=False)")
+    if spec.qk_norm:
+        bad.append("qk_norm=True")
+    if spec.tied:
+        bad.append("tied embeddings (use tied=False)")
+    if bad:
+        raise StrategyError(f"the runtime cannot execute model {spec.name!r}: it uses " + ", ".join(bad)
+                            + "; describe it with parashift.models.gpt/moe defaults or use tiny-gpt / tiny-moe")
+
+
+def init_tensor(t: TensorSpec, layers: int, seed: int = 0) -> torch.Tensor:
+    """Deterministic initial value of one global tensor (fp32), the same in every process.
+
+    Norm weights are ones; output projections use std/sqrt(2*layers) (GPT-2 style); the rest N(0, std).
+    """
+    if t.name.endswith("norm.weight"):
+        return torch.ones(t.shape)
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(t.name.encode())) % (2 ** 63))
+    std = INIT_STD
+    if t.name.endswith(("attn.out.weight", "fc2.weight", "experts.fc2", "shared.fc2")):
+        std = INIT_STD / math.sqrt(2 * layers)
+    return torch.randn(t.shape, generator=g) * std
+
+
+@dataclass
+class _Use:
+    key: tuple[str, int | None]
+    kind: str  # "lin" | "scale"
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+@dataclass
+class Tape:
+    """Parameter uses of one region forward; turns output gradients into weight gradients."""
+
+    uses: list[_Use] = field(default_factory=list)
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, name: str, index: int | None = None) -> torch.Tensor:
+        y = torch.matmul(x, w.t())
+        self.uses.append(_Use((name, index), "lin", x, y))
+        return y
+
+    def scale(self, x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
+        y = x * w
+        self.uses.append(_Use((name, None), "scale", x, y))
+        return y
+
+    def outputs(self) -> list[torch.Tensor]:
+        """Tensors whose gradients the backward must capture (those that are part of the graph)."""
+        return [u.y for u in self.uses if u.y.requires_grad]
+
+    def weight_grads(self, dys: list[torch.Tensor | None],
+                     acc: Callable[[str, int | None], torch.Tensor]) -> None:
+        """Accumulate each parameter's gradient (from the captured output gradients) into ``acc(name, index)``."""
+        live = [u for u in self.uses if u.y.requires_grad]
+        for u, dy in zip(live, dys):
+            if dy is None or dy.numel() == 0:
+                continue
+            x = u.x.detach()
+            g = acc(*u.key)
+            if u.kind == "lin":
+                g.addmm_(dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+            else:
+                g.add_((dy * x).reshape(-1, dy.shape[-1]).sum(0))
+
+    def clear(self) -> None:
+        self.uses.clear()
+
+
+def rms_norm(x: torch.Tensor) -> torch.Tensor:
+    """RMS-normalized ``x`` (no weight; the weight is a Tape scale)."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+
+
+def rope_tables(seq: int, dim: int, theta: float = 10000.0, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``[seq, dim]`` for rotary embeddings (rotate-half form)."""
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    ang = torch.outer(torch.arange(seq, dtype=torch.float32, device=device), inv)
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [b, heads, s, d]`` by position."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rot * sin
+
+
+def swiglu(y: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of interleaved gate/up features ``[..., 2f] -> [..., f]``."""
+    y = y.unflatten(-1, (-1, 2))
+    return F.silu(y[..., 0]) * y[..., 1]

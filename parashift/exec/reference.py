@@ -1,0 +1,120 @@
+"""The golden run: deterministic data and a single-process model trained with torch.optim.AdamW.
+
+The reference is written independently of the region machinery (plain autograd on full
+tensors), so agreement between it and a parallel run checks the runtime, not a shared bug.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..models import ModelSpec
+from .models import apply_rope, check_supported, init_tensor, rms_norm, rope_tables, swiglu
+
+__all__ = ["OptimConfig", "make_batch", "microbatch_rows", "reference_loss", "reference_train", "init_params"]
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW hyper-parameters (the same math as ``torch.optim.AdamW``)."""
+
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+def make_batch(spec: ModelSpec, step: int, global_batch: int, seq_len: int, seed: int = 0
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and next-token targets ``[global_batch, seq_len]`` of one step (int64, CPU).
+
+    Sequences follow ``x[t+1] = (5 x[t] + c) mod V`` with a per-sequence ``c`` and 10% noise,
+    so the loss falls within a few steps.
+    """
+    g = torch.Generator().manual_seed(seed * 7919 + step)
+    v = spec.vocab
+    start = torch.randint(0, v, (global_batch, 1), generator=g)
+    inc = torch.randint(1, 8, (global_batch, 1), generator=g)
+    x = torch.empty(global_batch, seq_len + 1, dtype=torch.int64)
+    x[:, :1] = start
+    for t in range(seq_len):
+        x[:, t + 1:t + 2] = (5 * x[:, t:t + 1] + inc) % v
+    noise = torch.rand(global_batch, seq_len + 1, generator=g) < 0.1
+    x = torch.where(noise, torch.randint(0, v, x.shape, generator=g), x)
+    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+
+def microbatch_rows(global_batch: int, dp: int, dp_rank: int, mbs: int, mb: int) -> slice:
+    """Rows of the global batch that micro-batch ``mb`` of DP rank ``dp_rank`` trains on."""
+    per = global_batch // dp
+    start = dp_rank * per + mb * mbs
+    return slice(start, start + mbs)
+
+
+def init_params(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Every global tensor's initial value (fp32)."""
+    return {t.name: init_tensor(t, spec.layers, seed) for t in spec.tensors}
+
+
+def _moe(spec: ModelSpec, P: dict, p: str, z: torch.Tensor) -> torch.Tensor:
+    zf = z.reshape(-1, z.shape[-1])
+    w, idx = torch.softmax(zf @ P[f"{p}.router.weight"].t(), -1).topk(spec.top_k, dim=-1)
+    out = torch.zeros_like(zf)
+    for e in range(spec.experts):
+        tok, slot = (idx == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        a = swiglu(zf[tok] @ P[f"{p}.experts.fc1"][e].t())
+        out = out.index_add(0, tok, (a @ P[f"{p}.experts.fc2"][e].t()) * w[tok, slot].unsqueeze(-1))
+    if spec.shared_ffn:
+        sh = swiglu(zf @ P[f"{p}.shared.fc1"].t()) @ P[f"{p}.shared.fc2"].t()
+        out = out + sh * torch.sigmoid(zf @ P[f"{p}.shared.gate"].t())
+    return out.view(z.shape)
+
+
+def reference_loss(spec: ModelSpec, P: dict[str, torch.Tensor], tokens: torch.Tensor, targets: torch.Tensor,
+                   total_tokens: int) -> torch.Tensor:
+    """Sum of token losses of this batch divided by ``total_tokens`` (full tensors, plain autograd)."""
+    b, n = tokens.shape
+    d, r = spec.head_dim, spec.heads // spec.kv_heads
+    cos, sin = rope_tables(n, d)
+    h = P["embed.word"][tokens]
+    for i in range(spec.layers):
+        p = f"layers.{i}"
+        z = rms_norm(h) * P[f"{p}.attn.norm.weight"]
+        qkv = (z @ P[f"{p}.attn.qkv.weight"].t()).view(b, n, spec.kv_heads, r + 2, d)
+        q = qkv[:, :, :, :r].reshape(b, n, spec.heads, d).transpose(1, 2)
+        k = qkv[:, :, :, r].transpose(1, 2)
+        v = qkv[:, :, :, r + 1].transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = F.scaled_dot_product_attention(q, k.repeat_interleave(r, 1), v.repeat_interleave(r, 1), is_causal=True)
+        h = h + o.transpose(1, 2).reshape(b, n, -1) @ P[f"{p}.attn.out.weight"].t()
+        if spec.is_moe:
+            h = h + _moe(spec, P, f"{p}.moe", rms_norm(h) * P[f"{p}.moe.norm.weight"])
+        else:
+            z = rms_norm(h) * P[f"{p}.mlp.norm.weight"]
+            h = h + swiglu(z @ P[f"{p}.mlp.fc1.weight"].t()) @ P[f"{p}.mlp.fc2.weight"].t()
+    logits = (rms_norm(h) * P["head.norm.weight"]) @ P["head.out"].t()
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum") / total_tokens
+
+
+def reference_train(spec: ModelSpec, steps: int, global_batch: int, seq_len: int, *,
+                    optim: OptimConfig = OptimConfig(), seed: int = 0, data_seed: int = 0
+                    ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Per-step losses and final parameters of a single-process run (torch.optim.AdamW)."""
+    check_supported(spec)
+    P = {k: v.requires_grad_() for k, v in init_params(spec, seed).items()}
+    opt = torch.optim.AdamW(list(P.values()), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
+                            weight_decay=optim.weight_decay, foreach=False)
+    losses = []
+    for step in range(steps):
+        tokens, targets = make_batch(spec, step, global_batch, seq_len, data_seed)
+        opt.zero_grad()
+        loss = reference_loss(spec, P, tokens, targets, tokens.numel())
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, {k: v.detach() for k, v in P.items()}

@@ -1,0 +1,454 @@
+"""Region functions: one region's forward / backward for one micro-batch on local parameter shards.
+
+A region reads named values from the micro-batch's activation environment (``env``: ``tokens``,
+``targets``, ``h`` the residual stream, ``moe.*`` routing values) and writes its outputs there;
+the backward reads output gradients from the gradient environment (``genv``) and writes input
+gradients. Tensor parallelism leaves a *partial* tensor (``Rec.pending``) that the Program's TP
+all-reduce sums in place before ``*_done`` finishes the region:
+
+* fwd: attn / mlp / embed leave their row-parallel output partial; ``fwd_done`` adds the residual.
+* bwd: attn / mlp / head leave the column-parallel input gradient (at the normalized input
+  ``z``) partial; ``bwd_done`` back-propagates the norm and adds the residual gradient.
+
+MoE: route (norm, router, shared expert) leaves its input gradient partial (bwd all-reduce, with
+the TP-partial router/gate weight gradients appended); combine leaves its output partial (fwd
+all-reduce). The EP all-to-alls between them live in the interpreter.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..models import ModelSpec
+from .models import Tape, apply_rope, rms_norm, swiglu
+
+__all__ = ["RegionCtx", "Rec", "KINDS", "atomic_regions", "region_kind", "head_logit_grad"]
+
+
+@dataclass
+class RegionCtx:
+    """What region code needs besides activations: shapes, TP/EP coordinates, parameters, grads."""
+
+    spec: ModelSpec
+    tp: int
+    tp_rank: int
+    ep: int
+    ep_rank: int
+    loss_scale: float                                   # 1 / tokens of the global batch
+    param: Callable[[str], torch.Tensor]                # local shard of a parameter
+    grad: Callable[[str], torch.Tensor]                 # local gradient accumulator of a parameter
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    chain: bool = False     # tp == 1 dense: regions of one instruction share one autograd graph
+
+    def leaf(self, h: torch.Tensor, grad: bool) -> torch.Tensor:
+        """The region's input: kept attached in chain mode, else a fresh leaf."""
+        if self.chain and h.requires_grad:
+            return h
+        return h.detach().requires_grad_(grad)
+
+    def sink(self, name: str, index: int | None, g: torch.Tensor) -> None:
+        self.acc(name, index).add_(g)
+
+    def acc(self, name: str, index: int | None = None) -> torch.Tensor:
+        """The gradient accumulator of a parameter (of expert ``index`` when given)."""
+        a = self.grad(name)
+        return a if index is None else a[index]
+
+
+@dataclass
+class Rec:
+    """One region's forward for one micro-batch (graph pieces kept for its backward)."""
+
+    region: str
+    kind: str
+    layer: int
+    saved: dict[str, Any] = field(default_factory=dict)   # inputs kept for recompute
+    t: dict[str, Any] = field(default_factory=dict)       # graph tensors
+    tape: Tape = field(default_factory=Tape)
+    tape_a: Tape = field(default_factory=Tape)
+    dys: list | None = None
+    pending: torch.Tensor | None = None
+    built: bool = False
+
+    def drop(self) -> None:
+        self.t.clear()
+        self.tape.clear()
+        self.tape_a.clear()
+        self.dys = None
+        self.pending = None
+
+
+def atomic_regions(region: str, spec: ModelSpec) -> list[str]:
+    """Expand a (possibly fused) region string into atomic regions in model order.
+
+    ``"layers.2-3"`` -> the attn and mlp (or moe route/experts/combine) regions of layers 2 and 3;
+    ``"embed+layers.0-1"``, ``"layers.2-3+head"`` and single regions are accepted too.
+    """
+    out: list[str] = []
+    for part in region.split("+"):
+        if part in ("embed", "head"):
+            out.append(part)
+            continue
+        if not part.startswith("layers."):
+            raise ValueError(f"unknown region {region!r}")
+        rest = part[len("layers."):]
+        head, _, tail = rest.partition(".")
+        if tail:
+            out.append(part)
+            continue
+        a, _, b = head.partition("-")
+        for i in range(int(a), int(b or a) + 1):
+            if spec.is_moe:
+                out += [f"layers.{i}.attn", f"layers.{i}.moe.route", f"layers.{i}.moe.experts",
+                        f"layers.{i}.moe.combine"]
+            else:
+                out += [f"layers.{i}.attn", f"layers.{i}.mlp"]
+    return out
+
+
+def region_kind(region: str) -> tuple[str, int]:
+    """(kind, layer) of an atomic region; kind in KINDS."""
+    if region in ("embed", "head"):
+        return region, -1
+    parts = region.split(".")
+    return ".".join(parts[2:]), int(parts[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# dense residual blocks (attn, mlp): h -> z = norm(h) | z -> partial p | h_out = h + sum_tp(p)
+# ---------------------------------------------------------------------------------------------
+def _attn_body(c: RegionCtx, tape: Tape, z: torch.Tensor, p: str) -> torch.Tensor:
+    s = c.spec
+    b, n, _ = z.shape
+    d, r = s.head_dim, s.heads // s.kv_heads
+    groups = s.kv_heads // c.tp
+    qkv = tape.linear(z, c.param(f"{p}.qkv.weight"), f"{p}.qkv.weight").view(b, n, groups, r + 2, d)
+    q = qkv[:, :, :, :r].reshape(b, n, groups * r, d).transpose(1, 2)
+    k = qkv[:, :, :, r].transpose(1, 2)
+    v = qkv[:, :, :, r + 1].transpose(1, 2)
+    cos, sin = c.rope[0][:n], c.rope[1][:n]
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k = k.repeat_interleave(r, dim=1)
+    v = v.repeat_interleave(r, dim=1)
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    o = o.transpose(1, 2).reshape(b, n, groups * r * d)
+    return tape.linear(o, c.param(f"{p}.out.weight"), f"{p}.out.weight")
+
+
+def _mlp_body(c: RegionCtx, tape: Tape, z: torch.Tensor, p: str) -> torch.Tensor:
+    a = swiglu(tape.linear(z, c.param(f"{p}.fc1.weight"), f"{p}.fc1.weight"))
+    return tape.linear(a, c.param(f"{p}.fc2.weight"), f"{p}.fc2.weight")
+
+
+def _norm(c: RegionCtx, rec: Rec, h: torch.Tensor, name: str, grad: bool) -> torch.Tensor:
+    """Graph A of a block: h (leaf) -> z = rms(h) * w; returns a fresh leaf for z."""
+    h_leaf = c.leaf(h, grad)
+    z = rec.tape_a.scale(rms_norm(h_leaf), c.param(name), name)
+    rec.t.update(h=h_leaf, z=z)
+    return z if c.chain else z.detach().requires_grad_(grad)
+
+
+def _block_fwd(c: RegionCtx, rec: Rec, env: dict, grad: bool) -> None:
+    p = rec.region
+    h = env["h"]
+    rec.saved.update(h=h)
+    z = _norm(c, rec, h, f"{p}.norm.weight", grad)
+    body = _attn_body if rec.kind == "attn" else _mlp_body
+    out = body(c, rec.tape, z, p)
+    rec.t.update(z_leaf=z, out=out)
+    rec.pending = out.detach().clone() if c.tp > 1 else out.detach()
+
+
+def _block_fwd_done(c: RegionCtx, rec: Rec, env: dict) -> None:
+    if c.chain and "out" in rec.t:
+        env["h"] = rec.t["h_out"] = rec.t["h"] + rec.t["out"]
+    else:
+        env["h"] = rec.t["h"].detach() + rec.pending
+    rec.pending = None
+
+
+def _block_bwd_input(c: RegionCtx, rec: Rec, genv: dict) -> None:
+    dh = genv.pop("h")
+    ins = [rec.t["z_leaf"]] + rec.tape.outputs()
+    grads = torch.autograd.grad([rec.t["out"]], ins, [dh], allow_unused=True)
+    rec.t["dh_out"] = dh
+    rec.dys = list(grads[1:])
+    rec.pending = grads[0]
+    del rec.t["out"], rec.t["z_leaf"]
+
+
+def _norm_bwd(c: RegionCtx, rec: Rec, dz: torch.Tensor) -> torch.Tensor:
+    ins = [rec.t["h"]] + rec.tape_a.outputs()
+    grads = torch.autograd.grad([rec.t["z"]], ins, [dz], allow_unused=True)
+    rec.tape_a.weight_grads(list(grads[1:]), c.acc)
+    return grads[0]
+
+
+def _block_bwd_done(c: RegionCtx, rec: Rec, genv: dict) -> None:
+    genv["h"] = rec.t.pop("dh_out") + _norm_bwd(c, rec, rec.pending)
+    rec.pending = None
+
+
+# ---------------------------------------------------------------------------------------------
+# embed and head
+# ---------------------------------------------------------------------------------------------
+def _embed_fwd(c: RegionCtx, rec: Rec, env: dict, grad: bool) -> None:
+    w = c.param("embed.word")
+    tok = env["tokens"]
+    local = tok - c.tp_rank * w.shape[0]
+    mine = (local >= 0) & (local < w.shape[0])
+    idx = torch.where(mine, local, torch.zeros_like(local))
+    rec.t.update(idx=idx, mine=mine)
+    rec.pending = w[idx] * mine.unsqueeze(-1).to(w.dtype)
+
+
+def _embed_fwd_done(c: RegionCtx, rec: Rec, env: dict) -> None:
+    env["h"] = rec.pending
+    rec.pending = None
+
+
+def _embed_bwd_input(c: RegionCtx, rec: Rec, genv: dict) -> None:
+    rec.dys = [genv.pop("h")]
+
+
+def _embed_bwd_weight(c: RegionCtx, rec: Rec) -> None:
+    dh = rec.dys[0]
+    mine = rec.t["mine"]
+    g = c.grad("embed.word")
+    g.index_add_(0, rec.t["idx"][mine], dh[mine])
+
+
+def _head_fwd(c: RegionCtx, rec: Rec, env: dict, grad: bool) -> None:
+    """Final norm, vocabulary-parallel logits and this rank's loss statistics (per token: local
+    max, local sum of exp, local target logit), left in ``pending`` for the TP all-gather."""
+    h = env["h"]
+    rec.saved.update(h=h, targets=env["targets"])
+    z = _norm(c, rec, h, "head.norm.weight", grad)
+    w = c.param("head.out")
+    logits = rec.tape.linear(z, w, "head.out")
+    with torch.no_grad():
+        lg = logits.detach().float()          # loss statistics in fp32 whatever the model dtype
+        m = lg.max(-1).values
+        se = torch.exp(lg - m.unsqueeze(-1)).sum(-1)
+        local = env["targets"] - c.tp_rank * w.shape[0]
+        mine = (local >= 0) & (local < w.shape[0])
+        idx = torch.where(mine, local, torch.zeros_like(local))
+        tl = torch.gather(lg, -1, idx.unsqueeze(-1)).squeeze(-1) * mine
+    rec.t.update(z_leaf=z, logits=logits, idx=idx, mine=mine)
+    rec.pending = torch.stack([m, se, tl]).unsqueeze(0)      # [1, 3, b, n]
+
+
+def _head_fwd_done(c: RegionCtx, rec: Rec, env: dict) -> None:
+    """Finish the loss from every TP rank's statistics ``[tp, 3, b, n]``."""
+    st = rec.pending
+    m, se, tl = st[:, 0], st[:, 1], st[:, 2]
+    big = m.max(0).values
+    total = (se * torch.exp(m - big)).sum(0)
+    loss = (torch.log(total) + big - tl.sum(0)).sum() * c.loss_scale
+    rec.saved.update(M=big, S=total)
+    env["loss"] = loss
+    rec.pending = None
+
+
+def _head_bwd_input(c: RegionCtx, rec: Rec, genv: dict) -> None:
+    logits = rec.t["logits"]
+    g = head_logit_grad(c, rec)
+    (dz,) = torch.autograd.grad([logits], [rec.t["z_leaf"]], [g])
+    rec.dys = [g]
+    rec.pending = dz
+    for k in ("logits", "z_leaf"):
+        del rec.t[k]
+
+
+def head_logit_grad(c: RegionCtx, rec: Rec) -> torch.Tensor:
+    """d loss / d local logits: (softmax - onehot) * loss_scale, from the finished statistics."""
+    logits = rec.t["logits"]
+    with torch.no_grad():
+        g = torch.exp(logits.detach().float() - rec.saved["M"].unsqueeze(-1)) / rec.saved["S"].unsqueeze(-1)
+        g.scatter_add_(-1, rec.t["idx"].unsqueeze(-1), -rec.t["mine"].to(g.dtype).unsqueeze(-1))
+        return g.mul_(c.loss_scale).to(logits.dtype)
+
+
+def _head_bwd_done(c: RegionCtx, rec: Rec, genv: dict) -> None:
+    genv["h"] = _norm_bwd(c, rec, rec.pending)
+    rec.pending = None
+
+
+# ---------------------------------------------------------------------------------------------
+# MoE (tp=1): route -> [dispatch a2a] -> experts -> [combine a2a] -> combine
+# ---------------------------------------------------------------------------------------------
+def _route_fwd(c: RegionCtx, rec: Rec, env: dict, grad: bool) -> None:
+    """Norm, top-k router and the (TP-sharded) shared expert; prepares the dispatch."""
+    s, p = c.spec, rec.region.rsplit(".", 1)[0]
+    h = env["h"]
+    rec.saved.update(h=h)
+    z = _norm(c, rec, h, f"{p}.norm.weight", grad)
+    zf = z.reshape(-1, z.shape[-1])
+    logits = rec.tape.linear(zf, c.param(f"{p}.router.weight"), f"{p}.router.weight")
+    w, idx = torch.softmax(logits, -1).topk(s.top_k, dim=-1)
+    order = torch.argsort(idx.reshape(-1), stable=True)
+    tok = order // s.top_k
+    xs = zf[tok]
+    outs = {"xs": xs, "w": w}
+    if s.shared_ffn:
+        a = swiglu(rec.tape.linear(zf, c.param(f"{p}.shared.fc1"), f"{p}.shared.fc1"))
+        sh = rec.tape.linear(a, c.param(f"{p}.shared.fc2"), f"{p}.shared.fc2")
+        gate = torch.sigmoid(rec.tape.linear(zf, c.param(f"{p}.shared.gate"), f"{p}.shared.gate"))
+        outs["sh"] = sh * gate                        # TP-partial (row-parallel fc2)
+    rec.t.update(z_leaf=z, outs=outs)
+    counts = torch.bincount(idx.reshape(-1), minlength=s.experts)
+    env.update({f"moe.{k}": v.detach() for k, v in outs.items()})
+    env["moe.res"] = h
+    env["moe.order"] = order
+    env["moe.tok"] = tok
+    env["moe.counts"] = counts.view(c.ep, -1)          # row j: rows sent to EP rank j, per local expert
+    env["moe.recv_counts"] = env["moe.counts"]          # replaced by the dispatch all-to-all when ep > 1
+
+
+#: Replicated (not TP-sharded) route weights whose gradients are TP-partial (they multiply
+#: partial expert / shared outputs); they ride along with the input-gradient all-reduce.
+_PARTIAL_GRAD = ("router.weight", "shared.gate")
+
+
+def _route_bwd_input(c: RegionCtx, rec: Rec, genv: dict) -> None:
+    names = list(rec.t["outs"])
+    outs = [rec.t["outs"][k] for k in names]
+    gouts = [genv.pop(f"moe.{k}") for k in names]
+    ins = [rec.t["z_leaf"]] + rec.tape.outputs()
+    grads = torch.autograd.grad(outs, ins, gouts, allow_unused=True)
+    dz, dys = grads[0], list(grads[1:])
+    extra: list[tuple[str, torch.Tensor]] = []
+    if c.tp > 1:
+        live = [u for u in rec.tape.uses if u.y.requires_grad]
+        for k, (u, dy) in enumerate(zip(live, dys)):
+            if dy is not None and u.key[0].endswith(_PARTIAL_GRAD):
+                x = u.x.detach()
+                extra.append((u.key[0], dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])))
+                dys[k] = None
+    rec.dys = dys
+    rec.t["res_grad"] = genv.pop("moe.res")
+    rec.t["extra"] = [(n, g.shape) for n, g in extra]
+    rec.t["dz_shape"] = dz.shape
+    rec.pending = torch.cat([dz.reshape(-1)] + [g.reshape(-1) for _, g in extra]) if extra else dz
+    for k in ("outs", "z_leaf"):
+        del rec.t[k]
+
+
+def _route_bwd_done(c: RegionCtx, rec: Rec, genv: dict) -> None:
+    flat = rec.pending.reshape(-1)
+    shape = rec.t.pop("dz_shape")
+    n = math.prod(shape)
+    dz = flat[:n].view(shape)
+    for name, gshape in rec.t.pop("extra"):
+        g = flat[n:n + math.prod(gshape)].view(gshape)
+        n += g.numel()
+        c.sink(name, None, g)
+    genv["h"] = rec.t.pop("res_grad") + _norm_bwd(c, rec, dz)
+    rec.pending = None
+
+
+def _experts_in(c: RegionCtx) -> str:
+    return "moe.xr" if c.ep > 1 else "moe.xs"
+
+
+def _ys(c: RegionCtx) -> str:
+    return "moe.ys" if c.ep > 1 else "moe.yr"
+
+
+def _experts_fwd(c: RegionCtx, rec: Rec, env: dict, grad: bool) -> None:
+    p = rec.region.rsplit(".", 1)[0]
+    xin = _experts_in(c)
+    x = env[xin]
+    cnt = env["moe.recv_counts"]                      # [ep sources, local experts]
+    rec.saved.update({xin: x, "moe.recv_counts": cnt})
+    x_leaf = x.detach().requires_grad_(grad)
+    n_local = cnt.shape[1]
+    ids = torch.repeat_interleave(torch.arange(n_local).repeat(cnt.shape[0]), cnt.reshape(-1).cpu()).to(x.device)
+    order = torch.argsort(ids, stable=True)
+    per = cnt.sum(0).tolist()
+    w1, w2 = c.param(f"{p}.experts.fc1"), c.param(f"{p}.experts.fc2")
+    ys = []
+    for e, xe in enumerate(torch.split(x_leaf[order], per)):
+        a = swiglu(rec.tape.linear(xe, w1[e], f"{p}.experts.fc1", e))
+        ys.append(rec.tape.linear(a, w2[e], f"{p}.experts.fc2", e))
+    y = torch.cat(ys)[torch.argsort(order)]
+    rec.t.update(x=x_leaf, y=y)
+    env["moe.yr"] = y.detach()
+
+
+def _experts_bwd_input(c: RegionCtx, rec: Rec, genv: dict) -> None:
+    xin = _experts_in(c)
+    dy = genv.pop("moe.yr")
+    grads = torch.autograd.grad([rec.t["y"]], [rec.t["x"]] + rec.tape.outputs(), [dy], allow_unused=True)
+    rec.dys = list(grads[1:])
+    genv[xin] = grads[0]
+    rec.t.clear()
+
+
+def _combine_fwd(c: RegionCtx, rec: Rec, env: dict, grad: bool) -> None:
+    keys = [_ys(c), "moe.w", "moe.sh", "moe.res", "moe.order", "moe.tok"]
+    rec.saved.update({k: env[k] for k in keys if k in env})
+    leaves = {"ys": env[_ys(c)].detach().requires_grad_(grad), "w": env["moe.w"].detach().requires_grad_(grad)}
+    if "moe.sh" in env:
+        leaves["sh"] = env["moe.sh"].detach().requires_grad_(grad)
+    res = env["moe.res"]
+    wf = leaves["w"].reshape(-1)[env["moe.order"]].unsqueeze(-1)
+    out = torch.zeros(res.numel() // res.shape[-1], res.shape[-1], dtype=res.dtype, device=res.device)
+    out = out.index_add(0, env["moe.tok"], leaves["ys"] * wf)
+    if "sh" in leaves:
+        out = out + leaves["sh"]
+    out = out.view(res.shape)
+    rec.t.update(leaves=leaves, out=out)
+    rec.pending = out.detach().clone() if c.tp > 1 else out.detach()   # TP-partial until reduced
+
+
+def _combine_fwd_done(c: RegionCtx, rec: Rec, env: dict) -> None:
+    env["h"] = rec.saved["moe.res"] + rec.pending
+    rec.pending = None
+
+
+def _combine_bwd_input(c: RegionCtx, rec: Rec, genv: dict) -> None:
+    dh = genv.pop("h")
+    names = list(rec.t["leaves"])
+    grads = torch.autograd.grad([rec.t["out"]], [rec.t["leaves"][k] for k in names], [dh], allow_unused=True)
+    for k, g in zip(names, grads):
+        key = _ys(c) if k == "ys" else f"moe.{k}"
+        genv[key] = g if g is not None else torch.zeros_like(rec.t["leaves"][k])
+    genv["moe.res"] = dh
+    rec.dys = []
+    rec.t.clear()
+
+
+def _no_done(c: RegionCtx, rec: Rec, env: dict) -> None:
+    return None
+
+
+def _tape_weight(c: RegionCtx, rec: Rec) -> None:
+    rec.tape.weight_grads(rec.dys or [], c.acc)
+    if "dys_a" in rec.t:     # chain mode: the norm's gradient was captured with the rest
+        rec.tape_a.weight_grads(rec.t.pop("dys_a"), c.acc)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """The functions of one region kind."""
+
+    fwd: Callable
+    fwd_done: Callable
+    bwd_input: Callable
+    bwd_done: Callable
+    bwd_weight: Callable
+
+
+KINDS: dict[str, Kind] = {
+    "embed": Kind(_embed_fwd, _embed_fwd_done, _embed_bwd_input, _no_done, _embed_bwd_weight),
+    "attn": Kind(_block_fwd, _block_fwd_done, _block_bwd_input, _block_bwd_done, _tape_weight),
+    "mlp": Kind(_block_fwd, _block_fwd_done, _block_bwd_input, _block_bwd_done, _tape_weight),
+    "head": Kind(_head_fwd, _head_fwd_done, _head_bwd_input, _head_bwd_done, _tape_weight),
+    "moe.route": Kind(_route_fwd, _no_done, _route_bwd_input, _route_bwd_done, _tape_weight),
+    "moe.experts": Kind(_experts_fwd, _no_done, _experts_bwd_input, _no_done, _tape_weight),
+    "moe.combine": Kind(_combine_fwd, _combine_fwd_done, _combine_bwd_input, _no_done, _tape_weight),
+}

@@ -1,0 +1,288 @@
+"""``exec.Runtime`` (one rank) and ``exec.run`` (compile, launch, train, collect).
+
+``run("tiny-gpt", "dp=2,pp=2", steps=5)`` compiles the training-step Program with
+``parashift.ir.compile``, starts one process per rank, trains, and returns a :class:`RunResult`
+with per-step losses (the global-batch mean), step times, peak memory per rank, the measured
+timeline and (on request) the final parameters as full tensors.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .. import models
+from ..errors import ProgramError
+from ..ir.program import Program
+from ..strategy import Strategy
+from .groups import Worlds
+from .interpreter import Interpreter, group_keys
+from .launch import RankContext, launch_local
+from .models import check_supported
+from .profiler import Profiler, timeline_frame
+from .reference import OptimConfig, make_batch
+from .state import StateStore
+
+__all__ = ["Runtime", "RunResult", "run", "run_program", "compile_program", "load_plan"]
+
+
+def _spec(program: Program, model: "models.ModelSpec | None") -> "models.ModelSpec":
+    """The program's model: ``model`` when given (a custom ModelSpec), else the preset in its meta."""
+    if model is not None:
+        if model.name != program.meta.get("model"):
+            raise ProgramError(f"the program was compiled for {program.meta.get('model')!r}, not {model.name!r}")
+        return model
+    return models.get(program.meta["model"])
+
+
+def _check(program: Program, model: "models.ModelSpec | None" = None) -> None:
+    if program.strategy is None:
+        raise ProgramError("the program has no strategy; compile it with parashift.ir.compile")
+    meta = program.meta
+    for k in ("model", "global_batch", "seq_len"):
+        if k not in meta:
+            raise ProgramError(f"program meta lacks {k!r}; the runtime executes training-step programs from "
+                               f"parashift.ir.compile")
+    if meta.get("model") == "custom" and model is None:
+        raise ProgramError("this program was compiled from a traced user model, which the runtime does not "
+                           "execute yet; compile a model described by a ModelSpec (a preset, or "
+                           "parashift.models.gpt/moe) to run it")
+    if meta.get("kind", "train_step") != "train_step":
+        raise ProgramError(f"program kind {meta.get('kind')!r} is not a training step")
+    check_supported(_spec(program, model))
+
+
+class Runtime:
+    """One rank's runtime: its process groups, state store and interpreter."""
+
+    def __init__(self, program: Program, ctx: RankContext, *, seed: int = 0, data_seed: int = 0,
+                 optim: OptimConfig = OptimConfig(), timeout: float = 300.0,
+                 model: "models.ModelSpec | None" = None, store: StateStore | None = None) -> None:
+        """``store``: this rank's state in the program's layout (a hot switch builds it), else
+        initialized from ``seed``."""
+        _check(program, model)
+        self.program, self.ctx = program, ctx
+        if program.world != ctx.world:
+            raise ProgramError(f"the program has {program.world} ranks but the job has {ctx.world} processes; "
+                               f"launch it with nprocs={program.world}")
+        self.spec = _spec(program, model)
+        self.worlds = Worlds(ctx.rank, ctx.world, ctx.backend)
+        self.worlds.prepare(group_keys(program))
+        if store is not None and (str(store.strategy) != str(program.strategy) or store.rank != ctx.rank):
+            raise ProgramError(f"the given state store holds rank {store.rank} of {store.strategy}, but this runtime "
+                               f"runs rank {ctx.rank} of {program.strategy}; build the store for the program's layout")
+        self.store = store if store is not None else StateStore(self.spec, program.strategy, ctx.rank, ctx.device,
+                                                                seed=seed)
+        self.session = None          # the live job this runtime belongs to (set by exec.switch_live)
+        self.profiler = Profiler(ctx.rank, ctx.rank)
+        gb, seq = int(program.meta["global_batch"]), int(program.meta["seq_len"])
+        self.interp = Interpreter(program, ctx.rank, self.worlds, self.store, self.spec, ctx.device,
+                                  lambda step: make_batch(self.spec, step, gb, seq, data_seed), optim,
+                                  self.profiler.record, timeout)
+        self.steps_done = 0
+
+    def step(self) -> tuple[float, float]:
+        """One training step; returns (this rank's loss share, seconds)."""
+        dist.barrier()
+        t0 = time.perf_counter()
+        self.profiler.begin(self.steps_done, t0)
+        if self.ctx.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        loss = self.interp.run_step(self.steps_done)
+        if self.ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.steps_done += 1
+        return loss, time.perf_counter() - t0
+
+    def switch(self, strategy: "Strategy | str", devices: "list[int] | tuple[int, ...] | None" = None
+               ) -> "Runtime | None":
+        """Hot-switch the live job to ``strategy`` (on ``devices``) between iterations, in memory.
+
+        Every rank of the job calls it. Returns the Runtime of the new layout, or None on a device
+        that leaves. Raises SwitchAborted, leaving this runtime untouched, when the switch fails.
+        Only runtimes of a live job (``parashift.exec.switch_live.run_live``) can switch.
+        """
+        if self.session is None:
+            raise ProgramError("this runtime is not part of a live job; start it with "
+                               "parashift.exec.switch_live.run_live or `parashift run --switch-at`")
+        return self.session.switch_to(strategy, devices)
+
+    def peak_memory(self) -> int:
+        if self.ctx.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated())
+        return int(self.store.mem.peak)
+
+    def gathered_parameters(self) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """name -> (global offsets, local values as numpy) of this rank's parameters; ZeRO-3 gathers
+        each chunk's parameters from its DP group first (outside any step)."""
+        from .comm import all_gather
+        s = self.program.strategy
+        if s.zero == 3:
+            works = []
+            for fam, b in self.store.buffers.items():
+                axis = "edp" if fam == "expert" and s.ep > 1 else "dp"
+                members = s.group(self.ctx.rank, axis)
+                g = self.worlds.get(members, "export") if len(members) > 1 else None
+                for c in sorted(b.ranges):
+                    copy = b.new_copy(c, "export")
+                    if g is None:
+                        a, e = b.ranges[c]
+                        copy[:e - a] = b.param[a:e]
+                        continue
+                    w, then, keep = all_gather(b, c, g, copy, b.param, base=b.ranges[c][0])
+                    w.wait()
+                    then()
+                    works.append(keep)
+        out = {k: (off, v.numpy()) for k, (off, v) in self.store.local_params().items()}
+        if s.zero == 3:
+            self.store.release("export")
+        return out
+
+
+def _export_keys(program: Program) -> set:
+    s = program.strategy
+    keys = set()
+    if s.zero == 3:
+        for r in range(s.world):
+            for axis in ("dp", "edp"):
+                g = s.group(r, axis)
+                if len(g) > 1:
+                    keys.add((tuple(sorted(g)), "export"))
+    return keys
+
+
+def _train_job(ctx: RankContext, program_json: dict, steps: int, opts: dict) -> dict:
+    """What every rank runs under :func:`run_program`."""
+    torch.manual_seed(0)
+    program = Program.from_json(program_json)
+    rt = Runtime(program, ctx, seed=opts.get("seed", 0), data_seed=opts.get("data_seed", 0),
+                 optim=OptimConfig(**opts.get("optim", {})), timeout=opts.get("timeout", 300.0),
+                 model=opts.get("model"))
+    rt.worlds.prepare(_export_keys(program))
+    losses, times = [], []
+    for _ in range(steps):
+        loss, dt = rt.step()
+        losses.append(loss)
+        times.append(dt)
+        if opts.get("progress") and ctx.report is not None:
+            ctx.report((len(losses) - 1, loss, dt))
+    out = {"rank": ctx.rank, "losses": losses, "step_times": times, "peak_memory": rt.peak_memory(),
+           "timeline": rt.profiler.rows if opts.get("profile", True) else []}
+    if opts.get("params"):
+        out["params"] = rt.gathered_parameters()
+    return out
+
+
+@dataclass
+class RunResult:
+    """What a run measured."""
+
+    program: Program
+    losses: list[float]
+    step_times: list[float]
+    peak_memory: list[int]
+    rows: list[tuple] = field(default_factory=list, repr=False)
+    params: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+    @property
+    def strategy(self) -> str:
+        return str(self.program.strategy)
+
+    @property
+    def nprocs(self) -> int:
+        return self.program.world
+
+    def to_frame(self, step: int | None = None):
+        """The measured timeline (TIMELINE_COLUMNS) of ``step`` (default: the last step)."""
+        return timeline_frame(self.rows, step)
+
+    def to_chrome_trace(self, path: str, step: int | None = None) -> None:
+        from ..sim.result import write_chrome_trace
+        write_chrome_trace(self.to_frame(step), path)
+
+    def to_json(self) -> dict:
+        return {"losses": self.losses, "step_times": self.step_times, "peak_memory": self.peak_memory,
+                "strategy": self.strategy, "nprocs": self.nprocs, "model": self.program.meta.get("model"),
+                "schedule": self.program.meta.get("schedule")}
+
+
+def _assemble(spec, parts: list[dict]) -> dict[str, torch.Tensor]:
+    out = {t.name: torch.full(t.shape, float("nan")) for t in spec.tensors}
+    for part in parts:
+        for name, (off, val) in part.items():
+            box = tuple(slice(o, o + n) for o, n in zip(off, val.shape))
+            out[name][box] = torch.from_numpy(val)
+    return out
+
+
+def compile_program(model: "str | models.ModelSpec", strategy: "str | Strategy", *, global_batch: int,
+                    seq_len: int) -> Program:
+    """``parashift.ir.compile`` with the runtime's checks."""
+    from ..ir.compile import compile as ir_compile
+    program = ir_compile(model, Strategy.parse(strategy), global_batch=global_batch, seq_len=seq_len)
+    _check(program, model if isinstance(model, models.ModelSpec) else None)
+    return program
+
+
+class _Progress:
+    """Sums the ranks' per-step reports and calls ``fn(step, loss, seconds)`` once a step is complete."""
+
+    def __init__(self, world: int, fn: Callable[[int, float, float], None]) -> None:
+        self.world, self.fn = world, fn
+        self.parts: dict[int, list[tuple[float, float]]] = {}
+
+    def __call__(self, rank: int, payload: tuple) -> None:
+        step, loss, dt = payload
+        got = self.parts.setdefault(step, [])
+        got.append((loss, dt))
+        if len(got) == self.world:
+            self.fn(step, sum(x for x, _ in got), max(t for _, t in got))
+            del self.parts[step]
+
+
+def run_program(program: Program, *, steps: int = 1, seed: int = 0, data_seed: int = 0,
+                optim: OptimConfig = OptimConfig(), params: bool = False, profile: bool = True,
+                timeout: float = 300.0, backend: str | None = None,
+                progress: Callable[[int, float, float], None] | None = None,
+                model: "models.ModelSpec | None" = None) -> RunResult:
+    """Execute a compiled training-step Program on ``program.world`` local processes.
+
+    ``progress(step, loss, seconds)`` is called in this process as each step completes on all ranks;
+    ``model``: the ModelSpec when the program's model is not a preset.
+    """
+    _check(program, model)
+    opts = {"seed": seed, "data_seed": data_seed, "optim": optim.__dict__, "params": params, "profile": profile,
+            "timeout": timeout, "progress": progress is not None, "model": model}
+    outs = launch_local(_train_job, program.world, args=(program.to_json(), steps, opts), timeout=timeout,
+                        backend=backend, on_report=_Progress(program.world, progress) if progress else None,
+                        gather=True)
+    outs = [o for o in outs if o is not None]
+    losses = [float(sum(o["losses"][k] for o in outs)) for k in range(steps)]
+    times = [max(o["step_times"][k] for o in outs) for k in range(steps)]
+    rows = [r for o in outs for r in o["timeline"]]
+    spec = _spec(program, model)
+    return RunResult(program, losses, times, [o["peak_memory"] for o in outs], rows,
+                     _assemble(spec, [o["params"] for o in outs]) if params else None)
+
+
+def run(model: "str | models.ModelSpec", strategy: "str | Strategy", *, steps: int = 1, global_batch: int = 8,
+        seq_len: int | None = None, **kw: Any) -> RunResult:
+    """Compile ``model`` under ``strategy`` and train it for ``steps`` steps on local processes."""
+    spec = models.get(model)
+    seq_len = seq_len or spec.seq_len
+    return run_program(compile_program(spec, strategy, global_batch=global_batch, seq_len=seq_len),
+                       steps=steps, model=None if isinstance(model, str) else spec, **kw)
+
+
+def load_plan(path: str) -> Program:
+    """A deploy plan file (a saved Program with its model and strategy in meta)."""
+    program = Program.load(path)
+    _check(program)
+    return program
+
+
+
+

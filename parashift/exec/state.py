@@ -1,0 +1,335 @@
+"""State store: one rank's parameters, gradients and optimizer states in flat buffers.
+
+Each (chunk, dense|expert) group of tensors this rank holds is one flat buffer: the local
+(TP/EP-sharded) boxes concatenated in model order, padded to a multiple of the DP group size
+(``dp`` for dense tensors, ``edp`` for experts). ZeRO-k shards those flat buffers evenly over
+the group: stage 1 the optimizer states (and master), 2 also gradients, 3 also parameters.
+The model's parameters are views into the store.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..models import ModelSpec
+from ..strategy import Strategy
+from .models import init_tensor
+from .reference import OptimConfig
+
+__all__ = ["Piece", "Buffer", "local_pieces", "chunk_of", "StateStore", "adamw_", "MemoryTracker"]
+
+_DT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One tensor's local box, placed at ``start`` in its flat buffer."""
+
+    name: str
+    chunk: int
+    group: str                      # "dense" | "expert"
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    start: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    def box(self) -> tuple[slice, ...]:
+        return tuple(slice(o, o + s) for o, s in zip(self.offsets, self.sizes))
+
+
+def chunk_of(spec: ModelSpec, strategy: Strategy) -> dict[str, int]:
+    """Virtual stage (chunk) of every tensor: embedding first, head last."""
+    ls = strategy.layer_stages(spec.layers)
+    last = strategy.stages - 1
+    return {t.name: 0 if t.layer < 0 else last if t.layer >= spec.layers else int(ls[t.layer])
+            for t in spec.tensors}
+
+
+def local_pieces(spec: ModelSpec, strategy: Strategy, rank: int) -> list[Piece]:
+    """The local boxes of every tensor ``rank`` holds, with their offsets in the stage's flat buffer.
+
+    As in ``parashift.vps.layout``: one buffer per family (dense, expert) per pipeline stage, the
+    local shards concatenated in model order; TP splits ``tp_dim`` evenly, EP splits ``ep_dim``.
+    """
+    c = strategy.coords(rank)
+    chunks = chunk_of(spec, strategy)
+    cursor: dict[str, int] = {}
+    out = []
+    for t in spec.tensors:
+        ch = chunks[t.name]
+        if int(strategy.chunk_rank_stage(ch)) != c["pp"]:
+            continue
+        off, size = [0] * len(t.shape), list(t.shape)
+        if t.tp_dim is not None and strategy.tp > 1:
+            size[t.tp_dim] //= strategy.tp
+            off[t.tp_dim] = c["tp"] * size[t.tp_dim]
+        if t.ep_dim is not None and strategy.ep > 1:
+            size[t.ep_dim] //= strategy.ep
+            off[t.ep_dim] = c["ep"] * size[t.ep_dim]
+        group = "expert" if t.ep_dim is not None else "dense"
+        start = cursor.get(group, 0)
+        out.append(Piece(t.name, ch, group, tuple(off), tuple(size), start))
+        cursor[group] = start + math.prod(size)
+    return out
+
+
+class MemoryTracker:
+    """Bytes of named live buffers on one rank and their peak."""
+
+    def __init__(self) -> None:
+        self.live: dict[str, int] = {}
+        self.current = 0
+        self.peak = 0
+
+    def alloc(self, name: str, nbytes: int) -> None:
+        self.free(name)
+        self.live[name] = int(nbytes)
+        self.current += int(nbytes)
+        self.peak = max(self.peak, self.current)
+
+    def free(self, name: str) -> None:
+        self.current -= self.live.pop(name, 0)
+
+
+class Buffer:
+    """One family's flat buffer (dense or expert) on one rank and its states.
+
+    ZeRO shards it over the ``n`` ranks of its DP group: shard ``j`` is ``[j*q, (j+1)*q)`` of the
+    buffer padded to ``n*q``. Chunks occupy contiguous ranges (model order), so per-chunk
+    collectives move the intersections of a chunk's range with the shards.
+    """
+
+    def __init__(self, family: str, pieces: list[Piece], n: int, index: int, zero: int,
+                 dtype: torch.dtype, device: torch.device, mem: MemoryTracker) -> None:
+        self.family, self.pieces, self.n, self.index, self.zero = family, pieces, n, index, zero
+        self.numel = sum(p.numel for p in pieces)
+        self.padded = -(-self.numel // n) * n
+        self.q = self.padded // n
+        self.lo, self.hi = index * self.q, (index + 1) * self.q
+        self.dtype, self.device, self.mem = dtype, device, mem
+        self.ranges: dict[int, tuple[int, int]] = {}
+        for p in pieces:
+            a, b = self.ranges.get(p.chunk, (p.start, p.start))
+            self.ranges[p.chunk] = (min(a, p.start), max(b, p.start + p.numel))
+        self.param = torch.zeros(self.padded if zero < 3 else self.q, dtype=dtype, device=device)
+        self.copies: dict[int, list[tuple[str, torch.Tensor]]] = {}   # zero 3: chunk -> gathered copies
+        osz = self.q if zero >= 1 else self.padded
+        self.master = None if dtype == torch.float32 else torch.zeros(osz, dtype=torch.float32, device=device)
+        self.exp_avg = torch.zeros(osz, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros(osz, dtype=torch.float32, device=device)
+        self.grad: torch.Tensor | None = None          # full local accumulation buffer
+        self.grad_shard: torch.Tensor | None = None    # reduce-scattered shard (zero >= 1)
+        self.step = 0
+        self.name = family
+        mem.alloc(f"param:{family}", self.param.numel() * self.param.element_size())
+        for k in ("master", "exp_avg", "exp_avg_sq"):
+            t = getattr(self, k)
+            if t is not None:
+                mem.alloc(f"{k}:{family}", t.numel() * t.element_size())
+
+    # ---- parameters ---------------------------------------------------------------------------
+    def load(self, values: dict[str, torch.Tensor]) -> None:
+        """Fill parameters (and master) from global tensors."""
+        full = torch.zeros(self.padded, dtype=torch.float32)
+        for p in self.pieces:
+            full[p.start:p.start + p.numel] = values[p.name][p.box()].reshape(-1)
+        full = full.to(self.device)
+        self.param.copy_((full if self.zero < 3 else full[self.lo:self.hi]).to(self.dtype))
+        if self.master is not None:
+            self.master.copy_(full[self.lo:self.hi] if self.zero >= 1 else full)
+
+    def param_shard(self) -> torch.Tensor:
+        return self.param if self.zero == 3 else self.param[self.lo:self.hi]
+
+    def chunk_param(self, chunk: int, name: str | None = None) -> tuple[torch.Tensor, int] | None:
+        """(flat tensor, offset of buffer element 0 in it) holding chunk's parameters, or None.
+
+        ZeRO-3: the gathered copy called ``name`` (the copy of the running action), else the latest.
+        """
+        if self.zero < 3 or self.n == 1:      # a group of one holds everything: no gather exists
+            return self.param, 0
+        copies = self.copies.get(chunk)
+        if not copies:
+            return None
+        if name is not None:
+            for n, t in copies:
+                if n == name:
+                    return t, self.ranges[chunk][0]
+            return None
+        return copies[-1][1], self.ranges[chunk][0]
+
+    def new_copy(self, chunk: int, name: str) -> torch.Tensor:
+        """Allocate a gathered copy of chunk's parameters (zero 3), released by :meth:`release`."""
+        a, b = self.ranges[chunk]
+        if a == 0 and b == self.numel:
+            b = self.padded
+        t = torch.empty(b - a, dtype=self.dtype, device=self.device)
+        self.copies.setdefault(chunk, []).append((name, t))
+        self.mem.alloc(f"{name}:{self.family}", t.numel() * t.element_size())
+        return t
+
+    def release(self, name: str) -> None:
+        for chunk, copies in self.copies.items():
+            keep = [(n, t) for n, t in copies if n != name]
+            if len(keep) != len(copies):
+                self.mem.free(f"{name}:{self.family}")
+            self.copies[chunk] = keep
+
+    def release_all(self) -> None:
+        for copies in self.copies.values():
+            for n, _ in copies:
+                self.mem.free(f"{n}:{self.family}")
+        self.copies.clear()
+
+    # ---- per-chunk shard geometry -------------------------------------------------------------
+    def segments(self, chunk: int) -> tuple[list[tuple[int, int]], int]:
+        """Per DP member i: the part of chunk's range inside shard i (buffer coords), and the max length."""
+        a, b = self.ranges[chunk]
+        if a == 0 and b == self.numel:
+            b = self.padded
+        segs = [(max(a, i * self.q), min(b, (i + 1) * self.q)) for i in range(self.n)]
+        segs = [(lo, max(lo, hi)) for lo, hi in segs]
+        return segs, max(hi - lo for lo, hi in segs)
+
+    # ---- gradients ----------------------------------------------------------------------------
+    def grad_buffer(self) -> torch.Tensor:
+        if self.grad is None:
+            self.grad = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+            self.mem.alloc(f"grad:{self.family}", self.padded * self.grad.element_size())
+        return self.grad
+
+    def grad_shard_buffer(self) -> torch.Tensor:
+        if self.grad_shard is None:
+            self.grad_shard = torch.zeros(self.q, dtype=self.dtype, device=self.device)
+            self.mem.alloc(f"grad_shard:{self.family}", self.q * self.grad_shard.element_size())
+        return self.grad_shard
+
+    # ---- optimizer ----------------------------------------------------------------------------
+    def optimizer_step(self, cfg: OptimConfig) -> None:
+        """AdamW on this rank's optimizer shard, then write the new values into the parameters."""
+        if self.zero >= 1 and self.n == 1:   # no DP peers: no reduce-scatter, the shard is the buffer
+            g = self.grad_buffer()
+        elif self.zero >= 1:
+            g = self.grad_shard if self.grad_shard is not None else torch.zeros(self.q, dtype=self.dtype,
+                                                                                device=self.device)
+        else:
+            g = self.grad_buffer()
+        target = self.master if self.master is not None else (self.param_shard() if self.zero >= 1 else self.param)
+        self.step += 1
+        adamw_(target, g.float(), self.exp_avg, self.exp_avg_sq, self.step, cfg)
+        if self.master is not None:
+            (self.param_shard() if self.zero >= 1 else self.param).copy_(self.master.to(self.dtype))
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
+        if self.grad is not None:
+            if self.zero >= 2:
+                self.grad = None
+                self.mem.free(f"grad:{self.family}")
+            else:
+                self.grad.zero_()
+        if self.grad_shard is not None:
+            self.grad_shard = None
+            self.mem.free(f"grad_shard:{self.family}")
+
+
+def adamw_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int,
+           cfg: OptimConfig) -> None:
+    """One AdamW step in place, the same operations as torch.optim.AdamW (single-tensor path)."""
+    p.mul_(1 - cfg.lr * cfg.weight_decay)
+    m.lerp_(g, 1 - cfg.beta1)
+    v.mul_(cfg.beta2).addcmul_(g, g, value=1 - cfg.beta2)
+    bc1 = 1 - cfg.beta1 ** step
+    bc2 = 1 - cfg.beta2 ** step
+    denom = (v.sqrt() / bc2 ** 0.5).add_(cfg.eps)
+    p.addcdiv_(m, denom, value=-(cfg.lr / bc1))
+
+
+class StateStore:
+    """One rank's flat buffers (by family) and the parameter/gradient views the model uses."""
+
+    def __init__(self, spec: ModelSpec, strategy: Strategy, rank: int, device: torch.device,
+                 seed: int = 0, mem: MemoryTracker | None = None, init: bool = True) -> None:
+        """``init=False``: leave every buffer zero (a hot switch fills it from the old layout)."""
+        self.spec, self.strategy, self.rank = spec, strategy, rank
+        self.mem = mem or MemoryTracker()
+        c = strategy.coords(rank)
+        pieces = local_pieces(spec, strategy, rank)
+        dtype = _DT[spec.dtype]
+        self.buffers: dict[str, Buffer] = {}
+        for fam in ("dense", "expert"):
+            ps = [p for p in pieces if p.group == fam]
+            if ps:
+                n, idx = (strategy.dp, c["dp"]) if fam == "dense" else (strategy.edp, c["edp"])
+                self.buffers[fam] = Buffer(fam, ps, n, idx, strategy.zero, dtype, device, self.mem)
+        self.pieces = {p.name: p for p in pieces}
+        if init:
+            values = {t.name: init_tensor(t, spec.layers, seed) for t in spec.tensors if t.name in self.pieces}
+            for b in self.buffers.values():
+                b.load(values)
+        self._views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._grad_views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.active: dict[int, str] = {}     # ZeRO-3: chunk -> gathered copy the running compute uses
+
+    def families(self, axis: str) -> list[Buffer]:
+        """Buffers a DP-axis collective covers: "dp" -> dense (and experts when ep == 1), "edp" -> experts."""
+        if axis == "edp":
+            return [self.buffers["expert"]] if "expert" in self.buffers else []
+        out = [self.buffers["dense"]] if "dense" in self.buffers else []
+        if self.strategy.ep == 1 and "expert" in self.buffers:
+            out.append(self.buffers["expert"])
+        return out
+
+    def chunks(self) -> list[int]:
+        return sorted({p.chunk for p in self.pieces.values()})
+
+    def _view(self, flat: torch.Tensor, base: int, p: Piece) -> torch.Tensor:
+        hit = self._views.get(p.name)
+        if hit is not None and hit[0] is flat:
+            return hit[1]
+        v = flat[p.start - base:p.start - base + p.numel].view(p.sizes)
+        self._views[p.name] = (flat, v)
+        return v
+
+    def param(self, name: str) -> torch.Tensor:
+        """Local shard of a parameter (a view into the store; ZeRO-3 needs it gathered first)."""
+        p = self.pieces[name]
+        want = self.active.get(p.chunk)
+        got = self.buffers[p.group].chunk_param(p.chunk, want)
+        if got is None:
+            raise RuntimeError(f"parameters of chunk {p.chunk} ({p.group}) are used but not gathered"
+                               f"{f' (no copy {want})' if want else ''}: ZeRO-3 needs an all_gather before each use")
+        return self._view(got[0], got[1], p)
+
+    def grad(self, name: str) -> torch.Tensor:
+        """Local gradient accumulator of a parameter (a view into the flat gradient buffer)."""
+        hit = self._grad_views.get(name)
+        p = self.pieces[name]
+        g = self.buffers[p.group].grad_buffer()
+        if hit is not None and hit[0] is g:
+            return hit[1]
+        v = g[p.start:p.start + p.numel].view(p.sizes)
+        self._grad_views[name] = (g, v)
+        return v
+
+    def release(self, name: str) -> None:
+        for b in self.buffers.values():
+            b.release(name)
+
+    def local_params(self) -> dict[str, tuple[tuple[int, ...], torch.Tensor]]:
+        """name -> (global offsets, local values) of every parameter whose values this rank has
+        in full (all of them unless ZeRO-3, where the caller gathers first)."""
+        out = {}
+        for b in self.buffers.values():
+            for p in b.pieces:
+                got = b.chunk_param(p.chunk)
+                if got is not None:
+                    flat, base = got
+                    out[p.name] = (p.offsets, flat[p.start - base:p.start - base + p.numel].view(p.sizes)
+                                   .float().cpu().clone())
+        return out

@@ -1,0 +1,345 @@
+"""Hot switch of a live job: plan, world, transfer, verify, rebuild — without a checkpoint.
+
+Every participant of a switch computes the same plan locally (``vps.plan_switch`` and
+``vps.transition.lower`` are deterministic), so nothing is negotiated. Phases:
+
+1. *planning* and 2. *world creation* run in a background thread as soon as the switch is
+   announced (``prepare``), while training goes on: the switch Program is lowered, the
+   process groups it needs (the participants' world and one group per promoted collective) are
+   built on the job's TCPStore by the :class:`~parashift.exec.elastic.ElasticManager`, and the
+   new layout's training Program is compiled.
+3. *transfer*: between iterations, :class:`~parashift.exec.switch_exec.SwitchExecutor` runs this
+   device's streams of the switch Program from the old state store into a new one.
+4. *verify*: senders publish checksums of what they sent, receivers compare what they got, and
+   every participant votes through the store. Any mismatch, failed transfer or missing vote
+   aborts: the new store is dropped and the old one, never written, stays in use
+   (:class:`~parashift.errors.SwitchAborted`; ``peer_failed`` tells whether a participant is gone).
+5. *rebuild*: the old training world is replaced by the new one and a Runtime is built over the
+   new store (its parameters are views into it); the step counter carries over, so the data
+   order (a function of the global step) and the global batch continue unchanged.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import cluster as _cluster
+from ..errors import StrategyError, SwitchAborted
+from ..ir.program import Program
+from ..models import ModelSpec
+from ..strategy import Strategy
+from .state import StateStore
+from .switch_exec import BIG, BufferPool, SwitchExecutor, kind_tensor
+
+__all__ = ["SwitchPlanned", "plan_live_switch", "Prepared", "prepare", "execute_switch", "SwitchRecord",
+           "store_arrays", "store_from_full", "full_from_arrays", "parse_switch_at", "StateKinds"]
+
+#: Store attributes that make up the switched state (master only for non-fp32 models).
+StateKinds = ("param", "master", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True, eq=False)
+class SwitchPlanned:
+    """A lowered switch: the Program, and per device the kept pieces it reuses in place."""
+
+    program: Program
+    src: Strategy
+    dst: Strategy
+    src_devices: tuple[int, ...]
+    dst_devices: tuple[int, ...]
+    extra_keep: dict[int, list[tuple[str, str, tuple, tuple]]]
+    seconds: float
+
+    @property
+    def participants(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.src_devices) | set(self.dst_devices)))
+
+    def collective_groups(self, device: int) -> list[tuple[int, ...]]:
+        """Device tuples of the promoted collectives ``device`` takes part in (program order)."""
+        rp = self.program.ranks.get(device)
+        out: list[tuple[int, ...]] = []
+        if rp is None:
+            return out
+        for v in rp.streams.values():
+            for ins in v:
+                if ins.op in ("broadcast", "scatter", "gather") and tuple(ins.group) not in out:
+                    out.append(tuple(ins.group))
+        return out
+
+
+def plan_live_switch(spec: ModelSpec, src: Strategy, dst: Strategy, src_devices: tuple[int, ...],
+                     dst_devices: tuple[int, ...], *, memory_budget=None, **options: Any) -> SwitchPlanned:
+    """Plan and lower the switch of ``spec``'s live state (deterministic: every rank gets the same)."""
+    from ..vps import plan_switch
+    from ..vps.transition import lower
+    t0 = time.perf_counter()
+    devs = sorted(set(src_devices) | set(dst_devices))
+    clus = _cluster.get("cpu-local").with_devices(max(max(devs) + 1, 8))
+    plan = plan_switch(spec, src, dst, cluster=clus, src_devices=list(src_devices), dst_devices=list(dst_devices))
+    prog = lower(plan, clus, memory_budget=memory_budget, **options)
+    # kept pieces the Program reuses in place (it omits them); flat stores still copy them
+    P = prog.meta["pieces"]
+    listed = {(t, k, d, tuple(lo), tuple(hi)) for t, k, d, x, lo, hi in zip(
+        P["tensor"], P["kind"], P["dst"], P["transfer"], _rows(P["lo"], prog.meta["dims"]),
+        _rows(P["hi"], prog.meta["dims"])) if x == -1}
+    names, kinds = prog.meta["tensors"], prog.meta["kinds"]
+    extra: dict[int, list] = {}
+    kept = np.flatnonzero(~plan.moved)
+    for i in kept.tolist():
+        key = (int(plan.tensor[i]), int(plan.kind[i]), int(plan.dst[i]), tuple(plan.lo[i].tolist()),
+               tuple(plan.hi[i].tolist()))
+        if key not in listed:
+            extra.setdefault(key[2], []).append((names[key[0]], kinds[key[1]], key[3], key[4]))
+    return SwitchPlanned(prog, Strategy.parse(src), Strategy.parse(dst), tuple(src_devices), tuple(dst_devices),
+                         extra, time.perf_counter() - t0)
+
+
+def _rows(flat: list, dims: int) -> list[list[int]]:
+    return [flat[i:i + dims] for i in range(0, len(flat), dims)]
+
+
+@dataclass
+class Prepared:
+    """The background part of a switch on one process: plan, groups, the new training Program."""
+
+    planned: SwitchPlanned
+    world: Any
+    index: dict[int, int]
+    groups: dict[tuple[int, ...], Any]
+    keys: dict[int, str]
+    program: Program | None
+    plan_seconds: float
+    world_seconds: float
+    world_start: float
+    world_end: float
+
+
+def prepare(manager, spec: ModelSpec, src: Strategy, dst: Strategy, src_devices: tuple[int, ...],
+            dst_devices: tuple[int, ...], keys: dict[int, str], device: int, *, global_batch: int, seq_len: int,
+            memory_budget=None) -> Prepared:
+    """Plan the switch and compile the new training Program (planning), then build the switch's
+    process groups (world creation).
+
+    ``keys``: incarnation key of every participating device (see :mod:`.elastic`).
+    """
+    from .runtime import compile_program
+    t0 = time.time()
+    planned = plan_live_switch(spec, src, dst, src_devices, dst_devices, memory_budget=memory_budget)
+    program = None
+    if device in dst_devices:
+        program = compile_program(spec if not _is_preset(spec) else spec.name, dst, global_batch=global_batch,
+                                  seq_len=seq_len)
+    t1 = time.time()
+    parts = planned.participants
+    world = manager.group(tuple(keys[d] for d in parts))
+    groups = {g: manager.group(tuple(keys[d] for d in g)) for g in planned.collective_groups(device)}
+    t2 = time.time()
+    return Prepared(planned, world, {d: i for i, d in enumerate(parts)}, groups, keys, program,
+                    t1 - t0, t2 - t1, t1, t2)
+
+
+def _is_preset(spec: ModelSpec) -> bool:
+    from .. import models
+    try:
+        return models.get(spec.name) == spec
+    except Exception:  # noqa: BLE001 - not a preset name
+        return False
+
+
+@dataclass
+class SwitchRecord:
+    """Timings (seconds) and volumes of one switch on one process."""
+
+    step: int
+    src: str
+    dst: str
+    device: int
+    plan_seconds: float = 0.0
+    world_seconds: float = 0.0
+    transfer_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    rebuild_seconds: float = 0.0
+    pause_seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    zero_copy: int = 0
+    joining: bool = False          # this process had no state before (its "pause" is its whole join)
+    aborted: str | None = None
+    rows: list[tuple] = field(default_factory=list)      # (stream, op, start, end) absolute wall clock
+
+    @property
+    def seconds(self) -> float:
+        """Total work of the switch, background phases included."""
+        return (self.plan_seconds + self.world_seconds + self.transfer_seconds + self.verify_seconds
+                + self.rebuild_seconds)
+
+
+def _wait(store, keys: list[str], timeout: float) -> bool:
+    """Wait until every key exists; False after ``timeout`` seconds."""
+    import datetime
+    if not keys:
+        return True
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+        return True
+    except Exception:  # noqa: BLE001 - a timeout means a missing peer
+        return False
+
+
+def execute_switch(prep: Prepared, store, prefix: str, device: int, old: StateStore | None,
+                   new: StateStore | None, record: SwitchRecord, *, timeout: float = 60.0, pool: BufferPool | None = None,
+                   steps_done: int | None = None, on_received=None, on_issue=None, big: int = BIG) -> dict:
+    """Transfer and verify (phases 3 and 4). Returns the job meta (``steps_done``, ``opt_step``).
+
+    Raises SwitchAborted (with ``peer_failed`` set) when anything fails; ``old`` is never written.
+    """
+    import torch.distributed as dist
+    kv = dist.PrefixStore(prefix, store)
+    parts = prep.planned.participants
+    leader = min(prep.planned.src_devices)
+    reason = None
+    stats = None
+    t0 = time.time()
+    try:
+        ex = SwitchExecutor(prep.planned.program, device, old, new, prep.world, prep.index,
+                            lambda g: prep.groups[g], extra_keep=prep.planned.extra_keep.get(device, []),
+                            timeout=timeout, pool=pool, on_received=on_received, on_issue=on_issue,
+                            peer_gone=lambda: _gone(store, parts), big=big)
+        stats = ex.run()
+    except SwitchAborted as e:
+        reason = str(e)
+    t1 = time.time()
+    record.transfer_seconds = t1 - t0
+    record.rows.append(("switch", "transfer", t0, t1))
+    if stats is not None:
+        record.bytes_sent, record.bytes_received, record.zero_copy = (stats.bytes_sent, stats.bytes_received,
+                                                                     stats.zero_copy)
+        if stats.sent_crc:
+            kv.multi_set([f"ck/{k}" for k in stats.sent_crc], [str(v) for v in stats.sent_crc.values()])
+        if device == leader and old is not None:
+            meta = {"steps_done": steps_done, "opt_step": max(b.step for b in old.buffers.values())}
+            kv.set("meta", json.dumps(meta))
+        if reason is None and stats.recv_crc:
+            keys = [f"ck/{k}" for k in stats.recv_crc]
+            if not _wait(kv, keys, timeout):
+                reason = f"device {device}: a sender never published its checksums"
+            else:
+                got = kv.multi_get(keys)
+                for (k, mine), theirs in zip(stats.recv_crc.items(), got):
+                    if int(theirs) != mine:
+                        reason = (f"device {device}: the checksum of received transfer {k} is {mine:#010x} but "
+                                  f"the sender sent {int(theirs):#010x}")
+                        break
+    kv.set(f"vote/{device}", "ok" if reason is None else "fail:" + reason)
+    votes = [f"vote/{d}" for d in parts]
+    end = time.monotonic() + timeout
+    while not kv.check(votes) and _gone(store, [d for d in parts if not kv.check([f"vote/{d}"])]) is None \
+            and time.monotonic() < end:
+        time.sleep(0.005)
+    if not kv.check(votes):
+        missing = [d for d in parts if not kv.check([f"vote/{d}"])]
+        raise _aborted(f"switch at step {record.step} aborted: device(s) {missing} never finished "
+                       f"({reason or 'a peer failed'}); the old layout's state is intact on the survivors",
+                       True, reason)
+    vals = kv.multi_get(votes)
+    fails = [v.decode()[5:] for v in vals if v.decode() != "ok"]
+    t2 = time.time()
+    record.verify_seconds = t2 - t1
+    record.rows.append(("switch", "verify", t1, t2))
+    if fails:
+        raise _aborted(f"switch at step {record.step} aborted and rolled back to {record.src}: {fails[0]}",
+                       False, fails[0])
+    if not _wait(kv, ["meta"], timeout):
+        raise _aborted(f"switch at step {record.step} aborted: no step counter was published", True, None)
+    return json.loads(kv.get("meta"))
+
+
+def _gone(store, devices) -> int | None:
+    """A device among ``devices`` that the launcher marked dead, else None."""
+    for d in devices:
+        if store.check([f"dead/{d}"]):
+            return d
+    return None
+
+
+def _aborted(msg: str, peer_failed: bool, reason: str | None) -> SwitchAborted:
+    e = SwitchAborted(msg)
+    e.peer_failed = peer_failed
+    e.reason = reason
+    return e
+
+
+# ---- state helpers (tests, restarts, checkpoint baselines) ------------------------------------------------
+def store_arrays(store: StateStore) -> dict[str, dict[str, np.ndarray]]:
+    """family -> kind -> a copy of the flat state buffer (what a switch moves), as numpy."""
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for fam, b in store.buffers.items():
+        for k in StateKinds:
+            t = getattr(b, k)
+            if t is not None:
+                out.setdefault(fam, {})[k] = t.detach().cpu().clone().numpy()
+    return out
+
+
+def full_from_arrays(spec: ModelSpec, strategy: Strategy, arrays: dict[int, dict]) -> dict[tuple[str, str], np.ndarray]:
+    """Assemble the full (global) state (tensor, kind) -> array from every rank's ``store_arrays``."""
+    out: dict[tuple[str, str], np.ndarray] = {}
+    for rank, fams in arrays.items():
+        skel = StateStore(spec, strategy, rank, torch.device("cpu"), init=False)
+        for fam, kinds in fams.items():
+            b = skel.buffers[fam]
+            for k, arr in kinds.items():
+                getattr(b, k).copy_(torch.from_numpy(arr))
+                for p in b.pieces:
+                    full = out.setdefault((p.name, k), np.full(next(t.shape for t in spec.tensors if t.name == p.name),
+                                                               np.nan, dtype=arr.dtype))
+                    flat, base = kind_tensor(skel, fam, k)
+                    lo, hi = p.start - base, p.start - base + p.numel
+                    if lo >= 0 and hi <= flat.numel():
+                        full[p.box()] = flat[lo:hi].view(p.sizes).numpy()
+                    elif hi > 0 and lo < flat.numel():   # a ZeRO shard holds part of it: write that part
+                        a, e = max(lo, 0), min(hi, flat.numel())
+                        region = full[p.box()].reshape(-1)
+                        region[a - lo:e - lo] = flat[a:e].numpy()
+                        full[p.box()] = region.reshape(p.sizes)
+    return out
+
+
+def store_from_full(spec: ModelSpec, strategy: Strategy, rank: int, full: dict[tuple[str, str], np.ndarray],
+                    opt_step: int = 0) -> StateStore:
+    """The store a job started directly in ``strategy`` from the full state ``full`` would hold."""
+    s = StateStore(spec, strategy, rank, torch.device("cpu"), init=False)
+    for fam, b in s.buffers.items():
+        b.step = opt_step
+        for k in StateKinds:
+            t = getattr(b, k)
+            if t is None:
+                continue
+            flat, base = kind_tensor(s, fam, k)
+            padded = torch.zeros(b.padded, dtype=flat.dtype)
+            for p in b.pieces:
+                padded[p.start:p.start + p.numel] = torch.from_numpy(np.ascontiguousarray(full[(p.name, k)][p.box()])).reshape(-1)
+            flat.copy_(padded[base:base + flat.numel()])
+    return s
+
+
+def parse_switch_at(text: str) -> tuple[int, Strategy, tuple[int, ...] | None]:
+    """``STEP:STRATEGY[:DEVICES]`` -> (step, strategy, devices or None)."""
+    from ..cluster import parse_devices
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or not parts[0].strip().isdigit():
+        raise StrategyError(f"--switch-at {text!r} is not STEP:STRATEGY[:DEVICES]; e.g. 10:tp=2,dp=2 or "
+                            f"10:dp=3:0,1,2")
+    step = int(parts[0])
+    strategy = Strategy.parse(parts[1])
+    devices = parse_devices(parts[2]) if len(parts) == 3 and parts[2].strip() else None
+    if devices is not None and len(devices) != strategy.world:
+        raise StrategyError(f"--switch-at {text!r}: strategy {strategy} runs {strategy.world} ranks but "
+                            f"{len(devices)} devices are listed; list exactly {strategy.world} device ids")
+    return step, strategy, devices
+

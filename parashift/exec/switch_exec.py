@@ -1,0 +1,571 @@
+"""Execute one device's part of a switch Program over torch state stores, with real communication.
+
+A switch Program (``parashift.vps.transition.lower``) names per-tensor buffers
+``old:<kind>:<tensor>`` / ``new:<kind>:<tensor>`` and packs/unpacks *pieces* (global boxes) listed
+in ``meta["pieces"]``. The runtime's :class:`~parashift.exec.state.StateStore` keeps a rank's
+states in flat buffers; :func:`piece_view` maps a piece onto a strided view of the right flat
+buffer (no copy), so ``keep`` copies, packs and unpacks are strided tensor copies.
+
+:class:`SwitchExecutor` runs the streams of one device (``pack``, ``send<l>``, ``recv<l>``,
+``coll<l>``, ``unpack``) in order, honoring ``deps``: copies run inline, communication is issued
+asynchronously on the switch's process groups and completes while other streams go on. In a
+point-to-point transfer, every piece of at least ``BIG`` bytes travels as a message of its own,
+sent straight from the old state buffer and received straight into the new one wherever its box
+is contiguous there (no packing), while the small pieces share one packed message; a broadcast
+of one contiguous piece is sent from the state buffer too. Staging buffers come from a pool.
+Every sender records a checksum (:func:`checksum`) of what it sent and every receiver of what
+it got; the caller compares them (see :mod:`parashift.exec.switch`).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..errors import SwitchAborted
+from ..ir.program import Instr, Program
+from .state import StateStore
+
+#: Pieces of at least this many bytes travel as point-to-point messages of their own.
+BIG = 1 << 16
+#: Messages per transfer (gloo tags are ``transfer * MAX_MSGS + message``).
+MAX_MSGS = 1 << 20
+
+__all__ = ["piece_view", "kind_tensor", "SwitchExecutor", "BufferPool", "PieceTable", "crc", "checksum"]
+
+
+def crc(t: torch.Tensor) -> int:
+    """CRC32 of a contiguous CPU tensor's bytes."""
+    return zlib.crc32(t.contiguous().view(torch.uint8).numpy())
+
+
+def checksum(t: torch.Tensor) -> int:
+    """A transfer checksum of a contiguous tensor's bytes: the 64-bit wrapping sum of its 8-byte words
+    (any corrupted word changes it; it runs at memory speed) plus a CRC32 of the tail, or a CRC32
+    of everything when the bytes are not 8-byte aligned."""
+    b = t.contiguous().view(-1).view(torch.uint8)
+    n8 = b.numel() // 8 * 8
+    if n8 == 0 or b.data_ptr() % 8:
+        return zlib.crc32(b.numpy())
+    head = int(b[:n8].view(torch.int64).sum()) & 0xFFFFFFFFFFFFFFFF
+    return (head * 0x100000001B3 + zlib.crc32(b[n8:].numpy()) + n8) & 0xFFFFFFFFFFFFFFFF
+
+
+def kind_tensor(store: StateStore, family: str, kind: str) -> tuple[torch.Tensor, int]:
+    """(flat tensor holding ``kind`` of ``family``, buffer coordinate of its element 0)."""
+    b = store.buffers[family]
+    if kind == "param":
+        return b.param, (b.lo if b.zero >= 3 else 0)
+    t = getattr(b, kind)
+    if t is None:
+        raise SwitchAborted(f"rank {store.rank} keeps no {kind!r} state ({store.spec.dtype} training); "
+                            f"plan the switch with the model's state kinds")
+    return t, (b.lo if b.zero >= 1 else 0)
+
+
+def piece_view(store: StateStore, tensor: str, kind: str, lo: tuple[int, ...], hi: tuple[int, ...]) -> torch.Tensor:
+    """A strided view of global box ``[lo, hi)`` of ``tensor``'s ``kind`` inside ``store`` (no copy).
+
+    Raises SwitchAborted when the store does not hold the whole box (the plan and the store disagree).
+    """
+    p = store.pieces.get(tensor)
+    if p is None:
+        raise SwitchAborted(f"rank {store.rank} holds no part of {tensor}, but the switch plan reads or writes it")
+    flat, base = kind_tensor(store, p.group, kind)
+    nd = len(p.sizes)
+    strides = [1] * nd
+    for i in range(nd - 2, -1, -1):
+        strides[i] = strides[i + 1] * p.sizes[i + 1]
+    loc = [a - o for a, o in zip(lo[:nd], p.offsets)]
+    size = [b - a for a, b in zip(lo[:nd], hi[:nd])]
+    if any(x < 0 for x in loc) or any(x + s > n for x, s, n in zip(loc, size, p.sizes)):
+        raise SwitchAborted(f"box {tuple(lo[:nd])}-{tuple(hi[:nd])} of {tensor} lies outside rank "
+                            f"{store.rank}'s shard {p.offsets}+{p.sizes}")
+    first = p.start + sum(x * s for x, s in zip(loc, strides)) - base
+    last = first + sum((s - 1) * st for s, st in zip(size, strides))
+    if first < 0 or last >= flat.numel():
+        raise SwitchAborted(f"rank {store.rank} does not hold {kind} of {tensor} box {tuple(lo[:nd])}-"
+                            f"{tuple(hi[:nd])} in its shard; the switch plan and the state store disagree")
+    return flat.as_strided(size, strides, flat.storage_offset() + first)
+
+
+class BufferPool:
+    """Reusable uint8 staging buffers, by size (sizes are 16-byte aligned by the planner)."""
+
+    def __init__(self) -> None:
+        self.free: dict[int, list[torch.Tensor]] = {}
+        self.allocated = 0
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        lst = self.free.get(nbytes)
+        if lst:
+            return lst.pop()
+        self.allocated += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def put(self, t: torch.Tensor) -> None:
+        self.free.setdefault(t.numel(), []).append(t)
+
+    def clear(self) -> None:
+        self.free.clear()
+
+
+@dataclass(frozen=True)
+class PieceTable:
+    """``meta["pieces"]`` of a switch Program as numpy columns, indexed by transfer."""
+
+    tensor: np.ndarray
+    kind: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    nbytes: np.ndarray
+    stage: np.ndarray
+    transfer: np.ndarray
+    offset: np.ndarray
+
+    @classmethod
+    def of(cls, program: Program) -> "PieceTable":
+        m = program.meta
+        P = {k: np.asarray(v, dtype=np.int64) for k, v in m["pieces"].items()}
+        d = int(m["dims"])
+        P["lo"], P["hi"] = P["lo"].reshape(-1, d), P["hi"].reshape(-1, d)
+        return cls(**P)
+
+
+@dataclass
+class _Flight:
+    ins: Instr
+    stream: str
+    works: list
+    t0: float
+    then: Callable[[], None] | None = None
+
+
+@dataclass
+class ExecStats:
+    """What one device did: bytes packed/sent/received, pieces sent unpacked, checksums."""
+
+    sent_crc: dict[str, int] = field(default_factory=dict)       # checksum key -> crc of what was sent
+    recv_crc: dict[str, int] = field(default_factory=dict)       # checksum key -> crc of what arrived
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_copied: int = 0
+    zero_copy: int = 0
+    rows: list[tuple[str, str, float, float, int]] = field(default_factory=list)  # stream, op, t0, t1, bytes
+
+
+class SwitchExecutor:
+    """Runs device ``device``'s streams of a switch Program.
+
+    ``old``: the device's store in the source layout (None for a joining device); ``new``: its
+    store in the destination layout (None for a leaving device). ``world``: process group over
+    the switch's participants, ``index``: device id -> rank in ``world``; ``group(members)``
+    returns the cached process group of a collective's device tuple. ``extra_keep``: kept pieces
+    the Program leaves out (buffers it reuses in place, which the flat stores still copy), as
+    (tensor, kind, lo, hi). ``on_received(key, buffer)``: a test hook called on every received
+    buffer before it is checksummed; ``on_issue(instr)``: called after each
+    communication instruction is issued (fault tests). ``peer_gone()``: polled while
+    waiting; a device id it returns (a participant known to be dead) aborts the switch at once.
+    ``big``: pieces of at least this many bytes travel as messages of their own (every participant
+    must use the same value).
+    """
+
+    def __init__(self, program: Program, device: int, old: StateStore | None, new: StateStore | None,
+                 world: Any, index: dict[int, int], group: Callable[[tuple[int, ...]], Any], *,
+                 extra_keep: list[tuple[str, str, tuple, tuple]] = (), timeout: float = 60.0,
+                 pool: BufferPool | None = None,
+                 on_received: Callable[[str, torch.Tensor], None] | None = None,
+                 on_issue: Callable[[Instr], None] | None = None,
+                 peer_gone: Callable[[], int | None] | None = None, big: int = BIG) -> None:
+        self.program, self.device, self.old, self.new = program, device, old, new
+        self.world, self.index, self.group = world, index, group
+        self.meta = program.meta
+        self.names, self.kinds = self.meta["tensors"], self.meta["kinds"]
+        self.P = PieceTable.of(program)
+        self.tag_id = {t: i for i, t in enumerate(self.meta["transfers"])}
+        self.extra_keep = list(extra_keep)
+        self.timeout = timeout
+        self.pool = pool or BufferPool()
+        self.on_received = on_received
+        self.on_issue = on_issue
+        self.peer_gone = peer_gone
+        self.big = int(big)
+        self.bufs: dict[str, torch.Tensor] = {}
+        self.pooled: set[str] = set()
+        self.direct: dict[str, torch.Tensor] = {}          # tag -> state view sent/received without staging
+        self.stats = ExecStats()
+        rows = np.flatnonzero((self.P.src == device) | (self.P.dst == device))
+        self.by_xfer: dict[int, np.ndarray] = {}
+        x = self.P.transfer[rows]
+        order = np.argsort(x, kind="stable")
+        rows, x = rows[order], x[order]
+        cut = np.flatnonzero(np.r_[True, x[1:] != x[:-1]]) if len(x) else np.zeros(0, dtype=np.int64)
+        for a, b in zip(cut.tolist(), np.append(cut[1:], len(x)).tolist()):
+            self.by_xfer[int(x[a])] = rows[a:b]
+        self.graveyard: list[Any] = []                    # buffers of works left in flight on abort
+        self._splits: dict[str, tuple] = {}
+        self.msgs: dict[str, list[torch.Tensor]] = {}       # p2p tag -> its messages
+        self.temps: dict[str, list[torch.Tensor]] = {}      # p2p tag -> pooled buffers it uses
+
+    # ---- geometry ---------------------------------------------------------------------------------
+    def _view(self, store: StateStore, i: int) -> torch.Tensor:
+        return piece_view(store, self.names[int(self.P.tensor[i])], self.kinds[int(self.P.kind[i])],
+                          tuple(self.P.lo[i].tolist()), tuple(self.P.hi[i].tolist()))
+
+    def _rows(self, tag: str, end: str) -> np.ndarray:
+        rows = self.by_xfer.get(self.tag_id[tag], np.zeros(0, dtype=np.int64))
+        col = self.P.src if end == "src" else self.P.dst
+        return rows[col[rows] == self.device]
+
+    def _local_offset(self, ins: Instr, i: int) -> int:
+        off = int(self.P.offset[i])
+        if ins.op in ("scatter", "gather") and self.device != ins.root:
+            off -= ins.group.index(self.device) * self._chunk(ins)
+        return off
+
+    @staticmethod
+    def _chunk(ins: Instr) -> int:
+        return ins.nbytes // len(ins.group) if ins.op in ("scatter", "gather") else 0
+
+    def _direct_view(self, store: StateStore | None, rows: np.ndarray, nbytes: int) -> torch.Tensor | None:
+        """The state bytes of a single contiguous piece that fills a whole transfer, else None."""
+        if store is None or len(rows) != 1 or int(self.P.nbytes[rows[0]]) != nbytes or int(self.P.offset[rows[0]]) != 0:
+            return None
+        v = self._view(store, int(rows[0]))
+        return v.view(-1).view(torch.uint8) if v.is_contiguous() else None
+
+    # ---- instructions -------------------------------------------------------------------------------
+    def _alloc(self, ins: Instr) -> None:
+        for name, nb in ins.alloc:
+            if name.startswith("buf:") and name not in self.bufs:
+                self.bufs[name] = self.pool.get(nb)[:nb] if nb else torch.empty(0, dtype=torch.uint8)
+                self.pooled.add(name)
+
+    def _free(self, ins: Instr) -> None:
+        for name in ins.free:
+            t = self.bufs.pop(name, None)
+            if t is not None and name in self.pooled:
+                self.pooled.discard(name)
+                self.pool.put(t._base if t._base is not None else t)
+
+    def _copy(self, ins: Instr) -> None:
+        kind, _, arg = ins.key.partition(":")
+        if kind == "keep":
+            stage = int(arg)
+            rows = np.flatnonzero((self.P.transfer == -1) & (self.P.dst == self.device) & (self.P.stage == stage))
+            for i in rows.tolist():
+                self._view(self.new, i).copy_(self._view(self.old, i))
+                self.stats.bytes_copied += int(self.P.nbytes[i])
+            if stage == 0:
+                for t, k, lo, hi in self.extra_keep:
+                    piece_view(self.new, t, k, lo, hi).copy_(piece_view(self.old, t, k, lo, hi))
+            self._alloc(ins)
+            return
+        tag = arg
+        if self._comm_of(tag).op in ("send", "recv"):
+            (self._pack_p2p if kind == "pack" else self._unpack_p2p)(tag)
+            return
+        if kind == "pack":
+            rows = self._rows(tag, "src")
+            t_ins = self._comm_of(tag)
+            nb = t_ins.nbytes if t_ins.op != "gather" or self.device == t_ins.root else self._chunk(t_ins)
+            direct = self._direct_view(self.old, rows, nb) if t_ins.op in ("send", "broadcast") else None
+            if direct is not None:
+                self.direct[tag] = direct
+                self.stats.zero_copy += 1
+                self.stats.sent_crc[self._ck(t_ins, self.device)] = checksum(direct)
+                return
+            self._alloc(ins)
+            buf = self.bufs[f"buf:{tag}"]
+            for i in rows.tolist():
+                n = int(self.P.nbytes[i])
+                off = self._local_offset(t_ins, i)
+                v = self._view(self.old, i)
+                buf[off:off + n].view(v.dtype).view(v.shape).copy_(v)
+            self._record_sent(t_ins, buf)
+        elif kind == "unpack":
+            if tag in self.direct:
+                self.direct.pop(tag)
+                return
+            t_ins = self._comm_of(tag)
+            buf = self.bufs[f"buf:{tag}"]
+            for i in self._rows(tag, "dst").tolist():
+                n = int(self.P.nbytes[i])
+                off = self._local_offset(t_ins, i)
+                v = self._view(self.new, i)
+                v.copy_(buf[off:off + n].view(v.dtype).view(v.shape))
+            self._free(ins)
+
+    # ---- point-to-point transfers: large pieces travel as messages of their own --------------------------
+    def _split(self, tag: str) -> tuple[list[int], list[int], int, list[int]]:
+        """Pieces of a p2p transfer: small ones (their offsets in a compact staging buffer, its
+        size) and large ones (``BIG`` bytes or more), which travel as messages of their own, sent
+        from and received into the state buffers when their boxes are contiguous there. Both ends
+        derive the same split from the piece table."""
+        hit = self._splits.get(tag)
+        if hit is None:
+            rows = self.by_xfer[self.tag_id[tag]]
+            nb = self.P.nbytes[rows]
+            small, big = rows[nb < self.big], rows[nb >= self.big]
+            size = -(-nb[nb < self.big] // 16) * 16
+            offs = np.concatenate([[0], np.cumsum(size)[:-1]]) if len(size) else np.zeros(0, dtype=np.int64)
+            hit = self._splits[tag] = (small.tolist(), offs.tolist(), int(size.sum()), big.tolist())
+        return hit
+
+    def _temp(self, tag: str, nbytes: int) -> torch.Tensor:
+        t = self.pool.get(nbytes)
+        self.temps.setdefault(tag, []).append(t)
+        return t
+
+    def _release(self, tag: str) -> None:
+        for t in self.temps.pop(tag, []):
+            self.pool.put(t)
+        self.msgs.pop(tag, None)
+
+    def _pack_p2p(self, tag: str) -> None:
+        small, offs, size, big = self._split(tag)
+        msgs = []
+        if small:
+            buf = self._temp(tag, size)
+            for i, off in zip(small, offs):
+                v = self._view(self.old, i)
+                buf[off:off + int(self.P.nbytes[i])].view(v.dtype).view(v.shape).copy_(v)
+            msgs.append(buf)
+        for i in big:
+            v = self._view(self.old, i)
+            if v.is_contiguous():
+                msgs.append(v.view(-1).view(torch.uint8))
+                self.stats.zero_copy += 1
+            else:
+                t = self._temp(tag, int(self.P.nbytes[i]))
+                t.view(v.dtype).view(v.shape).copy_(v)
+                msgs.append(t)
+        self.msgs[tag] = msgs
+        for j, m in enumerate(msgs):
+            self.stats.sent_crc[f"{tag}#{j}"] = checksum(m)
+
+    def _recv_p2p(self, ins: Instr) -> list[torch.Tensor]:
+        small, offs, size, big = self._split(ins.tag)
+        msgs = [self._temp(ins.tag, size)] if small else []
+        for i in big:
+            v = self._view(self.new, i)
+            if v.is_contiguous():
+                msgs.append(v.view(-1).view(torch.uint8))
+                self.stats.zero_copy += 1
+            else:
+                msgs.append(self._temp(ins.tag, int(self.P.nbytes[i])))
+        self.msgs[ins.tag] = msgs
+        return msgs
+
+    def _unpack_p2p(self, tag: str) -> None:
+        small, offs, size, big = self._split(tag)
+        msgs = self.msgs[tag]
+        if small:
+            buf = msgs[0]
+            for i, off in zip(small, offs):
+                v = self._view(self.new, i)
+                v.copy_(buf[off:off + int(self.P.nbytes[i])].view(v.dtype).view(v.shape))
+        for i, m in zip(big, msgs[1 if small else 0:]):
+            v = self._view(self.new, i)
+            if m.data_ptr() != v.data_ptr():
+                v.copy_(m.view(v.dtype).view(v.shape))
+        self._release(tag)
+
+    def _ck(self, ins: Instr, member: int) -> str:
+        """Checksum key of what ``member`` contributes (scatter: what it receives)."""
+        if ins.op in ("send", "recv", "broadcast"):
+            return ins.tag
+        return f"{ins.tag}@{member}"
+
+    def _record_sent(self, ins: Instr, buf: torch.Tensor) -> None:
+        if ins.op == "scatter":
+            c = self._chunk(ins)
+            for p, m in enumerate(ins.group):
+                if m != ins.root:
+                    self.stats.sent_crc[self._ck(ins, m)] = checksum(buf[p * c:(p + 1) * c])
+        else:
+            self.stats.sent_crc[self._ck(ins, self.device)] = checksum(buf)
+
+    def _record_received(self, ins: Instr, buf: torch.Tensor) -> None:
+        if self.on_received is not None:
+            self.on_received(ins.tag, buf)
+        if ins.op == "gather":
+            c = self._chunk(ins)
+            for p, m in enumerate(ins.group):
+                if m != ins.root:
+                    self.stats.recv_crc[self._ck(ins, m)] = checksum(buf[p * c:(p + 1) * c])
+        else:
+            self.stats.recv_crc[self._ck(ins, self.device)] = checksum(buf)
+
+    def _comm_of(self, tag: str) -> Instr:
+        return self._comm[tag]
+
+    def _issue(self, ins: Instr) -> _Flight:
+        tag = ins.tag
+        xid = self.tag_id[tag]
+        t0 = time.perf_counter()
+        if ins.op == "send":
+            msgs = self.msgs[tag]
+            self.stats.bytes_sent += ins.nbytes
+            peer = self.index[ins.peer]
+            return _Flight(ins, ins.stream, [self.world.send([m], peer, xid * MAX_MSGS + j)
+                                             for j, m in enumerate(msgs)], t0, lambda: self._release(tag))
+        if ins.op == "recv":
+            msgs = self._recv_p2p(ins)
+            self.stats.bytes_received += ins.nbytes
+            peer = self.index[ins.peer]
+
+            def got() -> None:
+                for j, m in enumerate(msgs):
+                    if self.on_received is not None:
+                        self.on_received(tag, m)
+                    self.stats.recv_crc[f"{tag}#{j}"] = checksum(m)
+            return _Flight(ins, ins.stream, [self.world.recv([m], peer, xid * MAX_MSGS + j)
+                                             for j, m in enumerate(msgs)], t0, got)
+        pg = self.group(tuple(ins.group))
+        me = ins.group.index(self.device)
+        root = ins.group.index(ins.root)
+        sender = self.device in (ins.group if ins.op == "gather" else (ins.root,)) and not (
+            ins.op == "gather" and self.device == ins.root)
+        if not sender:
+            self._alloc(ins)
+        buf = self.direct.get(tag) if ins.op == "broadcast" and self.device == ins.root else None
+        if buf is None:
+            buf = self.bufs[ins.key]
+        c = self._chunk(ins)
+        if ins.op == "broadcast":
+            o = dist.BroadcastOptions()
+            o.rootRank = root
+            work = pg.broadcast([buf], o)
+        elif ins.op == "scatter":
+            o = dist.ScatterOptions()
+            o.rootRank = root
+            if me == root:
+                chunks = [buf[p * c:(p + 1) * c] for p in range(len(ins.group))]
+                work = pg.scatter([torch.empty(c, dtype=torch.uint8)], [chunks], o)
+            else:
+                work = pg.scatter([buf], [], o)
+        else:  # gather
+            o = dist.GatherOptions()
+            o.rootRank = root
+            if me == root:
+                chunks = [buf[p * c:(p + 1) * c] for p in range(len(ins.group))]
+                work = pg.gather([chunks], [torch.empty(c, dtype=torch.uint8)], o)
+            else:
+                work = pg.gather([], [buf], o)
+        then = None
+        if not sender:
+            self.stats.bytes_received += ins.nbytes if ins.op != "scatter" else c
+            then = lambda: self._record_received(ins, buf)  # noqa: E731
+        else:
+            self.stats.bytes_sent += ins.nbytes if ins.op != "gather" else c
+        return _Flight(ins, ins.stream, [work], t0, then)
+
+    # ---- driver ---------------------------------------------------------------------------------------
+    def run(self) -> ExecStats:
+        """Execute every stream of this device; raise SwitchAborted on a failed or stuck transfer.
+
+        Gloo completes point-to-point work only inside ``wait()``, so every issued instruction is
+        waited on by a daemon thread that reports to a queue; the driver thread runs copies and
+        issues work as soon as a stream's previous instruction and its deps are done.
+        """
+        rp = self.program.ranks.get(self.device)
+        streams = {s: list(v) for s, v in (rp.streams.items() if rp is not None else ())}
+        self._comm = {}
+        for v in streams.values():
+            for ins in v:
+                if ins.tag is not None:
+                    self._comm[ins.tag] = ins
+        pos = {s: 0 for s in streams}
+        busy: dict[str, _Flight] = {}
+        done: set[int] = set()
+        finished: queue.Queue = queue.Queue()
+        timeout = _td(self.timeout)
+
+        def waiter(fl: _Flight) -> None:
+            try:
+                for w in fl.works:
+                    w.wait(timeout)
+                finished.put((fl, None))
+            except BaseException as e:  # noqa: BLE001 - handed to the driver
+                finished.put((fl, e))
+        try:
+            while any(pos[s] < len(v) for s, v in streams.items()) or busy:
+                for s, v in streams.items():
+                    while s not in busy and pos[s] < len(v) and all(d in done for d in v[pos[s]].deps):
+                        ins = v[pos[s]]
+                        pos[s] += 1
+                        if ins.op == "copy":
+                            t0 = time.perf_counter()
+                            self._copy(ins)
+                            self.stats.rows.append((s, ins.key.split(":")[0], t0, time.perf_counter(), ins.nbytes))
+                            done.add(ins.id)
+                        else:
+                            fl = busy[s] = self._issue(ins)
+                            threading.Thread(target=waiter, args=(fl,), daemon=True).start()
+                            if self.on_issue is not None:
+                                self.on_issue(ins)
+                if not busy:
+                    if any(pos[s] < len(v) for s, v in streams.items()):
+                        raise SwitchAborted(f"device {self.device}: the switch Program cannot proceed (a dependency "
+                                            f"is never satisfied); the Program is invalid")
+                    break
+                end = time.monotonic() + self.timeout + 5.0
+                while True:
+                    try:
+                        fl, err = finished.get(timeout=0.05)
+                        break
+                    except queue.Empty:
+                        gone = self.peer_gone() if self.peer_gone is not None else None
+                        if gone is not None or time.monotonic() > end:
+                            why = f"device {gone} is gone" if gone is not None else \
+                                f"no progress for {self.timeout:.0f} s"
+                            raise SwitchAborted(
+                                f"device {self.device}: {why} (waiting on "
+                                f"{', '.join(f'{f.ins.op} {f.ins.tag}' for f in busy.values())})") from None
+                if err is not None:
+                    raise err
+                if fl.then is not None:
+                    fl.then()
+                self._free(fl.ins)
+                if fl.ins.op == "send" or (fl.ins.op == "broadcast" and self.device == fl.ins.root):
+                    self.direct.pop(fl.ins.tag, None)
+                self.stats.rows.append((fl.stream, fl.ins.op, fl.t0, time.perf_counter(), fl.ins.nbytes))
+                done.add(fl.ins.id)
+                del busy[fl.stream]
+        except SwitchAborted:
+            self.graveyard.append((busy, self.bufs, self.direct, self.msgs, self.temps))
+            raise
+        except Exception as e:  # noqa: BLE001 - a peer failure surfaces as a gloo error
+            self.graveyard.append((busy, self.bufs, self.direct, self.msgs, self.temps))
+            raise SwitchAborted(f"device {self.device}: a transfer failed ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''}); a peer left or failed") from e
+        return self.stats
+
+
+def _td(seconds: float):
+    import datetime
+    return datetime.timedelta(seconds=seconds)
+
+
+def bytes_of(store: StateStore | None) -> int:
+    """Bytes of a store's parameter and optimizer buffers."""
+    if store is None:
+        return 0
+    total = 0
+    for b in store.buffers.values():
+        for k in ("param", "master", "exp_avg", "exp_avg_sq"):
+            t = getattr(b, k)
+            if t is not None:
+                total += t.numel() * t.element_size()
+    return total
+

@@ -1,0 +1,496 @@
+"""Live jobs that hot-switch: ``run_live(model, strategy, steps=..., switches=[...])``.
+
+A job is a sequence of *generations* (strategy, devices), each starting at a global step.
+:func:`run_live` starts one fresh process per device incarnation (see :mod:`.elastic`): the
+devices of generation 0 train at once; a joining device's process is started when its switch is
+announced, rendezvous with the job through the shared TCPStore, and receives its state. A switch
+is announced ``notice`` steps ahead (as spot instances get a notice): the participants plan it
+and build its communicators in the background while training goes on (:class:`LiveSession`),
+then switch between iterations; leaving devices send their state out and exit.
+"""
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .. import models
+from ..errors import StrategyError, SwitchAborted
+from ..strategy import Strategy
+from .elastic import ElasticContext, ElasticManager, incarnations, launch_elastic
+from .launch import RankContext
+from .reference import OptimConfig
+from .state import StateStore
+from .switch import Prepared, SwitchRecord, execute_switch, prepare, store_arrays
+from .switch_exec import BIG, BufferPool
+
+__all__ = ["Generation", "generations", "LiveSession", "LiveResult", "run_live"]
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A layout of the live job: ``strategy`` on ``devices`` from global step ``step`` on."""
+
+    step: int
+    strategy: Strategy
+    devices: tuple[int, ...]
+
+
+def generations(spec: models.ModelSpec, strategy: "Strategy | str", steps: int,
+                switches: list[tuple[int, "Strategy | str", "tuple[int, ...] | None"]]) -> list[Generation]:
+    """Resolve a switch schedule: default devices keep the current ones (first ones when shrinking,
+    plus the lowest free ids when growing). Raises StrategyError on a bad schedule."""
+    s0 = Strategy.parse(strategy)
+    s0.validate(spec)
+    gens = [Generation(0, s0, tuple(range(s0.world)))]
+    for step, st, devs in sorted(switches, key=lambda x: x[0]):
+        st = Strategy.parse(st)
+        st.validate(spec)
+        if not 0 < step < steps:
+            raise StrategyError(f"a switch at step {step} is outside the run (steps 1..{steps - 1}); "
+                                f"switch after the first step and before the last")
+        if step <= gens[-1].step:
+            raise StrategyError(f"two switches at step {step}; give each switch its own step")
+        cur = gens[-1].devices
+        if devs is None:
+            if st.world <= len(cur):
+                devs = cur[:st.world]
+            else:
+                free = [d for d in range(max(cur) + st.world + 1) if d not in cur]
+                devs = tuple(cur) + tuple(free[:st.world - len(cur)])
+        devs = tuple(int(d) for d in devs)
+        if len(devs) != st.world or len(set(devs)) != len(devs) or min(devs) < 0:
+            raise StrategyError(f"switch at step {step}: {st} needs {st.world} distinct device ids, got {devs}")
+        gens.append(Generation(step, st, devs))
+    return gens
+
+
+def _keys(gens: list[Generation], g: int) -> dict[int, str]:
+    """Incarnation key of every participant of the switch into generation ``g``."""
+    out = {}
+    for d in sorted(set(gens[g - 1].devices) | set(gens[g].devices)):
+        first = g if d not in gens[g - 1].devices else min(
+            k for k in range(g) if all(d in gens[j].devices for j in range(k, g)))
+        out[d] = f"{d}.{first}"
+    return out
+
+
+class LiveSession:
+    """One process's side of a live job: the elastic manager, the current runtime and generation."""
+
+    def __init__(self, ctx: ElasticContext, spec: models.ModelSpec, gens: list[Generation], opts: dict) -> None:
+        self.ctx, self.spec, self.gens, self.opts = ctx, spec, gens, opts
+        self.device = ctx.device
+        self.timeout = float(opts.get("switch_timeout", 60.0))
+        self.manager = ElasticManager(ctx.store, ctx.member.key, self.timeout)
+        self.pool = BufferPool()
+        self.runtime = None
+        self.gen = -1
+        self.pending: dict[int, tuple[Future, float]] = {}
+        self.records: list[SwitchRecord] = []
+        self.rows: list[tuple] = []            # (stream, op, start, end, step)
+        self.exports: dict[str, Any] = {}
+
+    # ---- background preparation ---------------------------------------------------------------------
+    def announce(self, g: int) -> None:
+        """Start planning switch ``g`` and building its world in the background."""
+        if g in self.pending:
+            return
+        self.ctx.store.set(f"sw{g}/notice", "1")
+        fut: Future = Future()
+        src, dst = self.gens[g - 1], self.gens[g]
+        gb, seq = self.opts["global_batch"], self.opts["seq_len"]
+
+        def work() -> None:
+            try:
+                fut.set_result(prepare(self.manager, self.spec, src.strategy, dst.strategy, src.devices, dst.devices,
+                                       _keys(self.gens, g), self.device, global_batch=gb, seq_len=seq,
+                                       memory_budget=self.opts.get("memory_budget")))
+            except BaseException as e:  # noqa: BLE001 - re-raised by switch()
+                fut.set_exception(e)
+        threading.Thread(target=work, name=f"parashift-prepare{g}", daemon=True).start()
+        self.pending[g] = (fut, time.time())
+
+    # ---- the switch ---------------------------------------------------------------------------------------
+    def switch(self, g: int):
+        """Switch into generation ``g`` between iterations; returns the new Runtime (None if this device
+        leaves). Raises SwitchAborted, with the old runtime untouched, when the switch fails."""
+        import torch.distributed as dist
+        from .runtime import Runtime
+        t_pause = time.time()
+        self.announce(g)
+        fut, _ = self.pending.pop(g)
+        src, dst = self.gens[g - 1], self.gens[g]
+        rec = SwitchRecord(dst.step, str(src.strategy), str(dst.strategy), self.device,
+                           joining=self.runtime is None)
+        self.records.append(rec)
+        try:
+            prep: Prepared = fut.result(timeout=self.timeout)
+        except Exception as e:  # noqa: BLE001 - no world: nothing moved yet
+            rec.aborted = f"preparation failed: {type(e).__name__}: {e}"
+            err = SwitchAborted(f"switch at step {dst.step} aborted before moving anything: {rec.aborted}")
+            err.peer_failed = True
+            raise err from e
+        rec.plan_seconds, rec.world_seconds = prep.plan_seconds, prep.world_seconds
+        rec.rows += [("elastic", "plan", prep.world_start - prep.plan_seconds, prep.world_start),
+                     ("elastic", "world", prep.world_start, prep.world_end)]
+        old = self.runtime.store if self.runtime is not None else None
+        new = None
+        new_rank = dst.devices.index(self.device) if self.device in dst.devices else None
+        t_alloc = time.time()
+        if new_rank is not None:     # the destination buffers (part of the transfer phase)
+            new = StateStore(self.spec, dst.strategy, new_rank, torch.device("cpu"), init=False)
+        t_alloc = time.time() - t_alloc
+        fault = self.opts.get("fault") or {}
+        on_received = on_issue = None
+        if fault.get("switch") == g and fault.get("device") == self.device:
+            if fault["kind"] == "corrupt":
+                hit = []
+
+                def on_received(tag, buf):  # noqa: ANN001 - test hook: flip one byte of the first buffer
+                    if not hit and buf.numel():
+                        hit.append(tag)
+                        buf.view(torch.uint8)[0] ^= 0xFF
+            elif fault["kind"] == "kill":
+                import os
+
+                def on_issue(ins):  # noqa: ANN001 - test hook: die in the middle of the transfer
+                    if ins.op in ("send", "broadcast", "scatter", "gather"):
+                        os._exit(17)
+        try:
+            meta = execute_switch(prep, self.ctx.store, f"sw{g}/", self.device, old, new, rec, timeout=self.timeout,
+                                  pool=self.pool, steps_done=self.runtime.steps_done if self.runtime else None,
+                                  on_received=on_received, on_issue=on_issue,
+                                  big=int(self.opts.get("big_piece", BIG)))
+        except SwitchAborted as e:
+            rec.aborted = str(e)
+            for g_ in [tuple(prep.keys[d] for d in prep.planned.participants)] + [
+                    tuple(prep.keys[d] for d in grp) for grp in prep.groups]:
+                self.manager.drop(g_)
+            rec.pause_seconds = time.time() - t_pause
+            raise
+        rec.transfer_seconds += t_alloc
+        t0 = time.time()
+        if self.opts.get("export") and old is not None:
+            self.exports[f"before{g}"] = {"rank": src.devices.index(self.device), "arrays": store_arrays(old)}
+        if self.runtime is not None:
+            dist.destroy_process_group()
+            self.runtime = None
+        if new is None:
+            rt = None
+        else:
+            for b in new.buffers.values():
+                b.step = int(meta["opt_step"])
+            dist.init_process_group(self.ctx.backend, store=dist.PrefixStore(f"train{g}", self.ctx.store),
+                                    rank=new_rank, world_size=dst.strategy.world,
+                                    timeout=datetime.timedelta(seconds=self.ctx.timeout))
+            rctx = RankContext(new_rank, dst.strategy.world, self.ctx.backend, torch.device("cpu"), None)
+            rt = Runtime(prep.program, rctx, store=new, data_seed=self.opts.get("data_seed", 0), model=self.spec,
+                         optim=OptimConfig(**self.opts.get("optim", {})), timeout=self.ctx.timeout)
+            rt.steps_done = int(meta["steps_done"])
+            rt.session = self
+            if self.opts.get("export"):
+                self.exports[f"after{g}"] = {"rank": new_rank, "arrays": store_arrays(new)}
+        t1 = time.time()
+        rec.rebuild_seconds = t1 - t0
+        rec.rows.append(("switch", "rebuild", t0, t1))
+        rec.pause_seconds = t1 - t_pause
+        self.runtime, self.gen = rt, g
+        return rt
+
+    def switch_to(self, strategy: "Strategy | str", devices: "tuple[int, ...] | list[int] | None" = None):
+        """What ``Runtime.switch`` calls: switch to the next scheduled generation when it matches,
+        else (after the schedule's last generation) to a new one on a subset of the current devices.
+        Returns the new Runtime, or None when this device leaves."""
+        st = Strategy.parse(strategy)
+        nxt = self.gen + 1
+        cur = self.gens[self.gen]
+        step = self.runtime.steps_done if self.runtime is not None else cur.step
+        if nxt < len(self.gens):
+            want = self.gens[nxt]
+            if str(want.strategy) != str(st) or (devices is not None and tuple(devices) != want.devices):
+                raise StrategyError(f"the job's next scheduled switch is to {want.strategy} on {list(want.devices)} "
+                                    f"at step {want.step}, not to {st}; switch as scheduled")
+            return self.switch(nxt)
+        st.validate(self.spec)
+        devs = tuple(int(d) for d in devices) if devices is not None else tuple(cur.devices[:st.world])
+        if len(devs) != st.world or len(set(devs)) != len(devs):
+            raise StrategyError(f"{st} needs {st.world} distinct devices, got {list(devs)}")
+        gen = Generation(step, st, devs)
+        if not set(gen.devices) <= set(cur.devices):
+            raise StrategyError(f"devices {sorted(set(gen.devices) - set(cur.devices))} have no process in this job; "
+                                f"growing needs joining processes: schedule the switch with run_live(switches=...) "
+                                f"or parashift run --switch-at")
+        self.gens.append(gen)
+        return self.switch(len(self.gens) - 1)
+
+    # ---- the job ----------------------------------------------------------------------------------------------
+    def start(self) -> bool:
+        """Join the job: generation 0 builds its runtime; a joining device waits for its switch.
+        False when the job ended (or gave up the switch) before this device was needed."""
+        import torch.distributed as dist
+        from .runtime import Runtime, compile_program
+        m = self.ctx.member
+        if m.first == 0:
+            g0 = self.gens[0]
+            rank = g0.devices.index(self.device)
+            dist.init_process_group(self.ctx.backend, store=dist.PrefixStore("train0", self.ctx.store), rank=rank,
+                                    world_size=g0.strategy.world, timeout=datetime.timedelta(seconds=self.ctx.timeout))
+            prog = compile_program(self.spec if not _preset(self.spec) else self.spec.name, g0.strategy,
+                                   global_batch=self.opts["global_batch"], seq_len=self.opts["seq_len"])
+            rctx = RankContext(rank, g0.strategy.world, self.ctx.backend, torch.device("cpu"), None)
+            self.runtime = Runtime(prog, rctx, seed=self.opts.get("seed", 0), data_seed=self.opts.get("data_seed", 0),
+                                   model=self.spec,
+                                   optim=OptimConfig(**self.opts.get("optim", {})), timeout=self.ctx.timeout)
+            self.runtime.session = self
+            self.gen = 0
+            return True
+        g = m.first
+        if not _wait_any(self.ctx.store, [f"sw{g}/notice", "job/end"], self.ctx.timeout) or \
+                self.ctx.store.check(["job/end"]) and not self.ctx.store.check([f"sw{g}/notice"]):
+            return False
+        try:
+            self.switch(g)
+        except SwitchAborted:
+            return False
+        return True
+
+    def train(self, steps: int) -> dict:
+        """Train until ``steps`` global steps, switching on schedule; returns this process's report."""
+        losses: dict[int, float] = {}
+        error = None
+        notice = int(self.opts.get("notice", 1))
+        stop_switching = False
+        while self.runtime is not None and self.runtime.steps_done < steps:
+            step = self.runtime.steps_done
+            nxt = self.gen + 1
+            if not stop_switching and nxt < len(self.gens) and self.device in _participants(self.gens, nxt):
+                if step >= self.gens[nxt].step - notice:
+                    self.announce(nxt)
+                if step == self.gens[nxt].step:
+                    try:
+                        self.runtime.switch(self.gens[nxt].strategy, self.gens[nxt].devices)
+                    except SwitchAborted as e:
+                        if getattr(e, "peer_failed", False):
+                            error = str(e)
+                            break
+                        stop_switching = True      # rolled back: train on in the old layout
+                    continue
+            t0 = time.time()
+            loss, _ = self.runtime.step()
+            self.rows.append(("train", "step", t0, time.time(), step))
+            losses[step] = float(loss)
+            if self.ctx.report is not None and self.opts.get("progress"):
+                self.ctx.report((step, float(loss), self.gens[self.gen].devices))
+        finished = self.runtime is not None and self.runtime.steps_done >= steps
+        if finished or error is not None:
+            self.ctx.store.set("job/end", "1")
+        out = {"device": self.device, "key": self.ctx.member.key, "losses": losses, "error": error,
+               "switches": [asdict(r) for r in self.records], "rows": self.rows,
+               "final_gen": self.gen if self.runtime is not None else None,
+               "groups_created": self.manager.created, "groups_reused": self.manager.reused}
+        if self.opts.get("export"):
+            if self.runtime is not None:
+                self.exports["final"] = {"rank": self.runtime.ctx.rank, "arrays": store_arrays(self.runtime.store)}
+            out["exports"] = self.exports
+        if error is not None and self.runtime is not None:
+            out["intact"] = {"rank": self.runtime.ctx.rank, "arrays": store_arrays(self.runtime.store)}
+        return out
+
+
+def _participants(gens: list[Generation], g: int) -> set[int]:
+    return set(gens[g - 1].devices) | set(gens[g].devices)
+
+
+def _preset(spec: models.ModelSpec) -> bool:
+    try:
+        return models.get(spec.name) == spec
+    except Exception:  # noqa: BLE001 - a custom model
+        return False
+
+
+def _wait_any(store, keys: list[str], timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if any(store.check([k]) for k in keys):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _live_worker(ctx: ElasticContext, spec: models.ModelSpec, gens: list[Generation], steps: int, opts: dict) -> dict:
+    torch.manual_seed(0)
+    session = LiveSession(ctx, spec, gens, opts)
+    if not session.start():
+        return {"device": ctx.device, "key": ctx.member.key, "losses": {}, "error": None, "switches":
+                [asdict(r) for r in session.records], "rows": [], "final_gen": None, "joined": False}
+    return session.train(steps)
+
+
+@dataclass
+class LiveResult:
+    """What a live job measured: global losses per step, one entry per switch, per-process reports."""
+
+    losses: list[float]
+    switches: list[dict]
+    reports: dict[str, Any] = field(repr=False)
+    generations: list[Generation] = field(repr=False)
+
+    def timeline(self):
+        """Training steps and switch phases of every process: ``device, stream, op, step, start, end``
+        (seconds since the job's first row)."""
+        import pandas as pd
+        rows = []
+        for r in self.reports.values():
+            if not r:
+                continue
+            for stream, op, a, b, step in r["rows"]:
+                rows.append((r["device"], stream, op, step, a, b))
+            for sw in r["switches"]:
+                for stream, op, a, b in sw["rows"]:
+                    rows.append((r["device"], stream, op, sw["step"], a, b))
+        df = pd.DataFrame(rows, columns=["device", "stream", "op", "step", "start", "end"])
+        if len(df):
+            t0 = df["start"].min()
+            df["start"] -= t0
+            df["end"] -= t0
+        return df.sort_values(["start", "device"]).reset_index(drop=True)
+
+    def to_chrome_trace(self, path: str) -> None:
+        """Write :meth:`timeline` as a Chrome/Perfetto trace (one process per device; streams
+        ``train``, ``elastic`` (background planning and world creation) and ``switch``)."""
+        from ..sim.result import write_chrome_trace
+        df = self.timeline()
+        df = df.assign(rank=df["device"], id=range(len(df)), phase=[f"step {s}" for s in df["step"]],
+                       microbatch=float("nan"), nbytes=0, flops=0.0)
+        write_chrome_trace(df, path)
+
+    def to_json(self) -> dict:
+        return {"losses": self.losses, "switches": self.switches,
+                "devices": [list(g.devices) for g in self.generations],
+                "strategies": [str(g.strategy) for g in self.generations]}
+
+
+def _summarize(gens: list[Generation], reports: dict[str, Any]) -> list[dict]:
+    out = []
+    for g in range(1, len(gens)):
+        recs = [sw for r in reports.values() if r for sw in r["switches"] if sw["step"] == gens[g].step]
+        if not recs:
+            continue
+        aborted = next((r["aborted"] for r in recs if r["aborted"]), None)
+        entry = {"step": gens[g].step, "src": str(gens[g - 1].strategy), "dst": str(gens[g].strategy),
+                 "src_devices": list(gens[g - 1].devices), "dst_devices": list(gens[g].devices),
+                 "seconds": max(SwitchRecord(**{k: v for k, v in r.items()}).seconds for r in recs),
+                 "pause_seconds": max(r["pause_seconds"] for r in recs if not r["joining"])}
+        for k in ("plan_seconds", "world_seconds", "transfer_seconds", "verify_seconds", "rebuild_seconds"):
+            entry[k] = max(r[k] for r in recs)
+        entry["bytes_moved"] = sum(r["bytes_sent"] for r in recs)
+        if aborted:
+            entry["aborted"] = aborted
+        out.append(entry)
+    return out
+
+
+def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, steps: int,
+             switches: list[tuple[int, "Strategy | str", "tuple[int, ...] | None"]] = (), global_batch: int = 8,
+             seq_len: int | None = None, seed: int = 0, data_seed: int = 0, optim: OptimConfig = OptimConfig(),
+             notice: int = 1, timeout: float = 300.0, switch_timeout: float = 60.0, memory_budget=None,
+             export: bool = False, fault: dict | None = None, big_piece: int = BIG,
+             progress: Callable[[int, float], None] | None = None) -> LiveResult:
+    """Train ``model`` for ``steps`` steps, hot-switching at the scheduled steps.
+
+    ``switches``: (step, strategy, devices or None). ``notice``: steps of warning before each switch
+    (planning and world creation overlap them). ``export``: return every process's flat state
+    before and after each switch (tests). ``fault``: a test hook, ``{"kind": "kill"|"corrupt",
+    "device": d, "switch": g}``. ``big_piece``: pieces of at least this many bytes travel as
+    messages of their own, unpacked (see :mod:`.switch_exec`).
+    """
+    spec = models.get(model)
+    gens = generations(spec, strategy, steps, list(switches))
+    opts = {"global_batch": global_batch, "seq_len": seq_len or spec.seq_len, "seed": seed, "data_seed": data_seed,
+            "optim": optim.__dict__, "notice": notice, "switch_timeout": switch_timeout, "memory_budget": memory_budget,
+            "export": export, "fault": fault, "progress": progress is not None, "big_piece": big_piece}
+    parts: dict[int, dict[str, float]] = {}
+
+    def on_report(key: str, payload: tuple) -> None:
+        step, loss, devices = payload
+        got = parts.setdefault(step, {})
+        got[key] = loss
+        if len(got) == len(devices):
+            progress(step, sum(got.values()))
+    reports = launch_elastic(_live_worker, incarnations([g.devices for g in gens]), args=(spec, gens, steps, opts),
+                             timeout=timeout, allow_dead=fault is not None and fault.get("kind") == "kill",
+                             on_report=on_report if progress else None,
+                             start_key=lambda m: None if m.first == 0 else f"sw{m.first}/notice")
+    losses = []
+    for k in range(steps):
+        shares = [r["losses"][k] for r in reports.values() if r and k in r["losses"]]
+        if not shares:
+            break
+        losses.append(float(sum(shares)))
+    return LiveResult(losses, _summarize(gens, reports), reports, gens)
+
+
+def step_times(result: LiveResult) -> list[float]:
+    """Seconds of every step (the slowest process's)."""
+    per: dict[int, float] = {}
+    for r in result.reports.values():
+        for stream, op, a, b, step in (r or {}).get("rows", []):
+            if op == "step":
+                per[step] = max(per.get(step, 0.0), b - a)
+    return [per[k] for k in sorted(per)]
+
+
+def run_cli(args) -> dict:
+    """``parashift run ... --switch-at STEP:STRATEGY[:DEVICES]``: a live job that hot-switches."""
+    import sys
+    from .switch import parse_switch_at
+    spec = models.get(args.model)
+    s0 = Strategy.parse(args.strategy)
+    if args.nprocs is not None and args.nprocs != s0.world:
+        raise StrategyError(f"strategy {s0} needs {s0.world} processes, not --nprocs {args.nprocs}; "
+                            f"drop --nprocs or change the strategy")
+    switches = [parse_switch_at(x) for x in args.switch_at]
+
+    def progress(step: int, loss: float) -> None:
+        if not args.json:
+            print(f"step {step + 1}/{args.steps}  loss {loss:.6f}", file=sys.stderr, flush=True)
+    res = run_live(spec, s0, steps=args.steps, switches=switches, global_batch=args.global_batch,
+                   seq_len=args.seq_len or spec.seq_len, optim=OptimConfig(lr=args.lr), timeout=args.timeout,
+                   progress=progress)
+    aborted = [s for s in res.switches if s.get("aborted")]
+    out = {"model": spec.name, "strategy": str(s0), "nprocs": s0.world, "schedule": None, **res.to_json(),
+           "step_times": step_times(res),
+           "switches": [{k: s[k] for k in ("step", "src", "dst", "seconds", "pause_seconds", "plan_seconds",
+                                           "world_seconds", "transfer_seconds", "verify_seconds",
+                                           "rebuild_seconds", "bytes_moved", "src_devices", "dst_devices")}
+                        | ({"aborted": s["aborted"]} if s.get("aborted") else {}) for s in res.switches]}
+    if getattr(args, "trace", None):
+        res.to_chrome_trace(args.trace)
+        out["trace"] = args.trace
+    if len(res.losses) < args.steps:
+        from ..errors import RuntimeFailure
+        why = aborted[0]["aborted"] if aborted else "a process failed"
+        raise RuntimeFailure(f"the live job stopped after {len(res.losses)} of {args.steps} steps: {why}")
+    return out
+
+
+def render_cli(result: dict) -> None:
+    """Human-readable summary of :func:`run_cli`'s result."""
+    print(f"{result['model']} live job: {result['strategy']} on {result['nprocs']} processes, "
+          f"{len(result['losses'])} steps")
+    print(f"  loss          {result['losses'][0]:.6f} -> {result['losses'][-1]:.6f}")
+    if result.get("trace"):
+        print(f"  trace         {result['trace']}")
+    for s in result["switches"]:
+        tag = f"  ABORTED: {s['aborted']}" if s.get("aborted") else ""
+        print(f"  step {s['step']:>4}: {s['src']} on {len(s['src_devices'])} -> {s['dst']} on "
+              f"{len(s['dst_devices'])} devices  pause {s['pause_seconds'] * 1e3:.0f} ms of "
+              f"{s['seconds'] * 1e3:.0f} ms (plan {s['plan_seconds'] * 1e3:.0f}, world {s['world_seconds'] * 1e3:.0f}, "
+              f"transfer {s['transfer_seconds'] * 1e3:.0f}, verify {s['verify_seconds'] * 1e3:.0f}, "
+              f"rebuild {s['rebuild_seconds'] * 1e3:.0f})  {s['bytes_moved'] / 2**20:.1f} MiB moved{tag}")
