@@ -12,7 +12,8 @@ HELP = "train a model for real on local processes (gloo on CPU, NCCL on GPUs) un
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("plan", nargs="?", help="a deploy plan file (a saved Program); omit to compile --model/--strategy")
-    p.add_argument("--model", default="tiny-gpt", help="model preset (default tiny-gpt)")
+    p.add_argument("--model", default="tiny-gpt", help="model preset (default tiny-gpt), or MODULE:NAME of a "
+                                                       "parashift.exec.UserModel (your annotated torch model)")
     p.add_argument("--strategy", default="dp=1,tp=1,pp=1", help="e.g. 'dp=2,pp=2,schedule=1f1b'")
     p.add_argument("--nprocs", type=int, help="processes to start (default: the strategy's world size)")
     p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
@@ -24,11 +25,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--switch-at", action="append", default=[], metavar="STEP:STRATEGY[:DEVICES]",
                    help="hot-switch the live job at STEP to STRATEGY (on DEVICES, e.g. 0,1,2 or 0-2: shrink, "
                         "grow or reshape); repeatable")
+    p.add_argument("--switch-notice", type=int, default=3, metavar="STEPS",
+                   help="steps of warning before each switch, while planning and world creation run in the "
+                        "background (default 3)")
 
 
 def run(args: argparse.Namespace) -> dict:
     from .. import models
     from ..exec import OptimConfig, compile_program, load_plan, run_program, under_torchrun
+    from .run_user import is_user_model
+    if is_user_model(args.model):
+        from .run_user import run_cli as run_user_cli
+        return run_user_cli(args)
     if args.switch_at:
         if args.plan:
             raise StrategyError("--switch-at runs a live job from --model/--strategy; drop the plan file")

@@ -449,14 +449,18 @@ class Interpreter:
             t = box.pop((c, mb)).contiguous()
             kw = {} if self.nccl else {"tag": itag}
             return Flight(ins, stream, [dist.isend(t, peer, group=group, **kw)], keep=t)
-        shape = (self.strategy.mbs, self.seq, self.spec.hidden)
-        buf = torch.empty(shape, dtype=self.store.buffers["dense"].dtype, device=self.device)
+        buf = self._recv_buffer(c)
         kw = {} if self.nccl else {"tag": itag}
         work = dist.irecv(buf, peer, group=group, **kw)
 
         def then() -> None:
             box[(c, mb)] = buf
         return Flight(ins, stream, [work], then=then)
+
+    def _recv_buffer(self, chunk: int) -> torch.Tensor:
+        """An empty tensor for chunk ``chunk``'s output activation (or its gradient) arriving by p2p."""
+        shape = (self.strategy.mbs, self.seq, self.spec.hidden)
+        return torch.empty(shape, dtype=self.store.buffers["dense"].dtype, device=self.device)
 
     def _tp(self, ins: Instr, stream: str, region: str, phase: str, mb: int) -> Flight:
         c = ins.chunk

@@ -47,9 +47,9 @@ def _check(program: Program, model: "models.ModelSpec | None" = None) -> None:
             raise ProgramError(f"program meta lacks {k!r}; the runtime executes training-step programs from "
                                f"parashift.ir.compile")
     if meta.get("model") == "custom" and model is None:
-        raise ProgramError("this program was compiled from a traced user model, which the runtime does not "
-                           "execute yet; compile a model described by a ModelSpec (a preset, or "
-                           "parashift.models.gpt/moe) to run it")
+        raise ProgramError("this program was compiled from a traced user model: run it with "
+                           "parashift.exec.run_user_model(factory, strategy, example_input=..., data=..., "
+                           "loss_fn=...), which also maps the model's parameters onto the program's chunks")
     if meta.get("kind", "train_step") != "train_step":
         raise ProgramError(f"program kind {meta.get('kind')!r} is not a training step")
     check_supported(_spec(program, model))

@@ -399,7 +399,7 @@ def _summarize(gens: list[Generation], reports: dict[str, Any]) -> list[dict]:
 def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, steps: int,
              switches: list[tuple[int, "Strategy | str", "tuple[int, ...] | None"]] = (), global_batch: int = 8,
              seq_len: int | None = None, seed: int = 0, data_seed: int = 0, optim: OptimConfig = OptimConfig(),
-             notice: int = 1, timeout: float = 300.0, switch_timeout: float = 60.0, memory_budget=None,
+             notice: int = 3, timeout: float = 300.0, switch_timeout: float = 60.0, memory_budget=None,
              export: bool = False, fault: dict | None = None, big_piece: int = BIG,
              progress: Callable[[int, float], None] | None = None) -> LiveResult:
     """Train ``model`` for ``steps`` steps, hot-switching at the scheduled steps.
@@ -411,6 +411,8 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
     messages of their own, unpacked (see :mod:`.switch_exec`).
     """
     spec = models.get(model)
+    if notice < 0:
+        raise StrategyError(f"notice={notice} must be a number of steps >= 0 (the warning before each switch)")
     gens = generations(spec, strategy, steps, list(switches))
     opts = {"global_batch": global_batch, "seq_len": seq_len or spec.seq_len, "seed": seed, "data_seed": data_seed,
             "optim": optim.__dict__, "notice": notice, "switch_timeout": switch_timeout, "memory_budget": memory_budget,
@@ -462,7 +464,7 @@ def run_cli(args) -> dict:
             print(f"step {step + 1}/{args.steps}  loss {loss:.6f}", file=sys.stderr, flush=True)
     res = run_live(spec, s0, steps=args.steps, switches=switches, global_batch=args.global_batch,
                    seq_len=args.seq_len or spec.seq_len, optim=OptimConfig(lr=args.lr), timeout=args.timeout,
-                   progress=progress)
+                   notice=getattr(args, "switch_notice", 3), progress=progress)
     aborted = [s for s in res.switches if s.get("aborted")]
     out = {"model": spec.name, "strategy": str(s0), "nprocs": s0.world, "schedule": None, **res.to_json(),
            "step_times": step_times(res),

@@ -1,0 +1,288 @@
+"""In-memory hot switch vs. PyTorch Distributed Checkpoint vs. the transfer floor (one JSON object).
+
+4 gloo processes hold the training state (fp32 parameters + AdamW moments, about 1.2 GB in all)
+of a wide GPT in a source layout; each case moves it to a destination layout:
+
+- ``switch``: the live switch (new state buffers, transfer per the switch Program, checksums
+  and votes), with planning and world creation done beforehand, as a live job does them in the
+  background;
+- ``dcp``: ``torch.distributed.checkpoint.save`` under the old layout and ``load`` under the
+  new one (every rank's boxes as ShardedTensor shards, so DCP reshards), on /dev/shm and on disk;
+- ``floor``: the same cross-device bytes pre-packed through one gloo all_to_all, plus each
+  rank's on-device bytes as one memcpy, with no planning.
+
+Run: ``python benchmarks/switch_live_bench.py [--repeats 3] [--dcp-repeats 2] [--small]``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from parashift import models
+from parashift.exec.elastic import ElasticManager, Member, launch_elastic
+from parashift.exec.state import StateStore
+from parashift.exec.switch import Prepared, SwitchRecord, execute_switch, plan_live_switch
+from parashift.exec.switch_exec import BufferPool, crc, kind_tensor, piece_view
+from parashift.strategy import Strategy
+from parashift.vps import layout
+
+CASES = [("tp2dp2z1->tp4", "tp=2,dp=2,zero=1", "tp=4", (0, 1, 2, 3), (0, 1, 2, 3)),
+         ("tp4->tp2dp2z1", "tp=4", "tp=2,dp=2,zero=1", (0, 1, 2, 3), (0, 1, 2, 3)),
+         ("shrink 4->3", "tp=2,dp=2,zero=1", "dp=3,zero=1", (0, 1, 2, 3), (0, 1, 2))]
+
+
+def _model(small: bool):
+    if small:
+        return models.gpt(2, 256, 8, ffn=1024, vocab=1024, seq_len=64, name="bench-small", dtype="fp32", pad_vocab=64)
+    return models.gpt(2, 1536, 16, ffn=6144, vocab=8192, seq_len=256, name="bench-wide", dtype="fp32", pad_vocab=64)
+
+
+def _fill(store: StateStore, spec) -> None:
+    """Deterministic values by global position (replicas agree, as in a real job): element (i, j)
+    of a tensor's ``kind`` is ``row[i] + col[j]`` for fixed pseudo-random ``row``/``col`` vectors."""
+    shapes = {t.name: t.shape for t in spec.tensors}
+    for fam, b in store.buffers.items():
+        for ki, k in enumerate(("param", "exp_avg", "exp_avg_sq")):
+            flat, base = kind_tensor(store, fam, k)
+            for p in b.pieces:
+                a, e = max(p.start, base), min(p.start + p.numel, base + flat.numel())
+                if a >= e:
+                    continue
+                shape = shapes[p.name]
+                g = torch.Generator().manual_seed(len(p.name) * 31 + ki)
+                row = torch.rand(shape[0], generator=g)[p.offsets[0]:p.offsets[0] + p.sizes[0]]
+                if len(shape) == 1:
+                    local = row
+                else:
+                    cols = int(np.prod(shape[1:]))
+                    col = torch.rand(cols, generator=g).view(shape[1:])
+                    col = col[tuple(slice(o, o + n) for o, n in zip(p.offsets[1:], p.sizes[1:]))].reshape(-1)
+                    local = (row[:, None] + col[None, :]).view(-1)
+                flat[a - base:e - base] = local[a - p.start:e - p.start]
+
+
+def _allmax(pg, x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    o = torch.distributed.AllreduceOptions()
+    o.reduceOp = torch.distributed.ReduceOp.MAX
+    pg.allreduce([t], o).wait()
+    return float(t.item())
+
+
+def _boxes(spec, strategy: Strategy, rank: int, *, owned: bool = False):
+    """(tensor name, kind, lo, hi) of every box ``rank`` holds (param and moments); ``owned``: only
+    the boxes no lower rank holds too (replicas are saved once)."""
+    lay = layout(spec, strategy)
+    reg = lay.regions(kinds=["param", "exp_avg", "exp_avg_sq"])
+    nd = lay.table.ndim
+    seen: set = set()
+    out = []
+    for r, t, k, lo, hi in zip(reg.rank.tolist(), reg.tensor.tolist(), reg.kind.tolist(), reg.lo.tolist(),
+                               reg.hi.tolist()):
+        key = (lay.table.names[t], lay.kinds[k], tuple(lo[:nd[t]]), tuple(hi[:nd[t]]))
+        first = key not in seen
+        seen.add(key)
+        if r == rank and (first or not owned):
+            out.append(key)
+    return out
+
+
+def _save_dict(spec, store: StateStore, strategy: Strategy):
+    """A DCP state dict: one ShardedTensor per (tensor, kind), this rank's owned boxes as local shards."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+    me = torch.distributed.get_rank()
+    mine: dict[tuple[str, str], list] = {}
+    for name, kind, lo, hi in _boxes(spec, strategy, me, owned=True):
+        size = [b - a for a, b in zip(lo, hi)]
+        t = piece_view(store, name, kind, lo, hi).contiguous()
+        mine.setdefault((name, kind), []).append(Shard(t, ShardMetadata(list(lo), size, f"rank:{me}/cpu")))
+    return {f"{kind}/{t.name}": init_from_local_shards(mine.get((t.name, kind), []), *t.shape)
+            for t in spec.tensors for kind in ("param", "exp_avg", "exp_avg_sq")}
+
+
+def _box_planner(boxes: dict):
+    """A DCP load planner that reads exactly this rank's boxes (``fqn -> [(offsets, tensor)]``),
+    replicas included, straight into the given tensors."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class BoxLoadPlanner(DefaultLoadPlanner):
+        def create_local_plan(self) -> LoadPlan:
+            items = []
+            for fqn, lst in boxes.items():
+                chunks = [ChunkStorageMetadata(offsets=torch.Size(lo), sizes=t.size()) for lo, t in lst]
+                items += create_read_items_for_chunk_list(fqn, self.metadata.state_dict_metadata[fqn], chunks)
+            return LoadPlan(items)
+
+        def resolve_tensor(self, read_item):
+            t = boxes[read_item.dest_index.fqn][read_item.dest_index.index][1]
+            for dim, (off, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+                t = t.narrow(dim, off, n)
+            return t
+
+        def commit_tensor(self, read_item, tensor) -> None:
+            pass
+    return BoxLoadPlanner()
+
+
+def _dcp_case(spec, src, dst, ddev, device, old, path) -> tuple[float, list[int]]:
+    import torch.distributed.checkpoint as dcp
+    torch.distributed.barrier()
+    t0 = time.perf_counter()
+    dcp.save(_save_dict(spec, old, src), checkpoint_id=path)
+    new = None
+    boxes: dict[str, list] = {}
+    if device in ddev:
+        rank = ddev.index(device)
+        new = StateStore(spec, dst, rank, torch.device("cpu"), init=False)
+        for name, kind, lo, hi in _boxes(spec, dst, rank):
+            boxes.setdefault(f"{kind}/{name}", []).append((lo, torch.empty([b - a for a, b in zip(lo, hi)])))
+    dcp.load({}, checkpoint_id=path, planner=_box_planner(boxes))
+    for fqn, lst in boxes.items():
+        kind, name = fqn.split("/", 1)
+        for lo, t in lst:
+            hi = tuple(a + n for a, n in zip(lo, t.shape))
+            piece_view(new, name, kind, lo, hi).copy_(t)
+    torch.distributed.barrier()
+    dt = time.perf_counter() - t0
+    digest = _digest(new)
+    del boxes, new
+    return dt, digest
+
+
+def _digest(store: StateStore | None) -> list[int]:
+    """CRC32 of every state buffer of a store (to check that both paths built the same state)."""
+    if store is None:
+        return []
+    return [crc(getattr(b, k)) for _, b in sorted(store.buffers.items()) for k in ("param", "exp_avg", "exp_avg_sq")]
+
+
+def _floor(planned, device: int, world, index) -> float:
+    """Pre-packed cross-device bytes through one all_to_all, plus one memcpy of the kept bytes."""
+    P = planned.program.meta["pieces"]
+    src, dst, nb = (np.asarray(P[k]) for k in ("src", "dst", "nbytes"))
+    n = len(index)
+    parts = planned.participants
+    send = [int(nb[(src == device) & (dst == d)].sum()) if d != device else 0 for d in parts]
+    recv = [int(nb[(src == d) & (dst == device)].sum()) if d != device else 0 for d in parts]
+    kept = int(nb[(src == device) & (dst == device)].sum())
+    kept += sum(int(np.prod([b - a for a, b in zip(lo, hi)])) * 4
+                for _, _, lo, hi in planned.extra_keep.get(device, []))
+    inp = torch.ones(sum(send), dtype=torch.uint8)
+    out = torch.empty(sum(recv), dtype=torch.uint8)
+    a, b = torch.ones(kept, dtype=torch.uint8), torch.empty(kept, dtype=torch.uint8)
+    _allmax(world, 0.0)
+    t0 = time.perf_counter()
+    world.alltoall_base(out, inp, recv, send, torch.distributed.AllToAllOptions()).wait()
+    b.copy_(a)
+    dt = time.perf_counter() - t0
+    assert n == len(parts)
+    return _allmax(world, dt)
+
+
+def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict) -> dict:
+    device = ctx.device
+    mgr = ElasticManager(ctx.store, ctx.member.key, 120.0)
+    keys = {d: f"{d}.0" for d in range(4)}
+    world = mgr.group(tuple(keys[d] for d in range(4)))
+    torch.distributed.init_process_group("gloo", store=torch.distributed.PrefixStore("dcp", ctx.store), rank=device,
+                                         world_size=4, timeout=datetime.timedelta(seconds=600))
+    pool = BufferPool()
+    out = {}
+    for ci, (name, src, dst, sdev, ddev) in enumerate(CASES):
+        src, dst = Strategy.parse(src), Strategy.parse(dst)
+        old = StateStore(spec, src, sdev.index(device), torch.device("cpu"), init=False)
+        _fill(old, spec)
+        t0 = time.perf_counter()
+        planned = plan_live_switch(spec, src, dst, sdev, ddev)
+        plan_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        parts = planned.participants
+        groups = {g: mgr.group(tuple(keys[d] for d in g)) for g in planned.collective_groups(device)}
+        world_s = time.perf_counter() - t0
+        prep = Prepared(planned, world, {d: i for i, d in enumerate(parts)}, groups, keys, None, plan_s, world_s, 0, 0)
+        sw = []
+        for rep in range(repeats + 1):
+            _allmax(world, 0.0)
+            t0 = time.perf_counter()
+            new = StateStore(spec, dst, ddev.index(device), torch.device("cpu"), init=False) if device in ddev else None
+            rec = SwitchRecord(0, str(src), str(dst), device)
+            execute_switch(prep, ctx.store, f"bench{ci}.{rep}/", device, old, new, rec, timeout=300, pool=pool,
+                           steps_done=0)
+            dt = _allmax(world, time.perf_counter() - t0)
+            if rep:                       # the first run warms the pool and the allocator
+                sw.append(dt)
+            want = _digest(new)
+            del new
+        fl = [_floor(planned, device, world, prep.index) for _ in range(repeats)]
+        res = {"switch_seconds": statistics.median(sw), "floor_seconds": statistics.median(fl),
+               "plan_seconds": _allmax(world, plan_s), "bytes_moved": planned.program.meta["bytes_moved"],
+               "bytes_kept": planned.program.meta["bytes_kept"], "switch_runs": sw}
+        for label, root in dirs.items():
+            runs = []
+            for rep in range(dcp_repeats):
+                path = os.path.join(root, f"c{ci}r{rep}")
+                dt, got = _dcp_case(spec, src, dst, ddev, device, old, path)
+                if got != want:
+                    raise RuntimeError(f"{name}: the state loaded from DCP differs from the switched state")
+                runs.append(dt)
+                torch.distributed.barrier()
+                if device == 0:
+                    shutil.rmtree(path, ignore_errors=True)
+            res[f"dcp_{label}_seconds"] = statistics.median(runs)
+        out[name] = res
+        del old
+        pool.clear()
+    torch.distributed.destroy_process_group()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dcp-repeats", type=int, default=2)
+    ap.add_argument("--small", action="store_true", help="a 30 MB state (a quick check of the script)")
+    ap.add_argument("--no-dcp", action="store_true", help="skip the DCP baselines (a quick look at the switch)")
+    args = ap.parse_args()
+    spec = _model(args.small)
+    shm = tempfile.mkdtemp(prefix="parashift-bench-", dir="/dev/shm")
+    disk = tempfile.mkdtemp(prefix="parashift-bench-", dir=os.path.expanduser("~"))
+    try:
+        t0 = time.perf_counter()
+        res = launch_elastic(_worker, [Member(d, 0, 0) for d in range(4)],
+                             args=(spec, args.repeats, args.dcp_repeats, {} if args.no_dcp else {"shm": shm, "disk": disk}),
+                             timeout=3000)
+        cases = res["0.0"]
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+    nparams = sum(t.numel for t in spec.tensors)
+    for c in cases.values():
+        if args.no_dcp:
+            c["vs_floor"] = c["switch_seconds"] / c["floor_seconds"]
+            continue
+        c["vs_dcp_disk"] = c["dcp_disk_seconds"] / c["switch_seconds"]
+        c["vs_dcp_shm"] = c["dcp_shm_seconds"] / c["switch_seconds"]
+        c["vs_floor"] = c["switch_seconds"] / c["floor_seconds"]
+    print(json.dumps({"model": spec.name, "params": nparams, "state_bytes": nparams * 12, "processes": 4,
+                      "threads_per_process": 1, "cpus": os.cpu_count(), "repeats": args.repeats,
+                      "dcp_repeats": args.dcp_repeats, "cases": cases,
+                      "seconds": time.perf_counter() - t0}, indent=1))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

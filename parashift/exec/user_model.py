@@ -1,0 +1,282 @@
+"""Run a user's torch model annotated with ``parashift.region`` under dp / pp / vpp / ZeRO.
+
+``run_user_model(factory, "dp=2,pp=2", example_input=x, data=batches, loss_fn=F.mse_loss, steps=5)``
+builds the model with ``factory()`` (under ``torch.manual_seed(seed)``, the same on every rank),
+traces it (``parashift.ir.annotate.trace``) with one micro-batch of ``example_input``, compiles the
+training step (``parashift.ir.compile_graph``), and executes that Program on local processes:
+
+* parameters live in the state store's flat buffers (ZeRO-1/2/3 shards as ``vps.layout`` says);
+  each chunk's forward is ``torch.func.functional_call`` of its children with views into them;
+* ``data(step) -> (inputs, targets)`` returns the *global* batch of a step (batch dim first);
+  micro-batch ``mb`` of DP rank ``d`` trains on its rows as for the presets;
+* ``loss_fn(output, targets)`` must be a mean over the batch rows (e.g. ``F.mse_loss``,
+  ``F.cross_entropy``): the step's loss is the mean of the micro-batch losses, which equals
+  ``loss_fn`` on the whole global batch, so a single-process ``torch.optim.AdamW`` run of the same
+  model, data and hyper-parameters (:class:`OptimConfig`) is the reference;
+* ``factory``, ``data`` and ``loss_fn`` are sent to the ranks: module-level functions (or other
+  picklable callables).
+
+Tensor and expert parallelism need to know how a region shards, which only the preset models
+describe: ``tp``/``ep`` > 1 raise StrategyError. With pp*vpp > 1 the model must be an
+``nn.Sequential`` whose children hold whole regions (see :mod:`parashift.exec.user_plan`).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.func import functional_call
+
+from ..errors import StrategyError
+from ..ir.program import Instr, Program
+from ..strategy import Strategy
+from .groups import Worlds
+from .interpreter import _P2P_ORDER, Interpreter, _Step, group_keys
+from .launch import RankContext, launch_local
+from .profiler import Profiler, tensor_bytes
+from .reference import OptimConfig, microbatch_rows
+from .runtime import RunResult, Runtime, _assemble, _export_keys, _Progress
+from .state import StateStore
+from .user_plan import UserPlan, microbatch_input, plan_user_model, rows_of
+
+__all__ = ["UserModel", "load_user_model", "compile_user_model", "run_user_model", "UserRuntime"]
+
+
+@dataclass(frozen=True)
+class UserModel:
+    """Everything a user-model run needs besides the strategy (what ``parashift run --model MODULE:NAME``
+    loads): the model factory, one example input batch, ``data(step)`` and the loss (module docstring)."""
+
+    factory: Callable[[], torch.nn.Module]
+    example_input: Any
+    data: Callable[[int], tuple[Any, Any]]
+    loss_fn: Callable
+    name: str = "custom"
+
+
+def load_user_model(ref: str) -> UserModel:
+    """The :class:`UserModel` named ``"package.module:NAME"`` (the current directory is importable)."""
+    mod, _, attr = ref.partition(":")
+    if not mod or not attr:
+        raise StrategyError(f"user model {ref!r} is not MODULE:NAME (e.g. mymodels:job, a parashift.exec.UserModel)")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj = getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        raise StrategyError(f"cannot load user model {ref!r}: {e}; run from the directory holding the module "
+                            f"or install it") from e
+    if not isinstance(obj, UserModel):
+        raise StrategyError(f"{ref} is a {type(obj).__name__}, not a parashift.exec.UserModel(factory, "
+                            f"example_input, data, loss_fn)")
+    return obj
+
+
+def compile_user_model(factory: Callable[[], torch.nn.Module], strategy: "str | Strategy", *, example_input: Any,
+                       global_batch: int, name: str = "custom", seed: int = 0) -> tuple[Program, UserPlan]:
+    """Trace ``factory()`` and compile its training step under ``strategy``: (Program, UserPlan)."""
+    from ..ir.annotate import trace
+    from ..ir.compile_graph import compile_graph
+    s = Strategy.parse(strategy)
+    if s.tp > 1 or s.ep > 1:
+        raise StrategyError(f"a user model runs with dp, pp, vpp, zero, any schedule and recompute; tp={s.tp}, "
+                            f"ep={s.ep} need a preset model (tiny-gpt, tiny-moe, parashift.models.gpt/moe) whose "
+                            f"regions say how they shard: use tp=1, ep=1")
+    torch.manual_seed(seed)
+    model = factory()
+    graph = trace(model, microbatch_input(example_input, s.mbs))
+    program = compile_graph(graph, s, global_batch=global_batch, name=name)
+    return program, plan_user_model(model, graph, s, example_input, name=name)
+
+
+class UserInterpreter(Interpreter):
+    """The Program interpreter with a user model's chunks as compute (communication is inherited)."""
+
+    def __init__(self, program: Program, rank: int, worlds: Worlds, store: StateStore, plan: UserPlan,
+                 model: torch.nn.Module, device: torch.device, batch: Callable[[int], tuple[Any, Any]],
+                 loss_fn: Callable, optim: OptimConfig, record: Callable | None, timeout: float) -> None:
+        self.program, self.rank, self.worlds, self.store, self.spec = program, rank, worlds, store, plan.spec
+        self.device, self.batch, self.optim, self.record, self.timeout = device, batch, optim, record, timeout
+        self.plan, self.model, self.loss_fn = plan, model, loss_fn
+        self.kids = list(model.children())
+        s = self.strategy = program.strategy
+        self.rp = program.ranks[rank]
+        self.coords = s.coords(rank)
+        self.gb = int(program.meta["global_batch"])
+        self.scale = s.mbs / self.gb                  # micro-batch losses average to the global-batch mean
+        self.rc = {(i.chunk, i.microbatch) for i in self.rp.instrs() if i.phase == "recompute"}
+        self.streams = sorted(self.rp.streams, key=lambda n: (n not in _P2P_ORDER, _P2P_ORDER.index(n)
+                                                              if n in _P2P_ORDER else 0, n))
+        self.pos = {i.id: (st, k) for st, ins in self.rp.streams.items() for k, i in enumerate(ins)}
+        self.nccl = worlds.backend == "nccl"
+        self.pool = None
+        self.st = _Step()
+
+    def _recv_buffer(self, chunk: int) -> torch.Tensor:
+        shape, dtype = self.plan.boundary[chunk]
+        return torch.empty((self.strategy.mbs,) + tuple(shape[1:]), dtype=getattr(torch, dtype), device=self.device)
+
+    def _rows(self, mb: int) -> slice:
+        return microbatch_rows(self.gb, self.strategy.dp, self.coords["dp"], self.strategy.mbs, mb)
+
+    def _to(self, x: Any) -> Any:
+        return x.to(self.device) if isinstance(x, torch.Tensor) else tuple(self._to(v) for v in x)
+
+    def _run_chunk(self, c: int, x: Any, leaves: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Chunk ``c``'s forward on input ``x`` with parameters ``leaves`` (full name -> tensor)."""
+        args = x if isinstance(x, tuple) else (x,)
+        if self.plan.children[c] == (-1,):
+            return functional_call(self.model, {loc: leaves[full] for full, _, loc in self.plan.params[c]}, args)
+        for i in self.plan.children[c]:
+            ps = {loc: leaves[full] for full, j, loc in self.plan.params[c] if j == i}
+            args = (functional_call(self.kids[i], ps, args),)
+        return args[0]
+
+    def _compute(self, ins: Instr) -> None:
+        ph, c, mb = ins.phase, ins.chunk, ins.microbatch
+        if ph == "optim":
+            for b in self.store.buffers.values():
+                b.optimizer_step(self.optim)
+            return
+        if self.strategy.zero == 3:
+            self.store.active[c] = f"z3.c{c}.{'fwd' if ph == 'fwd' else 'bwd'}.m{mb}"
+        if ph == "fwd":
+            x = self._to(rows_of(self.tokens, self._rows(mb))) if c == 0 else self.st.act.pop((c - 1, mb))
+            self.st.recs[(c, mb)] = {"x": x}
+            self._forward(c, mb, grad=(c, mb) not in self.rc and self.strategy.zero != 3)
+        elif ph == "recompute":
+            self._forward(c, mb, grad=True)
+        elif ph in ("bwd", "bwd_input", "bwd_weight"):
+            if self.strategy.zero == 3 and not self.st.recs[(c, mb)]["out"].requires_grad:
+                self._forward(c, mb, grad=True)    # rebuild the graph on the backward's gathered parameters
+            self._backward(c, mb, ph)
+        else:
+            raise RuntimeError(f"unknown compute phase {ph!r}")
+
+    def _forward(self, c: int, mb: int, grad: bool) -> None:
+        """Chunk ``c``'s forward of micro-batch ``mb`` (a recompute rebuilds the graph from the kept input)."""
+        rec = self.st.recs[(c, mb)]
+        x = rec["x"]
+        if c > 0:
+            x = x.detach().requires_grad_(grad)
+        leaves = {full: self.store.param(full).detach().requires_grad_(grad) for full, _, _ in self.plan.params[c]}
+        last = c == self.plan.chunks - 1
+        cuda = [self.device] if self.device.type == "cuda" else []
+        if "rng" not in rec:                       # a rebuild replays the forward's random numbers (dropout)
+            rec["rng"] = (torch.random.get_rng_state(), [torch.cuda.get_rng_state(d) for d in cuda])
+        with torch.random.fork_rng(devices=cuda), torch.set_grad_enabled(grad):
+            torch.random.set_rng_state(rec["rng"][0])
+            for d, state in zip(cuda, rec["rng"][1]):
+                torch.cuda.set_rng_state(state, d)
+            out = self._run_chunk(c, x, leaves)
+            if last:
+                out = self.loss_fn(out, self._to(rows_of(self.targets, self._rows(mb)))) * self.scale
+        if "out" not in rec:                       # the first forward hands its result on
+            if last:
+                self.st.loss += float(out.detach())
+            else:
+                self.st.act[(c, mb)] = out.detach()
+        rec.update(xin=x, leaves=leaves, out=out)
+        self.store.mem.alloc(f"act:{c}:{mb}", tensor_bytes([x, out]))
+
+    def _backward(self, c: int, mb: int, ph: str) -> None:
+        rec = self.st.recs[(c, mb)]
+        out = rec.get("out")
+        if out is None or not out.requires_grad:
+            raise RuntimeError(f"backward of chunk {c}, micro-batch {mb} has no graph: its forward ran without "
+                               f"one and no recompute instruction rebuilt it")
+        if "gout" not in rec:
+            rec["gout"] = None if c == self.plan.chunks - 1 else self.st.gout.pop((c, mb))
+        gout, xin = rec["gout"], rec["xin"]
+        want_x = c > 0 and ph in ("bwd", "bwd_input")
+        names = list(rec["leaves"]) if ph in ("bwd", "bwd_weight") else []
+        ins = ([xin] if want_x else []) + [rec["leaves"][n] for n in names]
+        if ins:
+            grads = torch.autograd.grad([out], ins, None if gout is None else [gout], allow_unused=True,
+                                        retain_graph=ph == "bwd_input")
+            if want_x:
+                self.st.gout[(c - 1, mb)] = grads[0] if grads[0] is not None else torch.zeros_like(xin)
+            for n, g in zip(names, grads[1:] if want_x else grads):
+                if g is not None:
+                    self.store.grad(n).add_(g)
+        if ph != "bwd_input":
+            del self.st.recs[(c, mb)]
+            self.store.mem.free(f"act:{c}:{mb}")
+
+
+class UserRuntime(Runtime):
+    """One rank's runtime for a user model (step, peak memory and parameter export as :class:`Runtime`)."""
+
+    def __init__(self, program: Program, plan: UserPlan, model: torch.nn.Module, ctx: RankContext, *,
+                 data: Callable[[int], tuple[Any, Any]], loss_fn: Callable, optim: OptimConfig = OptimConfig(),
+                 timeout: float = 300.0) -> None:
+        if program.world != ctx.world:
+            raise StrategyError(f"the program has {program.world} ranks but the job has {ctx.world} processes; "
+                                f"launch it with nprocs={program.world}")
+        self.program, self.ctx, self.spec = program, ctx, plan.spec
+        self.worlds = Worlds(ctx.rank, ctx.world, ctx.backend)
+        self.worlds.prepare(_export_keys(program) | group_keys(program))
+        self.store = StateStore(plan.spec, program.strategy, ctx.rank, ctx.device, init=False)
+        values = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
+        for b in self.store.buffers.values():
+            b.load(values)
+        for p in model.parameters():           # the store holds the values now; drop the module's copies
+            p.data = torch.empty(0, dtype=p.dtype, device=ctx.device)
+        model.to(ctx.device)
+        self.session = None
+        self.profiler = Profiler(ctx.rank, ctx.rank)
+        self.interp = UserInterpreter(program, ctx.rank, self.worlds, self.store, plan, model, ctx.device, data,
+                                      loss_fn, optim, self.profiler.record, timeout)
+        self.steps_done = 0
+
+
+def _user_job(ctx: RankContext, program_json: dict, plan: UserPlan, factory: Callable, data: Callable,
+              loss_fn: Callable, steps: int, opts: dict) -> dict:
+    """What every rank runs under :func:`run_user_model`."""
+    torch.manual_seed(opts["seed"])
+    model = factory()
+    program = Program.from_json(program_json)
+    rt = UserRuntime(program, plan, model, ctx, data=data, loss_fn=loss_fn, optim=OptimConfig(**opts["optim"]),
+                     timeout=opts["timeout"])
+    losses, times = [], []
+    for _ in range(steps):
+        loss, dt = rt.step()
+        losses.append(loss)
+        times.append(dt)
+        if opts["progress"] and ctx.report is not None:
+            ctx.report((len(losses) - 1, loss, dt))
+    out = {"losses": losses, "step_times": times, "peak_memory": rt.peak_memory(),
+           "timeline": rt.profiler.rows if opts["profile"] else []}
+    if opts["params"]:
+        out["params"] = rt.gathered_parameters()
+    return out
+
+
+def run_user_model(factory: Callable[[], torch.nn.Module], strategy: "str | Strategy", *, example_input: Any,
+                   data: Callable[[int], tuple[Any, Any]], loss_fn: Callable, steps: int = 1,
+                   global_batch: int = 8, name: str = "custom", seed: int = 0, optim: OptimConfig = OptimConfig(),
+                   params: bool = False, profile: bool = True, timeout: float = 300.0, backend: str | None = None,
+                   progress: Callable[[int, float, float], None] | None = None) -> RunResult:
+    """Train ``factory()`` under ``strategy`` for ``steps`` steps on local processes (module docstring).
+
+    Returns a RunResult: per-step global-batch losses, step times, peak memory per rank, the
+    measured timeline and, with ``params=True``, the final parameters by ``named_parameters`` name.
+    """
+    program, plan = compile_user_model(factory, strategy, example_input=example_input, global_batch=global_batch,
+                                       name=name, seed=seed)
+    opts = {"seed": seed, "optim": optim.__dict__, "params": params, "profile": profile, "timeout": timeout,
+            "progress": progress is not None}
+    outs = launch_local(_user_job, program.world, args=(program.to_json(), plan, factory, data, loss_fn, steps, opts),
+                        timeout=timeout, backend=backend,
+                        on_report=_Progress(program.world, progress) if progress else None, gather=True)
+    outs = [o for o in outs if o is not None]
+    losses = [float(sum(o["losses"][k] for o in outs)) for k in range(steps)]
+    times = [max(o["step_times"][k] for o in outs) for k in range(steps)]
+    rows = [r for o in outs for r in o["timeline"]]
+    return RunResult(program, losses, times, [o["peak_memory"] for o in outs], rows,
+                     _assemble(plan.spec, [o["params"] for o in outs]) if params else None)
+

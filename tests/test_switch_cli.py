@@ -1,0 +1,33 @@
+"""``parashift run --switch-at``: a live job that reshapes, shrinks and grows, reported as JSON."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+
+from parashift.cli import main
+
+
+def test_run_switch_at_json_reports_every_switch(capsys):
+    argv = ["run", "--model", "tiny-gpt", "--strategy", "dp=2,tp=2", "--nprocs", "4", "--steps", "6",
+            "--switch-at", "2:dp=4,zero=1", "--switch-at", "3:dp=2,zero=2:1,3", "--switch-at", "4:tp=2,pp=2:0,1,2,4",
+            "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["losses"]) == 6 and all(np.isfinite(out["losses"]))
+    assert [s["step"] for s in out["switches"]] == [2, 3, 4]
+    assert [s["dst"] for s in out["switches"]] == ["dp=4,tp=1,pp=1,zero=1", "dp=2,tp=1,pp=1,zero=2",
+                                                   "dp=1,tp=2,pp=2"]
+    assert out["devices"] == [[0, 1, 2, 3], [0, 1, 2, 3], [1, 3], [0, 1, 2, 4]]
+    for s in out["switches"]:
+        assert 0 < s["pause_seconds"] < s["seconds"]
+        assert "aborted" not in s
+    assert out["losses"][-1] < out["losses"][0]
+
+
+def test_bad_switch_at_is_a_one_line_error():
+    r = subprocess.run([sys.executable, "-m", "parashift", "run", "--strategy", "dp=2", "--steps", "4",
+                        "--switch-at", "2:dp=3:0,1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "3 ranks but 2 devices" in lines[0]
