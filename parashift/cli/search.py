@@ -1,0 +1,122 @@
+"""`parashift search`: an Optuna search of the best strategy over the simulator, with a deploy plan."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import StrategyError
+
+HELP = "search the fastest strategy that fits (Optuna over the simulator); write a deploy plan"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="model preset, e.g. llama2-13b (see `parashift models`)")
+    p.add_argument("--cluster", required=True, help="cluster preset, e.g. a800-16x8 or cpu-local")
+    p.add_argument("--devices", type=int, help="devices the job uses (default: all of the cluster)")
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per step")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--trials", type=int, default=100, help="Optuna trials (default 100)")
+    p.add_argument("--seed", type=int, help="sampler seed, for a reproducible search")
+    p.add_argument("--sampler", choices=("tpe", "random"), default="tpe", help="Optuna sampler (default tpe)")
+    p.add_argument("--objective", default="throughput", choices=("throughput", "throughput,memory"),
+                   help="'throughput,memory' searches the Pareto front of tokens/s against peak memory")
+    p.add_argument("--storage", help="Optuna RDB storage to keep and resume the study, e.g. sqlite:///s.db")
+    p.add_argument("--study-name", help="study name inside --storage (default: derived from the setting)")
+    p.add_argument("--cost-model", help="cost model JSON (default: the cluster's datasheet defaults)")
+    p.add_argument("--schedules", help="restrict the schedules, e.g. 1f1b,zb-h1 (default: all)")
+    p.add_argument("--zero", help="restrict the ZeRO stages, e.g. 0,1 (default: 0-3)")
+    p.add_argument("--mbs", help="restrict the micro-batch sizes, e.g. 1,2 (default: powers of 2 up to 8)")
+    p.add_argument("--recompute", help="restrict recomputation, e.g. none,full (default: all)")
+    p.add_argument("--out", help="write the best strategy's deploy plan (for `parashift run plan.json`)")
+    p.add_argument("--plot", help="write the optimization history and parameter importances (PNG)")
+    p.add_argument("--top", type=int, default=5, help="strategies listed in the text output (default 5)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def space_options(args: argparse.Namespace) -> dict:
+    """make_space axes from the --schedules/--zero/--mbs/--recompute flags."""
+    out: dict = {}
+    for flag, key, conv in (("schedules", "schedules", str), ("zero", "zero", int), ("mbs", "mbs", int),
+                            ("recompute", "recompute", str)):
+        text = getattr(args, flag)
+        if text:
+            try:
+                out[key] = tuple(conv(x.strip()) for x in text.split(",") if x.strip())
+            except ValueError:
+                raise StrategyError(f"--{flag} {text!r} must be a comma-separated list, e.g. 0,1") from None
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    from .. import cluster as clusters, models, search
+
+    model = models.get(args.model)
+    cl = clusters.get(args.cluster)
+    devices = args.devices or cl.devices
+    cost = None
+    if args.cost_model:
+        from ..sim import CostModel
+        cost = CostModel.load(args.cost_model)
+    study_name = args.study_name
+    if args.storage and not study_name:
+        study_name = f"{model.name}-{cl.name}-{devices}d-b{args.global_batch}-s{args.seq_len}-{args.objective}"
+    opts = space_options(args)
+    bar = None if args.no_progress else _bar(args.trials)
+
+    def progress(done: int, total: int, best) -> None:
+        if bar is not None:
+            bar.update(1)
+            if best is not None:
+                bar.set_postfix_str(f"best {best.tokens_per_s:,.0f} tok/s", refresh=False)
+
+    try:
+        res = search.tune(model, cl, devices=devices, global_batch=args.global_batch, seq_len=args.seq_len,
+                          n_trials=args.trials, objective=args.objective, storage=args.storage,
+                          study_name=study_name, seed=args.seed, cost_model=cost, sampler=args.sampler,
+                          space_options=opts, progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
+    out = res.summary()
+    out.update({"model": model.name, "cluster": cl.name, "devices": devices, "study_name": res.study.study_name,
+                "top": [c.to_dict() for c in res.top(args.top)]})
+    if args.out:
+        res.export(args.out)
+        out["out"] = args.out
+    if args.plot:
+        res.plot(args.plot)
+        out["plot"] = args.plot
+    return out
+
+
+def _bar(total: int):
+    from tqdm import tqdm
+    return tqdm(total=total, desc="search", unit="trial", file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def render(result: dict, args: argparse.Namespace) -> None:
+    print(f"{result['model']} on {result['devices']} devices of {result['cluster']}: {result['trials']} trials "
+          f"({result['feasible_trials']} feasible, {result['evaluations']} simulated) in "
+          f"{result['search_seconds']:.1f} s")
+    if result["best"] is None:
+        print("  no feasible strategy found; run more trials, add devices or lower the global batch")
+    else:
+        print(f"  best           {result['best']}")
+        print(f"  throughput     {result['best_tokens_per_s']:,.0f} tokens/s")
+        print(f"  step time      {result['best_step_time']:.4f} s")
+        print(f"  peak memory    {_bytes(result['best_peak_memory'])} per device")
+    if result.get("pareto"):
+        print("  Pareto front (tokens/s vs peak memory):")
+        for c in result["pareto"]:
+            print(f"    {c['tokens_per_s']:>14,.0f} tok/s  {_bytes(c['peak_memory']):>10}  {c['strategy']}")
+    elif result["top"]:
+        print("  top strategies:")
+        for c in result["top"]:
+            print(f"    {c['tokens_per_s']:>14,.0f} tok/s  {_bytes(c['peak_memory']):>10}  {c['strategy']}")
+    for key, label in (("out", "deploy plan"), ("plot", "plot")):
+        if result.get(key):
+            print(f"  {label:<14} {result[key]}")

@@ -1,0 +1,159 @@
+"""Cheap bounds that let the search skip simulations it provably does not need.
+
+- :func:`peak_memory_lower_bound`: model states (:mod:`.memory`) plus the most activation
+  bytes the schedule's order keeps alive at once on a stage. Above the device budget, the
+  strategy is infeasible without being compiled or simulated.
+- :func:`step_time_lower_bound`: the schedule's order replayed with compute only, at the cost
+  model's best efficiency (:func:`replay`). Its tokens/s is an upper bound; a strategy whose
+  upper bound is below the best simulated one so far cannot win (branch and bound).
+
+Both use the compiler's own schedules, per-region FLOPs and activation bytes
+(``ir.schedules``, ``ir.model_graph``, ``ir.memory``) and err on the safe side; tests check
+them against the simulator.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from ..models import ModelSpec
+from ..strategy import Strategy
+from .memory import state_bytes_per_stage
+
+__all__ = ["chunk_activation_bytes", "peak_memory_lower_bound", "chunk_forward_flops", "step_time_lower_bound",
+           "replay"]
+
+
+@lru_cache(maxsize=4096)
+def _layer_act(model: ModelSpec, mbs: int, seq_len: int, tp: int, recompute: str) -> tuple[int, int]:
+    from ..ir.memory import region_activation
+    from ..ir.model_graph import region_kinds
+    layer = sum(region_activation(model, k, mbs=mbs, seq_len=seq_len, tp=tp, recompute=recompute)
+                for k in region_kinds(model))
+    head = region_activation(model, "head", mbs=mbs, seq_len=seq_len, tp=tp, recompute=recompute)
+    return layer, head
+
+
+def _layers_per_chunk(model: ModelSpec, s: Strategy) -> np.ndarray:
+    return np.bincount(s.layer_stages(model.layers), minlength=s.stages)
+
+
+def chunk_activation_bytes(model: ModelSpec, s: Strategy, seq_len: int) -> np.ndarray:
+    """Activation bytes one micro-batch leaves on a rank per chunk (``[pp * vpp]``)."""
+    layer, head = _layer_act(model, s.mbs, seq_len, s.tp, s.recompute)
+    out = _layers_per_chunk(model, s).astype(np.float64) * layer
+    out[-1] += head
+    return out
+
+
+def peak_memory_lower_bound(model: ModelSpec, s: Strategy, *, global_batch: int, seq_len: int) -> float:
+    """A lower bound of the simulated peak bytes of the busiest device."""
+    _, act_peak = _replay_unit(model, s, global_batch, seq_len)
+    return float((state_bytes_per_stage(model, s) + act_peak).max())
+
+
+@lru_cache(maxsize=4096)
+def _layer_flops(model: ModelSpec, tokens: int, seq_len: int) -> tuple[float, float]:
+    from ..ir.model_graph import region_flops, region_kinds
+    kinds = region_kinds(model)
+    # routed experts run wherever the router sends tokens: leave them out of a per-rank bound
+    layer = sum(region_flops(model, k, tokens, seq_len) for k in kinds if k != "moe.experts")
+    return layer, region_flops(model, "head", tokens, seq_len)
+
+
+def chunk_forward_flops(model: ModelSpec, s: Strategy, seq_len: int) -> np.ndarray:
+    """Forward FLOPs of one micro-batch per chunk on one rank (TP shares them; ``[pp * vpp]``)."""
+    layer, head = _layer_flops(model, s.mbs * seq_len, seq_len)
+    out = _layers_per_chunk(model, s).astype(np.float64) * layer
+    out[-1] += head
+    return out / s.tp
+
+
+def step_time_lower_bound(model: ModelSpec, s: Strategy, *, global_batch: int, seq_len: int,
+                          cost_model: Any) -> float:
+    """Seconds a step takes at least: the schedule's compute alone, at the best efficiency the
+    cost model allows, with communication free (see :func:`replay`)."""
+    rate = cost_model.peak_flops * max(cost_model.efficiency.values()) * max(cost_model.region_efficiency.values())
+    makespan, _ = _replay_unit(model, s, global_batch, seq_len)
+    return makespan / rate
+
+
+@lru_cache(maxsize=8192)
+def _replay_unit(model: ModelSpec, s: Strategy, global_batch: int, seq_len: int) -> tuple[float, np.ndarray]:
+    """:func:`replay` at one FLOP/s (durations scale with ``1 / rate``), memoized."""
+    return replay(model, s, global_batch=global_batch, seq_len=seq_len, rate=1.0)
+
+
+def replay(model: ModelSpec, s: Strategy, *, global_batch: int, seq_len: int, rate: float) -> tuple[float, np.ndarray]:
+    """Run the schedule's per-stage order (``ir.schedule_steps``) with compute only.
+
+    Each action takes its chunk's forward FLOPs over ``rate`` (backward twice that, split
+    halves once each); under full recomputation a backward first re-runs the forward, which
+    needs no gradient. An action waits for the one before it on its stage and for its data:
+    the previous chunk's forward, the next chunk's backward (input gradient), its own input
+    gradient for a weight gradient. With
+    communication free and every duration no longer than the simulator's, completion times can
+    only be earlier than simulated (a max-plus system is monotone), so the makespan is a lower
+    bound. Also returns each stage's peak of live activation bytes (allocated by a forward,
+    freed by the backward that ends the micro-batch: ``B`` or ``W``).
+    """
+    from ..ir.schedules import schedule_steps, split_backward
+    m = s.num_microbatches(global_batch)
+    steps = schedule_steps(s, m)
+    fwd = chunk_forward_flops(model, s, seq_len) / rate
+    act = chunk_activation_bytes(model, s, seq_len)
+    rc = fwd if s.recompute == "full" else 0.0 * fwd
+    dur = {"F": fwd, "B": 2.0 * fwd, "I": fwd, "W": fwd}
+    frees = "W" if split_backward(s.schedule) else "B"
+    last = s.stages - 1
+    done: dict[tuple[int, str, int], float] = {}
+    pp = s.pp
+    ptr, free_at = [0] * pp, [0.0] * pp
+    alive, peak = np.zeros(pp), np.zeros(pp)
+    pending = sum(len(v) for v in steps.values())
+    while pending:
+        moved = False
+        for st in range(pp):
+            order = steps[st]
+            while ptr[st] < len(order):
+                block = order[ptr[st]]
+                ready = []
+                for a in block:
+                    c, t, i = a
+                    if t == "F":
+                        dep = (c - 1, "F", i) if c > 0 else None
+                    elif t == "W":
+                        dep = (c, "G", i)
+                    else:
+                        dep = (c + 1, "G", i) if c < last else (c, "F", i)
+                    if dep is not None and dep not in done:
+                        break
+                    ready.append(done[dep] if dep is not None else 0.0)
+                else:
+                    t0, busy = free_at[st], 0.0
+                    ends = []
+                    for a, r in zip(block, ready):
+                        pre = float(rc[a.chunk]) if a.type in "BI" else 0.0  # recompute needs no gradient
+                        core = float(dur[a.type][a.chunk])
+                        done[(a.chunk, "G" if a.type in "BI" else a.type, a.mb)] = max(t0 + pre, r) + core
+                        ends.append(done[(a.chunk, "G" if a.type in "BI" else a.type, a.mb)])
+                        busy += pre + core
+                    end = max([t0 + busy] + ends)
+                    free_at[st] = end
+                    for a in block:  # frees first, then allocations (the smaller peak)
+                        if a.type == frees:
+                            alive[st] -= act[a.chunk]
+                    for a in block:
+                        if a.type == "F":
+                            alive[st] += act[a.chunk]
+                    peak[st] = max(peak[st], alive[st])
+                    ptr[st] += 1
+                    pending -= 1
+                    moved = True
+                    continue
+                break
+        if not moved:  # an order the compiler would reject: no bound
+            return 0.0, np.zeros(pp)
+    return float(max(free_at)), peak

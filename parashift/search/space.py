@@ -1,0 +1,266 @@
+"""The strategy space of one (model, device count): its axes, validity and canonical forms.
+
+A point of the space is a choice on every axis: ``tp``, ``pp`` (``dp`` is derived as
+``devices // (tp * pp)``), ``ep`` (MoE models only), ``zero``, ``mbs``, ``schedule``, ``vpp``
+(interleaved-1f1b only; dualpipev always runs two chunks per stage) and ``recompute``.
+
+Equivalent points are folded onto one *canonical* strategy, so that the search never
+simulates the same training step twice under two names:
+
+- with one pipeline stage (``pp == 1``) every schedule runs the same per-rank order as 1F1B
+  (GPipe only holds more activations), so the schedule is ``1f1b`` and ``vpp`` is 1;
+- with one data-parallel replica (``dp == 1``) ZeRO has nothing to shard, so ``zero`` is 0.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..cluster import Cluster, get as get_cluster
+from ..errors import StrategyError
+from ..models import ModelSpec, get as get_model
+from ..strategy import RECOMPUTE, SCHEDULES, Strategy
+
+if TYPE_CHECKING:  # pragma: no cover
+    import optuna
+
+__all__ = ["Space", "make_space", "enumerate_space", "canonical", "divisors", "neighbor", "params_of"]
+
+#: schedules whose stages run more than one chunk, and how many (None: chosen from ``vpp``)
+_CHUNKED = {"interleaved-1f1b": None, "dualpipev": 2}
+
+
+def divisors(n: int) -> list[int]:
+    """Positive divisors of ``n`` in ascending order."""
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def canonical(strategy: Strategy) -> Strategy:
+    """The canonical form of ``strategy`` (see the module docstring)."""
+    s = strategy
+    if s.pp == 1 and (s.schedule != "1f1b" or s.vpp != 1):
+        s = s.replace(schedule="1f1b", vpp=1)
+    if s.dp == 1 and s.zero:
+        s = s.replace(zero=0)
+    return s
+
+
+@dataclass(frozen=True)
+class Space:
+    """The axes of a strategy space and the constraints every point must meet."""
+
+    model: ModelSpec
+    devices: int
+    per_node: int
+    global_batch: int
+    seq_len: int
+    tp: tuple[int, ...]
+    pp: tuple[int, ...]
+    ep: tuple[int, ...] = (1,)
+    zero: tuple[int, ...] = (0, 1, 2, 3)
+    mbs: tuple[int, ...] = (1, 2, 4, 8)
+    schedule: tuple[str, ...] = SCHEDULES
+    vpp: tuple[int, ...] = (2, 4)
+    recompute: tuple[str, ...] = RECOMPUTE
+    _valid: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    # ---- points -> strategies --------------------------------------------------------------------
+    def build(self, params: dict[str, Any]) -> tuple[Strategy | None, str]:
+        """The canonical strategy for a point (``tp, pp, ep, zero, mbs, schedule, vpp, recompute``),
+        or ``(None, reason)`` when the point is invalid; ``vpp`` may be absent unless interleaved."""
+        tp, pp = int(params["tp"]), int(params["pp"])
+        if self.devices % (tp * pp):
+            return None, (f"tp*pp={tp * pp} does not divide the {self.devices} devices; "
+                          f"pick tp and pp whose product divides {self.devices}")
+        schedule = params["schedule"]
+        if schedule not in _CHUNKED:
+            vpp = 1
+        else:
+            vpp = _CHUNKED[schedule] or int(params.get("vpp", 1))
+        try:
+            s = Strategy(dp=self.devices // (tp * pp), tp=tp, pp=pp, ep=int(params.get("ep", 1)),
+                         zero=int(params["zero"]), vpp=vpp, mbs=int(params["mbs"]), schedule=schedule,
+                         recompute=params["recompute"])
+        except StrategyError as e:
+            return None, str(e)
+        s = canonical(s)
+        problems = self.problems(s)
+        return (None, "; ".join(problems)) if problems else (s, "")
+
+    def problems(self, strategy: Strategy) -> list[str]:
+        """Every reason ``strategy`` cannot run in this space (empty when it can)."""
+        s = strategy
+        key = str(s)
+        if key in self._valid:
+            return list(self._valid[key])
+        out = s.problems(self.model, self.devices)
+        if s.tp > self.per_node:
+            out.append(f"tp={s.tp} would span nodes of {self.per_node} devices; keep tp <= {self.per_node}")
+        try:
+            s.num_microbatches(self.global_batch)
+        except StrategyError as e:
+            out.append(str(e))
+        self._valid[key] = tuple(out)
+        return out
+
+    # ---- the whole space -------------------------------------------------------------------------
+    def points(self) -> "itertools.product":
+        """Every raw point (before validity and canonical folding) as tuples of axis values."""
+        sched_vpp = [(sc, v) for sc in self.schedule
+                     for v in ((self.vpp if _CHUNKED[sc] is None else (_CHUNKED[sc],)) if sc in _CHUNKED else (1,))]
+        return itertools.product(self.tp, self.pp, self.ep, self.zero, self.mbs, sched_vpp, self.recompute)
+
+    def enumerate(self) -> list[Strategy]:
+        """Every distinct valid canonical strategy, in a deterministic order."""
+        seen: dict[str, Strategy] = {}
+        for tp, pp, ep, zero, mbs, (sc, vpp), rc in self.points():
+            s, _ = self.build({"tp": tp, "pp": pp, "ep": ep, "zero": zero, "mbs": mbs, "schedule": sc,
+                               "vpp": vpp, "recompute": rc})
+            if s is not None:
+                seen.setdefault(str(s), s)
+        return list(seen.values())
+
+    # ---- optuna ------------------------------------------------------------------------------------
+    def suggest(self, trial: "optuna.trial.Trial") -> dict[str, Any]:
+        """Draw a point with ``trial`` (static choices per axis; ``vpp`` only for interleaved)."""
+        p: dict[str, Any] = {"tp": trial.suggest_categorical("tp", self.tp),
+                             "pp": trial.suggest_categorical("pp", self.pp)}
+        if len(self.ep) > 1 or self.ep != (1,):
+            p["ep"] = trial.suggest_categorical("ep", self.ep)
+        p["zero"] = trial.suggest_categorical("zero", self.zero)
+        p["mbs"] = trial.suggest_categorical("mbs", self.mbs)
+        p["schedule"] = trial.suggest_categorical("schedule", self.schedule)
+        if p["schedule"] == "interleaved-1f1b":
+            p["vpp"] = trial.suggest_categorical("vpp", self.vpp)
+        p["recompute"] = trial.suggest_categorical("recompute", self.recompute)
+        return p
+
+    def describe(self) -> dict[str, Any]:
+        """The axes as plain data (stored with a study so a resumed search can be checked)."""
+        return {"model": self.model.name, "devices": self.devices, "global_batch": self.global_batch,
+                "seq_len": self.seq_len, "tp": list(self.tp), "pp": list(self.pp), "ep": list(self.ep),
+                "zero": list(self.zero), "mbs": list(self.mbs), "schedule": list(self.schedule),
+                "vpp": list(self.vpp), "recompute": list(self.recompute)}
+
+
+def params_of(space: Space, s: Strategy) -> dict[str, Any] | None:
+    """The point of ``space`` that builds ``s`` (None when one of its values is not an axis choice)."""
+    p: dict[str, Any] = {"tp": s.tp, "pp": s.pp, "zero": s.zero, "mbs": s.mbs, "schedule": s.schedule,
+                         "recompute": s.recompute}
+    if len(space.ep) > 1 or space.ep != (1,):
+        p["ep"] = s.ep
+    if s.schedule == "interleaved-1f1b":
+        p["vpp"] = s.vpp
+    axes = {"tp": space.tp, "pp": space.pp, "ep": space.ep, "zero": space.zero, "mbs": space.mbs,
+            "schedule": space.schedule, "vpp": space.vpp, "recompute": space.recompute}
+    return p if all(v in axes[k] for k, v in p.items()) else None
+
+
+def neighbor(space: Space, s: Strategy, visited: "set[str]", bound: Any = None, could_fit: Any = None,
+             beat: float = 0.0) -> dict[str, Any] | None:
+    """The most promising unvisited neighbor of ``s`` as a point of ``space`` (None when none is left).
+
+    Neighbors change one of zero, mbs, recompute, ep or (schedule, vpp), or trade sizes between
+    two of tp, pp and dp. With ``bound`` (tokens/s upper bound), only neighbors whose bound
+    exceeds ``beat`` qualify, highest bound first; ``could_fit`` drops those that cannot fit.
+    """
+    moves: list[Strategy] = []
+    sched = [(sc, v) for sc in space.schedule
+             for v in ((space.vpp if _CHUNKED[sc] is None else (_CHUNKED[sc],)) if sc in _CHUNKED else (1,))]
+    for field_, values in (("zero", space.zero), ("mbs", space.mbs), ("recompute", space.recompute),
+                           ("ep", space.ep)):
+        moves += [_try(s, **{field_: v}) for v in values if v != getattr(s, field_)]
+    moves += [_try(s, schedule=sc, vpp=v) for sc, v in sched if (sc, v) != (s.schedule, s.vpp)]
+    for tp in space.tp:
+        for pp in space.pp:
+            if (tp, pp) == (s.tp, s.pp) or (tp != s.tp and pp != s.pp and tp * pp != s.tp * s.pp):
+                continue
+            if s.world % (tp * pp) == 0:
+                moves.append(_try(s, tp=tp, pp=pp, dp=s.world // (tp * pp)))
+    seen: dict[str, Strategy] = {}
+    for m in moves:
+        if m is None:
+            continue
+        m = canonical(m)
+        key = str(m)
+        if key in visited or key in seen or space.problems(m) or params_of(space, m) is None:
+            continue
+        if could_fit is not None and not could_fit(m):
+            continue
+        seen[key] = m
+    ranked = [(float(bound(m)), k) for k, m in seen.items()] if bound is not None else [(0.0, k) for k in seen]
+    ranked = [r for r in ranked if bound is None or r[0] > beat]
+    if not ranked:
+        return None
+    ranked.sort(key=lambda r: (-r[0], r[1]))
+    return params_of(space, seen[ranked[0][1]])
+
+
+def _try(s: Strategy, **changes: Any) -> Strategy | None:
+    try:
+        if changes.get("schedule") in ("gpipe", "1f1b", "zb-h1") and "vpp" not in changes:
+            changes["vpp"] = 1
+        return s.replace(**changes)
+    except StrategyError:
+        return None
+
+
+def make_space(model: "str | ModelSpec", cluster: "str | Cluster", *, devices: int, global_batch: int,
+               seq_len: int, tp: "tuple[int, ...] | None" = None, pp: "tuple[int, ...] | None" = None,
+               ep: "tuple[int, ...] | None" = None, zero: tuple[int, ...] = (0, 1, 2, 3),
+               mbs: "tuple[int, ...] | None" = None, schedules: tuple[str, ...] = SCHEDULES,
+               vpp: tuple[int, ...] = (2, 4), recompute: tuple[str, ...] = RECOMPUTE) -> Space:
+    """The space of ``model`` on ``devices`` devices of ``cluster``.
+
+    Defaults: ``tp`` the divisors of ``devices`` up to the devices per node that the model's
+    heads, KV heads, FFN and vocabulary allow; ``pp`` the divisors of ``devices`` up to the layer
+    count; ``ep`` (MoE) the divisors of ``devices`` that divide the expert count; ``mbs`` the
+    powers of two up to 8 that divide the global batch.
+    """
+    m = get_model(model)
+    c = get_cluster(cluster)
+    _check_inputs(m, c, devices, global_batch, seq_len)
+    divs = divisors(devices)
+    if tp is None:
+        tp = tuple(t for t in divs if t <= c.per_node and not _tp_problems(m, t))
+    if pp is None:
+        pp = tuple(p for p in divs if p <= m.layers)
+    if ep is None:
+        ep = tuple(e for e in divs if m.experts and m.experts % e == 0) if m.is_moe else (1,)
+    if mbs is None:
+        mbs = tuple(b for b in (1, 2, 4, 8) if global_batch % b == 0)
+    for name, axis in (("tp", tp), ("pp", pp), ("ep", ep), ("zero", zero), ("mbs", mbs),
+                       ("schedules", schedules), ("recompute", recompute)):
+        if not axis:
+            raise StrategyError(f"the {name} axis of the space for {m.name} on {devices} devices is empty; "
+                                f"pass explicit {name} choices")
+    bad = [s for s in schedules if s not in SCHEDULES]
+    if bad:
+        raise StrategyError(f"unknown schedules {bad}; use some of {', '.join(SCHEDULES)}")
+    return Space(m, devices, c.per_node, global_batch, seq_len, tuple(tp), tuple(pp), tuple(ep), tuple(zero),
+                 tuple(mbs), tuple(schedules), tuple(vpp), tuple(recompute))
+
+
+def enumerate_space(model: "str | ModelSpec", cluster: "str | Cluster", *, devices: int, global_batch: int,
+                    seq_len: int, **axes: Any) -> list[Strategy]:
+    """Every valid canonical strategy of ``model`` on ``devices`` devices (see :func:`make_space`
+    for the axes, which ``axes`` may restrict)."""
+    return make_space(model, cluster, devices=devices, global_batch=global_batch, seq_len=seq_len,
+                      **axes).enumerate()
+
+
+def _tp_problems(model: ModelSpec, tp: int) -> list[str]:
+    return Strategy(tp=tp).problems(model)
+
+
+def _check_inputs(model: ModelSpec, cluster: Cluster, devices: int, global_batch: int, seq_len: int) -> None:
+    for name, v in (("devices", devices), ("global_batch", global_batch), ("seq_len", seq_len)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise StrategyError(f"{name}={v!r} must be a positive integer")
+    if devices > cluster.devices:
+        raise StrategyError(f"{devices} devices do not fit in {cluster.name} ({cluster.devices} devices); "
+                            f"use a bigger cluster such as {cluster.with_devices(devices).name}")

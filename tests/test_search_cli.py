@@ -1,0 +1,76 @@
+"""`parashift search` and `parashift plan-trace` end to end, with the real compiler, simulator and runtime."""
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from parashift import ir, search
+from parashift.cli import main
+from parashift.ir.program import Program
+
+TINY = ["--model", "tiny-gpt", "--cluster", "cpu-local", "--global-batch", "16", "--seq-len", "32"]
+
+
+def test_search_json_writes_a_plan_that_parashift_run_trains(tmp_path, capsys):
+    plan, png = tmp_path / "plan.json", tmp_path / "search.png"
+    assert main(["search", *TINY, "--devices", "4", "--trials", "25", "--seed", "0", "--out", str(plan),
+                 "--plot", str(png), "--json", "--no-progress"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("best", "best_tokens_per_s", "best_step_time", "trials", "feasible_trials", "search_seconds"):
+        assert key in out
+    assert out["trials"] == 25 and 0 < out["feasible_trials"] <= 25 and out["best_tokens_per_s"] > 0
+    assert png.stat().st_size > 10_000
+    # the plan is exactly the Program the search scored, plus how it was made
+    saved = Program.load(str(plan))
+    best = search.canonical(__import__("parashift").Strategy.parse(out["best"]))
+    deploy = saved.meta["deploy"]
+    bare = saved.replace(meta={k: v for k, v in saved.meta.items() if k != "deploy"})
+    assert bare == ir.compile("tiny-gpt", best, global_batch=16, seq_len=32)
+    assert deploy["strategy"] == out["best"] and deploy["model"] == "tiny-gpt" and deploy["devices"] == 4
+    assert deploy["cost_model"]["format"] == "parashift.cost_model"
+    assert deploy["predicted"]["tokens_per_s"] == pytest.approx(out["best_tokens_per_s"])
+    r = subprocess.run([sys.executable, "-m", "parashift", "run", str(plan), "--steps", "2", "--json"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    ran = json.loads(r.stdout)
+    assert len(ran["losses"]) == 2 and all(l > 0 for l in ran["losses"]) and ran["strategy"] == out["best"]
+
+
+def test_search_resumes_from_sqlite_and_reports_the_pareto_front(tmp_path, capsys):
+    db = f"sqlite:///{tmp_path / 's.db'}"
+    args = ["search", *TINY, "--devices", "2", "--trials", "8", "--storage", db, "--json", "--no-progress",
+            "--objective", "throughput,memory", "--zero", "0,1"]
+    assert main(args) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert first["trials"] == 8 and second["trials"] == 16 and second["study_name"] == first["study_name"]
+    front = second["pareto"]
+    assert front and all(a["peak_memory"] <= b["peak_memory"] for a, b in zip(front, front[1:]))
+
+
+def test_plan_trace_cli_on_a_hand_built_trace(tmp_path, capsys):
+    csv = tmp_path / "trace.csv"
+    pd.DataFrame({"time": [0, 30, 31, 60], "devices": [4, 2, 4, 4]}).to_csv(csv, index=False)
+    png = tmp_path / "plan.png"
+    assert main(["plan-trace", str(csv), *TINY, "--schedules", "1f1b", "--zero", "0,1", "--mbs", "1,2",
+                 "--recompute", "none", "--plot", str(png), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    pol = out["policies"]
+    assert set(pol) == set(search.POLICIES)
+    assert pol["switch-aware"]["tokens"] >= pol["hot-switch"]["tokens"] > pol["checkpoint-restart"]["tokens"]
+    assert pol["checkpoint-restart"]["lost_seconds"] > pol["hot-switch"]["lost_seconds"]
+    assert [r["devices"] for r in out["per_count"]] == [2, 4]
+    assert png.stat().st_size > 10_000
+
+
+def test_plan_trace_reads_a_shipped_trace(capsys):
+    assert main(["plan-trace", "bamboo/p3-trace.csv", "--to", "1800", "--model", "gpt3-1.3b", "--cluster",
+                 "a100-4x8", "--devices-per-node", "1", "--global-batch", "64", "--seq-len", "2048",
+                 "--schedules", "1f1b", "--zero", "1", "--mbs", "1", "--recompute", "none", "--top-k", "1",
+                 "--max-candidates", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["segments"] > 1 and out["duration_s"] == pytest.approx(1800)
+    assert all(r["devices"] <= 32 for r in out["per_count"])
