@@ -48,12 +48,14 @@ def crc(t: torch.Tensor) -> int:
 
 def checksum(t: torch.Tensor) -> int:
     """A transfer checksum of a contiguous tensor's bytes: the 64-bit wrapping sum of its 8-byte words
-    (any corrupted word changes it; it runs at memory speed) plus a CRC32 of the tail, or a CRC32
-    of everything when the bytes are not 8-byte aligned."""
+    (any corrupted word changes it; it runs at memory speed) plus a CRC32 of the tail. The value
+    depends only on the bytes: a view that is not 8-byte aligned is summed from an aligned copy."""
     b = t.contiguous().view(-1).view(torch.uint8)
     n8 = b.numel() // 8 * 8
-    if n8 == 0 or b.data_ptr() % 8:
+    if n8 == 0:
         return zlib.crc32(b.numpy())
+    if b.data_ptr() % 8:
+        b = b.clone()
     head = int(b[:n8].view(torch.int64).sum()) & 0xFFFFFFFFFFFFFFFF
     return (head * 0x100000001B3 + zlib.crc32(b[n8:].numpy()) + n8) & 0xFFFFFFFFFFFFFFFF
 
