@@ -9,12 +9,10 @@ from typing import Any, Iterable
 
 import torch
 
-from ..ir.program import Instr
+from ..ir.program import TIMELINE_COLUMNS, Instr
 
 __all__ = ["Profiler", "TIMELINE_COLUMNS", "timeline_frame", "tensor_bytes"]
 
-#: Same columns as ``parashift.sim.TIMELINE_COLUMNS`` (checked by the tests).
-TIMELINE_COLUMNS = ("rank", "device", "stream", "id", "op", "phase", "microbatch", "start", "end", "nbytes", "flops")
 
 
 class Profiler:

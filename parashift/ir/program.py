@@ -15,7 +15,8 @@ from typing import Any, Iterator, Mapping
 from ..errors import ProgramError
 from ..strategy import Strategy
 
-__all__ = ["Instr", "RankProgram", "Program", "COMPUTE", "COMM_OPS", "PHASES", "FORMAT_VERSION"]
+__all__ = ["Instr", "RankProgram", "Program", "COMPUTE", "COMM_OPS", "PHASES", "FORMAT_VERSION",
+           "TIMELINE_COLUMNS", "TIMELINE_KINDS"]
 
 FORMAT_VERSION = 1
 COMPUTE = "compute"
@@ -24,6 +25,13 @@ COMM_OPS = ("send", "recv", "all_reduce", "all_gather", "reduce_scatter", "all_t
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "scatter", "gather")
 PHASES = ("fwd", "bwd", "bwd_input", "bwd_weight", "optim", "recompute")
 Group = "tuple[int, ...] | str | None"
+
+#: A timeline records one executed instruction per row (simulated by ``parashift.sim``, measured by
+#: ``parashift.exec``'s profiler), times in seconds; the column kinds are int, float, text, and
+#: ``?`` for nullable. ``rank`` may be absent from a saved timeline.
+TIMELINE_KINDS = {"rank": "int", "device": "int", "stream": "text", "id": "int", "op": "text", "phase": "text?",
+                  "microbatch": "int?", "start": "float", "end": "float", "nbytes": "int", "flops": "float"}
+TIMELINE_COLUMNS = tuple(TIMELINE_KINDS)
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from .cost import CostModel
     from .engine import RawRun
 
+from ..ir.program import TIMELINE_COLUMNS
+
 __all__ = ["SimResult", "TIMELINE_COLUMNS", "timeline_frame", "write_chrome_trace", "plot_timeline"]
 
-#: Columns of a timeline (simulated here, measured by ``parashift.exec``'s profiler): one row per
-#: executed instruction; times in seconds from the step's start.
-TIMELINE_COLUMNS = ("rank", "device", "stream", "id", "op", "phase", "microbatch", "start", "end", "nbytes", "flops")
 _MODEL_PHASES = ("fwd", "bwd", "bwd_input", "bwd_weight")
 
 

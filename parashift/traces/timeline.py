@@ -16,12 +16,13 @@ import numpy as np
 import pandas as pd
 
 from ..errors import TraceFormatError
+from ..ir.program import TIMELINE_KINDS
 
 __all__ = ["TIMELINE_COLUMNS", "check_timeline", "save_timeline", "load_timeline"]
 
-#: required timeline columns and their kinds (int, nullable int, float, text, nullable text)
-TIMELINE_COLUMNS = {"device": "int", "stream": "text", "id": "int", "op": "text", "phase": "text?",
-                    "microbatch": "int?", "start": "float", "end": "float", "nbytes": "int", "flops": "float"}
+#: required timeline columns and their kinds (int, nullable int, float, text, nullable text);
+#: ``rank`` is optional in a saved timeline
+TIMELINE_COLUMNS = {k: v for k, v in TIMELINE_KINDS.items() if k != "rank"}
 _KINDS = (".json", ".parquet", ".csv")
 
 
