@@ -1,0 +1,147 @@
+"""`parashift demo` end to end: run once into a temporary folder, then check the summary, the files
+it links and that every figure is sane. Steps 3-5 run live on gloo processes."""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from parashift.cli import main as cli_main
+from parashift.demo import STEPS, run_demo
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo-out")
+    seen: list[str] = []
+    result = run_demo(out, progress=seen.append)
+    return result, seen
+
+
+def _fig(result, step: int, name: str) -> float:
+    return float(result.steps[step - 1].figure(name).value)
+
+
+def test_every_step_ran_and_none_failed(demo):
+    result, seen = demo
+    assert [s.number for s in result.steps] == [1, 2, 3, 4, 5]
+    for s in result.steps:
+        assert s.status == "ok" or s.status.startswith("not available: "), f"step {s.number}: {s.status}"
+    assert result.steps[0].ok and result.steps[1].ok        # pure planning: always available
+    assert result.ok
+    # progress: "[i/6] ..." for every step, then the summary
+    for i in range(1, 6):
+        assert any(line.startswith(f"[{i}/6] ") for line in seen)
+    assert seen[-1].startswith("[6/6] Summary")
+
+
+def test_summary_links_existing_files_and_states_units(demo):
+    result, _ = demo
+    text = result.summary.read_text()
+    assert result.summary == result.out / "summary.md"
+    links = re.findall(r"\]\(([^)]+)\)", text)
+    assert len(links) >= 6
+    for rel in links:
+        p = result.out / rel
+        assert p.is_file() and p.stat().st_size > 0, rel
+    for s in result.steps:
+        assert f"## {s.number}. {s.title}" in text
+        assert f"Status: **{s.status}**" in text
+        for f in s.figures:
+            assert f"| {f.name} | {f.text()} |" in text
+    for name in ("explore_timeline.png", "explore_memory.png", "explore_trace.json", "switch_node_bytes.png",
+                 "switch_vs_checkpoint.png"):
+        assert (result.out / name).stat().st_size > 1000, name
+    assert (result.out / "explore_timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    trace = json.loads((result.out / "explore_trace.json").read_text())
+    assert sum(e["ph"] == "X" for e in trace["traceEvents"]) > 1000
+
+
+def test_explore_figures_are_sane(demo):
+    result, _ = demo
+    table = result.steps[0].data["table"]
+    assert list(table["schedule"]) == ["1f1b", "interleaved-1f1b", "zb-h1", "dualpipev"]
+    assert table["fits"].all()
+    assert (table["step_time_s"] > 1).all() and (table["step_time_s"] < 120).all()
+    assert ((table["bubble_fraction"] > 0) & (table["bubble_fraction"] < 0.6)).all()
+    assert ((table["peak_memory_gib"] > 10) & (table["peak_memory_gib"] < 80)).all()
+    assert (table["mfu"] < 1).all()
+    best = result.steps[0].data["best"]
+    assert table.loc[table["schedule"] == best, "step_time_s"].iloc[0] == table["step_time_s"].min()
+    for row in table.itertuples():
+        assert _fig(result, 1, f"{row.schedule} step time") == pytest.approx(row.step_time_s)
+        assert _fig(result, 1, f"{row.schedule} bubble") == pytest.approx(100 * row.bubble_fraction)
+
+
+def test_switch_figures_are_sane(demo):
+    result, _ = demo
+    f = result.steps[1].data["figures"]
+    gib = 2**30
+    assert f["bytes_moved"] == f["bytes_needed"] > 0                   # moves what is missing, no more
+    assert f["bytes_kept"] > f["bytes_moved"]
+    # the new layout holds 3 bf16 parameter replicas (dp=3) and one ZeRO-1 sharded copy of the fp32
+    # master and two Adam moments: (3 * 2 + 3 * 4) bytes per llama2-70b parameter
+    assert (f["bytes_kept"] + f["bytes_moved"]) / gib == pytest.approx(68.98e9 * 18 / gib, rel=0.01)
+    assert 0 < f["switch_s"] < 30
+    assert f["checkpoint_restart_s"] > 10 * f["switch_s"]
+    assert _fig(result, 2, "hot switch speedup over checkpoint-restart") == pytest.approx(
+        f["checkpoint_restart_s"] / f["switch_s"])
+    assert result.steps[1].data["plan"].dst_devices == tuple(list(range(40)) + list(range(48, 128)))
+
+
+def test_live_steps_when_available(demo):
+    result, _ = demo
+    deploy, hot, replay = result.steps[2], result.steps[3], result.steps[4]
+    if deploy.ok:
+        ratio = _fig(result, 3, "measured / predicted step time")
+        assert math.isfinite(ratio) and ratio > 0
+        assert _fig(result, 3, "instructions matched between run and simulation") > 0
+        assert (result.out / "deploy_sim_vs_measured.png").stat().st_size > 1000
+        assert (result.out / "deploy_plan.json").is_file()
+    if hot.ok:
+        assert _fig(result, 4, "largest relative loss difference to the static job") < 1e-5
+        h = hot.data["hot"]
+        assert len(h["losses"]) == len(h["static_losses"]) == len(h["restart_losses"]) == 8
+        assert max(abs(a - b) / abs(b) for a, b in zip(h["restart_losses"], h["static_losses"])) < 1e-5
+        for name in ("shrink 4 -> 3", "grow 3 -> 4"):
+            pause = _fig(result, 4, f"{name}: hot switch pause")
+            lost = _fig(result, 4, f"{name}: hot switch, training time lost")
+            assert 0 < pause and 0 < lost < _fig(result, 4, f"{name}: DCP checkpoint-restart, training time lost")
+        assert (result.out / "hot_switch_loss.png").stat().st_size > 1000
+    if replay.ok:
+        assert _fig(result, 5, "trace events replayed") >= 1
+        assert _fig(result, 5, "largest relative loss difference to the static job") < 1e-5
+        assert (result.out / "replay.png").stat().st_size > 1000
+        assert (result.out / "replay_events.csv").is_file()
+
+
+def test_frame_and_json(demo):
+    result, _ = demo
+    df = result.frame()
+    assert list(df.columns) == ["step", "figure", "value", "unit"]
+    assert len(df) >= sum(max(1, len(s.figures)) for s in result.steps)
+    js = json.loads(json.dumps(result.to_json()))
+    assert js["steps"][1]["figures"]["simulated switch time"]["unit"] == "s"
+
+
+def test_cli_demo_json_and_table(tmp_path, capsys):
+    assert cli_main(["demo", "--out", str(tmp_path / "a"), "--only", "switch", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and [s["step"] for s in out["steps"]] == [2]
+    assert out["steps"][0]["figures"]["checkpoint-restart estimate"]["value"] > 10
+    assert (tmp_path / "a" / "summary.md").is_file()
+
+    assert cli_main(["demo", "--out", str(tmp_path / "b"), "--only", "switch"]) == 0
+    cap = capsys.readouterr()
+    assert "simulated switch time" in cap.out and "summary.md" in cap.out
+    assert "[2/6] Switch: planning" in cap.err
+
+
+def test_cli_demo_rejects_unknown_step(tmp_path, capsys):
+    assert cli_main(["demo", "--out", str(tmp_path), "--only", "explore,fly"]) == 1
+    err = capsys.readouterr().err
+    assert "unknown demo step(s) fly" in err and "explore" in err
+    assert set(STEPS) == {"explore", "switch", "deploy", "hot-switch", "replay"}
