@@ -232,10 +232,13 @@ def plot_timeline(df: "pd.DataFrame", path: str, max_devices: int = 16, title: s
     ypos = {k: i for i, k in enumerate(rows)}
     fig, ax = plt.subplots(figsize=(12, max(2.0, 0.35 * len(rows) + 1)))
     keys = [(p if o == "compute" else o) for o, p in zip(df["op"], df["phase"])]
-    used = set()
+    used = set(keys)
+    # one broken_barh per (row, color): a handful of artists instead of one per instruction
+    spans: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for (k, d, s, a, b) in zip(keys, df["device"], df["stream"], df["start"], df["end"]):
-        used.add(k)
-        ax.barh(ypos[(int(d), s)], b - a, left=a, height=0.8, color=_COLORS.get(k, "#999999"), linewidth=0)
+        spans.setdefault((ypos[(int(d), s)], k), []).append((a, b - a))
+    for (y, k), xs in spans.items():
+        ax.broken_barh(xs, (y - 0.4, 0.8), facecolors=_COLORS.get(k, "#999999"), linewidth=0)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([f"dev {d} {s}" for d, s in rows], fontsize=7)
     ax.invert_yaxis()
