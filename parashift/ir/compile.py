@@ -12,6 +12,7 @@ from typing import Callable
 
 from .. import models as _models
 from ..errors import StrategyError
+from ..cluster import Cluster
 from ..models import ModelSpec
 from ..strategy import Strategy
 from .directives import Fuse, Order, Place, Recompute, Replicate, Shard, Split, Stream, apply_all
@@ -20,7 +21,8 @@ from .memory import OPTIM_FLOPS_PER_ELEMENT, chunk_params, optimizer_elements, r
 from .model_graph import core_attention_flops, model_graph
 from .program import Program
 from .scheduler import lower
-from .schedules import schedule_order, split_backward
+from .costs import estimate_costs
+from .schedules import ScheduleCosts, schedule_order, split_backward
 
 __all__ = ["compile", "directives", "distributed_graph"]
 
@@ -29,9 +31,17 @@ def _resolve(model: "str | ModelSpec", strategy: "str | Strategy") -> tuple[Mode
     return _models.get(model), Strategy.parse(strategy)
 
 
+def _costs(spec: ModelSpec, s: Strategy, seq_len: int, costs: "ScheduleCosts | Cluster | str | None") -> ScheduleCosts:
+    """The durations the list-scheduled recipes plan with (given, or estimated for a cluster)."""
+    if isinstance(costs, ScheduleCosts):
+        return costs
+    return estimate_costs(spec, s, seq_len, costs)
+
+
 def directives(model: "str | ModelSpec", strategy: "str | Strategy", *, global_batch: int, seq_len: int,
-               order: "Order | None" = None) -> list:
-    """The directive recipe for ``strategy`` (pass ``order`` to replace the schedule's Order)."""
+               order: "Order | None" = None, costs: "ScheduleCosts | Cluster | str | None" = None) -> list:
+    """The directive recipe for ``strategy`` (pass ``order`` to replace the schedule's Order;
+    ``costs``: durations for zb-h1/dualpipev, or the cluster to estimate them for, see :func:`compile`)."""
     spec, s = _resolve(model, strategy)
     m = s.num_microbatches(global_batch)
     if seq_len < 1:
@@ -66,18 +76,21 @@ def directives(model: "str | ModelSpec", strategy: "str | Strategy", *, global_b
                          ep=s.ep, tied_bytes=cp.tied * gb))
     if s.schedule == "dualpipev" and s.ep > 1:
         out.append(Stream("comm", ops=("all_to_all",), tag_prefix="ep."))
-    out.append(order if order is not None else schedule_order(s, m))
+    # zb-h1 is planned with durations; dualpipev keeps unit costs unless the caller passes some (its
+    # F&I pairing already hides the communication the estimate would weigh)
+    planned = s.schedule == "zb-h1" or (s.schedule == "dualpipev" and costs is not None)
+    out.append(order if order is not None else schedule_order(s, m, _costs(spec, s, seq_len, costs) if planned else None))
     if s.tp == 1 and s.ep == 1:
         out.append(Fuse())
     return out
 
 
 def distributed_graph(model: "str | ModelSpec", strategy: "str | Strategy", *, global_batch: int, seq_len: int,
-                      order: "Order | None" = None) -> Graph:
+                      order: "Order | None" = None, costs: "ScheduleCosts | Cluster | str | None" = None) -> Graph:
     """The ordered distributed DAG (before lowering), for inspection."""
     spec, s = _resolve(model, strategy)
     g = _base(spec, s, seq_len)
-    return apply_all(g, directives(spec, s, global_batch=global_batch, seq_len=seq_len, order=order))
+    return apply_all(g, directives(spec, s, global_batch=global_batch, seq_len=seq_len, order=order, costs=costs))
 
 
 def _base(spec: ModelSpec, s: Strategy, seq_len: int) -> Graph:
@@ -91,7 +104,8 @@ def _base(spec: ModelSpec, s: Strategy, seq_len: int) -> Graph:
 
 
 def compile(model: "str | ModelSpec | Graph", strategy: "str | Strategy", *, global_batch: int, seq_len: int | None = None,
-            order: "Order | Callable[[Strategy, int], Order] | None" = None, validate: bool = False) -> Program:
+            order: "Order | Callable[[Strategy, int], Order] | None" = None, validate: bool = False,
+            costs: "ScheduleCosts | Cluster | str | None" = None) -> Program:
     """Compile one training step of ``model`` under ``strategy`` into a Program.
 
     ``model``: a preset name, a ModelSpec, or a traced region Graph (``annotate.trace``; see
@@ -99,6 +113,9 @@ def compile(model: "str | ModelSpec | Graph", strategy: "str | Strategy", *, glo
     ``seq_len`` defaults to the model's.
     ``order``: a custom Order directive (or a function ``(strategy, m) -> Order``) replacing the
     schedule recipe. ``validate=True`` also runs :meth:`Program.validate`.
+    ``costs``: the F/I/W durations zb-h1 and dualpipev are planned with (a
+    :class:`~parashift.ir.schedules.ScheduleCosts`), or a cluster (name or Cluster) to estimate them
+    for; None estimates them for :data:`~parashift.ir.costs.REFERENCE_CLUSTER`.
     """
     if isinstance(model, Graph):
         from .compile_graph import compile_graph
@@ -109,10 +126,12 @@ def compile(model: "str | ModelSpec | Graph", strategy: "str | Strategy", *, glo
     m = s.num_microbatches(global_batch)
     if callable(order) and not isinstance(order, Order):
         order = order(s, m)
-    g = distributed_graph(spec, s, global_batch=global_batch, seq_len=seq, order=order)
+    g = distributed_graph(spec, s, global_batch=global_batch, seq_len=seq, order=order, costs=costs)
     meta = {"model": spec.name, "strategy": str(s), "schedule": s.schedule, "global_batch": int(global_batch),
             "seq_len": int(seq), "microbatches": m, "mbs": s.mbs, "kind": "train_step"}
-    prog = lower(g, s, static_memory=static_memory(spec, s), meta=meta)
+    # with communication on the compute stream FLOPs misjudge step times: order p2p pairs by durations
+    timing = _costs(spec, s, seq, costs).of if s.tp > 1 or s.ep > 1 else None
+    prog = lower(g, s, static_memory=static_memory(spec, s), meta=meta, step_time=timing)
     if validate:
         prog.validate()
     return prog

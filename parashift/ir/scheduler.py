@@ -14,7 +14,7 @@ chunk's first forward instruction and freed by its last backward instruction.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -29,18 +29,25 @@ __all__ = ["lower", "pair_order"]
 STREAMS = ("compute", "comm", "p2p")
 
 
-def pair_order(g: Graph) -> list[int]:
-    """Send nodes in the global order their pairs complete (see module docstring)."""
+def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None) -> list[int]:
+    """Send nodes in the global order their pairs complete (see module docstring). ``step_time``
+    (optional) gives each action's duration for the replay instead of its FLOPs, e.g. the durations
+    a schedule was planned with, which also count the TP communication on the compute stream."""
     c = g.cols
     n = len(g)
     steps: dict[int, dict[int, float]] = {}          # stage -> step -> duration
+    timed: set = set()                               # (stage, action) already counted
     for i in range(n):
         sl = c["slot"][i]
         if sl is None or not isinstance(c["action"][i], Action):
             continue
         st = c["stage"][i]
         d = steps.setdefault(st, {})
-        d[sl[0]] = d.get(sl[0], 0.0) + (c["flops"][i] if c["op"][i] == "compute" else 0.0)
+        if step_time is None:
+            d[sl[0]] = d.get(sl[0], 0.0) + (c["flops"][i] if c["op"][i] == "compute" else 0.0)
+        elif (st, c["action"][i]) not in timed:
+            timed.add((st, c["action"][i]))
+            d[sl[0]] = d.get(sl[0], 0.0) + float(step_time(c["action"][i]))
     scale = max((v for d in steps.values() for v in d.values()), default=1.0) or 1.0
     recv_of: dict[int, int] = {}
     for u, v in zip(g.src, g.dst):
@@ -82,8 +89,9 @@ def pair_order(g: Graph) -> list[int]:
 
 
 def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, int]] = (),
-          meta: Mapping[str, Any] | None = None) -> Program:
-    """One RankProgram per pipeline stage, shared by all ranks of that stage."""
+          meta: Mapping[str, Any] | None = None, step_time: "Callable[[Action], float] | None" = None) -> Program:
+    """One RankProgram per pipeline stage, shared by all ranks of that stage (``step_time``: see
+    :func:`pair_order`)."""
     c = g.cols
     n = len(g)
     pp = strategy.pp
@@ -99,7 +107,7 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     unknown = {s for s in streams if s not in STREAMS}
     if unknown:
         raise ProgramError(f"unknown streams {sorted(map(str, unknown))}; use {', '.join(STREAMS)}")
-    sends = pair_order(g)
+    sends = pair_order(g, step_time)
     recv_of = {u: v for u, v in zip(g.src, g.dst) if c["op"][u] == "send" and c["op"][v] == "recv"}
     p2p_rank = {}
     for k, s in enumerate(sends):

@@ -13,11 +13,16 @@
   forward of one micro-batch overlapped with the input-grad backward of another when both are ready
   (``&`` steps), so one's all-to-alls and p2p hide behind the other's compute.
 
-zb-h1 and dualpipev are produced by a deterministic list scheduler over unit costs (F = I = W = 1,
-B = 2); write your own schedule as text (``"0F0 0F1 0B0 ..."``) and pass ``Order({stage: text})``.
+zb-h1 and dualpipev are produced by a deterministic list scheduler that plays the stages forward in
+time with per-chunk F/I/W durations and a p2p latency (:class:`ScheduleCosts`; unit costs F = I = W = 1
+by default, ``ir.compile`` passes an estimate from FLOPs and TP communication), so weight-grads fill
+the time a stage would otherwise wait; write your own schedule as text (``"0F0 0F1 0B0 ..."``) and pass
+``Order({stage: text})``.
 """
 from __future__ import annotations
 
+import heapq
+from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import StrategyError
@@ -26,7 +31,7 @@ from .actions import Action, Step
 from .directives import Order
 
 __all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "dualpipev", "RECIPES", "schedule_steps",
-           "schedule_order"]
+           "schedule_order", "ScheduleCosts"]
 
 Orders = dict[int, list[Step]]
 
@@ -80,24 +85,67 @@ def interleaved_1f1b(pp: int, vpp: int, m: int) -> Orders:
     return out
 
 
+@dataclass(frozen=True)
+class ScheduleCosts:
+    """Durations the list scheduler plans with: per chunk, its forward (``f``), input-grad (``i``) and
+    weight-grad (``w``) backward, plus the latency of a p2p hand-off between stages (``p2p``). Any
+    time unit works; only ratios matter."""
+
+    f: tuple[float, ...]
+    i: tuple[float, ...]
+    w: tuple[float, ...]
+    p2p: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (len(self.f) == len(self.i) == len(self.w)) or not self.f:
+            raise StrategyError("ScheduleCosts needs one F, I and W duration per chunk (equal, non-empty lengths)")
+        if min(self.f + self.i + self.w) <= 0 or self.p2p < 0:
+            raise StrategyError("ScheduleCosts durations must be positive and p2p non-negative")
+
+    @classmethod
+    def unit(cls, chunks: int) -> "ScheduleCosts":
+        """F = I = W = 1 for every chunk, free hand-offs (the classic unit-cost schedule)."""
+        return cls((1.0,) * chunks, (1.0,) * chunks, (1.0,) * chunks, 0.0)
+
+    @classmethod
+    def uniform(cls, chunks: int, f: float, i: float, w: float, p2p: float = 0.0) -> "ScheduleCosts":
+        """The same F/I/W durations for every chunk."""
+        return cls((float(f),) * chunks, (float(i),) * chunks, (float(w),) * chunks, float(p2p))
+
+    def of(self, a: Action) -> float:
+        """Duration of one action (a full backward ``B`` takes I + W)."""
+        if a.type == "B":
+            return self.i[a.chunk] + self.w[a.chunk]
+        return (self.f if a.type == "F" else self.i if a.type == "I" else self.w)[a.chunk]
+
+
 def _list_schedule(pp: int, m: int, chunk_stage: list[int], limit: Callable[[int], int],
-                   wlimit: Callable[[int], int], overlap: bool) -> Orders:
-    """Greedy unit-cost list scheduler with split backward: a W first when more than ``wlimit(s)``
-    weight-grads are pending, else I, then F (at most ``limit(s)`` forwards awaiting their I), then W."""
+                   wlimit: Callable[[int], int], overlap: bool, costs: "ScheduleCosts | None" = None) -> Orders:
+    """Greedy list scheduler with split backward, simulated in time with ``costs`` (unit costs by
+    default). A free stage runs a W first when more than ``wlimit(s)`` weight-grads are pending, else
+    a ready I, then a ready F (at most ``limit(s)`` forwards awaiting their I), then a W: weight-grads
+    only fill time the stage would otherwise spend waiting for a neighbour."""
     chunks = len(chunk_stage)
-    done: dict[Action, int] = {}                       # action -> completion tick
+    cost = costs or ScheduleCosts.unit(chunks)
+    if len(cost.f) != chunks:
+        raise StrategyError(f"ScheduleCosts has {len(cost.f)} chunks, the schedule {chunks}; pass one duration per chunk")
+    eps = 1e-9 * max(cost.f + cost.i + cost.w)
+    done: dict[Action, float] = {}                     # action -> time its output is usable elsewhere
     nxt = {(c, t): 0 for c in range(chunks) for t in "FIW"}   # next micro-batch per (chunk, type)
-    busy = [0] * pp
+    busy = [0.0] * pp
     inflight = [0] * pp
     pending_w = [0] * pp
     out: Orders = {s: [] for s in range(pp)}
     mine = {s: [c for c in range(chunks) if chunk_stage[c] == s] for s in range(pp)}
+    first = {s: min(mine[s]) for s in range(pp)}
     remaining = 3 * chunks * m
-    t = 0
+    events: list[float] = [0.0]
+    t = 0.0
+    rounds = 0
 
     def ready(a: Action) -> bool:
         def ok(d: Action) -> bool:
-            return d in done and done[d] <= t
+            return d in done and done[d] + (cost.p2p if chunk_stage[d.chunk] != chunk_stage[a.chunk] else 0.0) <= t + eps
         if a.type == "F":
             return a.chunk == 0 or ok(Action(a.chunk - 1, "F", a.mb))
         if a.type == "I":
@@ -105,8 +153,11 @@ def _list_schedule(pp: int, m: int, chunk_stage: list[int], limit: Callable[[int
         return ok(Action(a.chunk, "I", a.mb))
 
     while remaining:
+        t = heapq.heappop(events)
+        while events and events[0] <= t + eps:
+            heapq.heappop(events)
         for s in range(pp):
-            if busy[s] > t:
+            if busy[s] > t + eps:
                 continue
             cand = {"F": [], "I": [], "W": []}
             for c in mine[s]:
@@ -114,7 +165,10 @@ def _list_schedule(pp: int, m: int, chunk_stage: list[int], limit: Callable[[int
                     i = nxt[(c, typ)]
                     if i < m and ready(Action(c, typ, i)):
                         cand[typ].append(Action(c, typ, i))
-            fs = sorted(cand["F"], key=lambda a: (-a.chunk, a.mb)) if inflight[s] < limit(s) else []
+            # past the bound, only forwards that continue a micro-batch this stage already holds (the
+            # V's second chunk) may run: they lead to its input-grads, so the bound cannot deadlock
+            fs = sorted((a for a in cand["F"] if inflight[s] < limit(s) or a.chunk > first[s]),
+                        key=lambda a: (-a.chunk, a.mb))
             is_ = sorted(cand["I"], key=lambda a: (a.mb, -a.chunk))
             step: tuple[Action, ...]
             ws = sorted(cand["W"], key=lambda a: (a.mb, -a.chunk))
@@ -130,29 +184,36 @@ def _list_schedule(pp: int, m: int, chunk_stage: list[int], limit: Callable[[int
                 step = (ws[0],)
             else:
                 continue
-            busy[s] = t + len(step)
+            end = t + sum(cost.of(a) for a in step)
+            busy[s] = end
+            heapq.heappush(events, end)
+            if cost.p2p:
+                heapq.heappush(events, end + cost.p2p)
             for a in step:
-                done[a] = t + len(step)
+                done[a] = end
                 nxt[(a.chunk, a.type)] += 1
                 inflight[s] += 1 if a.type == "F" else -1 if a.type == "I" else 0
                 pending_w[s] += 1 if a.type == "I" else -1 if a.type == "W" else 0
                 remaining -= 1
             out[s].append(step)
-        t += 1
-        if t > 100 * (3 * chunks * m + pp):  # pragma: no cover - the dependencies always admit progress
+        rounds += 1
+        if remaining and (not events or rounds > 100 * (3 * chunks * m + pp)):  # pragma: no cover
             raise StrategyError("the list scheduler made no progress; report this schedule as a bug")
     return out
 
 
-def zb_h1(pp: int, m: int) -> Orders:
-    """Zero-bubble H1: 1F1B's in-flight bound, backward split, weight-grads fill the bubbles."""
-    return _list_schedule(pp, m, list(range(pp)), lambda s: pp - s, lambda s: pp - 1 - s, overlap=False)
+def zb_h1(pp: int, m: int, costs: "ScheduleCosts | None" = None) -> Orders:
+    """Zero-bubble H1: 1F1B's in-flight bound, backward split, weight-grads fill the bubbles
+    (planned with ``costs``, unit costs by default)."""
+    return _list_schedule(pp, m, list(range(pp)), lambda s: pp - s, lambda s: pp - 1 - s, overlap=False,
+                          costs=costs)
 
 
-def dualpipev(pp: int, m: int) -> Orders:
-    """DualPipeV: stage s holds chunks s and 2*pp-1-s; forwards overlap input-grad backwards."""
+def dualpipev(pp: int, m: int, costs: "ScheduleCosts | None" = None) -> Orders:
+    """DualPipeV: stage s holds chunks s and 2*pp-1-s; forwards overlap input-grad backwards
+    (planned with ``costs``, unit costs by default)."""
     stages = [c if c < pp else 2 * pp - 1 - c for c in range(2 * pp)]
-    return _list_schedule(pp, m, stages, lambda s: 2 * pp, lambda s: pp, overlap=True)
+    return _list_schedule(pp, m, stages, lambda s: 2 * pp, lambda s: pp, overlap=True, costs=costs)
 
 
 RECIPES: dict[str, Callable[[Strategy, int], Orders]] = {
@@ -164,20 +225,25 @@ RECIPES: dict[str, Callable[[Strategy, int], Orders]] = {
 }
 
 
-def schedule_steps(strategy: Strategy, m: int) -> Orders:
-    """Every stage's steps for ``strategy.schedule`` with ``m`` micro-batches."""
+def schedule_steps(strategy: Strategy, m: int, costs: "ScheduleCosts | None" = None) -> Orders:
+    """Every stage's steps for ``strategy.schedule`` with ``m`` micro-batches; the list-scheduled
+    recipes (zb-h1, dualpipev) plan with ``costs`` (unit costs when None)."""
     s = strategy
     if s.schedule == "dualpipev" and s.vpp != 2:
         raise StrategyError(f"dualpipev places exactly two chunks per stage (V shape); set vpp=2, not {s.vpp}")
     if s.schedule == "interleaved-1f1b" and s.pp == 1:
         return {0: _one([Action(c, "F", i) for i in range(m) for c in range(s.vpp)]
                         + [Action(c, "B", i) for i in range(m) for c in reversed(range(s.vpp))])}
+    if costs is not None and s.schedule == "zb-h1":
+        return zb_h1(s.pp, m, costs)
+    if costs is not None and s.schedule == "dualpipev":
+        return dualpipev(s.pp, m, costs)
     return RECIPES[s.schedule](s, m)
 
 
-def schedule_order(strategy: Strategy, m: int) -> Order:
+def schedule_order(strategy: Strategy, m: int, costs: "ScheduleCosts | None" = None) -> Order:
     """The schedule as one Order directive."""
-    return Order(schedule_steps(strategy, m))
+    return Order(schedule_steps(strategy, m, costs))
 
 
 def split_backward(schedule: str) -> bool:
