@@ -134,7 +134,9 @@ def speed(trials: int) -> dict:
     counts = r.trials["status"].value_counts().to_dict()
     log(f"{trials} trials of {s['model']} on {s['devices']} devices: {wall:.0f} s wall, {cpu:.0f} s CPU")
     return {"setting": s, "trials": trials, "wall_seconds": wall, "cpu_seconds": cpu,
-            "simulations": r.evaluations, "statuses": {k: int(v) for k, v in counts.items()},
+            "simulations": r.evaluations,  # distinct strategies scored (memory precheck included)
+            "simulated": int(r.trials.loc[r.trials["simulated"].fillna(False).astype(bool), "strategy"].nunique()),
+            "statuses": {k: int(v) for k, v in counts.items()},
             "best": str(r.best.strategy) if r.best else None,
             "best_tokens_per_s": r.best.tokens_per_s if r.best else None, "target_seconds": 120}
 

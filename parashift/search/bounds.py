@@ -86,6 +86,23 @@ def _replay_unit(model: ModelSpec, s: Strategy, global_batch: int, seq_len: int)
     return replay(model, s, global_batch=global_batch, seq_len=seq_len, rate=1.0)
 
 
+#: unit-cost stage orders by (schedule, pp, vpp, m), shared between strategies (read-only)
+_STEPS: dict[tuple[str, int, int, int], Any] = {}
+
+
+def _steps(s: Strategy, m: int) -> Any:
+    """``ir.schedule_steps(s, m)`` at unit costs, memoized: that order depends only on the
+    schedule, ``pp``, ``vpp`` and ``m``, so strategies differing in dp/tp/zero/mbs share it."""
+    key = (s.schedule, s.pp, s.vpp, m)
+    hit = _STEPS.get(key)
+    if hit is None:
+        from ..ir.schedules import schedule_steps
+        if len(_STEPS) >= 1024:
+            _STEPS.pop(next(iter(_STEPS)))
+        hit = _STEPS[key] = schedule_steps(s, m)
+    return hit
+
+
 def replay(model: ModelSpec, s: Strategy, *, global_batch: int, seq_len: int, rate: float) -> tuple[float, np.ndarray]:
     """Run the schedule's per-stage order (``ir.schedule_steps``) with compute only.
 
@@ -99,17 +116,44 @@ def replay(model: ModelSpec, s: Strategy, *, global_batch: int, seq_len: int, ra
     bound. Also returns each stage's peak of live activation bytes (allocated by a forward,
     freed by the backward that ends the micro-batch: ``B`` or ``W``).
     """
-    from ..ir.schedules import schedule_steps, split_backward
     m = s.num_microbatches(global_batch)
-    steps = schedule_steps(s, m)
     fwd = chunk_forward_flops(model, s, seq_len) / rate
     act = chunk_activation_bytes(model, s, seq_len)
-    rc = fwd if s.recompute == "full" else 0.0 * fwd
+    if s.schedule == "zb-h1":
+        # ir.compile plans zb-h1 with estimated durations, so replay that very order (not cached:
+        # it depends on the model and the whole strategy), or the bound would not be a bound
+        from ..ir.costs import estimate_costs
+        from ..ir.schedules import schedule_steps
+        steps = schedule_steps(s, m, estimate_costs(model, s, seq_len))
+        return _run_replay(steps, fwd, act, s.recompute == "full", s.schedule, s.stages, s.pp)
+    return _replay_steps(s.schedule, s.pp, s.vpp, m, s.stages, s.recompute == "full", fwd, act, s)
+
+
+#: :func:`_replay_steps` results by everything they depend on (strategies differing only in
+#: fields the replay ignores, e.g. ZeRO stage, share one)
+_REPLAYS: dict[tuple, tuple[float, np.ndarray]] = {}
+
+
+def _replay_steps(schedule: str, pp: int, vpp: int, m: int, stages: int, full_recompute: bool, fwd: np.ndarray,
+                  act: np.ndarray, s: Strategy) -> tuple[float, np.ndarray]:
+    """The replay loop of :func:`replay` over ``s``'s order, memoized by its inputs."""
+    key = (schedule, pp, vpp, m, stages, full_recompute, fwd.tobytes(), act.tobytes())
+    hit = _REPLAYS.get(key)
+    if hit is None:
+        if len(_REPLAYS) >= 8192:
+            _REPLAYS.pop(next(iter(_REPLAYS)))
+        hit = _REPLAYS[key] = _run_replay(_steps(s, m), fwd, act, full_recompute, schedule, stages, pp)
+    return hit[0], hit[1].copy()
+
+
+def _run_replay(steps: Any, fwd: np.ndarray, act: np.ndarray, full_recompute: bool, schedule: str, stages: int,
+                pp: int) -> tuple[float, np.ndarray]:
+    from ..ir.schedules import split_backward
+    rc = fwd if full_recompute else 0.0 * fwd
     dur = {"F": fwd, "B": 2.0 * fwd, "I": fwd, "W": fwd}
-    frees = "W" if split_backward(s.schedule) else "B"
-    last = s.stages - 1
+    frees = "W" if split_backward(schedule) else "B"
+    last = stages - 1
     done: dict[tuple[int, str, int], float] = {}
-    pp = s.pp
     ptr, free_at = [0] * pp, [0.0] * pp
     alive, peak = np.zeros(pp), np.zeros(pp)
     pending = sum(len(v) for v in steps.values())
