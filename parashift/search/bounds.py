@@ -119,13 +119,6 @@ def replay(model: ModelSpec, s: Strategy, *, global_batch: int, seq_len: int, ra
     m = s.num_microbatches(global_batch)
     fwd = chunk_forward_flops(model, s, seq_len) / rate
     act = chunk_activation_bytes(model, s, seq_len)
-    if s.schedule == "zb-h1":
-        # ir.compile plans zb-h1 with estimated durations, so replay that very order (not cached:
-        # it depends on the model and the whole strategy), or the bound would not be a bound
-        from ..ir.costs import estimate_costs
-        from ..ir.schedules import schedule_steps
-        steps = schedule_steps(s, m, estimate_costs(model, s, seq_len))
-        return _run_replay(steps, fwd, act, s.recompute == "full", s.schedule, s.stages, s.pp)
     return _replay_steps(s.schedule, s.pp, s.vpp, m, s.stages, s.recompute == "full", fwd, act, s)
 
 
