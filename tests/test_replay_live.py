@@ -30,7 +30,7 @@ def trace_file(tmp_path):
 
 def test_replay_switches_at_each_event_and_matches_the_static_job_and_beats_restart(trace_file, tmp_path):
     res = replay(trace_file, "tiny-gpt", policy="best", max_procs=4, time_scale=90, baseline="checkpoint-restart",
-                 max_steps=60, timeout=400, workdir=str(tmp_path))
+                 max_steps=400, timeout=400, workdir=str(tmp_path))
     ev = res.to_frame()
     assert list(ev.columns) == list(EVENT_COLUMNS)
     assert list(ev["event"]) == ["preempt", "add"] and list(ev["devices"]) == [2, 4]
@@ -69,7 +69,7 @@ def test_cli_replays_a_window_of_a_shipped_trace(tmp_path, capsys):
     # bamboo p3: 18 nodes at the start, the first two events of the first half hour, 4 processes
     rc = main(["replay", "bamboo/p3-trace.csv", "--model", "tiny-gpt", "--strategy-policy", "switch-aware",
                "--max-procs", "4", "--time-scale", "900", "--from", "0", "--to", "1800", "--max-events", "2",
-               "--max-steps", "40", "--json", "--table", str(tmp_path / "events.csv")])
+               "--max-steps", "400", "--json", "--table", str(tmp_path / "events.csv")])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["policy"] == "switch-aware" and len(out["events"]) == 2

@@ -78,6 +78,9 @@ def render(result: dict, args: argparse.Namespace) -> None:
               f"{_ms(e['pause_seconds'] if e['switched'] else None):>8} "
               f"{_ms(e['lost_seconds'] if e['switched'] else None):>8}"
               + (f" {_ms(e.get('baseline_lost_seconds')):>10}" if base else "") + f"  {what}")
+    missed = sum(1 for e in result["events"] if not e["applied"])
+    if missed:
+        print(f"  {missed} event(s) not reached before the job stopped (window end or --max-steps {args.max_steps})")
     print(f"  loss {result['losses'][0]:.6f} -> {result['losses'][-1]:.6f}; static job "
           f"{result['static_losses'][0]:.6f} -> {result['static_losses'][-1]:.6f} "
           f"(max relative difference {result['max_loss_rel_diff']:.2e})")

@@ -14,7 +14,7 @@ __all__ = ["REPLAY", "replay_slice", "step_replay"]
 #: The slice: trace minutes 20-45 of Bamboo's AWS p3 spot trace (an addition, a preemption, an
 #: addition), 4 processes at the busiest moment, 900 trace seconds per replay second.
 REPLAY = {"trace": "bamboo/p3-trace.csv", "start": 1200.0, "end": 2700.0, "time_scale": 900.0, "max_events": 3,
-          "max_procs": 4, "policy": "switch-aware", "max_steps": 40}
+          "max_procs": 4, "policy": "switch-aware", "max_steps": 400}
 
 
 def replay_slice(progress: "Callable[[str], None] | None" = None, **overrides: Any) -> Any:
