@@ -19,13 +19,14 @@ the other switches; null with ``switch_reason`` when the runtime cannot hot-swit
 rows, and the machine's load average.
 Target: median under 10% on CPU/gloo.
 
-Usage: python benchmarks/fidelity_bench.py [--nprocs 4] [--steps 3] [--repeats 2]
+Usage: python benchmarks/fidelity_bench.py [--nprocs 4] [--steps 3] [--repeats 2] [--save F | --load F]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import pickle
 import sys
 import time
 
@@ -43,20 +44,14 @@ def _log(msg: str) -> None:
 SWITCHES = (("dp=4", "tp=2,dp=2"), ("tp=2,dp=2", "dp=2,pp=2"), ("dp=2,pp=2", "pp=4"), ("pp=4", "dp=4,zero=1"))
 
 
-def _switch_fidelity(cost_model, cluster, model: str, repeats: int, global_batch: int, seq_len: int) -> dict:
-    """Live hot switches (one job switching through SWITCHES, ``repeats`` times): the measured
-    transfer (the switch Program's execution) against ``simulate_switch`` of the same Program,
-    leave-one-out: the training-calibrated model plus the local link fitted on the other switches
-    (``switch_training_only_median_ape``: without that)."""
+def _measure_switches(model: str, repeats: int, global_batch: int, seq_len: int) -> dict:
+    """Transfer seconds of each switch of SWITCHES, ``repeats`` live jobs switching through them
+    (``{"measured": {k: [seconds, ...]}}``, or ``{"reason": why}`` when the runtime cannot)."""
     try:
-        from parashift.exec.switch import plan_live_switch
         from parashift.exec.switch_live import run_live
     except ImportError as e:
-        return {"switch_median_ape": None, "switch_reason": f"the runtime has no live hot switch ({e})"}
+        return {"reason": f"the runtime has no live hot switch ({e})"}
     from parashift import models
-    from parashift.calibrate import ape
-    from parashift.sim import simulate_switch
-    from parashift.strategy import Strategy
     spec = models.get(model)
     plan = [(2 * (k + 1), dst, None) for k, (_src, dst) in enumerate(SWITCHES)]
     measured: dict[int, list[float]] = {}
@@ -71,8 +66,23 @@ def _switch_fidelity(cost_model, cluster, model: str, repeats: int, global_batch
             _log(f"switch round {rep + 1}/{repeats}: "
                  + ", ".join(f"{sw['src']}->{sw['dst']} {sw['transfer_seconds'] * 1e3:.1f} ms" for sw in res.switches))
     except Exception as e:  # noqa: BLE001 - the live switch is another component; report why it is missing
-        return {"switch_median_ape": None, "switch_reason": f"live hot switch failed: {type(e).__name__}: {e}"[:300]}
-    from parashift.calibrate import fit_programs
+        return {"reason": f"live hot switch failed: {type(e).__name__}: {e}"[:300]}
+    return {"measured": measured}
+
+
+def _switch_fidelity(cost_model, cluster, model: str, switches: dict) -> dict:
+    """Measured transfer of each live switch Program against ``simulate_switch`` of it,
+    leave-one-out: the training-calibrated model plus the local link fitted on the other switches
+    (``switch_training_only_median_ape``: without that)."""
+    if "reason" in switches:
+        return {"switch_median_ape": None, "switch_reason": switches["reason"]}
+    from parashift import models
+    from parashift.calibrate import ape, fit_programs
+    from parashift.exec.switch import plan_live_switch
+    from parashift.sim import simulate_switch
+    from parashift.strategy import Strategy
+    spec = models.get(model)
+    measured = {int(k): v for k, v in switches["measured"].items()}
     progs, meas = [], []
     for k, (src, dst) in enumerate(SWITCHES):
         a, b = Strategy.parse(src), Strategy.parse(dst)
@@ -93,6 +103,11 @@ def _switch_fidelity(cost_model, cluster, model: str, repeats: int, global_batch
             "switch_training_only_median_ape": float(np.median(e0)), "switches": rows}
 
 
+def _load(path: str) -> dict:
+    with open(path, "rb") as fh:
+        return pickle.load(fh)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny-gpt")
@@ -103,11 +118,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--fit", default=";".join(FIT), help='strategies to fit on, ";"-separated')
     ap.add_argument("--holdout", default=";".join(HOLDOUT), help='strategies to predict, ";"-separated')
+    ap.add_argument("--save", default=None, help="also write the measurements (timelines, step and switch "
+                                                 "times) to this pickle file")
+    ap.add_argument("--load", default=None, help="evaluate measurements saved by --save instead of running")
+    ap.add_argument("--no-switch", action="store_true", help="skip the live hot switches")
     args = ap.parse_args(argv)
 
     from parashift import cluster as clusters, models
     from parashift.calibrate import ape, fit, spearman
-    from parashift.calibrate.probe import run_probe
+    from parashift.calibrate.probe import ProbeRun, run_probe
     from parashift.ir import compile as ir_compile
     from parashift.sim import CostModel, simulate
     from parashift.strategy import Strategy
@@ -124,13 +143,29 @@ def main(argv: list[str] | None = None) -> dict:
     if bad:
         raise SystemExit(f"strategies {bad} do not use --nprocs={args.nprocs} processes; pass --fit/--holdout")
     programs = {s: ir_compile(spec, st, global_batch=args.global_batch, seq_len=seq) for s, st in strategies.items()}
+    saved = _load(args.load) if args.load else None
     runs: dict[str, list] = {s: [] for s in programs}
-    for rep in range(args.repeats):
+    if saved is not None:
+        for s in programs:
+            if s not in saved["runs"]:
+                raise SystemExit(f"{args.load} has no measurements of {s}")
+            runs[s] = [ProbeRun(strategies[s], programs[s], tl, tuple(ts)) for tl, ts in saved["runs"][s]]
+    for rep in range(args.repeats if saved is None else 0):
         order = fit_set + hold_set if rep % 2 == 0 else list(reversed(fit_set + hold_set))
         for s in order:
             r = run_probe(programs[s], steps=args.steps)
             runs[s].append(r)
             _log(f"round {rep + 1}/{args.repeats} {s}: {r.step_time * 1e3:.1f} ms/step")
+    if saved is not None:
+        switches = saved["switches"]
+    elif args.no_switch:
+        switches = {"reason": "skipped (--no-switch)"}
+    else:
+        switches = _measure_switches(spec.name, args.repeats, args.global_batch, seq)
+    if args.save:
+        with open(args.save, "wb") as fh:
+            pickle.dump({"runs": {s: [(r.timeline, list(r.step_times)) for r in rs] for s, rs in runs.items()},
+                         "switches": switches}, fh)
     measured = {s: float(np.median([t for r in rs for t in r.step_times])) for s, rs in runs.items()}
     # the measurement's own reproducibility: median step time of the odd rounds against the even ones
     halves = {s: [float(np.median([t for r in rs[i::2] for t in r.step_times])) for i in (0, 1)]
@@ -159,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
            "base_spearman": spearman([base_pred[s] for s in hold_set], m_h),
            "fit_median_ape": float(np.median(ef)), "instr_median_ape": f.median_ape,
            "measurement_split_half_ape": float(np.median(noise)) if noise else None,
-           **_switch_fidelity(f.cost_model, cl, spec.name, args.repeats, args.global_batch, seq),
+           **_switch_fidelity(f.cost_model, cl, spec.name, switches),
            "strategies": rows,
            "params": {r.name: r.fitted for r in f.params.itertuples()},
            "load_average": [load0, os.getloadavg()[0]], "seconds": time.perf_counter() - t0}

@@ -3,13 +3,19 @@
 4 gloo processes hold the training state (fp32 parameters + AdamW moments, about 1.2 GB in all)
 of a wide GPT in a source layout; each case moves it to a destination layout:
 
-- ``switch``: the live switch (new state buffers, transfer per the switch Program, checksums
-  and votes), with planning and world creation done beforehand, as a live job does them in the
-  background;
+- ``switch``: the live switch (transfer per the switch Program, checksums and votes), with
+  planning, world creation and the destination store's allocation done beforehand, as a live job
+  does them in the background after the switch's notice (``alloc_seconds`` reports the last);
 - ``dcp``: ``torch.distributed.checkpoint.save`` under the old layout and ``load`` under the
-  new one (every rank's boxes as ShardedTensor shards, so DCP reshards), on /dev/shm and on disk;
+  new one (every rank's boxes as ShardedTensor shards, so DCP reshards), on /dev/shm and on disk,
+  into a destination store allocated beforehand too;
 - ``floor``: the same cross-device bytes pre-packed through one gloo all_to_all, plus each
-  rank's on-device bytes as one memcpy, with no planning.
+  rank's on-device bytes as one memcpy, with no planning, into destination buffers allocated
+  (and faulted in) beforehand with the same allocator as the switch's store.
+
+``phases`` (per case, slowest rank, median of the repeats): the transfer and verify phases, and
+the transfer driver's own seconds (``keep``/``pack``/``unpack`` copies, ``checksum``, ``issue``,
+``idle``: waiting on the wire). ``memory_max_rank``: the largest per-rank switch memory figures.
 
 Run: ``python benchmarks/switch_live_bench.py [--repeats 3] [--dcp-repeats 2] [--small]``.
 """
@@ -32,7 +38,7 @@ from parashift import models
 from parashift.exec.elastic import ElasticManager, Member, launch_elastic
 from parashift.exec.state import StateStore
 from parashift.exec.switch import Prepared, SwitchRecord, execute_switch, plan_live_switch
-from parashift.exec.switch_exec import BufferPool, crc, kind_tensor, piece_view
+from parashift.exec.switch_exec import BufferPool, crc, kind_tensor, piece_view, state_alloc
 from parashift.strategy import Strategy
 from parashift.vps import layout
 
@@ -140,14 +146,15 @@ def _box_planner(boxes: dict):
 
 def _dcp_case(spec, src, dst, ddev, device, old, path) -> tuple[float, list[int]]:
     import torch.distributed.checkpoint as dcp
+    new = None                      # the destination store exists beforehand, as in the switch's case
+    if device in ddev:
+        new = StateStore(spec, dst, ddev.index(device), torch.device("cpu"), init=False, alloc=state_alloc)
     torch.distributed.barrier()
     t0 = time.perf_counter()
     dcp.save(_save_dict(spec, old, src), checkpoint_id=path)
-    new = None
     boxes: dict[str, list] = {}
     if device in ddev:
         rank = ddev.index(device)
-        new = StateStore(spec, dst, rank, torch.device("cpu"), init=False)
         for name, kind, lo, hi in _boxes(spec, dst, rank):
             boxes.setdefault(f"{kind}/{name}", []).append((lo, torch.empty([b - a for a, b in zip(lo, hi)])))
     dcp.load({}, checkpoint_id=path, planner=_box_planner(boxes))
@@ -181,9 +188,10 @@ def _floor(planned, device: int, world, index) -> float:
     kept = int(nb[(src == device) & (dst == device)].sum())
     kept += sum(int(np.prod([b - a for a, b in zip(lo, hi)])) * 4
                 for _, _, lo, hi in planned.extra_keep.get(device, []))
+    cpu = torch.device("cpu")       # destinations allocated (and faulted in) beforehand, as the switch's are
     inp = torch.ones(sum(send), dtype=torch.uint8)
-    out = torch.empty(sum(recv), dtype=torch.uint8)
-    a, b = torch.ones(kept, dtype=torch.uint8), torch.empty(kept, dtype=torch.uint8)
+    out = state_alloc(sum(recv), torch.uint8, cpu)
+    a, b = torch.ones(kept, dtype=torch.uint8), state_alloc(kept, torch.uint8, cpu)
     _allmax(world, 0.0)
     t0 = time.perf_counter()
     world.alltoall_base(out, inp, recv, send, torch.distributed.AllToAllOptions()).wait()
@@ -214,23 +222,36 @@ def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict) -> dict:
         groups = {g: mgr.group(tuple(keys[d] for d in g)) for g in planned.collective_groups(device)}
         world_s = time.perf_counter() - t0
         prep = Prepared(planned, world, {d: i for i, d in enumerate(parts)}, groups, keys, None, plan_s, world_s, 0, 0)
-        sw = []
+        sw, al, phases, recs = [], [], [], []
         for rep in range(repeats + 1):
+            t0 = time.perf_counter()      # the destination store: allocated when the switch is announced
+            new = StateStore(spec, dst, ddev.index(device), torch.device("cpu"), init=False,
+                             alloc=state_alloc) if device in ddev else None
+            alloc_s = time.perf_counter() - t0
             _allmax(world, 0.0)
             t0 = time.perf_counter()
-            new = StateStore(spec, dst, ddev.index(device), torch.device("cpu"), init=False) if device in ddev else None
             rec = SwitchRecord(0, str(src), str(dst), device)
             execute_switch(prep, ctx.store, f"bench{ci}.{rep}/", device, old, new, rec, timeout=300, pool=pool,
                            steps_done=0)
             dt = _allmax(world, time.perf_counter() - t0)
+            ph = {k: _allmax(world, v) for k, v in sorted({**rec.phases, "transfer": rec.transfer_seconds,
+                                                           "verify": rec.verify_seconds}.items())}
             if rep:                       # the first run warms the pool and the allocator
                 sw.append(dt)
+                al.append(_allmax(world, alloc_s))
+                phases.append(ph)
+            recs.append(rec)
             want = _digest(new)
             del new
         fl = [_floor(planned, device, world, prep.index) for _ in range(repeats)]
+        mem = {k: int(_allmax(world, float(getattr(recs[-1], k))))
+               for k in ("old_bytes", "new_bytes", "staging_peak_bytes", "peak_bytes")}
         res = {"switch_seconds": statistics.median(sw), "floor_seconds": statistics.median(fl),
-               "plan_seconds": _allmax(world, plan_s), "bytes_moved": planned.program.meta["bytes_moved"],
-               "bytes_kept": planned.program.meta["bytes_kept"], "switch_runs": sw}
+               "plan_seconds": _allmax(world, plan_s), "alloc_seconds": statistics.median(al),
+               "bytes_moved": planned.program.meta["bytes_moved"],
+               "bytes_kept": planned.program.meta["bytes_kept"], "switch_runs": sw, "floor_runs": fl,
+               "phases": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
+               "memory_max_rank": mem}
         for label, root in dirs.items():
             runs = []
             for rep in range(dcp_repeats):

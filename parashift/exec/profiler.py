@@ -2,6 +2,8 @@
 
 Times are seconds since the start of the profiled step on that rank; ranks align their step
 start with a barrier, so rows of different ranks share one clock to within the barrier skew.
+The rows of the last ``keep`` steps are kept (a calibration fits medians over several steps and
+drops the warm-up one; a long run does not grow without bound).
 """
 from __future__ import annotations
 
@@ -18,16 +20,17 @@ __all__ = ["Profiler", "TIMELINE_COLUMNS", "timeline_frame", "tensor_bytes"]
 class Profiler:
     """Rows of one rank: (step, rank, device, stream, id, op, phase, microbatch, start, end, nbytes, flops)."""
 
-    def __init__(self, rank: int, device: int, keep_all: bool = False) -> None:
-        self.rank, self.device, self.keep_all = rank, device, keep_all
+    def __init__(self, rank: int, device: int, keep_all: bool = False, keep: int = 16) -> None:
+        """``keep``: how many of the latest steps' rows to hold (``keep_all``: every step's)."""
+        self.rank, self.device, self.keep_all, self.keep = rank, device, keep_all, max(int(keep), 1)
         self.rows: list[tuple] = []
         self.origin = 0.0
         self.step = 0
 
     def begin(self, step: int, origin: float) -> None:
-        """Start recording ``step`` (the previous steps' rows are dropped unless ``keep_all``)."""
-        if not self.keep_all:
-            self.rows.clear()
+        """Start recording ``step``; rows of steps before the last ``keep`` are dropped."""
+        if not self.keep_all and self.rows and self.rows[0][0] <= step - self.keep:
+            self.rows = [r for r in self.rows if r[0] > step - self.keep]
         self.step, self.origin = step, origin
 
     def record(self, ins: Instr, stream: str, t0: float, t1: float) -> None:

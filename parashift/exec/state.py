@@ -105,7 +105,8 @@ class Buffer:
     """
 
     def __init__(self, family: str, pieces: list[Piece], n: int, index: int, zero: int,
-                 dtype: torch.dtype, device: torch.device, mem: MemoryTracker) -> None:
+                 dtype: torch.dtype, device: torch.device, mem: MemoryTracker, alloc=None) -> None:
+        zeros = alloc or (lambda n_, dt, dev: torch.zeros(n_, dtype=dt, device=dev))
         self.family, self.pieces, self.n, self.index, self.zero = family, pieces, n, index, zero
         self.numel = sum(p.numel for p in pieces)
         self.padded = -(-self.numel // n) * n
@@ -116,12 +117,12 @@ class Buffer:
         for p in pieces:
             a, b = self.ranges.get(p.chunk, (p.start, p.start))
             self.ranges[p.chunk] = (min(a, p.start), max(b, p.start + p.numel))
-        self.param = torch.zeros(self.padded if zero < 3 else self.q, dtype=dtype, device=device)
+        self.param = zeros(self.padded if zero < 3 else self.q, dtype, device)
         self.copies: dict[int, list[tuple[str, torch.Tensor]]] = {}   # zero 3: chunk -> gathered copies
         osz = self.q if zero >= 1 else self.padded
-        self.master = None if dtype == torch.float32 else torch.zeros(osz, dtype=torch.float32, device=device)
-        self.exp_avg = torch.zeros(osz, dtype=torch.float32, device=device)
-        self.exp_avg_sq = torch.zeros(osz, dtype=torch.float32, device=device)
+        self.master = None if dtype == torch.float32 else zeros(osz, torch.float32, device)
+        self.exp_avg = zeros(osz, torch.float32, device)
+        self.exp_avg_sq = zeros(osz, torch.float32, device)
         self.grad: torch.Tensor | None = None          # full local accumulation buffer
         self.grad_shard: torch.Tensor | None = None    # reduce-scattered shard (zero >= 1)
         self.step = 0
@@ -254,8 +255,9 @@ class StateStore:
     """One rank's flat buffers (by family) and the parameter/gradient views the model uses."""
 
     def __init__(self, spec: ModelSpec, strategy: Strategy, rank: int, device: torch.device,
-                 seed: int = 0, mem: MemoryTracker | None = None, init: bool = True) -> None:
-        """``init=False``: leave every buffer zero (a hot switch fills it from the old layout)."""
+                 seed: int = 0, mem: MemoryTracker | None = None, init: bool = True, alloc=None) -> None:
+        """``init=False``: leave every buffer zero (a hot switch fills it from the old layout).
+        ``alloc(numel, dtype, device)``: returns a zeroed flat state buffer (default ``torch.zeros``)."""
         self.spec, self.strategy, self.rank = spec, strategy, rank
         self.mem = mem or MemoryTracker()
         c = strategy.coords(rank)
@@ -266,7 +268,7 @@ class StateStore:
             ps = [p for p in pieces if p.group == fam]
             if ps:
                 n, idx = (strategy.dp, c["dp"]) if fam == "dense" else (strategy.edp, c["edp"])
-                self.buffers[fam] = Buffer(fam, ps, n, idx, strategy.zero, dtype, device, self.mem)
+                self.buffers[fam] = Buffer(fam, ps, n, idx, strategy.zero, dtype, device, self.mem, alloc)
         self.pieces = {p.name: p for p in pieces}
         if init:
             values = {t.name: init_tensor(t, spec.layers, seed) for t in spec.tensors if t.name in self.pieces}

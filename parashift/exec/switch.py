@@ -34,7 +34,7 @@ from ..ir.program import Program
 from ..models import ModelSpec
 from ..strategy import Strategy
 from .state import StateStore
-from .switch_exec import BIG, BufferPool, SwitchExecutor, kind_tensor
+from .switch_exec import BIG, BufferPool, SwitchExecutor, bytes_of, kind_tensor
 
 __all__ = ["SwitchPlanned", "plan_live_switch", "Prepared", "prepare", "execute_switch", "SwitchRecord",
            "store_arrays", "store_from_full", "full_from_arrays", "parse_switch_at", "StateKinds"]
@@ -165,9 +165,15 @@ class SwitchRecord:
     verify_seconds: float = 0.0
     rebuild_seconds: float = 0.0
     pause_seconds: float = 0.0
+    alloc_seconds: float = 0.0     # the destination store's allocation (in the background when announced)
     bytes_sent: int = 0
     bytes_received: int = 0
     zero_copy: int = 0
+    old_bytes: int = 0             # the source layout's state on this process (kept whole until the vote)
+    new_bytes: int = 0             # the destination layout's state on this process
+    staging_peak_bytes: int = 0    # most staging (pack / receive) bytes in use at once
+    peak_bytes: int = 0            # old + new + staging peak: this process's switch memory high-water mark
+    phases: dict = field(default_factory=dict)           # transfer driver seconds: keep, pack, unpack, ...
     joining: bool = False          # this process had no state before (its "pause" is its whole join)
     aborted: str | None = None
     rows: list[tuple] = field(default_factory=list)      # (stream, op, start, end) absolute wall clock
@@ -216,9 +222,13 @@ def execute_switch(prep: Prepared, store, prefix: str, device: int, old: StateSt
     t1 = time.time()
     record.transfer_seconds = t1 - t0
     record.rows.append(("switch", "transfer", t0, t1))
+    record.old_bytes, record.new_bytes = bytes_of(old), bytes_of(new)
+    record.staging_peak_bytes = pool.peak if pool is not None else 0
+    record.peak_bytes = record.old_bytes + record.new_bytes + record.staging_peak_bytes
     if stats is not None:
         record.bytes_sent, record.bytes_received, record.zero_copy = (stats.bytes_sent, stats.bytes_received,
                                                                      stats.zero_copy)
+        record.phases = {k: round(v, 6) for k, v in stats.seconds.items()}
         if stats.sent_crc:
             kv.multi_set([f"ck/{k}" for k in stats.sent_crc], [str(v) for v in stats.sent_crc.values()])
         if device == leader and old is not None:

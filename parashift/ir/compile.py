@@ -24,7 +24,7 @@ from .scheduler import lower
 from .costs import estimate_costs
 from .schedules import ScheduleCosts, schedule_order, split_backward
 
-__all__ = ["compile", "directives", "distributed_graph"]
+__all__ = ["compile", "directives", "distributed_graph", "planning_costs"]
 
 
 def _resolve(model: "str | ModelSpec", strategy: "str | Strategy") -> tuple[ModelSpec, Strategy]:
@@ -36,6 +36,17 @@ def _costs(spec: ModelSpec, s: Strategy, seq_len: int, costs: "ScheduleCosts | C
     if isinstance(costs, ScheduleCosts):
         return costs
     return estimate_costs(spec, s, seq_len, costs)
+
+
+def planning_costs(spec: ModelSpec, s: Strategy, seq_len: int,
+                   costs: "ScheduleCosts | Cluster | str | None" = None) -> "ScheduleCosts | None":
+    """The durations :func:`compile` plans ``s``'s schedule with, or None for a fixed recipe.
+
+    zb-h1 is planned with durations; dualpipev keeps unit costs unless the caller passes some (its
+    F&I pairing already hides the communication the estimate would weigh)."""
+    if s.schedule == "zb-h1" or (s.schedule == "dualpipev" and costs is not None):
+        return _costs(spec, s, seq_len, costs)
+    return None
 
 
 def directives(model: "str | ModelSpec", strategy: "str | Strategy", *, global_batch: int, seq_len: int,
@@ -76,10 +87,7 @@ def directives(model: "str | ModelSpec", strategy: "str | Strategy", *, global_b
                          ep=s.ep, tied_bytes=cp.tied * gb))
     if s.schedule == "dualpipev" and s.ep > 1:
         out.append(Stream("comm", ops=("all_to_all",), tag_prefix="ep."))
-    # zb-h1 is planned with durations; dualpipev keeps unit costs unless the caller passes some (its
-    # F&I pairing already hides the communication the estimate would weigh)
-    planned = s.schedule == "zb-h1" or (s.schedule == "dualpipev" and costs is not None)
-    out.append(order if order is not None else schedule_order(s, m, _costs(spec, s, seq_len, costs) if planned else None))
+    out.append(order if order is not None else schedule_order(s, m, planning_costs(spec, s, seq_len, costs)))
     if s.tp == 1 and s.ep == 1:
         out.append(Fuse())
     return out

@@ -119,82 +119,123 @@ class ScheduleCosts:
         return (self.f if a.type == "F" else self.i if a.type == "I" else self.w)[a.chunk]
 
 
+def _f_first(a: Action) -> tuple[int, int]:
+    """Forward priority: the deepest chunk first, then the oldest micro-batch."""
+    return -a.chunk, a.mb
+
+
+def _b_first(a: Action) -> tuple[int, int]:
+    """Backward priority: the oldest micro-batch first, then the deepest chunk."""
+    return a.mb, -a.chunk
+
+
 def _list_schedule(pp: int, m: int, chunk_stage: list[int], limit: Callable[[int], int],
                    wlimit: Callable[[int], int], overlap: bool, costs: "ScheduleCosts | None" = None) -> Orders:
     """Greedy list scheduler with split backward, simulated in time with ``costs`` (unit costs by
     default). A free stage runs a W first when more than ``wlimit(s)`` weight-grads are pending, else
     a ready I, then a ready F (at most ``limit(s)`` forwards awaiting their I), then a W: weight-grads
-    only fill time the stage would otherwise spend waiting for a neighbour."""
+    only fill time the stage would otherwise spend waiting for a neighbour.
+
+    Event-driven: a stage is looked at only when it frees up or when an action it depends on
+    completes (its output arrives), so planning costs O(actions), not O(actions x stages)."""
     chunks = len(chunk_stage)
     cost = costs or ScheduleCosts.unit(chunks)
     if len(cost.f) != chunks:
         raise StrategyError(f"ScheduleCosts has {len(cost.f)} chunks, the schedule {chunks}; pass one duration per chunk")
     eps = 1e-9 * max(cost.f + cost.i + cost.w)
-    done: dict[Action, float] = {}                     # action -> time its output is usable elsewhere
-    nxt = {(c, t): 0 for c in range(chunks) for t in "FIW"}   # next micro-batch per (chunk, type)
+    p2p = cost.p2p
+    inf = float("inf")
+    # done[typ][c][i]: when (c, typ, i) finished; arrival on another stage adds the p2p latency
+    done = {typ: [[inf] * m for _ in range(chunks)] for typ in "FIW"}
+    nxt = {typ: [0] * chunks for typ in "FIW"}
+    lim = [limit(s) for s in range(pp)]
+    wlim = [wlimit(s) for s in range(pp)]
     busy = [0.0] * pp
     inflight = [0] * pp
     pending_w = [0] * pp
     out: Orders = {s: [] for s in range(pp)}
     mine = {s: [c for c in range(chunks) if chunk_stage[c] == s] for s in range(pp)}
     first = {s: min(mine[s]) for s in range(pp)}
+    # who waits on an action's output: (stage, extra latency) per (type, chunk)
+    waiters: dict[tuple[str, int], list[tuple[int, float]]] = {}
+    for c in range(chunks):
+        here = chunk_stage[c]
+        nbrs = {"F": [c] + ([c + 1] if c + 1 < chunks else []), "I": [c] + ([c - 1] if c > 0 else []), "W": []}
+        for typ, cs in nbrs.items():
+            waiters[(typ, c)] = sorted({(chunk_stage[d], p2p if chunk_stage[d] != here else 0.0) for d in cs})
     remaining = 3 * chunks * m
-    events: list[float] = [0.0]
-    t = 0.0
+    # (time, stage); stage -1 marks a bare time point (a p2p arrival), which only anchors the
+    # eps-window of simultaneous events
+    events: list[tuple[float, int]] = [(0.0, s) for s in range(pp)]
+    heapq.heapify(events)
     rounds = 0
 
-    def ready(a: Action) -> bool:
-        def ok(d: Action) -> bool:
-            return d in done and done[d] + (cost.p2p if chunk_stage[d.chunk] != chunk_stage[a.chunk] else 0.0) <= t + eps
-        if a.type == "F":
-            return a.chunk == 0 or ok(Action(a.chunk - 1, "F", a.mb))
-        if a.type == "I":
-            return ok(Action(a.chunk, "F", a.mb)) and (a.chunk == chunks - 1 or ok(Action(a.chunk + 1, "I", a.mb)))
-        return ok(Action(a.chunk, "I", a.mb))
+    def arrived(typ: str, c: int, i: int, s: int, t: float) -> bool:
+        d = done[typ][c][i]
+        return (d + p2p if chunk_stage[c] != s else d) <= t + eps
+
+    def ready(c: int, typ: str, i: int, s: int, t: float) -> bool:
+        if typ == "F":
+            return c == 0 or arrived("F", c - 1, i, s, t)
+        if typ == "I":
+            return arrived("F", c, i, s, t) and (c == chunks - 1 or arrived("I", c + 1, i, s, t))
+        return arrived("I", c, i, s, t)
 
     while remaining:
-        t = heapq.heappop(events)
-        while events and events[0] <= t + eps:
-            heapq.heappop(events)
-        for s in range(pp):
+        t, s0 = heapq.heappop(events)
+        todo = {s0}
+        while events and events[0][0] <= t + eps:
+            todo.add(heapq.heappop(events)[1])
+        todo.discard(-1)
+        queue = sorted(todo)
+        heapq.heapify(queue)
+        seen = set(queue)
+        while queue:
+            s = heapq.heappop(queue)
             if busy[s] > t + eps:
                 continue
-            cand = {"F": [], "I": [], "W": []}
+            cand: dict[str, list[Action]] = {"F": [], "I": [], "W": []}
             for c in mine[s]:
                 for typ in "FIW":
-                    i = nxt[(c, typ)]
-                    if i < m and ready(Action(c, typ, i)):
+                    i = nxt[typ][c]
+                    if i < m and ready(c, typ, i, s, t):
                         cand[typ].append(Action(c, typ, i))
             # past the bound, only forwards that continue a micro-batch this stage already holds (the
             # V's second chunk) may run: they lead to its input-grads, so the bound cannot deadlock
-            fs = sorted((a for a in cand["F"] if inflight[s] < limit(s) or a.chunk > first[s]),
-                        key=lambda a: (-a.chunk, a.mb))
-            is_ = sorted(cand["I"], key=lambda a: (a.mb, -a.chunk))
+            fl = [a for a in cand["F"] if inflight[s] < lim[s] or a.chunk > first[s]]
+            f0 = min(fl, key=_f_first) if fl else None
+            i0 = min(cand["I"], key=_b_first) if cand["I"] else None
+            w0 = min(cand["W"], key=_b_first) if cand["W"] else None
             step: tuple[Action, ...]
-            ws = sorted(cand["W"], key=lambda a: (a.mb, -a.chunk))
-            if ws and pending_w[s] > wlimit(s):
-                step = (ws[0],)
-            elif overlap and fs and is_ and fs[0].chunk != is_[0].chunk:
-                step = (fs[0], is_[0])
-            elif is_:
-                step = (is_[0],)
-            elif fs:
-                step = (fs[0],)
-            elif ws:
-                step = (ws[0],)
+            if w0 is not None and pending_w[s] > wlim[s]:
+                step = (w0,)
+            elif overlap and f0 is not None and i0 is not None and f0.chunk != i0.chunk:
+                step = (f0, i0)
+            elif i0 is not None:
+                step = (i0,)
+            elif f0 is not None:
+                step = (f0,)
+            elif w0 is not None:
+                step = (w0,)
             else:
                 continue
             end = t + sum(cost.of(a) for a in step)
             busy[s] = end
-            heapq.heappush(events, end)
-            if cost.p2p:
-                heapq.heappush(events, end + cost.p2p)
+            heapq.heappush(events, (end, s))
+            if p2p:
+                heapq.heappush(events, (end + p2p, -1))
             for a in step:
-                done[a] = end
-                nxt[(a.chunk, a.type)] += 1
+                done[a.type][a.chunk][a.mb] = end
+                nxt[a.type][a.chunk] += 1
                 inflight[s] += 1 if a.type == "F" else -1 if a.type == "I" else 0
                 pending_w[s] += 1 if a.type == "I" else -1 if a.type == "W" else 0
                 remaining -= 1
+                for st, lat in waiters[(a.type, a.chunk)]:
+                    if st > s and st not in seen and end + lat <= t + eps:
+                        heapq.heappush(queue, st)  # ready within this instant: the stage loop reaches it
+                        seen.add(st)
+                    elif st != s:
+                        heapq.heappush(events, (end + lat, st))
             out[s].append(step)
         rounds += 1
         if remaining and (not events or rounds > 100 * (3 * chunks * m + pp)):  # pragma: no cover

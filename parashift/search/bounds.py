@@ -7,7 +7,8 @@
   model's best efficiency (:func:`replay`). Its tokens/s is an upper bound; a strategy whose
   upper bound is below the best simulated one so far cannot win (branch and bound).
 
-Both use the compiler's own schedules, per-region FLOPs and activation bytes
+Both replay the very order the compiler gives the strategy (zb-h1 planned with the same
+estimated durations, see ``ir.compile.planning_costs``), per-region FLOPs and activation bytes
 (``ir.schedules``, ``ir.model_graph``, ``ir.memory``) and err on the safe side; tests check
 them against the simulator.
 """
@@ -86,25 +87,27 @@ def _replay_unit(model: ModelSpec, s: Strategy, global_batch: int, seq_len: int)
     return replay(model, s, global_batch=global_batch, seq_len=seq_len, rate=1.0)
 
 
-#: unit-cost stage orders by (schedule, pp, vpp, m), shared between strategies (read-only)
-_STEPS: dict[tuple[str, int, int, int], Any] = {}
+#: stage orders by (schedule, pp, vpp, m, planning costs), shared between strategies (read-only)
+_STEPS: dict[tuple, Any] = {}
 
 
-def _steps(s: Strategy, m: int) -> Any:
-    """``ir.schedule_steps(s, m)`` at unit costs, memoized: that order depends only on the
-    schedule, ``pp``, ``vpp`` and ``m``, so strategies differing in dp/tp/zero/mbs share it."""
-    key = (s.schedule, s.pp, s.vpp, m)
+def _steps(model: ModelSpec, s: Strategy, m: int, seq_len: int) -> tuple[tuple, Any]:
+    """The stage order ``ir.compile`` gives ``s`` (list-scheduled recipes planned with the same
+    estimated durations) and its cache key, memoized: strategies differing only in dp/zero/...
+    share it."""
+    from ..ir.compile import planning_costs
+    from ..ir.schedules import schedule_steps
+    key = (s.schedule, s.pp, s.vpp, m, planning_costs(model, s, seq_len))
     hit = _STEPS.get(key)
     if hit is None:
-        from ..ir.schedules import schedule_steps
         if len(_STEPS) >= 1024:
             _STEPS.pop(next(iter(_STEPS)))
-        hit = _STEPS[key] = schedule_steps(s, m)
-    return hit
+        hit = _STEPS[key] = schedule_steps(s, m, key[-1])
+    return key, hit
 
 
 def replay(model: ModelSpec, s: Strategy, *, global_batch: int, seq_len: int, rate: float) -> tuple[float, np.ndarray]:
-    """Run the schedule's per-stage order (``ir.schedule_steps``) with compute only.
+    """Run the per-stage order ``ir.compile`` gives ``s`` with compute only.
 
     Each action takes its chunk's forward FLOPs over ``rate`` (backward twice that, split
     halves once each); under full recomputation a backward first re-runs the forward, which
@@ -119,7 +122,8 @@ def replay(model: ModelSpec, s: Strategy, *, global_batch: int, seq_len: int, ra
     m = s.num_microbatches(global_batch)
     fwd = chunk_forward_flops(model, s, seq_len) / rate
     act = chunk_activation_bytes(model, s, seq_len)
-    return _replay_steps(s.schedule, s.pp, s.vpp, m, s.stages, s.recompute == "full", fwd, act, s)
+    key, steps = _steps(model, s, m, seq_len)
+    return _replay_steps(key, steps, s.schedule, s.stages, s.pp, s.recompute == "full", fwd, act)
 
 
 #: :func:`_replay_steps` results by everything they depend on (strategies differing only in
@@ -127,15 +131,15 @@ def replay(model: ModelSpec, s: Strategy, *, global_batch: int, seq_len: int, ra
 _REPLAYS: dict[tuple, tuple[float, np.ndarray]] = {}
 
 
-def _replay_steps(schedule: str, pp: int, vpp: int, m: int, stages: int, full_recompute: bool, fwd: np.ndarray,
-                  act: np.ndarray, s: Strategy) -> tuple[float, np.ndarray]:
-    """The replay loop of :func:`replay` over ``s``'s order, memoized by its inputs."""
-    key = (schedule, pp, vpp, m, stages, full_recompute, fwd.tobytes(), act.tobytes())
+def _replay_steps(order_key: tuple, steps: Any, schedule: str, stages: int, pp: int, full_recompute: bool,
+                  fwd: np.ndarray, act: np.ndarray) -> tuple[float, np.ndarray]:
+    """The replay loop of :func:`replay` over ``steps``, memoized by its inputs."""
+    key = (order_key, stages, full_recompute, fwd.tobytes(), act.tobytes())
     hit = _REPLAYS.get(key)
     if hit is None:
         if len(_REPLAYS) >= 8192:
             _REPLAYS.pop(next(iter(_REPLAYS)))
-        hit = _REPLAYS[key] = _run_replay(_steps(s, m), fwd, act, full_recompute, schedule, stages, pp)
+        hit = _REPLAYS[key] = _run_replay(steps, fwd, act, full_recompute, schedule, stages, pp)
     return hit[0], hit[1].copy()
 
 

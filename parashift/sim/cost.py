@@ -61,6 +61,12 @@ class CostModel:
     element (mbs x heads/tp x seq^2 per layer) and forward pass, added to attention regions when the
     simulator knows the model; 0 models fused (flash) attention, whose scores never reach HBM.
     Memory: a device fits when its peak plus ``memory_reserved`` is at most ``memory_capacity``.
+    Per operation (``all_reduce``, ``send``, ``copy``, ...): ``comm_op_overhead[op]`` replaces
+    ``comm_overhead`` and ``comm_op_bw[op]`` scales the achieved bandwidth (e.g. a reduce-scatter
+    that a backend runs as an all-reduce); unlisted operations use the shared values.
+    Shared hosts: ``host_cores`` > 0 says the devices of one node are processes sharing that
+    many CPU cores, so compute running at once on ``n`` of them proceeds at
+    ``min(1, host_cores / n)`` of its speed (0: every device computes on its own, as GPUs do).
     """
 
     gpu: str
@@ -86,6 +92,9 @@ class CostModel:
     p2p_overhead: float = 0.0
     algorithm: str = "auto"
     memory_reserved: int = 2 * 2**30
+    comm_op_overhead: Mapping[str, float] = field(default_factory=dict)
+    comm_op_bw: Mapping[str, float] = field(default_factory=dict)
+    host_cores: float = 0.0
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -96,6 +105,10 @@ class CostModel:
                 raise CostModelError(f"cost model field {name} lacks link classes {missing}; give all of {LINK_CLASSES}")
         if self.peak_flops <= 0 or self.hbm_bw <= 0:
             raise CostModelError("peak_flops and hbm_bw must be positive")
+        bad = [k for k, v in self.comm_op_bw.items() if not v > 0]
+        if bad or self.host_cores < 0:
+            raise CostModelError(f"comm_op_bw factors must be positive (got {bad}) and host_cores >= 0 "
+                                 f"(got {self.host_cores}); fix the cost model file")
 
     # ---- construction -----------------------------------------------------------------------
     @classmethod
@@ -201,6 +214,19 @@ class CostModel:
     def comm_time(self, phases: Sequence[Phase]) -> float:
         return self.comm_overhead + sum(self.phase_time(p) for p in phases)
 
+    def op_overhead(self, op: str) -> float:
+        """Fixed seconds of one ``op`` (``send``/``recv`` also pay ``p2p_overhead``)."""
+        base = self.comm_op_overhead.get(op, self.comm_overhead)
+        return base + self.p2p_overhead if op in ("send", "recv") else base
+
+    def op_bw(self, op: str, link: str) -> float:
+        """Achieved bytes/s of ``op`` on one link class."""
+        return self.link_bw(link) * self.comm_op_bw.get(op, 1.0)
+
+    def op_time(self, op: str, phases: Sequence[Phase]) -> float:
+        """Uncontended seconds of communication ``op`` made of ``phases``."""
+        return self.op_overhead(op) + sum(p.latency + p.nbytes / self.op_bw(op, p.link) for p in phases)
+
     def time(self, instr: "Instr", cluster: "Cluster", devices: Sequence[int] = (), *,
              state_bytes: float = 0.0) -> float:
         """Uncontended seconds of ``instr`` on concrete devices.
@@ -214,9 +240,8 @@ class CostModel:
         if instr.op in ("send", "recv", "copy"):
             if len(devices) != 2:
                 raise CostModelError(f"{instr.op} needs devices=(src, dst), got {tuple(devices)}")
-            extra = self.p2p_overhead if instr.op != "copy" else 0.0
-            return extra + self.comm_time(self.p2p_phases(instr.nbytes, link_class(cluster, devices[0], devices[1])))
-        return self.comm_time(self.collective_phases(instr.op, instr.nbytes, topology(cluster, devices)))
+            return self.op_time(instr.op, self.p2p_phases(instr.nbytes, link_class(cluster, devices[0], devices[1])))
+        return self.op_time(instr.op, self.collective_phases(instr.op, instr.nbytes, topology(cluster, devices)))
 
 
 def link_class(cluster: "Cluster", a: int, b: int) -> str:

@@ -5,7 +5,10 @@ starts when its deps are done (its start time is then recorded, so waiting for a
 its duration, as a profiler would measure it). Sends meet their recvs, collectives start when
 every member arrived; transfers are fluid flows on per-device links (``out``/``in`` per link
 class, ``copy`` for local moves) and compute ops are flows on the device's compute, so
-concurrent users share them. Memory: static state plus alloc/free, tracked per device.
+concurrent users share them. With ``cost.host_cores`` set, the compute of every device of a node
+also flows through one host resource of that many cores (CPU processes sharing a machine); ranks
+are then not folded, since a class's members load their host together.
+Memory: static state plus alloc/free, tracked per device.
 """
 from __future__ import annotations
 
@@ -96,10 +99,14 @@ class Engine:
         raw = RawRun()
         raw.devices = self.devices
         self.raw = raw
-        self.folding = fo = fold(self.program, self.devices, self.cluster, self.fold_symmetric)
+        host = self.cost.host_cores > 0
+        self.folding = fo = fold(self.program, self.devices, self.cluster, self.fold_symmetric and not host)
         raw.folding = fo
         self.env = env = simpy.Environment()
         self.net = FluidNetwork(env)
+        if host:
+            for d in set(self.devices.values()):
+                self.net.capacity[("host", d // self.cluster.per_node)] = float(self.cost.host_cores)
         self.done: dict[int, dict[int, simpy.Event]] = {}
         self.p2p: dict[tuple, list] = {}
         self.coll: dict[tuple, list] = {}
@@ -131,7 +138,7 @@ class Engine:
             raw.peak_parts[r] = {"activations": 0.0, "buffers": 0.0}
             raw.mem_events.append((r, 0.0, base))
             computing = [s for s, instrs in rp.streams.items() if any(i.op == "compute" for i in instrs)]
-            shared = len(computing) > 1  # several streams compute: they share the device (fluid)
+            shared = len(computing) > 1 or host  # several streams compute, or a shared host: fluid
             for s, instrs in rp.streams.items():
                 self.progress[(r, s)] = [0]
                 if instrs:
@@ -172,6 +179,8 @@ class Engine:
         dev = self.devices[r]
         ctime = self.ctime
         rec = raw.records
+        cres = (("compute", dev), ("host", dev // self.cluster.per_node)) if self.cost.host_cores > 0 \
+            else (("compute", dev),)
         cell = self.progress[(r, s)]
         for k, ins in enumerate(instrs):
             for d in ins.deps:
@@ -187,7 +196,7 @@ class Engine:
                 dt = ctime.get(key)
                 if dt is None:
                     dt = ctime[key] = self.cost.compute_time(ins, static_bytes, self.scores)
-                ev = self.net.flow((("compute", dev),), dt) if shared_compute else env.timeout(dt)
+                ev = self.net.flow(cres, dt) if shared_compute else env.timeout(dt)
             elif op == "send" or op == "recv":
                 ev = self._p2p(r, ins)
             elif op == "copy":
@@ -234,13 +243,16 @@ class Engine:
 
     # ---- transfers ----------------------------------------------------------------------------
     def _run_phases(self, phases: Sequence[Phase], link_ends: list[tuple[int, int | None]],
-                    waiters: list[simpy.Event], overhead: float) -> None:
-        """Run ``phases`` in order; each phase is one flow per (device, peer device) in ``link_ends``."""
+                    waiters: list[simpy.Event], op: str) -> None:
+        """Run ``phases`` of ``op`` in order; each phase is one flow per (device, peer device) in
+        ``link_ends``; the operation's fixed overhead is paid with the first latency."""
         env, net, cost = self.env, self.net, self.cost
+        overhead = cost.op_overhead(op)
+        factor = cost.comm_op_bw.get(op, 1.0)
         if len(phases) == 1 and len(link_ends) == 1 and len(waiters) == 1:  # the common case, no closures
             ph = phases[0]
             links = _links(ph.link, *link_ends[0])
-            work = ph.nbytes / self.bw[ph.link]
+            work = ph.nbytes / (self.bw[ph.link] * factor)
             delay = overhead + ph.latency
             if delay > 0:
                 env.timeout(delay).callbacks.append(lambda _e: net.flow(links, work, waiters[0]))
@@ -262,7 +274,7 @@ class Engine:
                 else:
                     finish()
                 return
-            work = ph.nbytes / cost.link_bw(ph.link)
+            work = ph.nbytes / (cost.link_bw(ph.link) * factor)
 
             def go(_e=None) -> None:
                 if len(link_ends) == 1 and len(waiters) == 1 and last[0] is ph:
@@ -304,14 +316,14 @@ class Engine:
         link = link_class(self.cluster, src, dst)
         phases = self.cost.p2p_phases(send_ins.nbytes, link)
         self.raw.link_bytes[link] += send_ins.nbytes * len(fo.members[send_r])
-        self._run_phases(phases, [(src, dst)], [ev, o_ev], self.cost.comm_overhead + self.cost.p2p_overhead)
+        self._run_phases(phases, [(src, dst)], [ev, o_ev], "send")
         return ev
 
     def _copy(self, r: int, ins: Instr) -> simpy.Event:
         ev = self.env.event()
         dev = self.devices[r]
         self.raw.link_bytes["local"] += ins.nbytes * len(self.folding.members[r])
-        self._run_phases(self.cost.p2p_phases(ins.nbytes, "local"), [(dev, None)], [ev], self.cost.comm_overhead)
+        self._run_phases(self.cost.p2p_phases(ins.nbytes, "local"), [(dev, None)], [ev], "copy")
         return ev
 
     def _collective(self, r: int, ins: Instr) -> simpy.Event:
@@ -342,7 +354,7 @@ class Engine:
                 lb[ph.link] += ph.nbytes * len(members[r2])
         devices = self.devices
         self._run_phases(phases, [(devices[r2], None) for r2, _e, _i in arrived], [e for _r, e, _i in arrived],
-                         self.cost.comm_overhead)
+                         ins.op)
         return ev
 
     def _arrive(self, r: int, ins: Instr, ev: simpy.Event, reps: tuple[int, ...]) -> list | None:

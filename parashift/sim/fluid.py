@@ -1,7 +1,8 @@
 """Shared resources as fluid flows on a simpy clock: links and a device's compute.
 
 A flow needs ``work`` seconds at the full rate of every resource it crosses. Flows on one
-resource share it equally; a flow's rate is its smallest share over its resources. Rates are
+resource share it equally: ``n`` flows on a resource of ``capacity`` c (1 unless set, e.g. the
+cores of a host) each get ``min(1, c / n)``; a flow's rate is its smallest share over its resources. Rates are
 recomputed only for the flows on the resources a starting or finishing flow touches.
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ class FluidNetwork:
     def __init__(self, env: simpy.Environment) -> None:
         self.env = env
         self.active: dict[Hashable, list[_Flow]] = {}
+        self.capacity: dict[Hashable, float] = {}   # resources whose capacity is not 1
 
     def flow(self, links: Sequence[Hashable], work: float, done: "simpy.Event | None" = None) -> simpy.Event:
         """An event (``done``, or a new one) that succeeds when ``work`` seconds of full-rate
@@ -46,12 +48,13 @@ class FluidNetwork:
         links = tuple(links)
         f = _Flow(links, work, done, env.now)
         shared = False
+        cap = self.capacity
         for link in links:
             lst = self.active.get(link)
             if lst is None:
                 self.active[link] = [f]
             else:
-                shared = shared or bool(lst)
+                shared = shared or len(lst) >= cap.get(link, 1.0)
                 lst.append(f)
         if not shared:  # alone on all its resources: full rate, no one else changes
             f.rate = 1.0
@@ -77,8 +80,9 @@ class FluidNetwork:
     def _update(self, flows: list[_Flow]) -> None:
         now = self.env.now
         active = self.active
+        cap = self.capacity
         for f in flows:
-            rate = min(1.0 / len(active[link]) for link in f.links)
+            rate = min(min(1.0, cap.get(link, 1.0) / len(active[link])) for link in f.links)
             if f.rate:
                 f.remaining -= f.rate * (now - f.t)
                 if f.remaining < _EPS:
