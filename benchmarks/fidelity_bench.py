@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> dict:
            "measurement_split_half_ape": float(np.median(noise)) if noise else None,
            **_switch_fidelity(f.cost_model, cl, spec.name, switches),
            "strategies": rows,
-           "params": {r.name: r.fitted for r in f.params.itertuples()},
+           "params": {r.name: r.fitted for r in f.params.itertuples()}, "step_factors": f.step_factors,
+           "p2p_posted": f.cost_model.p2p_posted, "host_cores": f.cost_model.host_cores,
            "load_average": [load0, os.getloadavg()[0]], "seconds": time.perf_counter() - t0}
     return out
 

@@ -38,7 +38,7 @@ from parashift import models
 from parashift.exec.elastic import ElasticManager, Member, launch_elastic
 from parashift.exec.state import StateStore
 from parashift.exec.switch import Prepared, SwitchRecord, execute_switch, plan_live_switch
-from parashift.exec.switch_exec import BufferPool, crc, kind_tensor, piece_view, state_alloc
+from parashift.exec.switch_exec import BufferPool, crc, kind_tensor, piece_view, reserve_waiters, state_alloc
 from parashift.strategy import Strategy
 from parashift.vps import layout
 
@@ -220,9 +220,10 @@ def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict) -> dict:
         t0 = time.perf_counter()
         parts = planned.participants
         groups = {g: mgr.group(tuple(keys[d] for d in g)) for g in planned.collective_groups(device)}
+        reserve_waiters(planned.program, device)
         world_s = time.perf_counter() - t0
         prep = Prepared(planned, world, {d: i for i, d in enumerate(parts)}, groups, keys, None, plan_s, world_s, 0, 0)
-        sw, al, phases, recs = [], [], [], []
+        sw, al, phases, recs, fl = [], [], [], [], []
         for rep in range(repeats + 1):
             t0 = time.perf_counter()      # the destination store: allocated when the switch is announced
             new = StateStore(spec, dst, ddev.index(device), torch.device("cpu"), init=False,
@@ -243,7 +244,8 @@ def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict) -> dict:
             recs.append(rec)
             want = _digest(new)
             del new
-        fl = [_floor(planned, device, world, prep.index) for _ in range(repeats)]
+            if rep:                       # interleaved, so that a busy host slows both alike
+                fl.append(_floor(planned, device, world, prep.index))
         mem = {k: int(_allmax(world, float(getattr(recs[-1], k))))
                for k in ("old_bytes", "new_bytes", "staging_peak_bytes", "peak_bytes")}
         res = {"switch_seconds": statistics.median(sw), "floor_seconds": statistics.median(fl),

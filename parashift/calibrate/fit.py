@@ -17,7 +17,7 @@ from .solve import Block, Solution, informed, match_means, solve
 if TYPE_CHECKING:  # pragma: no cover
     from ..ir.program import Program
 
-__all__ = ["Fit", "fit", "ape", "spearman", "predict_samples", "step_table"]
+__all__ = ["Fit", "fit", "ape", "spearman", "predict_samples", "step_table", "posts_p2p", "with_op_terms"]
 
 _IDENTIFIED = 0.25  # relative standard error below which a fitted parameter counts as pinned down
 
@@ -74,13 +74,32 @@ def _comm_block(df: pd.DataFrame) -> tuple[Block, list]:
     def one(cm: CostModel, s: tuple) -> float:
         kind, op, nb, link, topo = s
         if kind in ("p2p", "copy"):
-            return cm.comm_time(cm.p2p_phases(nb, link))
-        return cm.comm_time(cm.collective_phases(op, nb, topo))
+            return cm.op_time(_op_name(kind), cm.p2p_phases(nb, link))
+        return cm.op_time(op, cm.collective_phases(op, nb, topo))
 
     def evaluate(cm: CostModel) -> np.ndarray:
         return np.fromiter((one(cm, s) for s in shapes), dtype=float, count=len(shapes))
 
     return Block("comm", evaluate, inv, df["measured"].to_numpy(dtype=float), _shape_weights(inv)), shapes
+
+
+def _op_name(kind: str) -> str:
+    """The operation a comm sample's ``kind`` runs (p2p samples are send/recv pairs)."""
+    return "send" if kind == "p2p" else kind
+
+
+def with_op_terms(cm: CostModel, ops: "Sequence[str]") -> CostModel:
+    """``cm`` with its own fixed cost (at the shared value: predictions do not change) for every op
+    in ``ops`` and a bandwidth factor (at 1) for all but the reference op (``all_reduce`` if
+    present, else the first), which would otherwise trade against the link bandwidth."""
+    ops = sorted(set(ops))
+    if not ops:
+        return cm
+    ref = "all_reduce" if "all_reduce" in ops else ops[0]
+    over = {**{op: cm.op_overhead(op) - (cm.p2p_overhead if op in ("send", "recv") else 0.0) for op in ops},
+            **cm.comm_op_overhead}
+    bw = {**{op: 1.0 for op in ops if op != ref}, **cm.comm_op_bw}
+    return cm.replace(comm_op_overhead=over, comm_op_bw=bw)
 
 
 def _links(cm: CostModel, df: pd.DataFrame) -> set[str]:
@@ -122,6 +141,7 @@ class Fit:
     samples: Samples = field(repr=False)
     steps: pd.DataFrame = field(repr=False, default_factory=pd.DataFrame)
     mean_scales: dict = field(default_factory=dict)
+    step_factors: dict = field(default_factory=dict)
 
     @property
     def median_ape(self) -> float:
@@ -142,7 +162,7 @@ class Fit:
         return {"median_ape": self.median_ape, "step_median_ape": self.step_median_ape, "per_op": per,
                 "params": {r.name: float(r.fitted) for r in self.params.itertuples()},
                 "samples": len(self.samples), "dropped": dict(self.samples.dropped),
-                "mean_scales": dict(self.mean_scales)}
+                "mean_scales": dict(self.mean_scales), "step_factors": dict(self.step_factors)}
 
 
 def _kind_rows(kinds: np.ndarray, pred: np.ndarray, base_pred: np.ndarray, meas: np.ndarray) -> list[dict]:
@@ -189,6 +209,40 @@ def _fit_compute(samples: Samples, base: CostModel, means: bool, huber: float):
     return sol, moved, scales
 
 
+def posts_p2p(timelines: "Sequence[pd.DataFrame]") -> bool | None:
+    """Whether the runtime that measured ``timelines`` posts send/recv without waiting: some
+    send/recv starts while an earlier one of its rank and stream is still running (None: the
+    timelines have no two send/recv on one stream)."""
+    seen = False
+    for tl in timelines:
+        p = tl[tl["op"].isin(("send", "recv"))]
+        if len(p) < 2:
+            continue
+        keys = [c for c in ("step", "rank", "stream") if c in p.columns]
+        p = p.sort_values(keys + ["start"], kind="stable")
+        prev_end = p.groupby(keys, sort=False)["end"].shift(1).to_numpy(dtype=float)
+        ok = np.isfinite(prev_end)
+        if ok.any():
+            seen = True
+            if (p["start"].to_numpy(dtype=float)[ok] < prev_end[ok] - 1e-6).any():
+                return True
+    return False if seen else None
+
+
+def _step_targets(samples: Samples, programs: list) -> tuple[list, list]:
+    """Distinct Programs of the timelines and the median measured step time of each."""
+    if not len(samples.steps):
+        return [], []
+    med: dict[int, list[float]] = {}
+    keep: dict[int, object] = {}
+    for src, t in zip(samples.steps["source"], samples.steps["measured"]):
+        prog = programs[int(src)]
+        if prog is not None:
+            keep[id(prog)] = prog
+            med.setdefault(id(prog), []).append(float(t))
+    return [keep[k] for k in med], [float(np.median(v)) for v in med.values()]
+
+
 def _fit_comm(samples: Samples, base: CostModel, means: bool, huber: float):
     block, _ = _comm_block(samples.comm)
     sol = solve(block, base, informed(block, base, comm_candidates(base, _links(base, samples.comm))), huber=huber)
@@ -211,7 +265,8 @@ def _params_table(base: CostModel, solutions: list[tuple[str, Solution]], moved:
 def fit(timelines: "pd.DataFrame | Sequence[pd.DataFrame]", cluster: "Cluster | str", *,
         programs: "Program | Sequence[Program | None] | None" = None, base: CostModel | None = None,
         steps: bool = True, means: bool = True, align: bool = True, jitter: bool = True,
-        huber: float = 1.345) -> Fit:
+        huber: float = 1.345, per_op: bool = True, refine: bool = True,
+        host_cores: float | None = None, p2p_posted: bool | None = None) -> Fit:
     """Fit the cost model of ``cluster`` to measured ``timelines``.
 
     ``programs``: the Program each timeline ran (one for all, or one per timeline); without it
@@ -223,6 +278,17 @@ def fit(timelines: "pd.DataFrame | Sequence[pd.DataFrame]", cluster: "Cluster | 
     steps sum many jittery costs. Turn it off to recover a model's parameters from data whose
     slow tail is measurement error rather than time the job really spent.
     ``align`` and ``jitter``: how samples are taken (see :func:`~parashift.calibrate.extract`).
+    ``per_op``: give every communication operation seen (``all_reduce``, ``send``, ...) its own
+    fixed cost and bandwidth factor (``comm_op_overhead``, ``comm_op_bw``); ``comm_overhead``
+    becomes their median, for operations no sample ran.
+    ``refine``: then fit time scales of compute, of fixed and of per-byte communication costs
+    (and ``host_cores``) to the measured step times of the programs, simulating them (see
+    :func:`~parashift.calibrate.steps.fit_steps`; factors in ``step_factors``).
+    ``host_cores``: the ranks of a node are processes sharing this many CPU cores (a start value,
+    fitted by ``refine``); None leaves the base model's setting.
+    ``p2p_posted``: whether the runtime posts send/recv without waiting for the stream's previous
+    one (see :class:`~parashift.sim.CostModel`); None: read it off the timelines
+    (:func:`posts_p2p`), else the base model's setting.
     Fitted: compute efficiency per phase and per region kind, overhead per region kind and phase,
     memory efficiency, optimizer efficiency and overhead; per-operation comm overhead, and latency
     and achieved bandwidth per link class the samples used. Phases no sample ran follow their
@@ -235,20 +301,38 @@ def fit(timelines: "pd.DataFrame | Sequence[pd.DataFrame]", cluster: "Cluster | 
     if not len(samples):
         raise CalibrationError(f"no usable samples in the timelines (dropped: {samples.dropped}); pass "
                                f"timelines of executed instructions with positive durations")
+    posted = posts_p2p(tls) if p2p_posted is None else bool(p2p_posted)
+    if posted is not None:
+        base = base.replace(p2p_posted=posted)
+    if host_cores is not None:
+        if not host_cores > 0:
+            raise CalibrationError(f"host_cores must be a positive number of cores, got {host_cores}")
+        base = base.replace(host_cores=float(host_cores))
     solutions: list[tuple[str, Solution]] = []
     scales: dict[str, float] = {}
     moved: dict = {}
-    cm = base
+    ops = sorted({_op_name(k) for k in samples.comm["kind"]}) if per_op and len(samples.comm) else []
+    cbase = with_op_terms(base, ops)
+    cm = cbase
     if len(samples.compute):
         sol, moved, sc = _fit_compute(samples, base, means, huber)
         solutions.append(("compute", sol))
         scales.update(sc)
         cm = apply(apply(cm, sol.params, sol.values), list(moved), list(moved.values()))
     if len(samples.comm):
-        sol, sc = _fit_comm(samples, base, means, huber)
+        sol, sc = _fit_comm(samples, cbase, means, huber)
         solutions.append(("comm", sol))
         scales.update(sc)
         cm = apply(cm, sol.params, sol.values)
+        if ops:  # operations no sample ran pay the typical fixed cost
+            cm = cm.replace(comm_overhead=float(np.median([cm.comm_op_overhead[o] for o in ops])))
+    factors: dict[str, float] = {}
+    if refine:
+        sp, st_meas = _step_targets(samples, progs)
+        if sp:
+            from .steps import fit_steps
+            sf = fit_steps(sp, st_meas, cl, cm, huber=huber)
+            cm, factors = sf.cost_model, sf.factors
     pc, pm = predict_samples(samples, cm)
     bc, bm = predict_samples(samples, base)
     kinds = np.concatenate([samples.compute["phase"].to_numpy(dtype=object),
@@ -263,4 +347,4 @@ def fit(timelines: "pd.DataFrame | Sequence[pd.DataFrame]", cluster: "Cluster | 
                      "total_ape": float(abs(st["predicted"].sum() - st["measured"].sum()) / st["measured"].sum()),
                      "base_median_ape": float(np.median(eb))})
     report = pd.DataFrame(rows, columns=["kind", "count", "median_ape", "mean_ape", "total_ape", "base_median_ape"])
-    return Fit(cm, base, report, _params_table(base, solutions, moved), samples, st, scales)
+    return Fit(cm, base, report, _params_table(cbase, solutions, moved), samples, st, scales, factors)

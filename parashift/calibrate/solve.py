@@ -260,7 +260,7 @@ def solve(block: Block, base: CostModel, params: Sequence[Param], *, huber: floa
     return Solution(params, np.exp(x), rel_se, scale, w, it)
 
 
-_RATES = ("efficiency", "region_efficiency", "memory_efficiency", "link_bw")  # larger means faster
+_RATES = ("efficiency", "region_efficiency", "memory_efficiency", "link_bw", "comm_op_bw")  # larger: faster
 _PHASE_FIELDS = ("efficiency", "phase_floor", "phase_overhead")
 
 

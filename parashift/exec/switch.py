@@ -34,7 +34,7 @@ from ..ir.program import Program
 from ..models import ModelSpec
 from ..strategy import Strategy
 from .state import StateStore
-from .switch_exec import BIG, BufferPool, SwitchExecutor, bytes_of, kind_tensor
+from .switch_exec import BIG, BufferPool, SwitchExecutor, bytes_of, kind_tensor, reserve_waiters
 
 __all__ = ["SwitchPlanned", "plan_live_switch", "Prepared", "prepare", "execute_switch", "SwitchRecord",
            "store_arrays", "store_from_full", "full_from_arrays", "parse_switch_at", "StateKinds"]
@@ -138,6 +138,7 @@ def prepare(manager, spec: ModelSpec, src: Strategy, dst: Strategy, src_devices:
     parts = planned.participants
     world = manager.group(tuple(keys[d] for d in parts))
     groups = {g: manager.group(tuple(keys[d] for d in g)) for g in planned.collective_groups(device)}
+    reserve_waiters(planned.program, device)
     t2 = time.time()
     return Prepared(planned, world, {d: i for i, d in enumerate(parts)}, groups, keys, program,
                     t1 - t0, t2 - t1, t1, t2)
@@ -248,9 +249,9 @@ def execute_switch(prep: Prepared, store, prefix: str, device: int, old: StateSt
     kv.set(f"vote/{device}", "ok" if reason is None else "fail:" + reason)
     votes = [f"vote/{d}" for d in parts]
     end = time.monotonic() + timeout
-    while not kv.check(votes) and _gone(store, [d for d in parts if not kv.check([f"vote/{d}"])]) is None \
-            and time.monotonic() < end:
-        time.sleep(0.005)
+    while not _wait(kv, votes, 0.2) and time.monotonic() < end:     # the store wakes us when all have voted
+        if _gone(store, [d for d in parts if not kv.check([f"vote/{d}"])]) is not None:
+            break
     if not kv.check(votes):
         missing = [d for d in parts if not kv.check([f"vote/{d}"])]
         raise _aborted(f"switch at step {record.step} aborted: device(s) {missing} never finished "

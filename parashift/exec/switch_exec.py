@@ -45,7 +45,55 @@ MAX_MSGS = 1 << 20
 HUGE = 1 << 21
 
 __all__ = ["piece_view", "kind_tensor", "SwitchExecutor", "BufferPool", "PieceTable", "crc", "checksum",
-           "state_alloc", "ExecStats"]
+           "state_alloc", "ExecStats", "reserve_waiters"]
+
+
+class _Waiters:
+    """Daemon threads that wait on issued work (gloo completes p2p work only inside ``wait()``),
+    kept across switches: issuing a message hands it to an idle thread instead of starting one
+    (``Thread.start`` blocks until the new thread runs, which costs a scheduling round on a busy
+    host). :meth:`reserve` starts threads ahead of a switch."""
+
+    def __init__(self) -> None:
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.idle = 0
+        self.lock = threading.Lock()
+
+    def _loop(self) -> None:
+        while True:
+            fn, args = self.q.get()
+            fn(*args)
+            with self.lock:
+                self.idle += 1
+
+    def _spawn(self, n: int) -> None:
+        for _ in range(n):
+            threading.Thread(target=self._loop, name="parashift-switch-wait", daemon=True).start()
+
+    def reserve(self, n: int) -> None:
+        """Make sure at least ``n`` threads are idle."""
+        with self.lock:
+            need = max(0, n - self.idle)
+            self.idle += need
+        self._spawn(need)
+
+    def submit(self, fn: Callable, *args: Any) -> None:
+        with self.lock:
+            spawn = self.idle == 0
+            if not spawn:
+                self.idle -= 1
+        self.q.put((fn, args))
+        if spawn:
+            self._spawn(1)
+
+
+_WAITERS = _Waiters()
+
+
+def reserve_waiters(program: Program, device: int) -> None:
+    """Start the threads ``device``'s part of ``program`` waits on (call it before the switch)."""
+    rp = program.ranks.get(device)
+    _WAITERS.reserve(sum(ins.op != "copy" for v in (rp.streams.values() if rp is not None else ()) for ins in v))
 
 
 def _advise_huge(t: torch.Tensor) -> None:
@@ -81,15 +129,14 @@ def crc(t: torch.Tensor) -> int:
 def checksum(t: torch.Tensor) -> int:
     """A transfer checksum of a contiguous tensor's bytes: the 64-bit wrapping sum of its 8-byte words
     (any corrupted word changes it; it runs at memory speed) plus a CRC32 of the tail. The value
-    depends only on the bytes: a view that is not 8-byte aligned is summed from an aligned copy."""
-    b = t.contiguous().view(-1).view(torch.uint8)
-    n8 = b.numel() // 8 * 8
+    depends only on the bytes, not on their alignment: numpy sums misaligned words in place
+    (~2/3 of the aligned speed) instead of copying them."""
+    a = t.contiguous().view(-1).view(torch.uint8).numpy()
+    n8 = a.size // 8 * 8
     if n8 == 0:
-        return zlib.crc32(b.numpy())
-    if b.data_ptr() % 8:
-        b = b.clone()
-    head = int(b[:n8].view(torch.int64).sum()) & 0xFFFFFFFFFFFFFFFF
-    return (head * 0x100000001B3 + zlib.crc32(b[n8:].numpy()) + n8) & 0xFFFFFFFFFFFFFFFF
+        return zlib.crc32(a)
+    head = int(a[:n8].view(np.uint64).sum(dtype=np.uint64))
+    return (head * 0x100000001B3 + zlib.crc32(a[n8:]) + n8) & 0xFFFFFFFFFFFFFFFF
 
 
 def kind_tensor(store: StateStore, family: str, kind: str) -> tuple[torch.Tensor, int]:
@@ -643,7 +690,7 @@ class SwitchExecutor:
                             lanes[s].append(fl)
                         else:
                             busy[s] = fl
-                        threading.Thread(target=waiter, args=(fl,), daemon=True).start()
+                        _WAITERS.submit(waiter, fl)
                         st.add("issue", t0)
                         if self.on_issue is not None:
                             self.on_issue(ins)

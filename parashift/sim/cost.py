@@ -67,6 +67,8 @@ class CostModel:
     Shared hosts: ``host_cores`` > 0 says the devices of one node are processes sharing that
     many CPU cores, so compute running at once on ``n`` of them proceeds at
     ``min(1, host_cores / n)`` of its speed (0: every device computes on its own, as GPUs do).
+    ``p2p_posted``: a stream posts each send/recv and goes on without waiting for it (a runtime
+    of asynchronous point-to-point operations); False: a stream's transfers run one at a time.
     """
 
     gpu: str
@@ -95,6 +97,7 @@ class CostModel:
     comm_op_overhead: Mapping[str, float] = field(default_factory=dict)
     comm_op_bw: Mapping[str, float] = field(default_factory=dict)
     host_cores: float = 0.0
+    p2p_posted: bool = False
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:

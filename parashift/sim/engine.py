@@ -1,7 +1,8 @@
 """The simpy engine that interprets a Program on a modeled cluster.
 
 Each (rank, stream) is a simpy process that runs its instructions in order; an instruction
-starts when its deps are done (its start time is then recorded, so waiting for a peer shows in
+starts when its deps are done (with ``cost.p2p_posted``, a send/recv is posted and the stream
+goes on at once, as a runtime that posts asynchronous point-to-point operations does) (its start time is then recorded, so waiting for a peer shows in
 its duration, as a profiler would measure it). Sends meet their recvs, collectives start when
 every member arrived; transfers are fluid flows on per-device links (``out``/``in`` per link
 class, ``copy`` for local moves) and compute ops are flows on the device's compute, so
@@ -118,6 +119,7 @@ class Engine:
         self.bufs: dict[int, dict[str, float]] = {}
         self.act_cur: dict[int, float] = {}
         self.progress: dict[tuple[int, str], list[int]] = {}  # instructions done per stream
+        self.pending: dict[tuple[int, int], str] = {}  # posted send/recv not yet complete
         for r in fo.reps:
             rp = self.program.ranks[r]
             ids = {i.id for i in rp.instrs()}
@@ -167,6 +169,7 @@ class Engine:
             instrs = self.program.ranks[r].streams[s]
             if k < len(instrs):
                 stuck.append(f"rank {r} stream {s} at [{instrs[k]}]")
+        stuck += list(self.pending.values())
         if stuck:
             raise DeadlockError(f"simulation stopped with {len(stuck)} streams blocked: " + "; ".join(stuck[:8])
                                 + ("" if len(stuck) <= 8 else " ...") + "; check the program with Program.validate()")
@@ -182,6 +185,7 @@ class Engine:
         cres = (("compute", dev), ("host", dev // self.cluster.per_node)) if self.cost.host_cores > 0 \
             else (("compute", dev),)
         cell = self.progress[(r, s)]
+        posted = self.cost.p2p_posted
         for k, ins in enumerate(instrs):
             for d in ins.deps:
                 ev = done[d]
@@ -199,6 +203,11 @@ class Engine:
                 ev = self.net.flow(cres, dt) if shared_compute else env.timeout(dt)
             elif op == "send" or op == "recv":
                 ev = self._p2p(r, ins)
+                if posted and not ev.processed:   # posted: the stream moves on, completion comes later
+                    self.pending[(r, ins.id)] = f"rank {r} stream {s} at [{ins}] (posted)"
+                    ev.callbacks.append(lambda _e, ins=ins, start=start: self._posted_done(r, s, ins, start))
+                    cell[0] = k + 1
+                    continue
             elif op == "copy":
                 ev = self._copy(r, ins)
             else:
@@ -212,6 +221,16 @@ class Engine:
             ev = done.get(ins.id)
             if ev is not None:
                 ev.succeed()
+
+    def _posted_done(self, r: int, s: str, ins: Instr, start: float) -> None:
+        """A posted send/recv completed: record it, free its buffers, release its dependents."""
+        del self.pending[(r, ins.id)]
+        self.raw.records.append((r, s, ins, start, self.env.now))
+        if ins.free:
+            self._free(r, ins)
+        ev = self.done[r].get(ins.id)
+        if ev is not None:
+            ev.succeed()
 
     # ---- memory -------------------------------------------------------------------------------
     def _alloc(self, r: int, ins: Instr) -> None:
