@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                  "times) to this pickle file")
     ap.add_argument("--load", default=None, help="evaluate measurements saved by --save instead of running")
     ap.add_argument("--no-switch", action="store_true", help="skip the live hot switches")
+    ap.add_argument("--host-cores", type=float, default=float(os.cpu_count() or 1),
+                    help="cores the local processes share (a start value the fit refines; default: this machine's)")
     args = ap.parse_args(argv)
 
     from parashift import cluster as clusters, models
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
     _log("fitting")
     tls = [r.timeline for s in fit_set for r in runs[s]]
     progs = [programs[s] for s in fit_set for _ in runs[s]]
-    f = fit(tls, cl, programs=progs, steps=False)
+    f = fit(tls, cl, programs=progs, steps=False, host_cores=args.host_cores)
     base = CostModel.for_cluster(cl)
     pred = {s: simulate(p, cl, f.cost_model).step_time for s, p in programs.items()}
     base_pred = {s: simulate(p, cl, base).step_time for s, p in programs.items()}

@@ -16,6 +16,9 @@ of a wide GPT in a source layout; each case moves it to a destination layout:
 ``phases`` (per case, slowest rank, median of the repeats): the transfer and verify phases, and
 the transfer driver's own seconds (``keep``/``pack``/``unpack`` copies, ``checksum``, ``issue``,
 ``idle``: waiting on the wire). ``memory_max_rank``: the largest per-rank switch memory figures.
+``cpu_seconds`` / ``floor_cpu_seconds``: CPU seconds of all four processes together (every
+thread, gloo's included) during the switch / the floor, a figure a busy host disturbs less than
+wall time.
 
 Run: ``python benchmarks/switch_live_bench.py [--repeats 3] [--dcp-repeats 2] [--small]``.
 """
@@ -82,6 +85,12 @@ def _allmax(pg, x: float) -> float:
     o = torch.distributed.AllreduceOptions()
     o.reduceOp = torch.distributed.ReduceOp.MAX
     pg.allreduce([t], o).wait()
+    return float(t.item())
+
+
+def _allsum(pg, x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    pg.allreduce([t]).wait()
     return float(t.item())
 
 
@@ -193,12 +202,12 @@ def _floor(planned, device: int, world, index) -> float:
     out = state_alloc(sum(recv), torch.uint8, cpu)
     a, b = torch.ones(kept, dtype=torch.uint8), state_alloc(kept, torch.uint8, cpu)
     _allmax(world, 0.0)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     world.alltoall_base(out, inp, recv, send, torch.distributed.AllToAllOptions()).wait()
     b.copy_(a)
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     assert n == len(parts)
-    return _allmax(world, dt)
+    return _allmax(world, dt), _allsum(world, cpu)
 
 
 def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict) -> dict:
@@ -223,35 +232,40 @@ def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict) -> dict:
         reserve_waiters(planned.program, device)
         world_s = time.perf_counter() - t0
         prep = Prepared(planned, world, {d: i for i, d in enumerate(parts)}, groups, keys, None, plan_s, world_s, 0, 0)
-        sw, al, phases, recs, fl = [], [], [], [], []
+        sw, al, phases, recs, fl, sw_cpu, fl_cpu = [], [], [], [], [], [], []
         for rep in range(repeats + 1):
             t0 = time.perf_counter()      # the destination store: allocated when the switch is announced
             new = StateStore(spec, dst, ddev.index(device), torch.device("cpu"), init=False,
                              alloc=state_alloc) if device in ddev else None
             alloc_s = time.perf_counter() - t0
             _allmax(world, 0.0)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             rec = SwitchRecord(0, str(src), str(dst), device)
             execute_switch(prep, ctx.store, f"bench{ci}.{rep}/", device, old, new, rec, timeout=300, pool=pool,
                            steps_done=0)
             dt = _allmax(world, time.perf_counter() - t0)
+            cpu = _allsum(world, time.process_time() - c0)
             ph = {k: _allmax(world, v) for k, v in sorted({**rec.phases, "transfer": rec.transfer_seconds,
                                                            "verify": rec.verify_seconds}.items())}
             if rep:                       # the first run warms the pool and the allocator
                 sw.append(dt)
+                sw_cpu.append(cpu)
                 al.append(_allmax(world, alloc_s))
                 phases.append(ph)
             recs.append(rec)
             want = _digest(new)
             del new
             if rep:                       # interleaved, so that a busy host slows both alike
-                fl.append(_floor(planned, device, world, prep.index))
+                a, b = _floor(planned, device, world, prep.index)
+                fl.append(a)
+                fl_cpu.append(b)
         mem = {k: int(_allmax(world, float(getattr(recs[-1], k))))
                for k in ("old_bytes", "new_bytes", "staging_peak_bytes", "peak_bytes")}
         res = {"switch_seconds": statistics.median(sw), "floor_seconds": statistics.median(fl),
                "plan_seconds": _allmax(world, plan_s), "alloc_seconds": statistics.median(al),
                "bytes_moved": planned.program.meta["bytes_moved"],
                "bytes_kept": planned.program.meta["bytes_kept"], "switch_runs": sw, "floor_runs": fl,
+               "cpu_seconds": statistics.median(sw_cpu), "floor_cpu_seconds": statistics.median(fl_cpu),
                "phases": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
                "memory_max_rank": mem}
         for label, root in dirs.items():

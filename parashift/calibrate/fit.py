@@ -17,7 +17,8 @@ from .solve import Block, Solution, informed, match_means, solve
 if TYPE_CHECKING:  # pragma: no cover
     from ..ir.program import Program
 
-__all__ = ["Fit", "fit", "ape", "spearman", "predict_samples", "step_table", "posts_p2p", "with_op_terms"]
+__all__ = ["Fit", "fit", "ape", "spearman", "predict_samples", "step_table", "posts_p2p", "with_op_terms",
+           "with_dispatch_terms"]
 
 _IDENTIFIED = 0.25  # relative standard error below which a fitted parameter counts as pinned down
 
@@ -100,6 +101,19 @@ def with_op_terms(cm: CostModel, ops: "Sequence[str]") -> CostModel:
             **cm.comm_op_overhead}
     bw = {**{op: 1.0 for op in ops if op != ref}, **cm.comm_op_bw}
     return cm.replace(comm_op_overhead=over, comm_op_bw=bw)
+
+
+def with_dispatch_terms(cm: CostModel, regions: "Sequence[str | None]", phases: "Sequence[str]") -> CostModel:
+    """``cm`` with a dispatch overhead paid on top of the math (``region_overhead``, a quarter of
+    the floor, per region kind in ``regions``; ``phase_overhead`` as the phase floors, per
+    non-optimizer phase in ``phases``) for the fit to start from; kept entries stay."""
+    from ..sim.cost import region_units
+    kinds = sorted({k for r in set(regions) for k, n in region_units(r if isinstance(r, str) else None) if n})
+    phs = sorted(set(phases) - {"optim"})
+    if not kinds or not phs:
+        return cm
+    return cm.replace(region_overhead={**{k: 0.25 * cm.region_floor.get(k, 1e-4) for k in kinds}, **cm.region_overhead},
+                      phase_overhead={**{p: cm.phase_floor.get(p, 1.0) for p in phs}, **cm.phase_overhead})
 
 
 def _links(cm: CostModel, df: pd.DataFrame) -> set[str]:
@@ -265,7 +279,7 @@ def _params_table(base: CostModel, solutions: list[tuple[str, Solution]], moved:
 def fit(timelines: "pd.DataFrame | Sequence[pd.DataFrame]", cluster: "Cluster | str", *,
         programs: "Program | Sequence[Program | None] | None" = None, base: CostModel | None = None,
         steps: bool = True, means: bool = True, align: bool = True, jitter: bool = True,
-        huber: float = 1.345, per_op: bool = True, refine: bool = True,
+        huber: float = 1.345, per_op: bool = True, dispatch: bool = True, refine: bool = True,
         host_cores: float | None = None, p2p_posted: bool | None = None) -> Fit:
     """Fit the cost model of ``cluster`` to measured ``timelines``.
 
@@ -281,6 +295,8 @@ def fit(timelines: "pd.DataFrame | Sequence[pd.DataFrame]", cluster: "Cluster | 
     ``per_op``: give every communication operation seen (``all_reduce``, ``send``, ...) its own
     fixed cost and bandwidth factor (``comm_op_overhead``, ``comm_op_bw``); ``comm_overhead``
     becomes their median, for operations no sample ran.
+    ``dispatch``: fit a per-region dispatch overhead paid on top of the math (``region_overhead``,
+    ``phase_overhead``), as a host that runs every op itself pays (CPU processes).
     ``refine``: then fit time scales of compute, of fixed and of per-byte communication costs
     (and ``host_cores``) to the measured step times of the programs, simulating them (see
     :func:`~parashift.calibrate.steps.fit_steps`; factors in ``step_factors``).
@@ -295,7 +311,7 @@ def fit(timelines: "pd.DataFrame | Sequence[pd.DataFrame]", cluster: "Cluster | 
     closest observed phase (``block == "transferred"`` in ``params``).
     """
     cl = get_cluster(cluster)
-    base = base if base is not None else CostModel.for_cluster(cl)
+    base = given = base if base is not None else CostModel.for_cluster(cl)
     tls, progs = normalize_inputs(timelines, programs)
     samples = extract_normalized(tls, progs, cl, align, jitter)
     if not len(samples):
@@ -312,10 +328,12 @@ def fit(timelines: "pd.DataFrame | Sequence[pd.DataFrame]", cluster: "Cluster | 
     scales: dict[str, float] = {}
     moved: dict = {}
     ops = sorted({_op_name(k) for k in samples.comm["kind"]}) if per_op and len(samples.comm) else []
+    if dispatch and len(samples.compute):
+        base = with_dispatch_terms(base, samples.compute["region"].tolist(), samples.compute["phase"].tolist())
     cbase = with_op_terms(base, ops)
     cm = cbase
     if len(samples.compute):
-        sol, moved, sc = _fit_compute(samples, base, means, huber)
+        sol, moved, sc = _fit_compute(samples, cbase, means, huber)
         solutions.append(("compute", sol))
         scales.update(sc)
         cm = apply(apply(cm, sol.params, sol.values), list(moved), list(moved.values()))
@@ -334,17 +352,17 @@ def fit(timelines: "pd.DataFrame | Sequence[pd.DataFrame]", cluster: "Cluster | 
             sf = fit_steps(sp, st_meas, cl, cm, huber=huber)
             cm, factors = sf.cost_model, sf.factors
     pc, pm = predict_samples(samples, cm)
-    bc, bm = predict_samples(samples, base)
+    bc, bm = predict_samples(samples, given)
     kinds = np.concatenate([samples.compute["phase"].to_numpy(dtype=object),
                             samples.comm["kind"].to_numpy(dtype=object)])
     meas = np.concatenate([samples.compute["measured"].to_numpy(dtype=float),
                            samples.comm["measured"].to_numpy(dtype=float)])
     rows = _kind_rows(kinds, np.concatenate([pc, pm]), np.concatenate([bc, bm]), meas)
-    st = step_table(samples, progs, cl, cm, base) if steps else pd.DataFrame()
+    st = step_table(samples, progs, cl, cm, given) if steps else pd.DataFrame()
     if len(st):
         e, eb = ape(st["predicted"], st["measured"]), ape(st["base_predicted"], st["measured"])
         rows.append({"kind": "step", "count": len(st), "median_ape": float(np.median(e)), "mean_ape": float(np.mean(e)),
                      "total_ape": float(abs(st["predicted"].sum() - st["measured"].sum()) / st["measured"].sum()),
                      "base_median_ape": float(np.median(eb))})
     report = pd.DataFrame(rows, columns=["kind", "count", "median_ape", "mean_ape", "total_ape", "base_median_ape"])
-    return Fit(cm, base, report, _params_table(cbase, solutions, moved), samples, st, scales, factors)
+    return Fit(cm, given, report, _params_table(cbase, solutions, moved), samples, st, scales, factors)

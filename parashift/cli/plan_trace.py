@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .search import space_options
+from .options import add_cost_model, add_space_options, load_cost_model, space_options
 
 HELP = ("plan strategies over a preemption/availability trace: checkpoint-restart vs hot switch vs "
         "switch-aware")
@@ -28,11 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", type=int, help="TPE trials per device count (default: enumerate small spaces, "
                    "else 200)")
     p.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
-    p.add_argument("--cost-model", help="cost model JSON (default: the cluster's datasheet defaults)")
-    p.add_argument("--schedules", help="restrict the schedules, e.g. 1f1b,zb-h1 (default: all)")
-    p.add_argument("--zero", help="restrict the ZeRO stages, e.g. 0,1 (default: 0-3)")
-    p.add_argument("--mbs", help="restrict the micro-batch sizes, e.g. 1,2 (default: powers of 2 up to 8)")
-    p.add_argument("--recompute", help="restrict recomputation, e.g. none,full (default: all)")
+    add_cost_model(p)
+    add_space_options(p)
     p.add_argument("--plot", help="write device count, chosen strategy and cumulative tokens (PNG)")
     p.add_argument("--table", help="write every policy's per-segment plan as CSV")
 
@@ -59,10 +56,7 @@ def run(args: argparse.Namespace) -> dict:
     trace = load_trace(args.trace, args.format)
     if "event" in trace.columns and (args.start or args.stop is not None):
         trace = traces.window(trace, args.start, args.stop)
-    cost = None
-    if args.cost_model:
-        from ..sim import CostModel
-        cost = CostModel.load(args.cost_model)
+    cost = load_cost_model(args.cost_model)
 
     def say(msg: str) -> None:
         print(f"plan-trace: {msg}", file=sys.stderr, flush=True)

@@ -5,6 +5,8 @@ import argparse
 import math
 import sys
 
+from .options import add_cost_model, load_cost_model
+
 HELP = ("replay a preemption/availability trace against a live job that hot-switches at every event "
         "(optionally against checkpoint-restart)")
 
@@ -30,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-steps", type=int, default=400, help="stop the replay after this many steps (default 400)")
     p.add_argument("--baseline", choices=("checkpoint-restart",),
                    help="also replay the same switches by DCP save, process restart and load")
-    p.add_argument("--cost-model", help="calibrated cost model JSON for the strategy search")
+    add_cost_model(p, "calibrated cost model JSON for the strategy search")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds before a job is stopped (default 900)")
     p.add_argument("--plot", help="write availability, switches and the loss curves (PNG)")
     p.add_argument("--table", help="write the per-event table as CSV")
@@ -38,10 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     from ..exec.replay import replay
-    cost = None
-    if args.cost_model:
-        from ..sim import CostModel
-        cost = CostModel.load(args.cost_model)
+    cost = load_cost_model(args.cost_model)
 
     def say(msg: str) -> None:
         if not args.json:

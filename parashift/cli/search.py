@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import StrategyError
+from .options import add_cost_model, add_space_options, load_cost_model, space_options
 
 HELP = "search the fastest strategy that fits (Optuna over the simulator); write a deploy plan"
 
@@ -22,29 +22,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="'throughput,memory' searches the Pareto front of tokens/s against peak memory")
     p.add_argument("--storage", help="Optuna RDB storage to keep and resume the study, e.g. sqlite:///s.db")
     p.add_argument("--study-name", help="study name inside --storage (default: derived from the setting)")
-    p.add_argument("--cost-model", help="cost model JSON (default: the cluster's datasheet defaults)")
-    p.add_argument("--schedules", help="restrict the schedules, e.g. 1f1b,zb-h1 (default: all)")
-    p.add_argument("--zero", help="restrict the ZeRO stages, e.g. 0,1 (default: 0-3)")
-    p.add_argument("--mbs", help="restrict the micro-batch sizes, e.g. 1,2 (default: powers of 2 up to 8)")
-    p.add_argument("--recompute", help="restrict recomputation, e.g. none,full (default: all)")
+    add_cost_model(p)
+    add_space_options(p)
     p.add_argument("--out", help="write the best strategy's deploy plan (for `parashift run plan.json`)")
     p.add_argument("--plot", help="write the optimization history and parameter importances (PNG)")
     p.add_argument("--top", type=int, default=5, help="strategies listed in the text output (default 5)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-
-
-def space_options(args: argparse.Namespace) -> dict:
-    """make_space axes from the --schedules/--zero/--mbs/--recompute flags."""
-    out: dict = {}
-    for flag, key, conv in (("schedules", "schedules", str), ("zero", "zero", int), ("mbs", "mbs", int),
-                            ("recompute", "recompute", str)):
-        text = getattr(args, flag)
-        if text:
-            try:
-                out[key] = tuple(conv(x.strip()) for x in text.split(",") if x.strip())
-            except ValueError:
-                raise StrategyError(f"--{flag} {text!r} must be a comma-separated list, e.g. 0,1") from None
-    return out
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -53,10 +36,7 @@ def run(args: argparse.Namespace) -> dict:
     model = models.get(args.model)
     cl = clusters.get(args.cluster)
     devices = args.devices or cl.devices
-    cost = None
-    if args.cost_model:
-        from ..sim import CostModel
-        cost = CostModel.load(args.cost_model)
+    cost = load_cost_model(args.cost_model)
     study_name = args.study_name
     if args.storage and not study_name:
         study_name = f"{model.name}-{cl.name}-{devices}d-b{args.global_batch}-s{args.seq_len}-{args.objective}"

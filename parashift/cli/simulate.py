@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from .options import add_cost_model
+
 HELP = "simulate one training step of a model under a strategy on a cluster (step time, MFU, memory)"
 
 
@@ -13,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", required=True, help='e.g. "dp=4,tp=8,pp=4,zero=1"')
     p.add_argument("--global-batch", type=int, required=True, help="sequences per step")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
-    p.add_argument("--cost-model", help="cost model JSON (default: the cluster's datasheet defaults)")
+    add_cost_model(p)
     p.add_argument("--trace", help="write the timeline as a Chrome trace JSON file")
     p.add_argument("--plot", help="write a Gantt chart of the timeline (PNG)")
 

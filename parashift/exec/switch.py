@@ -249,9 +249,12 @@ def execute_switch(prep: Prepared, store, prefix: str, device: int, old: StateSt
     kv.set(f"vote/{device}", "ok" if reason is None else "fail:" + reason)
     votes = [f"vote/{d}" for d in parts]
     end = time.monotonic() + timeout
-    while not _wait(kv, votes, 0.2) and time.monotonic() < end:     # the store wakes us when all have voted
-        if _gone(store, [d for d in parts if not kv.check([f"vote/{d}"])]) is not None:
+    polls = 0
+    while not kv.check(votes) and time.monotonic() < end:     # one round trip a poll; peers' health less often
+        polls += 1
+        if polls % 25 == 0 and _gone(store, [d for d in parts if not kv.check([f"vote/{d}"])]) is not None:
             break
+        time.sleep(0.001)
     if not kv.check(votes):
         missing = [d for d in parts if not kv.check([f"vote/{d}"])]
         raise _aborted(f"switch at step {record.step} aborted: device(s) {missing} never finished "

@@ -64,6 +64,9 @@ class CostModel:
     Per operation (``all_reduce``, ``send``, ``copy``, ...): ``comm_op_overhead[op]`` replaces
     ``comm_overhead`` and ``comm_op_bw[op]`` scales the achieved bandwidth (e.g. a reduce-scatter
     that a backend runs as an all-reduce); unlisted operations use the shared values.
+    Dispatch paid on top of the math (a host that runs each op itself, e.g. CPU processes): every
+    compute region adds ``region_overhead[kind]`` seconds per unit times ``phase_overhead[phase]``
+    (default 1) after the max above (both empty by default: GPUs overlap launches with math).
     Shared hosts: ``host_cores`` > 0 says the devices of one node are processes sharing that
     many CPU cores, so compute running at once on ``n`` of them proceeds at
     ``min(1, host_cores / n)`` of its speed (0: every device computes on its own, as GPUs do).
@@ -98,6 +101,8 @@ class CostModel:
     comm_op_bw: Mapping[str, float] = field(default_factory=dict)
     host_cores: float = 0.0
     p2p_posted: bool = False
+    region_overhead: Mapping[str, float] = field(default_factory=dict)
+    phase_overhead: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -191,6 +196,8 @@ class CostModel:
         pf = self.phase_floor.get(phase, 1.0)
         floor = sum(self.region_floor.get(k, 0.0) * n for k, n in units) * pf
         t = max(t, floor)
+        if self.region_overhead:
+            t += sum(self.region_overhead.get(k, 0.0) * n for k, n in units) * self.phase_overhead.get(phase, 1.0)
         if scores_per_layer and self.attention_score_bytes and phase != "bwd_weight":
             layers = sum(n for k, n in units if k in ("attn", "layer"))
             t += layers * scores_per_layer * self.attention_score_bytes * pf / (self.hbm_bw * self.memory_efficiency)

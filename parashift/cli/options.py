@@ -1,0 +1,47 @@
+"""Options that several sub-commands share, declared once."""
+from __future__ import annotations
+
+import argparse
+
+from ..errors import StrategyError
+
+__all__ = ["add_space_options", "add_cost_model", "space_options", "load_cost_model"]
+
+#: the search-space flags: (flag, make_space keyword, element type, help)
+_SPACE = (("schedules", "schedules", str, "restrict the schedules, e.g. 1f1b,zb-h1 (default: all)"),
+          ("zero", "zero", int, "restrict the ZeRO stages, e.g. 0,1 (default: 0-3)"),
+          ("mbs", "mbs", int, "restrict the micro-batch sizes, e.g. 1,2 (default: powers of 2 up to 8)"),
+          ("recompute", "recompute", str, "restrict recomputation, e.g. none,full (default: all)"))
+
+
+def add_cost_model(p: argparse.ArgumentParser,
+                   help: str = "cost model JSON (default: the cluster's datasheet defaults)") -> None:
+    """``--cost-model FILE``."""
+    p.add_argument("--cost-model", help=help)
+
+
+def load_cost_model(path: "str | None"):
+    """The :class:`~parashift.sim.CostModel` in ``path``, or None."""
+    if not path:
+        return None
+    from ..sim import CostModel
+    return CostModel.load(path)
+
+
+def add_space_options(p: argparse.ArgumentParser) -> None:
+    """``--schedules/--zero/--mbs/--recompute``: comma-separated restrictions of the search space."""
+    for flag, _, _, text in _SPACE:
+        p.add_argument(f"--{flag}", help=text)
+
+
+def space_options(args: argparse.Namespace) -> dict:
+    """make_space axes from the flags of :func:`add_space_options`."""
+    out: dict = {}
+    for flag, key, conv, _ in _SPACE:
+        text = getattr(args, flag)
+        if text:
+            try:
+                out[key] = tuple(conv(x.strip()) for x in text.split(",") if x.strip())
+            except ValueError:
+                raise StrategyError(f"--{flag} {text!r} must be a comma-separated list, e.g. 0,1") from None
+    return out
