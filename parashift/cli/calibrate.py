@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+
+from .options import positive_int
 
 HELP = "run a few probe strategies live, fit the simulator's cost model to their timelines, write it as JSON"
 
@@ -11,10 +14,10 @@ HELP = "run a few probe strategies live, fit the simulator's cost model to their
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=int, default=4, help="how many probe strategies to run (default 4)")
     p.add_argument("--model", default="tiny-gpt", help="model preset the runtime can train (default tiny-gpt)")
-    p.add_argument("--nprocs", type=int, default=4, help="local processes per probe (default 4)")
-    p.add_argument("--steps", type=int, default=3, help="measured steps per probe, after one warm-up step")
-    p.add_argument("--global-batch", type=int, default=8, help="sequences per step (default 8)")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
+    p.add_argument("--nprocs", type=positive_int, default=4, help="local processes per probe (default 4)")
+    p.add_argument("--steps", type=positive_int, default=3, help="measured steps per probe, after one warm-up step")
+    p.add_argument("--global-batch", type=positive_int, default=8, help="sequences per step (default 8)")
+    p.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: the model's)")
     p.add_argument("--strategies", help='probe strategies separated by ";" (default: a diverse built-in set)')
     p.add_argument("--cluster", default="cpu-local", help="cluster preset of this machine (default cpu-local)")
     p.add_argument("--base", help="cost model JSON to start from (default: the cluster's datasheet model)")
@@ -22,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "and Program (JSON)")
     p.add_argument("--from-timelines", metavar="DIR", help="fit timelines written by --save-timelines instead of "
                    "running probes")
+    p.add_argument("--host-cores", type=float, default=None,
+                   help="CPU cores the probe processes share (a start value the fit refines; default: this "
+                        "machine's core count for cpu-local, none for GPU clusters; 0: do not model sharing)")
     p.add_argument("--out", required=True, help="where to write the fitted cost model (JSON)")
 
 
@@ -100,7 +106,13 @@ def run(args: argparse.Namespace) -> dict:
         if args.save_timelines:
             _save_runs(runs, args.save_timelines)
     _progress("fitting")
-    f = fit([r.timeline for r in runs], cl, programs=[r.program for r in runs], base=base)
+    cores = args.host_cores
+    if cores is None and cl.gpu.name == "cpu":
+        cores = float(os.cpu_count() or 1)
+    if cores is not None and cores < 0:
+        raise CalibrationError(f"--host-cores must be 0 (no sharing) or a positive core count, got {cores}")
+    f = fit([r.timeline for r in runs], cl, programs=[r.program for r in runs], base=base,
+            host_cores=cores if cores else None)
     f.cost_model.save(args.out)
     summ = f.summary()
     pred = dict(zip(f.steps["source"], f.steps["predicted"])) if len(f.steps) else {}
@@ -110,7 +122,9 @@ def run(args: argparse.Namespace) -> dict:
     return {"out": args.out, "model": spec.name, "cluster": cl.name, "nprocs": max(r.program.world for r in runs),
             "median_ape": summ["median_ape"], "step_median_ape": summ["step_median_ape"],
             "per_op": summ["per_op"], "params": summ["params"], "probes": probes,
-            "samples": summ["samples"], "dropped": summ["dropped"], "seconds": time.perf_counter() - t0}
+            "samples": summ["samples"], "dropped": summ["dropped"], "step_factors": summ["step_factors"],
+            "host_cores": f.cost_model.host_cores, "p2p_posted": f.cost_model.p2p_posted,
+            "seconds": time.perf_counter() - t0}
 
 
 def render(result: dict, args: argparse.Namespace) -> None:
@@ -126,6 +140,11 @@ def render(result: dict, args: argparse.Namespace) -> None:
         sim = p["predicted_step_time"]
         print(f"    {p['strategy']:<32}{p['step_time'] * 1e3:9.1f} ms / "
               + (f"{sim * 1e3:.1f} ms" if sim is not None else "-"))
+    if result.get("step_factors"):
+        print("  step-time refinement (factor per scale): "
+              + ", ".join(f"{k} {v:.3g}" for k, v in result["step_factors"].items())
+              + (f"; host cores {result['host_cores']:.3g}" if result.get("host_cores") else "")
+              + ("; send/recv posted" if result.get("p2p_posted") else ""))
     print("  fitted parameters:")
     for name, v in result["params"].items():
         print(f"    {name:<28}{v:.4g}")

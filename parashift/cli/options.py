@@ -5,13 +5,24 @@ import argparse
 
 from ..errors import StrategyError
 
-__all__ = ["add_space_options", "add_cost_model", "space_options", "load_cost_model"]
+__all__ = ["add_space_options", "add_cost_model", "space_options", "load_cost_model", "positive_int"]
 
 #: the search-space flags: (flag, make_space keyword, element type, help)
 _SPACE = (("schedules", "schedules", str, "restrict the schedules, e.g. 1f1b,zb-h1 (default: all)"),
           ("zero", "zero", int, "restrict the ZeRO stages, e.g. 0,1 (default: 0-3)"),
           ("mbs", "mbs", int, "restrict the micro-batch sizes, e.g. 1,2 (default: powers of 2 up to 8)"),
           ("recompute", "recompute", str, "restrict recomputation, e.g. none,full (default: all)"))
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{v} must be a positive integer")
+    return v
 
 
 def add_cost_model(p: argparse.ArgumentParser,

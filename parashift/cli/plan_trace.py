@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .options import add_cost_model, add_space_options, load_cost_model, space_options
+from .options import add_cost_model, add_space_options, load_cost_model, positive_int, space_options
 
 HELP = ("plan strategies over a preemption/availability trace: checkpoint-restart vs hot switch vs "
         "switch-aware")
@@ -15,8 +15,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "or a CSV of time,devices rows")
     p.add_argument("--model", required=True, help="model preset, e.g. llama2-13b")
     p.add_argument("--cluster", required=True, help="cluster preset, e.g. a800-16x8 (its size caps the counts)")
-    p.add_argument("--global-batch", type=int, required=True, help="sequences per step")
-    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per step")
+    p.add_argument("--seq-len", type=positive_int, required=True, help="tokens per sequence")
     p.add_argument("--format", help="trace format (default: detected)")
     p.add_argument("--devices-per-node", type=int,
                    help="devices per trace node (default: the cluster's; 1 for a time,available CSV)")
@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--to", dest="stop", type=float, help="window end in trace seconds")
     p.add_argument("--top-k", type=int, default=2, help="strategies kept per device count (default 2)")
     p.add_argument("--max-candidates", type=int, default=4, help="candidates per device count (default 4)")
-    p.add_argument("--trials", type=int, help="TPE trials per device count (default: enumerate small spaces, "
+    p.add_argument("--trials", type=positive_int, help="TPE trials per device count (default: enumerate small spaces, "
                    "else 200)")
     p.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
     add_cost_model(p)

@@ -5,7 +5,7 @@ import argparse
 import math
 import sys
 
-from .options import add_cost_model, load_cost_model
+from .options import add_cost_model, load_cost_model, positive_int
 
 HELP = ("replay a preemption/availability trace against a live job that hot-switches at every event "
         "(optionally against checkpoint-restart)")
@@ -17,7 +17,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy-policy", dest="policy", choices=("best", "switch-aware"), default="switch-aware",
                    help="best: the best strategy per device count; switch-aware: the plan_trace dynamic program "
                         "(default)")
-    p.add_argument("--max-procs", type=int, default=4, help="local processes at the busiest moment (default 4)")
+    p.add_argument("--max-procs", type=positive_int, default=4, help="local processes at the busiest moment (default 4)")
     p.add_argument("--time-scale", type=float, default=600.0,
                    help="trace seconds per replay second (default 600: ten trace minutes a second)")
     p.add_argument("--from", dest="start", type=float, help="window start in trace seconds")
@@ -27,8 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="notice in trace seconds for preemptions the trace records none for (default 120, AWS)")
     p.add_argument("--devices-per-node", type=float,
                    help="devices per trace node (default: max-procs / the most nodes in the window)")
-    p.add_argument("--global-batch", type=int, default=8, help="sequences per step (default 8)")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the model's)")
+    p.add_argument("--global-batch", type=positive_int, default=8, help="sequences per step (default 8)")
+    p.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: the model's)")
     p.add_argument("--max-steps", type=int, default=400, help="stop the replay after this many steps (default 400)")
     p.add_argument("--baseline", choices=("checkpoint-restart",),
                    help="also replay the same switches by DCP save, process restart and load")

@@ -4,14 +4,16 @@ from __future__ import annotations
 import argparse
 import time
 
+from .options import positive_int
+
 HELP = "compile a strategy into a per-rank Program, validate it, and plot or save it"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model preset, e.g. llama2-7b (see `parashift models`)")
     p.add_argument("--strategy", required=True, help='e.g. "dp=2,tp=2,pp=4,schedule=1f1b"')
-    p.add_argument("--global-batch", type=int, required=True, help="sequences per step")
-    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the model's)")
+    p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per step")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (default: the model's)")
     p.add_argument("--plot", metavar="PNG", help="draw the per-stage order (stage x slot) to this file")
     p.add_argument("--out", metavar="JSON", help="save the Program to this file")
 

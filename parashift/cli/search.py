@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .options import add_cost_model, add_space_options, load_cost_model, space_options
+from .options import add_cost_model, add_space_options, load_cost_model, positive_int, space_options
 
 HELP = "search the fastest strategy that fits (Optuna over the simulator); write a deploy plan"
 
@@ -12,10 +12,10 @@ HELP = "search the fastest strategy that fits (Optuna over the simulator); write
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model preset, e.g. llama2-13b (see `parashift models`)")
     p.add_argument("--cluster", required=True, help="cluster preset, e.g. a800-16x8 or cpu-local")
-    p.add_argument("--devices", type=int, help="devices the job uses (default: all of the cluster)")
-    p.add_argument("--global-batch", type=int, required=True, help="sequences per step")
-    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
-    p.add_argument("--trials", type=int, default=100, help="Optuna trials (default 100)")
+    p.add_argument("--devices", type=positive_int, help="devices the job uses (default: all of the cluster)")
+    p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per step")
+    p.add_argument("--seq-len", type=positive_int, required=True, help="tokens per sequence")
+    p.add_argument("--trials", type=positive_int, default=100, help="Optuna trials (default 100)")
     p.add_argument("--seed", type=int, help="sampler seed, for a reproducible search")
     p.add_argument("--sampler", choices=("tpe", "random"), default="tpe", help="Optuna sampler (default tpe)")
     p.add_argument("--objective", default="throughput", choices=("throughput", "throughput,memory"),
@@ -60,6 +60,9 @@ def run(args: argparse.Namespace) -> dict:
     out = res.summary()
     out.update({"model": model.name, "cluster": cl.name, "devices": devices, "study_name": res.study.study_name,
                 "top": [c.to_dict() for c in res.top(args.top)]})
+    if res.best is None and len(res.trials):
+        why = res.trials.loc[res.trials["status"] != "ok", "reason"].astype(str).value_counts().head(3)
+        out["reasons"] = [{"reason": r, "trials": int(n)} for r, n in why.items()]
     if args.out:
         res.export(args.out)
         out["out"] = args.out
@@ -84,6 +87,8 @@ def render(result: dict, args: argparse.Namespace) -> None:
           f"{result['search_seconds']:.1f} s")
     if result["best"] is None:
         print("  no feasible strategy found; run more trials, add devices or lower the global batch")
+        for r in result.get("reasons", []):
+            print(f"    {r['trials']:>4} trial(s): {r['reason']}")
     else:
         print(f"  best           {result['best']}")
         print(f"  throughput     {result['best_tokens_per_s']:,.0f} tokens/s")

@@ -130,7 +130,7 @@ def compile(model: "str | ModelSpec | Graph", strategy: "str | Strategy", *, glo
         return compile_graph(model, strategy, global_batch=global_batch, order=order, validate=validate)
     spec, s = _resolve(model, strategy)
     s.validate(spec)
-    seq = seq_len or spec.seq_len
+    seq = spec.seq_len if seq_len is None else seq_len
     m = s.num_microbatches(global_batch)
     if callable(order) and not isinstance(order, Order):
         order = order(s, m)
