@@ -6,7 +6,6 @@ the trace planner places every candidate.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,10 +43,8 @@ class RestartCost:
 class HotSwitchCost:
     """A hot switch in memory: ``vps.plan_switch`` -> ``vps.transition.lower`` -> ``sim.simulate_switch``.
 
-    Where the transition engine is not installed, the time is estimated from the plan's
-    statistics: inter-node bytes over the NICs and intra-node bytes over NVLink of the devices
-    taking part, plus one latency per message and device. A switch whose staging cannot fit
-    in memory falls back to ``fallback`` (checkpoint-restart by default).
+    A switch whose staging cannot fit in memory falls back to ``fallback`` (checkpoint-restart
+    by default).
     """
 
     def __init__(self, model: "str | ModelSpec", cluster: "str | Cluster", cost_model: Any = None,
@@ -56,20 +53,15 @@ class HotSwitchCost:
         self.fallback = fallback or RestartCost(self.model, self.cluster)
 
     def __call__(self, src: Strategy, dst: Strategy) -> SwitchCost:
-        from .. import vps
+        from .. import sim, vps
+        from ..vps.transition import lower
         src_dev, dst_dev = tuple(range(src.world)), tuple(range(dst.world))
         try:
             plan = vps.plan_switch(self.model, src, dst, cluster=self.cluster, src_devices=src_dev,
                                    dst_devices=dst_dev)
         except MemoryBudgetError as e:
             return self._fallback(src, dst, e)
-        stats = plan.stats()
-        moved = float(stats["bytes_moved"])
-        lower = getattr(_transition(), "lower", None)
-        if lower is None:
-            return SwitchCost(self._estimate(stats, max(src.world, dst.world)),
-                              "estimate from switch-plan statistics (vps.transition not available)", moved)
-        from .. import sim
+        moved = float(plan.stats()["bytes_moved"])
         cm = self.cost_model or sim.CostModel.for_cluster(self.cluster)
         try:
             prog = lower(plan, self.cluster, cost_model=cm, memory_budget=cm.memory_capacity - cm.memory_reserved)
@@ -78,23 +70,7 @@ class HotSwitchCost:
         res = sim.simulate_switch(prog, self.cluster, cm)
         return SwitchCost(float(res.switch_time), "simulated switch program", moved)
 
-    def _estimate(self, stats: dict, devices: int) -> float:
-        g = self.cluster.gpu
-        inter = float(stats.get("bytes_inter_node", 0.0))
-        intra = max(0.0, float(stats["bytes_moved"]) - inter)
-        msgs = float(stats.get("messages", 0))
-        return (inter / (devices * g.inter_bw) + intra / (devices * g.intra_bw)
-                + math.ceil(msgs / devices) * g.inter_latency)
-
     def _fallback(self, src: Strategy, dst: Strategy, why: Exception) -> SwitchCost:
         c = self.fallback(src, dst)
         return SwitchCost(c.seconds, f"{c.method} (hot switch does not fit in memory: {why})", c.bytes_moved)
 
-
-def _transition() -> Any:
-    """The transition engine module, or None where it is not installed (its own errors propagate)."""
-    import importlib
-    import importlib.util
-    if importlib.util.find_spec("parashift.vps.transition") is None:
-        return None
-    return importlib.import_module("parashift.vps.transition")
