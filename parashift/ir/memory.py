@@ -69,10 +69,7 @@ def static_memory(model: ModelSpec, strategy: Strategy) -> list[dict[str, int]]:
     """Per pipeline stage: {"param", "grad", "master", "optim"} bytes one rank of that stage holds,
     taken from ``parashift.vps.layout`` (ZeRO buffers with their padding); ``analytic_static_memory``
     computes the same numbers from the inventory alone."""
-    try:
-        from ..vps import layout
-    except ImportError:  # pragma: no cover - vps ships with parashift; kept for partial installs
-        return analytic_static_memory(model, strategy)
+    from ..vps import layout
     lay = layout(model, strategy)
     per = {k: lay.bytes_per_rank(k, padded=True) for k in lay.kinds}
     zero = np.zeros(strategy.world, np.int64)
