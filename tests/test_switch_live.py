@@ -98,6 +98,14 @@ def test_grow_from_one_device_and_shrink_to_one_through_promoted_collectives():
                    big_piece=4096)
     assert [s.get("aborted") for s in res.switches] == [None] * len(chain)
     assert check_switches(GPT, res) == len(chain)
+    for r in res.reports.values():
+        for sw in (r or {}).get("switches", []):
+            # the memory high-water mark: both layouts' states whole, plus the staging in use at once
+            assert sw["peak_bytes"] == sw["old_bytes"] + sw["new_bytes"] + sw["staging_peak_bytes"]
+            assert sw["old_bytes"] > 0 or sw["joining"]
+            assert {"keep", "pack", "unpack", "checksum", "idle"} <= set(sw["phases"])
+            # the next training world is built while the state moves; the pause waits only for the rest
+            assert {"transfer", "verify", "rebuild", "rebuild-wait"} <= {row[1] for row in sw["rows"]}
     # communicators are cached by member set: the 4-process world of switch 2 is reused by switch 3
     assert max(r["groups_reused"] for r in res.reports.values() if r) >= 1
 

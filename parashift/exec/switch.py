@@ -9,7 +9,8 @@ Every participant of a switch computes the same plan locally (``vps.plan_switch`
    built on the job's TCPStore by the :class:`~parashift.exec.elastic.ElasticManager`, and the
    new layout's training Program is compiled.
 3. *transfer*: between iterations, :class:`~parashift.exec.switch_exec.SwitchExecutor` runs this
-   device's streams of the switch Program from the old state store into a new one.
+   device's streams of the switch Program from the old state store into a new one (allocated,
+   and faulted in, in the background once the switch is announced).
 4. *verify*: senders publish checksums of what they sent, receivers compare what they got, and
    every participant votes through the store. Any mismatch, failed transfer or missing vote
    aborts: the new store is dropped and the old one, never written, stays in use
@@ -17,6 +18,19 @@ Every participant of a switch computes the same plan locally (``vps.plan_switch`
 5. *rebuild*: the old training world is replaced by the new one and a Runtime is built over the
    new store (its parameters are views into it); the step counter carries over, so the data
    order (a function of the global step) and the global batch continue unchanged.
+
+Memory. The Program allocates and frees buffers per stage (``alloc``/``free`` of its
+instructions). Its *staging* buffers (packed and received messages) follow it exactly: they come
+from a :class:`~parashift.exec.switch_exec.BufferPool` and go back as soon as their transfer is
+sent or unpacked, so a stage reuses the previous stage's buffers. The *state* buffers do not:
+the runtime keeps each layout's states in a few flat buffers per rank (not one per tensor), the
+new store exists whole before the transfer, and the old store is kept whole until the commit
+vote, so that an abort at any point leaves the old layout's state intact and training goes on
+in it. The Program's per-stage frees of ``old:*`` buffers are therefore not applied; a switch's
+memory high-water mark on a process is ``old + new + staging peak``, recorded in
+:class:`SwitchRecord` (``old_bytes``, ``new_bytes``, ``staging_peak_bytes``, ``peak_bytes``).
+A memory budget bounds the staging part (the planner's stages); :func:`execute_switch` refuses,
+before anything moves, a switch whose ``old + new`` state alone exceeds the budget.
 """
 from __future__ import annotations
 
@@ -81,6 +95,8 @@ def plan_live_switch(spec: ModelSpec, src: Strategy, dst: Strategy, src_devices:
     devs = sorted(set(src_devices) | set(dst_devices))
     clus = _cluster.get("cpu-local").with_devices(max(max(devs) + 1, 8))
     plan = plan_switch(spec, src, dst, cluster=clus, src_devices=list(src_devices), dst_devices=list(dst_devices))
+    if memory_budget is not None:
+        _check_state_budget(plan, memory_budget, devs)
     prog = lower(plan, clus, memory_budget=memory_budget, **options)
     # kept pieces the Program reuses in place (it omits them); flat stores still copy them
     P = prog.meta["pieces"]
@@ -97,6 +113,23 @@ def plan_live_switch(spec: ModelSpec, src: Strategy, dst: Strategy, src_devices:
             extra.setdefault(key[2], []).append((names[key[0]], kinds[key[1]], key[3], key[4]))
     return SwitchPlanned(prog, Strategy.parse(src), Strategy.parse(dst), tuple(src_devices), tuple(dst_devices),
                          extra, time.perf_counter() - t0)
+
+
+def _check_state_budget(plan, memory_budget, devs: list[int]) -> None:
+    """Refuse, before anything moves, a live switch whose old and new states alone exceed a device's
+    budget: the runtime holds both whole until the commit vote (see the module docstring)."""
+    from ..errors import MemoryBudgetError
+    from ..vps.transition.staging import budget_array, state_buffers
+    buf = state_buffers(plan)
+    bud = budget_array(memory_budget, max(devs) + 1)
+    need = np.bincount(buf.dev, weights=(buf.old + buf.new).astype(float), minlength=len(bud))[:len(bud)]
+    over = [d for d in devs if need[d] > bud[d]]
+    if over:
+        d = over[0]
+        raise MemoryBudgetError(
+            f"a live switch holds the old and the new state whole until it commits (so that an abort keeps "
+            f"the old layout): device {d} needs {need[d] / 2**20:.1f} MiB for them, over its budget of "
+            f"{bud[d] / 2**20:.1f} MiB; raise the budget, or switch through a checkpoint")
 
 
 def _rows(flat: list, dims: int) -> list[list[int]]:
@@ -117,6 +150,8 @@ class Prepared:
     world_seconds: float
     world_start: float
     world_end: float
+    new_store: StateStore | None = None      # the destination store, when allocated ahead of the switch
+    alloc_seconds: float = 0.0
 
 
 def prepare(manager, spec: ModelSpec, src: Strategy, dst: Strategy, src_devices: tuple[int, ...],
@@ -211,6 +246,7 @@ def execute_switch(prep: Prepared, store, prefix: str, device: int, old: StateSt
     leader = min(prep.planned.src_devices)
     reason = None
     stats = None
+    pool = pool if pool is not None else BufferPool()
     t0 = time.time()
     try:
         ex = SwitchExecutor(prep.planned.program, device, old, new, prep.world, prep.index,
@@ -224,7 +260,7 @@ def execute_switch(prep: Prepared, store, prefix: str, device: int, old: StateSt
     record.transfer_seconds = t1 - t0
     record.rows.append(("switch", "transfer", t0, t1))
     record.old_bytes, record.new_bytes = bytes_of(old), bytes_of(new)
-    record.staging_peak_bytes = pool.peak if pool is not None else 0
+    record.staging_peak_bytes = pool.peak
     record.peak_bytes = record.old_bytes + record.new_bytes + record.staging_peak_bytes
     if stats is not None:
         record.bytes_sent, record.bytes_received, record.zero_copy = (stats.bytes_sent, stats.bytes_received,

@@ -7,14 +7,24 @@ states in flat buffers; :func:`piece_view` maps a piece onto a strided view of t
 buffer (no copy), so ``keep`` copies, packs and unpacks are strided tensor copies.
 
 :class:`SwitchExecutor` runs the streams of one device (``pack``, ``send<l>``, ``recv<l>``,
-``coll<l>``, ``unpack``) in order, honoring ``deps``: copies run inline, communication is issued
-asynchronously on the switch's process groups and completes while other streams go on. In a
-point-to-point transfer, every piece of at least ``BIG`` bytes travels as a message of its own,
-sent straight from the old state buffer and received straight into the new one wherever its box
-is contiguous there (no packing), while the small pieces share one packed message; a broadcast
-of one contiguous piece is sent from the state buffer too. Staging buffers come from a pool.
-Every sender records a checksum (:func:`checksum`) of what it sent and every receiver of what
-it got; the caller compares them (see :mod:`parashift.exec.switch`).
+``coll<l>``, ``unpack``) honoring ``deps``. How it keeps close to the bare cost of moving bytes:
+
+- *no needless packing*: in a point-to-point transfer every piece of at least ``BIG`` bytes
+  travels as a message of its own, sent straight from the old state buffer and received straight
+  into the new one wherever its box is contiguous there; only small pieces (and boxes strided at
+  one end) go through a staging buffer, one per transfer (the planner coalesces per peer);
+- *pooled staging*: staging buffers come from a :class:`BufferPool` and go back as soon as
+  their transfer is sent or unpacked, so later stages (and later switches) reuse them;
+- *overlap*: point-to-point messages are all issued as soon as their deps allow (tags keep
+  them apart), in parts of at most ``CHUNK`` bytes; while they are on the wire the driver copies
+  the kept pieces, and checksums each part as soon as it has been sent or has landed (while its
+  bytes are still in the cache);
+- *cheap checks*: a checksum is one vectorized 64-bit sum per part (memory speed), folded per
+  transfer, so verification publishes one value per transfer; the caller compares them (see
+  :mod:`parashift.exec.switch`).
+
+:func:`state_alloc` allocates the destination store huge-page backed (first-touch faults of
+4 KiB pages cost about a tenth of a second per GB).
 """
 from __future__ import annotations
 
@@ -38,8 +48,10 @@ from .state import StateStore
 
 #: Pieces of at least this many bytes travel as point-to-point messages of their own.
 BIG = 1 << 16
-#: Messages per transfer (gloo tags are ``transfer * MAX_MSGS + message``).
-MAX_MSGS = 1 << 20
+#: Point-to-point messages travel in parts of at most this many bytes (checksummed as they land).
+CHUNK = 1 << 22
+#: Parts per transfer (gloo tags are ``transfer * MAX_MSGS + part``).
+MAX_MSGS = 1 << 24
 
 #: Transparent huge pages: buffers of at least this many bytes are advised to use them.
 HUGE = 1 << 21
@@ -104,11 +116,22 @@ def _advise_huge(t: torch.Tensor) -> None:
         return
     a = -(-t.data_ptr() // HUGE) * HUGE
     e = (t.data_ptr() + n) // HUGE * HUGE
-    if e > a:
+    if e > a and _libc() is not None:
+        _libc().madvise(ctypes.c_void_p(a), ctypes.c_size_t(e - a), 14)  # MADV_HUGEPAGE; advice only
+
+
+_LIBC: list = []
+
+
+def _libc():
+    if not _LIBC:
         try:
-            ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(a), ctypes.c_size_t(e - a), 14)  # MADV_HUGEPAGE
-        except (OSError, AttributeError):  # pragma: no cover - no libc madvise: small pages, same bytes
-            pass
+            lib = ctypes.CDLL(None, use_errno=True)
+            lib.madvise  # noqa: B018 - raises AttributeError where libc has none
+        except (OSError, AttributeError):  # pragma: no cover - no madvise: small pages, same bytes
+            lib = None
+        _LIBC.append(lib)
+    return _LIBC[0]
 
 
 def state_alloc(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -130,12 +153,16 @@ def checksum(t: torch.Tensor) -> int:
     """A transfer checksum of a contiguous tensor's bytes: the 64-bit wrapping sum of its 8-byte words
     (any corrupted word changes it; it runs at memory speed) plus a CRC32 of the tail. The value
     depends only on the bytes, not on their alignment: numpy sums misaligned words in place
-    (~2/3 of the aligned speed) instead of copying them."""
-    a = t.contiguous().view(-1).view(torch.uint8).numpy()
+    (about half the aligned speed) instead of copying them."""
+    b = t.contiguous().view(-1).view(torch.uint8)
+    a = b.numpy()
     n8 = a.size // 8 * 8
     if n8 == 0:
         return zlib.crc32(a)
-    head = int(a[:n8].view(np.uint64).sum(dtype=np.uint64))
+    if b.data_ptr() % 8 == 0:        # aligned: torch's reduction is the faster one (same wrapping sum)
+        head = int(b[:n8].view(torch.int64).sum()) & 0xFFFFFFFFFFFFFFFF
+    else:
+        head = int(a[:n8].view(np.uint64).sum(dtype=np.uint64))
     return (head * 0x100000001B3 + zlib.crc32(a[n8:]) + n8) & 0xFFFFFFFFFFFFFFFF
 
 
@@ -246,6 +273,7 @@ class _Flight:
     works: list
     t0: float
     then: Callable[[], None] | None = None
+    on_part: Callable[[int], None] | None = None     # called as each of ``works`` completes, in order
     done: bool = False
 
 
@@ -285,8 +313,10 @@ class SwitchExecutor:
     buffer before it is checksummed; ``on_issue(instr)``: called after each
     communication instruction is issued (fault tests). ``peer_gone()``: polled while
     waiting; a device id it returns (a participant known to be dead) aborts the switch at once.
-    ``big``: pieces of at least this many bytes travel as messages of their own (every participant
-    must use the same value).
+    ``big``: pieces of at least this many bytes travel as messages of their own; ``chunk``:
+    point-to-point messages travel in parts of at most this many bytes (every participant must
+    use the same values). ``pool``: where staging buffers come from and go back to (its ``peak``
+    becomes ``stats.staging_peak``).
     """
 
     def __init__(self, program: Program, device: int, old: StateStore | None, new: StateStore | None,
@@ -295,7 +325,7 @@ class SwitchExecutor:
                  pool: BufferPool | None = None,
                  on_received: Callable[[str, torch.Tensor], None] | None = None,
                  on_issue: Callable[[Instr], None] | None = None,
-                 peer_gone: Callable[[], int | None] | None = None, big: int = BIG) -> None:
+                 peer_gone: Callable[[], int | None] | None = None, big: int = BIG, chunk: int = CHUNK) -> None:
         self.program, self.device, self.old, self.new = program, device, old, new
         self.world, self.index, self.group = world, index, group
         self.meta = program.meta
@@ -309,6 +339,7 @@ class SwitchExecutor:
         self.on_issue = on_issue
         self.peer_gone = peer_gone
         self.big = int(big)
+        self.chunk = int(chunk)
         self.bufs: dict[str, torch.Tensor] = {}
         self.pooled: set[str] = set()
         self.direct: dict[str, torch.Tensor] = {}          # tag -> state view sent/received without staging
@@ -326,7 +357,6 @@ class SwitchExecutor:
         self.msgs: dict[str, list[torch.Tensor]] = {}       # p2p tag -> its messages
         self.temps: dict[str, list[torch.Tensor]] = {}      # p2p tag -> pooled buffers it uses
         self.later: collections.deque = collections.deque()  # deferred work, run while the wire is busy
-        self.unsummed: dict[str, list[torch.Tensor]] = {}   # p2p tag -> sent messages not yet checksummed
 
     def _sum(self, t: torch.Tensor) -> int:
         t0 = time.perf_counter()
@@ -382,9 +412,11 @@ class SwitchExecutor:
             # touches, so their copies are deferred: the driver runs them while transfers are on the wire
             stage = int(arg)
             rows = np.flatnonzero((self.P.transfer == -1) & (self.P.dst == self.device) & (self.P.stage == stage))
-            self.later.extend(("keep", i) for i in rows.tolist())
+            pairs = [(self._view(self.new, i), self._view(self.old, i)) for i in rows.tolist()]
             if stage == 0:
-                self.later.extend(("extra", x) for x in self.extra_keep)
+                pairs += [(piece_view(self.new, *x), piece_view(self.old, *x)) for x in self.extra_keep]
+            for d, o in pairs:            # in slices, so that landing parts are checksummed between them
+                self.later.extend(_slices(d, o, self.chunk))
             self._alloc(ins)
             return
         tag = arg
@@ -467,28 +499,13 @@ class SwitchExecutor:
                 t.view(v.dtype).view(v.shape).copy_(v)
                 msgs.append(t)
         self.msgs[tag] = msgs
-        self.unsummed[tag] = msgs          # checksummed once the messages are on the wire
-        self.later.append(("sum", tag))
 
-    def _sum_sent(self, tag: str) -> None:
-        for j, m in enumerate(self.unsummed.pop(tag, ())):
-            self.stats.sent_crc[f"{tag}#{j}"] = self._sum(m)
-
-    def _run_later(self, item: tuple) -> None:
-        """One piece of deferred work: a kept piece's copy, or a sent transfer's checksums."""
-        what, arg = item
+    def _run_later(self, item: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """One piece of deferred work: a slice of a kept piece's copy."""
         t0 = time.perf_counter()
-        if what == "sum":
-            self._sum_sent(arg)
-            return
-        if what == "keep":
-            self._view(self.new, arg).copy_(self._view(self.old, arg))
-            self.stats.bytes_copied += int(self.P.nbytes[arg])
-        else:
-            t, k, lo, hi = arg
-            v = piece_view(self.new, t, k, lo, hi)
-            v.copy_(piece_view(self.old, t, k, lo, hi))
-            self.stats.bytes_copied += v.numel() * v.element_size()
+        d, o = item
+        d.copy_(o)
+        self.stats.bytes_copied += d.numel() * d.element_size()
         self.stats.add("keep", t0)
 
     def _recv_p2p(self, ins: Instr) -> list[torch.Tensor]:
@@ -552,26 +569,34 @@ class SwitchExecutor:
         xid = self.tag_id[tag]
         t0 = time.perf_counter()
         if ins.op == "send":
-            msgs = self.msgs[tag]
+            parts = _parts(self.msgs[tag], self.chunk)
             self.stats.bytes_sent += ins.nbytes
             peer = self.index[ins.peer]
+            fold = [0]
+
+            def part_sent(j: int) -> None:     # checksum each part once it is out, while it is still cached
+                fold[0] = _fold(fold[0], self._sum(parts[j]))
+
             def sent() -> None:
-                self._sum_sent(tag)            # before its staging buffers go back to the pool
+                self.stats.sent_crc[tag] = fold[0]
                 self._release(tag)
             return _Flight(ins, ins.stream, [self.world.send([m], peer, xid * MAX_MSGS + j)
-                                             for j, m in enumerate(msgs)], t0, sent)
+                                             for j, m in enumerate(parts)], t0, sent, on_part=part_sent)
         if ins.op == "recv":
-            msgs = self._recv_p2p(ins)
+            parts = _parts(self._recv_p2p(ins), self.chunk)
             self.stats.bytes_received += ins.nbytes
             peer = self.index[ins.peer]
+            fold = [0]
+
+            def part(j: int) -> None:          # checksum each part as it lands, while the next one streams in
+                if self.on_received is not None:
+                    self.on_received(tag, parts[j])
+                fold[0] = _fold(fold[0], self._sum(parts[j]))
 
             def got() -> None:
-                for j, m in enumerate(msgs):
-                    if self.on_received is not None:
-                        self.on_received(tag, m)
-                    self.stats.recv_crc[f"{tag}#{j}"] = self._sum(m)
+                self.stats.recv_crc[tag] = fold[0]
             return _Flight(ins, ins.stream, [self.world.recv([m], peer, xid * MAX_MSGS + j)
-                                             for j, m in enumerate(msgs)], t0, got)
+                                             for j, m in enumerate(parts)], t0, got, on_part=part)
         pg = self.group(tuple(ins.group))
         me = ins.group.index(self.device)
         root = ins.group.index(ins.root)
@@ -645,11 +670,13 @@ class SwitchExecutor:
 
         def waiter(fl: _Flight) -> None:
             try:
-                for w in fl.works:
+                for j, w in enumerate(fl.works):
                     w.wait(timeout)
-                finished.put((fl, None))
+                    if fl.on_part is not None:
+                        finished.put((fl, j, None))
+                finished.put((fl, None, None))
             except BaseException as e:  # noqa: BLE001 - handed to the driver
-                finished.put((fl, e))
+                finished.put((fl, None, e))
 
         def in_flight() -> int:
             return len(busy) + sum(len(q) for q in lanes.values())
@@ -669,46 +696,35 @@ class SwitchExecutor:
                 return
             while q and q[0].done:
                 done.add(q.popleft().ins.id)
+
+        def handle(fl: _Flight, j: int | None, err: BaseException | None) -> None:
+            if err is not None:
+                raise err
+            if j is not None:
+                fl.on_part(j)
+            else:
+                complete(fl)
         try:
             while True:
-                for s, v in streams.items():
-                    while s not in busy and pos[s] < len(v) and all(d in done for d in v[pos[s]].deps):
-                        ins = v[pos[s]]
-                        pos[s] += 1
-                        t0 = time.perf_counter()
-                        if ins.op == "copy":
-                            ck = st.seconds["checksum"]
-                            self._copy(ins)
-                            t1 = time.perf_counter()
-                            what = ins.key.split(":")[0]
-                            st.seconds[what] += t1 - t0 - (st.seconds["checksum"] - ck)
-                            st.rows.append((s, what, t0, t1, ins.nbytes))
-                            done.add(ins.id)
-                            continue
-                        fl = self._issue(ins)
-                        if s in lanes:
-                            lanes[s].append(fl)
-                        else:
-                            busy[s] = fl
-                        _WAITERS.submit(waiter, fl)
-                        st.add("issue", t0)
-                        if self.on_issue is not None:
-                            self.on_issue(ins)
+                ran = self._step(streams, pos, busy, lanes, done, waiter)
+                while True:                        # whatever landed meanwhile, while it is still cached
+                    try:
+                        item = finished.get_nowait()
+                    except queue.Empty:
+                        break
+                    handle(*item)
+                    ran = True
+                if ran:
+                    continue
                 if not in_flight():
                     if any(pos[s] < len(v) for s, v in streams.items()):
                         raise SwitchAborted(f"device {self.device}: the switch Program cannot proceed (a dependency "
                                             f"is never satisfied); the Program is invalid")
                     break
-                try:
-                    fl, err = finished.get_nowait()
-                except queue.Empty:
-                    if self.later:                 # the wire is busy: do deferred work meanwhile
-                        self._run_later(self.later.popleft())
-                        continue
-                    fl, err = self._wait(finished, busy, lanes)
-                if err is not None:
-                    raise err
-                complete(fl)
+                if self.later:                     # the wire is busy: do deferred work meanwhile
+                    self._run_later(self.later.popleft())
+                    continue
+                handle(*self._wait(finished, busy, lanes))
             while self.later:
                 self._run_later(self.later.popleft())
         except SwitchAborted:
@@ -721,6 +737,45 @@ class SwitchExecutor:
         if self.pool is not None:
             st.staging_peak = self.pool.peak
         return st
+
+    def _step(self, streams: dict, pos: dict, busy: dict, lanes: dict, done: set, waiter: Callable) -> bool:
+        """Issue every communication instruction whose deps are done, then run at most one ready
+        copy (pack, unpack, keep); False when nothing could run. Receives are posted and sends go out
+        before the next pack, so that packing overlaps the transfers already on the wire."""
+        st = self.stats
+        ran = False
+
+        def ready(s: str, v: list) -> bool:
+            return s not in busy and pos[s] < len(v) and all(d in done for d in v[pos[s]].deps)
+        for s, v in streams.items():
+            while ready(s, v) and v[pos[s]].op != "copy":
+                ins = v[pos[s]]
+                pos[s] += 1
+                t0 = time.perf_counter()
+                fl = self._issue(ins)
+                if s in lanes:
+                    lanes[s].append(fl)
+                else:
+                    busy[s] = fl
+                _WAITERS.submit(waiter, fl)
+                st.add("issue", t0)
+                ran = True
+                if self.on_issue is not None:
+                    self.on_issue(ins)
+        for s, v in streams.items():
+            if ready(s, v):               # a copy (communication was all issued above)
+                ins = v[pos[s]]
+                pos[s] += 1
+                t0 = time.perf_counter()
+                ck = st.seconds["checksum"]
+                self._copy(ins)
+                t1 = time.perf_counter()
+                what = ins.key.split(":")[0]
+                st.seconds[what] += t1 - t0 - (st.seconds["checksum"] - ck)
+                st.rows.append((s, what, t0, t1, ins.nbytes))
+                done.add(ins.id)
+                return True
+        return ran
 
     def _wait(self, finished: queue.Queue, busy: dict, lanes: dict) -> tuple:
         """The next finished flight; raises SwitchAborted when a peer is gone or nothing moves."""
@@ -738,6 +793,27 @@ class SwitchExecutor:
                     waiting = list(busy.values()) + [f for q in lanes.values() for f in q if not f.done]
                     raise SwitchAborted(f"device {self.device}: {why} (waiting on "
                                         f"{', '.join(f'{f.ins.op} {f.ins.tag}' for f in waiting)})") from None
+
+
+def _parts(msgs: list[torch.Tensor], chunk: int) -> list[torch.Tensor]:
+    """Messages cut into consecutive parts of at most ``chunk`` bytes (views, no copy); both ends
+    of a transfer cut alike, as their messages have the same sizes."""
+    return [m[a:a + chunk] for m in msgs for a in range(0, max(m.numel(), 1), chunk)]
+
+
+def _slices(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(dst, src) views of equal shape cut along the first dimension into copies of about
+    ``nbytes`` bytes or less (a single row may be larger)."""
+    if dst.dim() == 0 or dst.numel() * dst.element_size() <= nbytes:
+        return [(dst, src)]
+    row = max(1, dst[0].numel() * dst.element_size())
+    step = max(1, nbytes // row)
+    return [(dst[a:a + step], src[a:a + step]) for a in range(0, dst.shape[0], step)]
+
+
+def _fold(h: int, c: int) -> int:
+    """Order-dependent combination of part checksums into one per transfer."""
+    return (h * 0x100000001B3 ^ c) & 0xFFFFFFFFFFFFFFFF
 
 
 def _td(seconds: float):

@@ -4,9 +4,12 @@ A job is a sequence of *generations* (strategy, devices), each starting at a glo
 :func:`run_live` starts one fresh process per device incarnation (see :mod:`.elastic`): the
 devices of generation 0 train at once; a joining device's process is started when its switch is
 announced, rendezvous with the job through the shared TCPStore, and receives its state. A switch
-is announced ``notice`` steps ahead (as spot instances get a notice): the participants plan it
-and build its communicators in the background while training goes on (:class:`LiveSession`),
-then switch between iterations; leaving devices send their state out and exit.
+is announced ``notice`` steps ahead (as spot instances get a notice): the participants plan it,
+build its communicators and allocate the destination store in the background while training
+goes on (:class:`LiveSession`), then switch between iterations; leaving devices send their state
+out and exit. During the pause, the next training world (torch's default process group, which
+the old layout trains on until its last step) is built by a thread while the state moves, so the
+pause is the transfer and verification plus whatever of the rebuild they do not hide.
 """
 from __future__ import annotations
 
@@ -20,14 +23,14 @@ from typing import Any, Callable
 import torch
 
 from .. import models
-from ..errors import StrategyError, SwitchAborted
+from ..errors import MemoryBudgetError, RuntimeFailure, StrategyError, SwitchAborted
 from ..strategy import Strategy
 from .elastic import ElasticContext, ElasticManager, incarnations, launch_elastic
 from .launch import RankContext
 from .reference import OptimConfig
 from .state import StateStore
 from .switch import Prepared, SwitchRecord, execute_switch, prepare, store_arrays
-from .switch_exec import BIG, BufferPool
+from .switch_exec import BIG, BufferPool, state_alloc
 
 __all__ = ["Generation", "generations", "LiveSession", "LiveResult", "run_live"]
 
@@ -108,9 +111,15 @@ class LiveSession:
 
         def work() -> None:
             try:
-                fut.set_result(prepare(self.manager, self.spec, src.strategy, dst.strategy, src.devices, dst.devices,
-                                       _keys(self.gens, g), self.device, global_batch=gb, seq_len=seq,
-                                       memory_budget=self.opts.get("memory_budget")))
+                prep = prepare(self.manager, self.spec, src.strategy, dst.strategy, src.devices, dst.devices,
+                               _keys(self.gens, g), self.device, global_batch=gb, seq_len=seq,
+                               memory_budget=self.opts.get("memory_budget"))
+                if self.device in dst.devices:     # the destination store, faulted in while training goes on
+                    t0 = time.time()
+                    prep.new_store = StateStore(self.spec, dst.strategy, dst.devices.index(self.device),
+                                                torch.device("cpu"), init=False, alloc=state_alloc)
+                    prep.alloc_seconds = time.time() - t0
+                fut.set_result(prep)
             except BaseException as e:  # noqa: BLE001 - re-raised by switch()
                 fut.set_exception(e)
         threading.Thread(target=work, name=f"parashift-prepare{g}", daemon=True).start()
@@ -119,9 +128,8 @@ class LiveSession:
     # ---- the switch ---------------------------------------------------------------------------------------
     def switch(self, g: int):
         """Switch into generation ``g`` between iterations; returns the new Runtime (None if this device
-        leaves). Raises SwitchAborted, with the old runtime untouched, when the switch fails."""
-        import torch.distributed as dist
-        from .runtime import Runtime
+        leaves). Raises SwitchAborted, with the old layout's state untouched, when the switch fails
+        (with every participant alive, training goes on in the old layout: see :meth:`_roll_back`)."""
         t_pause = time.time()
         self.announce(g)
         fut, _ = self.pending.pop(g)
@@ -134,18 +142,15 @@ class LiveSession:
         except Exception as e:  # noqa: BLE001 - no world: nothing moved yet
             rec.aborted = f"preparation failed: {type(e).__name__}: {e}"
             err = SwitchAborted(f"switch at step {dst.step} aborted before moving anything: {rec.aborted}")
-            err.peer_failed = True
+            err.peer_failed = not isinstance(e, MemoryBudgetError)   # a refused plan: train on in the old layout
             raise err from e
         rec.plan_seconds, rec.world_seconds = prep.plan_seconds, prep.world_seconds
         rec.rows += [("elastic", "plan", prep.world_start - prep.plan_seconds, prep.world_start),
                      ("elastic", "world", prep.world_start, prep.world_end)]
         old = self.runtime.store if self.runtime is not None else None
-        new = None
         new_rank = dst.devices.index(self.device) if self.device in dst.devices else None
-        t_alloc = time.time()
-        if new_rank is not None:     # the destination buffers (part of the transfer phase)
-            new = StateStore(self.spec, dst.strategy, new_rank, torch.device("cpu"), init=False)
-        t_alloc = time.time() - t_alloc
+        new, prep.new_store = prep.new_store, None      # allocated in the background by announce()
+        rec.alloc_seconds = prep.alloc_seconds
         fault = self.opts.get("fault") or {}
         on_received = on_issue = None
         if fault.get("switch") == g and fault.get("device") == self.device:
@@ -162,46 +167,120 @@ class LiveSession:
                 def on_issue(ins):  # noqa: ANN001 - test hook: die in the middle of the transfer
                     if ins.op in ("send", "broadcast", "scatter", "gather"):
                         os._exit(17)
+        th, box = self._start_rebuild(g, prep, new, new_rank, rec)   # runs while the state moves
         try:
             meta = execute_switch(prep, self.ctx.store, f"sw{g}/", self.device, old, new, rec, timeout=self.timeout,
                                   pool=self.pool, steps_done=self.runtime.steps_done if self.runtime else None,
                                   on_received=on_received, on_issue=on_issue,
                                   big=int(self.opts.get("big_piece", BIG)))
         except SwitchAborted as e:
+            self.pool.clear()
             rec.aborted = str(e)
             for g_ in [tuple(prep.keys[d] for d in prep.planned.participants)] + [
                     tuple(prep.keys[d] for d in grp) for grp in prep.groups]:
                 self.manager.drop(g_)
+            if not getattr(e, "peer_failed", False):
+                self._roll_back(g, th)
             rec.pause_seconds = time.time() - t_pause
             raise
-        rec.transfer_seconds += t_alloc
-        t0 = time.time()
+        self.pool.clear()            # no staging memory lingers while training goes on
         if self.opts.get("export") and old is not None:
             self.exports[f"before{g}"] = {"rank": src.devices.index(self.device), "arrays": store_arrays(old)}
-        if self.runtime is not None:
-            dist.destroy_process_group()
-            self.runtime = None
-        if new is None:
-            rt = None
-        else:
+        t0 = time.time()
+        th.join(self.ctx.timeout)
+        if th.is_alive():
+            raise RuntimeFailure(f"device {self.device}: the training world of {dst.strategy} was not built within "
+                                 f"{self.ctx.timeout:.0f} s after the switch at step {dst.step}; a peer is stuck")
+        if "error" in box:
+            raise box["error"]
+        rt = box.get("runtime")
+        if rt is not None:
             for b in new.buffers.values():
                 b.step = int(meta["opt_step"])
-            dist.init_process_group(self.ctx.backend, store=dist.PrefixStore(f"train{g}", self.ctx.store),
-                                    rank=new_rank, world_size=dst.strategy.world,
-                                    timeout=datetime.timedelta(seconds=self.ctx.timeout))
-            rctx = RankContext(new_rank, dst.strategy.world, self.ctx.backend, torch.device("cpu"), None)
-            rt = Runtime(prep.program, rctx, store=new, data_seed=self.opts.get("data_seed", 0), model=self.spec,
-                         optim=OptimConfig(**self.opts.get("optim", {})), timeout=self.ctx.timeout)
             rt.steps_done = int(meta["steps_done"])
             rt.session = self
             if self.opts.get("export"):
                 self.exports[f"after{g}"] = {"rank": new_rank, "arrays": store_arrays(new)}
         t1 = time.time()
-        rec.rebuild_seconds = t1 - t0
-        rec.rows.append(("switch", "rebuild", t0, t1))
+        a_, b_ = box["span"]
+        rec.rebuild_seconds = b_ - a_
+        rec.rows.append(("switch", "rebuild", a_, b_))
+        rec.rows.append(("switch", "rebuild-wait", t0, t1))    # what of the rebuild the transfer did not hide
         rec.pause_seconds = t1 - t_pause
         self.runtime, self.gen = rt, g
         return rt
+
+    def _start_rebuild(self, g: int, prep: Prepared, new: StateStore | None, new_rank: int | None,
+                       rec: SwitchRecord) -> tuple[threading.Thread, dict]:
+        """Replace this process's training world by generation ``g``'s and build its Runtime over
+        ``new``, in a thread that runs while the transfer does (the transfer uses the switch's own
+        groups, not the training world). The training world is torch's default process group, which
+        the old layout's Runtime uses until its last step, so the new one cannot exist before the
+        pause; built concurrently, it costs the pause only what the transfer does not hide
+        (``rebuild-wait`` in the record's rows). Returns the thread and its result box
+        (``runtime``, ``error``, ``span``)."""
+        box: dict = {}
+        had_world = self.runtime is not None
+        dst = self.gens[g]
+
+        def work() -> None:
+            import torch.distributed as dist
+            from .runtime import Runtime
+            t0 = time.time()
+            try:
+                if had_world:
+                    dist.destroy_process_group()
+                ta = time.time()
+                rec.rows.append(("switch", "destroy", t0, ta))
+                if new is not None:
+                    # a store connection of its own: the transfer's verify blocks on the shared one meanwhile
+                    store = dist.TCPStore(self.ctx.store.host, self.ctx.store.port, None, False,
+                                          timeout=datetime.timedelta(seconds=self.ctx.timeout))
+                    dist.init_process_group(self.ctx.backend, store=dist.PrefixStore(f"train{g}", store),
+                                            rank=new_rank, world_size=dst.strategy.world,
+                                            timeout=datetime.timedelta(seconds=self.ctx.timeout))
+                    tb = time.time()
+                    rec.rows.append(("switch", "init", ta, tb))
+                    rctx = RankContext(new_rank, dst.strategy.world, self.ctx.backend, torch.device("cpu"), None)
+                    box["runtime"] = Runtime(prep.program, rctx, store=new, data_seed=self.opts.get("data_seed", 0),
+                                             model=self.spec, optim=OptimConfig(**self.opts.get("optim", {})),
+                                             timeout=self.ctx.timeout)
+                    rec.rows.append(("switch", "runtime", tb, time.time()))
+            except BaseException as e:  # noqa: BLE001 - re-raised by switch()
+                box["error"] = e
+            finally:
+                box["span"] = (t0, time.time())
+        th = threading.Thread(target=work, name=f"parashift-rebuild{g}", daemon=True)
+        th.start()
+        return th, box
+
+    def _roll_back(self, g: int, th: threading.Thread) -> None:
+        """After a switch aborted with every participant alive: drop the half-built new training
+        world and rebuild the old layout's over the old store (untouched), so training goes on in it."""
+        import torch.distributed as dist
+        from .runtime import Runtime
+        th.join(self.ctx.timeout)
+        if th.is_alive():
+            err = SwitchAborted(f"switch at step {self.gens[g].step} aborted, and the new training world never "
+                                f"formed, so the old one cannot be rebuilt; the old layout's state is intact")
+            err.peer_failed = True
+            raise err
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if self.runtime is None:       # a joining device: nothing to go back to
+            return
+        src = self.gens[g - 1]
+        rank = src.devices.index(self.device)
+        dist.init_process_group(self.ctx.backend, store=dist.PrefixStore(f"train{g}.rollback", self.ctx.store),
+                                rank=rank, world_size=src.strategy.world,
+                                timeout=datetime.timedelta(seconds=self.ctx.timeout))
+        rctx = RankContext(rank, src.strategy.world, self.ctx.backend, torch.device("cpu"), None)
+        old = self.runtime
+        rt = Runtime(old.program, rctx, store=old.store, data_seed=self.opts.get("data_seed", 0), model=self.spec,
+                     optim=OptimConfig(**self.opts.get("optim", {})), timeout=self.ctx.timeout)
+        rt.steps_done = old.steps_done
+        rt.session = self
+        self.runtime = rt
 
     def switch_to(self, strategy: "Strategy | str", devices: "tuple[int, ...] | list[int] | None" = None):
         """What ``Runtime.switch`` calls: switch to the next scheduled generation when it matches,
@@ -387,8 +466,9 @@ def _summarize(gens: list[Generation], reports: dict[str, Any]) -> list[dict]:
                  "src_devices": list(gens[g - 1].devices), "dst_devices": list(gens[g].devices),
                  "seconds": max(SwitchRecord(**{k: v for k, v in r.items()}).seconds for r in recs),
                  "pause_seconds": max(r["pause_seconds"] for r in recs if not r["joining"])}
-        for k in ("plan_seconds", "world_seconds", "transfer_seconds", "verify_seconds", "rebuild_seconds"):
-            entry[k] = max(r[k] for r in recs)
+        for k in ("plan_seconds", "world_seconds", "transfer_seconds", "verify_seconds", "rebuild_seconds",
+                  "alloc_seconds", "peak_bytes", "staging_peak_bytes"):
+            entry[k] = max(r[k] for r in recs)      # the slowest process's phase; the largest high-water mark
         entry["bytes_moved"] = sum(r["bytes_sent"] for r in recs)
         if aborted:
             entry["aborted"] = aborted
@@ -470,7 +550,8 @@ def run_cli(args) -> dict:
            "step_times": step_times(res),
            "switches": [{k: s[k] for k in ("step", "src", "dst", "seconds", "pause_seconds", "plan_seconds",
                                            "world_seconds", "transfer_seconds", "verify_seconds",
-                                           "rebuild_seconds", "bytes_moved", "src_devices", "dst_devices")}
+                                           "rebuild_seconds", "bytes_moved", "peak_bytes", "src_devices",
+                                           "dst_devices")}
                         | ({"aborted": s["aborted"]} if s.get("aborted") else {}) for s in res.switches]}
     if getattr(args, "trace", None):
         res.to_chrome_trace(args.trace)
@@ -495,4 +576,5 @@ def render_cli(result: dict) -> None:
               f"{len(s['dst_devices'])} devices  pause {s['pause_seconds'] * 1e3:.0f} ms of "
               f"{s['seconds'] * 1e3:.0f} ms (plan {s['plan_seconds'] * 1e3:.0f}, world {s['world_seconds'] * 1e3:.0f}, "
               f"transfer {s['transfer_seconds'] * 1e3:.0f}, verify {s['verify_seconds'] * 1e3:.0f}, "
-              f"rebuild {s['rebuild_seconds'] * 1e3:.0f})  {s['bytes_moved'] / 2**20:.1f} MiB moved{tag}")
+              f"rebuild {s['rebuild_seconds'] * 1e3:.0f}, overlapping the transfer)  "
+              f"{s['bytes_moved'] / 2**20:.1f} MiB moved, peak {s['peak_bytes'] / 2**20:.1f} MiB/process{tag}")
