@@ -8,7 +8,9 @@ of a wide GPT in a source layout; each case moves it to a destination layout:
   does them in the background after the switch's notice (``alloc_seconds`` reports the last);
 - ``dcp``: ``torch.distributed.checkpoint.save`` under the old layout and ``load`` under the
   new one (every rank's boxes as ShardedTensor shards, so DCP reshards), on /dev/shm and on disk,
-  into a destination store allocated beforehand too;
+  into a destination store allocated beforehand too. On disk the save is made durable (fsync) and
+  the files are dropped from the page cache before the load, as for a job restarted on a
+  replacement node (without that, "disk" reads back from memory and equals /dev/shm);
 - ``floor``: the same cross-device bytes pre-packed through one gloo all_to_all, plus each
   rank's on-device bytes as one memcpy, with no planning, into destination buffers allocated
   (and faulted in) beforehand with the same allocator as the switch's store.
@@ -153,7 +155,20 @@ def _box_planner(boxes: dict):
     return BoxLoadPlanner()
 
 
-def _dcp_case(spec, src, dst, ddev, device, old, path) -> tuple[float, list[int]]:
+def _persist(path: str, device: int) -> None:
+    """Make this rank's checkpoint files durable (fsync) and drop them from the page cache, so
+    the load reads storage as a restarted job on a replacement node does."""
+    for name in sorted(os.listdir(path)):
+        if name.startswith(f"__{device}_") or (device == 0 and not name.startswith("__")):
+            fd = os.open(os.path.join(path, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _dcp_case(spec, src, dst, ddev, device, old, path, durable: bool) -> tuple[float, list[int]]:
     import torch.distributed.checkpoint as dcp
     new = None                      # the destination store exists beforehand, as in the switch's case
     if device in ddev:
@@ -161,6 +176,10 @@ def _dcp_case(spec, src, dst, ddev, device, old, path) -> tuple[float, list[int]
     torch.distributed.barrier()
     t0 = time.perf_counter()
     dcp.save(_save_dict(spec, old, src), checkpoint_id=path)
+    if durable:
+        torch.distributed.barrier()
+        _persist(path, device)
+        torch.distributed.barrier()
     boxes: dict[str, list] = {}
     if device in ddev:
         rank = ddev.index(device)
@@ -272,7 +291,7 @@ def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict) -> dict:
             runs = []
             for rep in range(dcp_repeats):
                 path = os.path.join(root, f"c{ci}r{rep}")
-                dt, got = _dcp_case(spec, src, dst, ddev, device, old, path)
+                dt, got = _dcp_case(spec, src, dst, ddev, device, old, path, durable=label == "disk")
                 if got != want:
                     raise RuntimeError(f"{name}: the state loaded from DCP differs from the switched state")
                 runs.append(dt)
