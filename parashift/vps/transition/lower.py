@@ -172,8 +172,12 @@ def _emit(p: SwitchPlan, st: Staging, xf: Transfers, opts: Options, devices: lis
         if t.op != "send":
             group_lane.setdefault(t.group, len(group_lane) % L)
 
-    def lane(t) -> int:   # a function of the XOR round (equal at both ends), mixed: rounds share low bits
-        return ((t.root ^ t.peer) * 2654435761 >> 13) % L if t.op == "send" else group_lane[t.group]
+    def lane(t) -> int:
+        """Fibonacci hashing of the XOR round (equal at both ends): the top bits of the 32-bit
+        product, so consecutive rounds land on different lanes even for a few devices."""
+        if t.op != "send":
+            return group_lane[t.group]
+        return (((t.root ^ t.peer) * 2654435761) & 0xFFFFFFFF) * L >> 32
 
     for d in devices:
         s_by, r_by, c_by = by_stage(sends.get(d)), by_stage(recvs.get(d)), by_stage(colls.get(d))
