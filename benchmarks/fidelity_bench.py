@@ -1,8 +1,9 @@
 """Simulator fidelity after calibration, on this machine: prints one JSON object.
 
 Live gloo runs of tiny-gpt on ``--nprocs`` local processes. The cost model is fitted
-(``parashift.calibrate.fit``) on the measured timelines of one set of strategies, then the
-simulator predicts the step time of held-out strategies, which are also run live. Every strategy
+(``parashift.calibrate.fit``; ``--host-cores``, ``--refine``, ``--p2p-posted`` turn on its
+optional terms) on the measured timelines of the probe strategies FIT, then the simulator predicts the step time of the
+held-out strategies HOLDOUT, which are also run live and never seen by the fit. Every strategy
 runs ``--repeats`` times, interleaved with the others (so a burst of load on a shared machine
 hits all of them alike), for ``--steps`` measured steps after a warm-up step; a strategy's
 measured step time is the median of its steps (the slowest rank's barrier-to-end wall time).
@@ -14,10 +15,14 @@ fractions), ``spearman`` (rank correlation of predicted and measured held-out st
 reproducibility: median step time of the odd rounds against the even ones, median over
 strategies; no prediction can be more accurate than this on a machine as noisy),
 ``switch_median_ape`` (live hot switches through SWITCHES: the measured transfer of each switch
-Program against ``simulate_switch`` of it under the fitted model, whose local link is fitted on
-the other switches; null with ``switch_reason`` when the runtime cannot hot-switch), per-strategy
-rows, and the machine's load average.
+Program against ``simulate_switch`` of it under the training-calibrated model, which saw no
+switch; ``switch_loo_median_ape``: with SWITCH_PARAMS fitted on the other three switches; null
+with ``switch_reason`` when the runtime cannot hot-switch), per-strategy rows, the fitted parameters
+and step-time factors, and the machine's load average.
 Target: median under 10% on CPU/gloo.
+
+``--save F`` also writes the measurements (timelines, step and switch times) to a pickle file;
+``--load F`` evaluates saved measurements with the current code instead of running anything.
 
 Usage: python benchmarks/fidelity_bench.py [--nprocs 4] [--steps 3] [--repeats 2] [--save F | --load F]
 """
@@ -32,7 +37,10 @@ import time
 
 import numpy as np
 
-FIT = ("dp=4", "tp=2,dp=2", "dp=2,pp=2", "pp=4", "dp=2,pp=2,zero=1", "tp=2,dp=2,zero=1")
+#: probes: every term the held-out strategies use (TP, DP, ZeRO collectives, pipeline send/recv, a
+#: second microbatch size, split backward) on strategies that are not held out
+FIT = ("dp=4", "tp=2,dp=2", "dp=2,pp=2", "pp=4", "dp=2,pp=2,zero=1", "tp=2,dp=2,zero=1", "pp=4,mbs=2",
+       "dp=4,mbs=2", "pp=4,schedule=zb-h1")
 HOLDOUT = ("tp=2,pp=2", "dp=4,zero=2", "dp=2,pp=2,mbs=2", "pp=4,schedule=gpipe", "dp=2,pp=2,schedule=zb-h1",
            "dp=4,zero=1")
 
@@ -41,6 +49,8 @@ def _log(msg: str) -> None:
     print(f"fidelity: {msg}", file=sys.stderr, flush=True)
 
 
+#: what the switches are fitted on (leave-one-out): the fixed cost of a switch and the copy rate
+SWITCH_PARAMS = ("link_bw.local",)
 SWITCHES = (("dp=4", "tp=2,dp=2"), ("tp=2,dp=2", "dp=2,pp=2"), ("dp=2,pp=2", "pp=4"), ("pp=4", "dp=4,zero=1"))
 
 
@@ -71,9 +81,9 @@ def _measure_switches(model: str, repeats: int, global_batch: int, seq_len: int)
 
 
 def _switch_fidelity(cost_model, cluster, model: str, switches: dict) -> dict:
-    """Measured transfer of each live switch Program against ``simulate_switch`` of it,
-    leave-one-out: the training-calibrated model plus the local link fitted on the other switches
-    (``switch_training_only_median_ape``: without that)."""
+    """Measured transfer of each live switch Program against ``simulate_switch`` of it under the
+    training-calibrated model (``switch_median_ape``), and under that model plus SWITCH_PARAMS
+    fitted on the other switches (``switch_loo_median_ape``, leave-one-out)."""
     if "reason" in switches:
         return {"switch_median_ape": None, "switch_reason": switches["reason"]}
     from parashift import models
@@ -90,17 +100,19 @@ def _switch_fidelity(cost_model, cluster, model: str, switches: dict) -> dict:
         meas.append(float(np.median(measured[k])))
     rows = []
     for k, (src, dst) in enumerate(SWITCHES):
-        # the local link (switches copy through it; training never does) fitted on the other switches
+        # leave-one-out: SWITCH_PARAMS (training never exercises them) fitted on the other switches
         others = [j for j in range(len(SWITCHES)) if j != k]
-        local, _ = fit_programs([progs[j] for j in others], [meas[j] for j in others], cluster, base=cost_model)
-        pred = simulate_switch(progs[k], cluster, local).switch_time
-        rows.append({"src": src, "dst": dst, "measured": meas[k], "predicted": pred,
-                     "training_only_predicted": simulate_switch(progs[k], cluster, cost_model).switch_time,
-                     "ape": float(ape([pred], [meas[k]])[0])})
+        loo, _ = fit_programs([progs[j] for j in others], [meas[j] for j in others], cluster, base=cost_model,
+                              params=SWITCH_PARAMS)
+        pred = simulate_switch(progs[k], cluster, cost_model).switch_time
+        loo_pred = simulate_switch(progs[k], cluster, loo).switch_time
+        rows.append({"src": src, "dst": dst, "measured": meas[k], "predicted": pred, "loo_predicted": loo_pred,
+                     "ape": float(ape([pred], [meas[k]])[0]), "loo_ape": float(ape([loo_pred], [meas[k]])[0])})
     e = [r["ape"] for r in rows]
-    e0 = ape([r["training_only_predicted"] for r in rows], meas)
+    e1 = [r["loo_ape"] for r in rows]
     return {"switch_median_ape": float(np.median(e)), "switch_worst_ape": float(np.max(e)),
-            "switch_training_only_median_ape": float(np.median(e0)), "switches": rows}
+            "switch_loo_median_ape": float(np.median(e1)), "switch_loo_worst_ape": float(np.max(e1)),
+            "switches": rows}
 
 
 def _load(path: str) -> dict:
@@ -122,8 +134,10 @@ def main(argv: list[str] | None = None) -> dict:
                                                  "times) to this pickle file")
     ap.add_argument("--load", default=None, help="evaluate measurements saved by --save instead of running")
     ap.add_argument("--no-switch", action="store_true", help="skip the live hot switches")
-    ap.add_argument("--host-cores", type=float, default=float(os.cpu_count() or 1),
-                    help="cores the local processes share (a start value the fit refines; default: this machine's)")
+    ap.add_argument("--host-cores", type=float, default=0.0,
+                    help="fit with the processes sharing this many cores (0, the default: not modeled)")
+    ap.add_argument("--refine", action="store_true", help="fit time scales to the probes' step times too")
+    ap.add_argument("--p2p-posted", action="store_true", help="simulate send/recv as posted (the runtime's way)")
     args = ap.parse_args(argv)
 
     from parashift import cluster as clusters, models
@@ -177,7 +191,8 @@ def main(argv: list[str] | None = None) -> dict:
     _log("fitting")
     tls = [r.timeline for s in fit_set for r in runs[s]]
     progs = [programs[s] for s in fit_set for _ in runs[s]]
-    f = fit(tls, cl, programs=progs, steps=False, host_cores=args.host_cores)
+    f = fit(tls, cl, programs=progs, steps=False, host_cores=args.host_cores or None, refine=args.refine,
+            p2p_posted=args.p2p_posted)
     base = CostModel.for_cluster(cl)
     pred = {s: simulate(p, cl, f.cost_model).step_time for s, p in programs.items()}
     base_pred = {s: simulate(p, cl, base).step_time for s, p in programs.items()}

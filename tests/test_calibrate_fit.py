@@ -40,6 +40,13 @@ def timelines(cm: sim.CostModel, texts=STRATEGIES):
     return [sim.simulate(p, CL, cm).timeline for p in progs], progs
 
 
+def fit_uniform(*args, **kw) -> calibrate.Fit:
+    """``calibrate.fit`` of the model family the truths below come from: one fixed cost shared by
+    every communication operation, instruction samples only (the defaults; per-operation costs and
+    the step-time refinement are tested in test_calibrate_steps.py)."""
+    return calibrate.fit(*args, **{"per_op": False, "refine": False, **kw})
+
+
 def fitted(f: calibrate.Fit, name: str) -> float:
     return get_value(f.cost_model, Param.parse(name))
 
@@ -47,7 +54,7 @@ def fitted(f: calibrate.Fit, name: str) -> float:
 def test_recovers_a_known_cost_model_and_its_step_times():
     truth = truth_model()
     tls, progs = timelines(truth)
-    f = calibrate.fit(tls, CL, programs=progs)
+    f = fit_uniform(tls, CL, programs=progs)
     for name in ("efficiency.fwd", "efficiency.bwd", "comm_overhead", "link_bw.intra", "latency.intra",
                  "optim_overhead", "memory_efficiency"):
         assert fitted(f, name) == pytest.approx(get_value(truth, Param.parse(name)), rel=0.01), name
@@ -62,6 +69,14 @@ def test_recovers_a_known_cost_model_and_its_step_times():
     assert (ape(f.steps["base_predicted"], f.steps["measured"]) > 0.2).all()
 
 
+def test_the_richer_fit_reproduces_the_step_times_too():
+    truth = truth_model()
+    tls, progs = timelines(truth)
+    f = calibrate.fit(tls, CL, programs=progs, refine=True, per_op=True)
+    assert set(f.step_factors) == {"compute", "comm_alpha", "comm_beta"}
+    np.testing.assert_allclose(f.steps["predicted"], f.steps["measured"], rtol=0.02)
+
+
 def test_robust_to_noise_and_outliers():
     truth = truth_model(eff=0.7, comm=2.0)
     tls, progs = timelines(truth)
@@ -72,7 +87,7 @@ def test_robust_to_noise_and_outliers():
         factor = np.exp(rng.normal(0.0, 0.05, len(d)))
         factor[rng.random(len(d)) < 0.1] *= 5.0           # 10% of the rows are 5x slow
         noisy.append(tl.assign(end=tl["start"] + d * factor))
-    f = calibrate.fit(noisy, CL, programs=progs, means=False)
+    f = fit_uniform(noisy, CL, programs=progs, means=False)
     # (a plain least-squares fit of log times would be ~15% slow; a shortened instruction leaves a
     # gap before the next one, which its cost absorbs, so the fit is ~2% slow by construction)
     for name in ("efficiency.fwd", "efficiency.bwd"):
@@ -93,8 +108,8 @@ def test_means_make_totals_agree_when_the_slow_tail_is_real():
         d = (tl["end"] - tl["start"]).to_numpy()
         factor = np.where(rng.random(len(d)) < 0.2, 3.0, 1.0)    # a fifth of everything runs 3x slow
         slow.append(tl.assign(end=tl["start"] + d * factor))
-    typical = calibrate.fit(slow, CL, programs=progs, means=False)
-    f = calibrate.fit(slow, CL, programs=progs)
+    typical = fit_uniform(slow, CL, programs=progs, means=False)
+    f = fit_uniform(slow, CL, programs=progs)
     # the robust fit finds the typical (truth) cost; the means add the tail back
     assert fitted(typical, "efficiency.fwd") == pytest.approx(truth.efficiency["fwd"], rel=0.03)
     assert typical.mean_scales == {} and f.mean_scales["compute:fwd"] > 1.1 and f.mean_scales["comm"] > 1.0
@@ -111,7 +126,7 @@ def test_means_make_totals_agree_when_the_slow_tail_is_real():
 
 def test_parameters_no_sample_informs_stay_at_base():
     tls, progs = timelines(truth_model(), ("dp=4", "tp=2,dp=2"))
-    f = calibrate.fit(tls, CL, programs=progs)
+    f = fit_uniform(tls, CL, programs=progs)
     cm = f.cost_model
     assert cm.latency["inter"] == BASE.latency["inter"] and cm.link_bw("inter") == BASE.link_bw("inter")
     assert cm.region_efficiency["moe"] == BASE.region_efficiency["moe"]
@@ -126,29 +141,29 @@ def test_keeps_a_base_model_and_fits_from_there():
     truth = truth_model()
     tls, progs = timelines(truth, ("dp=2,pp=2",))
     base = BASE.replace(latency=dict(BASE.latency, inter=1.234e-3))
-    f = calibrate.fit(tls, CL, programs=progs, base=base)
+    f = fit_uniform(tls, CL, programs=progs, base=base)
     assert f.base is base and f.cost_model.latency["inter"] == 1.234e-3
     assert fitted(f, "efficiency.fwd") == pytest.approx(truth.efficiency["fwd"], rel=0.01)
 
 
 def test_several_steps_fit_like_one():
     tls, progs = timelines(truth_model(), ("tp=2,dp=2",))
-    one = calibrate.fit(tls, CL, programs=progs, steps=False)
+    one = fit_uniform(tls, CL, programs=progs, steps=False)
     two = pd.concat([tls[0].assign(step=0), tls[0].assign(step=1)], ignore_index=True)
-    f = calibrate.fit([two], CL, programs=progs, steps=False)
+    f = fit_uniform([two], CL, programs=progs, steps=False)
     assert len(f.samples.compute) == 2 * len(one.samples.compute)
     assert len(f.samples.comm) == 2 * len(one.samples.comm)
     np.testing.assert_allclose(f.params["fitted"], one.params["fitted"], rtol=1e-4)
     # without a step column, repeated (rank, id) rows are numbered in time order
     later = tls[0].assign(start=tls[0]["start"] + 10.0, end=tls[0]["end"] + 10.0)
-    f2 = calibrate.fit([pd.concat([tls[0], later], ignore_index=True)], CL, programs=progs, steps=False)
+    f2 = fit_uniform([pd.concat([tls[0], later], ignore_index=True)], CL, programs=progs, steps=False)
     assert sorted(f2.samples.steps["step"]) == [0, 1]
 
 
 def test_without_programs_only_compute_is_fitted():
     truth = truth_model()
     tls, progs = timelines(truth, ("dp=4",))
-    f = calibrate.fit(tls, CL)
+    f = fit_uniform(tls, CL)
     assert f.samples.dropped["comm_without_program"] > 0 and len(f.samples.comm) == 0
     assert set(f.params["block"]) <= {"compute", "transferred"} and "compute" in set(f.params["block"])
     assert f.cost_model.comm_overhead == BASE.comm_overhead
@@ -158,7 +173,7 @@ def test_without_programs_only_compute_is_fitted():
 
 def test_fitted_model_round_trips_and_simulates_the_same(tmp_path):
     tls, progs = timelines(truth_model(), ("dp=2,pp=2",))
-    f = calibrate.fit(tls, CL, programs=progs)
+    f = fit_uniform(tls, CL, programs=progs)
     path = tmp_path / "cost.json"
     f.cost_model.save(str(path))
     loaded = sim.CostModel.load(str(path))
@@ -174,15 +189,15 @@ def test_fitted_model_round_trips_and_simulates_the_same(tmp_path):
 def test_bad_inputs_are_explained():
     tls, progs = timelines(truth_model(), ("dp=4",))
     with pytest.raises(CalibrationError, match="no timelines"):
-        calibrate.fit([], CL)
+        fit_uniform([], CL)
     with pytest.raises(CalibrationError, match="2 programs for 1 timelines"):
-        calibrate.fit(tls, CL, programs=[progs[0], progs[0]])
+        fit_uniform(tls, CL, programs=[progs[0], progs[0]])
     with pytest.raises(CalibrationError, match="ranks \\[2, 3\\] that its Program lacks"):
-        calibrate.fit(tls, CL, programs=[program("dp=2")])
+        fit_uniform(tls, CL, programs=[program("dp=2")])
     with pytest.raises(TraceFormatError, match="lacks the timeline columns"):
-        calibrate.fit([tls[0].drop(columns="flops")], CL)
+        fit_uniform([tls[0].drop(columns="flops")], CL)
     with pytest.raises(CalibrationError, match="no usable samples"):
-        calibrate.fit([tls[0].assign(start=0.0, end=0.0)], CL, programs=progs)
+        fit_uniform([tls[0].assign(start=0.0, end=0.0)], CL, programs=progs)
 
 
 def test_ape_and_spearman():
@@ -199,7 +214,7 @@ def test_ape_and_spearman():
 def test_recovery_over_random_truths(eff, comm):
     truth = truth_model(eff=eff, comm=comm)
     tls, progs = timelines(truth, ("tp=2,dp=2", "dp=2,pp=2"))
-    f = calibrate.fit(tls, CL, programs=progs, steps=False)
+    f = fit_uniform(tls, CL, programs=progs, steps=False)
     assert fitted(f, "efficiency.fwd") == pytest.approx(truth.efficiency["fwd"], rel=0.02)
     assert fitted(f, "comm_overhead") == pytest.approx(truth.comm_overhead, rel=0.02)
     assert fitted(f, "link_bw.intra") == pytest.approx(truth.link_bw("intra"), rel=0.02)
@@ -208,7 +223,7 @@ def test_recovery_over_random_truths(eff, comm):
 def test_unobserved_phases_follow_their_closest_observed_phase():
     truth = truth_model(eff=0.5)
     tls, progs = timelines(truth, ("dp=2,pp=2",))          # 1f1b: full backward only
-    f = calibrate.fit(tls, CL, programs=progs)
+    f = fit_uniform(tls, CL, programs=progs)
     moved = f.params[f.params["block"] == "transferred"].set_index("name")["fitted"]
     assert {"efficiency.bwd_input", "efficiency.bwd_weight", "efficiency.recompute"} <= set(moved.index)
     for q, p in (("bwd_input", "bwd"), ("bwd_weight", "bwd"), ("recompute", "fwd")):

@@ -45,3 +45,17 @@ def test_bad_program_times_are_explained():
     with pytest.raises(CalibrationError, match="positive seconds"):
         fit_programs([p], [0.0], CL)
     assert calibrate.fit_programs is fit_programs
+
+
+def test_recovers_a_fixed_switch_overhead_from_zero():
+    progs = [switch_program(a, b) for a, b in CASES]
+    truth = BASE.replace(switch_overhead=1.5e-3, link_efficiency=dict(BASE.link_efficiency, local=0.05))
+    seconds = simulated_times(progs, CL, truth)
+    # the overhead is paid by every switch, on top of its Program
+    plain = simulated_times(progs, CL, truth.replace(switch_overhead=0.0))
+    np.testing.assert_allclose(seconds - plain, 1.5e-3, rtol=1e-9)
+    cm, table = fit_programs(progs, seconds, CL, params=("switch_overhead", "link_bw.local"))
+    assert BASE.switch_overhead == 0.0 and set(table["name"]) == {"switch_overhead", "link_bw.local"}
+    assert cm.switch_overhead == pytest.approx(1.5e-3, rel=0.02)
+    assert cm.link_bw("local") == pytest.approx(truth.link_bw("local"), rel=0.02)
+    assert sim.simulate_switch(progs[0], CL, cm).switch_time == pytest.approx(seconds[0], rel=0.01)

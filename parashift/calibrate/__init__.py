@@ -5,14 +5,17 @@
 kind, latency and achieved bandwidth per link class) and reports the fit error per op kind.
 ``run_probes`` runs a few strategies live (``probe_strategies`` picks them) to collect such
 timelines; ``parashift calibrate`` does both and writes the model as JSON. ``fit_programs`` fits
-parameters to whole-program times (e.g. live switch transfers) with the simulator in the loop.
+parameters to whole-program times (e.g. live switch transfers) with the simulator in the loop;
+``fit_steps`` (which ``fit`` runs last) fits time scales of compute and communication, and the
+host's shared cores, to measured step times the same way.
 """
-from .fit import Fit, ape, fit, predict_samples, spearman, step_table
+from .fit import Fit, ape, fit, posts_p2p, predict_samples, spearman, step_table
 from .params import Param
 from .probe import ProbeRun, probe_strategies, run_probe, run_probes
 from .programs import fit_programs, simulated_times
 from .samples import CalibrationError, Samples, align_clocks, extract
+from .steps import StepFit, fit_steps, scaled
 
 __all__ = ["fit", "Fit", "extract", "align_clocks", "Samples", "CalibrationError", "Param", "ape", "spearman",
            "predict_samples", "step_table", "ProbeRun", "probe_strategies", "run_probe", "run_probes",
-           "fit_programs", "simulated_times"]
+           "fit_programs", "simulated_times", "fit_steps", "StepFit", "scaled", "posts_p2p"]

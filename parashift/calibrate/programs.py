@@ -4,7 +4,7 @@ Some measurements come without an instruction timeline, e.g. the transfer time o
 switch: one number for a whole switch Program. ``fit_programs`` simulates each Program under
 candidate parameters and fits them (the same robust solver as :func:`~parashift.calibrate.fit`)
 so the simulated times match. Use it for parameters the instruction-level fit cannot see, such as
-the ``local`` link that switch Programs copy through.
+the ``local`` link that switch Programs copy through and the fixed ``switch_overhead``.
 """
 from __future__ import annotations
 
@@ -26,10 +26,12 @@ __all__ = ["fit_programs", "simulated_times"]
 
 
 def simulated_times(programs: "Sequence[Program]", cluster: "Cluster | str", cost_model: CostModel) -> np.ndarray:
-    """Simulated seconds of each Program (its whole execution: a step, or a switch)."""
-    from ..sim import simulate
+    """Simulated seconds of each Program (its whole execution: a step, or a switch with the
+    model's ``switch_overhead``)."""
+    from ..sim import simulate, simulate_switch
     cl = get_cluster(cluster)
-    return np.array([simulate(p, cl, cost_model).step_time for p in programs])
+    return np.array([simulate_switch(p, cl, cost_model).switch_time if p.meta.get("kind") == "switch"
+                     else simulate(p, cl, cost_model).step_time for p in programs])
 
 
 def fit_programs(programs: "Sequence[Program]", seconds: Sequence[float], cluster: "Cluster | str", *,
@@ -49,8 +51,11 @@ def fit_programs(programs: "Sequence[Program]", seconds: Sequence[float], cluste
     if (meas <= 0).any() or not np.isfinite(meas).all():
         raise CalibrationError("measured program times must be positive seconds")
     cands = [p if isinstance(p, Param) else Param.parse(p) for p in params]
+    # a fixed cost at 0 cannot move in log space: start it at a tenth of the typical program time
+    zero = [p for p in cands if get_value(base, p) == 0 and (p.field.endswith("overhead") or p.field == "latency")]
+    start = apply(base, zero, [0.1 * float(np.median(meas))] * len(zero)) if zero else base
     block = Block("programs", lambda cm: simulated_times(progs, cl, cm), np.arange(len(progs)), meas)
-    sol = solve(block, base, informed(block, base, cands), huber=huber)
+    sol = solve(block, start, informed(block, start, cands), huber=huber)
     table = pd.DataFrame({"name": [p.name for p in sol.params], "base": [get_value(base, p) for p in sol.params],
                           "fitted": sol.values}, columns=["name", "base", "fitted"])
     return apply(base, sol.params, sol.values), table

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -25,9 +24,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "and Program (JSON)")
     p.add_argument("--from-timelines", metavar="DIR", help="fit timelines written by --save-timelines instead of "
                    "running probes")
-    p.add_argument("--host-cores", type=float, default=None,
-                   help="CPU cores the probe processes share (a start value the fit refines; default: this "
-                        "machine's core count for cpu-local, none for GPU clusters; 0: do not model sharing)")
+    p.add_argument("--host-cores", type=float, default=0.0,
+                   help="model the probe processes as sharing this many CPU cores (a start value --refine "
+                        "fits; default 0: not modeled)")
+    p.add_argument("--refine", action="store_true",
+                   help="also fit time scales of compute and communication to the probes' step times, "
+                        "simulating them (fits the probes closely; held-out strategies may not gain)")
     p.add_argument("--out", required=True, help="where to write the fitted cost model (JSON)")
 
 
@@ -107,12 +109,10 @@ def run(args: argparse.Namespace) -> dict:
             _save_runs(runs, args.save_timelines)
     _progress("fitting")
     cores = args.host_cores
-    if cores is None and cl.gpu.name == "cpu":
-        cores = float(os.cpu_count() or 1)
-    if cores is not None and cores < 0:
+    if cores < 0:
         raise CalibrationError(f"--host-cores must be 0 (no sharing) or a positive core count, got {cores}")
     f = fit([r.timeline for r in runs], cl, programs=[r.program for r in runs], base=base,
-            host_cores=cores if cores else None)
+            host_cores=cores or None, refine=args.refine)
     f.cost_model.save(args.out)
     summ = f.summary()
     pred = dict(zip(f.steps["source"], f.steps["predicted"])) if len(f.steps) else {}

@@ -70,6 +70,8 @@ class CostModel:
     Shared hosts: ``host_cores`` > 0 says the devices of one node are processes sharing that
     many CPU cores, so compute running at once on ``n`` of them proceeds at
     ``min(1, host_cores / n)`` of its speed (0: every device computes on its own, as GPUs do).
+    Switches: ``switch_overhead`` seconds a hot switch pays on top of its Program (allocating the
+    new layout's buffers, starting the transfer), added by ``simulate_switch``.
     ``p2p_posted``: a stream posts each send/recv and goes on without waiting for it (a runtime
     of asynchronous point-to-point operations); False: a stream's transfers run one at a time.
     """
@@ -103,6 +105,7 @@ class CostModel:
     p2p_posted: bool = False
     region_overhead: Mapping[str, float] = field(default_factory=dict)
     phase_overhead: Mapping[str, float] = field(default_factory=dict)
+    switch_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -114,9 +117,9 @@ class CostModel:
         if self.peak_flops <= 0 or self.hbm_bw <= 0:
             raise CostModelError("peak_flops and hbm_bw must be positive")
         bad = [k for k, v in self.comm_op_bw.items() if not v > 0]
-        if bad or self.host_cores < 0:
+        if bad or self.host_cores < 0 or self.switch_overhead < 0:
             raise CostModelError(f"comm_op_bw factors must be positive (got {bad}) and host_cores >= 0 "
-                                 f"(got {self.host_cores}); fix the cost model file")
+                                 f"(got {self.host_cores}), switch_overhead >= 0; fix the cost model file")
 
     # ---- construction -----------------------------------------------------------------------
     @classmethod

@@ -81,6 +81,8 @@ class SwitchSimResult:
 
 def simulate_switch(program: Program, cluster: "Cluster | str", cost_model: CostModel | None = None, *,
                     devices: "Mapping[int, int] | Sequence[int] | None" = None) -> SwitchSimResult:
-    """Simulate a switch Program (ranks are devices unless ``devices`` maps them)."""
+    """Simulate a switch Program (ranks are devices unless ``devices`` maps them); its time is the
+    Program's plus the cost model's ``switch_overhead``."""
     res = simulate(program, cluster, cost_model, devices=devices)
-    return SwitchSimResult(res.step_time, res.link_bytes, res.peak_memory, res.fits, res.sim_seconds, res)
+    return SwitchSimResult(res.step_time + res.cost_model.switch_overhead, res.link_bytes, res.peak_memory, res.fits,
+                           res.sim_seconds, res)
