@@ -61,7 +61,7 @@ def test_fit_steps_leaves_an_exact_model_alone_and_explains_bad_input():
     f = fit_steps([program(t) for t in TEXTS], meas, CL, BASE)
     assert set(f.factors) == {"compute", "comm_alpha", "comm_beta"}       # no shared host: no host_cores
     assert all(v == pytest.approx(1.0, abs=1e-3) for v in f.factors.values())
-    with pytest.raises(CalibrationError, match="one time per Program"):
+    with pytest.raises(CalibrationError, match="one measured time per Program"):
         fit_steps([program("dp=4")], [1.0, 2.0], CL, BASE)
     with pytest.raises(CalibrationError, match="unknown step scales"):
         fit_steps([program("dp=4")], [1.0], CL, BASE, scales=("gpu",))

@@ -22,7 +22,19 @@ from .solve import Block, informed, solve
 if TYPE_CHECKING:  # pragma: no cover
     from ..ir.program import Program
 
-__all__ = ["fit_programs", "simulated_times"]
+__all__ = ["fit_programs", "simulated_times", "program_times"]
+
+
+def program_times(programs: "Sequence[Program]", seconds: Sequence[float]) -> "tuple[list[Program], np.ndarray]":
+    """The programs as a list and their measured seconds as an array, checked: one positive,
+    finite time per Program."""
+    progs = list(programs)
+    meas = np.asarray(seconds, dtype=float)
+    if not progs or len(progs) != len(meas):
+        raise CalibrationError(f"{len(progs)} programs for {len(meas)} times; give one measured time per Program")
+    if (meas <= 0).any() or not np.isfinite(meas).all():
+        raise CalibrationError("measured program times must be positive seconds")
+    return progs, meas
 
 
 def simulated_times(programs: "Sequence[Program]", cluster: "Cluster | str", cost_model: CostModel) -> np.ndarray:
@@ -44,12 +56,7 @@ def fit_programs(programs: "Sequence[Program]", seconds: Sequence[float], cluste
     """
     cl = get_cluster(cluster)
     base = base if base is not None else CostModel.for_cluster(cl)
-    progs = list(programs)
-    meas = np.asarray(seconds, dtype=float)
-    if not progs or len(progs) != len(meas):
-        raise CalibrationError(f"{len(progs)} programs for {len(meas)} times; give one measured time per Program")
-    if (meas <= 0).any() or not np.isfinite(meas).all():
-        raise CalibrationError("measured program times must be positive seconds")
+    progs, meas = program_times(programs, seconds)
     cands = [p if isinstance(p, Param) else Param.parse(p) for p in params]
     # a fixed cost at 0 cannot move in log space: start it at a tenth of the typical program time
     zero = [p for p in cands if get_value(base, p) == 0 and (p.field.endswith("overhead") or p.field == "latency")]

@@ -26,6 +26,7 @@ import pandas as pd
 
 from ..cluster import Cluster, get as get_cluster
 from ..sim.cost import CostModel
+from .programs import program_times
 from .samples import CalibrationError
 from .solve import _huber
 
@@ -93,12 +94,7 @@ def fit_steps(programs: "Sequence[Program]", seconds: Sequence[float], cluster: 
     steps with Huber weights.
     """
     cl = get_cluster(cluster)
-    progs = list(programs)
-    meas = np.asarray(seconds, dtype=float)
-    if not progs or len(progs) != len(meas):
-        raise CalibrationError(f"{len(progs)} programs for {len(meas)} step times; give one time per Program")
-    if (meas <= 0).any() or not np.isfinite(meas).all():
-        raise CalibrationError("measured step times must be positive seconds")
+    progs, meas = program_times(programs, seconds)
     bad = [s for s in scales if s not in SCALES]
     if bad:
         raise CalibrationError(f"unknown step scales {bad}; use some of {list(SCALES)}")
