@@ -370,3 +370,13 @@ def test_lowering_1024_device_llama():
     prog = T.lower(plan)
     assert prog.meta["lower_seconds"] > 0
     assert prog.world == 1024 and prog.meta["bytes_moved"] == plan.stats()["bytes_moved"]
+
+
+def test_xor_rounds_of_a_small_switch_spread_over_lanes():
+    """Each XOR round has one lane at both ends, and a 4-device switch's rounds use several lanes."""
+    plan = vps.plan_switch("tiny-gpt", "dp=2,tp=2", "dp=4,zero=1", cluster="a100-1x4")
+    df = T.lower(plan).to_frame()
+    sends, recvs = df[df["op"] == "send"], df[df["op"] == "recv"]
+    assert sends["stream"].nunique() >= 2
+    lane = {tag: s[len("send"):] for tag, s in zip(sends["tag"], sends["stream"])}
+    assert {tag: s[len("recv"):] for tag, s in zip(recvs["tag"], recvs["stream"])} == lane

@@ -5,18 +5,17 @@ import argparse
 import sys
 import time
 
-from .options import positive_int
+from .options import add_batch_options, positive_int
 
 HELP = "run a few probe strategies live, fit the simulator's cost model to their timelines, write it as JSON"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--runs", type=int, default=4, help="how many probe strategies to run (default 4)")
+    p.add_argument("--runs", type=positive_int, default=4, help="how many probe strategies to run (default 4)")
     p.add_argument("--model", default="tiny-gpt", help="model preset the runtime can train (default tiny-gpt)")
     p.add_argument("--nprocs", type=positive_int, default=4, help="local processes per probe (default 4)")
     p.add_argument("--steps", type=positive_int, default=3, help="measured steps per probe, after one warm-up step")
-    p.add_argument("--global-batch", type=positive_int, default=8, help="sequences per step (default 8)")
-    p.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: the model's)")
+    add_batch_options(p, live=True)
     p.add_argument("--strategies", help='probe strategies separated by ";" (default: a diverse built-in set)')
     p.add_argument("--cluster", default="cpu-local", help="cluster preset of this machine (default cpu-local)")
     p.add_argument("--base", help="cost model JSON to start from (default: the cluster's datasheet model)")

@@ -5,7 +5,8 @@ import argparse
 
 from ..errors import StrategyError
 
-__all__ = ["add_space_options", "add_cost_model", "space_options", "load_cost_model", "positive_int"]
+__all__ = ["add_batch_options", "add_space_options", "add_cost_model", "space_options", "load_cost_model",
+           "positive_int"]
 
 #: the search-space flags: (flag, make_space keyword, element type, help)
 _SPACE = (("schedules", "schedules", str, "restrict the schedules, e.g. 1f1b,zb-h1 (default: all)"),
@@ -23,6 +24,17 @@ def positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"{v} must be a positive integer")
     return v
+
+
+def add_batch_options(p: argparse.ArgumentParser, *, live: bool = False) -> None:
+    """``--global-batch`` and ``--seq-len``: required for planning commands; for ``live`` ones
+    (a job on this machine) 8 sequences of the model's own length by default."""
+    if live:
+        p.add_argument("--global-batch", type=positive_int, default=8, help="sequences per step (default 8)")
+        p.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: the model's)")
+    else:
+        p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per step")
+        p.add_argument("--seq-len", type=positive_int, required=True, help="tokens per sequence")
 
 
 def add_cost_model(p: argparse.ArgumentParser,

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .options import add_cost_model, add_space_options, load_cost_model, positive_int, space_options
+from .options import (add_batch_options, add_cost_model, add_space_options, load_cost_model, positive_int,
+                      space_options)
 
 HELP = ("plan strategies over a preemption/availability trace: checkpoint-restart vs hot switch vs "
         "switch-aware")
@@ -15,8 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "or a CSV of time,devices rows")
     p.add_argument("--model", required=True, help="model preset, e.g. llama2-13b")
     p.add_argument("--cluster", required=True, help="cluster preset, e.g. a800-16x8 (its size caps the counts)")
-    p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per step")
-    p.add_argument("--seq-len", type=positive_int, required=True, help="tokens per sequence")
+    add_batch_options(p)
     p.add_argument("--format", help="trace format (default: detected)")
     p.add_argument("--devices-per-node", type=int,
                    help="devices per trace node (default: the cluster's; 1 for a time,available CSV)")

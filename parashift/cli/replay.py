@@ -5,7 +5,7 @@ import argparse
 import math
 import sys
 
-from .options import add_cost_model, load_cost_model, positive_int
+from .options import add_batch_options, add_cost_model, load_cost_model, positive_int
 
 HELP = ("replay a preemption/availability trace against a live job that hot-switches at every event "
         "(optionally against checkpoint-restart)")
@@ -22,13 +22,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="trace seconds per replay second (default 600: ten trace minutes a second)")
     p.add_argument("--from", dest="start", type=float, help="window start in trace seconds")
     p.add_argument("--to", dest="stop", type=float, help="window end in trace seconds")
-    p.add_argument("--max-events", type=int, help="replay only the first K events of the window")
+    p.add_argument("--max-events", type=positive_int, help="replay only the first K events of the window")
     p.add_argument("--notice", type=float,
                    help="notice in trace seconds for preemptions the trace records none for (default 120, AWS)")
     p.add_argument("--devices-per-node", type=float,
                    help="devices per trace node (default: max-procs / the most nodes in the window)")
-    p.add_argument("--global-batch", type=positive_int, default=8, help="sequences per step (default 8)")
-    p.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: the model's)")
+    add_batch_options(p, live=True)
     p.add_argument("--max-steps", type=int, default=400, help="stop the replay after this many steps (default 400)")
     p.add_argument("--baseline", choices=("checkpoint-restart",),
                    help="also replay the same switches by DCP save, process restart and load")

@@ -6,7 +6,7 @@ import os
 import sys
 
 from ..errors import StrategyError
-from .options import positive_int
+from .options import add_batch_options, positive_int
 
 HELP = "train a model for real on local processes (gloo on CPU, NCCL on GPUs) under a strategy or a saved plan"
 
@@ -18,8 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", default="dp=1,tp=1,pp=1", help="e.g. 'dp=2,pp=2,schedule=1f1b'")
     p.add_argument("--nprocs", type=positive_int, help="processes to start (default: the strategy's world size)")
     p.add_argument("--steps", type=positive_int, default=5, help="training steps (default 5)")
-    p.add_argument("--global-batch", type=positive_int, default=8, help="sequences per step (default 8)")
-    p.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: the model's)")
+    add_batch_options(p, live=True)
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--trace", help="write the last step's measured timeline as a Chrome trace to this file")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the job is stopped (default 600)")

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .options import add_cost_model, add_space_options, load_cost_model, positive_int, space_options
+from .options import (add_batch_options, add_cost_model, add_space_options, load_cost_model, positive_int,
+                      space_options)
 
 HELP = "search the fastest strategy that fits (Optuna over the simulator); write a deploy plan"
 
@@ -13,8 +14,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model preset, e.g. llama2-13b (see `parashift models`)")
     p.add_argument("--cluster", required=True, help="cluster preset, e.g. a800-16x8 or cpu-local")
     p.add_argument("--devices", type=positive_int, help="devices the job uses (default: all of the cluster)")
-    p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per step")
-    p.add_argument("--seq-len", type=positive_int, required=True, help="tokens per sequence")
+    add_batch_options(p)
     p.add_argument("--trials", type=positive_int, default=100, help="Optuna trials (default 100)")
     p.add_argument("--seed", type=int, help="sampler seed, for a reproducible search")
     p.add_argument("--sampler", choices=("tpe", "random"), default="tpe", help="Optuna sampler (default tpe)")

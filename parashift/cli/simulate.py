@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from .options import add_cost_model, positive_int
+from .options import add_batch_options, add_cost_model
 
 HELP = "simulate one training step of a model under a strategy on a cluster (step time, MFU, memory)"
 
@@ -13,8 +13,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model preset, e.g. llama2-70b (see `parashift models`)")
     p.add_argument("--cluster", required=True, help="cluster preset, e.g. a800-16x8")
     p.add_argument("--strategy", required=True, help='e.g. "dp=4,tp=8,pp=4,zero=1"')
-    p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per step")
-    p.add_argument("--seq-len", type=positive_int, required=True, help="tokens per sequence")
+    add_batch_options(p)
     add_cost_model(p)
     p.add_argument("--trace", help="write the timeline as a Chrome trace JSON file")
     p.add_argument("--plot", help="write a Gantt chart of the timeline (PNG)")

@@ -541,25 +541,24 @@ class SwitchExecutor:
             return ins.tag
         return f"{ins.tag}@{member}"
 
-    def _record_sent(self, ins: Instr, buf: torch.Tensor) -> None:
-        if ins.op == "scatter":
+    def _record(self, ins: Instr, buf: torch.Tensor, per_member: str, into: dict[str, int]) -> None:
+        """Checksums of ``buf`` into ``into``: one per non-root member's chunk when ``ins`` is a
+        ``per_member`` collective (the root's scatter buffer, the root's gathered one), else one."""
+        if ins.op == per_member:
             c = self._chunk(ins)
             for p, m in enumerate(ins.group):
                 if m != ins.root:
-                    self.stats.sent_crc[self._ck(ins, m)] = self._sum(buf[p * c:(p + 1) * c])
+                    into[self._ck(ins, m)] = self._sum(buf[p * c:(p + 1) * c])
         else:
-            self.stats.sent_crc[self._ck(ins, self.device)] = self._sum(buf)
+            into[self._ck(ins, self.device)] = self._sum(buf)
+
+    def _record_sent(self, ins: Instr, buf: torch.Tensor) -> None:
+        self._record(ins, buf, "scatter", self.stats.sent_crc)
 
     def _record_received(self, ins: Instr, buf: torch.Tensor) -> None:
         if self.on_received is not None:
             self.on_received(ins.tag, buf)
-        if ins.op == "gather":
-            c = self._chunk(ins)
-            for p, m in enumerate(ins.group):
-                if m != ins.root:
-                    self.stats.recv_crc[self._ck(ins, m)] = self._sum(buf[p * c:(p + 1) * c])
-        else:
-            self.stats.recv_crc[self._ck(ins, self.device)] = self._sum(buf)
+        self._record(ins, buf, "gather", self.stats.recv_crc)
 
     def _comm_of(self, tag: str) -> Instr:
         return self._comm[tag]
