@@ -74,40 +74,58 @@ class ElasticContext:
 class ElasticManager:
     """One process's communicator cache over the job's store.
 
-    ``group(members)`` returns the process group of a tuple of incarnation keys (this process's
-    must be among them), creating it on first use; ``prepare(sets)`` creates several in a
-    background thread and returns a Future (every member must prepare the same sets, in any
-    order: creation is keyed, so the order only matters per member set). ``drop(members)``
-    forgets a group (after a failed switch: its in-flight work is abandoned), so the next
-    ``group`` call builds a fresh one under a new prefix.
+    ``group(members)`` returns the communicator of a tuple of incarnation keys (this process's
+    must be among them), creating it on first use; ``process_group(members, channel)`` the same
+    as a ``torch.distributed.ProcessGroup`` for a training world. Creation blocks until every
+    member creates the group too, so members create shared groups in one agreed order.
+    ``prepare(sets)`` creates several in a background thread and returns a Future.
+    ``drop(members)`` forgets a group (after a failed switch: its in-flight work is abandoned), so
+    the next ``group`` call builds a fresh one under a new prefix.
     """
 
     def __init__(self, store: Any, me: str, timeout: float = 60.0) -> None:
         self.store, self.me, self.timeout = store, me, timeout
-        self._groups: dict[tuple[str, ...], Any] = {}
-        self._epoch: dict[tuple[str, ...], int] = {}
+        self._groups: dict[tuple[tuple[str, ...], str], Any] = {}
+        self._epoch: dict[tuple[tuple[str, ...], str], int] = {}
         self._lock = threading.Lock()
         self.created = 0            # groups built (cache misses)
         self.reused = 0             # cache hits
 
-    def group(self, members: tuple[str, ...]) -> Any:
-        members = tuple(members)
+    def group(self, members: tuple[str, ...], channel: str = "") -> Any:
+        """The gloo communicator of ``members`` on ``channel`` (None for fewer than two members).
+        The switch executor drives it directly (``send``/``recv``/``broadcast`` ...)."""
+        return self._get(tuple(members), channel, wrap=False)
+
+    def process_group(self, members: tuple[str, ...], channel: str = "default") -> Any:
+        """A ``torch.distributed.ProcessGroup`` of ``members`` on ``channel``, for the
+        ``torch.distributed`` collectives a training Runtime issues (``group=``; point-to-point
+        calls name peers by group rank: ``group_dst``/``group_src``)."""
+        return self._get(tuple(members), "train:" + channel, wrap=True)
+
+    def _get(self, members: tuple[str, ...], channel: str, wrap: bool) -> Any:
         if len(members) < 2:
             return None
+        key = (members, channel)
         with self._lock:
-            pg = self._groups.get(members)
+            pg = self._groups.get(key)
             if pg is not None:
                 self.reused += 1
                 return pg
-            epoch = self._epoch.get(members, 0)
+            epoch = self._epoch.get(key, 0)
+        import torch
         import torch.distributed as dist
         if self.me not in members:
             raise RuntimeFailure(f"process {self.me} asked for group {members}, which it is not in")
-        prefix = f"pg/{','.join(members)}/{epoch}"
-        pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix, self.store), members.index(self.me), len(members),
-                                   datetime.timedelta(seconds=self.timeout))
+        prefix = f"pg/{','.join(members)}/{channel}/{epoch}"
+        store, rank, size = dist.PrefixStore(prefix, self.store), members.index(self.me), len(members)
+        pg = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=self.timeout))
+        if wrap:
+            backend = pg
+            pg = dist.ProcessGroup(store, rank, size)
+            pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+            pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
         with self._lock:
-            self._groups[members] = pg
+            self._groups[key] = pg
             self.created += 1
         return pg
 
@@ -123,10 +141,19 @@ class ElasticManager:
         threading.Thread(target=work, name="parashift-elastic", daemon=True).start()
         return fut
 
-    def drop(self, members: tuple[str, ...]) -> None:
+    def drop(self, members: tuple[str, ...], channel: str = "") -> None:
+        key = (tuple(members), channel)
         with self._lock:
-            if self._groups.pop(tuple(members), None) is not None:
-                self._epoch[tuple(members)] = self._epoch.get(tuple(members), 0) + 1
+            if self._groups.pop(key, None) is not None:
+                self._epoch[key] = self._epoch.get(key, 0) + 1
+
+    def drop_training(self, members: tuple[str, ...]) -> None:
+        """Forget every training communicator whose members include any of ``members``."""
+        gone = set(members)
+        with self._lock:
+            for key in [k for k in self._groups if k[1].startswith("train:") and gone & set(k[0])]:
+                del self._groups[key]
+                self._epoch[key] = self._epoch.get(key, 0) + 1
 
     def __len__(self) -> int:
         return len(self._groups)

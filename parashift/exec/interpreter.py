@@ -443,15 +443,15 @@ class Interpreter:
         what, c, mb = m.group(1), int(m.group(2)), int(m.group(3))
         box = self.st.act if what == "act" else self.st.gout
         peer = self.program.resolve_peer(self.rank, ins)
-        group = self.worlds.get(range(self.program.world), "p2p")
+        group = self.worlds.get(range(self.program.world), "p2p")   # group rank = global rank
         itag = zlib.crc32(ins.tag.encode()) & 0x7FFFFFFF
         if ins.op == "send":
             t = box.pop((c, mb)).contiguous()
             kw = {} if self.nccl else {"tag": itag}
-            return Flight(ins, stream, [dist.isend(t, peer, group=group, **kw)], keep=t)
+            return Flight(ins, stream, [dist.isend(t, group_dst=peer, group=group, **kw)], keep=t)
         buf = self._recv_buffer(c)
         kw = {} if self.nccl else {"tag": itag}
-        work = dist.irecv(buf, peer, group=group, **kw)
+        work = dist.irecv(buf, group_src=peer, group=group, **kw)
 
         def then() -> None:
             box[(c, mb)] = buf

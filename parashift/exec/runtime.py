@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from .. import models
 from ..errors import ProgramError
@@ -26,7 +25,7 @@ from .profiler import Profiler, timeline_frame
 from .reference import OptimConfig, make_batch
 from .state import StateStore
 
-__all__ = ["Runtime", "RunResult", "run", "run_program", "compile_program", "load_plan"]
+__all__ = ["Runtime", "RunResult", "run", "run_program", "compile_program", "load_plan", "world_keys"]
 
 
 def _spec(program: Program, model: "models.ModelSpec | None") -> "models.ModelSpec":
@@ -60,17 +59,19 @@ class Runtime:
 
     def __init__(self, program: Program, ctx: RankContext, *, seed: int = 0, data_seed: int = 0,
                  optim: OptimConfig = OptimConfig(), timeout: float = 300.0,
-                 model: "models.ModelSpec | None" = None, store: StateStore | None = None) -> None:
+                 model: "models.ModelSpec | None" = None, store: StateStore | None = None,
+                 worlds: Worlds | None = None) -> None:
         """``store``: this rank's state in the program's layout (a hot switch builds it), else
-        initialized from ``seed``."""
+        initialized from ``seed``. ``worlds``: the process groups to run on, already prepared with
+        :func:`world_keys` (a live job builds them ahead), else created here."""
         _check(program, model)
         self.program, self.ctx = program, ctx
         if program.world != ctx.world:
             raise ProgramError(f"the program has {program.world} ranks but the job has {ctx.world} processes; "
                                f"launch it with nprocs={program.world}")
         self.spec = _spec(program, model)
-        self.worlds = Worlds(ctx.rank, ctx.world, ctx.backend)
-        self.worlds.prepare(group_keys(program))
+        self.worlds = worlds if worlds is not None else Worlds(ctx.rank, ctx.world, ctx.backend)
+        self.worlds.prepare(world_keys(program))
         if store is not None and (str(store.strategy) != str(program.strategy) or store.rank != ctx.rank):
             raise ProgramError(f"the given state store holds rank {store.rank} of {store.strategy}, but this runtime "
                                f"runs rank {ctx.rank} of {program.strategy}; build the store for the program's layout")
@@ -86,7 +87,7 @@ class Runtime:
 
     def step(self) -> tuple[float, float]:
         """One training step; returns (this rank's loss share, seconds)."""
-        dist.barrier()
+        self.worlds.barrier()
         t0 = time.perf_counter()
         self.profiler.begin(self.steps_done, t0)
         if self.ctx.device.type == "cuda":
@@ -140,6 +141,14 @@ class Runtime:
         if s.zero == 3:
             self.store.release("export")
         return out
+
+
+def world_keys(program: Program) -> set:
+    """Every process group a Runtime of ``program`` uses: the Program's and the whole world's."""
+    keys = group_keys(program)
+    if program.world > 1:
+        keys.add((tuple(range(program.world)), "default"))
+    return keys
 
 
 def _export_keys(program: Program) -> set:

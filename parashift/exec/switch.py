@@ -4,10 +4,10 @@ Every participant of a switch computes the same plan locally (``vps.plan_switch`
 ``vps.transition.lower`` are deterministic), so nothing is negotiated. Phases:
 
 1. *planning* and 2. *world creation* run in a background thread as soon as the switch is
-   announced (``prepare``), while training goes on: the switch Program is lowered, the
-   process groups it needs (the participants' world and one group per promoted collective) are
-   built on the job's TCPStore by the :class:`~parashift.exec.elastic.ElasticManager`, and the
-   new layout's training Program is compiled.
+   announced (``prepare``), while training goes on: the switch Program is lowered, the new
+   layout's training Program is compiled, and the process groups the switch needs (the
+   participants' world and one group per promoted collective) and the new layout's training
+   world are built on the job's TCPStore by the :class:`~parashift.exec.elastic.ElasticManager`.
 3. *transfer*: between iterations, :class:`~parashift.exec.switch_exec.SwitchExecutor` runs this
    device's streams of the switch Program from the old state store into a new one (allocated,
    and faulted in, in the background once the switch is announced).
@@ -15,9 +15,9 @@ Every participant of a switch computes the same plan locally (``vps.plan_switch`
    every participant votes through the store. Any mismatch, failed transfer or missing vote
    aborts: the new store is dropped and the old one, never written, stays in use
    (:class:`~parashift.errors.SwitchAborted`; ``peer_failed`` tells whether a participant is gone).
-5. *rebuild*: the old training world is replaced by the new one and a Runtime is built over the
-   new store (its parameters are views into it); the step counter carries over, so the data
-   order (a function of the global step) and the global batch continue unchanged.
+5. *rebuild*: a Runtime is built over the new store (its parameters are views into it) and the
+   new training world; the step counter carries over, so the data order (a function of the
+   global step) and the global batch continue unchanged.
 
 Memory. The Program allocates and frees buffers per stage (``alloc``/``free`` of its
 instructions). Its *staging* buffers (packed and received messages) follow it exactly: they come
@@ -50,8 +50,8 @@ from ..strategy import Strategy
 from .state import StateStore
 from .switch_exec import BIG, BufferPool, SwitchExecutor, bytes_of, kind_tensor, reserve_waiters
 
-__all__ = ["SwitchPlanned", "plan_live_switch", "Prepared", "prepare", "execute_switch", "SwitchRecord",
-           "store_arrays", "store_from_full", "full_from_arrays", "parse_switch_at", "StateKinds"]
+__all__ = ["SwitchPlanned", "plan_live_switch", "Prepared", "prepare", "training_worlds", "execute_switch",
+           "SwitchRecord", "store_arrays", "store_from_full", "full_from_arrays", "parse_switch_at", "StateKinds"]
 
 #: Store attributes that make up the switched state (master only for non-fp32 models).
 StateKinds = ("param", "master", "exp_avg", "exp_avg_sq")
@@ -152,15 +152,20 @@ class Prepared:
     world_end: float
     new_store: StateStore | None = None      # the destination store, when allocated ahead of the switch
     alloc_seconds: float = 0.0
+    worlds: Any = None                       # the new layout's training world (Worlds), built ahead
+    train_world_start: float = 0.0
+    train_world_end: float = 0.0
 
 
 def prepare(manager, spec: ModelSpec, src: Strategy, dst: Strategy, src_devices: tuple[int, ...],
             dst_devices: tuple[int, ...], keys: dict[int, str], device: int, *, global_batch: int, seq_len: int,
             memory_budget=None) -> Prepared:
     """Plan the switch and compile the new training Program (planning), then build the switch's
-    process groups (world creation).
+    process groups and, on a device of the new layout, its training world (world creation).
 
-    ``keys``: incarnation key of every participating device (see :mod:`.elastic`).
+    ``keys``: incarnation key of every participating device (see :mod:`.elastic`). Every
+    participant creates the groups in the same order (the switch's world, its collective groups
+    sorted, then the training world's groups sorted), so creation never waits crosswise.
     """
     from .runtime import compile_program
     t0 = time.time()
@@ -172,11 +177,27 @@ def prepare(manager, spec: ModelSpec, src: Strategy, dst: Strategy, src_devices:
     t1 = time.time()
     parts = planned.participants
     world = manager.group(tuple(keys[d] for d in parts))
-    groups = {g: manager.group(tuple(keys[d] for d in g)) for g in planned.collective_groups(device)}
+    groups = {g: manager.group(tuple(keys[d] for d in g))
+              for g in sorted(planned.collective_groups(device), key=lambda g: (len(g), g))}
     reserve_waiters(planned.program, device)
     t2 = time.time()
-    return Prepared(planned, world, {d: i for i, d in enumerate(parts)}, groups, keys, program,
+    prep = Prepared(planned, world, {d: i for i, d in enumerate(parts)}, groups, keys, program,
                     t1 - t0, t2 - t1, t1, t2)
+    if program is not None:
+        prep.worlds = training_worlds(manager, [keys[d] for d in dst_devices], dst_devices.index(device), program)
+        prep.train_world_start, prep.train_world_end = t2, time.time()
+    return prep
+
+
+def training_worlds(manager, members: list[str], rank: int, program: Program):
+    """The process groups a Runtime of ``program`` needs, built on the job's store by ``manager``
+    (``members``: the incarnation key of each rank). Every rank of the layout must call it."""
+    from .groups import Worlds
+    from .runtime import world_keys
+    worlds = Worlds(rank, len(members), "gloo",
+                    factory=lambda ranks, channel: manager.process_group(tuple(members[r] for r in ranks), channel))
+    worlds.prepare(world_keys(program))
+    return worlds
 
 
 def _is_preset(spec: ModelSpec) -> bool:

@@ -13,7 +13,6 @@ pause is the transfer and verification plus whatever of the rebuild they do not 
 """
 from __future__ import annotations
 
-import datetime
 import threading
 import time
 from concurrent.futures import Future
@@ -23,13 +22,13 @@ from typing import Any, Callable
 import torch
 
 from .. import models
-from ..errors import MemoryBudgetError, RuntimeFailure, StrategyError, SwitchAborted
+from ..errors import MemoryBudgetError, StrategyError, SwitchAborted
 from ..strategy import Strategy
 from .elastic import ElasticContext, ElasticManager, incarnations, launch_elastic
 from .launch import RankContext
 from .reference import OptimConfig
 from .state import StateStore
-from .switch import Prepared, SwitchRecord, execute_switch, prepare, store_arrays
+from .switch import Prepared, SwitchRecord, execute_switch, prepare, store_arrays, training_worlds
 from .switch_exec import BIG, BufferPool, state_alloc
 
 __all__ = ["Generation", "generations", "LiveSession", "LiveResult", "run_live"]
@@ -128,8 +127,8 @@ class LiveSession:
     # ---- the switch ---------------------------------------------------------------------------------------
     def switch(self, g: int):
         """Switch into generation ``g`` between iterations; returns the new Runtime (None if this device
-        leaves). Raises SwitchAborted, with the old layout's state untouched, when the switch fails
-        (with every participant alive, training goes on in the old layout: see :meth:`_roll_back`)."""
+        leaves). Raises SwitchAborted, with the old layout's runtime, state and world untouched,
+        when the switch fails (with every participant alive, training goes on in them)."""
         t_pause = time.time()
         self.announce(g)
         fut, _ = self.pending.pop(g)
@@ -144,57 +143,42 @@ class LiveSession:
             err = SwitchAborted(f"switch at step {dst.step} aborted before moving anything: {rec.aborted}")
             err.peer_failed = not isinstance(e, MemoryBudgetError)   # a refused plan: train on in the old layout
             raise err from e
-        rec.plan_seconds, rec.world_seconds = prep.plan_seconds, prep.world_seconds
+        rec.plan_seconds = prep.plan_seconds
+        rec.world_seconds = prep.world_seconds + (prep.train_world_end - prep.train_world_start)
         rec.rows += [("elastic", "plan", prep.world_start - prep.plan_seconds, prep.world_start),
                      ("elastic", "world", prep.world_start, prep.world_end)]
+        if prep.worlds is not None:
+            rec.rows.append(("elastic", "train-world", prep.train_world_start, prep.train_world_end))
         old = self.runtime.store if self.runtime is not None else None
         new_rank = dst.devices.index(self.device) if self.device in dst.devices else None
         new, prep.new_store = prep.new_store, None      # allocated in the background by announce()
         rec.alloc_seconds = prep.alloc_seconds
-        fault = self.opts.get("fault") or {}
-        on_received = on_issue = None
-        if fault.get("switch") == g and fault.get("device") == self.device:
-            if fault["kind"] == "corrupt":
-                hit = []
-
-                def on_received(tag, buf):  # noqa: ANN001 - test hook: flip one byte of the first buffer
-                    if not hit and buf.numel():
-                        hit.append(tag)
-                        buf.view(torch.uint8)[0] ^= 0xFF
-            elif fault["kind"] == "kill":
-                import os
-
-                def on_issue(ins):  # noqa: ANN001 - test hook: die in the middle of the transfer
-                    if ins.op in ("send", "broadcast", "scatter", "gather"):
-                        os._exit(17)
-        th, box = self._start_rebuild(g, prep, new, new_rank, rec)   # runs while the state moves
+        on_received, on_issue = self._fault_hooks(g)
         try:
             meta = execute_switch(prep, self.ctx.store, f"sw{g}/", self.device, old, new, rec, timeout=self.timeout,
                                   pool=self.pool, steps_done=self.runtime.steps_done if self.runtime else None,
                                   on_received=on_received, on_issue=on_issue,
                                   big=int(self.opts.get("big_piece", BIG)))
         except SwitchAborted as e:
+            # the old layout's runtime, store and training world were never touched: with every
+            # participant alive, training goes on in them; the switch's communicators are dropped
             self.pool.clear()
             rec.aborted = str(e)
             for g_ in [tuple(prep.keys[d] for d in prep.planned.participants)] + [
                     tuple(prep.keys[d] for d in grp) for grp in prep.groups]:
                 self.manager.drop(g_)
-            if not getattr(e, "peer_failed", False):
-                self._roll_back(g, th)
             rec.pause_seconds = time.time() - t_pause
             raise
         self.pool.clear()            # no staging memory lingers while training goes on
         if self.opts.get("export") and old is not None:
             self.exports[f"before{g}"] = {"rank": src.devices.index(self.device), "arrays": store_arrays(old)}
         t0 = time.time()
-        th.join(self.ctx.timeout)
-        if th.is_alive():
-            raise RuntimeFailure(f"device {self.device}: the training world of {dst.strategy} was not built within "
-                                 f"{self.ctx.timeout:.0f} s after the switch at step {dst.step}; a peer is stuck")
-        if "error" in box:
-            raise box["error"]
-        rt = box.get("runtime")
-        if rt is not None:
+        rt = None
+        if new is not None:          # the new world exists already: the rebuild is views over the new store
+            from .runtime import Runtime
+            rctx = RankContext(new_rank, dst.strategy.world, self.ctx.backend, torch.device("cpu"), None)
+            rt = Runtime(prep.program, rctx, store=new, worlds=prep.worlds, data_seed=self.opts.get("data_seed", 0),
+                         model=self.spec, optim=OptimConfig(**self.opts.get("optim", {})), timeout=self.ctx.timeout)
             for b in new.buffers.values():
                 b.step = int(meta["opt_step"])
             rt.steps_done = int(meta["steps_done"])
@@ -202,85 +186,33 @@ class LiveSession:
             if self.opts.get("export"):
                 self.exports[f"after{g}"] = {"rank": new_rank, "arrays": store_arrays(new)}
         t1 = time.time()
-        a_, b_ = box["span"]
-        rec.rebuild_seconds = b_ - a_
-        rec.rows.append(("switch", "rebuild", a_, b_))
-        rec.rows.append(("switch", "rebuild-wait", t0, t1))    # what of the rebuild the transfer did not hide
+        rec.rebuild_seconds = t1 - t0
+        rec.rows.append(("switch", "rebuild", t0, t1))
         rec.pause_seconds = t1 - t_pause
-        self.runtime, self.gen = rt, g
+        self.runtime, self.gen = rt, g       # the old store is freed with the old runtime
         return rt
 
-    def _start_rebuild(self, g: int, prep: Prepared, new: StateStore | None, new_rank: int | None,
-                       rec: SwitchRecord) -> tuple[threading.Thread, dict]:
-        """Replace this process's training world by generation ``g``'s and build its Runtime over
-        ``new``, in a thread that runs while the transfer does (the transfer uses the switch's own
-        groups, not the training world). The training world is torch's default process group, which
-        the old layout's Runtime uses until its last step, so the new one cannot exist before the
-        pause; built concurrently, it costs the pause only what the transfer does not hide
-        (``rebuild-wait`` in the record's rows). Returns the thread and its result box
-        (``runtime``, ``error``, ``span``)."""
-        box: dict = {}
-        had_world = self.runtime is not None
-        dst = self.gens[g]
+    def _fault_hooks(self, g: int) -> tuple:
+        """Test hooks of ``opts["fault"]`` for switch ``g`` on this device: (on_received, on_issue)."""
+        fault = self.opts.get("fault") or {}
+        if fault.get("switch") != g or fault.get("device") != self.device:
+            return None, None
+        if fault["kind"] == "corrupt":
+            hit = []
 
-        def work() -> None:
-            import torch.distributed as dist
-            from .runtime import Runtime
-            t0 = time.time()
-            try:
-                if had_world:
-                    dist.destroy_process_group()
-                ta = time.time()
-                rec.rows.append(("switch", "destroy", t0, ta))
-                if new is not None:
-                    # a store connection of its own: the transfer's verify blocks on the shared one meanwhile
-                    store = dist.TCPStore(self.ctx.store.host, self.ctx.store.port, None, False,
-                                          timeout=datetime.timedelta(seconds=self.ctx.timeout))
-                    dist.init_process_group(self.ctx.backend, store=dist.PrefixStore(f"train{g}", store),
-                                            rank=new_rank, world_size=dst.strategy.world,
-                                            timeout=datetime.timedelta(seconds=self.ctx.timeout))
-                    tb = time.time()
-                    rec.rows.append(("switch", "init", ta, tb))
-                    rctx = RankContext(new_rank, dst.strategy.world, self.ctx.backend, torch.device("cpu"), None)
-                    box["runtime"] = Runtime(prep.program, rctx, store=new, data_seed=self.opts.get("data_seed", 0),
-                                             model=self.spec, optim=OptimConfig(**self.opts.get("optim", {})),
-                                             timeout=self.ctx.timeout)
-                    rec.rows.append(("switch", "runtime", tb, time.time()))
-            except BaseException as e:  # noqa: BLE001 - re-raised by switch()
-                box["error"] = e
-            finally:
-                box["span"] = (t0, time.time())
-        th = threading.Thread(target=work, name=f"parashift-rebuild{g}", daemon=True)
-        th.start()
-        return th, box
+            def on_received(tag, buf):  # noqa: ANN001 - flip one byte of the first buffer received
+                if not hit and buf.numel():
+                    hit.append(tag)
+                    buf.view(torch.uint8)[0] ^= 0xFF
+            return on_received, None
+        if fault["kind"] == "kill":
+            import os
 
-    def _roll_back(self, g: int, th: threading.Thread) -> None:
-        """After a switch aborted with every participant alive: drop the half-built new training
-        world and rebuild the old layout's over the old store (untouched), so training goes on in it."""
-        import torch.distributed as dist
-        from .runtime import Runtime
-        th.join(self.ctx.timeout)
-        if th.is_alive():
-            err = SwitchAborted(f"switch at step {self.gens[g].step} aborted, and the new training world never "
-                                f"formed, so the old one cannot be rebuilt; the old layout's state is intact")
-            err.peer_failed = True
-            raise err
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        if self.runtime is None:       # a joining device: nothing to go back to
-            return
-        src = self.gens[g - 1]
-        rank = src.devices.index(self.device)
-        dist.init_process_group(self.ctx.backend, store=dist.PrefixStore(f"train{g}.rollback", self.ctx.store),
-                                rank=rank, world_size=src.strategy.world,
-                                timeout=datetime.timedelta(seconds=self.ctx.timeout))
-        rctx = RankContext(rank, src.strategy.world, self.ctx.backend, torch.device("cpu"), None)
-        old = self.runtime
-        rt = Runtime(old.program, rctx, store=old.store, data_seed=self.opts.get("data_seed", 0), model=self.spec,
-                     optim=OptimConfig(**self.opts.get("optim", {})), timeout=self.ctx.timeout)
-        rt.steps_done = old.steps_done
-        rt.session = self
-        self.runtime = rt
+            def on_issue(ins):  # noqa: ANN001 - die in the middle of the transfer
+                if ins.op in ("send", "broadcast", "scatter", "gather"):
+                    os._exit(17)
+            return None, on_issue
+        return None, None
 
     def switch_to(self, strategy: "Strategy | str", devices: "tuple[int, ...] | list[int] | None" = None):
         """What ``Runtime.switch`` calls: switch to the next scheduled generation when it matches,
@@ -312,19 +244,17 @@ class LiveSession:
     def start(self) -> bool:
         """Join the job: generation 0 builds its runtime; a joining device waits for its switch.
         False when the job ended (or gave up the switch) before this device was needed."""
-        import torch.distributed as dist
         from .runtime import Runtime, compile_program
         m = self.ctx.member
         if m.first == 0:
             g0 = self.gens[0]
             rank = g0.devices.index(self.device)
-            dist.init_process_group(self.ctx.backend, store=dist.PrefixStore("train0", self.ctx.store), rank=rank,
-                                    world_size=g0.strategy.world, timeout=datetime.timedelta(seconds=self.ctx.timeout))
             prog = compile_program(self.spec if not _preset(self.spec) else self.spec.name, g0.strategy,
                                    global_batch=self.opts["global_batch"], seq_len=self.opts["seq_len"])
+            worlds = training_worlds(self.manager, [f"{d}.0" for d in g0.devices], rank, prog)
             rctx = RankContext(rank, g0.strategy.world, self.ctx.backend, torch.device("cpu"), None)
             self.runtime = Runtime(prog, rctx, seed=self.opts.get("seed", 0), data_seed=self.opts.get("data_seed", 0),
-                                   model=self.spec,
+                                   model=self.spec, worlds=worlds,
                                    optim=OptimConfig(**self.opts.get("optim", {})), timeout=self.ctx.timeout)
             self.runtime.session = self
             self.gen = 0
@@ -576,5 +506,5 @@ def render_cli(result: dict) -> None:
               f"{len(s['dst_devices'])} devices  pause {s['pause_seconds'] * 1e3:.0f} ms of "
               f"{s['seconds'] * 1e3:.0f} ms (plan {s['plan_seconds'] * 1e3:.0f}, world {s['world_seconds'] * 1e3:.0f}, "
               f"transfer {s['transfer_seconds'] * 1e3:.0f}, verify {s['verify_seconds'] * 1e3:.0f}, "
-              f"rebuild {s['rebuild_seconds'] * 1e3:.0f}, overlapping the transfer)  "
+              f"rebuild {s['rebuild_seconds'] * 1e3:.0f})  "
               f"{s['bytes_moved'] / 2**20:.1f} MiB moved, peak {s['peak_bytes'] / 2**20:.1f} MiB/process{tag}")
