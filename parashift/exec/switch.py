@@ -68,6 +68,7 @@ class SwitchPlanned:
     dst_devices: tuple[int, ...]
     extra_keep: dict[int, list[tuple[str, str, tuple, tuple]]]
     seconds: float
+    staged: bool = False       # old + new exceed the budget: release old state stage by stage
 
     @property
     def participants(self) -> tuple[int, ...]:
@@ -95,8 +96,7 @@ def plan_live_switch(spec: ModelSpec, src: Strategy, dst: Strategy, src_devices:
     devs = sorted(set(src_devices) | set(dst_devices))
     clus = _cluster.get("cpu-local").with_devices(max(max(devs) + 1, 8))
     plan = plan_switch(spec, src, dst, cluster=clus, src_devices=list(src_devices), dst_devices=list(dst_devices))
-    if memory_budget is not None:
-        _check_state_budget(plan, memory_budget, devs)
+    staged = memory_budget is not None and _over_budget(plan, memory_budget, devs)
     prog = lower(plan, clus, memory_budget=memory_budget, **options)
     # kept pieces the Program reuses in place (it omits them); flat stores still copy them
     P = prog.meta["pieces"]
@@ -112,24 +112,17 @@ def plan_live_switch(spec: ModelSpec, src: Strategy, dst: Strategy, src_devices:
         if key not in listed:
             extra.setdefault(key[2], []).append((names[key[0]], kinds[key[1]], key[3], key[4]))
     return SwitchPlanned(prog, Strategy.parse(src), Strategy.parse(dst), tuple(src_devices), tuple(dst_devices),
-                         extra, time.perf_counter() - t0)
+                         extra, time.perf_counter() - t0, staged)
 
 
-def _check_state_budget(plan, memory_budget, devs: list[int]) -> None:
-    """Refuse, before anything moves, a live switch whose old and new states alone exceed a device's
-    budget: the runtime holds both whole until the commit vote (see the module docstring)."""
-    from ..errors import MemoryBudgetError
+def _over_budget(plan, memory_budget, devs: list[int]) -> bool:
+    """Whether some device's old and new states together exceed its budget (the switch must then
+    release old state stage by stage: see :mod:`.switch_staged`)."""
     from ..vps.transition.staging import budget_array, state_buffers
     buf = state_buffers(plan)
     bud = budget_array(memory_budget, max(devs) + 1)
     need = np.bincount(buf.dev, weights=(buf.old + buf.new).astype(float), minlength=len(bud))[:len(bud)]
-    over = [d for d in devs if need[d] > bud[d]]
-    if over:
-        d = over[0]
-        raise MemoryBudgetError(
-            f"a live switch holds the old and the new state whole until it commits (so that an abort keeps "
-            f"the old layout): device {d} needs {need[d] / 2**20:.1f} MiB for them, over its budget of "
-            f"{bud[d] / 2**20:.1f} MiB; raise the budget, or switch through a checkpoint")
+    return any(need[d] > bud[d] for d in devs)
 
 
 def _rows(flat: list, dims: int) -> list[list[int]]:
@@ -153,6 +146,7 @@ class Prepared:
     new_store: StateStore | None = None      # the destination store, when allocated ahead of the switch
     alloc_seconds: float = 0.0
     worlds: Any = None                       # the new layout's training world (Worlds), built ahead
+    manager: Any = None                      # the ElasticManager that built the groups
     train_world_start: float = 0.0
     train_world_end: float = 0.0
 
@@ -182,7 +176,7 @@ def prepare(manager, spec: ModelSpec, src: Strategy, dst: Strategy, src_devices:
     reserve_waiters(planned.program, device)
     t2 = time.time()
     prep = Prepared(planned, world, {d: i for i, d in enumerate(parts)}, groups, keys, program,
-                    t1 - t0, t2 - t1, t1, t2)
+                    t1 - t0, t2 - t1, t1, t2, manager=manager)
     if program is not None:
         prep.worlds = training_worlds(manager, [keys[d] for d in dst_devices], dst_devices.index(device), program)
         prep.train_world_start, prep.train_world_end = t2, time.time()
@@ -230,6 +224,10 @@ class SwitchRecord:
     new_bytes: int = 0             # the destination layout's state on this process
     staging_peak_bytes: int = 0    # most staging (pack / receive) bytes in use at once
     peak_bytes: int = 0            # old + new + staging peak: this process's switch memory high-water mark
+    released_bytes: int = 0        # old state handed back stage by stage (a staged switch)
+    stages: int = 1
+    rss_start_bytes: int = 0       # this process's resident memory when the transfer began ...
+    rss_peak_bytes: int = 0        # ... and its high-water mark during transfer and verify (Linux)
     phases: dict = field(default_factory=dict)           # transfer driver seconds: keep, pack, unpack, ...
     joining: bool = False          # this process had no state before (its "pause" is its whole join)
     aborted: str | None = None
@@ -259,75 +257,174 @@ def execute_switch(prep: Prepared, store, prefix: str, device: int, old: StateSt
                    steps_done: int | None = None, on_received=None, on_issue=None, big: int = BIG) -> dict:
     """Transfer and verify (phases 3 and 4). Returns the job meta (``steps_done``, ``opt_step``).
 
-    Raises SwitchAborted (with ``peer_failed`` set) when anything fails; ``old`` is never written.
+    A *staged* switch (``prep.planned.staged``: old + new state exceed the memory budget) runs
+    stage by stage, verifies each stage, and releases the old regions the stage frees
+    (:mod:`.switch_staged`). Raises SwitchAborted (with ``peer_failed`` set) when anything fails;
+    the old layout's state is then whole again (never written, or restored from verified copies).
     """
     import torch.distributed as dist
+    from .switch_staged import reset_rss_peak, rss_bytes
     kv = dist.PrefixStore(prefix, store)
     parts = prep.planned.participants
     leader = min(prep.planned.src_devices)
-    reason = None
-    stats = None
     pool = pool if pool is not None else BufferPool()
-    t0 = time.time()
-    try:
-        ex = SwitchExecutor(prep.planned.program, device, old, new, prep.world, prep.index,
-                            lambda g: prep.groups[g], extra_keep=prep.planned.extra_keep.get(device, []),
-                            timeout=timeout, pool=pool, on_received=on_received, on_issue=on_issue,
-                            peer_gone=lambda: _gone(store, parts), big=big)
-        stats = ex.run()
-    except SwitchAborted as e:
-        reason = str(e)
-    t1 = time.time()
-    record.transfer_seconds = t1 - t0
-    record.rows.append(("switch", "transfer", t0, t1))
+    reset_rss_peak()
+    record.rss_start_bytes = rss_bytes()[0]
     record.old_bytes, record.new_bytes = bytes_of(old), bytes_of(new)
-    record.staging_peak_bytes = pool.peak
-    record.peak_bytes = record.old_bytes + record.new_bytes + record.staging_peak_bytes
-    if stats is not None:
-        record.bytes_sent, record.bytes_received, record.zero_copy = (stats.bytes_sent, stats.bytes_received,
-                                                                     stats.zero_copy)
-        record.phases = {k: round(v, 6) for k, v in stats.seconds.items()}
-        if stats.sent_crc:
-            kv.multi_set([f"ck/{k}" for k in stats.sent_crc], [str(v) for v in stats.sent_crc.values()])
-        if device == leader and old is not None:
-            meta = {"steps_done": steps_done, "opt_step": max(b.step for b in old.buffers.values())}
-            kv.set("meta", json.dumps(meta))
-        if reason is None and stats.recv_crc:
-            keys = [f"ck/{k}" for k in stats.recv_crc]
-            if not _wait(kv, keys, timeout):
-                reason = f"device {device}: a sender never published its checksums"
-            else:
-                got = kv.multi_get(keys)
-                for (k, mine), theirs in zip(stats.recv_crc.items(), got):
-                    if int(theirs) != mine:
-                        reason = (f"device {device}: the checksum of received transfer {k} is {mine:#010x} but "
-                                  f"the sender sent {int(theirs):#010x}")
-                        break
-    kv.set(f"vote/{device}", "ok" if reason is None else "fail:" + reason)
-    votes = [f"vote/{d}" for d in parts]
+    ex = SwitchExecutor(prep.planned.program, device, old, new, prep.world, prep.index,
+                        lambda g: prep.groups[g], extra_keep=prep.planned.extra_keep.get(device, []),
+                        timeout=timeout, pool=pool, on_received=on_received, on_issue=on_issue,
+                        peer_gone=lambda: _gone(store, parts), big=big)
+    if prep.planned.staged:
+        _run_staged(ex, prep, kv, store, device, old, new, record, timeout)
+    else:
+        t0 = time.time()
+        reason = _transfer(ex, None)
+        t1 = time.time()
+        record.transfer_seconds = t1 - t0
+        record.rows.append(("switch", "transfer", t0, t1))
+        record.staging_peak_bytes = pool.peak
+        record.peak_bytes = record.old_bytes + record.new_bytes + record.staging_peak_bytes
+        reason = _verify(kv, ex.stats, set(), set(), device, reason, timeout)
+        fails = _vote(kv, store, "vote", device, parts, reason, timeout, record)
+        t2 = time.time()
+        record.verify_seconds = t2 - t1
+        record.rows.append(("switch", "verify", t1, t2))
+        if fails:
+            raise _aborted(f"switch at step {record.step} aborted and rolled back to {record.src}: {fails[0]}",
+                           False, fails[0])
+    _stats(record, ex.stats)
+    record.rss_peak_bytes = rss_bytes()[1]
+    if device == leader and old is not None:
+        kv.set("meta", json.dumps({"steps_done": steps_done, "opt_step": max(b.step for b in old.buffers.values())}))
+    if not _wait(kv, ["meta"], timeout):
+        raise _aborted(f"switch at step {record.step} aborted: no step counter was published", True, None)
+    return json.loads(kv.get("meta"))
+
+
+def _transfer(ex: SwitchExecutor, stage: int | None) -> str | None:
+    """Run the executor (one stage of it); the reason it failed, or None."""
+    try:
+        ex.run(stage)
+    except SwitchAborted as e:
+        return str(e)
+    return None
+
+
+def _stats(record: SwitchRecord, stats) -> None:
+    record.bytes_sent, record.bytes_received, record.zero_copy = stats.bytes_sent, stats.bytes_received, stats.zero_copy
+    record.phases = {k: round(v, 6) for k, v in stats.seconds.items()}
+
+
+def _verify(kv, stats, sent_before: set, recv_before: set, device: int, reason: str | None,
+            timeout: float) -> str | None:
+    """Publish the checksums of what was sent since ``sent_before`` and compare those of what was
+    received since ``recv_before`` with their senders'; the first mismatch, else ``reason``."""
+    sent = {k: v for k, v in stats.sent_crc.items() if k not in sent_before}
+    if sent:
+        kv.multi_set([f"ck/{k}" for k in sent], [str(v) for v in sent.values()])
+    recv = {k: v for k, v in stats.recv_crc.items() if k not in recv_before}
+    if reason is not None or not recv:
+        return reason
+    keys = [f"ck/{k}" for k in recv]
+    if not _wait(kv, keys, timeout):
+        return f"device {device}: a sender never published its checksums"
+    for (k, mine), theirs in zip(recv.items(), kv.multi_get(keys)):
+        if int(theirs) != mine:
+            return (f"device {device}: the checksum of received transfer {k} is {mine:#010x} but "
+                    f"the sender sent {int(theirs):#010x}")
+    return None
+
+
+def _vote(kv, store, name: str, device: int, parts, reason: str | None, timeout: float,
+          record: SwitchRecord) -> list[str]:
+    """Vote ``reason is None`` as ``name`` and collect every participant's vote: the failures'
+    reasons. Raises SwitchAborted (peer failed) when a participant never votes."""
+    kv.set(f"{name}/{device}", "ok" if reason is None else "fail:" + reason)
+    votes = [f"{name}/{d}" for d in parts]
     end = time.monotonic() + timeout
     polls = 0
     while not kv.check(votes) and time.monotonic() < end:     # one round trip a poll; peers' health less often
         polls += 1
-        if polls % 25 == 0 and _gone(store, [d for d in parts if not kv.check([f"vote/{d}"])]) is not None:
+        if polls % 25 == 0 and _gone(store, [d for d in parts if not kv.check([f"{name}/{d}"])]) is not None:
             break
         time.sleep(0.001)
     if not kv.check(votes):
-        missing = [d for d in parts if not kv.check([f"vote/{d}"])]
+        missing = [d for d in parts if not kv.check([f"{name}/{d}"])]
         raise _aborted(f"switch at step {record.step} aborted: device(s) {missing} never finished "
                        f"({reason or 'a peer failed'}); the old layout's state is intact on the survivors",
                        True, reason)
-    vals = kv.multi_get(votes)
-    fails = [v.decode()[5:] for v in vals if v.decode() != "ok"]
-    t2 = time.time()
-    record.verify_seconds = t2 - t1
-    record.rows.append(("switch", "verify", t1, t2))
-    if fails:
-        raise _aborted(f"switch at step {record.step} aborted and rolled back to {record.src}: {fails[0]}",
-                       False, fails[0])
-    if not _wait(kv, ["meta"], timeout):
-        raise _aborted(f"switch at step {record.step} aborted: no step counter was published", True, None)
-    return json.loads(kv.get("meta"))
+    return [v.decode()[5:] for v in kv.multi_get(votes) if v.decode() != "ok"]
+
+
+def _run_staged(ex: SwitchExecutor, prep: Prepared, kv, store, device: int, old: StateStore | None,
+                new: StateStore | None, record: SwitchRecord, timeout: float) -> None:
+    """Stage by stage: transfer, verify, vote, then release the old regions the stage frees. A
+    failed stage restores what earlier stages released, so the old layout is whole again."""
+    from .switch_staged import Releases
+    planned = prep.planned
+    parts = planned.participants
+    rel = Releases(planned.program, device, old, (old if old is not None else new).spec, planned.src,
+                   planned.src_devices)
+    new_by_stage = _new_bytes_by_stage(planned.program, device)
+    record.peak_bytes = 0
+    for k in range(int(planned.program.meta.get("stages", 1))):
+        t0 = time.time()
+        sent0, recv0 = set(ex.stats.sent_crc), set(ex.stats.recv_crc)
+        ex.pool.reset_peak()
+        reason = _transfer(ex, k)
+        t1 = time.time()
+        reason = _verify(kv, ex.stats, sent0, recv0, device, reason, timeout)
+        try:
+            fails = _vote(kv, store, f"vote{k}", device, parts, reason, timeout, record)
+        except SwitchAborted as e:
+            if k > 0:       # put back what earlier stages released, from the survivors' verified copies
+                gone = frozenset(d for d in parts if not kv.check([f"vote{k}/{d}"]))
+                e.args = (f"{e.args[0]}; {_try_restore(rel, k, prep, new, timeout, device, gone, record.step)}",)
+            raise
+        t2 = time.time()
+        record.transfer_seconds += t1 - t0
+        record.verify_seconds += t2 - t1
+        record.rows += [("switch", "transfer", t0, t1), ("switch", "verify", t1, t2)]
+        live = record.old_bytes - rel.released_bytes + min(sum(new_by_stage[:k + 1]), record.new_bytes)
+        record.peak_bytes = max(record.peak_bytes, live + ex.pool.peak)
+        record.staging_peak_bytes = max(record.staging_peak_bytes, ex.pool.peak)
+        if fails:
+            got = _restore(rel, k, prep, new, timeout, frozenset(), record.step) if k > 0 else 0
+            raise _aborted(f"switch at step {record.step} aborted at stage {k} and rolled back to {record.src} "
+                           f"({got / 2**20:.1f} MiB of released old state restored here): {fails[0]}",
+                           False, fails[0])
+        released = rel.release(k)
+        record.released_bytes += released
+        record.rows.append(("switch", f"release{k}", t2, time.time()))
+    record.stages = int(planned.program.meta.get("stages", 1))
+
+
+def _restore(rel, k: int, prep: Prepared, new, timeout: float, gone: frozenset, step: int) -> int:
+    """Restore what stages before ``k`` released, over a fresh communicator of the survivors (a
+    group that lost a member cannot be trusted)."""
+    from .switch_staged import restore
+    alive = [d for d in prep.planned.participants if d not in gone]
+    world = prep.manager.group(tuple(prep.keys[d] for d in alive), f"restore/{step}/{k}")
+    return restore(rel, k, world, {d: i for i, d in enumerate(alive)}, new, timeout, gone)
+
+
+def _try_restore(rel, k: int, prep: Prepared, new, timeout: float, device: int, gone: frozenset, step: int) -> str:
+    try:
+        got = _restore(rel, k, prep, new, timeout, gone, step)
+        return f"{got / 2**20:.1f} MiB of released old state restored on device {device}"
+    except SwitchAborted as e:
+        return str(e)
+
+
+def _new_bytes_by_stage(program: Program, device: int) -> list[int]:
+    """Bytes of new state buffers the Program allocates on ``device`` at each stage."""
+    out = [0] * int(program.meta.get("stages", 1))
+    rp = program.ranks.get(device)
+    for ins in (rp.streams.get("pack", ()) if rp is not None else ()):
+        if ins.key and ins.key.startswith("keep:"):
+            out[int(ins.key[5:])] += sum(nb for name, nb in ins.alloc if name.startswith("new:"))
+    return out
 
 
 def _gone(store, devices) -> int | None:

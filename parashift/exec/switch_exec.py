@@ -357,6 +357,11 @@ class SwitchExecutor:
         self.msgs: dict[str, list[torch.Tensor]] = {}       # p2p tag -> its messages
         self.temps: dict[str, list[torch.Tensor]] = {}      # p2p tag -> pooled buffers it uses
         self.later: collections.deque = collections.deque()  # deferred work, run while the wire is busy
+        self._comm: dict[str, Instr] = {}
+        self._done: set[int] = set()
+        moved = self.P.transfer >= 0
+        self._xstage = np.zeros(len(self.tag_id), dtype=np.int64)   # transfer id -> stage
+        self._xstage[self.P.transfer[moved]] = self.P.stage[moved]
 
     def _sum(self, t: torch.Tensor) -> int:
         t0 = time.perf_counter()
@@ -636,8 +641,21 @@ class SwitchExecutor:
         return _Flight(ins, ins.stream, [work], t0, then)
 
     # ---- driver ---------------------------------------------------------------------------------------
-    def run(self) -> ExecStats:
-        """Execute every stream of this device; raise SwitchAborted on a failed or stuck transfer.
+    def stage_of(self, ins: Instr) -> int:
+        """The switch stage ``ins`` belongs to (``keep:<stage>``, else its transfer's stage)."""
+        if ins.key is not None and ins.key.startswith("keep:"):
+            return int(ins.key[5:])
+        tag = ins.tag if ins.tag is not None else ins.key.partition(":")[2]
+        return int(self._xstage[self.tag_id[tag]])
+
+    def stages(self) -> list[int]:
+        """The stages this device takes part in, in order."""
+        rp = self.program.ranks.get(self.device)
+        return sorted({self.stage_of(i) for v in (rp.streams.values() if rp is not None else ()) for i in v})
+
+    def run(self, stage: int | None = None) -> ExecStats:
+        """Execute every stream of this device (only stage ``stage``'s instructions when given:
+        run the stages in order); raise SwitchAborted on a failed or stuck transfer.
 
         Gloo completes point-to-point work only inside ``wait()``, so every issued instruction is
         waited on by a daemon thread that reports to a queue; the driver thread runs copies and
@@ -651,16 +669,18 @@ class SwitchExecutor:
         """
         rp = self.program.ranks.get(self.device)
         streams = {s: list(v) for s, v in (rp.streams.items() if rp is not None else ())}
-        self._comm = {}
         for v in streams.values():
             for ins in v:
                 if ins.tag is not None:
                     self._comm[ins.tag] = ins
+        if stage is not None:
+            streams = {s: [i for i in v if self.stage_of(i) == stage] for s, v in streams.items()}
+            streams = {s: v for s, v in streams.items() if v}
         pos = {s: 0 for s in streams}
         busy: dict[str, _Flight] = {}                                   # collective streams: one at a time
         lanes: dict[str, collections.deque] = {s: collections.deque() for s in streams
                                                 if s.startswith(("send", "recv"))}
-        done: set[int] = set()
+        done = self._done                                               # earlier stages' too
         finished: queue.Queue = queue.Queue()
         timeout = _td(self.timeout)
         st = self.stats

@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from .. import models
@@ -30,6 +31,7 @@ from .reference import OptimConfig
 from .state import StateStore
 from .switch import Prepared, SwitchRecord, execute_switch, prepare, store_arrays, training_worlds
 from .switch_exec import BIG, BufferPool, state_alloc
+from .switch_staged import lazy_alloc
 
 __all__ = ["Generation", "generations", "LiveSession", "LiveResult", "run_live"]
 
@@ -114,9 +116,10 @@ class LiveSession:
                                _keys(self.gens, g), self.device, global_batch=gb, seq_len=seq,
                                memory_budget=self.opts.get("memory_budget"))
                 if self.device in dst.devices:     # the destination store, faulted in while training goes on
-                    t0 = time.time()
+                    t0 = time.time()            # (a staged switch's fills stage by stage: lazily allocated)
                     prep.new_store = StateStore(self.spec, dst.strategy, dst.devices.index(self.device),
-                                                torch.device("cpu"), init=False, alloc=state_alloc)
+                                                torch.device("cpu"), init=False,
+                                                alloc=lazy_alloc if prep.planned.staged else state_alloc)
                     prep.alloc_seconds = time.time() - t0
                 fut.set_result(prep)
             except BaseException as e:  # noqa: BLE001 - re-raised by switch()
@@ -153,7 +156,10 @@ class LiveSession:
         new_rank = dst.devices.index(self.device) if self.device in dst.devices else None
         new, prep.new_store = prep.new_store, None      # allocated in the background by announce()
         rec.alloc_seconds = prep.alloc_seconds
-        on_received, on_issue = self._fault_hooks(g)
+        on_received, on_issue = self._fault_hooks(g, prep)
+        before = None                # (tests) a staged switch releases the old store as it goes
+        if self.opts.get("export") and old is not None:
+            before = {"rank": src.devices.index(self.device), "arrays": store_arrays(old)}
         try:
             meta = execute_switch(prep, self.ctx.store, f"sw{g}/", self.device, old, new, rec, timeout=self.timeout,
                                   pool=self.pool, steps_done=self.runtime.steps_done if self.runtime else None,
@@ -170,8 +176,8 @@ class LiveSession:
             rec.pause_seconds = time.time() - t_pause
             raise
         self.pool.clear()            # no staging memory lingers while training goes on
-        if self.opts.get("export") and old is not None:
-            self.exports[f"before{g}"] = {"rank": src.devices.index(self.device), "arrays": store_arrays(old)}
+        if before is not None:
+            self.exports[f"before{g}"] = before
         t0 = time.time()
         rt = None
         if new is not None:          # the new world exists already: the rebuild is views over the new store
@@ -192,16 +198,21 @@ class LiveSession:
         self.runtime, self.gen = rt, g       # the old store is freed with the old runtime
         return rt
 
-    def _fault_hooks(self, g: int) -> tuple:
-        """Test hooks of ``opts["fault"]`` for switch ``g`` on this device: (on_received, on_issue)."""
+    def _fault_hooks(self, g: int, prep: Prepared) -> tuple:
+        """Test hooks of ``opts["fault"]`` for switch ``g`` on this device: (on_received, on_issue).
+        ``fault["stage"]`` (default 0): the hook fires in the first transfer of that stage or later."""
         fault = self.opts.get("fault") or {}
         if fault.get("switch") != g or fault.get("device") != self.device:
             return None, None
+        from .switch_exec import PieceTable
+        P = PieceTable.of(prep.planned.program)
+        tags = prep.planned.program.meta["transfers"]
+        late = {tags[int(x)] for x in np.unique(P.transfer[(P.transfer >= 0) & (P.stage >= fault.get("stage", 0))])}
         if fault["kind"] == "corrupt":
             hit = []
 
             def on_received(tag, buf):  # noqa: ANN001 - flip one byte of the first buffer received
-                if not hit and buf.numel():
+                if not hit and buf.numel() and tag in late:
                     hit.append(tag)
                     buf.view(torch.uint8)[0] ^= 0xFF
             return on_received, None
@@ -209,7 +220,7 @@ class LiveSession:
             import os
 
             def on_issue(ins):  # noqa: ANN001 - die in the middle of the transfer
-                if ins.op in ("send", "broadcast", "scatter", "gather"):
+                if ins.op in ("send", "broadcast", "scatter", "gather") and ins.tag in late:
                     os._exit(17)
             return None, on_issue
         return None, None
@@ -397,7 +408,7 @@ def _summarize(gens: list[Generation], reports: dict[str, Any]) -> list[dict]:
                  "seconds": max(SwitchRecord(**{k: v for k, v in r.items()}).seconds for r in recs),
                  "pause_seconds": max(r["pause_seconds"] for r in recs if not r["joining"])}
         for k in ("plan_seconds", "world_seconds", "transfer_seconds", "verify_seconds", "rebuild_seconds",
-                  "alloc_seconds", "peak_bytes", "staging_peak_bytes"):
+                  "alloc_seconds", "peak_bytes", "staging_peak_bytes", "released_bytes", "stages"):
             entry[k] = max(r[k] for r in recs)      # the slowest process's phase; the largest high-water mark
         entry["bytes_moved"] = sum(r["bytes_sent"] for r in recs)
         if aborted:
