@@ -229,7 +229,56 @@ def _floor(planned, device: int, world, index) -> float:
     return _allmax(world, dt), _allsum(world, cpu)
 
 
-def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict) -> dict:
+def _staged_case(spec, ctx, world, keys, mgr, ci: int, src, dst, sdev, ddev, fraction: float, repeats: int) -> dict:
+    """The switch under a memory budget of ``fraction`` x (old + new state) of the fullest device:
+    stage by stage, old state released as it goes, into a lazily allocated store (the old store
+    is refilled from a pristine copy before each run, since the switch releases it)."""
+    from parashift.exec.switch_staged import lazy_alloc
+    device = ctx.device
+    old = StateStore(spec, src, sdev.index(device), torch.device("cpu"), init=False)
+    _fill(old, spec)
+    pristine = {f: {k: getattr(b, k).clone() for k in ("param", "exp_avg", "exp_avg_sq")} for f, b in old.buffers.items()}
+    both = _allmax(world, float(sum(getattr(b, k).numel() * 4 for b in old.buffers.values()
+                                    for k in ("param", "exp_avg", "exp_avg_sq"))))
+    budget = int(fraction * (both + _allmax(world, float(_new_bytes(spec, dst, ddev, device)))))
+    planned = plan_live_switch(spec, src, dst, sdev, ddev, memory_budget=budget)
+    groups = {g: mgr.group(tuple(keys[d] for d in g)) for g in planned.collective_groups(device)}
+    reserve_waiters(planned.program, device)
+    prep = Prepared(planned, world, {d: i for i, d in enumerate(planned.participants)}, groups, keys, None,
+                    0.0, 0.0, 0, 0, manager=mgr)
+    runs, recs = [], []
+    for rep in range(repeats + 1):
+        for f, kinds in pristine.items():
+            for k, t in kinds.items():
+                getattr(old.buffers[f], k).copy_(t)
+        new = StateStore(spec, dst, ddev.index(device), torch.device("cpu"), init=False,
+                         alloc=lazy_alloc) if device in ddev else None
+        _allmax(world, 0.0)
+        t0 = time.perf_counter()
+        rec = SwitchRecord(0, str(src), str(dst), device)
+        execute_switch(prep, ctx.store, f"staged{ci}.{rep}/", device, old, new, rec, timeout=300, steps_done=0)
+        dt = _allmax(world, time.perf_counter() - t0)
+        if rep:
+            runs.append(dt)
+            recs.append(rec)
+        del new
+    r = recs[-1]
+    return {"staged_fraction": fraction, "budget_bytes": budget, "stages": planned.program.meta["stages"],
+            "staged_switch_seconds": statistics.median(runs), "staged_switch_runs": runs,
+            "staged_memory_max_rank": {k: int(_allmax(world, float(getattr(r, k)))) for k in
+                                       ("old_bytes", "new_bytes", "released_bytes", "staging_peak_bytes", "peak_bytes")},
+            "staged_rss_growth_max_rank": int(_allmax(world, float(r.rss_peak_bytes - r.rss_start_bytes)))}
+
+
+def _new_bytes(spec, dst, ddev, device) -> int:
+    if device not in ddev:
+        return 0
+    s = StateStore(spec, dst, ddev.index(device), torch.device("cpu"), init=False,
+                   alloc=lambda n, dt, dev: torch.empty(1, dtype=dt).expand(n))
+    return sum(getattr(b, k).numel() * 4 for b in s.buffers.values() for k in ("param", "exp_avg", "exp_avg_sq"))
+
+
+def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict, staged: float | None = None) -> dict:
     device = ctx.device
     mgr = ElasticManager(ctx.store, ctx.member.key, 120.0)
     keys = {d: f"{d}.0" for d in range(4)}
@@ -240,6 +289,9 @@ def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict) -> dict:
     out = {}
     for ci, (name, src, dst, sdev, ddev) in enumerate(CASES):
         src, dst = Strategy.parse(src), Strategy.parse(dst)
+        if staged is not None:
+            out[name] = _staged_case(spec, ctx, world, keys, mgr, ci, src, dst, sdev, ddev, staged, repeats)
+            continue
         old = StateStore(spec, src, sdev.index(device), torch.device("cpu"), init=False)
         _fill(old, spec)
         t0 = time.perf_counter()
@@ -312,6 +364,8 @@ def main() -> None:
     ap.add_argument("--dcp-repeats", type=int, default=2)
     ap.add_argument("--small", action="store_true", help="a 30 MB state (a quick check of the script)")
     ap.add_argument("--no-dcp", action="store_true", help="skip the DCP baselines (a quick look at the switch)")
+    ap.add_argument("--staged", type=float, metavar="FRACTION",
+                    help="instead: the switch under a memory budget of FRACTION x (old + new state), stage by stage")
     args = ap.parse_args()
     spec = _model(args.small)
     shm = tempfile.mkdtemp(prefix="parashift-bench-", dir="/dev/shm")
@@ -319,7 +373,8 @@ def main() -> None:
     try:
         t0 = time.perf_counter()
         res = launch_elastic(_worker, [Member(d, 0, 0) for d in range(4)],
-                             args=(spec, args.repeats, args.dcp_repeats, {} if args.no_dcp else {"shm": shm, "disk": disk}),
+                             args=(spec, args.repeats, args.dcp_repeats,
+                                   {} if args.no_dcp or args.staged else {"shm": shm, "disk": disk}, args.staged),
                              timeout=3000)
         cases = res["0.0"]
     finally:
@@ -327,6 +382,8 @@ def main() -> None:
         shutil.rmtree(disk, ignore_errors=True)
     nparams = sum(t.numel for t in spec.tensors)
     for c in cases.values():
+        if args.staged:
+            continue
         if args.no_dcp:
             c["vs_floor"] = c["switch_seconds"] / c["floor_seconds"]
             continue

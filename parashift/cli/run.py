@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--switch-notice", type=int, default=3, metavar="STEPS",
                    help="steps of warning before each switch, while planning and world creation run in the "
                         "background (default 3)")
+    p.add_argument("--switch-memory-budget", metavar="BYTES",
+                   help="state bytes each device may hold during a switch (e.g. 12MiB); when the old and the new "
+                        "state together exceed it, the switch runs stage by stage and frees old state as it goes")
 
 
 def run(args: argparse.Namespace) -> dict:

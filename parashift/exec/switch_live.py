@@ -483,16 +483,20 @@ def run_cli(args) -> dict:
     def progress(step: int, loss: float) -> None:
         if not args.json:
             print(f"step {step + 1}/{args.steps}  loss {loss:.6f}", file=sys.stderr, flush=True)
+    budget = getattr(args, "switch_memory_budget", None)
+    if budget:
+        from ..cli.plan import parse_bytes
+        budget = parse_bytes(budget)
     res = run_live(spec, s0, steps=args.steps, switches=switches, global_batch=args.global_batch,
                    seq_len=args.seq_len or spec.seq_len, optim=OptimConfig(lr=args.lr), timeout=args.timeout,
-                   notice=getattr(args, "switch_notice", 3), progress=progress)
+                   notice=getattr(args, "switch_notice", 3), memory_budget=budget or None, progress=progress)
     aborted = [s for s in res.switches if s.get("aborted")]
     out = {"model": spec.name, "strategy": str(s0), "nprocs": s0.world, "schedule": None, **res.to_json(),
            "step_times": step_times(res),
            "switches": [{k: s[k] for k in ("step", "src", "dst", "seconds", "pause_seconds", "plan_seconds",
                                            "world_seconds", "transfer_seconds", "verify_seconds",
-                                           "rebuild_seconds", "bytes_moved", "peak_bytes", "src_devices",
-                                           "dst_devices")}
+                                           "rebuild_seconds", "bytes_moved", "peak_bytes", "stages",
+                                           "released_bytes", "src_devices", "dst_devices")}
                         | ({"aborted": s["aborted"]} if s.get("aborted") else {}) for s in res.switches]}
     if getattr(args, "trace", None):
         res.to_chrome_trace(args.trace)
@@ -518,4 +522,6 @@ def render_cli(result: dict) -> None:
               f"{s['seconds'] * 1e3:.0f} ms (plan {s['plan_seconds'] * 1e3:.0f}, world {s['world_seconds'] * 1e3:.0f}, "
               f"transfer {s['transfer_seconds'] * 1e3:.0f}, verify {s['verify_seconds'] * 1e3:.0f}, "
               f"rebuild {s['rebuild_seconds'] * 1e3:.0f})  "
-              f"{s['bytes_moved'] / 2**20:.1f} MiB moved, peak {s['peak_bytes'] / 2**20:.1f} MiB/process{tag}")
+              f"{s['bytes_moved'] / 2**20:.1f} MiB moved, peak {s['peak_bytes'] / 2**20:.1f} MiB/process"
+              + (f", {s['stages']} stages freeing {s['released_bytes'] / 2**20:.1f} MiB of old state"
+                 if s["stages"] > 1 else "") + tag)
