@@ -6,9 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parashift.exec.interpreter import group_keys
 from parashift.exec.launch import RankContext
-from parashift.exec.runtime import Runtime, compile_program
+from parashift.exec.runtime import Runtime, compile_program, world_keys
 
 fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
 
@@ -20,7 +19,7 @@ CASES = ["dp=8,tp=2,pp=4,zero=3,schedule=zb-h1,recompute=full", "dp=16,tp=2,pp=2
 def test_every_rank_class_executes_at_64_ranks(strategy: str) -> None:
     program = compile_program("tiny-gpt", strategy, global_batch=64, seq_len=16)
     assert program.world == 64
-    keys = group_keys(program)
+    keys = world_keys(program)
     for ranks in program.classes().values():
         r = ranks[0]
         dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=r, world_size=program.world)

@@ -77,7 +77,7 @@ def test_killed_leaving_rank_mid_staged_switch_leaves_survivors_whole():
     budget = int(0.8 * _old_plus_new("dp=2,tp=2,zero=1", "dp=3,zero=1", range(4), range(3)))
     static = run_live(GPT, "dp=2,tp=2,zero=1", steps=1, export=True, timeout=120, global_batch=12)
     res = run_live(GPT, "dp=2,tp=2,zero=1", steps=3, switches=[(1, "dp=3,zero=1", (0, 1, 2))], timeout=120,
-                   memory_budget=budget, switch_timeout=6, global_batch=12,
+                   memory_budget=budget, switch_timeout=20, global_batch=12,
                    fault={"kind": "kill", "device": 3, "switch": 1, "stage": 1})
     assert res.reports["3.0"] is None                              # it died mid-switch, after stage 0
     want = {r["exports"]["final"]["rank"]: r["exports"]["final"]["arrays"] for r in static.reports.values()}

@@ -285,7 +285,7 @@ def execute_switch(prep: Prepared, store, prefix: str, device: int, old: StateSt
         record.rows.append(("switch", "transfer", t0, t1))
         record.staging_peak_bytes = pool.peak
         record.peak_bytes = record.old_bytes + record.new_bytes + record.staging_peak_bytes
-        reason = _verify(kv, ex.stats, set(), set(), device, reason, timeout)
+        reason = _verify(kv, ex.stats, set(), set(), device, reason, timeout, ex.peer_gone)
         fails = _vote(kv, store, "vote", device, parts, reason, timeout, record)
         t2 = time.time()
         record.verify_seconds = t2 - t1
@@ -317,7 +317,7 @@ def _stats(record: SwitchRecord, stats) -> None:
 
 
 def _verify(kv, stats, sent_before: set, recv_before: set, device: int, reason: str | None,
-            timeout: float) -> str | None:
+            timeout: float, peer_gone=None) -> str | None:
     """Publish the checksums of what was sent since ``sent_before`` and compare those of what was
     received since ``recv_before`` with their senders'; the first mismatch, else ``reason``."""
     sent = {k: v for k, v in stats.sent_crc.items() if k not in sent_before}
@@ -327,8 +327,12 @@ def _verify(kv, stats, sent_before: set, recv_before: set, device: int, reason: 
     if reason is not None or not recv:
         return reason
     keys = [f"ck/{k}" for k in recv]
-    if not _wait(kv, keys, timeout):
-        return f"device {device}: a sender never published its checksums"
+    end, polls = time.monotonic() + timeout, 0
+    while not kv.check(keys):            # one round trip a poll; a dead sender ends the wait at once
+        polls += 1
+        if time.monotonic() > end or (polls % 25 == 0 and peer_gone is not None and peer_gone() is not None):
+            return f"device {device}: a sender never published its checksums"
+        time.sleep(0.001)
     for (k, mine), theirs in zip(recv.items(), kv.multi_get(keys)):
         if int(theirs) != mine:
             return (f"device {device}: the checksum of received transfer {k} is {mine:#010x} but "
@@ -374,12 +378,12 @@ def _run_staged(ex: SwitchExecutor, prep: Prepared, kv, store, device: int, old:
         ex.pool.reset_peak()
         reason = _transfer(ex, k)
         t1 = time.time()
-        reason = _verify(kv, ex.stats, sent0, recv0, device, reason, timeout)
+        reason = _verify(kv, ex.stats, sent0, recv0, device, reason, timeout, ex.peer_gone)
         try:
             fails = _vote(kv, store, f"vote{k}", device, parts, reason, timeout, record)
         except SwitchAborted as e:
             if k > 0:       # put back what earlier stages released, from the survivors' verified copies
-                gone = frozenset(d for d in parts if not kv.check([f"vote{k}/{d}"]))
+                gone = frozenset(d for d in parts if store.check([f"dead/{d}"]))   # as the launcher saw it
                 e.args = (f"{e.args[0]}; {_try_restore(rel, k, prep, new, timeout, device, gone, record.step)}",)
             raise
         t2 = time.time()

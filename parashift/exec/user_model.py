@@ -35,11 +35,11 @@ from ..errors import StrategyError
 from ..ir.program import Instr, Program
 from ..strategy import Strategy
 from .groups import Worlds
-from .interpreter import _P2P_ORDER, Interpreter, _Step, group_keys
+from .interpreter import _P2P_ORDER, Interpreter, _Step
 from .launch import RankContext, launch_local
 from .profiler import Profiler, tensor_bytes
 from .reference import OptimConfig, microbatch_rows
-from .runtime import RunResult, Runtime, _assemble, _export_keys, _Progress
+from .runtime import RunResult, Runtime, _assemble, _export_keys, _Progress, world_keys
 from .state import StateStore
 from .user_plan import UserPlan, microbatch_input, plan_user_model, rows_of
 
@@ -219,7 +219,7 @@ class UserRuntime(Runtime):
                                 f"launch it with nprocs={program.world}")
         self.program, self.ctx, self.spec = program, ctx, plan.spec
         self.worlds = Worlds(ctx.rank, ctx.world, ctx.backend)
-        self.worlds.prepare(_export_keys(program) | group_keys(program))
+        self.worlds.prepare(_export_keys(program) | world_keys(program))
         self.store = StateStore(plan.spec, program.strategy, ctx.rank, ctx.device, init=False)
         values = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
         for b in self.store.buffers.values():
