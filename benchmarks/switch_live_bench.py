@@ -43,7 +43,7 @@ from parashift import models
 from parashift.exec.elastic import ElasticManager, Member, launch_elastic
 from parashift.exec.state import StateStore
 from parashift.exec.switch import Prepared, SwitchRecord, execute_switch, plan_live_switch
-from parashift.exec.switch_exec import BufferPool, crc, kind_tensor, piece_view, reserve_waiters, state_alloc
+from parashift.exec.switch_exec import BufferPool, bytes_of, crc, kind_tensor, piece_view, reserve_waiters, state_alloc
 from parashift.strategy import Strategy
 from parashift.vps import layout
 
@@ -233,14 +233,14 @@ def _staged_case(spec, ctx, world, keys, mgr, ci: int, src, dst, sdev, ddev, fra
     """The switch under a memory budget of ``fraction`` x (old + new state) of the fullest device:
     stage by stage, old state released as it goes, into a lazily allocated store (the old store
     is refilled from a pristine copy before each run, since the switch releases it)."""
-    from parashift.exec.switch_staged import lazy_alloc
+    from parashift.exec.switch_staged import layout_store, lazy_alloc
     device = ctx.device
     old = StateStore(spec, src, sdev.index(device), torch.device("cpu"), init=False)
     _fill(old, spec)
     pristine = {f: {k: getattr(b, k).clone() for k in ("param", "exp_avg", "exp_avg_sq")} for f, b in old.buffers.items()}
-    both = _allmax(world, float(sum(getattr(b, k).numel() * 4 for b in old.buffers.values()
-                                    for k in ("param", "exp_avg", "exp_avg_sq"))))
-    budget = int(fraction * (both + _allmax(world, float(_new_bytes(spec, dst, ddev, device)))))
+    new_bytes = bytes_of(layout_store(spec, dst, ddev.index(device))) if device in ddev else 0
+    both = _allmax(world, float(bytes_of(old) + new_bytes))   # old + new state of the fullest device
+    budget = int(fraction * both)
     planned = plan_live_switch(spec, src, dst, sdev, ddev, memory_budget=budget)
     groups = {g: mgr.group(tuple(keys[d] for d in g)) for g in planned.collective_groups(device)}
     reserve_waiters(planned.program, device)
@@ -268,14 +268,6 @@ def _staged_case(spec, ctx, world, keys, mgr, ci: int, src, dst, sdev, ddev, fra
             "staged_memory_max_rank": {k: int(_allmax(world, float(getattr(r, k)))) for k in
                                        ("old_bytes", "new_bytes", "released_bytes", "staging_peak_bytes", "peak_bytes")},
             "staged_rss_growth_max_rank": int(_allmax(world, float(r.rss_peak_bytes - r.rss_start_bytes)))}
-
-
-def _new_bytes(spec, dst, ddev, device) -> int:
-    if device not in ddev:
-        return 0
-    s = StateStore(spec, dst, ddev.index(device), torch.device("cpu"), init=False,
-                   alloc=lambda n, dt, dev: torch.empty(1, dtype=dt).expand(n))
-    return sum(getattr(b, k).numel() * 4 for b in s.buffers.values() for k in ("param", "exp_avg", "exp_avg_sq"))
 
 
 def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict, staged: float | None = None) -> dict:

@@ -25,6 +25,19 @@ def test_run_switch_at_json_reports_every_switch(capsys):
     assert out["losses"][-1] < out["losses"][0]
 
 
+def test_switch_memory_budget_stages_the_switch_and_frees_old_state(capsys):
+    argv = ["run", "--model", "tiny-gpt", "--strategy", "dp=2,tp=2", "--nprocs", "4", "--steps", "3",
+            "--switch-at", "2:dp=4,zero=1", "--json"]
+    assert main(argv) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--switch-memory-budget", "1.6MiB"]) == 0
+    staged = json.loads(capsys.readouterr().out)
+    assert staged["losses"] == whole["losses"]
+    (w,), (s,) = whole["switches"], staged["switches"]
+    assert (w["stages"], w["released_bytes"]) == (1, 0)
+    assert s["stages"] > 1 and s["released_bytes"] > 0 and s["peak_bytes"] < w["peak_bytes"]
+
+
 def test_bad_switch_at_is_a_one_line_error():
     r = subprocess.run([sys.executable, "-m", "parashift", "run", "--strategy", "dp=2", "--steps", "4",
                         "--switch-at", "2:dp=3:0,1"], capture_output=True, text=True, timeout=120)

@@ -18,7 +18,6 @@ import queue as queue_mod
 import threading
 import time
 import traceback
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -77,9 +76,8 @@ class ElasticManager:
     ``group(members)`` returns the communicator of a tuple of incarnation keys (this process's
     must be among them), creating it on first use; ``process_group(members, channel)`` the same
     as a ``torch.distributed.ProcessGroup`` for a training world. Creation blocks until every
-    member creates the group too, so members create shared groups in one agreed order.
-    ``prepare(sets)`` creates several in a background thread and returns a Future.
-    ``drop(members)`` forgets a group (after a failed switch: its in-flight work is abandoned), so
+    member creates the group too, so members create shared groups in one agreed order (callers
+    build them in background threads). ``drop(members)`` forgets a group (after a failed switch: its in-flight work is abandoned), so
     the next ``group`` call builds a fresh one under a new prefix.
     """
 
@@ -119,7 +117,7 @@ class ElasticManager:
         prefix = f"pg/{','.join(members)}/{channel}/{epoch}"
         store, rank, size = dist.PrefixStore(prefix, self.store), members.index(self.me), len(members)
         pg = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=self.timeout))
-        if wrap:
+        if wrap:       # as init_process_group wraps its backend (torch has no public call for this)
             backend = pg
             pg = dist.ProcessGroup(store, rank, size)
             pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
@@ -129,30 +127,10 @@ class ElasticManager:
             self.created += 1
         return pg
 
-    def prepare(self, sets: list[tuple[str, ...]]) -> "Future":
-        """Create the groups of ``sets`` in a background thread; the Future's result is the list of groups."""
-        fut: Future = Future()
-
-        def work() -> None:
-            try:
-                fut.set_result([self.group(m) for m in sets])
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-                fut.set_exception(e)
-        threading.Thread(target=work, name="parashift-elastic", daemon=True).start()
-        return fut
-
     def drop(self, members: tuple[str, ...], channel: str = "") -> None:
         key = (tuple(members), channel)
         with self._lock:
             if self._groups.pop(key, None) is not None:
-                self._epoch[key] = self._epoch.get(key, 0) + 1
-
-    def drop_training(self, members: tuple[str, ...]) -> None:
-        """Forget every training communicator whose members include any of ``members``."""
-        gone = set(members)
-        with self._lock:
-            for key in [k for k in self._groups if k[1].startswith("train:") and gone & set(k[0])]:
-                del self._groups[key]
                 self._epoch[key] = self._epoch.get(key, 0) + 1
 
     def __len__(self) -> int:

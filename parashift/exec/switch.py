@@ -22,15 +22,16 @@ Every participant of a switch computes the same plan locally (``vps.plan_switch`
 Memory. The Program allocates and frees buffers per stage (``alloc``/``free`` of its
 instructions). Its *staging* buffers (packed and received messages) follow it exactly: they come
 from a :class:`~parashift.exec.switch_exec.BufferPool` and go back as soon as their transfer is
-sent or unpacked, so a stage reuses the previous stage's buffers. The *state* buffers do not:
-the runtime keeps each layout's states in a few flat buffers per rank (not one per tensor), the
-new store exists whole before the transfer, and the old store is kept whole until the commit
-vote, so that an abort at any point leaves the old layout's state intact and training goes on
-in it. The Program's per-stage frees of ``old:*`` buffers are therefore not applied; a switch's
-memory high-water mark on a process is ``old + new + staging peak``, recorded in
-:class:`SwitchRecord` (``old_bytes``, ``new_bytes``, ``staging_peak_bytes``, ``peak_bytes``).
-A memory budget bounds the staging part (the planner's stages); :func:`execute_switch` refuses,
-before anything moves, a switch whose ``old + new`` state alone exceeds the budget.
+sent or unpacked, so a stage reuses the previous stage's buffers. The runtime keeps each
+layout's states in a few flat buffers per rank (not one per tensor). Without a budget (or when
+old and new fit in it) the new store exists whole before the transfer and the old store is kept
+whole until the commit vote, so that an abort at any point leaves the old layout's state intact:
+the high-water mark is ``old + new + staging peak``. When old and new exceed the budget, the
+switch is *staged* (:mod:`.switch_staged`): each verified stage hands back the old regions the
+Program frees there, the new store fills lazily, and an abort restores what was released. Both
+are recorded in :class:`SwitchRecord` (``old_bytes``, ``new_bytes``, ``released_bytes``,
+``staging_peak_bytes``, ``peak_bytes``). A budget below what one stage needs is refused by the
+planner before anything moves.
 """
 from __future__ import annotations
 
@@ -327,12 +328,8 @@ def _verify(kv, stats, sent_before: set, recv_before: set, device: int, reason: 
     if reason is not None or not recv:
         return reason
     keys = [f"ck/{k}" for k in recv]
-    end, polls = time.monotonic() + timeout, 0
-    while not kv.check(keys):            # one round trip a poll; a dead sender ends the wait at once
-        polls += 1
-        if time.monotonic() > end or (polls % 25 == 0 and peer_gone is not None and peer_gone() is not None):
-            return f"device {device}: a sender never published its checksums"
-        time.sleep(0.001)
+    if not _await(kv, keys, timeout, peer_gone or (lambda: None)):
+        return f"device {device}: a sender never published its checksums"
     for (k, mine), theirs in zip(recv.items(), kv.multi_get(keys)):
         if int(theirs) != mine:
             return (f"device {device}: the checksum of received transfer {k} is {mine:#010x} but "
@@ -346,19 +343,25 @@ def _vote(kv, store, name: str, device: int, parts, reason: str | None, timeout:
     reasons. Raises SwitchAborted (peer failed) when a participant never votes."""
     kv.set(f"{name}/{device}", "ok" if reason is None else "fail:" + reason)
     votes = [f"{name}/{d}" for d in parts]
-    end = time.monotonic() + timeout
-    polls = 0
-    while not kv.check(votes) and time.monotonic() < end:     # one round trip a poll; peers' health less often
-        polls += 1
-        if polls % 25 == 0 and _gone(store, [d for d in parts if not kv.check([f"{name}/{d}"])]) is not None:
-            break
-        time.sleep(0.001)
+    _await(kv, votes, timeout, lambda: _gone(store, [d for d in parts if not kv.check([f"{name}/{d}"])]))
     if not kv.check(votes):
         missing = [d for d in parts if not kv.check([f"{name}/{d}"])]
         raise _aborted(f"switch at step {record.step} aborted: device(s) {missing} never finished "
                        f"({reason or 'a peer failed'}); the old layout's state is intact on the survivors",
                        True, reason)
     return [v.decode()[5:] for v in kv.multi_get(votes) if v.decode() != "ok"]
+
+
+def _await(kv, keys: list[str], timeout: float, gone) -> bool:
+    """Poll until every key exists (one store round trip a poll); False after ``timeout`` seconds
+    or as soon as ``gone()`` (checked every 25 polls) names a failed device."""
+    end, polls = time.monotonic() + timeout, 0
+    while not kv.check(keys):
+        polls += 1
+        if time.monotonic() > end or (polls % 25 == 0 and gone() is not None):
+            return False
+        time.sleep(0.001)
+    return True
 
 
 def _run_staged(ex: SwitchExecutor, prep: Prepared, kv, store, device: int, old: StateStore | None,
@@ -372,7 +375,8 @@ def _run_staged(ex: SwitchExecutor, prep: Prepared, kv, store, device: int, old:
                    planned.src_devices)
     new_by_stage = _new_bytes_by_stage(planned.program, device)
     record.peak_bytes = 0
-    for k in range(int(planned.program.meta.get("stages", 1))):
+    record.stages = len(new_by_stage)
+    for k in range(record.stages):
         t0 = time.time()
         sent0, recv0 = set(ex.stats.sent_crc), set(ex.stats.recv_crc)
         ex.pool.reset_peak()
@@ -401,7 +405,6 @@ def _run_staged(ex: SwitchExecutor, prep: Prepared, kv, store, device: int, old:
         released = rel.release(k)
         record.released_bytes += released
         record.rows.append(("switch", f"release{k}", t2, time.time()))
-    record.stages = int(planned.program.meta.get("stages", 1))
 
 
 def _restore(rel, k: int, prep: Prepared, new, timeout: float, gone: frozenset, step: int) -> int:

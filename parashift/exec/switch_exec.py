@@ -648,11 +648,6 @@ class SwitchExecutor:
         tag = ins.tag if ins.tag is not None else ins.key.partition(":")[2]
         return int(self._xstage[self.tag_id[tag]])
 
-    def stages(self) -> list[int]:
-        """The stages this device takes part in, in order."""
-        rp = self.program.ranks.get(self.device)
-        return sorted({self.stage_of(i) for v in (rp.streams.values() if rp is not None else ()) for i in v})
-
     def run(self, stage: int | None = None) -> ExecStats:
         """Execute every stream of this device (only stage ``stage``'s instructions when given:
         run the stages in order); raise SwitchAborted on a failed or stuck transfer.

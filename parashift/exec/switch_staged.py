@@ -27,7 +27,7 @@ from ..errors import SwitchAborted
 from .state import StateStore
 from .switch_exec import PieceTable, _libc, kind_tensor, piece_view
 
-__all__ = ["lazy_alloc", "Releases", "restore", "rss_bytes", "reset_rss_peak"]
+__all__ = ["lazy_alloc", "layout_store", "Releases", "restore", "rss_bytes", "reset_rss_peak"]
 
 PAGE = 4096
 MADV_DONTNEED = 4
@@ -41,6 +41,13 @@ def lazy_alloc(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Te
         return torch.zeros(numel, dtype=dtype, device=device)
     size = torch.empty(0, dtype=dtype).element_size()
     return torch.from_numpy(np.zeros(numel * size, dtype=np.uint8)).view(dtype)
+
+
+def layout_store(spec, strategy, rank: int) -> StateStore:
+    """The StateStore geometry of ``rank`` in ``strategy`` without its memory (every buffer a
+    stride-0 stand-in of the right size): what another device holds, for planning."""
+    return StateStore(spec, strategy, rank, torch.device("cpu"), init=False,
+                      alloc=lambda n, dt, dev: torch.empty(1, dtype=dt).expand(n))
 
 
 def _advise_free(t: torch.Tensor, a: int, e: int) -> int:
@@ -138,9 +145,8 @@ class Releases:
             return _region(self.old, kind, tensor)
         if d not in self.src_devices:
             return None
-        if d not in self._layouts:     # the layout alone: stride-0 stand-ins, no memory
-            self._layouts[d] = StateStore(self.spec, self.src, self.src_devices.index(d), torch.device("cpu"),
-                                          init=False, alloc=lambda n, dt, dev: torch.empty(1, dtype=dt).expand(n))
+        if d not in self._layouts:
+            self._layouts[d] = layout_store(self.spec, self.src, self.src_devices.index(d))
         return _region(self._layouts[d], kind, tensor)
 
     def cover(self, d: int, kind: str, tensor: str, upto: int) -> list[int] | None:
