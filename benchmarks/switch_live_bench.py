@@ -15,6 +15,10 @@ of a wide GPT in a source layout; each case moves it to a destination layout:
   rank's on-device bytes as one memcpy, with no planning, into destination buffers allocated
   (and faulted in) beforehand with the same allocator as the switch's store.
 
+The destination devices are ordered as a live job orders them (``--placement keep``: the order
+that keeps the most state in place, reported as ``dst_devices``); ``--placement given`` runs
+rank i on device i. DCP and the floor run on the same order.
+
 ``phases`` (per case, slowest rank, median of the repeats): the transfer and verify phases, and
 the transfer driver's own seconds (``keep``/``pack``/``unpack`` copies, ``checksum``, ``issue``,
 ``idle``: waiting on the wire). ``memory_max_rank``: the largest per-rank switch memory figures.
@@ -22,7 +26,7 @@ the transfer driver's own seconds (``keep``/``pack``/``unpack`` copies, ``checks
 thread, gloo's included) during the switch / the floor, a figure a busy host disturbs less than
 wall time.
 
-Run: ``python benchmarks/switch_live_bench.py [--repeats 3] [--dcp-repeats 2] [--small]``.
+Run: ``python benchmarks/switch_live_bench.py [--repeats 3] [--dcp-repeats 2] [--small] [--placement given]``.
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ import torch
 from parashift import models
 from parashift.exec.elastic import ElasticManager, Member, launch_elastic
 from parashift.exec.state import StateStore
-from parashift.exec.switch import Prepared, SwitchRecord, execute_switch, plan_live_switch
+from parashift.exec.switch import Prepared, SwitchRecord, execute_switch, place, plan_live_switch
 from parashift.exec.switch_exec import BufferPool, bytes_of, crc, kind_tensor, piece_view, reserve_waiters, state_alloc
 from parashift.strategy import Strategy
 from parashift.vps import layout
@@ -270,7 +274,8 @@ def _staged_case(spec, ctx, world, keys, mgr, ci: int, src, dst, sdev, ddev, fra
             "staged_rss_growth_max_rank": int(_allmax(world, float(r.rss_peak_bytes - r.rss_start_bytes)))}
 
 
-def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict, staged: float | None = None) -> dict:
+def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict, staged: float | None = None,
+            placement: str = "keep") -> dict:
     device = ctx.device
     mgr = ElasticManager(ctx.store, ctx.member.key, 120.0)
     keys = {d: f"{d}.0" for d in range(4)}
@@ -281,6 +286,8 @@ def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict, staged: float
     out = {}
     for ci, (name, src, dst, sdev, ddev) in enumerate(CASES):
         src, dst = Strategy.parse(src), Strategy.parse(dst)
+        if placement == "keep":        # as a live job orders the destination devices
+            ddev = place(spec, src, dst, sdev, ddev)
         if staged is not None:
             out[name] = _staged_case(spec, ctx, world, keys, mgr, ci, src, dst, sdev, ddev, staged, repeats)
             continue
@@ -324,7 +331,8 @@ def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict, staged: float
                 fl_cpu.append(b)
         mem = {k: int(_allmax(world, float(getattr(recs[-1], k))))
                for k in ("old_bytes", "new_bytes", "staging_peak_bytes", "peak_bytes")}
-        res = {"switch_seconds": statistics.median(sw), "floor_seconds": statistics.median(fl),
+        res = {"dst_devices": list(ddev), "switch_seconds": statistics.median(sw),
+               "floor_seconds": statistics.median(fl),
                "plan_seconds": _allmax(world, plan_s), "alloc_seconds": statistics.median(al),
                "bytes_moved": planned.program.meta["bytes_moved"],
                "bytes_kept": planned.program.meta["bytes_kept"], "switch_runs": sw, "floor_runs": fl,
@@ -358,6 +366,9 @@ def main() -> None:
     ap.add_argument("--no-dcp", action="store_true", help="skip the DCP baselines (a quick look at the switch)")
     ap.add_argument("--staged", type=float, metavar="FRACTION",
                     help="instead: the switch under a memory budget of FRACTION x (old + new state), stage by stage")
+    ap.add_argument("--placement", choices=("keep", "given"), default="keep",
+                    help="keep (default, as a live job): order the destination devices to keep the most state in "
+                         "place; given: rank i on device i")
     args = ap.parse_args()
     spec = _model(args.small)
     shm = tempfile.mkdtemp(prefix="parashift-bench-", dir="/dev/shm")
@@ -366,7 +377,8 @@ def main() -> None:
         t0 = time.perf_counter()
         res = launch_elastic(_worker, [Member(d, 0, 0) for d in range(4)],
                              args=(spec, args.repeats, args.dcp_repeats,
-                                   {} if args.no_dcp or args.staged else {"shm": shm, "disk": disk}, args.staged),
+                                   {} if args.no_dcp or args.staged else {"shm": shm, "disk": disk}, args.staged,
+                                   args.placement),
                              timeout=3000)
         cases = res["0.0"]
     finally:
@@ -384,7 +396,7 @@ def main() -> None:
         c["vs_floor"] = c["switch_seconds"] / c["floor_seconds"]
     print(json.dumps({"model": spec.name, "params": nparams, "state_bytes": nparams * 12, "processes": 4,
                       "threads_per_process": 1, "cpus": os.cpu_count(), "repeats": args.repeats,
-                      "dcp_repeats": args.dcp_repeats, "cases": cases,
+                      "dcp_repeats": args.dcp_repeats, "placement": args.placement, "cases": cases,
                       "seconds": time.perf_counter() - t0}, indent=1))
     sys.stdout.flush()
 

@@ -113,6 +113,19 @@ def test_grow_from_one_device_and_shrink_to_one_through_promoted_collectives():
     assert max(r["groups_reused"] for r in res.reports.values() if r) >= 1
 
 
+def test_keep_placement_reorders_devices_moves_less_and_trains_alike():
+    chain = [(1, "tp=4", None), (2, "tp=2,dp=2,zero=1", None)]
+    given = run_live(GPT, "tp=2,dp=2,zero=1", steps=3, switches=chain, timeout=240, placement="given")
+    kept = run_live(GPT, "tp=2,dp=2,zero=1", steps=3, switches=chain, export=True, timeout=240)
+    assert [g.devices for g in given.generations] == [(0, 1, 2, 3)] * 3
+    # each device takes the TP quarter inside the half it holds, then the half holding its quarter
+    assert [g.devices for g in kept.generations] == [(0, 1, 2, 3), (0, 2, 1, 3), (0, 1, 2, 3)]
+    assert check_switches(GPT, kept) == 2
+    moved = [[s["bytes_moved"] for s in r.switches] for r in (given, kept)]
+    assert moved[1][0] * 1.9 < moved[0][0] and moved[1][1] * 1.4 < moved[0][1], moved   # 1/2 and 2/3
+    np.testing.assert_array_equal(kept.losses, given.losses)
+
+
 def test_switching_every_5_steps_keeps_the_loss_curve(tmp_path):
     chain = [(5, "tp=2,pp=2", None), (10, "dp=2,zero=3", (1, 3)), (15, "dp=4,zero=1", None),
              (20, "dp=2,tp=2,zero=2", None), (25, "pp=2,dp=2", (3, 2, 1, 0))]

@@ -20,6 +20,17 @@ def test_plan_json_node_loss(capsys):
     assert 0 < r["bytes_inter_node"] <= r["bytes_moved"] and r["messages"] > 0
 
 
+def test_plan_keep_placement_orders_devices_within_nodes(capsys):
+    base = ["plan", "--model", "llama2-7b", "--src", "dp=2,tp=4,zero=1", "--dst", "dp=1,tp=8", "--cluster",
+            "a800-1x8", "--json"]
+    assert main(base) == 0
+    given = json.loads(capsys.readouterr().out)
+    assert main(base + ["--placement", "keep"]) == 0
+    kept = json.loads(capsys.readouterr().out)
+    assert given["dst_devices"] == "0-7" and kept["dst_devices"] != "0-7"
+    assert kept["verified"] and kept["bytes_moved"] < given["bytes_moved"]
+
+
 def test_plan_text_and_frame(capsys, tmp_path):
     out = tmp_path / "pieces.csv"
     assert main(["plan", "--model", "tiny-moe", "--src", "dp=4,ep=4,zero=1", "--dst", "dp=2,tp=2,ep=2",

@@ -15,6 +15,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                      "(default: nodes of 8 devices)")
     p.add_argument("--src-devices", help="device of each current rank, e.g. 0-127 (default: rank i on device i)")
     p.add_argument("--dst-devices", help="device of each new rank, e.g. 0-39,48-127 (default: rank i on device i)")
+    p.add_argument("--placement", choices=("given", "keep"), default="given",
+                   help="given (default): rank i on the i-th destination device; keep: order the destination "
+                        "devices within each node so that they keep the most state in place")
     p.add_argument("--kinds", default=",".join(("param", "master", "exp_avg", "exp_avg_sq")),
                    help="state kinds to move (default: param,master,exp_avg,exp_avg_sq)")
     p.add_argument("--frame", help="write the plan's pieces as CSV (tensor, kind, src, dst, lo, hi, nbytes)")
@@ -54,7 +57,7 @@ def run(args: argparse.Namespace) -> dict:
     kinds = tuple(k for k in args.kinds.split(",") if k)
     t0 = time.perf_counter()
     plan = vps.plan_switch(args.model, args.src, args.dst, cluster=args.cluster, src_devices=args.src_devices,
-                           dst_devices=args.dst_devices, kinds=kinds)
+                           dst_devices=args.dst_devices, kinds=kinds, placement=args.placement)
     plan_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
     try:

@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--switch-memory-budget", metavar="BYTES",
                    help="state bytes each device may hold during a switch (e.g. 12MiB); when the old and the new "
                         "state together exceed it, the switch runs stage by stage and frees old state as it goes")
+    p.add_argument("--switch-placement", choices=("keep", "given"), default="keep",
+                   help="keep (default): order each switch's devices (within a node) so that they keep the most "
+                        "state in place; given: rank i runs on the i-th listed device")
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -1,7 +1,8 @@
 """Hot switch of a live job: plan, world, transfer, verify, rebuild — without a checkpoint.
 
 Every participant of a switch computes the same plan locally (``vps.plan_switch`` and
-``vps.transition.lower`` are deterministic), so nothing is negotiated. Phases:
+``vps.transition.lower`` are deterministic), so nothing is negotiated. A job's schedule orders
+each switch's destination devices to keep the most state in place (:func:`place`). Phases:
 
 1. *planning* and 2. *world creation* run in a background thread as soon as the switch is
    announced (``prepare``), while training goes on: the switch Program is lowered, the new
@@ -11,9 +12,10 @@ Every participant of a switch computes the same plan locally (``vps.plan_switch`
 3. *transfer*: between iterations, :class:`~parashift.exec.switch_exec.SwitchExecutor` runs this
    device's streams of the switch Program from the old state store into a new one (allocated,
    and faulted in, in the background once the switch is announced).
-4. *verify*: senders publish checksums of what they sent, receivers compare what they got, and
-   every participant votes through the store. Any mismatch, failed transfer or missing vote
-   aborts: the new store is dropped and the old one, never written, stays in use
+4. *verify*: in one store round, every participant publishes a record (whether its transfer
+   failed, the checksums of what it sent and of what it received, the job's step counters) and
+   reads everyone's; all derive the same verdict from the same records. Any mismatch, failed
+   transfer or missing record aborts: the new store is dropped and the old one, never written, stays in use
    (:class:`~parashift.errors.SwitchAborted`; ``peer_failed`` tells whether a participant is gone).
 5. *rebuild*: a Runtime is built over the new store (its parameters are views into it) and the
    new training world; the step counter carries over, so the data order (a function of the
@@ -25,7 +27,7 @@ from a :class:`~parashift.exec.switch_exec.BufferPool` and go back as soon as th
 sent or unpacked, so a stage reuses the previous stage's buffers. The runtime keeps each
 layout's states in a few flat buffers per rank (not one per tensor). Without a budget (or when
 old and new fit in it) the new store exists whole before the transfer and the old store is kept
-whole until the commit vote, so that an abort at any point leaves the old layout's state intact:
+whole until the verdict, so that an abort at any point leaves the old layout's state intact:
 the high-water mark is ``old + new + staging peak``. When old and new exceed the budget, the
 switch is *staged* (:mod:`.switch_staged`): each verified stage hands back the old regions the
 Program frees there, the new store fills lazily, and an abort restores what was released. Both
@@ -95,7 +97,7 @@ def plan_live_switch(spec: ModelSpec, src: Strategy, dst: Strategy, src_devices:
     from ..vps.transition import lower
     t0 = time.perf_counter()
     devs = sorted(set(src_devices) | set(dst_devices))
-    clus = _cluster.get("cpu-local").with_devices(max(max(devs) + 1, 8))
+    clus = _live_cluster(devs)
     plan = plan_switch(spec, src, dst, cluster=clus, src_devices=list(src_devices), dst_devices=list(dst_devices))
     staged = memory_budget is not None and _over_budget(plan, memory_budget, devs)
     prog = lower(plan, clus, memory_budget=memory_budget, **options)
@@ -114,6 +116,21 @@ def plan_live_switch(spec: ModelSpec, src: Strategy, dst: Strategy, src_devices:
             extra.setdefault(key[2], []).append((names[key[0]], kinds[key[1]], key[3], key[4]))
     return SwitchPlanned(prog, Strategy.parse(src), Strategy.parse(dst), tuple(src_devices), tuple(dst_devices),
                          extra, time.perf_counter() - t0, staged)
+
+
+def _live_cluster(devs) -> "_cluster.Cluster":
+    """This machine's worker processes as a cluster holding every device id of a live switch."""
+    return _cluster.get("cpu-local").with_devices(max(max(devs) + 1, 8))
+
+
+def place(spec: ModelSpec, src: Strategy, dst: Strategy, src_devices: tuple[int, ...],
+          dst_devices: tuple[int, ...]) -> tuple[int, ...]:
+    """``dst_devices`` reordered (within each node) so that the switch keeps the most state in
+    place (deterministic; the given order when it is already best)."""
+    from ..vps import plan_switch
+    devs = sorted(set(src_devices) | set(dst_devices))
+    return plan_switch(spec, src, dst, cluster=_live_cluster(devs), src_devices=list(src_devices),
+                       dst_devices=list(dst_devices), placement="keep").dst_devices
 
 
 def _over_budget(plan, memory_budget, devs: list[int]) -> bool:
@@ -221,7 +238,7 @@ class SwitchRecord:
     bytes_sent: int = 0
     bytes_received: int = 0
     zero_copy: int = 0
-    old_bytes: int = 0             # the source layout's state on this process (kept whole until the vote)
+    old_bytes: int = 0             # the source layout's state on this process (kept whole until the verdict)
     new_bytes: int = 0             # the destination layout's state on this process
     staging_peak_bytes: int = 0    # most staging (pack / receive) bytes in use at once
     peak_bytes: int = 0            # old + new + staging peak: this process's switch memory high-water mark
@@ -239,18 +256,6 @@ class SwitchRecord:
         """Total work of the switch, background phases included."""
         return (self.plan_seconds + self.world_seconds + self.transfer_seconds + self.verify_seconds
                 + self.rebuild_seconds)
-
-
-def _wait(store, keys: list[str], timeout: float) -> bool:
-    """Wait until every key exists; False after ``timeout`` seconds."""
-    import datetime
-    if not keys:
-        return True
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
-        return True
-    except Exception:  # noqa: BLE001 - a timeout means a missing peer
-        return False
 
 
 def execute_switch(prep: Prepared, store, prefix: str, device: int, old: StateStore | None,
@@ -276,8 +281,9 @@ def execute_switch(prep: Prepared, store, prefix: str, device: int, old: StateSt
                         lambda g: prep.groups[g], extra_keep=prep.planned.extra_keep.get(device, []),
                         timeout=timeout, pool=pool, on_received=on_received, on_issue=on_issue,
                         peer_gone=lambda: _gone(store, parts), big=big)
+    meta = {"steps_done": steps_done, "opt_step": max(b.step for b in old.buffers.values())} if old is not None else None
     if prep.planned.staged:
-        _run_staged(ex, prep, kv, store, device, old, new, record, timeout)
+        recs = _run_staged(ex, prep, kv, store, device, old, new, record, timeout, meta)
     else:
         t0 = time.time()
         reason = _transfer(ex, None)
@@ -286,8 +292,8 @@ def execute_switch(prep: Prepared, store, prefix: str, device: int, old: StateSt
         record.rows.append(("switch", "transfer", t0, t1))
         record.staging_peak_bytes = pool.peak
         record.peak_bytes = record.old_bytes + record.new_bytes + record.staging_peak_bytes
-        reason = _verify(kv, ex.stats, set(), set(), device, reason, timeout, ex.peer_gone)
-        fails = _vote(kv, store, "vote", device, parts, reason, timeout, record)
+        fails, recs = _decide(kv, store, "verdict", device, parts, ex.stats, set(), set(), reason, timeout, record,
+                              meta)
         t2 = time.time()
         record.verify_seconds = t2 - t1
         record.rows.append(("switch", "verify", t1, t2))
@@ -296,11 +302,7 @@ def execute_switch(prep: Prepared, store, prefix: str, device: int, old: StateSt
                            False, fails[0])
     _stats(record, ex.stats)
     record.rss_peak_bytes = rss_bytes()[1]
-    if device == leader and old is not None:
-        kv.set("meta", json.dumps({"steps_done": steps_done, "opt_step": max(b.step for b in old.buffers.values())}))
-    if not _wait(kv, ["meta"], timeout):
-        raise _aborted(f"switch at step {record.step} aborted: no step counter was published", True, None)
-    return json.loads(kv.get("meta"))
+    return recs[parts.index(leader)]["meta"]
 
 
 def _transfer(ex: SwitchExecutor, stage: int | None) -> str | None:
@@ -317,39 +319,36 @@ def _stats(record: SwitchRecord, stats) -> None:
     record.phases = {k: round(v, 6) for k, v in stats.seconds.items()}
 
 
-def _verify(kv, stats, sent_before: set, recv_before: set, device: int, reason: str | None,
-            timeout: float, peer_gone=None) -> str | None:
-    """Publish the checksums of what was sent since ``sent_before`` and compare those of what was
-    received since ``recv_before`` with their senders'; the first mismatch, else ``reason``."""
+def _decide(kv, store, name: str, device: int, parts, stats, sent_before: set, recv_before: set,
+            reason: str | None, timeout: float, record: SwitchRecord, meta: dict | None) -> tuple[list[str], list[dict]]:
+    """One store round per switch (or stage): publish this device's record as ``name`` (why its
+    transfer failed, or None; the checksums of what it sent and received since ``sent_before`` /
+    ``recv_before``; ``meta``) and read every participant's. Every device derives the same
+    verdict from the same records: the failures' reasons (failed transfers, then received
+    checksums that differ from their senders'), and the records. Raises SwitchAborted (peer
+    failed) when a participant never publishes."""
     sent = {k: v for k, v in stats.sent_crc.items() if k not in sent_before}
-    if sent:
-        kv.multi_set([f"ck/{k}" for k in sent], [str(v) for v in sent.values()])
     recv = {k: v for k, v in stats.recv_crc.items() if k not in recv_before}
-    if reason is not None or not recv:
-        return reason
-    keys = [f"ck/{k}" for k in recv]
-    if not _await(kv, keys, timeout, peer_gone or (lambda: None)):
-        return f"device {device}: a sender never published its checksums"
-    for (k, mine), theirs in zip(recv.items(), kv.multi_get(keys)):
-        if int(theirs) != mine:
-            return (f"device {device}: the checksum of received transfer {k} is {mine:#010x} but "
-                    f"the sender sent {int(theirs):#010x}")
-    return None
-
-
-def _vote(kv, store, name: str, device: int, parts, reason: str | None, timeout: float,
-          record: SwitchRecord) -> list[str]:
-    """Vote ``reason is None`` as ``name`` and collect every participant's vote: the failures'
-    reasons. Raises SwitchAborted (peer failed) when a participant never votes."""
-    kv.set(f"{name}/{device}", "ok" if reason is None else "fail:" + reason)
-    votes = [f"{name}/{d}" for d in parts]
-    _await(kv, votes, timeout, lambda: _gone(store, [d for d in parts if not kv.check([f"{name}/{d}"])]))
-    if not kv.check(votes):
+    kv.set(f"{name}/{device}", json.dumps({"fail": reason, "sent": sent, "recv": recv, "meta": meta}))
+    keys = [f"{name}/{d}" for d in parts]
+    _await(kv, keys, timeout, lambda: _gone(store, [d for d in parts if not kv.check([f"{name}/{d}"])]))
+    if not kv.check(keys):
         missing = [d for d in parts if not kv.check([f"{name}/{d}"])]
         raise _aborted(f"switch at step {record.step} aborted: device(s) {missing} never finished "
                        f"({reason or 'a peer failed'}); the old layout's state is intact on the survivors",
                        True, reason)
-    return [v.decode()[5:] for v in kv.multi_get(votes) if v.decode() != "ok"]
+    recs = [json.loads(v) for v in kv.multi_get(keys)]
+    fails = [r["fail"] for r in recs if r["fail"] is not None]
+    by_tag = {k: v for r in recs for k, v in r["sent"].items()}
+    for d, r in zip(parts, recs):
+        for k, mine in r["recv"].items():
+            theirs = by_tag.get(k)
+            if theirs is None:
+                fails.append(f"device {d}: the sender of transfer {k} published no checksum of it")
+            elif theirs != mine:
+                fails.append(f"device {d}: the checksum of received transfer {k} is {mine:#010x} but "
+                             f"the sender sent {theirs:#010x}")
+    return fails, recs
 
 
 def _await(kv, keys: list[str], timeout: float, gone) -> bool:
@@ -365,9 +364,10 @@ def _await(kv, keys: list[str], timeout: float, gone) -> bool:
 
 
 def _run_staged(ex: SwitchExecutor, prep: Prepared, kv, store, device: int, old: StateStore | None,
-                new: StateStore | None, record: SwitchRecord, timeout: float) -> None:
-    """Stage by stage: transfer, verify, vote, then release the old regions the stage frees. A
-    failed stage restores what earlier stages released, so the old layout is whole again."""
+                new: StateStore | None, record: SwitchRecord, timeout: float, meta: dict | None) -> list[dict]:
+    """Stage by stage: transfer, verify, then release the old regions the stage frees. A failed
+    stage restores what earlier stages released, so the old layout is whole again. Returns the
+    last stage's records (see :func:`_decide`)."""
     from .switch_staged import Releases
     planned = prep.planned
     parts = planned.participants
@@ -382,9 +382,9 @@ def _run_staged(ex: SwitchExecutor, prep: Prepared, kv, store, device: int, old:
         ex.pool.reset_peak()
         reason = _transfer(ex, k)
         t1 = time.time()
-        reason = _verify(kv, ex.stats, sent0, recv0, device, reason, timeout, ex.peer_gone)
         try:
-            fails = _vote(kv, store, f"vote{k}", device, parts, reason, timeout, record)
+            fails, recs = _decide(kv, store, f"verdict{k}", device, parts, ex.stats, sent0, recv0, reason, timeout,
+                                  record, meta)
         except SwitchAborted as e:
             if k > 0:       # put back what earlier stages released, from the survivors' verified copies
                 gone = frozenset(d for d in parts if store.check([f"dead/{d}"]))   # as the launcher saw it
@@ -405,6 +405,7 @@ def _run_staged(ex: SwitchExecutor, prep: Prepared, kv, store, device: int, old:
         released = rel.release(k)
         record.released_bytes += released
         record.rows.append(("switch", f"release{k}", t2, time.time()))
+    return recs
 
 
 def _restore(rel, k: int, prep: Prepared, new, timeout: float, gone: frozenset, step: int) -> int:

@@ -29,7 +29,7 @@ from .elastic import ElasticContext, ElasticManager, incarnations, launch_elasti
 from .launch import RankContext
 from .reference import OptimConfig
 from .state import StateStore
-from .switch import Prepared, SwitchRecord, execute_switch, prepare, store_arrays, training_worlds
+from .switch import Prepared, SwitchRecord, execute_switch, place, prepare, store_arrays, training_worlds
 from .switch_exec import BIG, BufferPool, state_alloc
 from .switch_staged import lazy_alloc
 
@@ -46,9 +46,15 @@ class Generation:
 
 
 def generations(spec: models.ModelSpec, strategy: "Strategy | str", steps: int,
-                switches: list[tuple[int, "Strategy | str", "tuple[int, ...] | None"]]) -> list[Generation]:
+                switches: list[tuple[int, "Strategy | str", "tuple[int, ...] | None"]],
+                placement: str = "keep") -> list[Generation]:
     """Resolve a switch schedule: default devices keep the current ones (first ones when shrinking,
-    plus the lowest free ids when growing). Raises StrategyError on a bad schedule."""
+    plus the lowest free ids when growing). ``placement="keep"`` then orders each switch's devices
+    (within a node) so that they keep the most state in place (:mod:`parashift.vps.placement`);
+    ``"given"`` keeps the order as listed. Raises StrategyError on a bad schedule."""
+    if placement not in ("keep", "given"):
+        raise StrategyError(f"unknown placement {placement!r}; use 'keep' (order the devices to keep the most "
+                            f"state in place) or 'given' (rank i on the i-th listed device)")
     s0 = Strategy.parse(strategy)
     s0.validate(spec)
     gens = [Generation(0, s0, tuple(range(s0.world)))]
@@ -70,6 +76,8 @@ def generations(spec: models.ModelSpec, strategy: "Strategy | str", steps: int,
         devs = tuple(int(d) for d in devs)
         if len(devs) != st.world or len(set(devs)) != len(devs) or min(devs) < 0:
             raise StrategyError(f"switch at step {step}: {st} needs {st.world} distinct device ids, got {devs}")
+        if placement == "keep":
+            devs = place(spec, gens[-1].strategy, st, gens[-1].devices, devs)
         gens.append(Generation(step, st, devs))
     return gens
 
@@ -243,11 +251,13 @@ class LiveSession:
         devs = tuple(int(d) for d in devices) if devices is not None else tuple(cur.devices[:st.world])
         if len(devs) != st.world or len(set(devs)) != len(devs):
             raise StrategyError(f"{st} needs {st.world} distinct devices, got {list(devs)}")
-        gen = Generation(step, st, devs)
-        if not set(gen.devices) <= set(cur.devices):
-            raise StrategyError(f"devices {sorted(set(gen.devices) - set(cur.devices))} have no process in this job; "
+        if not set(devs) <= set(cur.devices):
+            raise StrategyError(f"devices {sorted(set(devs) - set(cur.devices))} have no process in this job; "
                                 f"growing needs joining processes: schedule the switch with run_live(switches=...) "
                                 f"or parashift run --switch-at")
+        if self.opts.get("placement", "keep") == "keep":
+            devs = place(self.spec, cur.strategy, st, cur.devices, devs)
+        gen = Generation(step, st, devs)
         self.gens.append(gen)
         return self.switch(len(self.gens) - 1)
 
@@ -421,7 +431,7 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
              switches: list[tuple[int, "Strategy | str", "tuple[int, ...] | None"]] = (), global_batch: int = 8,
              seq_len: int | None = None, seed: int = 0, data_seed: int = 0, optim: OptimConfig = OptimConfig(),
              notice: int = 3, timeout: float = 300.0, switch_timeout: float = 60.0, memory_budget=None,
-             export: bool = False, fault: dict | None = None, big_piece: int = BIG,
+             export: bool = False, fault: dict | None = None, big_piece: int = BIG, placement: str = "keep",
              progress: Callable[[int, float], None] | None = None) -> LiveResult:
     """Train ``model`` for ``steps`` steps, hot-switching at the scheduled steps.
 
@@ -429,13 +439,14 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
     (planning and world creation overlap them). ``export``: return every process's flat state
     before and after each switch (tests). ``fault``: a test hook, ``{"kind": "kill"|"corrupt",
     "device": d, "switch": g}``. ``big_piece``: pieces of at least this many bytes travel as
-    messages of their own, unpacked (see :mod:`.switch_exec`).
+    messages of their own, unpacked (see :mod:`.switch_exec`). ``placement``: ``"keep"`` orders each
+    switch's devices (within a node) to keep the most state in place, ``"given"`` keeps their order.
     """
     spec = models.get(model)
     if notice < 0:
         raise StrategyError(f"notice={notice} must be a number of steps >= 0 (the warning before each switch)")
-    gens = generations(spec, strategy, steps, list(switches))
-    opts = {"global_batch": global_batch, "seq_len": seq_len or spec.seq_len, "seed": seed, "data_seed": data_seed,
+    gens = generations(spec, strategy, steps, list(switches), placement)
+    opts = {"placement": placement, "global_batch": global_batch, "seq_len": seq_len or spec.seq_len, "seed": seed, "data_seed": data_seed,
             "optim": optim.__dict__, "notice": notice, "switch_timeout": switch_timeout, "memory_budget": memory_budget,
             "export": export, "fault": fault, "progress": progress is not None, "big_piece": big_piece}
     parts: dict[int, dict[str, float]] = {}
@@ -489,7 +500,8 @@ def run_cli(args) -> dict:
         budget = parse_bytes(budget)
     res = run_live(spec, s0, steps=args.steps, switches=switches, global_batch=args.global_batch,
                    seq_len=args.seq_len or spec.seq_len, optim=OptimConfig(lr=args.lr), timeout=args.timeout,
-                   notice=getattr(args, "switch_notice", 3), memory_budget=budget or None, progress=progress)
+                   notice=getattr(args, "switch_notice", 3), memory_budget=budget or None,
+                   placement=getattr(args, "switch_placement", "keep"), progress=progress)
     aborted = [s for s in res.switches if s.get("aborted")]
     out = {"model": spec.name, "strategy": str(s0), "nprocs": s0.world, "schedule": None, **res.to_json(),
            "step_times": step_times(res),
@@ -517,11 +529,16 @@ def render_cli(result: dict) -> None:
         print(f"  trace         {result['trace']}")
     for s in result["switches"]:
         tag = f"  ABORTED: {s['aborted']}" if s.get("aborted") else ""
-        print(f"  step {s['step']:>4}: {s['src']} on {len(s['src_devices'])} -> {s['dst']} on "
-              f"{len(s['dst_devices'])} devices  pause {s['pause_seconds'] * 1e3:.0f} ms of "
+        print(f"  step {s['step']:>4}: {s['src']} on {_devs(s['src_devices'])} -> {s['dst']} on "
+              f"{_devs(s['dst_devices'])}  pause {s['pause_seconds'] * 1e3:.0f} ms of "
               f"{s['seconds'] * 1e3:.0f} ms (plan {s['plan_seconds'] * 1e3:.0f}, world {s['world_seconds'] * 1e3:.0f}, "
               f"transfer {s['transfer_seconds'] * 1e3:.0f}, verify {s['verify_seconds'] * 1e3:.0f}, "
               f"rebuild {s['rebuild_seconds'] * 1e3:.0f})  "
               f"{s['bytes_moved'] / 2**20:.1f} MiB moved, peak {s['peak_bytes'] / 2**20:.1f} MiB/process"
               + (f", {s['stages']} stages freeing {s['released_bytes'] / 2**20:.1f} MiB of old state"
                  if s["stages"] > 1 else "") + tag)
+
+
+def _devs(devices: list[int]) -> str:
+    """Devices in rank order, as ``[0,2,1,3]``."""
+    return "[" + ",".join(str(d) for d in devices) + "]"

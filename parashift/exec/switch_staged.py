@@ -8,7 +8,7 @@ layout's state in a few flat buffers per rank, so here an old buffer is the page
 destination store is allocated lazily (its pages arrive as the transfer writes them).
 
 Safety comes first: a region is released only once its stage is *verified* (every participant
-compared the checksums of what it received and voted yes), and only when the verified pieces this
+published a clean record and every received checksum equals its sender's), and only when the verified pieces this
 device itself sent or kept cover the region whole, so that every released byte has a verified copy
 in the new layout. An abort at a later stage then restores the released regions from those copies
 (:func:`restore`): the old layout comes back whole and training goes on in it. Only the death of a

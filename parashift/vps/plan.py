@@ -202,14 +202,31 @@ def _kinds(model: ModelSpec, kinds: "tuple[str, ...] | list[str] | str") -> tupl
 
 def plan_switch(model: "ModelSpec | str", src: "Strategy | str", dst: "Strategy | str", *,
                 cluster: "Cluster | str | None" = None, src_devices=None, dst_devices=None,
-                kinds: "tuple[str, ...] | list[str] | str" = DEFAULT_KINDS) -> SwitchPlan:
+                kinds: "tuple[str, ...] | list[str] | str" = DEFAULT_KINDS, placement: str = "given") -> SwitchPlan:
     """Plan the switch of ``model``'s state from strategy ``src`` to ``dst``.
 
     ``src_devices``/``dst_devices``: device id of each rank (a list or text such as
     ``"0-39,48-127"``; rank i on device i by default). ``cluster`` places devices on nodes
     (default: nodes of 8). Every device keeps what it already holds, takes the rest from a
     holder on its node when there is one, and otherwise spreads its requests over the holders.
+    ``placement="keep"`` reorders ``dst_devices`` within each node so that devices keep the most
+    state in place (see :mod:`.placement`; the plan's ``dst_devices`` is the order chosen);
+    ``"given"`` keeps the order as given.
     """
+    if placement not in ("given", "keep"):
+        raise PlanError(f"unknown placement {placement!r}; use 'given' (rank i on the i-th destination "
+                        f"device) or 'keep' (the order of the destination devices that keeps the most state)")
+    plan = _plan(model, src, dst, cluster, src_devices, dst_devices, kinds)
+    if placement == "keep":
+        from .placement import best_order
+        order = best_order(plan)
+        if order != plan.dst_devices:
+            plan = _plan(plan.model, plan.src_strategy, plan.dst_strategy, plan.cluster, plan.src_devices, order,
+                         plan.kinds)
+    return plan
+
+
+def _plan(model, src, dst, cluster, src_devices, dst_devices, kinds) -> SwitchPlan:
     model = get_model(model)
     src_s, dst_s = Strategy.parse(src), Strategy.parse(dst)
     src_l, dst_l = layout(model, src_s), layout(model, dst_s)
