@@ -1,8 +1,8 @@
 """What changing strategy costs: a simulated hot switch, or a checkpoint-restart estimate.
 
 Both are callables ``cost(src, dst) -> SwitchCost`` on strategies; a strategy of world ``w``
-runs on the cluster's first ``w`` devices (a shrink drops the highest device ids), which is how
-the trace planner places every candidate.
+runs on the cluster's first ``w`` devices (a shrink drops the highest device ids; a hot switch
+may reorder them within each node), which is how the trace planner places every candidate.
 """
 from __future__ import annotations
 
@@ -44,13 +44,15 @@ class HotSwitchCost:
     """A hot switch in memory: ``vps.plan_switch`` -> ``vps.transition.lower`` -> ``sim.simulate_switch``.
 
     A switch whose staging cannot fit in memory falls back to ``fallback`` (checkpoint-restart
-    by default).
+    by default). ``placement``: ``"keep"`` (as a live job does) orders the destination devices
+    within each node to keep the most state in place; ``"given"``: rank i on device i.
     """
 
     def __init__(self, model: "str | ModelSpec", cluster: "str | Cluster", cost_model: Any = None,
-                 fallback: "RestartCost | None" = None) -> None:
+                 fallback: "RestartCost | None" = None, placement: str = "keep") -> None:
         self.model, self.cluster, self.cost_model = get_model(model), get_cluster(cluster), cost_model
         self.fallback = fallback or RestartCost(self.model, self.cluster)
+        self.placement = placement
 
     def __call__(self, src: Strategy, dst: Strategy) -> SwitchCost:
         from .. import sim, vps
@@ -58,7 +60,7 @@ class HotSwitchCost:
         src_dev, dst_dev = tuple(range(src.world)), tuple(range(dst.world))
         try:
             plan = vps.plan_switch(self.model, src, dst, cluster=self.cluster, src_devices=src_dev,
-                                   dst_devices=dst_dev)
+                                   dst_devices=dst_dev, placement=self.placement)
         except MemoryBudgetError as e:
             return self._fallback(src, dst, e)
         moved = float(plan.stats()["bytes_moved"])
