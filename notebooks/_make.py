@@ -178,6 +178,22 @@ staged = pd.DataFrame(rows)
 staged["within 16 GiB budget"] = staged["peak_memory_gib"] <= budget_gib
 staged[["stage pass", "stages", "switch_s", "peak_memory_gib", "within 16 GiB budget"]].round(3)"""),
         new_markdown_cell("""\
+## Placement: which device takes which rank
+
+The destination device list fixes *which* devices run the new layout; its order decides how much of
+each device's new state it already holds. `placement="keep"` orders the devices (only within each
+node, so every group stays on its nodes) by a maximum-weight assignment of ranks to devices. Here
+TP shrinks from 8 to 4 on the same 128 devices: in the given order half the TP groups take shards
+their devices do not hold."""),
+        new_code_cell("""\
+rows = {}
+for placement in ("given", "keep"):
+    p = ps.vps.plan_switch(NODE_LOSS["model"], NODE_LOSS["src"], "dp=8,tp=4,pp=4,zero=1", cluster=NODE_LOSS["cluster"],
+                           placement=placement)
+    rows[placement] = {"first node's devices in rank order": p.dst_devices[:8],
+                       "moved (GiB)": p.stats()["bytes_moved"] / 2**30, "kept (GiB)": p.stats()["bytes_kept"] / 2**30}
+pd.DataFrame(rows).T"""),
+        new_markdown_cell("""\
 ## What a node loss costs
 
 The hot switch against checkpoint-restart (save under the old layout, restart the job, load and
