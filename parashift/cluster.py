@@ -32,6 +32,7 @@ class GPU:
     inter_bw: float        # bytes/s one direction per device over the NIC(s)
     inter_latency: float   # seconds
     interconnect: str
+    duplex: bool = True    # sending and receiving at once each get the full bandwidth (False: they share it)
 
 
 GPUS: dict[str, GPU] = {
@@ -44,7 +45,8 @@ GPUS: dict[str, GPU] = {
     # H200 SXM: H100 compute with 141 GB HBM3e at 4.8 TB/s.
     "h200": GPU("h200", 141 * GB, 989e12, 4.8e12, 450 * GB, 2.5e-6, 50 * GB, 6e-6, "NVLink 900 GB/s, NDR IB"),
     # This machine's worker processes: one core each, gloo over loopback TCP/shared memory.
-    "cpu": GPU("cpu", 2 * GiB, 2.0e10, 1.0e10, 1.5 * GB, 6e-5, 1.5 * GB, 6e-5, "gloo over loopback"),
+    # Both directions are copies by the same cores, so a process's sends and receives share them.
+    "cpu": GPU("cpu", 2 * GiB, 2.0e10, 1.0e10, 1.5 * GB, 6e-5, 1.5 * GB, 6e-5, "gloo over loopback", duplex=False),
 }
 
 

@@ -343,6 +343,28 @@ def test_source_selection_prefers_node_then_balances_nics():
     assert (sel.src[sel.moved] // 2 == sel.dst[sel.moved] // 2).all()
 
 
+def test_half_duplex_devices_even_out_sends_plus_receives():
+    """On CPU processes a device's sends and receives share its cores: the shrink tp=2,dp=2 ->
+    dp=3 sends the leaving device's replica rather than loading a device that also receives."""
+    import dataclasses
+    from parashift import cluster as clusters
+    model = models.gpt(2, 64, 4, kv_heads=4, ffn=128, vocab=256, seq_len=16, name="hd", dtype="fp32", pad_vocab=8)
+    cpu = clusters.get("cpu-local").with_devices(8)
+    full = dataclasses.replace(cpu, gpu=dataclasses.replace(cpu.gpu, duplex=True))
+    plan = vps.plan_switch(model, "tp=2,dp=2,zero=1", "dp=3,zero=1", cluster=cpu, src_devices="0-3",
+                           dst_devices="0-2")
+
+    def busiest(p) -> int:
+        m = p.moved
+        io = np.bincount(p.src[m], weights=p.nbytes[m], minlength=4) + np.bincount(p.dst[m], weights=p.nbytes[m],
+                                                                                 minlength=4)
+        return int(io.max())
+    half = T.select_sources(plan, cpu, sim.CostModel.for_cluster(cpu))
+    duplex = T.select_sources(plan, full, sim.CostModel.for_cluster(full))
+    assert busiest(half) < 0.85 * busiest(duplex)
+    half.verify()
+
+
 def test_xor_rounds_are_perfect_matchings():
     assert [T.rounds(n) for n in (1, 2, 3, 4, 5, 128, 129)] == [0, 1, 3, 3, 7, 127, 255]
     items = tuple(T.Transfer("send", 0, i, j, (), 1, 0, f"{i}>{j}") for i in range(6) for j in range(6) if i != j)

@@ -4,7 +4,10 @@ Link cost orders the candidates: the destination device itself (the piece stays,
 moves), then a holder on the destination's node (NVLink), then any holder (the NIC). Among
 remote holders the pass balances load greedily (largest pieces first, LPT): each piece goes to
 the holder whose busiest link would finish first, counting both the holder's own NIC share and
-its node's NICs together, so that the slowest link finishes early.
+its node's NICs together, so that the slowest link finishes early. On half-duplex devices
+(``cluster.gpu.duplex`` False: CPU processes, whose sends and receives are copies by the same
+cores) a device's links start loaded with what it receives, so senders are chosen to even out
+sends plus receives.
 """
 from __future__ import annotations
 
@@ -56,6 +59,12 @@ def select_sources(plan: SwitchPlan, cluster: Cluster, cost: CostModel) -> Switc
     intra = [0.0] * n_dev
     inter = [0.0] * n_dev
     nic = [0.0] * (n_dev // per + 1)
+    if not cluster.gpu.duplex:      # receives are fixed by the destinations; they share the senders' links
+        m = plan.moved
+        local = (plan.src[m] // per) == (plan.dst[m] // per)
+        got = plan.nbytes[m].astype(float)
+        intra = (np.bincount(plan.dst[m][local], weights=got[local], minlength=n_dev)[:n_dev] / bw_intra).tolist()
+        inter = (np.bincount(plan.dst[m][~local], weights=got[~local], minlength=n_dev)[:n_dev] / bw_inter).tolist()
     out = list(src_l)
     for i, (d, b, h) in enumerate(zip(dst_l, size_l, hold_l)):
         cands = hs_dev[hs_ptr[h]:hs_ptr[h + 1]]
