@@ -15,8 +15,8 @@ each switch's destination devices to keep the most state in place (:func:`place`
 4. *verify*: in one store round, every participant publishes a record (whether its transfer
    failed, the checksums of what it sent and of what it received, the job's step counters) and
    reads everyone's; all derive the same verdict from the same records. Any mismatch, failed
-   transfer or missing record aborts: the new store is dropped and the old one, never written, stays in use
-   (:class:`~parashift.errors.SwitchAborted`; ``peer_failed`` tells whether a participant is gone).
+   transfer or missing record aborts: the new store is dropped and the old one, never written,
+   stays in use (:class:`~parashift.errors.SwitchAborted`; ``peer_failed`` tells whether a participant is gone).
 5. *rebuild*: a Runtime is built over the new store (its parameters are views into it) and the
    new training world; the step counter carries over, so the data order (a function of the
    global step) and the global batch continue unchanged.
@@ -281,7 +281,8 @@ def execute_switch(prep: Prepared, store, prefix: str, device: int, old: StateSt
                         lambda g: prep.groups[g], extra_keep=prep.planned.extra_keep.get(device, []),
                         timeout=timeout, pool=pool, on_received=on_received, on_issue=on_issue,
                         peer_gone=lambda: _gone(store, parts), big=big)
-    meta = {"steps_done": steps_done, "opt_step": max(b.step for b in old.buffers.values())} if old is not None else None
+    meta = None if old is None else {"steps_done": steps_done,
+                                     "opt_step": max(b.step for b in old.buffers.values())}
     if prep.planned.staged:
         recs = _run_staged(ex, prep, kv, store, device, old, new, record, timeout, meta)
     else:
@@ -320,7 +321,8 @@ def _stats(record: SwitchRecord, stats) -> None:
 
 
 def _decide(kv, store, name: str, device: int, parts, stats, sent_before: set, recv_before: set,
-            reason: str | None, timeout: float, record: SwitchRecord, meta: dict | None) -> tuple[list[str], list[dict]]:
+            reason: str | None, timeout: float, record: SwitchRecord,
+            meta: dict | None) -> tuple[list[str], list[dict]]:
     """One store round per switch (or stage): publish this device's record as ``name`` (why its
     transfer failed, or None; the checksums of what it sent and received since ``sent_before`` /
     ``recv_before``; ``meta``) and read every participant's. Every device derives the same

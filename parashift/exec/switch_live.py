@@ -446,8 +446,8 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
     if notice < 0:
         raise StrategyError(f"notice={notice} must be a number of steps >= 0 (the warning before each switch)")
     gens = generations(spec, strategy, steps, list(switches), placement)
-    opts = {"placement": placement, "global_batch": global_batch, "seq_len": seq_len or spec.seq_len, "seed": seed, "data_seed": data_seed,
-            "optim": optim.__dict__, "notice": notice, "switch_timeout": switch_timeout, "memory_budget": memory_budget,
+    opts = {"global_batch": global_batch, "seq_len": seq_len or spec.seq_len, "seed": seed, "data_seed": data_seed,
+            "placement": placement, "optim": optim.__dict__, "notice": notice, "switch_timeout": switch_timeout, "memory_budget": memory_budget,
             "export": export, "fault": fault, "progress": progress is not None, "big_piece": big_piece}
     parts: dict[int, dict[str, float]] = {}
 
