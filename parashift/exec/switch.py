@@ -51,7 +51,7 @@ from ..ir.program import Program
 from ..models import ModelSpec
 from ..strategy import Strategy
 from .state import StateStore
-from .switch_exec import BIG, BufferPool, SwitchExecutor, bytes_of, kind_tensor, reserve_waiters
+from .switch_exec import BIG, CHUNK, BufferPool, SwitchExecutor, bytes_of, kind_tensor, reserve_waiters
 
 __all__ = ["SwitchPlanned", "plan_live_switch", "Prepared", "prepare", "training_worlds", "execute_switch",
            "SwitchRecord", "store_arrays", "store_from_full", "full_from_arrays", "parse_switch_at", "StateKinds"]
@@ -260,7 +260,8 @@ class SwitchRecord:
 
 def execute_switch(prep: Prepared, store, prefix: str, device: int, old: StateStore | None,
                    new: StateStore | None, record: SwitchRecord, *, timeout: float = 60.0, pool: BufferPool | None = None,
-                   steps_done: int | None = None, on_received=None, on_issue=None, big: int = BIG) -> dict:
+                   steps_done: int | None = None, on_received=None, on_issue=None, big: int = BIG,
+                   chunk: int = CHUNK) -> dict:
     """Transfer and verify (phases 3 and 4). Returns the job meta (``steps_done``, ``opt_step``).
 
     A *staged* switch (``prep.planned.staged``: old + new state exceed the memory budget) runs
@@ -280,7 +281,7 @@ def execute_switch(prep: Prepared, store, prefix: str, device: int, old: StateSt
     ex = SwitchExecutor(prep.planned.program, device, old, new, prep.world, prep.index,
                         lambda g: prep.groups[g], extra_keep=prep.planned.extra_keep.get(device, []),
                         timeout=timeout, pool=pool, on_received=on_received, on_issue=on_issue,
-                        peer_gone=lambda: _gone(store, parts), big=big)
+                        peer_gone=lambda: _gone(store, parts), big=big, chunk=chunk)
     meta = None if old is None else {"steps_done": steps_done,
                                      "opt_step": max(b.step for b in old.buffers.values())}
     if prep.planned.staged:

@@ -30,7 +30,7 @@ from .launch import RankContext
 from .reference import OptimConfig
 from .state import StateStore
 from .switch import Prepared, SwitchRecord, execute_switch, place, prepare, store_arrays, training_worlds
-from .switch_exec import BIG, BufferPool, state_alloc
+from .switch_exec import BIG, CHUNK, BufferPool, state_alloc
 from .switch_staged import lazy_alloc
 
 __all__ = ["Generation", "generations", "LiveSession", "LiveResult", "run_live"]
@@ -172,7 +172,8 @@ class LiveSession:
             meta = execute_switch(prep, self.ctx.store, f"sw{g}/", self.device, old, new, rec, timeout=self.timeout,
                                   pool=self.pool, steps_done=self.runtime.steps_done if self.runtime else None,
                                   on_received=on_received, on_issue=on_issue,
-                                  big=int(self.opts.get("big_piece", BIG)))
+                                  big=int(self.opts.get("big_piece", BIG)),
+                                  chunk=int(self.opts.get("message_part", CHUNK)))
         except SwitchAborted as e:
             # the old layout's runtime, store and training world were never touched: with every
             # participant alive, training goes on in them; the switch's communicators are dropped
@@ -431,7 +432,8 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
              switches: list[tuple[int, "Strategy | str", "tuple[int, ...] | None"]] = (), global_batch: int = 8,
              seq_len: int | None = None, seed: int = 0, data_seed: int = 0, optim: OptimConfig = OptimConfig(),
              notice: int = 3, timeout: float = 300.0, switch_timeout: float = 60.0, memory_budget=None,
-             export: bool = False, fault: dict | None = None, big_piece: int = BIG, placement: str = "keep",
+             export: bool = False, fault: dict | None = None, big_piece: int = BIG,
+             message_part: int = CHUNK, placement: str = "keep",
              progress: Callable[[int, float], None] | None = None) -> LiveResult:
     """Train ``model`` for ``steps`` steps, hot-switching at the scheduled steps.
 
@@ -439,7 +441,8 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
     (planning and world creation overlap them). ``export``: return every process's flat state
     before and after each switch (tests). ``fault``: a test hook, ``{"kind": "kill"|"corrupt",
     "device": d, "switch": g}``. ``big_piece``: pieces of at least this many bytes travel as
-    messages of their own, unpacked (see :mod:`.switch_exec`). ``placement``: ``"keep"`` orders each
+    messages of their own, unpacked, in parts of at most ``message_part`` bytes (see
+    :mod:`.switch_exec`). ``placement``: ``"keep"`` orders each
     switch's devices (within a node) to keep the most state in place, ``"given"`` keeps their order.
     """
     spec = models.get(model)
@@ -448,7 +451,8 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
     gens = generations(spec, strategy, steps, list(switches), placement)
     opts = {"global_batch": global_batch, "seq_len": seq_len or spec.seq_len, "seed": seed, "data_seed": data_seed,
             "placement": placement, "optim": optim.__dict__, "notice": notice, "switch_timeout": switch_timeout, "memory_budget": memory_budget,
-            "export": export, "fault": fault, "progress": progress is not None, "big_piece": big_piece}
+            "export": export, "fault": fault, "progress": progress is not None, "big_piece": big_piece,
+            "message_part": message_part}
     parts: dict[int, dict[str, float]] = {}
 
     def on_report(key: str, payload: tuple) -> None:
