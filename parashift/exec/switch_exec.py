@@ -16,7 +16,8 @@ buffer (no copy), so ``keep`` copies, packs and unpacks are strided tensor copie
 - *pooled staging*: staging buffers come from a :class:`BufferPool` and go back as soon as
   their transfer is sent or unpacked, so later stages (and later switches) reuse them;
 - *overlap*: point-to-point messages are all issued as soon as their deps allow (tags keep
-  them apart), in parts of at most ``CHUNK`` bytes; while they are on the wire the driver copies
+  them apart), in parts of at most ``CHUNK`` bytes, each part packed just before it goes out (the
+  wire starts after one part, not after the whole transfer); while they are on the wire the driver copies
   the kept pieces, and checksums each part as soon as it has been sent or has landed (while its
   bytes are still in the cache);
 - *cheap checks*: a checksum is one vectorized 64-bit sum per part (memory speed), folded per
