@@ -184,6 +184,11 @@ def test_schedule_parsing_and_errors():
         generations(GPT, "dp=4", 5, [(5, "dp=2", None)])
     with pytest.raises(StrategyError, match="distinct device ids"):
         generations(GPT, "dp=2", 5, [(2, "dp=2", (1, 1))])
+    with pytest.raises(StrategyError, match="unknown placement 'best'"):
+        generations(GPT, "dp=2", 5, [(2, "dp=2", None)], placement="best")
+    # kept placement: the device holding TP half 1 takes the quarters inside it (given order otherwise)
+    assert generations(GPT, "tp=2,dp=2,zero=1", 5, [(2, "tp=4", None)])[1].devices == (0, 2, 1, 3)
+    assert generations(GPT, "tp=2,dp=2,zero=1", 5, [(2, "tp=4", None)], "given")[1].devices == (0, 1, 2, 3)
     assert Strategy.parse("dp=2").world == 2
 
 
