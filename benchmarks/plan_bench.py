@@ -3,9 +3,12 @@
 Cases (issue 2): llama2-70b on 1024 devices dp=32,tp=8,pp=4,zero=1 -> dp=16,tp=8,pp=8,zero=1;
 llama2-70b on a800-16x8 losing node 5 (128 -> 120 devices) dp=4,tp=8,pp=4,zero=1 ->
 dp=3,tp=8,pp=5,zero=1; qwen3-235b-a22b on 1024 devices dp=64,tp=4,pp=4,ep=16,zero=1 ->
-dp=32,tp=4,pp=8,ep=32,zero=1. Per case: median ``plan_seconds`` (vps.plan_switch, layouts
-included) and ``verify_seconds`` (SwitchPlan.verify) over repeats, the plan's stats and the
-target. Targets on one core: under 0.5 s (dense) and 2 s (MoE) for planning.
+dp=32,tp=4,pp=8,ep=32,zero=1; and llama2-70b on a800-16x8 reshaped from tp=8 to tp=4, where the
+device order matters. Per case: median ``plan_seconds`` (vps.plan_switch, layouts included) and
+``verify_seconds`` (SwitchPlan.verify) over repeats, the plan's stats and the target; then
+``placed_plan_seconds`` and ``placed_bytes_moved`` with ``placement="keep"`` (the destination
+devices reordered within nodes to keep the most state; the peer is the given order).
+Targets on one core: under 0.5 s (dense) and 2 s (MoE) for planning.
 
 Usage: python benchmarks/plan_bench.py [--repeats 5]
 """
@@ -32,6 +35,8 @@ CASES = {
     "qwen3-235b-a22b_1024_ep16_to_ep32": dict(model="qwen3-235b-a22b", src="dp=64,tp=4,pp=4,ep=16,zero=1",
                                               dst="dp=32,tp=4,pp=8,ep=32,zero=1", cluster="a800-128x8",
                                               target=2.0),
+    "llama2-70b_a800-16x8_tp8_to_tp4": dict(model="llama2-70b", src="dp=4,tp=8,pp=4,zero=1",
+                                            dst="dp=8,tp=4,pp=4,zero=1", cluster="a800-16x8", target=0.5),
 }
 
 
@@ -50,8 +55,16 @@ def bench(case: dict, repeats: int) -> dict:
     stats = plan.stats()
     assert stats["bytes_moved"] == stats["bytes_needed"]
     med = statistics.median(plans)
+    placed = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        kept = vps.plan_switch(case["model"], case["src"], case["dst"], placement="keep", **kw)
+        placed.append(time.perf_counter() - t0)
     return {"plan_seconds": med, "verify_seconds": statistics.median(verify), "target_seconds": case["target"],
-            "meets_target": med < case["target"], "pieces_total": len(plan), **stats}
+            "meets_target": med < case["target"], "pieces_total": len(plan), **stats,
+            "placed_plan_seconds": statistics.median(placed), "placed_bytes_moved": kept.stats()["bytes_moved"],
+            "placed_order_changed": kept.dst_devices != plan.dst_devices,
+            "placed_vs_given_bytes": kept.stats()["bytes_moved"] / max(stats["bytes_moved"], 1)}
 
 
 def main() -> None:

@@ -1,10 +1,10 @@
 """Virtual parameter space: layouts of strategies as boxes, and switch plans between them."""
-from . import boxes
+from . import boxes, placement
 from .layout import Layout, Regions, layout
 from .plan import DEFAULT_KINDS, SwitchPlan, plan_switch
 from .tensors import KINDS, ZERO_STAGE
 
-__all__ = ["boxes", "transition", "Layout", "Regions", "layout", "SwitchPlan", "plan_switch", "DEFAULT_KINDS",
+__all__ = ["boxes", "placement", "transition", "Layout", "Regions", "layout", "SwitchPlan", "plan_switch", "DEFAULT_KINDS",
            "KINDS", "ZERO_STAGE"]
 
 
