@@ -356,7 +356,7 @@ class SwitchExecutor:
         self.graveyard: list[Any] = []                    # buffers of works left in flight on abort
         self._splits: dict[str, tuple] = {}
         self.msgs: dict[str, list[torch.Tensor]] = {}       # p2p tag -> its messages
-        self.packs: dict[str, collections.deque] = {}       # p2p tag -> pack jobs not run yet (msg, end, dst, src)
+        self.packs: dict[str, collections.deque] = {}       # p2p tag -> pack jobs not run yet (msg, start, dst, src)
         self.temps: dict[str, list[torch.Tensor]] = {}      # p2p tag -> pooled buffers it uses
         self.later: collections.deque = collections.deque()  # deferred work, run while the wire is busy
         self._comm: dict[str, Instr] = {}
@@ -497,7 +497,7 @@ class SwitchExecutor:
             for i, off in zip(small, offs):
                 v = self._view(self.old, i)
                 n = int(self.P.nbytes[i])
-                jobs.append((0, off + n, buf[off:off + n].view(v.dtype).view(v.shape), v))
+                jobs.append((0, off, buf[off:off + n].view(v.dtype).view(v.shape), v))
             msgs.append(buf)
         for i in big:
             v = self._view(self.old, i)
@@ -506,10 +506,10 @@ class SwitchExecutor:
                 self.stats.zero_copy += 1
             else:
                 t = self._temp(tag, int(self.P.nbytes[i]))
-                end = 0
+                start = 0
                 for d, o in _slices(t.view(v.dtype).view(v.shape), v, self.chunk):
-                    end += d.numel() * d.element_size()
-                    jobs.append((len(msgs), end, d, o))
+                    jobs.append((len(msgs), start, d, o))
+                    start += d.numel() * d.element_size()
                 msgs.append(t)
         self.msgs[tag] = msgs
         self.packs[tag] = collections.deque(jobs)
@@ -520,7 +520,7 @@ class SwitchExecutor:
         if not q:
             return
         t0 = time.perf_counter()
-        while q and (q[0][0] < msg or (q[0][0] == msg and q[0][1] - q[0][2].numel() * q[0][2].element_size() < upto)):
+        while q and q[0][:2] < (msg, upto):         # jobs starting before the part's end
             _, _, d, o = q.popleft()
             d.copy_(o)
         t1 = self.stats.add("pack", t0)
