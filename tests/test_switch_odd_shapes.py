@@ -22,8 +22,8 @@ def test_checksum_depends_on_bytes_not_alignment():
 
 
 def test_tp_merge_in_many_small_parts_is_bit_exact():
-    """Parts of 512 bytes: the packed pieces (column halves of row-parallel weights) are copied
-    part by part as their sends go out, and every part is checksummed on both ends."""
+    """Parts of 512 bytes: packed pieces (column halves of row-parallel weights) travel in many
+    parts, each checksummed on both ends and folded per transfer."""
     chain = [(1, "tp=4", None), (2, "tp=2,dp=2,zero=1", (3, 2, 1, 0))]
     res = run_live(GPT, "tp=2,dp=2,zero=1", steps=3, switches=chain, export=True, timeout=240, switch_timeout=30,
                    big_piece=256, message_part=512, placement="given")

@@ -16,8 +16,7 @@ buffer (no copy), so ``keep`` copies, packs and unpacks are strided tensor copie
 - *pooled staging*: staging buffers come from a :class:`BufferPool` and go back as soon as
   their transfer is sent or unpacked, so later stages (and later switches) reuse them;
 - *overlap*: point-to-point messages are all issued as soon as their deps allow (tags keep
-  them apart), in parts of at most ``CHUNK`` bytes, each part packed just before it goes out (the
-  wire starts after one part, not after the whole transfer); while they are on the wire the driver copies
+  them apart), in parts of at most ``CHUNK`` bytes; while they are on the wire the driver copies
   the kept pieces, and checksums each part as soon as it has been sent or has landed (while its
   bytes are still in the cache);
 - *cheap checks*: a checksum is one vectorized 64-bit sum per part (memory speed), folded per
@@ -356,7 +355,6 @@ class SwitchExecutor:
         self.graveyard: list[Any] = []                    # buffers of works left in flight on abort
         self._splits: dict[str, tuple] = {}
         self.msgs: dict[str, list[torch.Tensor]] = {}       # p2p tag -> its messages
-        self.packs: dict[str, collections.deque] = {}       # p2p tag -> pack jobs not run yet (msg, start, dst, src)
         self.temps: dict[str, list[torch.Tensor]] = {}      # p2p tag -> pooled buffers it uses
         self.later: collections.deque = collections.deque()  # deferred work, run while the wire is busy
         self._comm: dict[str, Instr] = {}
@@ -488,16 +486,13 @@ class SwitchExecutor:
         self.msgs.pop(tag, None)
 
     def _pack_p2p(self, tag: str) -> None:
-        """Stage the messages of a send: contiguous big pieces go as views of the old store; the
-        rest get pooled buffers and copy jobs, run part by part as the send goes out (:meth:`_fill`)."""
         small, offs, size, big = self._split(tag)
-        msgs, jobs = [], []
+        msgs = []
         if small:
             buf = self._temp(tag, size)
             for i, off in zip(small, offs):
                 v = self._view(self.old, i)
-                n = int(self.P.nbytes[i])
-                jobs.append((0, off, buf[off:off + n].view(v.dtype).view(v.shape), v))
+                buf[off:off + int(self.P.nbytes[i])].view(v.dtype).view(v.shape).copy_(v)
             msgs.append(buf)
         for i in big:
             v = self._view(self.old, i)
@@ -506,25 +501,9 @@ class SwitchExecutor:
                 self.stats.zero_copy += 1
             else:
                 t = self._temp(tag, int(self.P.nbytes[i]))
-                start = 0
-                for d, o in _slices(t.view(v.dtype).view(v.shape), v, self.chunk):
-                    jobs.append((len(msgs), start, d, o))
-                    start += d.numel() * d.element_size()
+                t.view(v.dtype).view(v.shape).copy_(v)
                 msgs.append(t)
         self.msgs[tag] = msgs
-        self.packs[tag] = collections.deque(jobs)
-
-    def _fill(self, tag: str, msg: int, upto: int) -> None:
-        """Run the pack jobs of ``tag`` up to byte ``upto`` of message ``msg`` (jobs are in order)."""
-        q = self.packs.get(tag)
-        if not q:
-            return
-        t0 = time.perf_counter()
-        while q and q[0][:2] < (msg, upto):         # jobs starting before the part's end
-            _, _, d, o = q.popleft()
-            d.copy_(o)
-        t1 = self.stats.add("pack", t0)
-        self.stats.rows.append(("pack", "pack", t0, t1, 0))
 
     def _run_later(self, item: tuple[torch.Tensor, torch.Tensor]) -> None:
         """One piece of deferred work: a slice of a kept piece's copy."""
@@ -594,16 +573,10 @@ class SwitchExecutor:
         xid = self.tag_id[tag]
         t0 = time.perf_counter()
         if ins.op == "send":
-            where = _part_ends(self.msgs[tag], self.chunk)
             parts = _parts(self.msgs[tag], self.chunk)
             self.stats.bytes_sent += ins.nbytes
             peer = self.index[ins.peer]
             fold = [0]
-            works = []
-            for j, m in enumerate(parts):      # pack each part just before it goes out: the wire starts early
-                self._fill(tag, *where[j])
-                works.append(self.world.send([m], peer, xid * MAX_MSGS + j))
-            self.packs.pop(tag, None)
 
             def part_sent(j: int) -> None:     # checksum each part once it is out, while it is still cached
                 fold[0] = _fold(fold[0], self._sum(parts[j]))
@@ -611,7 +584,8 @@ class SwitchExecutor:
             def sent() -> None:
                 self.stats.sent_crc[tag] = fold[0]
                 self._release(tag)
-            return _Flight(ins, ins.stream, works, t0, sent, on_part=part_sent)
+            return _Flight(ins, ins.stream, [self.world.send([m], peer, xid * MAX_MSGS + j)
+                                             for j, m in enumerate(parts)], t0, sent, on_part=part_sent)
         if ins.op == "recv":
             parts = _parts(self._recv_p2p(ins), self.chunk)
             self.stats.bytes_received += ins.nbytes
@@ -792,7 +766,6 @@ class SwitchExecutor:
                 ins = v[pos[s]]
                 pos[s] += 1
                 t0 = time.perf_counter()
-                pk = st.seconds["pack"]
                 fl = self._issue(ins)
                 if s in lanes:
                     lanes[s].append(fl)
@@ -800,7 +773,6 @@ class SwitchExecutor:
                     busy[s] = fl
                 _WAITERS.submit(waiter, fl)
                 st.add("issue", t0)
-                st.seconds["issue"] -= st.seconds["pack"] - pk
                 ran = True
                 if self.on_issue is not None:
                     self.on_issue(ins)
@@ -841,11 +813,6 @@ def _parts(msgs: list[torch.Tensor], chunk: int) -> list[torch.Tensor]:
     """Messages cut into consecutive parts of at most ``chunk`` bytes (views, no copy); both ends
     of a transfer cut alike, as their messages have the same sizes."""
     return [m[a:a + chunk] for m in msgs for a in range(0, max(m.numel(), 1), chunk)]
-
-
-def _part_ends(msgs: list[torch.Tensor], chunk: int) -> list[tuple[int, int]]:
-    """(message index, end byte) of every part :func:`_parts` cuts."""
-    return [(k, min(a + chunk, m.numel())) for k, m in enumerate(msgs) for a in range(0, max(m.numel(), 1), chunk)]
 
 
 def _slices(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
