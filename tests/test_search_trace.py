@@ -193,3 +193,11 @@ def test_a_trace_that_loses_every_device_idles_and_resumes_from_a_checkpoint():
         assert f["tokens"].sum() == pytest.approx((100 + 70) * 100.0)
     s = plan.summary()
     assert (s["idle_seconds"] == 20.0).all() and (s["switches"] == 1).all()
+
+
+def test_hot_switch_cost_simulates_the_placement_a_live_job_uses():
+    src, dst = Strategy.parse("dp=2,tp=4,zero=1"), Strategy.parse("tp=8")
+    given_ = search.HotSwitchCost("llama2-7b", "a800-1x8", placement="given")(src, dst)
+    kept = search.HotSwitchCost("llama2-7b", "a800-1x8")(src, dst)
+    assert kept.method == given_.method == "simulated switch program"
+    assert kept.bytes_moved < 0.6 * given_.bytes_moved and kept.seconds < given_.seconds

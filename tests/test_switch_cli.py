@@ -44,3 +44,16 @@ def test_bad_switch_at_is_a_one_line_error():
     assert r.returncode == 1
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "3 ranks but 2 devices" in lines[0]
+
+
+def test_switch_placement_keep_reorders_and_given_keeps_the_listed_order(capsys):
+    argv = ["run", "--model", "tiny-gpt", "--strategy", "dp=2,tp=2", "--nprocs", "4", "--steps", "3",
+            "--switch-at", "2:dp=2,tp=2,zero=1:3,2,1,0", "--json"]
+    assert main(argv) == 0
+    kept = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--switch-placement", "given"]) == 0
+    given = json.loads(capsys.readouterr().out)
+    assert given["devices"][1] == [3, 2, 1, 0]
+    assert sorted(kept["devices"][1]) == [0, 1, 2, 3] and kept["devices"][1] != [3, 2, 1, 0]
+    assert kept["switches"][0]["bytes_moved"] < given["switches"][0]["bytes_moved"]
+    assert kept["losses"] == given["losses"]

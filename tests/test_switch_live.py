@@ -26,6 +26,16 @@ def _bytes(a: np.ndarray) -> bytes:
     return np.ascontiguousarray(a).view(np.uint8).tobytes()
 
 
+def assert_rolled_back(res, static) -> None:
+    """Every process of ``res`` ended in the first layout with the final state, byte for byte, of
+    the job ``static`` that never switched."""
+    for r, s in zip(sorted(res.reports.values(), key=lambda r: r["device"]),
+                    sorted(static.reports.values(), key=lambda r: r["device"])):
+        assert r["final_gen"] == 0
+        a, b = r["exports"]["final"]["arrays"], s["exports"]["final"]["arrays"]
+        assert all(_bytes(a[f][k]) == _bytes(b[f][k]) for f in b for k in b[f])
+
+
 def check_switches(spec, result) -> int:
     """Every committed switch left exactly the state a fresh job in the new layout would hold."""
     gens = result.generations
@@ -148,11 +158,7 @@ def test_corrupted_buffer_rolls_back_and_training_continues_unchanged():
     (sw,) = res.switches
     assert "checksum" in sw["aborted"] and "rolled back" in sw["aborted"]
     assert res.losses == static.losses               # same layout throughout: bit-identical
-    for r, s in zip(sorted(res.reports.values(), key=lambda r: r["device"]),
-                    sorted(static.reports.values(), key=lambda r: r["device"])):
-        assert r["final_gen"] == 0
-        a, b = r["exports"]["final"]["arrays"], s["exports"]["final"]["arrays"]
-        assert all(_bytes(a[f][k]) == _bytes(b[f][k]) for f in b for k in b[f])
+    assert_rolled_back(res, static)
 
 
 def test_killed_leaving_rank_ends_in_a_clean_error_with_survivors_intact():

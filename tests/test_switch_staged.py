@@ -11,7 +11,7 @@ from parashift.strategy import Strategy
 from parashift.vps import plan_switch
 from parashift.vps.transition.staging import state_buffers
 
-from test_switch_live import _bytes, check_switches
+from test_switch_live import _bytes, assert_rolled_back, check_switches
 
 # tensors of 64 KiB - 1 MiB, so that released regions span whole pages
 GPT = models.gpt(2, 256, 4, kv_heads=4, ffn=1024, vocab=1024, seq_len=16, name="sw-staged", dtype="fp32", pad_vocab=8)
@@ -66,11 +66,7 @@ def test_staged_abort_restores_released_state_and_training_continues_unchanged()
     assert "checksum" in sw["aborted"] and "rolled back" in sw["aborted"] and "at stage" in sw["aborted"]
     assert sw["released_bytes"] > 0                 # old state had been released before the failure ...
     assert res.losses == static.losses               # ... and came back bit for bit
-    for r, s in zip(sorted(res.reports.values(), key=lambda r: r["device"]),
-                    sorted(static.reports.values(), key=lambda r: r["device"])):
-        assert r["final_gen"] == 0
-        a, b = r["exports"]["final"]["arrays"], s["exports"]["final"]["arrays"]
-        assert all(_bytes(a[f][k]) == _bytes(b[f][k]) for f in b for k in b[f])
+    assert_rolled_back(res, static)
 
 
 def test_killed_leaving_rank_mid_staged_switch_leaves_survivors_whole():

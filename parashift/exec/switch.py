@@ -16,7 +16,8 @@ each switch's destination devices to keep the most state in place (:func:`place`
    failed, the checksums of what it sent and of what it received, the job's step counters) and
    reads everyone's; all derive the same verdict from the same records. Any mismatch, failed
    transfer or missing record aborts: the new store is dropped and the old one, never written,
-   stays in use (:class:`~parashift.errors.SwitchAborted`; ``peer_failed`` tells whether a participant is gone).
+   stays in use (:class:`~parashift.errors.SwitchAborted`; ``peer_failed`` tells whether a
+   participant is gone).
 5. *rebuild*: a Runtime is built over the new store (its parameters are views into it) and the
    new training world; the step counter carries over, so the data order (a function of the
    global step) and the global batch continue unchanged.

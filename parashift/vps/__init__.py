@@ -4,8 +4,8 @@ from .layout import Layout, Regions, layout
 from .plan import DEFAULT_KINDS, SwitchPlan, plan_switch
 from .tensors import KINDS, ZERO_STAGE
 
-__all__ = ["boxes", "placement", "transition", "Layout", "Regions", "layout", "SwitchPlan", "plan_switch", "DEFAULT_KINDS",
-           "KINDS", "ZERO_STAGE"]
+__all__ = ["boxes", "placement", "transition", "Layout", "Regions", "layout", "SwitchPlan", "plan_switch",
+           "DEFAULT_KINDS", "KINDS", "ZERO_STAGE"]
 
 
 def __getattr__(name: str):
