@@ -161,6 +161,26 @@ def test_corrupted_buffer_rolls_back_and_training_continues_unchanged():
     assert_rolled_back(res, static)
 
 
+def test_broadcast_goes_message_by_message_from_the_state_and_a_corrupted_part_rolls_back():
+    # the benchmark's shrink: the leaving device broadcasts its TP half to two of the three new ranks
+    src, dst, chain = "dp=2,tp=2,zero=1", "dp=3,zero=1", [(1, "dp=3,zero=1", (0, 1, 2))]
+    planned = plan_live_switch(GPT, Strategy.parse(src), Strategy.parse(dst), (0, 1, 2, 3), (0, 1, 2))
+    (bcast,) = [i for v in planned.program.ranks[3].streams.values() for i in v if i.op == "broadcast"]
+    kw = dict(steps=3, export=True, timeout=120, global_batch=12)
+    ok = run_live(GPT, src, switches=chain, switch_timeout=20, big_piece=4096, **kw)
+    assert check_switches(GPT, ok) == 1
+    (root,) = [sw for r in ok.reports.values() if r for sw in r["switches"] if sw["device"] == 3]
+    # its large pieces went out straight from the state: only the small ones were staged
+    assert root["staging_peak_bytes"] < bcast.nbytes // 4 and root["zero_copy"] > 0
+    static = run_live(GPT, src, **kw)
+    bad = run_live(GPT, src, switches=chain, switch_timeout=20, big_piece=4096,
+                   fault={"kind": "corrupt", "device": 2, "switch": 1, "op": "broadcast"}, **kw)
+    (sw,) = bad.switches
+    assert "checksum" in sw["aborted"] and bcast.tag in sw["aborted"], sw["aborted"]
+    assert bad.losses == static.losses
+    assert_rolled_back(bad, static)
+
+
 def test_killed_leaving_rank_ends_in_a_clean_error_with_survivors_intact():
     static = run_live(GPT, "dp=4,zero=1", steps=2, export=True, timeout=120)
     res = run_live(GPT, "dp=4,zero=1", steps=4, switches=[(2, "dp=2", (0, 1))], timeout=120, switch_timeout=6,

@@ -9,10 +9,11 @@ buffer (no copy), so ``keep`` copies, packs and unpacks are strided tensor copie
 :class:`SwitchExecutor` runs the streams of one device (``pack``, ``send<l>``, ``recv<l>``,
 ``coll<l>``, ``unpack``) honoring ``deps``. How it keeps close to the bare cost of moving bytes:
 
-- *no needless packing*: in a point-to-point transfer every piece of at least ``BIG`` bytes
-  travels as a message of its own, sent straight from the old state buffer and received straight
-  into the new one wherever its box is contiguous there; only small pieces (and boxes strided at
-  one end) go through a staging buffer, one per transfer (the planner coalesces per peer);
+- *no needless packing*: in a point-to-point transfer or a broadcast every piece of at least
+  ``BIG`` bytes travels as a message of its own (a broadcast as a series of broadcasts), sent
+  straight from the old state buffer and received straight into the new one wherever its box is
+  contiguous there; only small pieces (and boxes strided at one end) go through a staging buffer,
+  one per transfer (the planner coalesces per peer); scatter and gather pack their root's chunks;
 - *pooled staging*: staging buffers come from a :class:`BufferPool` and go back as soon as
   their transfer is sent or unpacked, so later stages (and later switches) reuse them;
 - *overlap*: point-to-point messages are all issued as soon as their deps allow (tags keep
@@ -342,7 +343,6 @@ class SwitchExecutor:
         self.chunk = int(chunk)
         self.bufs: dict[str, torch.Tensor] = {}
         self.pooled: set[str] = set()
-        self.direct: dict[str, torch.Tensor] = {}          # tag -> state view sent/received without staging
         self.stats = ExecStats()
         rows = np.flatnonzero((self.P.src == device) | (self.P.dst == device))
         self.by_xfer: dict[int, np.ndarray] = {}
@@ -389,13 +389,6 @@ class SwitchExecutor:
     def _chunk(ins: Instr) -> int:
         return ins.nbytes // len(ins.group) if ins.op in ("scatter", "gather") else 0
 
-    def _direct_view(self, store: StateStore | None, rows: np.ndarray, nbytes: int) -> torch.Tensor | None:
-        """The state bytes of a single contiguous piece that fills a whole transfer, else None."""
-        if store is None or len(rows) != 1 or int(self.P.nbytes[rows[0]]) != nbytes or int(self.P.offset[rows[0]]) != 0:
-            return None
-        v = self._view(store, int(rows[0]))
-        return v.view(-1).view(torch.uint8) if v.is_contiguous() else None
-
     # ---- instructions -------------------------------------------------------------------------------
     def _alloc(self, ins: Instr) -> None:
         for name, nb in ins.alloc:
@@ -425,19 +418,12 @@ class SwitchExecutor:
             self._alloc(ins)
             return
         tag = arg
-        if self._comm_of(tag).op in ("send", "recv"):
+        if self._comm_of(tag).op in _MESSAGES:
             (self._pack_p2p if kind == "pack" else self._unpack_p2p)(tag)
             return
-        if kind == "pack":
+        if kind == "pack":              # scatter and gather: their chunks at the root are one buffer
             rows = self._rows(tag, "src")
             t_ins = self._comm_of(tag)
-            nb = t_ins.nbytes if t_ins.op != "gather" or self.device == t_ins.root else self._chunk(t_ins)
-            direct = self._direct_view(self.old, rows, nb) if t_ins.op in ("send", "broadcast") else None
-            if direct is not None:
-                self.direct[tag] = direct
-                self.stats.zero_copy += 1
-                self.stats.sent_crc[self._ck(t_ins, self.device)] = self._sum(direct)
-                return
             self._alloc(ins)
             buf = self.bufs[f"buf:{tag}"]
             for i in rows.tolist():
@@ -447,9 +433,6 @@ class SwitchExecutor:
                 buf[off:off + n].view(v.dtype).view(v.shape).copy_(v)
             self._record_sent(t_ins, buf)
         elif kind == "unpack":
-            if tag in self.direct:
-                self.direct.pop(tag)
-                return
             t_ins = self._comm_of(tag)
             buf = self.bufs[f"buf:{tag}"]
             for i in self._rows(tag, "dst").tolist():
@@ -459,15 +442,18 @@ class SwitchExecutor:
                 v.copy_(buf[off:off + n].view(v.dtype).view(v.shape))
             self._free(ins)
 
-    # ---- point-to-point transfers: large pieces travel as messages of their own --------------------------
+    # ---- p2p transfers and broadcasts: large pieces travel as messages of their own ----------------------
     def _split(self, tag: str) -> tuple[list[int], list[int], int, list[int]]:
-        """Pieces of a p2p transfer: small ones (their offsets in a compact staging buffer, its
-        size) and large ones (``BIG`` bytes or more), which travel as messages of their own, sent
-        from and received into the state buffers when their boxes are contiguous there. Both ends
-        derive the same split from the piece table."""
+        """Pieces of a p2p transfer or broadcast in buffer order: small ones (their offsets in a
+        compact staging buffer, its size) and large ones (``BIG`` bytes or more), which travel as
+        messages of their own, sent from and received into the state buffers when their boxes are
+        contiguous there. Every member derives the same split from the piece table (a broadcast
+        lists each piece once per receiver: one row per buffer offset is kept)."""
         hit = self._splits.get(tag)
         if hit is None:
             rows = self.by_xfer[self.tag_id[tag]]
+            _, first = np.unique(self.P.offset[rows], return_index=True)
+            rows = rows[first]
             nb = self.P.nbytes[rows]
             small, big = rows[nb < self.big], rows[nb >= self.big]
             size = -(-nb[nb < self.big] // 16) * 16
@@ -568,55 +554,54 @@ class SwitchExecutor:
     def _comm_of(self, tag: str) -> Instr:
         return self._comm[tag]
 
+    def _messages(self, ins: Instr, msgs: list[torch.Tensor], sending: bool, post: Callable, t0: float) -> _Flight:
+        """A flight of ``msgs`` cut into parts, part ``j`` issued as ``post(j, part)``. Each part is
+        checksummed once it has gone out or landed (while it is still cached) and folded, in order,
+        into the transfer's checksum; a sender's staging goes back to the pool when all are out."""
+        parts = _parts(msgs, self.chunk)
+        fold = [0]
+        if sending:
+            self.stats.bytes_sent += ins.nbytes
+        else:
+            self.stats.bytes_received += ins.nbytes
+
+        def part(j: int) -> None:
+            if not sending and self.on_received is not None:
+                self.on_received(ins.tag, parts[j])
+            fold[0] = _fold(fold[0], self._sum(parts[j]))
+
+        def done() -> None:
+            (self.stats.sent_crc if sending else self.stats.recv_crc)[ins.tag] = fold[0]
+            if sending:
+                self._release(ins.tag)
+        return _Flight(ins, ins.stream, [post(j, m) for j, m in enumerate(parts)], t0, done, on_part=part)
+
     def _issue(self, ins: Instr) -> _Flight:
         tag = ins.tag
-        xid = self.tag_id[tag]
         t0 = time.perf_counter()
-        if ins.op == "send":
-            parts = _parts(self.msgs[tag], self.chunk)
-            self.stats.bytes_sent += ins.nbytes
-            peer = self.index[ins.peer]
-            fold = [0]
-
-            def part_sent(j: int) -> None:     # checksum each part once it is out, while it is still cached
-                fold[0] = _fold(fold[0], self._sum(parts[j]))
-
-            def sent() -> None:
-                self.stats.sent_crc[tag] = fold[0]
-                self._release(tag)
-            return _Flight(ins, ins.stream, [self.world.send([m], peer, xid * MAX_MSGS + j)
-                                             for j, m in enumerate(parts)], t0, sent, on_part=part_sent)
-        if ins.op == "recv":
-            parts = _parts(self._recv_p2p(ins), self.chunk)
-            self.stats.bytes_received += ins.nbytes
-            peer = self.index[ins.peer]
-            fold = [0]
-
-            def part(j: int) -> None:          # checksum each part as it lands, while the next one streams in
-                if self.on_received is not None:
-                    self.on_received(tag, parts[j])
-                fold[0] = _fold(fold[0], self._sum(parts[j]))
-
-            def got() -> None:
-                self.stats.recv_crc[tag] = fold[0]
-            return _Flight(ins, ins.stream, [self.world.recv([m], peer, xid * MAX_MSGS + j)
-                                             for j, m in enumerate(parts)], t0, got, on_part=part)
+        if ins.op in ("send", "recv"):
+            base, peer = self.tag_id[tag] * MAX_MSGS, self.index[ins.peer]
+            if ins.op == "send":
+                return self._messages(ins, self.msgs[tag], True,
+                                      lambda j, m: self.world.send([m], peer, base + j), t0)
+            return self._messages(ins, self._recv_p2p(ins), False,
+                                  lambda j, m: self.world.recv([m], peer, base + j), t0)
         pg = self.group(tuple(ins.group))
         me = ins.group.index(self.device)
         root = ins.group.index(ins.root)
+        if ins.op == "broadcast":          # message by message, as a p2p transfer travels
+            o = dist.BroadcastOptions()
+            o.rootRank = root
+            mine = me == root
+            return self._messages(ins, self.msgs[tag] if mine else self._recv_p2p(ins), mine,
+                                  lambda j, m: pg.broadcast([m], o), t0)
         sender = self.device in (ins.group if ins.op == "gather" else (ins.root,)) and not (
             ins.op == "gather" and self.device == ins.root)
         if not sender:
             self._alloc(ins)
-        buf = self.direct.get(tag) if ins.op == "broadcast" and self.device == ins.root else None
-        if buf is None:
-            buf = self.bufs[ins.key]
+        buf = self.bufs[ins.key]
         c = self._chunk(ins)
-        if ins.op == "broadcast":
-            o = dist.BroadcastOptions()
-            o.rootRank = root
-            work = pg.broadcast([buf], o)
-        elif ins.op == "scatter":
+        if ins.op == "scatter":
             o = dist.ScatterOptions()
             o.rootRank = root
             if me == root:
@@ -699,8 +684,6 @@ class SwitchExecutor:
             if fl.then is not None:
                 fl.then()
             self._free(fl.ins)
-            if fl.ins.op == "send" or (fl.ins.op == "broadcast" and self.device == fl.ins.root):
-                self.direct.pop(fl.ins.tag, None)
             st.rows.append((fl.stream, fl.ins.op, fl.t0, time.perf_counter(), fl.ins.nbytes))
             fl.done = True
             q = lanes.get(fl.stream)
@@ -742,10 +725,10 @@ class SwitchExecutor:
             while self.later:
                 self._run_later(self.later.popleft())
         except SwitchAborted:
-            self.graveyard.append((busy, lanes, self.bufs, self.direct, self.msgs, self.temps))
+            self.graveyard.append((busy, lanes, self.bufs, self.msgs, self.temps))
             raise
         except Exception as e:  # noqa: BLE001 - a peer failure surfaces as a gloo error
-            self.graveyard.append((busy, lanes, self.bufs, self.direct, self.msgs, self.temps))
+            self.graveyard.append((busy, lanes, self.bufs, self.msgs, self.temps))
             raise SwitchAborted(f"device {self.device}: a transfer failed ({type(e).__name__}: "
                                 f"{str(e).splitlines()[0] if str(e) else ''}); a peer left or failed") from e
         if self.pool is not None:
@@ -807,6 +790,10 @@ class SwitchExecutor:
                     waiting = list(busy.values()) + [f for q in lanes.values() for f in q if not f.done]
                     raise SwitchAborted(f"device {self.device}: {why} (waiting on "
                                         f"{', '.join(f'{f.ins.op} {f.ins.tag}' for f in waiting)})") from None
+
+
+#: Transfers that travel as a list of messages (see ``SwitchExecutor._split``).
+_MESSAGES = ("send", "recv", "broadcast")
 
 
 def _parts(msgs: list[torch.Tensor], chunk: int) -> list[torch.Tensor]:

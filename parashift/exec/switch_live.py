@@ -209,7 +209,8 @@ class LiveSession:
 
     def _fault_hooks(self, g: int, prep: Prepared) -> tuple:
         """Test hooks of ``opts["fault"]`` for switch ``g`` on this device: (on_received, on_issue).
-        ``fault["stage"]`` (default 0): the hook fires in the first transfer of that stage or later."""
+        ``fault["stage"]`` (default 0): the hook fires in the first transfer of that stage or later;
+        ``fault["op"]`` (optional): only in transfers of that op (``send``, ``broadcast``, ...)."""
         fault = self.opts.get("fault") or {}
         if fault.get("switch") != g or fault.get("device") != self.device:
             return None, None
@@ -217,6 +218,10 @@ class LiveSession:
         P = PieceTable.of(prep.planned.program)
         tags = prep.planned.program.meta["transfers"]
         late = {tags[int(x)] for x in np.unique(P.transfer[(P.transfer >= 0) & (P.stage >= fault.get("stage", 0))])}
+        if "op" in fault:
+            rp = prep.planned.program.ranks.get(self.device)
+            late &= {i.tag for v in (rp.streams.values() if rp else ()) for i in v
+                     if i.tag is not None and i.op.replace("recv", "send") == fault["op"]}
         if fault["kind"] == "corrupt":
             hit = []
 
