@@ -26,6 +26,9 @@ the transfer driver's own seconds (``keep``/``pack``/``unpack`` copies, ``checks
 thread, gloo's included) during the switch / the floor, a figure a busy host disturbs less than
 wall time.
 
+``--unverified`` (a diagnostic) replaces every transfer checksum by a constant, to show what
+verification costs on the machine at hand.
+
 Run: ``python benchmarks/switch_live_bench.py [--repeats 3] [--dcp-repeats 2] [--small] [--placement given]``.
 """
 from __future__ import annotations
@@ -275,7 +278,10 @@ def _staged_case(spec, ctx, world, keys, mgr, ci: int, src, dst, sdev, ddev, fra
 
 
 def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict, staged: float | None = None,
-            placement: str = "keep") -> dict:
+            placement: str = "keep", unverified: bool = False) -> dict:
+    if unverified:                     # diagnostic: every checksum a constant (what verification costs)
+        import parashift.exec.switch_exec as switch_exec
+        switch_exec.checksum = lambda t: 0
     device = ctx.device
     mgr = ElasticManager(ctx.store, ctx.member.key, 120.0)
     keys = {d: f"{d}.0" for d in range(4)}
@@ -369,6 +375,9 @@ def main() -> None:
     ap.add_argument("--placement", choices=("keep", "given"), default="keep",
                     help="keep (default, as a live job): order the destination devices to keep the most state in "
                          "place; given: rank i on device i")
+    ap.add_argument("--unverified", action="store_true",
+                    help="diagnostic: replace the transfer checksums by a constant, to see what verification "
+                         "costs (such a switch checks nothing)")
     args = ap.parse_args()
     spec = _model(args.small)
     shm = tempfile.mkdtemp(prefix="parashift-bench-", dir="/dev/shm")
@@ -378,7 +387,7 @@ def main() -> None:
         res = launch_elastic(_worker, [Member(d, 0, 0) for d in range(4)],
                              args=(spec, args.repeats, args.dcp_repeats,
                                    {} if args.no_dcp or args.staged else {"shm": shm, "disk": disk}, args.staged,
-                                   args.placement),
+                                   args.placement, args.unverified),
                              timeout=3000)
         cases = res["0.0"]
     finally:
@@ -396,7 +405,8 @@ def main() -> None:
         c["vs_floor"] = c["switch_seconds"] / c["floor_seconds"]
     print(json.dumps({"model": spec.name, "params": nparams, "state_bytes": nparams * 12, "processes": 4,
                       "threads_per_process": 1, "cpus": os.cpu_count(), "repeats": args.repeats,
-                      "dcp_repeats": args.dcp_repeats, "placement": args.placement, "cases": cases,
+                      "dcp_repeats": args.dcp_repeats, "placement": args.placement,
+                      "unverified": args.unverified, "cases": cases,
                       "seconds": time.perf_counter() - t0}, indent=1))
     sys.stdout.flush()
 
