@@ -8,12 +8,17 @@ import numpy as np
 from parashift.cli import main
 
 
+def _run_json(capsys, argv: list[str]) -> dict:
+    """``parashift <argv>`` in this process; its JSON output."""
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
 def test_run_switch_at_json_reports_every_switch(capsys):
     argv = ["run", "--model", "tiny-gpt", "--strategy", "dp=2,tp=2", "--nprocs", "4", "--steps", "6",
             "--switch-at", "2:dp=4,zero=1", "--switch-at", "3:dp=2,zero=2:1,3", "--switch-at", "4:tp=2,pp=2:0,1,2,4",
             "--json"]
-    assert main(argv) == 0
-    out = json.loads(capsys.readouterr().out)
+    out = _run_json(capsys, argv)
     assert len(out["losses"]) == 6 and all(np.isfinite(out["losses"]))
     assert [s["step"] for s in out["switches"]] == [2, 3, 4]
     assert [s["dst"] for s in out["switches"]] == ["dp=4,tp=1,pp=1,zero=1", "dp=2,tp=1,pp=1,zero=2",
@@ -28,10 +33,8 @@ def test_run_switch_at_json_reports_every_switch(capsys):
 def test_switch_memory_budget_stages_the_switch_and_frees_old_state(capsys):
     argv = ["run", "--model", "tiny-gpt", "--strategy", "dp=2,tp=2", "--nprocs", "4", "--steps", "3",
             "--switch-at", "2:dp=4,zero=1", "--json"]
-    assert main(argv) == 0
-    whole = json.loads(capsys.readouterr().out)
-    assert main(argv + ["--switch-memory-budget", "1.6MiB"]) == 0
-    staged = json.loads(capsys.readouterr().out)
+    whole = _run_json(capsys, argv)
+    staged = _run_json(capsys, argv + ["--switch-memory-budget", "1.6MiB"])
     assert staged["losses"] == whole["losses"]
     (w,), (s,) = whole["switches"], staged["switches"]
     assert (w["stages"], w["released_bytes"]) == (1, 0)
@@ -49,10 +52,8 @@ def test_bad_switch_at_is_a_one_line_error():
 def test_switch_placement_keep_reorders_and_given_keeps_the_listed_order(capsys):
     argv = ["run", "--model", "tiny-gpt", "--strategy", "dp=2,tp=2", "--nprocs", "4", "--steps", "3",
             "--switch-at", "2:dp=2,tp=2,zero=1:3,2,1,0", "--json"]
-    assert main(argv) == 0
-    kept = json.loads(capsys.readouterr().out)
-    assert main(argv + ["--switch-placement", "given"]) == 0
-    given = json.loads(capsys.readouterr().out)
+    kept = _run_json(capsys, argv)
+    given = _run_json(capsys, argv + ["--switch-placement", "given"])
     assert given["devices"][1] == [3, 2, 1, 0]
     assert sorted(kept["devices"][1]) == [0, 1, 2, 3] and kept["devices"][1] != [3, 2, 1, 0]
     assert kept["switches"][0]["bytes_moved"] < given["switches"][0]["bytes_moved"]

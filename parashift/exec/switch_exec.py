@@ -527,9 +527,8 @@ class SwitchExecutor:
         self._release(tag)
 
     def _ck(self, ins: Instr, member: int) -> str:
-        """Checksum key of what ``member`` contributes (scatter: what it receives)."""
-        if ins.op in ("send", "recv", "broadcast"):
-            return ins.tag
+        """Checksum key of a scatter's or gather's chunk of ``member`` (p2p transfers and broadcasts,
+        which travel as messages, are keyed by their tag)."""
         return f"{ins.tag}@{member}"
 
     def _record(self, ins: Instr, buf: torch.Tensor, per_member: str, into: dict[str, int]) -> None:
