@@ -210,7 +210,8 @@ class LiveSession:
     def _fault_hooks(self, g: int, prep: Prepared) -> tuple:
         """Test hooks of ``opts["fault"]`` for switch ``g`` on this device: (on_received, on_issue).
         ``fault["stage"]`` (default 0): the hook fires in the first transfer of that stage or later;
-        ``fault["op"]`` (optional): only in transfers of that op (``send``, ``broadcast``, ...)."""
+        ``fault["op"]`` (optional): only in transfers of that op (``send``, ``broadcast``, ...; a
+        point-to-point transfer is ``send`` at both ends)."""
         fault = self.opts.get("fault") or {}
         if fault.get("switch") != g or fault.get("device") != self.device:
             return None, None
