@@ -29,7 +29,13 @@ wall time.
 ``--unverified`` (a diagnostic) replaces every transfer checksum by a constant, to show what
 verification costs on the machine at hand.
 
-Run: ``python benchmarks/switch_live_bench.py [--repeats 3] [--dcp-repeats 2] [--small] [--placement given]``.
+``--rounds N`` runs the whole benchmark N times, each on fresh processes: on a shared host the
+ratios drift more between runs than within one. Each case then reports every round (``rounds``),
+the median over rounds of its seconds and ratios, and each ratio's lowest and highest round
+(``vs_floor_range``, ``vs_dcp_disk_range``, ``vs_dcp_shm_range``). Progress goes to stderr.
+
+Run: ``python benchmarks/switch_live_bench.py [--repeats 3] [--dcp-repeats 2] [--rounds 1] [--small]
+[--placement given]``.
 """
 from __future__ import annotations
 
@@ -364,6 +370,55 @@ def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict, staged: float
     return out
 
 
+RATIOS = ("vs_floor", "vs_dcp_disk", "vs_dcp_shm")
+
+
+def _round(spec, args) -> dict:
+    """One run of every case on fresh processes, with its ratios."""
+    shm = tempfile.mkdtemp(prefix="parashift-bench-", dir="/dev/shm")
+    disk = tempfile.mkdtemp(prefix="parashift-bench-", dir=os.path.expanduser("~"))
+    try:
+        res = launch_elastic(_worker, [Member(d, 0, 0) for d in range(4)],
+                             args=(spec, args.repeats, args.dcp_repeats,
+                                   {} if args.no_dcp or args.staged else {"shm": shm, "disk": disk}, args.staged,
+                                   args.placement, args.unverified),
+                             timeout=3000)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+    cases = res["0.0"]
+    for c in cases.values():
+        if "switch_seconds" not in c:          # a staged run reports its own figures
+            continue
+        c["vs_floor"] = c["switch_seconds"] / c["floor_seconds"]
+        if "dcp_disk_seconds" in c:
+            c["vs_dcp_disk"] = c["dcp_disk_seconds"] / c["switch_seconds"]
+            c["vs_dcp_shm"] = c["dcp_shm_seconds"] / c["switch_seconds"]
+    return cases
+
+
+def _line(c: dict) -> str:
+    """A round's case in a few words (progress on stderr)."""
+    if "switch_seconds" not in c:
+        return f"staged {c['staged_switch_seconds']:.3f} s"
+    s = f"switch {c['switch_seconds']:.3f} s, {c['vs_floor']:.2f}x the floor"
+    return s + (f", {c['vs_dcp_disk']:.1f}x faster than DCP on disk" if "vs_dcp_disk" in c else "")
+
+
+def _merge(rounds: list[dict]) -> dict:
+    """Per case: every round's figures (``rounds``), and the median over rounds of the seconds and
+    ratios (``*_range``: the lowest and highest round)."""
+    out = {}
+    for name in rounds[0]:
+        rs = [r[name] for r in rounds]
+        keys = [k for k, v in rs[0].items() if isinstance(v, float) and k.endswith(("_seconds",) + RATIOS)]
+        c = {k: statistics.median(r[k] for r in rs) for k in keys}
+        c.update({f"{k}_range": [min(r[k] for r in rs), max(r[k] for r in rs)] for k in RATIOS if k in rs[0]})
+        c["rounds"] = rs
+        out[name] = c
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -378,34 +433,24 @@ def main() -> None:
     ap.add_argument("--unverified", action="store_true",
                     help="diagnostic: replace the transfer checksums by a constant, to see what verification "
                          "costs (such a switch checks nothing)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the whole benchmark this many times, each on fresh processes (a shared host "
+                         "drifts between runs more than within one); report every round and their medians")
     args = ap.parse_args()
+    if args.rounds < 1 or args.repeats < 1:
+        ap.error("--rounds and --repeats must be at least 1")
     spec = _model(args.small)
-    shm = tempfile.mkdtemp(prefix="parashift-bench-", dir="/dev/shm")
-    disk = tempfile.mkdtemp(prefix="parashift-bench-", dir=os.path.expanduser("~"))
-    try:
-        t0 = time.perf_counter()
-        res = launch_elastic(_worker, [Member(d, 0, 0) for d in range(4)],
-                             args=(spec, args.repeats, args.dcp_repeats,
-                                   {} if args.no_dcp or args.staged else {"shm": shm, "disk": disk}, args.staged,
-                                   args.placement, args.unverified),
-                             timeout=3000)
-        cases = res["0.0"]
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
-        shutil.rmtree(disk, ignore_errors=True)
+    t0 = time.perf_counter()
+    rounds = []
+    for r in range(args.rounds):
+        rounds.append(_round(spec, args))
+        print(f"round {r + 1}/{args.rounds}: " + "; ".join(
+            f"{name} {_line(c)}" for name, c in rounds[-1].items()), file=sys.stderr, flush=True)
+    cases = rounds[0] if args.rounds == 1 else _merge(rounds)
     nparams = sum(t.numel for t in spec.tensors)
-    for c in cases.values():
-        if args.staged:
-            continue
-        if args.no_dcp:
-            c["vs_floor"] = c["switch_seconds"] / c["floor_seconds"]
-            continue
-        c["vs_dcp_disk"] = c["dcp_disk_seconds"] / c["switch_seconds"]
-        c["vs_dcp_shm"] = c["dcp_shm_seconds"] / c["switch_seconds"]
-        c["vs_floor"] = c["switch_seconds"] / c["floor_seconds"]
     print(json.dumps({"model": spec.name, "params": nparams, "state_bytes": nparams * 12, "processes": 4,
                       "threads_per_process": 1, "cpus": os.cpu_count(), "repeats": args.repeats,
-                      "dcp_repeats": args.dcp_repeats, "placement": args.placement,
+                      "dcp_repeats": args.dcp_repeats, "rounds": args.rounds, "placement": args.placement,
                       "unverified": args.unverified, "cases": cases,
                       "seconds": time.perf_counter() - t0}, indent=1))
     sys.stdout.flush()

@@ -1,0 +1,30 @@
+"""``benchmarks/switch_live_bench.py`` end to end on its small model: the JSON the README quotes."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_switch_bench_rounds_report_every_round_and_their_medians():
+    # the benchmark itself raises when the state DCP loads differs from the switched one
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "switch_live_bench.py"), "--small", "--repeats", "1",
+           "--dcp-repeats", "1", "--rounds", "2"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout)
+    assert out["rounds"] == 2 and set(out["cases"]) == {"tp2dp2z1->tp4", "tp4->tp2dp2z1", "shrink 4->3"}
+    assert p.stderr.count("round ") >= 2          # progress, a line per round
+    for name, c in out["cases"].items():
+        assert len(c["rounds"]) == 2
+        for k in ("switch_seconds", "floor_seconds", "dcp_shm_seconds", "dcp_disk_seconds"):
+            runs = sorted(r[k] for r in c["rounds"])
+            assert runs[0] > 0 and c[k] == (runs[0] + runs[1]) / 2, (name, k)
+        for k in ("vs_floor", "vs_dcp_disk", "vs_dcp_shm"):
+            lo, hi = c[f"{k}_range"]
+            assert lo <= c[k] <= hi
+        r = c["rounds"][0]
+        assert abs(r["vs_floor"] - r["switch_seconds"] / r["floor_seconds"]) < 1e-12
+        assert abs(r["vs_dcp_disk"] - r["dcp_disk_seconds"] / r["switch_seconds"]) < 1e-12
+        assert r["bytes_moved"] > 0 and r["dst_devices"]
