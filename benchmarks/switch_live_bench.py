@@ -437,8 +437,8 @@ def main() -> None:
                     help="run the whole benchmark this many times, each on fresh processes (a shared host "
                          "drifts between runs more than within one); report every round and their medians")
     args = ap.parse_args()
-    if args.rounds < 1 or args.repeats < 1:
-        ap.error("--rounds and --repeats must be at least 1")
+    if min(args.rounds, args.repeats, args.dcp_repeats if not args.no_dcp else 1) < 1:
+        ap.error("--rounds, --repeats and --dcp-repeats must be at least 1")
     spec = _model(args.small)
     t0 = time.perf_counter()
     rounds = []
