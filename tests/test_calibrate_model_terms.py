@@ -8,7 +8,7 @@ import pytest
 
 from parashift import cluster as clusters, ir, models, sim
 from parashift.ir.program import Instr, Program, RankProgram
-from parashift.sim.cost import CostModelError
+from parashift.cost import CostModelError
 
 CL = clusters.get("cpu-local")
 BASE = sim.CostModel.for_cluster(CL)

@@ -7,7 +7,7 @@ import pytest
 from parashift import calibrate, cluster as clusters, ir, models, sim
 from parashift.calibrate.probe import probe_strategies
 from parashift.calibrate.samples import align_clocks
-from parashift.sim.cost import topology
+from parashift.cost import topology
 from parashift.strategy import Strategy
 
 CL = clusters.get("cpu-local")

@@ -9,7 +9,7 @@ import pandas as pd
 
 from ..cluster import Cluster, get as get_cluster
 from ..ir.program import Instr
-from ..sim.cost import CostModel
+from ..cost import CostModel
 from .params import apply, comm_candidates, compute_candidates, drop_gauges, get_value, transfer_phases
 from .samples import CalibrationError, Samples, extract_normalized, normalize_inputs
 from .solve import Block, Solution, informed, match_means, solve
@@ -119,7 +119,7 @@ def with_dispatch_terms(cm: CostModel, regions: "Sequence[str | None]", phases: 
     """``cm`` with a dispatch overhead paid on top of the math (``region_overhead``, a quarter of
     the floor, per region kind in ``regions``; ``phase_overhead`` as the phase floors, per
     non-optimizer phase in ``phases``) for the fit to start from; kept entries stay."""
-    from ..sim.cost import region_units
+    from ..cost import region_units
     kinds = sorted({k for r in set(regions) for k, n in region_units(r if isinstance(r, str) else None) if n})
     phs = sorted(set(phases) - {"optim"})
     if not kinds or not phs:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Iterable, Mapping, Sequence
 
-from ..sim.cost import CostModel
+from ..cost import CostModel
 
 __all__ = ["Param", "get_value", "apply", "compute_candidates", "comm_candidates", "drop_gauges", "transfer_phases"]
 

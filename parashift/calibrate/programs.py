@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from ..cluster import Cluster, get as get_cluster
-from ..sim.cost import CostModel
+from ..cost import CostModel
 from .params import Param, apply, get_value
 from .samples import CalibrationError
 from .solve import Block, informed, solve

@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 
 from ..errors import ParashiftError
-from ..sim.cost import link_class, topology
+from ..cost import link_class, topology
 from ..traces.timeline import check_timeline
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..sim.cost import CostModel
+from ..cost import CostModel
 from .params import Param, apply, get_value
 
 __all__ = ["Block", "Solution", "solve", "informed", "match_means"]

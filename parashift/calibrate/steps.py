@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from ..cluster import Cluster, get as get_cluster
-from ..sim.cost import CostModel
+from ..cost import CostModel
 from .programs import program_times
 from .samples import CalibrationError
 from .solve import _huber

@@ -5,7 +5,7 @@ cluster (:class:`CostModel`); ``simulate_switch`` scores a switch Program;
 ``estimate_checkpoint_restart`` gives the checkpoint-reshard baseline.
 """
 from .checkpoint import CheckpointRestart, StorageModel, estimate_checkpoint_restart
-from .cost import ALGORITHMS, LINK_CLASSES, CostModel, CostModelError, Phase, link_class, region_units, topology
+from ..cost import ALGORITHMS, LINK_CLASSES, CostModel, CostModelError, Phase, link_class, region_units, topology
 from .result import TIMELINE_COLUMNS, SimResult, plot_timeline, write_chrome_trace
 from .simulate import SwitchSimResult, simulate, simulate_switch
 

@@ -23,7 +23,7 @@ import simpy
 from ..cluster import Cluster
 from ..errors import DeadlockError, DeviceListError, ProgramError
 from ..ir.program import Instr, Program
-from .cost import CostModel, Phase, link_class, topology
+from ..cost import CostModel, Phase, link_class, topology
 from .fluid import FluidNetwork
 from .fold import Folding, fold
 

@@ -14,7 +14,7 @@ from typing import Mapping
 import numpy as np
 
 from ..ir.program import Instr, Program
-from .cost import link_class, topology
+from ..cost import link_class, topology
 
 __all__ = ["Folding", "fold"]
 

@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from ..cluster import Cluster
     from ..ir.program import Program
-    from .cost import CostModel
+    from ..cost import CostModel
     from .engine import RawRun
 
 from ..ir.program import TIMELINE_COLUMNS

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 from ..cluster import Cluster, get as get_cluster
 from ..errors import ProgramError
 from ..ir.program import Program
-from .cost import CostModel
+from ..cost import CostModel
 from .engine import Engine
 from .result import SimResult
 

@@ -40,7 +40,7 @@ from .staging import Staging, assign_stages, budget_array, state_buffers
 from .transfers import ALIGN, Transfers, build_transfers
 
 if TYPE_CHECKING:  # pragma: no cover - the simulator loads simpy; import it only when lowering
-    from ...sim.cost import CostModel
+    from ...cost import CostModel
 
 __all__ = ["Options", "lower"]
 
@@ -91,7 +91,7 @@ def lower(plan: SwitchPlan, cluster: "Cluster | str | None" = None, *, memory_bu
     devices = sorted(set(plan.src_devices) | set(plan.dst_devices))
     clus.node_of(np.asarray(devices))          # every device must be in the cluster
     if cost_model is None:
-        from ...sim.cost import CostModel
+        from ...cost import CostModel
         cost_model = CostModel.for_cluster(clus)
     cost = cost_model
     p = select_sources(plan, clus, cost) if opts.select_sources else plan

@@ -19,7 +19,7 @@ from ...cluster import Cluster
 from ..plan import SwitchPlan
 
 if TYPE_CHECKING:  # pragma: no cover - the simulator loads simpy; import it only when lowering
-    from ...sim.cost import CostModel
+    from ...cost import CostModel
 
 __all__ = ["select_sources", "link_loads"]
 

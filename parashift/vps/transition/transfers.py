@@ -21,7 +21,7 @@ from ...ir.program import Instr
 from ..plan import SwitchPlan
 
 if TYPE_CHECKING:  # pragma: no cover - the simulator loads simpy; import it only when lowering
-    from ...sim.cost import CostModel
+    from ...cost import CostModel
 
 __all__ = ["Transfer", "Transfers", "build_transfers", "ALIGN"]
 

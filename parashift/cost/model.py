@@ -1,4 +1,4 @@
-"""The simulator's cost model: compute from FLOPs/bytes, communication by alpha-beta per link class.
+"""The cost model: compute from FLOPs/bytes, communication by alpha-beta per link class.
 
 Every parameter lives in one frozen :class:`CostModel` that round-trips through JSON, so
 calibration can fit it and users can edit it. Link classes: ``local`` (same device: a copy
