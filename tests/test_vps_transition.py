@@ -1,9 +1,9 @@
 """Switch Programs: validated, simulated, and executed byte for byte by a numpy interpreter.
 
 ``execute`` runs a switch Program the way a runtime would, knowing only the Program: it
-registers and frees buffers as instructions say, packs and unpacks by key using
-``meta["pieces"]``, matches sends with receives by tag and runs collectives when every member
-arrived. Every element of every state is random bits of its kind's width, so a byte out of
+registers and frees buffers as instructions say, packs and unpacks by key using the decoded
+``SwitchMeta`` pieces and the op table ``T.OPS``, matches sends with receives by tag and runs
+collectives when every member arrived. Every element of every state is random bits of its kind's width, so a byte out of
 place is caught; the destination devices must end with exactly their reference shards.
 """
 from __future__ import annotations
@@ -39,11 +39,12 @@ def _memory(model, s, devices, kinds, truth):
 
 def execute(prog, model, src, dst, sdev, ddev):
     """Run a switch Program on numpy memories; check the destination bit for bit."""
-    meta = prog.meta
-    kinds, names = meta["kinds"], meta["tensors"]
-    P = {k: np.asarray(v) for k, v in meta["pieces"].items()}
-    P["lo"], P["hi"] = P["lo"].reshape(-1, meta["dims"]), P["hi"].reshape(-1, meta["dims"])
-    tags = {t: i for i, t in enumerate(meta["transfers"])}
+    meta = T.SwitchMeta.of(prog)
+    kinds, names = meta.kinds, meta.tensors
+    Pt = meta.pieces
+    P = {c: getattr(Pt, c) for c in ("tensor", "kind", "src", "dst", "lo", "hi", "nbytes", "stage", "transfer",
+                                     "offset")}
+    tags = {t: i for i, t in enumerate(meta.transfers)}
     truth = _truth(model, kinds)
     held = _memory(model, src, sdev, kinds, truth)
     want = _memory(model, dst, ddev, kinds, truth)
@@ -54,7 +55,8 @@ def execute(prog, model, src, dst, sdev, ddev):
     freed: dict[int, set] = {d: set() for d in prog.ranks}
     bufs: dict[tuple[int, str], np.ndarray] = {}
     mailbox: dict[str, np.ndarray] = {}
-    assert len(tags) == len(meta["transfers"]), "transfer tags must be unique"
+    in_place: set = set()
+    assert len(tags) == len(meta.transfers), "transfer tags must be unique"
 
     def box(i):
         n = len(model.tensors[int(P["tensor"][i])].shape)
@@ -78,21 +80,17 @@ def execute(prog, model, src, dst, sdev, ddev):
         cnt[box(i)] += 1
 
     def local_offset(t_idx, d, i):
-        key = meta["transfers"][t_idx]
-        info = xinfo[key]
-        off = int(P["offset"][i])
-        if info["op"] in ("scatter", "gather") and d != info["root"]:
-            off -= info["group"].index(d) * info["chunk"]
-        return off
+        info = xinfo[meta.transfers[t_idx]]
+        return int(P["offset"][i]) - T.OPS[info["op"]].local_offset(d, info["root"], info["group"], info["chunk"])
 
     xinfo: dict[str, dict] = {}
     for d, rp in prog.ranks.items():
         for ins in rp.instrs():
-            if ins.tag and ins.op != "send" and ins.op != "recv":
-                chunk = ins.nbytes // len(ins.group) if ins.op in ("scatter", "gather") else 0
-                xinfo[ins.tag] = {"op": ins.op, "root": ins.root, "group": list(ins.group), "chunk": chunk}
+            if ins.tag and ins.op in T.COLLECTIVE_OPS:
+                chunk = ins.nbytes // len(ins.group) if T.OPS[ins.op].chunked else 0
+                xinfo[ins.tag] = {"op": ins.op, "root": ins.root, "group": tuple(ins.group), "chunk": chunk}
             elif ins.tag:
-                xinfo.setdefault(ins.tag, {"op": "send", "root": None, "group": [], "chunk": 0})
+                xinfo.setdefault(ins.tag, {"op": "send", "root": None, "group": (), "chunk": 0})
 
     def pack(d, key):
         tag = key.split(":", 1)[1]
@@ -118,6 +116,11 @@ def execute(prog, model, src, dst, sdev, ddev):
     def keep(d, stage):
         for i in np.flatnonzero((P["transfer"] == -1) & (P["dst"] == d) & (P["stage"] == stage)):
             assert P["src"][i] == d
+            t, k = int(P["tensor"][i]), kinds[int(P["kind"][i])]
+            if f"new:{k}:{names[t]}" not in live[d]:     # a buffer reused in place: nothing to copy
+                assert f"old:{k}:{names[t]}" not in live[d] | freed[d]
+                in_place.add((d, t, k))
+                continue
             write_new(d, i, read_old(d, i))
 
     def start(d, ins):
@@ -154,18 +157,23 @@ def execute(prog, model, src, dst, sdev, ddev):
             freed[d].add(name)
 
     def run_collective(ins):
-        root, group, key = ins.root, list(ins.group), f"buf:{ins.tag}"
+        """Every chunk (or the whole buffer) from its sender to its receivers, as the op table says."""
+        o, root, group, key = T.OPS[ins.op], ins.root, tuple(ins.group), f"buf:{ins.tag}"
         chunk = xinfo[ins.tag]["chunk"]
-        for m in group:
-            if m == root:
-                continue
-            p = group.index(m)
-            if ins.op == "broadcast":
+
+        def part(m, owner):
+            a = group.index(owner) * chunk - o.local_offset(m, root, group, chunk)
+            return slice(a, a + chunk)
+        if not o.chunked:
+            for m in o.receivers(root, group):
                 bufs[(m, key)][:] = bufs[(root, key)]
-            elif ins.op == "scatter":
-                bufs[(m, key)][:] = bufs[(root, key)][p * chunk:(p + 1) * chunk]
-            else:
-                bufs[(root, key)][p * chunk:(p + 1) * chunk] = bufs[(m, key)]
+            return
+        for owner in group:
+            for src in o.senders(root, group):
+                if owner in o.chunks_sent(src, root, group):
+                    for m in group:
+                        if owner in o.chunks_received(m, root, group):
+                            bufs[(m, key)][part(m, owner)] = bufs[(src, key)][part(src, owner)]
 
     pos = {(d, s): 0 for d, rp in prog.ranks.items() for s in rp.streams}
     done: dict[int, set] = {d: set() for d in prog.ranks}
@@ -208,7 +216,8 @@ def execute(prog, model, src, dst, sdev, ddev):
                 assert name in live[d]
                 assert np.array_equal(written[d][(t, k)], mask.astype(np.int64)), (d, names[t], k)
                 assert np.array_equal(new[d][(t, k)][mask], truth[(t, k)][mask]), (d, names[t], k)
-            else:   # reused in place: the old buffer is exactly the new one
+            else:   # reused in place: the old buffer is exactly the new one, and its pieces are listed
+                assert (d, t, k) in in_place
                 assert (t, k) in held.get(d, {}) and np.array_equal(held[d][(t, k)], mask), (d, names[t], k)
                 assert f"old:{k}:{names[t]}" not in freed[d]
     # nothing else left: staging buffers freed, old buffers freed unless reused
@@ -402,3 +411,82 @@ def test_xor_rounds_of_a_small_switch_spread_over_lanes():
     assert sends["stream"].nunique() >= 2
     lane = {tag: s[len("send"):] for tag, s in zip(sends["tag"], sends["stream"])}
     assert {tag: s[len("recv"):] for tag, s in zip(recvs["tag"], recvs["stream"])} == lane
+
+
+def test_all_gather_is_promoted_when_messages_are_dear_and_moves_state_exactly():
+    """tp=4 -> dp=4: every device sends its quarter to the three others; one all_gather over the
+    four beats twelve messages, and the Program stays bit-exact."""
+    model = models.gpt(2, 64, 4, kv_heads=4, ffn=128, vocab=256, seq_len=16, name="ag", dtype="fp32", pad_vocab=8)
+    plan = vps.plan_switch(model, "tp=4", "dp=4", cluster="a100-1x4")
+    dear = sim.CostModel.for_cluster(plan.cluster).replace(comm_overhead=1.0)
+    prog = T.lower(plan, cost_model=dear).validate()
+    meta = T.SwitchMeta.of(prog)
+    assert meta.collectives["all_gather"] >= 1
+    (ag,) = {i.tag: i for rp in prog.ranks.values() for i in rp.instrs() if i.op == "all_gather"}.values()
+    assert ag.group == (0, 1, 2, 3)
+    execute(prog, model, Strategy.parse("tp=4"), Strategy.parse("dp=4"), plan.src_devices, plan.dst_devices)
+    # without promotion: messages only, the same bytes moved
+    plain = T.SwitchMeta.of(T.lower(plan, cost_model=dear, promote=False))
+    assert plain.collectives["all_gather"] == 0 and plain.messages == 12 and plain.bytes_moved == meta.bytes_moved
+    res = sim.simulate_switch(prog, "a100-1x4", dear)
+    assert res.switch_time > 0
+
+
+def test_op_table_agrees_with_itself():
+    """Every chunk a member sends is received by someone, bytes per member match what it holds."""
+    g = (1, 4, 6, 9)
+    for name, o in T.OPS.items():
+        if name == "send":
+            assert o.senders(2, (), 5) == (2,) and o.receivers(2, (), 5) == (5,)
+            continue
+        root = g[1]
+        sent = {m: set(o.chunks_sent(m, root, g)) for m in g}
+        got = {m: set(o.chunks_received(m, root, g)) for m in g}
+        if o.chunked:
+            assert set().union(*sent.values()) == set().union(*got.values())
+            for m in g:
+                assert o.member_bytes(m, root, 40, 10) == (40 if o.holds_whole(m, root) else 10)
+                assert o.local_offset(m, root, g, 10) in (0, g.index(m) * 10)
+        assert set(o.senders(root, g)) <= set(g) and set(o.receivers(root, g)) <= set(g)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 6), st.integers(0, 40), st.data())
+def test_switch_meta_codec_round_trips_through_json(n, dims_extra, data):
+    import json
+    dims = 1 + dims_extra % 4
+    ints = st.integers(-1, 2**40)
+    col = lambda k: np.asarray(data.draw(st.lists(ints, min_size=n * k, max_size=n * k)), dtype=np.int64)  # noqa: E731
+    pieces = T.PieceTable(*(col(1) for _ in range(4)), col(dims).reshape(-1, dims), col(dims).reshape(-1, dims),
+                          *(col(1) for _ in range(4)))
+    names = st.text(st.characters(blacklist_categories=("Cs",)), max_size=6)
+    meta = T.SwitchMeta(model=data.draw(names), src="dp=2", dst="tp=2", src_devices="0-1", dst_devices="0,2",
+                        kinds=tuple(data.draw(st.lists(names, max_size=3))),
+                        tensors=tuple(data.draw(st.lists(names, max_size=3))), stages=data.draw(st.integers(1, 9)),
+                        align=16, dims=dims, transfers=tuple(data.draw(st.lists(names, max_size=4))), pieces=pieces,
+                        bytes_moved=data.draw(ints), bytes_kept=data.draw(ints), messages=data.draw(st.integers(0, 9)),
+                        collectives={o: data.draw(st.integers(0, 9)) for o in T.COLLECTIVE_OPS},
+                        staged=data.draw(st.booleans()), options={"lanes": 4}, memory_budget=None)
+    back = T.SwitchMeta.decode(json.loads(json.dumps(meta.encode())))
+    assert back.encode() == meta.encode()
+    for c in ("tensor", "lo", "hi", "offset"):
+        np.testing.assert_array_equal(getattr(back.pieces, c), getattr(meta.pieces, c))
+        assert getattr(back.pieces, c).shape == getattr(meta.pieces, c).shape
+
+
+@given(st.sampled_from(sorted(T.meta.NAMES)), st.data())
+def test_switch_names_parse_back(what, data):
+    part = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=8)
+    n = T.meta.NAMES[what]
+    parts = data.draw(st.lists(part.filter(lambda x: ":" not in x), min_size=n - 1, max_size=n - 1)) + [data.draw(part)]
+    assert T.parse_switch_name(T.switch_name(what, *parts)) == (what, tuple(parts))
+
+
+def test_lowered_meta_lists_every_destination_piece():
+    plan = vps.plan_switch("tiny-gpt", "dp=2,tp=2", "dp=4,zero=1", cluster="a100-1x4")
+    meta = T.SwitchMeta.of(T.lower(plan))
+    assert len(meta.pieces) == len(plan)
+    assert int(meta.pieces.nbytes[meta.pieces.transfer == -1].sum()) == meta.bytes_kept
+    assert (meta.pieces.src[meta.pieces.transfer == -1] == meta.pieces.dst[meta.pieces.transfer == -1]).all()
+    with pytest.raises(Exception, match="not a switch Program"):
+        T.SwitchMeta.decode({"kind": "train"})

@@ -10,16 +10,15 @@ program); groups are concrete device tuples. Per device and stage, five streams:
 - ``send<l>`` / ``recv<l>`` (``l < lanes``): point-to-point transfers in XOR order (see
   :mod:`order`); a message of XOR round ``s`` travels on lane ``hash(s) % lanes`` at both
   ends, so the lanes of one device run concurrently and share its links;
-- ``coll<l>``: broadcast / scatter / gather in one global order; all collectives over one
-  group (one communicator) use the same lane on every member;
+- ``coll<l>``: collectives (:data:`.collectives.COLLECTIVE_OPS`) in one global order; all
+  collectives over one group (one communicator) use the same lane on every member;
 - ``unpack``: one ``unpack:<tag>`` copy per received transfer, which frees its staging buffer.
 
-``meta`` says what every key means: ``pieces`` (tensor, kind, src, dst, lo, hi, nbytes, stage,
-transfer, offset; ``lo``/``hi`` flattened rows of ``dims`` coordinates, padded with unit
-dims), ``transfers`` (tag of each transfer id), ``tensors`` and ``kinds``. A transfer's
-buffer holds its pieces at their byte offsets; a piece with transfer -1 is kept on its device
-and copied by ``keep:<stage>``. Buffers whose old and new regions are equal stay in place
-(``static_memory["state"]``) and appear in no instruction.
+``meta`` is :class:`.meta.SwitchMeta` encoded: what every key means, and every destination
+piece, kept ones included (a piece with transfer -1 is kept on its device and copied by
+``keep:<stage>``). A transfer's buffer holds its pieces at their byte offsets. Buffers whose old
+and new regions are equal stay in place (``static_memory["state"]``) and appear in no
+instruction; a runtime whose state buffers differ in shape still copies their pieces.
 """
 from __future__ import annotations
 
@@ -34,6 +33,8 @@ from ...cluster import Cluster, format_devices
 from ...errors import PlanError
 from ...ir.program import Instr, Program, RankProgram
 from ..plan import SwitchPlan
+from .collectives import COLLECTIVE_OPS, op as op_of
+from .meta import PieceTable, SwitchMeta, switch_name
 from .order import collective_order, p2p_order
 from .sources import select_sources
 from .staging import Staging, assign_stages, budget_array, state_buffers
@@ -70,12 +71,8 @@ class Options:
         return cls(**{k: bool(v) for k, v in kw.items()}, lanes=int(lanes))
 
 
-def _buf(name: str, kind: str, tensor: str) -> str:
-    return f"{name}:{kind}:{tensor}"
-
-
 def lower(plan: SwitchPlan, cluster: "Cluster | str | None" = None, *, memory_budget=None,
-          cost_model: "CostModel | None" = None, **options: object) -> Program:
+          cost_model: "CostModel | None" = None, staged: bool = False, **options: object) -> Program:
     """Lower ``plan`` to a switch Program (deadlock-free by construction; ``Program.validate()``
     checks it).
 
@@ -83,6 +80,7 @@ def lower(plan: SwitchPlan, cluster: "Cluster | str | None" = None, *, memory_bu
     bytes mapping, or None for no limit); ``cost_model``: the simulator's cost model (default:
     the cluster's). ``options``: ``select_sources``, ``promote``, ``stage``, ``coalesce``,
     ``xor_order`` (each True by default) and ``lanes`` (concurrent streams per direction, 4).
+    ``staged``: recorded in the meta for runtimes that must release old state stage by stage.
     Raises MemoryBudgetError when the budget cannot hold the new layout, before anything moves.
     """
     t0 = time.perf_counter()
@@ -100,16 +98,15 @@ def lower(plan: SwitchPlan, cluster: "Cluster | str | None" = None, *, memory_bu
     staging = assign_stages(p, budget, buffers)
     xf = build_transfers(p, staging.piece_stage, clus, cost, coalesce=opts.coalesce, promote=opts.promote,
                          memory_safe=budget is not None)
-    prog = _emit(p, staging, xf, opts, devices)
-    meta = dict(prog.meta)
-    meta.update({"cluster": clus.name, "options": asdict(opts), "lower_seconds": time.perf_counter() - t0,
-                 "memory_budget": None if memory_budget is None else
-                 (float(memory_budget) if np.ndim(memory_budget) == 0 and not isinstance(memory_budget, dict)
-                  else "per-device")})
-    return prog.replace(meta=meta)
+    ranks = _emit(p, staging, xf, opts, devices)
+    meta = replace(_meta(p, staging, xf), staged=staged, cluster=clus.name, options=asdict(opts),
+                   lower_seconds=time.perf_counter() - t0, memory_budget=None if memory_budget is None else
+                   (float(memory_budget) if np.ndim(memory_budget) == 0 and not isinstance(memory_budget, dict)
+                    else "per-device"))
+    return Program(ranks, None, meta.encode())
 
 
-def _emit(p: SwitchPlan, st: Staging, xf: Transfers, opts: Options, devices: list[int]) -> Program:
+def _emit(p: SwitchPlan, st: Staging, xf: Transfers, opts: Options, devices: list[int]) -> dict[int, RankProgram]:
     names = p.src_layout.table.names
     kinds = p.kinds
     buf = st.buffers
@@ -141,7 +138,7 @@ def _emit(p: SwitchPlan, st: Staging, xf: Transfers, opts: Options, devices: lis
         nbytes = (buf.old if prefix == "old" else buf.new)[i].tolist()
         for d, k, t, s, b in zip(buf.dev[i].tolist(), buf.kind[i].tolist(), buf.tensor[i].tolist(),
                                  bstage[i].tolist(), nbytes):
-            name = _buf(prefix, kinds[k], names[t])
+            name = switch_name(prefix, kinds[k], names[t])
             if prefix == "old":
                 allocs.setdefault((d, 0), []).append((name, b))
                 frees.setdefault((d, s), []).append(name)
@@ -169,13 +166,13 @@ def _emit(p: SwitchPlan, st: Staging, xf: Transfers, opts: Options, devices: lis
     L = opts.lanes
     group_lane: dict[tuple[int, ...], int] = {}
     for t in xf.items:
-        if t.op != "send":
+        if t.op in COLLECTIVE_OPS:
             group_lane.setdefault(t.group, len(group_lane) % L)
 
     def lane(t) -> int:
         """Fibonacci hashing of the XOR round (equal at both ends): the top bits of the 32-bit
         product, so consecutive rounds land on different lanes even for a few devices."""
-        if t.op != "send":
+        if t.op in COLLECTIVE_OPS:
             return group_lane[t.group]
         return (((t.root ^ t.peer) * 2654435761) & 0xFFFFFFFF) * L >> 32
 
@@ -183,7 +180,7 @@ def _emit(p: SwitchPlan, st: Staging, xf: Transfers, opts: Options, devices: lis
         s_by, r_by, c_by = by_stage(sends.get(d)), by_stage(recvs.get(d)), by_stage(colls.get(d))
         prev: tuple[int, ...] = ()
         for k in range(st.stages):
-            begin = emit(d, "pack", "copy", deps=prev, nbytes=keep_bytes.get((d, k), 0), key=f"keep:{k}",
+            begin = emit(d, "pack", "copy", deps=prev, nbytes=keep_bytes.get((d, k), 0), key=switch_name("keep", k),
                          alloc=tuple(allocs.get((d, k), ())))
             last = {"pack": begin}
             packed: dict[int, int] = {}
@@ -191,8 +188,8 @@ def _emit(p: SwitchPlan, st: Staging, xf: Transfers, opts: Options, devices: lis
             for x in s_by.get(k, []) + out_coll:
                 t = xf.items[x]
                 nb = t.member_bytes(d)
-                packed[x] = last["pack"] = emit(d, "pack", "copy", deps=(begin,), nbytes=nb, key=f"pack:{t.key}",
-                                                alloc=((f"buf:{t.key}", nb),))
+                packed[x] = last["pack"] = emit(d, "pack", "copy", deps=(begin,), nbytes=nb,
+                                                key=switch_name("pack", t.key), alloc=((switch_name("buf", t.key), nb),))
             gc = tuple(frees.get((d, k), ()))
             if gc:
                 stream = streams[d]["pack"]
@@ -200,36 +197,38 @@ def _emit(p: SwitchPlan, st: Staging, xf: Transfers, opts: Options, devices: lis
             for x in s_by.get(k, []):
                 t = xf.items[x]
                 ln = f"send{lane(t)}"
+                b = switch_name("buf", t.key)
                 last[ln] = emit(d, ln, "send", deps=(packed[x],), nbytes=t.nbytes, peer=t.peer, tag=t.key,
-                                key=f"buf:{t.key}", free=(f"buf:{t.key}",))
+                                key=b, free=(b,))
             got: list[tuple[int, int]] = []
             for x in r_by.get(k, []):
                 t = xf.items[x]
                 ln = f"recv{lane(t)}"
+                b = switch_name("buf", t.key)
                 rid = last[ln] = emit(d, ln, "recv", deps=(begin,), nbytes=t.nbytes, peer=t.root, tag=t.key,
-                                      key=f"buf:{t.key}", alloc=((f"buf:{t.key}", t.nbytes),))
+                                      key=b, alloc=((b, t.nbytes),))
                 got.append((x, rid))
             for x in c_by.get(k, []):
                 t = xf.items[x]
-                nb = t.member_bytes(d)
                 ln = f"coll{lane(t)}"
-                if d in t.senders:
-                    last[ln] = emit(d, ln, t.op, deps=(packed[x],), nbytes=t.nbytes, group=t.group, root=t.root,
-                                    tag=t.key, key=f"buf:{t.key}", free=(f"buf:{t.key}",))
-                else:
-                    cid = last[ln] = emit(d, ln, t.op, deps=(begin,), nbytes=t.nbytes, group=t.group, root=t.root,
-                                          tag=t.key, key=f"buf:{t.key}", alloc=((f"buf:{t.key}", nb),))
+                b = switch_name("buf", t.key)
+                gives, gets = d in t.senders, d in t.receivers
+                # a sender's buffer exists since its pack; a receiver's is freed by its unpack
+                cid = last[ln] = emit(d, ln, t.op, deps=(packed[x],) if gives else (begin,), nbytes=t.nbytes,
+                                      group=t.group, root=t.root, tag=t.key, key=b,
+                                      alloc=() if gives else ((b, t.member_bytes(d)),),
+                                      free=(b,) if gives and not gets else ())
+                if gets:
                     got.append((x, cid))
             for x, rid in got:
                 t = xf.items[x]
                 last["unpack"] = emit(d, "unpack", "copy", deps=(rid,), nbytes=t.member_bytes(d),
-                                      key=f"unpack:{t.key}", free=(f"buf:{t.key}",))
+                                      key=switch_name("unpack", t.key), free=(switch_name("buf", t.key),))
             prev = tuple(sorted(last.values()))
     ranks = {d: RankProgram({s: tuple(v) for s, v in streams[d].items() if v},
                             {"state": static[d]} if d in static else {}) for d in devices}
     idle = RankProgram({}, {})          # devices between the ids in use take no part (shared program)
-    ranks = {d: ranks.get(d, idle) for d in range(devices[-1] + 1)}
-    return Program(ranks, None, _meta(p, st, xf, copy))
+    return {d: ranks.get(d, idle) for d in range(devices[-1] + 1)}
 
 
 def _group_sum(key: np.ndarray, val: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -238,20 +237,15 @@ def _group_sum(key: np.ndarray, val: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return uniq, np.bincount(inv, weights=val, minlength=len(uniq)).astype(np.int64)
 
 
-def _meta(p: SwitchPlan, st: Staging, xf: Transfers, copy: np.ndarray) -> dict:
-    """JSON-able description of what every key packs and unpacks (pieces kept in place omitted)."""
-    rows = np.flatnonzero((xf.piece_xfer >= 0) | copy)
+def _meta(p: SwitchPlan, st: Staging, xf: Transfers) -> SwitchMeta:
+    """What every key packs and unpacks: every destination piece, kept ones included."""
     moved = p.moved
-    return {
-        "kind": "switch", "model": p.model.name, "src": str(p.src_strategy), "dst": str(p.dst_strategy),
-        "src_devices": format_devices(p.src_devices), "dst_devices": format_devices(p.dst_devices),
-        "kinds": list(p.kinds), "tensors": list(p.src_layout.table.names), "stages": st.stages, "align": ALIGN,
-        "dims": int(p.lo.shape[1]),
-        "messages": xf.count("send"), "collectives": {op: xf.count(op) for op in ("broadcast", "scatter", "gather")},
-        "bytes_moved": int(p.nbytes[moved].sum()), "bytes_kept": int(p.nbytes[~moved].sum()),
-        "transfers": [t.key for t in xf.items],
-        "pieces": {"tensor": p.tensor[rows].tolist(), "kind": p.kind[rows].tolist(), "src": p.src[rows].tolist(),
-                   "dst": p.dst[rows].tolist(), "lo": p.lo[rows].ravel().tolist(), "hi": p.hi[rows].ravel().tolist(),
-                   "nbytes": p.nbytes[rows].tolist(), "stage": st.piece_stage[rows].tolist(),
-                   "transfer": xf.piece_xfer[rows].tolist(), "offset": xf.piece_offset[rows].tolist()},
-    }
+    pieces = PieceTable(p.tensor, p.kind, p.src, p.dst, p.lo, p.hi, p.nbytes, st.piece_stage, xf.piece_xfer,
+                        xf.piece_offset)
+    return SwitchMeta(
+        model=p.model.name, src=str(p.src_strategy), dst=str(p.dst_strategy),
+        src_devices=format_devices(p.src_devices), dst_devices=format_devices(p.dst_devices),
+        kinds=tuple(p.kinds), tensors=tuple(p.src_layout.table.names), stages=st.stages, align=ALIGN,
+        dims=int(p.lo.shape[1]), transfers=tuple(t.key for t in xf.items), pieces=pieces,
+        bytes_moved=int(p.nbytes[moved].sum()), bytes_kept=int(p.nbytes[~moved].sum()),
+        messages=xf.count("send"), collectives={o: xf.count(o) for o in COLLECTIVE_OPS})

@@ -1,13 +1,15 @@
 """Coalescing and primitive promotion: from moved pieces to transfers.
 
 A *transfer* carries one contiguous buffer: a point-to-point message between a device pair
-(all their pieces of one stage when coalescing, else one piece), or a rooted collective over a
-group of devices named by its members: a *broadcast* (one source, the same pieces to every
-member), a *scatter* (one source, distinct pieces per member) or a *gather* (distinct pieces
-from every member converge on the root). Collectives are issued only where the cost model
-says they beat the point-to-point messages they replace. Each piece records its transfer and
-its byte offset in the transfer's buffer (offsets aligned to ``ALIGN`` bytes); for scatter
-and gather the buffer at the root is ``members`` chunks of ``chunk`` bytes in group order.
+(all their pieces of one stage when coalescing, else one piece), or a collective over a group
+of devices named by its members: a *broadcast* (one source, the same pieces to every member),
+a *scatter* (one source, distinct pieces per member), a *gather* (distinct pieces from every
+member converge on the root) or an *all_gather* (every member sends its distinct pieces to
+every other). What each op means (senders, receivers, bytes per member, offsets, link load) is
+the table in :mod:`.collectives`. Collectives are issued only where the cost model says they
+beat the point-to-point messages they replace. Each piece records its transfer and its byte
+offset in the transfer's full buffer (offsets aligned to ``ALIGN`` bytes); for chunked ops the
+full buffer is ``members`` chunks of ``chunk`` bytes in group order.
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import numpy as np
 from ...cluster import Cluster
 from ...ir.program import Instr
 from ..plan import SwitchPlan
+from .collectives import op as op_of
+from .meta import switch_name
 
 if TYPE_CHECKING:  # pragma: no cover - the simulator loads simpy; import it only when lowering
     from ...cost import CostModel
@@ -31,36 +35,28 @@ ALIGN = 16
 
 @dataclass(frozen=True)
 class Transfer:
-    """One buffer on the wire. ``op``: send (p2p), broadcast, scatter or gather."""
+    """One buffer on the wire. ``op``: a name in :data:`.collectives.OPS`."""
 
     op: str
     stage: int
-    root: int                    # the sender of p2p/broadcast/scatter, the receiver of gather
+    root: int                    # the sender of p2p/broadcast/scatter, the receiver of gather, group[0] of all_gather
     peer: int                    # the receiver of p2p; -1 for collectives
     group: tuple[int, ...]       # sorted members of a collective (root included); () for p2p
-    nbytes: int                  # p2p message / the root's buffer of a collective
-    chunk: int                   # per-member bytes of scatter/gather
+    nbytes: int                  # p2p message / the full buffer of a collective
+    chunk: int                   # per-member bytes of a chunked op
     key: str
 
     @property
     def senders(self) -> tuple[int, ...]:
-        if self.op == "gather":
-            return tuple(m for m in self.group if m != self.root)
-        return (self.root,)
+        return op_of(self.op).senders(self.root, self.group, self.peer)
 
     @property
     def receivers(self) -> tuple[int, ...]:
-        if self.op == "send":
-            return (self.peer,)
-        if self.op == "gather":
-            return (self.root,)
-        return tuple(m for m in self.group if m != self.root)
+        return op_of(self.op).receivers(self.root, self.group, self.peer)
 
     def member_bytes(self, device: int) -> int:
         """Bytes of this transfer's buffer on ``device`` (what it packs or receives)."""
-        if self.op in ("scatter", "gather") and device != self.root:
-            return self.chunk
-        return self.nbytes
+        return op_of(self.op).member_bytes(device, self.root, self.nbytes, self.chunk)
 
 
 @dataclass(frozen=True, eq=False)
@@ -121,8 +117,10 @@ def build_transfers(plan: SwitchPlan, stage: np.ndarray, cluster: Cluster, cost:
 
     if promote:
         loads = _Loads(plan, moved, stage, cluster, cost)
+        if not memory_safe:
+            _promote_all_gathers(plan, stage, cluster, cost, free, add, loads)
         _promote_broadcasts(plan, stage, cluster, cost, free, add, loads)
-        for op in () if memory_safe else ("scatter", "gather"):
+        for op in () if memory_safe else ("scatter", "gather"):     # rooted chunked ops
             _promote_rooted(plan, stage, cluster, cost, free, add, op, loads)
     rest = np.flatnonzero(free)
     if len(rest) == 0:
@@ -142,7 +140,7 @@ def build_transfers(plan: SwitchPlan, stage: np.ndarray, cluster: Cluster, cost:
     csum = np.concatenate([[0], np.cumsum(size)])
     for a, b in zip(starts.tolist(), ends.tolist()):
         s, d, k = int(src[a]), int(dst[a]), int(stg[a])
-        tag = f"s{k}:{s}>{d}" + ("" if coalesce else f":{int(rest[a])}")
+        tag = switch_name("send", k, s, (d,), *(() if coalesce else (int(rest[a]),)))
         add(Transfer("send", k, s, d, (), int(csum[b] - csum[a]), 0, tag), rest[a:b], csum[a:b] - csum[a])
     return Transfers(tuple(items), xfer, offset)
 
@@ -227,20 +225,20 @@ class _Loads:
         return True
 
 
-def _promote_broadcasts(plan, stage, cluster, cost, free, add, loads: _Loads) -> None:
-    """One source sending the same pieces to several devices: a broadcast over them if cheaper."""
+def _data_groups(plan: SwitchPlan, stage: np.ndarray, free: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[tuple[int, int, tuple[int, ...]], list[int]]] | None:
+    """Free rows that send one box from one source to several devices, sorted by (data, dst): the
+    rows, the start and end of each data group, and the groups bundled by (stage, src, dsts)."""
     rows = np.flatnonzero(free)
     box = _box_keys(plan, rows)
-    # group rows by (stage, src, box): destinations of the same data from the same source
     inv = _group_ids([stage[rows], plan.src[rows], box])
     cnt = np.bincount(inv)
     multi = cnt[inv] >= 2
     if not multi.any():
-        return
+        return None
     rows, inv = rows[multi], inv[multi]
     order = np.lexsort((plan.dst[rows], inv))
     rows, inv = rows[order], inv[order]
-    # destination set of each data group, then bundle the groups by (stage, src, destination set)
     bundles: dict[tuple[int, int, tuple[int, ...]], list[int]] = {}
     starts = np.flatnonzero(np.r_[True, inv[1:] != inv[:-1]])
     ends = np.append(starts[1:], len(rows))
@@ -248,6 +246,59 @@ def _promote_broadcasts(plan, stage, cluster, cost, free, add, loads: _Loads) ->
         r0 = int(rows[a])
         dsts = tuple(int(x) for x in plan.dst[rows[a:b]])
         bundles.setdefault((int(stage[r0]), int(plan.src[r0]), dsts), []).append(a)
+    return rows, starts, ends, bundles
+
+
+def _bundle_rows(rows: np.ndarray, starts: np.ndarray, ends: np.ndarray, firsts: list[int],
+                 offs: np.ndarray, base: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Every row of the data groups starting at ``firsts`` and its offset (``base`` + its box's)."""
+    members, member_off = [], []
+    for f, o in zip(firsts, offs.tolist()):
+        b = ends[np.searchsorted(starts, f)]
+        members.append(rows[f:b])
+        member_off.append(np.full(b - f, base + o))
+    return np.concatenate(members), np.concatenate(member_off)
+
+
+def _promote_all_gathers(plan, stage, cluster, cost, free, add, loads: _Loads) -> None:
+    """Every member of a group sending its own pieces to every other member: one all_gather if
+    cheaper than the messages (each member's chunk padded to the largest)."""
+    got = _data_groups(plan, stage, free)
+    if got is None:
+        return
+    rows, starts, ends, bundles = got
+    done: set[tuple[int, tuple[int, ...]]] = set()
+    for (k, s, dsts) in list(bundles):
+        group = tuple(sorted((s,) + dsts))
+        if len(group) < 3 or (k, group) in done:
+            continue
+        keys = [(k, m, tuple(x for x in group if x != m)) for m in group]
+        if not all(key in bundles for key in keys):
+            continue
+        done.add((k, group))
+        layouts = [_layout(rows[np.array(bundles[key])], plan.nbytes) for key in keys]
+        chunk = max(size for _, size in layouts)
+        total = chunk * len(group)
+        pairs = [(m, d, size) for m, (_, size) in zip(group, layouts) for d in group if d != m]
+        if _coll_time(cost, cluster, "all_gather", total, group) >= _p2p_time(cost, cluster, pairs):
+            continue
+        exact = [(m, d, int(plan.nbytes[rows[np.array(bundles[key])]].sum()))
+                 for m, key in zip(group, keys) for d in group if d != m]
+        if not loads.try_replace(k, exact, group, *op_of("all_gather").link_bytes(group[0], group, total, chunk),
+                                 _coll_time(cost, cluster, "all_gather", 0, group)):
+            continue
+        parts = [_bundle_rows(rows, starts, ends, bundles[key], offs, p * chunk)
+                 for p, (key, (offs, _)) in enumerate(zip(keys, layouts))]
+        add(Transfer("all_gather", k, group[0], -1, group, total, chunk, switch_name("all_gather", k, group[0], group)),
+            np.concatenate([r for r, _ in parts]), np.concatenate([o for _, o in parts]))
+
+
+def _promote_broadcasts(plan, stage, cluster, cost, free, add, loads: _Loads) -> None:
+    """One source sending the same pieces to several devices: a broadcast over them if cheaper."""
+    got = _data_groups(plan, stage, free)
+    if got is None:
+        return
+    rows, starts, ends, bundles = got
     for (k, s, dsts), firsts in bundles.items():
         data = rows[np.array(firsts)]                     # one row per distinct box
         offs, total = _layout(data, plan.nbytes)
@@ -256,19 +307,12 @@ def _promote_broadcasts(plan, stage, cluster, cost, free, add, loads: _Loads) ->
         pairs = [(s, d, total) for d in dsts]
         if t_bc >= _p2p_time(cost, cluster, pairs):
             continue
-        # a pipelined chain: every member forwards the buffer once, every non-root receives it
         if not loads.try_replace(k, [(s, d, int(plan.nbytes[data].sum())) for d in dsts], group,
-                                 {m: total for m in group}, {m: total for m in dsts},
+                                 *op_of("broadcast").link_bytes(s, group, total, 0),
                                  _coll_time(cost, cluster, "broadcast", 0, group)):
             continue
-        tag = f"b{k}:{s}>" + ",".join(map(str, dsts))
-        members, member_off = [], []
-        for f, o in zip(firsts, offs.tolist()):
-            b = ends[np.searchsorted(starts, f)]
-            members.append(rows[f:b])
-            member_off.append(np.full(b - f, o))
-        add(Transfer("broadcast", k, s, -1, group, total, 0, tag), np.concatenate(members),
-            np.concatenate(member_off))
+        add(Transfer("broadcast", k, s, -1, group, total, 0, switch_name("broadcast", k, s, dsts)),
+            *_bundle_rows(rows, starts, ends, firsts, offs))
 
 
 def _promote_rooted(plan, stage, cluster, cost, free, add, op: str, loads: _Loads) -> None:
@@ -305,14 +349,14 @@ def _promote_rooted(plan, stage, cluster, cost, free, add, op: str, loads: _Load
         pairs = [(r, int(p), int(x)) if op == "scatter" else (int(p), r, int(x)) for p, x in zip(uniq, per)]
         if t_c >= _p2p_time(cost, cluster, pairs):
             continue
-        ring = {m: chunk * (len(group) - 1) for m in group}     # a ring: each member passes n-1 chunks
+        out_b, in_b = op_of(op).link_bytes(r, group, total, chunk)
         raw = np.bincount(np.searchsorted(uniq, other[a:b]), weights=plan.nbytes[rows[a:b]]).astype(np.int64)
         exact = [(r, int(p), int(x)) if op == "scatter" else (int(p), r, int(x)) for p, x in zip(uniq, raw)]
-        if not loads.try_replace(int(stg[a]), exact, group, ring, ring, _coll_time(cost, cluster, op, 0, group)):
+        if not loads.try_replace(int(stg[a]), exact, group, out_b, in_b, _coll_time(cost, cluster, op, 0, group)):
             continue
         pos = np.searchsorted(np.asarray(group), other[a:b])
         first_of_peer = np.searchsorted(other[a:b], other[a:b], side="left")
         csum = np.concatenate([[0], np.cumsum(size[a:b])])
         offs = pos * chunk + csum[:-1] - csum[first_of_peer]
-        tag = f"{op[0]}{int(stg[a])}:{r}:" + ",".join(map(str, uniq.tolist()))
+        tag = switch_name(op, int(stg[a]), r, uniq.tolist())
         add(Transfer(op, int(stg[a]), r, -1, group, total, chunk, tag), rows[a:b], offs)

@@ -1,0 +1,122 @@
+"""What every switch transfer op means: the one table the planner, the simulator's switch cost and
+the executor read.
+
+A transfer moves one buffer. Its *full* buffer is ``nbytes`` long; for a *chunked* op it is
+``len(group)`` chunks of ``chunk`` bytes in group order, chunk ``p`` belonging to ``group[p]``.
+Per op the table says who sends and who receives, which chunks travel from whom to whom (each is
+checksummed at both ends), how many bytes each member holds, packs or receives, where a member's
+local buffer starts in the full one, and how many bytes each member's links carry (the ring or
+chain a collective runs as). Adding a collective is one :class:`Op` here plus one executor handler.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+__all__ = ["Op", "OPS", "COLLECTIVE_OPS", "op"]
+
+
+@dataclass(frozen=True)
+class Op:
+    """One transfer op. ``rooted``: one member (``root``) is special; ``chunked``: the full buffer is
+    one chunk per member; ``whole``: which members hold the full buffer (``"all"``, ``"root"``);
+    ``chunk_from``: who sends chunk ``p`` (``"owner"``: ``group[p]``, ``"root"``), ``chunk_to``:
+    who receives it (``"owner"``, ``"root"``, ``"others"``: every member but its owner);
+    ``owners``: which members own a chunk that travels (``"all"`` or ``"non-root"``)."""
+
+    name: str
+    rooted: bool = True
+    chunked: bool = False
+    whole: str = "all"
+    chunk_from: str = "root"
+    chunk_to: str = "others"
+    owners: str = "non-root"
+
+    # ---- who --------------------------------------------------------------------------------------
+    def senders(self, root: int, group: tuple[int, ...], peer: int = -1) -> tuple[int, ...]:
+        """Members that pack (part of) the buffer and put it on the wire."""
+        if not self.chunked:
+            return (root,)
+        return tuple(sorted({self._from(m, root) for m in self._owners(root, group)}))
+
+    def receivers(self, root: int, group: tuple[int, ...], peer: int = -1) -> tuple[int, ...]:
+        """Members that get (part of) the buffer and unpack it."""
+        if self.name == "send":
+            return (peer,)
+        if not self.chunked:
+            return tuple(m for m in group if m != root)
+        return tuple(sorted({d for m in self._owners(root, group) for d in self._to(m, root, group)}))
+
+    def _owners(self, root: int, group: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(group) if self.owners == "all" else tuple(m for m in group if m != root)
+
+    def _from(self, owner: int, root: int) -> int:
+        return owner if self.chunk_from == "owner" else root
+
+    def _to(self, owner: int, root: int, group: tuple[int, ...]) -> tuple[int, ...]:
+        if self.chunk_to == "owner":
+            return (owner,)
+        if self.chunk_to == "root":
+            return (root,)
+        return tuple(m for m in group if m != owner)
+
+    def chunks_sent(self, device: int, root: int, group: tuple[int, ...]) -> tuple[int, ...]:
+        """Owners of the chunks ``device`` sends (one checksum each); ``()`` for an unchunked op."""
+        if not self.chunked:
+            return ()
+        return tuple(m for m in self._owners(root, group) if self._from(m, root) == device)
+
+    def chunks_received(self, device: int, root: int, group: tuple[int, ...]) -> tuple[int, ...]:
+        """Owners of the chunks ``device`` receives (one checksum each); ``()`` for an unchunked op."""
+        if not self.chunked:
+            return ()
+        return tuple(m for m in self._owners(root, group) if device in self._to(m, root, group))
+
+    # ---- how many bytes, where -------------------------------------------------------------------
+    def holds_whole(self, device: int, root: int) -> bool:
+        return not self.chunked or self.whole == "all" or device == root
+
+    def member_bytes(self, device: int, root: int, nbytes: int, chunk: int) -> int:
+        """Bytes of the buffer on ``device`` (what it packs or receives into)."""
+        return nbytes if self.holds_whole(device, root) else chunk
+
+    def local_offset(self, device: int, root: int, group: tuple[int, ...], chunk: int) -> int:
+        """Where ``device``'s buffer starts in the full one (subtract it from a piece's offset)."""
+        return 0 if self.holds_whole(device, root) else group.index(device) * chunk
+
+    def wire_bytes(self, device: int, root: int, group: tuple[int, ...], nbytes: int, chunk: int,
+                   sending: bool) -> int:
+        """Bytes ``device`` counts as sent (``sending``) or received by this transfer."""
+        if not self.chunked:
+            return nbytes
+        if sending:
+            return nbytes if (device == root and self.chunk_from == "root") else chunk
+        return chunk if self.chunk_to == "owner" else nbytes
+
+    def link_bytes(self, root: int, group: tuple[int, ...], nbytes: int, chunk: int
+                   ) -> tuple[dict[int, int], dict[int, int]]:
+        """(Collectives) bytes each member's outgoing and incoming links carry: a pipelined chain for a broadcast
+        (every member forwards the buffer once, every non-root receives it), a ring for a chunked op
+        (each member passes ``n - 1`` chunks each way)."""
+        if not self.chunked:
+            return {m: nbytes for m in group}, {m: nbytes for m in group if m != root}
+        ring = chunk * (len(group) - 1)
+        return {m: ring for m in group}, {m: ring for m in group}
+
+
+#: Every op a switch Program's transfers use, by name.
+OPS: Mapping[str, Op] = {o.name: o for o in (
+    Op("send", rooted=False),
+    Op("broadcast"),
+    Op("scatter", chunked=True, whole="root", chunk_from="root", chunk_to="owner"),
+    Op("gather", chunked=True, whole="root", chunk_from="owner", chunk_to="root"),
+    Op("all_gather", rooted=False, chunked=True, whole="all", chunk_from="owner", chunk_to="others", owners="all"),
+)}
+
+#: Ops of transfers over a group (one communicator each), in the order the planner promotes them.
+COLLECTIVE_OPS = tuple(n for n in OPS if n != "send")
+
+
+def op(name: str) -> Op:
+    """The table entry of ``name``; a point-to-point ``recv`` reads as ``send``."""
+    return OPS["send" if name == "recv" else name]

@@ -1,0 +1,87 @@
+"""Planning a live job's switch: the devices' order (placement) and the lowered switch Program.
+
+Every process of a live job calls :func:`plan_live_switch` with the same arguments and gets the
+same Program (planning is deterministic), so nothing is negotiated. The Program is all a runtime
+needs: :class:`SwitchPlanned` only adds the strategies and devices it was planned for.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ... import cluster as _cluster
+from ...ir.program import Program
+from ...models import ModelSpec
+from ...strategy import Strategy
+from ..plan import plan_switch
+from .collectives import COLLECTIVE_OPS
+from .lower import lower
+from .staging import budget_array, state_buffers
+
+__all__ = ["SwitchPlanned", "plan_live_switch", "place", "live_cluster"]
+
+
+@dataclass(frozen=True, eq=False)
+class SwitchPlanned:
+    """A lowered live switch: the Program and what it was planned for; ``staged``: old and new
+    state exceed the budget, so old state is released stage by stage."""
+
+    program: Program
+    src: Strategy
+    dst: Strategy
+    src_devices: tuple[int, ...]
+    dst_devices: tuple[int, ...]
+    seconds: float
+    staged: bool = False
+
+    @property
+    def participants(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.src_devices) | set(self.dst_devices)))
+
+    def collective_groups(self, device: int) -> list[tuple[int, ...]]:
+        """Device tuples of the promoted collectives ``device`` takes part in (program order)."""
+        rp = self.program.ranks.get(device)
+        out: list[tuple[int, ...]] = []
+        for ins in (rp.instrs() if rp is not None else ()):
+            if ins.op in COLLECTIVE_OPS and tuple(ins.group) not in out:
+                out.append(tuple(ins.group))
+        return out
+
+
+def live_cluster(devices) -> "_cluster.Cluster":
+    """This machine's worker processes as a cluster holding every device id of a live switch."""
+    return _cluster.get("cpu-local").with_devices(max(max(devices) + 1, 8))
+
+
+def plan_live_switch(spec: ModelSpec, src: "Strategy | str", dst: "Strategy | str", src_devices: tuple[int, ...],
+                     dst_devices: tuple[int, ...], *, memory_budget=None, **options: Any) -> SwitchPlanned:
+    """Plan and lower the switch of ``spec``'s live state (deterministic: every rank gets the same).
+    ``options`` go to :func:`.lower` (its passes, ``cost_model``)."""
+    t0 = time.perf_counter()
+    devs = sorted(set(src_devices) | set(dst_devices))
+    clus = live_cluster(devs)
+    plan = plan_switch(spec, src, dst, cluster=clus, src_devices=list(src_devices), dst_devices=list(dst_devices))
+    staged = memory_budget is not None and _over_budget(plan, memory_budget, devs)
+    prog = lower(plan, clus, memory_budget=memory_budget, staged=staged, **options)
+    return SwitchPlanned(prog, Strategy.parse(src), Strategy.parse(dst), tuple(src_devices), tuple(dst_devices),
+                         time.perf_counter() - t0, staged)
+
+
+def place(spec: ModelSpec, src: Strategy, dst: Strategy, src_devices: tuple[int, ...],
+          dst_devices: tuple[int, ...]) -> tuple[int, ...]:
+    """``dst_devices`` reordered (within each node) so that the switch keeps the most state in
+    place (deterministic; the given order when it is already best)."""
+    devs = sorted(set(src_devices) | set(dst_devices))
+    return plan_switch(spec, src, dst, cluster=live_cluster(devs), src_devices=list(src_devices),
+                       dst_devices=list(dst_devices), placement="keep").dst_devices
+
+
+def _over_budget(plan, memory_budget, devs: list[int]) -> bool:
+    """Whether some device's old and new states together exceed its budget."""
+    buf = state_buffers(plan)
+    bud = budget_array(memory_budget, max(devs) + 1)
+    need = np.bincount(buf.dev, weights=(buf.old + buf.new).astype(float), minlength=len(bud))[:len(bud)]
+    return any(need[d] > bud[d] for d in devs)
