@@ -58,7 +58,7 @@ def _measure_switches(model: str, repeats: int, global_batch: int, seq_len: int)
     """Transfer seconds of each switch of SWITCHES, ``repeats`` live jobs switching through them
     (``{"measured": {k: [seconds, ...]}}``, or ``{"reason": why}`` when the runtime cannot)."""
     try:
-        from parashift.exec.switch_live import run_live
+        from parashift.exec.switch import run_live
     except ImportError as e:
         return {"reason": f"the runtime has no live hot switch ({e})"}
     from parashift import models
@@ -88,7 +88,7 @@ def _switch_fidelity(cost_model, cluster, model: str, switches: dict) -> dict:
         return {"switch_median_ape": None, "switch_reason": switches["reason"]}
     from parashift import models
     from parashift.calibrate import ape, fit_programs
-    from parashift.exec.switch import plan_live_switch
+    from parashift.vps.transition import plan_live_switch
     from parashift.sim import simulate_switch
     from parashift.strategy import Strategy
     spec = models.get(model)

@@ -55,8 +55,9 @@ import torch
 from parashift import models
 from parashift.exec.elastic import ElasticManager, Member, launch_elastic
 from parashift.exec.state import StateStore
-from parashift.exec.switch import Prepared, SwitchRecord, execute_switch, place, plan_live_switch
-from parashift.exec.switch_exec import BufferPool, bytes_of, crc, kind_tensor, piece_view, reserve_waiters, state_alloc
+from parashift.exec.switch import (BufferPool, Prepared, SwitchRecord, bytes_of, crc, execute_switch, kind_tensor,
+                                   layout_store, lazy_alloc, piece_view, reserve_waiters, state_alloc)
+from parashift.vps.transition import SwitchMeta, place, plan_live_switch
 from parashift.strategy import Strategy
 from parashift.vps import layout
 
@@ -220,15 +221,13 @@ def _digest(store: StateStore | None) -> list[int]:
 
 def _floor(planned, device: int, world, index) -> float:
     """Pre-packed cross-device bytes through one all_to_all, plus one memcpy of the kept bytes."""
-    P = planned.program.meta["pieces"]
-    src, dst, nb = (np.asarray(P[k]) for k in ("src", "dst", "nbytes"))
+    P = SwitchMeta.of(planned.program).pieces           # every destination piece, kept ones included
+    src, dst, nb = P.src, P.dst, P.nbytes
     n = len(index)
     parts = planned.participants
     send = [int(nb[(src == device) & (dst == d)].sum()) if d != device else 0 for d in parts]
     recv = [int(nb[(src == d) & (dst == device)].sum()) if d != device else 0 for d in parts]
     kept = int(nb[(src == device) & (dst == device)].sum())
-    kept += sum(int(np.prod([b - a for a, b in zip(lo, hi)])) * 4
-                for _, _, lo, hi in planned.extra_keep.get(device, []))
     cpu = torch.device("cpu")       # destinations allocated (and faulted in) beforehand, as the switch's are
     inp = torch.ones(sum(send), dtype=torch.uint8)
     out = state_alloc(sum(recv), torch.uint8, cpu)
@@ -246,7 +245,6 @@ def _staged_case(spec, ctx, world, keys, mgr, ci: int, src, dst, sdev, ddev, fra
     """The switch under a memory budget of ``fraction`` x (old + new state) of the fullest device:
     stage by stage, old state released as it goes, into a lazily allocated store (the old store
     is refilled from a pristine copy before each run, since the switch releases it)."""
-    from parashift.exec.switch_staged import layout_store, lazy_alloc
     device = ctx.device
     old = StateStore(spec, src, sdev.index(device), torch.device("cpu"), init=False)
     _fill(old, spec)
@@ -276,7 +274,7 @@ def _staged_case(spec, ctx, world, keys, mgr, ci: int, src, dst, sdev, ddev, fra
             recs.append(rec)
         del new
     r = recs[-1]
-    return {"staged_fraction": fraction, "budget_bytes": budget, "stages": planned.program.meta["stages"],
+    return {"staged_fraction": fraction, "budget_bytes": budget, "stages": SwitchMeta.of(planned.program).stages,
             "staged_switch_seconds": statistics.median(runs), "staged_switch_runs": runs,
             "staged_memory_max_rank": {k: int(_allmax(world, float(getattr(r, k)))) for k in
                                        ("old_bytes", "new_bytes", "released_bytes", "staging_peak_bytes", "peak_bytes")},
@@ -286,8 +284,8 @@ def _staged_case(spec, ctx, world, keys, mgr, ci: int, src, dst, sdev, ddev, fra
 def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict, staged: float | None = None,
             placement: str = "keep", unverified: bool = False) -> dict:
     if unverified:                     # diagnostic: every checksum a constant (what verification costs)
-        import parashift.exec.switch_exec as switch_exec
-        switch_exec.checksum = lambda t: 0
+        import parashift.exec.switch.executor as executor
+        executor.checksum = lambda t: 0
     device = ctx.device
     mgr = ElasticManager(ctx.store, ctx.member.key, 120.0)
     keys = {d: f"{d}.0" for d in range(4)}
@@ -346,8 +344,8 @@ def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict, staged: float
         res = {"dst_devices": list(ddev), "switch_seconds": statistics.median(sw),
                "floor_seconds": statistics.median(fl),
                "plan_seconds": _allmax(world, plan_s), "alloc_seconds": statistics.median(al),
-               "bytes_moved": planned.program.meta["bytes_moved"],
-               "bytes_kept": planned.program.meta["bytes_kept"], "switch_runs": sw, "floor_runs": fl,
+               "bytes_moved": SwitchMeta.of(planned.program).bytes_moved,
+               "bytes_kept": SwitchMeta.of(planned.program).bytes_kept, "switch_runs": sw, "floor_runs": fl,
                "cpu_seconds": statistics.median(sw_cpu), "floor_cpu_seconds": statistics.median(fl_cpu),
                "phases": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
                "memory_max_rank": mem}

@@ -56,4 +56,15 @@ class RuntimeFailure(ParashiftError, RuntimeError):
 
 
 class SwitchAborted(RuntimeFailure):
-    """A live switch failed and the job was rolled back to its old layout."""
+    """A live switch failed and the job was rolled back to its old layout.
+
+    ``reason``: the first failure (a failed transfer, a checksum mismatch), or None when the
+    message says it all; ``peer_failed``: a participant is gone, so the job cannot train on."""
+
+    def __init__(self, message: str, reason: str | None = None, peer_failed: bool = False) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.peer_failed = peer_failed
+
+    def __reduce__(self):  # keep reason and peer_failed across processes
+        return type(self), (str(self), self.reason, self.peer_failed)

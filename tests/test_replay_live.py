@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from parashift.cli import main
-from parashift.exec.replay import EVENT_COLUMNS, replay
+from parashift.replay import EVENT_COLUMNS, replay
 
 # 4 nodes; two are preempted at t=60 s (30 s notice), two come back at t=120 s; the trace ends at 180 s
 TRACE = """# parashift trace (normalized); columns: time,event,count,available,notice

@@ -8,8 +8,8 @@ import pytest
 
 from parashift import traces
 from parashift.errors import StrategyError, TraceFormatError
-from parashift.exec.replay import DEFAULT_NOTICE, replay_schedule
-from parashift.exec.replay.result import lost_per_switch, state_difference
+from parashift.replay import DEFAULT_NOTICE, replay_schedule
+from parashift.replay.result import lost_per_switch, state_difference
 
 TRACE = """# parashift trace (normalized); columns: time,event,count,available,notice
 # initial: 4

@@ -14,9 +14,11 @@ import pytest
 
 from parashift import models
 from parashift.errors import StrategyError
-from parashift.exec.switch import full_from_arrays, parse_switch_at, plan_live_switch, store_arrays, store_from_full
-from parashift.exec.switch_live import generations, run_live
+from parashift.cli.run_live import parse_switch_at
+from parashift.exec.switch import full_from_arrays, generations, run_live, store_arrays, store_from_full
 from parashift.strategy import Strategy
+from parashift.vps.transition import SwitchMeta, plan_live_switch
+from switch_faults import Corrupt, Kill
 
 # kv_heads=4 so that tp=4 is legal; fp32 so the loss comparison is tight
 GPT = models.gpt(4, 64, 4, kv_heads=4, ffn=128, vocab=256, seq_len=16, name="sw-gpt", dtype="fp32", pad_vocab=8)
@@ -123,6 +125,25 @@ def test_grow_from_one_device_and_shrink_to_one_through_promoted_collectives():
     assert max(r["groups_reused"] for r in res.reports.values() if r) >= 1
 
 
+def test_tp_to_replicas_through_an_all_gather_is_bit_exact():
+    """tp=4 -> dp=4: each device sends its quarter to the three others; the planner promotes the
+    twelve messages to one all_gather (the op table's newest entry), which gloo runs bit-exactly."""
+    planned = plan_live_switch(GPT, "tp=4", "dp=4", (0, 1, 2, 3), (0, 1, 2, 3))
+    assert SwitchMeta.of(planned.program).collectives["all_gather"] == 1
+    res = run_live(GPT, "tp=4", steps=3, switches=[(1, "dp=4", None)], export=True, timeout=120, switch_timeout=30)
+    assert [s.get("aborted") for s in res.switches] == [None]
+    assert check_switches(GPT, res) == 1
+    # every device sent its own chunk once and received the full buffer
+    sent = [sw["bytes_sent"] for r in res.reports.values() if r for sw in r["switches"]]
+    assert len(sent) == 4 and len(set(sent)) == 1 and sent[0] > 0
+    # a corrupted chunk is caught by its owner's checksum and the job rolls back
+    bad = run_live(GPT, "tp=4", steps=3, switches=[(1, "dp=4", None)], timeout=120, switch_timeout=30,
+                   faults=Corrupt(device=2, switch=1, op="all_gather"))
+    (sw,) = bad.switches
+    assert "checksum" in sw["aborted"] and "rolled back" in sw["aborted"], sw["aborted"]
+    assert len(bad.losses) == 3
+
+
 def test_keep_placement_reorders_devices_moves_less_and_trains_alike():
     chain = [(1, "tp=4", None), (2, "tp=2,dp=2,zero=1", None)]
     given = run_live(GPT, "tp=2,dp=2,zero=1", steps=3, switches=chain, timeout=240, placement="given")
@@ -154,7 +175,7 @@ def test_switching_every_5_steps_keeps_the_loss_curve(tmp_path):
 def test_corrupted_buffer_rolls_back_and_training_continues_unchanged():
     static = run_live(GPT, "dp=2,tp=2", steps=4, export=True, timeout=120)
     res = run_live(GPT, "dp=2,tp=2", steps=4, switches=[(2, "dp=4,zero=1", None)], export=True, timeout=120,
-                   switch_timeout=20, fault={"kind": "corrupt", "device": 1, "switch": 1})
+                   switch_timeout=20, faults=Corrupt(device=1, switch=1))
     (sw,) = res.switches
     assert "checksum" in sw["aborted"] and "rolled back" in sw["aborted"]
     assert res.losses == static.losses               # same layout throughout: bit-identical
@@ -174,7 +195,7 @@ def test_broadcast_goes_message_by_message_from_the_state_and_a_corrupted_part_r
     assert root["staging_peak_bytes"] < bcast.nbytes // 4 and root["zero_copy"] > 0
     static = run_live(GPT, src, **kw)
     bad = run_live(GPT, src, switches=chain, switch_timeout=20, big_piece=4096,
-                   fault={"kind": "corrupt", "device": 2, "switch": 1, "op": "broadcast"}, **kw)
+                   faults=Corrupt(device=2, switch=1, op="broadcast"), **kw)
     (sw,) = bad.switches
     assert "checksum" in sw["aborted"] and bcast.tag in sw["aborted"], sw["aborted"]
     assert bad.losses == static.losses
@@ -184,7 +205,7 @@ def test_broadcast_goes_message_by_message_from_the_state_and_a_corrupted_part_r
 def test_killed_leaving_rank_ends_in_a_clean_error_with_survivors_intact():
     static = run_live(GPT, "dp=4,zero=1", steps=2, export=True, timeout=120)
     res = run_live(GPT, "dp=4,zero=1", steps=4, switches=[(2, "dp=2", (0, 1))], timeout=120, switch_timeout=6,
-                   fault={"kind": "kill", "device": 3, "switch": 1})
+                   faults=Kill(device=3, switch=1))
     assert res.reports["3.0"] is None                              # it died mid-switch
     survivors = [r for k, r in res.reports.items() if k != "3.0"]
     assert len(survivors) == 3

@@ -6,8 +6,9 @@ import torch
 
 from parashift import models
 from parashift.errors import MemoryBudgetError
-from parashift.exec.switch import plan_live_switch
-from parashift.exec.switch_exec import BufferPool, _fold, _parts, checksum, state_alloc
+from parashift.exec.switch import BufferPool, checksum, state_alloc
+from parashift.exec.switch.wire import fold, parts
+from parashift.vps.transition import plan_live_switch
 from parashift.strategy import Strategy
 
 GPT = models.gpt(2, 64, 4, kv_heads=4, ffn=128, vocab=256, seq_len=16, name="sw-mem", dtype="fp32", pad_vocab=8)
@@ -45,10 +46,10 @@ def test_parts_checksums_agree_across_alignments_and_catch_a_flipped_byte():
 
     def total(msgs):
         h = 0
-        for m in _parts(msgs, 1000):
-            h = _fold(h, checksum(m))
+        for m in parts(msgs, 1000):
+            h = fold(h, checksum(m))
         return h
-    assert [m.numel() for m in _parts(src, 1000)] == [1000] * 8 + [36]
+    assert [m.numel() for m in parts(src, 1000)] == [1000] * 8 + [36]
     assert total(src) == total(dst)
     dst[1][3] ^= 1
     assert total(src) != total(dst)

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from parashift.exec.switch_exec import checksum
-from parashift.exec.switch_live import run_live
+from parashift.exec.switch import checksum, run_live
 
 from test_switch_live import GPT, check_switches
 

@@ -5,12 +5,13 @@ import numpy as np
 import pytest
 
 from parashift import cluster, models
-from parashift.exec.switch import plan_live_switch
-from parashift.exec.switch_live import run_live
+from parashift.exec.switch import run_live
 from parashift.strategy import Strategy
 from parashift.vps import plan_switch
+from parashift.vps.transition import plan_live_switch
 from parashift.vps.transition.staging import state_buffers
 
+from switch_faults import Corrupt, Kill
 from test_switch_live import _bytes, assert_rolled_back, check_switches
 
 # tensors of 64 KiB - 1 MiB, so that released regions span whole pages
@@ -61,7 +62,7 @@ def test_staged_abort_restores_released_state_and_training_continues_unchanged()
     static = run_live(GPT, "dp=2,tp=2,zero=1", steps=3, export=True, timeout=120)
     res = run_live(GPT, "dp=2,tp=2,zero=1", steps=3, switches=[(1, "tp=4", None)], export=True, timeout=120,
                    memory_budget=budget, switch_timeout=20,
-                   fault={"kind": "corrupt", "device": 2, "switch": 1, "stage": 2})
+                   faults=Corrupt(device=2, switch=1, stage=2))
     (sw,) = res.switches
     assert "checksum" in sw["aborted"] and "rolled back" in sw["aborted"] and "at stage" in sw["aborted"]
     assert sw["released_bytes"] > 0                 # old state had been released before the failure ...
@@ -74,7 +75,7 @@ def test_killed_leaving_rank_mid_staged_switch_leaves_survivors_whole():
     static = run_live(GPT, "dp=2,tp=2,zero=1", steps=1, export=True, timeout=120, global_batch=12)
     res = run_live(GPT, "dp=2,tp=2,zero=1", steps=3, switches=[(1, "dp=3,zero=1", (0, 1, 2))], timeout=120,
                    memory_budget=budget, switch_timeout=20, global_batch=12,
-                   fault={"kind": "kill", "device": 3, "switch": 1, "stage": 1})
+                   faults=Kill(device=3, switch=1, stage=1))
     assert res.reports["3.0"] is None                              # it died mid-switch, after stage 0
     want = {r["exports"]["final"]["rank"]: r["exports"]["final"]["arrays"] for r in static.reports.values()}
     survivors = [r for k, r in res.reports.items() if k != "3.0"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from ..units import parse_bytes
+
 HELP = "plan the in-memory switch of a model's training state from one strategy to another"
 
 
@@ -28,25 +30,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                            "the switch is staged to stay under it")
     p.add_argument("--off", default="", help="lowering passes to turn off, comma-separated: "
                                              "select_sources, promote, stage, coalesce, xor_order")
-
-
-_UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
-          "TIB": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """``"60GiB"``, ``"7e10"``, ``"512MB"`` -> bytes."""
-    from ..errors import MemoryBudgetError
-    t = str(text).strip().upper().replace(" ", "")
-    num = t.rstrip("KMGTIB")
-    unit = t[len(num):]
-    try:
-        value = float(num) * _UNITS[unit]
-    except (KeyError, ValueError):
-        raise MemoryBudgetError(f"cannot read memory budget {text!r}; write bytes such as 60GiB, 512MB or 7e10") from None
-    if value <= 0:
-        raise MemoryBudgetError(f"memory budget {text!r} must be positive")
-    return int(value)
 
 
 def run(args: argparse.Namespace) -> dict:

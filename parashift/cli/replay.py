@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from ..exec.replay import replay
+    from ..replay import replay
     cost = load_cost_model(args.cost_model)
 
     def say(msg: str) -> None:

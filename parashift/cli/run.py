@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> dict:
             raise StrategyError("--switch-at runs a live job from --model/--strategy; drop the plan file")
         if args.steps < 1:
             raise StrategyError(f"--steps {args.steps} must be at least 1")
-        from ..exec.switch_live import run_cli
+        from .run_live import run_cli
         return run_cli(args)
     if args.plan:
         program = load_plan(args.plan)
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def render(result: dict, args: argparse.Namespace) -> None:
     if "switches" in result:
-        from ..exec.switch_live import render_cli
+        from .run_live import render_cli
         render_cli(result)
         return
     times = sorted(result["step_times"])

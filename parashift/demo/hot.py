@@ -48,8 +48,8 @@ def hot_switch(big: Any, small: Any, *, steps: int = HOT["steps"], shrink_at: in
     from ..strategy import Strategy
     run_live = run_live_fn()
     ex = require("parashift.exec", "run")
-    rr = require("parashift.exec.replay.restart", "run_restart_job")
-    rres = require("parashift.exec.replay.result", "step_rows", "lost_per_switch")
+    rr = require("parashift.replay.restart", "run_restart_job")
+    rres = require("parashift.replay.result", "step_rows", "lost_per_switch")
     big, small = Strategy.parse(big), Strategy.parse(small)
     gb, seq = LIVE["global_batch"], LIVE["seq_len"]
 

@@ -19,8 +19,8 @@ REPLAY = {"trace": "bamboo/p3-trace.csv", "start": 1200.0, "end": 2700.0, "time_
 
 def replay_slice(progress: "Callable[[str], None] | None" = None, **overrides: Any) -> Any:
     """Replay :data:`REPLAY` (fields overridable) against a live :data:`LIVE` job; returns the
-    ``parashift.exec.replay`` result (events with their pauses, live and static loss curves)."""
-    rp = require("parashift.exec.replay", "replay")
+    ``parashift.replay`` result (events with their pauses, live and static loss curves)."""
+    rp = require("parashift.replay", "replay")
     cfg = {**REPLAY, **overrides}
     return rp.replay(cfg["trace"], LIVE["model"], policy=cfg["policy"], max_procs=cfg["max_procs"],
                      time_scale=cfg["time_scale"], start=cfg["start"], end=cfg["end"], max_events=cfg["max_events"],

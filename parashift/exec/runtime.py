@@ -77,7 +77,6 @@ class Runtime:
                                f"runs rank {ctx.rank} of {program.strategy}; build the store for the program's layout")
         self.store = store if store is not None else StateStore(self.spec, program.strategy, ctx.rank, ctx.device,
                                                                 seed=seed)
-        self.session = None          # the live job this runtime belongs to (set by exec.switch_live)
         self.profiler = Profiler(ctx.rank, ctx.rank)
         gb, seq = int(program.meta["global_batch"]), int(program.meta["seq_len"])
         self.interp = Interpreter(program, ctx.rank, self.worlds, self.store, self.spec, ctx.device,
@@ -97,19 +96,6 @@ class Runtime:
             torch.cuda.synchronize()
         self.steps_done += 1
         return loss, time.perf_counter() - t0
-
-    def switch(self, strategy: "Strategy | str", devices: "list[int] | tuple[int, ...] | None" = None
-               ) -> "Runtime | None":
-        """Hot-switch the live job to ``strategy`` (on ``devices``) between iterations, in memory.
-
-        Every rank of the job calls it. Returns the Runtime of the new layout, or None on a device
-        that leaves. Raises SwitchAborted, leaving this runtime untouched, when the switch fails.
-        Only runtimes of a live job (``parashift.exec.switch_live.run_live``) can switch.
-        """
-        if self.session is None:
-            raise ProgramError("this runtime is not part of a live job; start it with "
-                               "parashift.exec.switch_live.run_live or `parashift run --switch-at`")
-        return self.session.switch_to(strategy, devices)
 
     def peak_memory(self) -> int:
         if self.ctx.device.type == "cuda":
@@ -209,7 +195,7 @@ class RunResult:
         return timeline_frame(self.rows, step)
 
     def to_chrome_trace(self, path: str, step: int | None = None) -> None:
-        from ..sim.result import write_chrome_trace
+        from ..traces.chrome import write_chrome_trace
         write_chrome_trace(self.to_frame(step), path)
 
     def to_json(self) -> dict:

@@ -227,7 +227,6 @@ class UserRuntime(Runtime):
         for p in model.parameters():           # the store holds the values now; drop the module's copies
             p.data = torch.empty(0, dtype=p.dtype, device=ctx.device)
         model.to(ctx.device)
-        self.session = None
         self.profiler = Profiler(ctx.rank, ctx.rank)
         self.interp = UserInterpreter(program, ctx.rank, self.worlds, self.store, plan, model, ctx.device, data,
                                       loss_fn, optim, self.profiler.record, timeout)

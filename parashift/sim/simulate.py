@@ -56,7 +56,8 @@ def _scores_per_layer(program: Program, model: "ModelSpec | None") -> float:
 
 @dataclass(frozen=True)
 class SwitchSimResult:
-    """A simulated switch: its duration, bytes per link class and peak memory per device."""
+    """A simulated switch: its duration, bytes per link class, peak memory per device, and what
+    the switch Program says it moves and keeps (its decoded ``SwitchMeta``)."""
 
     switch_time: float
     link_bytes: Mapping[str, float]
@@ -64,6 +65,9 @@ class SwitchSimResult:
     fits: bool
     sim_seconds: float
     result: SimResult = field(repr=False)
+    bytes_moved: int = 0
+    bytes_kept: int = 0
+    stages: int = 1
 
     @property
     def peak_memory_max(self) -> int:
@@ -76,13 +80,17 @@ class SwitchSimResult:
     def summary(self) -> dict:
         return {"switch_seconds": self.switch_time, "bytes_local": self.link_bytes["local"],
                 "bytes_intra": self.link_bytes["intra"], "bytes_inter": self.link_bytes["inter"],
-                "peak_memory_max": self.peak_memory_max, "fits": self.fits, "sim_seconds": self.sim_seconds}
+                "peak_memory_max": self.peak_memory_max, "fits": self.fits, "sim_seconds": self.sim_seconds,
+                "bytes_moved": self.bytes_moved, "bytes_kept": self.bytes_kept, "stages": self.stages}
 
 
 def simulate_switch(program: Program, cluster: "Cluster | str", cost_model: CostModel | None = None, *,
                     devices: "Mapping[int, int] | Sequence[int] | None" = None) -> SwitchSimResult:
     """Simulate a switch Program (ranks are devices unless ``devices`` maps them); its time is the
-    Program's plus the cost model's ``switch_overhead``."""
+    Program's plus the cost model's ``switch_overhead``. Raises ProgramError when ``program`` is
+    not a switch Program (``vps.transition.lower`` makes them)."""
+    from ..vps.transition.meta import SwitchMeta
+    meta = SwitchMeta.of(program)
     res = simulate(program, cluster, cost_model, devices=devices)
     return SwitchSimResult(res.step_time + res.cost_model.switch_overhead, res.link_bytes, res.peak_memory, res.fits,
-                           res.sim_seconds, res)
+                           res.sim_seconds, res, meta.bytes_moved, meta.bytes_kept, meta.stages)

@@ -18,13 +18,15 @@ __all__ = ["Op", "OPS", "COLLECTIVE_OPS", "op"]
 
 @dataclass(frozen=True)
 class Op:
-    """One transfer op. ``rooted``: one member (``root``) is special; ``chunked``: the full buffer is
+    """One transfer op. ``p2p``: a message between two devices (``send`` at one end, ``recv``
+    at the other), else a collective over a group; ``rooted``: one member (``root``) is special; ``chunked``: the full buffer is
     one chunk per member; ``whole``: which members hold the full buffer (``"all"``, ``"root"``);
     ``chunk_from``: who sends chunk ``p`` (``"owner"``: ``group[p]``, ``"root"``), ``chunk_to``:
     who receives it (``"owner"``, ``"root"``, ``"others"``: every member but its owner);
     ``owners``: which members own a chunk that travels (``"all"`` or ``"non-root"``)."""
 
     name: str
+    p2p: bool = False
     rooted: bool = True
     chunked: bool = False
     whole: str = "all"
@@ -106,7 +108,7 @@ class Op:
 
 #: Every op a switch Program's transfers use, by name.
 OPS: Mapping[str, Op] = {o.name: o for o in (
-    Op("send", rooted=False),
+    Op("send", p2p=True, rooted=False),
     Op("broadcast"),
     Op("scatter", chunked=True, whole="root", chunk_from="root", chunk_to="owner"),
     Op("gather", chunked=True, whole="root", chunk_from="owner", chunk_to="root"),
@@ -114,7 +116,7 @@ OPS: Mapping[str, Op] = {o.name: o for o in (
 )}
 
 #: Ops of transfers over a group (one communicator each), in the order the planner promotes them.
-COLLECTIVE_OPS = tuple(n for n in OPS if n != "send")
+COLLECTIVE_OPS = tuple(n for n, o in OPS.items() if not o.p2p)
 
 
 def op(name: str) -> Op:

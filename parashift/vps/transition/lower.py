@@ -33,7 +33,7 @@ from ...cluster import Cluster, format_devices
 from ...errors import PlanError
 from ...ir.program import Instr, Program, RankProgram
 from ..plan import SwitchPlan
-from .collectives import COLLECTIVE_OPS, op as op_of
+from .collectives import COLLECTIVE_OPS
 from .meta import PieceTable, SwitchMeta, switch_name
 from .order import collective_order, p2p_order
 from .sources import select_sources

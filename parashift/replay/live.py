@@ -1,6 +1,6 @@
 """The live side of a replay: a hot-switching job whose switches follow a wall clock.
 
-:class:`ReplaySession` is a :class:`~parashift.exec.switch_live.LiveSession` whose schedule is
+:class:`ReplaySession` is a :class:`~parashift.exec.switch.LiveSession` whose schedule is
 known in layouts (strategy, devices) but not in steps: device 0 (in every layout, the job's
 clock) checks the replay clock before each step; once the next event's announcement time has
 passed (its notice before a preemption, its time for an addition) it publishes "switch into
@@ -13,27 +13,38 @@ between iterations. The end of the window is published the same way.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from ... import models
-from ...errors import StrategyError, SwitchAborted
-from ..elastic import ElasticContext, incarnations, launch_elastic
-from ..reference import OptimConfig
-from ..switch import store_arrays
-from ..switch_live import Generation, LiveSession
+from .. import models
+from ..errors import StrategyError, SwitchAborted
+from ..exec.elastic import ElasticContext, incarnations, launch_elastic
+from ..exec.reference import OptimConfig
+from ..exec.switch import Generation, LiveOptions, LiveSession, store_arrays
 
-__all__ = ["ReplaySession", "run_replay_job"]
+__all__ = ["ReplaySession", "ReplayClock", "run_replay_job"]
 
 CLOCK = 0   # the device that keeps the replay clock (never preempted: pools keep device 0)
 
 
-class ReplaySession(LiveSession):
-    """One process of a replayed job (module doc). ``opts['announce']``: per layout, the replay
-    second its switch is announced; ``opts['duration']``: the window's end; ``opts['max_steps']``."""
+@dataclass(frozen=True)
+class ReplayClock:
+    """When a replay switches: per layout, the replay second its switch is announced; the
+    window's end (seconds); the most steps; whether each process reports its final state."""
 
-    def __init__(self, ctx: ElasticContext, spec: models.ModelSpec, gens: list[Generation], opts: dict) -> None:
+    announce: tuple[float, ...]
+    duration: float
+    max_steps: int
+    export_final: bool = True
+
+
+class ReplaySession(LiveSession):
+    """One process of a replayed job (module doc), switching as ``clock`` says."""
+
+    def __init__(self, ctx: ElasticContext, spec: models.ModelSpec, gens: list[Generation], opts: LiveOptions,
+                 clock: ReplayClock) -> None:
         super().__init__(ctx, spec, gens, opts)
+        self.clock = clock
         self.known: dict[int, int] = {}      # layout -> the step its switch happens at
 
     def _learn(self, g: int, step: int) -> None:
@@ -57,8 +68,8 @@ class ReplaySession(LiveSession):
 
     def replay(self) -> dict:
         """Train until the window's end (or ``max_steps``), switching as the clock says; the report."""
-        store, opts = self.ctx.store, self.opts
-        announce, duration, max_steps = opts["announce"], float(opts["duration"]), int(opts["max_steps"])
+        store = self.ctx.store
+        announce, duration, max_steps = self.clock.announce, float(self.clock.duration), int(self.clock.max_steps)
         clock = self.device == CLOCK
         t0 = None
         losses: dict[int, float] = {}
@@ -108,15 +119,16 @@ class ReplaySession(LiveSession):
                "switches": [asdict(r) for r in self.records], "rows": self.rows,
                "final_gen": self.gen if self.runtime is not None else None, "t0": t0,
                "gen_steps": [0] + [self.known.get(g) for g in range(1, len(self.gens))] if clock else None}
-        if self.runtime is not None and opts.get("export_final", True):
+        if self.runtime is not None and self.clock.export_final:
             out["final"] = {"rank": self.runtime.ctx.rank, "arrays": store_arrays(self.runtime.store)}
         return out
 
 
-def _replay_worker(ctx: ElasticContext, spec: models.ModelSpec, gens: list[Generation], opts: dict) -> dict:
+def _replay_worker(ctx: ElasticContext, spec: models.ModelSpec, gens: list[Generation], opts: LiveOptions,
+                   clock: ReplayClock) -> dict:
     import torch
     torch.manual_seed(0)
-    session = ReplaySession(ctx, spec, gens, opts)
+    session = ReplaySession(ctx, spec, gens, opts, clock)
     if not session.start():
         return {"device": ctx.device, "key": ctx.member.key, "losses": {}, "error": None, "rows": [],
                 "switches": [asdict(r) for r in session.records], "final_gen": None, "joined": False}
@@ -135,10 +147,10 @@ def run_replay_job(spec: models.ModelSpec, layouts: list[tuple[Any, tuple[int, .
                             "devices from 0")
     # placeholder steps (the clock decides the real ones); generations are per layout
     gens = [Generation(i, s, tuple(d)) for i, (s, d) in enumerate(layouts)]
-    opts = {"global_batch": global_batch, "seq_len": seq_len, "seed": seed, "data_seed": data_seed,
-            "optim": optim.__dict__, "switch_timeout": switch_timeout, "announce": list(announce),
-            "duration": duration, "max_steps": max_steps, "export_final": export_final}
-    reports = launch_elastic(_replay_worker, incarnations([g.devices for g in gens]), args=(spec, gens, opts),
+    opts = LiveOptions(global_batch=global_batch, seq_len=seq_len, seed=seed, data_seed=data_seed, optim=optim,
+                       notice=1, switch_timeout=switch_timeout)
+    clock = ReplayClock(tuple(announce), duration, max_steps, export_final)
+    reports = launch_elastic(_replay_worker, incarnations([g.devices for g in gens]), args=(spec, gens, opts, clock),
                              timeout=timeout, on_report=on_report)
     clock = next(r for r in reports.values() if r and r.get("gen_steps") is not None)
     steps = clock["gen_steps"]

@@ -1,4 +1,4 @@
-"""Live replay of preemption traces: ``exec.replay(trace, "tiny-gpt", policy="switch-aware")``.
+"""Live replay of preemption traces: ``parashift.replay.replay(trace, "tiny-gpt", policy="switch-aware")``.
 
 A trace's window is scaled onto local processes and compressed in time; a live job trains and,
 at each event (after the trace's notice, for a preemption), hot-switches to the strategy the

@@ -1,15 +1,16 @@
-"""Hot switch of a live job: plan, world, transfer, verify, rebuild — without a checkpoint.
+"""The switch protocol on one process: prepare, execute (transfer), verify, restore.
 
 Every participant of a switch computes the same plan locally (``vps.plan_switch`` and
 ``vps.transition.lower`` are deterministic), so nothing is negotiated. A job's schedule orders
-each switch's destination devices to keep the most state in place (:func:`place`). Phases:
+each switch's destination devices to keep the most state in place (``vps.transition.place``).
+Phases:
 
 1. *planning* and 2. *world creation* run in a background thread as soon as the switch is
    announced (``prepare``), while training goes on: the switch Program is lowered, the new
    layout's training Program is compiled, and the process groups the switch needs (the
    participants' world and one group per promoted collective) and the new layout's training
    world are built on the job's TCPStore by the :class:`~parashift.exec.elastic.ElasticManager`.
-3. *transfer*: between iterations, :class:`~parashift.exec.switch_exec.SwitchExecutor` runs this
+3. *transfer*: between iterations, :class:`~.executor.SwitchExecutor` runs this
    device's streams of the switch Program from the old state store into a new one (allocated,
    and faulted in, in the background once the switch is announced).
 4. *verify*: in one store round, every participant publishes a record (whether its transfer
@@ -18,19 +19,19 @@ each switch's destination devices to keep the most state in place (:func:`place`
    transfer or missing record aborts: the new store is dropped and the old one, never written,
    stays in use (:class:`~parashift.errors.SwitchAborted`; ``peer_failed`` tells whether a
    participant is gone).
-5. *rebuild*: a Runtime is built over the new store (its parameters are views into it) and the
-   new training world; the step counter carries over, so the data order (a function of the
-   global step) and the global batch continue unchanged.
+5. *rebuild* (:mod:`.session`): a Runtime is built over the new store (its parameters are views
+   into it) and the new training world; the step counter carries over, so the data order (a
+   function of the global step) and the global batch continue unchanged.
 
 Memory. The Program allocates and frees buffers per stage (``alloc``/``free`` of its
 instructions). Its *staging* buffers (packed and received messages) follow it exactly: they come
-from a :class:`~parashift.exec.switch_exec.BufferPool` and go back as soon as their transfer is
+from a :class:`~.memory.BufferPool` and go back as soon as their transfer is
 sent or unpacked, so a stage reuses the previous stage's buffers. The runtime keeps each
 layout's states in a few flat buffers per rank (not one per tensor). Without a budget (or when
 old and new fit in it) the new store exists whole before the transfer and the old store is kept
 whole until the verdict, so that an abort at any point leaves the old layout's state intact:
 the high-water mark is ``old + new + staging peak``. When old and new exceed the budget, the
-switch is *staged* (:mod:`.switch_staged`): each verified stage hands back the old regions the
+switch is *staged* (:mod:`.staged`): each verified stage hands back the old regions the
 Program frees there, the new store fills lazily, and an abort restores what was released. Both
 are recorded in :class:`SwitchRecord` (``old_bytes``, ``new_bytes``, ``released_bytes``,
 ``staging_peak_bytes``, ``peak_bytes``). A budget below what one stage needs is refused by the
@@ -41,111 +42,22 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
-import numpy as np
-import torch
+import torch.distributed as dist
 
-from .. import cluster as _cluster
-from ..errors import StrategyError, SwitchAborted
-from ..ir.program import Program
-from ..models import ModelSpec
-from ..strategy import Strategy
-from .state import StateStore
-from .switch_exec import BIG, CHUNK, BufferPool, SwitchExecutor, bytes_of, kind_tensor, reserve_waiters
+from ...errors import SwitchAborted
+from ...ir.program import Program
+from ...models import ModelSpec
+from ...strategy import Strategy
+from ...vps.transition import SwitchMeta, SwitchPlanned, parse_switch_name, plan_live_switch
+from ..state import StateStore
+from .executor import SwitchExecutor
+from .memory import BufferPool, bytes_of, reset_rss_peak, rss_bytes
+from .staged import Releases, restore
+from .wire import BIG, CHUNK, reserve_waiters
 
-__all__ = ["SwitchPlanned", "plan_live_switch", "Prepared", "prepare", "training_worlds", "execute_switch",
-           "SwitchRecord", "store_arrays", "store_from_full", "full_from_arrays", "parse_switch_at", "StateKinds"]
-
-#: Store attributes that make up the switched state (master only for non-fp32 models).
-StateKinds = ("param", "master", "exp_avg", "exp_avg_sq")
-
-
-@dataclass(frozen=True, eq=False)
-class SwitchPlanned:
-    """A lowered switch: the Program, and per device the kept pieces it reuses in place."""
-
-    program: Program
-    src: Strategy
-    dst: Strategy
-    src_devices: tuple[int, ...]
-    dst_devices: tuple[int, ...]
-    extra_keep: dict[int, list[tuple[str, str, tuple, tuple]]]
-    seconds: float
-    staged: bool = False       # old + new exceed the budget: release old state stage by stage
-
-    @property
-    def participants(self) -> tuple[int, ...]:
-        return tuple(sorted(set(self.src_devices) | set(self.dst_devices)))
-
-    def collective_groups(self, device: int) -> list[tuple[int, ...]]:
-        """Device tuples of the promoted collectives ``device`` takes part in (program order)."""
-        rp = self.program.ranks.get(device)
-        out: list[tuple[int, ...]] = []
-        if rp is None:
-            return out
-        for v in rp.streams.values():
-            for ins in v:
-                if ins.op in ("broadcast", "scatter", "gather") and tuple(ins.group) not in out:
-                    out.append(tuple(ins.group))
-        return out
-
-
-def plan_live_switch(spec: ModelSpec, src: Strategy, dst: Strategy, src_devices: tuple[int, ...],
-                     dst_devices: tuple[int, ...], *, memory_budget=None, **options: Any) -> SwitchPlanned:
-    """Plan and lower the switch of ``spec``'s live state (deterministic: every rank gets the same)."""
-    from ..vps import plan_switch
-    from ..vps.transition import lower
-    t0 = time.perf_counter()
-    devs = sorted(set(src_devices) | set(dst_devices))
-    clus = _live_cluster(devs)
-    plan = plan_switch(spec, src, dst, cluster=clus, src_devices=list(src_devices), dst_devices=list(dst_devices))
-    staged = memory_budget is not None and _over_budget(plan, memory_budget, devs)
-    prog = lower(plan, clus, memory_budget=memory_budget, **options)
-    # kept pieces the Program reuses in place (it omits them); flat stores still copy them
-    P = prog.meta["pieces"]
-    listed = {(t, k, d, tuple(lo), tuple(hi)) for t, k, d, x, lo, hi in zip(
-        P["tensor"], P["kind"], P["dst"], P["transfer"], _rows(P["lo"], prog.meta["dims"]),
-        _rows(P["hi"], prog.meta["dims"])) if x == -1}
-    names, kinds = prog.meta["tensors"], prog.meta["kinds"]
-    extra: dict[int, list] = {}
-    kept = np.flatnonzero(~plan.moved)
-    for i in kept.tolist():
-        key = (int(plan.tensor[i]), int(plan.kind[i]), int(plan.dst[i]), tuple(plan.lo[i].tolist()),
-               tuple(plan.hi[i].tolist()))
-        if key not in listed:
-            extra.setdefault(key[2], []).append((names[key[0]], kinds[key[1]], key[3], key[4]))
-    return SwitchPlanned(prog, Strategy.parse(src), Strategy.parse(dst), tuple(src_devices), tuple(dst_devices),
-                         extra, time.perf_counter() - t0, staged)
-
-
-def _live_cluster(devs) -> "_cluster.Cluster":
-    """This machine's worker processes as a cluster holding every device id of a live switch."""
-    return _cluster.get("cpu-local").with_devices(max(max(devs) + 1, 8))
-
-
-def place(spec: ModelSpec, src: Strategy, dst: Strategy, src_devices: tuple[int, ...],
-          dst_devices: tuple[int, ...]) -> tuple[int, ...]:
-    """``dst_devices`` reordered (within each node) so that the switch keeps the most state in
-    place (deterministic; the given order when it is already best)."""
-    from ..vps import plan_switch
-    devs = sorted(set(src_devices) | set(dst_devices))
-    return plan_switch(spec, src, dst, cluster=_live_cluster(devs), src_devices=list(src_devices),
-                       dst_devices=list(dst_devices), placement="keep").dst_devices
-
-
-def _over_budget(plan, memory_budget, devs: list[int]) -> bool:
-    """Whether some device's old and new states together exceed its budget (the switch must then
-    release old state stage by stage: see :mod:`.switch_staged`)."""
-    from ..vps.transition.staging import budget_array, state_buffers
-    buf = state_buffers(plan)
-    bud = budget_array(memory_budget, max(devs) + 1)
-    need = np.bincount(buf.dev, weights=(buf.old + buf.new).astype(float), minlength=len(bud))[:len(bud)]
-    return any(need[d] > bud[d] for d in devs)
-
-
-def _rows(flat: list, dims: int) -> list[list[int]]:
-    return [flat[i:i + dims] for i in range(0, len(flat), dims)]
+__all__ = ["Prepared", "prepare", "training_worlds", "execute_switch", "SwitchRecord"]
 
 
 @dataclass
@@ -172,17 +84,19 @@ class Prepared:
 
 def prepare(manager, spec: ModelSpec, src: Strategy, dst: Strategy, src_devices: tuple[int, ...],
             dst_devices: tuple[int, ...], keys: dict[int, str], device: int, *, global_batch: int, seq_len: int,
-            memory_budget=None) -> Prepared:
+            memory_budget=None, cost_model: Any = None) -> Prepared:
     """Plan the switch and compile the new training Program (planning), then build the switch's
     process groups and, on a device of the new layout, its training world (world creation).
 
-    ``keys``: incarnation key of every participating device (see :mod:`.elastic`). Every
+    ``keys``: incarnation key of every participating device (see :mod:`..elastic`); ``cost_model``:
+    what the lowering's promotions are scored with (default: the local machine's). Every
     participant creates the groups in the same order (the switch's world, its collective groups
     sorted, then the training world's groups sorted), so creation never waits crosswise.
     """
-    from .runtime import compile_program
+    from ..runtime import compile_program
     t0 = time.time()
-    planned = plan_live_switch(spec, src, dst, src_devices, dst_devices, memory_budget=memory_budget)
+    planned = plan_live_switch(spec, src, dst, src_devices, dst_devices, memory_budget=memory_budget,
+                               cost_model=cost_model)
     program = None
     if device in dst_devices:
         program = compile_program(spec if not _is_preset(spec) else spec.name, dst, global_batch=global_batch,
@@ -205,8 +119,8 @@ def prepare(manager, spec: ModelSpec, src: Strategy, dst: Strategy, src_devices:
 def training_worlds(manager, members: list[str], rank: int, program: Program):
     """The process groups a Runtime of ``program`` needs, built on the job's store by ``manager``
     (``members``: the incarnation key of each rank). Every rank of the layout must call it."""
-    from .groups import Worlds
-    from .runtime import world_keys
+    from ..groups import Worlds
+    from ..runtime import world_keys
     worlds = Worlds(rank, len(members), "gloo",
                     factory=lambda ranks, channel: manager.process_group(tuple(members[r] for r in ranks), channel))
     worlds.prepare(world_keys(program))
@@ -214,7 +128,7 @@ def training_worlds(manager, members: list[str], rank: int, program: Program):
 
 
 def _is_preset(spec: ModelSpec) -> bool:
-    from .. import models
+    from ... import models
     try:
         return models.get(spec.name) == spec
     except Exception:  # noqa: BLE001 - not a preset name
@@ -261,17 +175,16 @@ class SwitchRecord:
 
 def execute_switch(prep: Prepared, store, prefix: str, device: int, old: StateStore | None,
                    new: StateStore | None, record: SwitchRecord, *, timeout: float = 60.0, pool: BufferPool | None = None,
-                   steps_done: int | None = None, on_received=None, on_issue=None, big: int = BIG,
-                   chunk: int = CHUNK) -> dict:
+                   steps_done: int | None = None, on_received: Callable | None = None,
+                   on_issue: Callable | None = None, big: int = BIG, chunk: int = CHUNK) -> dict:
     """Transfer and verify (phases 3 and 4). Returns the job meta (``steps_done``, ``opt_step``).
 
     A *staged* switch (``prep.planned.staged``: old + new state exceed the memory budget) runs
     stage by stage, verifies each stage, and releases the old regions the stage frees
-    (:mod:`.switch_staged`). Raises SwitchAborted (with ``peer_failed`` set) when anything fails;
-    the old layout's state is then whole again (never written, or restored from verified copies).
+    (:mod:`.staged`). ``on_received``/``on_issue``: fault hooks tests inject (see
+    :class:`~.executor.SwitchExecutor`). Raises SwitchAborted when anything fails; the old
+    layout's state is then whole again (never written, or restored from verified copies).
     """
-    import torch.distributed as dist
-    from .switch_staged import reset_rss_peak, rss_bytes
     kv = dist.PrefixStore(prefix, store)
     parts = prep.planned.participants
     leader = min(prep.planned.src_devices)
@@ -280,8 +193,7 @@ def execute_switch(prep: Prepared, store, prefix: str, device: int, old: StateSt
     record.rss_start_bytes = rss_bytes()[0]
     record.old_bytes, record.new_bytes = bytes_of(old), bytes_of(new)
     ex = SwitchExecutor(prep.planned.program, device, old, new, prep.world, prep.index,
-                        lambda g: prep.groups[g], extra_keep=prep.planned.extra_keep.get(device, []),
-                        timeout=timeout, pool=pool, on_received=on_received, on_issue=on_issue,
+                        lambda g: prep.groups[g], timeout=timeout, pool=pool, on_received=on_received, on_issue=on_issue,
                         peer_gone=lambda: _gone(store, parts), big=big, chunk=chunk)
     meta = None if old is None else {"steps_done": steps_done,
                                      "opt_step": max(b.step for b in old.buffers.values())}
@@ -301,8 +213,8 @@ def execute_switch(prep: Prepared, store, prefix: str, device: int, old: StateSt
         record.verify_seconds = t2 - t1
         record.rows.append(("switch", "verify", t1, t2))
         if fails:
-            raise _aborted(f"switch at step {record.step} aborted and rolled back to {record.src}: {fails[0]}",
-                           False, fails[0])
+            raise SwitchAborted(f"switch at step {record.step} aborted and rolled back to {record.src}: "
+                                f"{fails[0]}", fails[0])
     _stats(record, ex.stats)
     record.rss_peak_bytes = rss_bytes()[1]
     return recs[parts.index(leader)]["meta"]
@@ -338,9 +250,9 @@ def _decide(kv, store, name: str, device: int, parts, stats, sent_before: set, r
     _await(kv, keys, timeout, lambda: _gone(store, [d for d in parts if not kv.check([f"{name}/{d}"])]))
     if not kv.check(keys):
         missing = [d for d in parts if not kv.check([f"{name}/{d}"])]
-        raise _aborted(f"switch at step {record.step} aborted: device(s) {missing} never finished "
-                       f"({reason or 'a peer failed'}); the old layout's state is intact on the survivors",
-                       True, reason)
+        raise SwitchAborted(f"switch at step {record.step} aborted: device(s) {missing} never finished "
+                            f"({reason or 'a peer failed'}); the old layout's state is intact on the survivors",
+                            reason, peer_failed=True)
     recs = [json.loads(v) for v in kv.multi_get(keys)]
     fails = [r["fail"] for r in recs if r["fail"] is not None]
     by_tag = {k: v for r in recs for k, v in r["sent"].items()}
@@ -372,7 +284,6 @@ def _run_staged(ex: SwitchExecutor, prep: Prepared, kv, store, device: int, old:
     """Stage by stage: transfer, verify, then release the old regions the stage frees. A failed
     stage restores what earlier stages released, so the old layout is whole again. Returns the
     last stage's records (see :func:`_decide`)."""
-    from .switch_staged import Releases
     planned = prep.planned
     parts = planned.participants
     rel = Releases(planned.program, device, old, (old if old is not None else new).spec, planned.src,
@@ -390,10 +301,12 @@ def _run_staged(ex: SwitchExecutor, prep: Prepared, kv, store, device: int, old:
             fails, recs = _decide(kv, store, f"verdict{k}", device, parts, ex.stats, sent0, recv0, reason, timeout,
                                   record, meta)
         except SwitchAborted as e:
-            if k > 0:       # put back what earlier stages released, from the survivors' verified copies
-                gone = frozenset(d for d in parts if store.check([f"dead/{d}"]))   # as the launcher saw it
-                e.args = (f"{e.args[0]}; {_try_restore(rel, k, prep, new, timeout, device, gone, record.step)}",)
-            raise
+            if k == 0:
+                raise
+            # put back what earlier stages released, from the survivors' verified copies
+            gone = frozenset(d for d in parts if store.check([f"dead/{d}"]))   # as the launcher saw it
+            raise SwitchAborted(f"{e}; {_try_restore(rel, k, prep, new, timeout, device, gone, record.step)}",
+                                e.reason, e.peer_failed) from e
         t2 = time.time()
         record.transfer_seconds += t1 - t0
         record.verify_seconds += t2 - t1
@@ -403,9 +316,9 @@ def _run_staged(ex: SwitchExecutor, prep: Prepared, kv, store, device: int, old:
         record.staging_peak_bytes = max(record.staging_peak_bytes, ex.pool.peak)
         if fails:
             got = _restore(rel, k, prep, new, timeout, frozenset(), record.step) if k > 0 else 0
-            raise _aborted(f"switch at step {record.step} aborted at stage {k} and rolled back to {record.src} "
-                           f"({got / 2**20:.1f} MiB of released old state restored here): {fails[0]}",
-                           False, fails[0])
+            raise SwitchAborted(f"switch at step {record.step} aborted at stage {k} and rolled back to "
+                                f"{record.src} ({got / 2**20:.1f} MiB of released old state restored here): "
+                                f"{fails[0]}", fails[0])
         released = rel.release(k)
         record.released_bytes += released
         record.rows.append(("switch", f"release{k}", t2, time.time()))
@@ -415,7 +328,6 @@ def _run_staged(ex: SwitchExecutor, prep: Prepared, kv, store, device: int, old:
 def _restore(rel, k: int, prep: Prepared, new, timeout: float, gone: frozenset, step: int) -> int:
     """Restore what stages before ``k`` released, over a fresh communicator of the survivors (a
     group that lost a member cannot be trusted)."""
-    from .switch_staged import restore
     alive = [d for d in prep.planned.participants if d not in gone]
     world = prep.manager.group(tuple(prep.keys[d] for d in alive), f"restore/{step}/{k}")
     return restore(rel, k, world, {d: i for i, d in enumerate(alive)}, new, timeout, gone)
@@ -431,11 +343,12 @@ def _try_restore(rel, k: int, prep: Prepared, new, timeout: float, device: int, 
 
 def _new_bytes_by_stage(program: Program, device: int) -> list[int]:
     """Bytes of new state buffers the Program allocates on ``device`` at each stage."""
-    out = [0] * int(program.meta.get("stages", 1))
+    out = [0] * SwitchMeta.of(program).stages
     rp = program.ranks.get(device)
     for ins in (rp.streams.get("pack", ()) if rp is not None else ()):
-        if ins.key and ins.key.startswith("keep:"):
-            out[int(ins.key[5:])] += sum(nb for name, nb in ins.alloc if name.startswith("new:"))
+        what, arg = parse_switch_name(ins.key)
+        if what == "keep":
+            out[int(arg[0])] += sum(nb for name, nb in ins.alloc if parse_switch_name(name)[0] == "new")
     return out
 
 
@@ -445,81 +358,3 @@ def _gone(store, devices) -> int | None:
         if store.check([f"dead/{d}"]):
             return d
     return None
-
-
-def _aborted(msg: str, peer_failed: bool, reason: str | None) -> SwitchAborted:
-    e = SwitchAborted(msg)
-    e.peer_failed = peer_failed
-    e.reason = reason
-    return e
-
-
-# ---- state helpers (tests, restarts, checkpoint baselines) ------------------------------------------------
-def store_arrays(store: StateStore) -> dict[str, dict[str, np.ndarray]]:
-    """family -> kind -> a copy of the flat state buffer (what a switch moves), as numpy."""
-    out: dict[str, dict[str, np.ndarray]] = {}
-    for fam, b in store.buffers.items():
-        for k in StateKinds:
-            t = getattr(b, k)
-            if t is not None:
-                out.setdefault(fam, {})[k] = t.detach().cpu().clone().numpy()
-    return out
-
-
-def full_from_arrays(spec: ModelSpec, strategy: Strategy, arrays: dict[int, dict]) -> dict[tuple[str, str], np.ndarray]:
-    """Assemble the full (global) state (tensor, kind) -> array from every rank's ``store_arrays``."""
-    out: dict[tuple[str, str], np.ndarray] = {}
-    for rank, fams in arrays.items():
-        skel = StateStore(spec, strategy, rank, torch.device("cpu"), init=False)
-        for fam, kinds in fams.items():
-            b = skel.buffers[fam]
-            for k, arr in kinds.items():
-                getattr(b, k).copy_(torch.from_numpy(arr))
-                for p in b.pieces:
-                    full = out.setdefault((p.name, k), np.full(next(t.shape for t in spec.tensors if t.name == p.name),
-                                                               np.nan, dtype=arr.dtype))
-                    flat, base = kind_tensor(skel, fam, k)
-                    lo, hi = p.start - base, p.start - base + p.numel
-                    if lo >= 0 and hi <= flat.numel():
-                        full[p.box()] = flat[lo:hi].view(p.sizes).numpy()
-                    elif hi > 0 and lo < flat.numel():   # a ZeRO shard holds part of it: write that part
-                        a, e = max(lo, 0), min(hi, flat.numel())
-                        region = full[p.box()].reshape(-1)
-                        region[a - lo:e - lo] = flat[a:e].numpy()
-                        full[p.box()] = region.reshape(p.sizes)
-    return out
-
-
-def store_from_full(spec: ModelSpec, strategy: Strategy, rank: int, full: dict[tuple[str, str], np.ndarray],
-                    opt_step: int = 0) -> StateStore:
-    """The store a job started directly in ``strategy`` from the full state ``full`` would hold."""
-    s = StateStore(spec, strategy, rank, torch.device("cpu"), init=False)
-    for fam, b in s.buffers.items():
-        b.step = opt_step
-        for k in StateKinds:
-            t = getattr(b, k)
-            if t is None:
-                continue
-            flat, base = kind_tensor(s, fam, k)
-            padded = torch.zeros(b.padded, dtype=flat.dtype)
-            for p in b.pieces:
-                padded[p.start:p.start + p.numel] = torch.from_numpy(np.ascontiguousarray(full[(p.name, k)][p.box()])).reshape(-1)
-            flat.copy_(padded[base:base + flat.numel()])
-    return s
-
-
-def parse_switch_at(text: str) -> tuple[int, Strategy, tuple[int, ...] | None]:
-    """``STEP:STRATEGY[:DEVICES]`` -> (step, strategy, devices or None)."""
-    from ..cluster import parse_devices
-    parts = text.split(":")
-    if len(parts) not in (2, 3) or not parts[0].strip().isdigit():
-        raise StrategyError(f"--switch-at {text!r} is not STEP:STRATEGY[:DEVICES]; e.g. 10:tp=2,dp=2 or "
-                            f"10:dp=3:0,1,2")
-    step = int(parts[0])
-    strategy = Strategy.parse(parts[1])
-    devices = parse_devices(parts[2]) if len(parts) == 3 and parts[2].strip() else None
-    if devices is not None and len(devices) != strategy.world:
-        raise StrategyError(f"--switch-at {text!r}: strategy {strategy} runs {strategy.world} ranks but "
-                            f"{len(devices)} devices are listed; list exactly {strategy.world} device ids")
-    return step, strategy, devices
-

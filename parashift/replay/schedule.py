@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ... import models, traces
-from ...errors import StrategyError, TraceFormatError
-from ...strategy import Strategy
+from .. import models, traces
+from ..errors import StrategyError, TraceFormatError
+from ..strategy import Strategy
 
 __all__ = ["POLICIES", "ReplayEvent", "ReplaySchedule", "replay_schedule", "DEFAULT_NOTICE"]
 
@@ -161,7 +161,7 @@ def replay_schedule(trace: "str | Path | pd.DataFrame", model: "str | models.Mod
 def _strategies(scaled: pd.DataFrame, spec: models.ModelSpec, policy: str, max_procs: int, global_batch: int,
                 seq_len: int, cost_model: Any) -> list[Strategy]:
     """The policy's strategy at the start and after every event (from ``search.plan_trace``)."""
-    from ... import cluster, search
+    from .. import cluster, search
     dev0 = int(scaled.attrs["initial_devices"])
     # a hand-built step curve keeps every event, even at the very end (trace_segments drops empty segments)
     t = np.concatenate([[0.0], scaled["time"].to_numpy(np.float64)])

@@ -1,10 +1,10 @@
 """Execute one device's part of a switch Program over torch state stores, with real communication.
 
-A switch Program (``parashift.vps.transition.lower``) names per-tensor buffers
-``old:<kind>:<tensor>`` / ``new:<kind>:<tensor>`` and packs/unpacks *pieces* (global boxes) listed
-in ``meta["pieces"]``. The runtime's :class:`~parashift.exec.state.StateStore` keeps a rank's
-states in flat buffers; :func:`piece_view` maps a piece onto a strided view of the right flat
-buffer (no copy), so ``keep`` copies, packs and unpacks are strided tensor copies.
+A switch Program (``parashift.vps.transition.lower``) is complete: its :class:`SwitchMeta` lists
+every destination piece (kept ones included) and the op table (``vps.transition.OPS``) says what
+each transfer means, so the executor needs nothing else. Pieces map onto strided views of the
+flat state buffers (:func:`~.stores.piece_view`), so ``keep`` copies, packs and unpacks are strided
+tensor copies.
 
 :class:`SwitchExecutor` runs the streams of one device (``pack``, ``send<l>``, ``recv<l>``,
 ``coll<l>``, ``unpack``) honoring ``deps``. How it keeps close to the bare cost of moving bytes:
@@ -13,29 +13,25 @@ buffer (no copy), so ``keep`` copies, packs and unpacks are strided tensor copie
   ``BIG`` bytes travels as a message of its own (a broadcast as a series of broadcasts), sent
   straight from the old state buffer and received straight into the new one wherever its box is
   contiguous there; only small pieces (and boxes strided at one end) go through a staging buffer,
-  one per transfer (the planner coalesces per peer); scatter and gather pack their root's chunks;
-- *pooled staging*: staging buffers come from a :class:`BufferPool` and go back as soon as
-  their transfer is sent or unpacked, so later stages (and later switches) reuse them;
+  one per transfer (the planner coalesces per peer); chunked ops pack their chunks;
+- *pooled staging*: staging buffers come from a :class:`~.memory.BufferPool` and go back as soon
+  as their transfer is sent or unpacked, so later stages (and later switches) reuse them;
 - *overlap*: point-to-point messages are all issued as soon as their deps allow (tags keep
   them apart), in parts of at most ``CHUNK`` bytes; while they are on the wire the driver copies
   the kept pieces (in slices of ``SLICE`` bytes) and checksums each part as soon as it has been
   sent or has landed;
 - *cheap checks*: a checksum is one vectorized 64-bit sum per part (memory speed), folded per
-  transfer, so verification publishes one value per transfer; the caller compares them (see
-  :mod:`parashift.exec.switch`).
+  transfer (or chunk), so verification publishes one value per transfer; the caller compares
+  them (see :mod:`.protocol`).
 
-:func:`state_alloc` allocates the destination store huge-page backed (first-touch faults of
-4 KiB pages cost about a tenth of a second per GB).
+Each op has one handler (:attr:`SwitchExecutor.HANDLERS`); what differs between ops beyond the
+call itself (who sends, bytes per member, offsets, checksummed chunks) comes from the op table.
 """
 from __future__ import annotations
 
 import collections
-import ctypes
 import queue
-import sys
-import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -43,233 +39,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..errors import SwitchAborted
-from ..ir.program import Instr, Program
-from .state import StateStore
+from ...errors import SwitchAborted
+from ...ir.program import Instr, Program
+from ...vps.transition import SwitchMeta, parse_switch_name, switch_name
+from ...vps.transition.collectives import op as op_of
+from ..state import StateStore
+from .memory import BufferPool
+from .stores import piece_view
+from .wire import BIG, CHUNK, MAX_MSGS, SLICE, checksum, fold, parts, slices, submit, timedelta
 
-#: Pieces of at least this many bytes travel as messages of their own (p2p transfers and broadcasts).
-BIG = 1 << 16
-#: Messages travel in parts of at most this many bytes (checksummed as they land). 16 MiB: a part
-#: is a wait, a queue hand-off and a gloo rendezvous; against 4 MiB parts the switch's CPU was
-#: lower in 5 of 6 interleaved pairs (by 2-6%; one pair 3% higher). Smaller parts did not make
-#: the checksums cache-hot.
-CHUNK = 1 << 24
-#: Kept pieces are copied in slices of about this many bytes, so landed parts wait at most one slice.
-SLICE = 1 << 22
-#: Parts per transfer (gloo tags are ``transfer * MAX_MSGS + part``).
-MAX_MSGS = 1 << 24
-
-#: Transparent huge pages: buffers of at least this many bytes are advised to use them.
-HUGE = 1 << 21
-
-__all__ = ["piece_view", "kind_tensor", "SwitchExecutor", "BufferPool", "PieceTable", "crc", "checksum",
-           "state_alloc", "ExecStats", "reserve_waiters"]
-
-
-class _Waiters:
-    """Daemon threads that wait on issued work (gloo completes p2p work only inside ``wait()``),
-    kept across switches: issuing a message hands it to an idle thread instead of starting one
-    (``Thread.start`` blocks until the new thread runs, which costs a scheduling round on a busy
-    host). :meth:`reserve` starts threads ahead of a switch."""
-
-    def __init__(self) -> None:
-        self.q: queue.SimpleQueue = queue.SimpleQueue()
-        self.idle = 0
-        self.lock = threading.Lock()
-
-    def _loop(self) -> None:
-        while True:
-            fn, args = self.q.get()
-            fn(*args)
-            with self.lock:
-                self.idle += 1
-
-    def _spawn(self, n: int) -> None:
-        for _ in range(n):
-            threading.Thread(target=self._loop, name="parashift-switch-wait", daemon=True).start()
-
-    def reserve(self, n: int) -> None:
-        """Make sure at least ``n`` threads are idle."""
-        with self.lock:
-            need = max(0, n - self.idle)
-            self.idle += need
-        self._spawn(need)
-
-    def submit(self, fn: Callable, *args: Any) -> None:
-        with self.lock:
-            spawn = self.idle == 0
-            if not spawn:
-                self.idle -= 1
-        self.q.put((fn, args))
-        if spawn:
-            self._spawn(1)
-
-
-_WAITERS = _Waiters()
-
-
-def reserve_waiters(program: Program, device: int) -> None:
-    """Start the threads ``device``'s part of ``program`` waits on (call it before the switch)."""
-    rp = program.ranks.get(device)
-    _WAITERS.reserve(sum(ins.op != "copy" for v in (rp.streams.values() if rp is not None else ()) for ins in v))
-
-
-def _advise_huge(t: torch.Tensor) -> None:
-    """Ask Linux to back the 2 MiB-aligned interior of ``t`` (not yet touched) with huge pages:
-    first-touch page faults then cost ~1/10 (a 4 KiB-page fault per 4 KiB runs at ~1.3 GB/s)."""
-    n = t.numel() * t.element_size()
-    if n < 2 * HUGE or not sys.platform.startswith("linux"):
-        return
-    a = -(-t.data_ptr() // HUGE) * HUGE
-    e = (t.data_ptr() + n) // HUGE * HUGE
-    if e > a and _libc() is not None:
-        _libc().madvise(ctypes.c_void_p(a), ctypes.c_size_t(e - a), 14)  # MADV_HUGEPAGE; advice only
-
-
-_LIBC: list = []
-
-
-def _libc():
-    if not _LIBC:
-        try:
-            lib = ctypes.CDLL(None, use_errno=True)
-            lib.madvise  # noqa: B018 - raises AttributeError where libc has none
-        except (OSError, AttributeError):  # pragma: no cover - no madvise: small pages, same bytes
-            lib = None
-        _LIBC.append(lib)
-    return _LIBC[0]
-
-
-def state_alloc(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed state buffer for a switch's destination store, huge-page backed on Linux CPUs
-    (the allocator for ``StateStore(..., alloc=state_alloc)``)."""
-    if device.type != "cpu":
-        return torch.zeros(numel, dtype=dtype, device=device)
-    t = torch.empty(numel, dtype=dtype)
-    _advise_huge(t)
-    return t.zero_()
-
-
-def crc(t: torch.Tensor) -> int:
-    """CRC32 of a contiguous CPU tensor's bytes."""
-    return zlib.crc32(t.contiguous().view(torch.uint8).numpy())
-
-
-def checksum(t: torch.Tensor) -> int:
-    """A transfer checksum of a contiguous tensor's bytes: the 64-bit wrapping sum of its 8-byte words
-    (any corrupted word changes it; it runs at memory speed) plus a CRC32 of the tail. The value
-    depends only on the bytes, not on their alignment: numpy sums misaligned words in place
-    (about half the aligned speed) instead of copying them."""
-    b = t.contiguous().view(-1).view(torch.uint8)
-    a = b.numpy()
-    n8 = a.size // 8 * 8
-    if n8 == 0:
-        return zlib.crc32(a)
-    if b.data_ptr() % 8 == 0:        # aligned: torch's reduction is the faster one (same wrapping sum)
-        head = int(b[:n8].view(torch.int64).sum()) & 0xFFFFFFFFFFFFFFFF
-    else:
-        head = int(a[:n8].view(np.uint64).sum(dtype=np.uint64))
-    return (head * 0x100000001B3 + zlib.crc32(a[n8:]) + n8) & 0xFFFFFFFFFFFFFFFF
-
-
-def kind_tensor(store: StateStore, family: str, kind: str) -> tuple[torch.Tensor, int]:
-    """(flat tensor holding ``kind`` of ``family``, buffer coordinate of its element 0)."""
-    b = store.buffers[family]
-    if kind == "param":
-        return b.param, (b.lo if b.zero >= 3 else 0)
-    t = getattr(b, kind)
-    if t is None:
-        raise SwitchAborted(f"rank {store.rank} keeps no {kind!r} state ({store.spec.dtype} training); "
-                            f"plan the switch with the model's state kinds")
-    return t, (b.lo if b.zero >= 1 else 0)
-
-
-def piece_view(store: StateStore, tensor: str, kind: str, lo: tuple[int, ...], hi: tuple[int, ...]) -> torch.Tensor:
-    """A strided view of global box ``[lo, hi)`` of ``tensor``'s ``kind`` inside ``store`` (no copy).
-
-    Raises SwitchAborted when the store does not hold the whole box (the plan and the store disagree).
-    """
-    p = store.pieces.get(tensor)
-    if p is None:
-        raise SwitchAborted(f"rank {store.rank} holds no part of {tensor}, but the switch plan reads or writes it")
-    flat, base = kind_tensor(store, p.group, kind)
-    nd = len(p.sizes)
-    strides = [1] * nd
-    for i in range(nd - 2, -1, -1):
-        strides[i] = strides[i + 1] * p.sizes[i + 1]
-    loc = [a - o for a, o in zip(lo[:nd], p.offsets)]
-    size = [b - a for a, b in zip(lo[:nd], hi[:nd])]
-    if any(x < 0 for x in loc) or any(x + s > n for x, s, n in zip(loc, size, p.sizes)):
-        raise SwitchAborted(f"box {tuple(lo[:nd])}-{tuple(hi[:nd])} of {tensor} lies outside rank "
-                            f"{store.rank}'s shard {p.offsets}+{p.sizes}")
-    first = p.start + sum(x * s for x, s in zip(loc, strides)) - base
-    last = first + sum((s - 1) * st for s, st in zip(size, strides))
-    if first < 0 or last >= flat.numel():
-        raise SwitchAborted(f"rank {store.rank} does not hold {kind} of {tensor} box {tuple(lo[:nd])}-"
-                            f"{tuple(hi[:nd])} in its shard; the switch plan and the state store disagree")
-    return flat.as_strided(size, strides, flat.storage_offset() + first)
-
-
-class BufferPool:
-    """Reusable uint8 staging buffers, by size (sizes are 16-byte aligned by the planner).
-
-    ``in_use``: bytes handed out and not yet returned; ``peak``: the most ``in_use`` ever was
-    (reset by :meth:`reset_peak`); ``held``: bytes the pool owns (in use or idle)."""
-
-    def __init__(self) -> None:
-        self.free: dict[int, list[torch.Tensor]] = {}
-        self.allocated = 0
-        self.held = 0
-        self.in_use = 0
-        self.peak = 0
-
-    def get(self, nbytes: int) -> torch.Tensor:
-        self.in_use += nbytes
-        self.peak = max(self.peak, self.in_use)
-        lst = self.free.get(nbytes)
-        if lst:
-            return lst.pop()
-        self.allocated += nbytes
-        self.held += nbytes
-        t = torch.empty(nbytes, dtype=torch.uint8)
-        _advise_huge(t)
-        return t
-
-    def put(self, t: torch.Tensor) -> None:
-        self.in_use -= t.numel()
-        self.free.setdefault(t.numel(), []).append(t)
-
-    def reset_peak(self) -> None:
-        self.peak = self.in_use
-
-    def clear(self) -> None:
-        """Release the idle buffers (buffers in use stay with their holders)."""
-        self.held -= sum(t.numel() for lst in self.free.values() for t in lst)
-        self.free.clear()
-
-
-@dataclass(frozen=True)
-class PieceTable:
-    """``meta["pieces"]`` of a switch Program as numpy columns, indexed by transfer."""
-
-    tensor: np.ndarray
-    kind: np.ndarray
-    src: np.ndarray
-    dst: np.ndarray
-    lo: np.ndarray
-    hi: np.ndarray
-    nbytes: np.ndarray
-    stage: np.ndarray
-    transfer: np.ndarray
-    offset: np.ndarray
-
-    @classmethod
-    def of(cls, program: Program) -> "PieceTable":
-        m = program.meta
-        P = {k: np.asarray(v, dtype=np.int64) for k, v in m["pieces"].items()}
-        d = int(m["dims"])
-        P["lo"], P["hi"] = P["lo"].reshape(-1, d), P["hi"].reshape(-1, d)
-        return cls(**P)
+__all__ = ["SwitchExecutor", "ExecStats"]
 
 
 @dataclass
@@ -313,13 +92,11 @@ class SwitchExecutor:
     ``old``: the device's store in the source layout (None for a joining device); ``new``: its
     store in the destination layout (None for a leaving device). ``world``: process group over
     the switch's participants, ``index``: device id -> rank in ``world``; ``group(members)``
-    returns the cached process group of a collective's device tuple. ``extra_keep``: kept pieces
-    the Program leaves out (buffers it reuses in place, which the flat stores still copy), as
-    (tensor, kind, lo, hi). ``on_received(key, buffer)``: a test hook called on every received
-    buffer before it is checksummed; ``on_issue(instr)``: called after each
-    communication instruction is issued (fault tests). ``peer_gone()``: polled while
-    waiting; a device id it returns (a participant known to be dead) aborts the switch at once.
-    ``big``: pieces of at least this many bytes travel as messages of their own; ``chunk``:
+    returns the cached process group of a collective's device tuple. ``on_received(key, buffer)``:
+    a test hook called on every received buffer before it is checksummed; ``on_issue(instr)``:
+    called after each communication instruction is issued (fault tests). ``peer_gone()``: polled
+    while waiting; a device id it returns (a participant known to be dead) aborts the switch at
+    once. ``big``: pieces of at least this many bytes travel as messages of their own; ``chunk``:
     point-to-point messages travel in parts of at most this many bytes (every participant must
     use the same values). ``pool``: where staging buffers come from and go back to (its ``peak``
     becomes ``stats.staging_peak``).
@@ -327,18 +104,16 @@ class SwitchExecutor:
 
     def __init__(self, program: Program, device: int, old: StateStore | None, new: StateStore | None,
                  world: Any, index: dict[int, int], group: Callable[[tuple[int, ...]], Any], *,
-                 extra_keep: list[tuple[str, str, tuple, tuple]] = (), timeout: float = 60.0,
-                 pool: BufferPool | None = None,
+                 timeout: float = 60.0, pool: BufferPool | None = None,
                  on_received: Callable[[str, torch.Tensor], None] | None = None,
                  on_issue: Callable[[Instr], None] | None = None,
                  peer_gone: Callable[[], int | None] | None = None, big: int = BIG, chunk: int = CHUNK) -> None:
         self.program, self.device, self.old, self.new = program, device, old, new
         self.world, self.index, self.group = world, index, group
-        self.meta = program.meta
-        self.names, self.kinds = self.meta["tensors"], self.meta["kinds"]
-        self.P = PieceTable.of(program)
-        self.tag_id = {t: i for i, t in enumerate(self.meta["transfers"])}
-        self.extra_keep = list(extra_keep)
+        self.meta = SwitchMeta.of(program)
+        self.names, self.kinds = self.meta.tensors, self.meta.kinds
+        self.P = self.meta.pieces
+        self.tag_id = {t: i for i, t in enumerate(self.meta.transfers)}
         self.timeout = timeout
         self.pool = pool or BufferPool()
         self.on_received = on_received
@@ -364,9 +139,7 @@ class SwitchExecutor:
         self.later: collections.deque = collections.deque()  # deferred work, run while the wire is busy
         self._comm: dict[str, Instr] = {}
         self._done: set[int] = set()
-        moved = self.P.transfer >= 0
-        self._xstage = np.zeros(len(self.tag_id), dtype=np.int64)   # transfer id -> stage
-        self._xstage[self.P.transfer[moved]] = self.P.stage[moved]
+        self._xstage = self.meta.transfer_stage()
 
     def _sum(self, t: torch.Tensor) -> int:
         t0 = time.perf_counter()
@@ -380,24 +153,26 @@ class SwitchExecutor:
                           tuple(self.P.lo[i].tolist()), tuple(self.P.hi[i].tolist()))
 
     def _rows(self, tag: str, end: str) -> np.ndarray:
+        """This device's rows of transfer ``tag`` as its source (``end="src"``, one per buffer
+        offset) or its destination."""
         rows = self.by_xfer.get(self.tag_id[tag], np.zeros(0, dtype=np.int64))
-        col = self.P.src if end == "src" else self.P.dst
-        return rows[col[rows] == self.device]
-
-    def _local_offset(self, ins: Instr, i: int) -> int:
-        off = int(self.P.offset[i])
-        if ins.op in ("scatter", "gather") and self.device != ins.root:
-            off -= ins.group.index(self.device) * self._chunk(ins)
-        return off
+        rows = rows[(self.P.src if end == "src" else self.P.dst)[rows] == self.device]
+        if end == "src":      # a piece sent to several receivers is packed once
+            rows = rows[np.unique(self.P.offset[rows], return_index=True)[1]]
+        return rows
 
     @staticmethod
     def _chunk(ins: Instr) -> int:
-        return ins.nbytes // len(ins.group) if ins.op in ("scatter", "gather") else 0
+        return ins.nbytes // len(ins.group) if op_of(ins.op).chunked else 0
 
-    # ---- instructions -------------------------------------------------------------------------------
+    def _local_offset(self, ins: Instr) -> int:
+        """Where this device's buffer of ``ins`` starts in the transfer's full buffer."""
+        return op_of(ins.op).local_offset(self.device, ins.root, tuple(ins.group), self._chunk(ins))
+
+    # ---- copies: keep, pack, unpack ------------------------------------------------------------------
     def _alloc(self, ins: Instr) -> None:
         for name, nb in ins.alloc:
-            if name.startswith("buf:") and name not in self.bufs:
+            if parse_switch_name(name)[0] == "buf" and name not in self.bufs:
                 self.bufs[name] = self.pool.get(nb)[:nb] if nb else torch.empty(0, dtype=torch.uint8)
                 self.pooled.add(name)
 
@@ -409,43 +184,55 @@ class SwitchExecutor:
                 self.pool.put(t._base if t._base is not None else t)
 
     def _copy(self, ins: Instr) -> None:
-        kind, _, arg = ins.key.partition(":")
-        if kind == "keep":
+        what, (arg,) = parse_switch_name(ins.key)
+        if what == "keep":
             # kept pieces read the old store and write regions of the new one that nothing else
             # touches, so their copies are deferred: the driver runs them while transfers are on the wire
             stage = int(arg)
             rows = np.flatnonzero((self.P.transfer == -1) & (self.P.dst == self.device) & (self.P.stage == stage))
-            pairs = [(self._view(self.new, i), self._view(self.old, i)) for i in rows.tolist()]
-            if stage == 0:
-                pairs += [(piece_view(self.new, *x), piece_view(self.old, *x)) for x in self.extra_keep]
-            for d, o in pairs:            # in slices, so that landing parts are checksummed between them
-                self.later.extend(_slices(d, o, SLICE))
+            for i in rows.tolist():       # in slices, so that landing parts are checksummed between them
+                self.later.extend(slices(self._view(self.new, i), self._view(self.old, i), SLICE))
             self._alloc(ins)
             return
-        tag = arg
-        if self._comm_of(tag).op in _MESSAGES:
-            (self._pack_p2p if kind == "pack" else self._unpack_p2p)(tag)
+        t_ins = self._comm[arg]
+        if not op_of(t_ins.op).chunked:
+            (self._pack_p2p if what == "pack" else self._unpack_p2p)(arg)
             return
-        if kind == "pack":              # scatter and gather: their chunks at the root are one buffer
-            rows = self._rows(tag, "src")
-            t_ins = self._comm_of(tag)
+        buf_name = switch_name("buf", arg)
+        base = self._local_offset(t_ins)
+        if what == "pack":              # a chunked op: this device's chunks are one buffer
             self._alloc(ins)
-            buf = self.bufs[f"buf:{tag}"]
-            for i in rows.tolist():
-                n = int(self.P.nbytes[i])
-                off = self._local_offset(t_ins, i)
+            buf = self.bufs[buf_name]
+            for i in self._rows(arg, "src").tolist():
+                n, off = int(self.P.nbytes[i]), int(self.P.offset[i]) - base
                 v = self._view(self.old, i)
                 buf[off:off + n].view(v.dtype).view(v.shape).copy_(v)
-            self._record_sent(t_ins, buf)
-        elif kind == "unpack":
-            t_ins = self._comm_of(tag)
-            buf = self.bufs[f"buf:{tag}"]
-            for i in self._rows(tag, "dst").tolist():
-                n = int(self.P.nbytes[i])
-                off = self._local_offset(t_ins, i)
+            self._record(t_ins, buf, True)
+        else:
+            buf = self.bufs[buf_name]
+            for i in self._rows(arg, "dst").tolist():
+                n, off = int(self.P.nbytes[i]), int(self.P.offset[i]) - base
                 v = self._view(self.new, i)
                 v.copy_(buf[off:off + n].view(v.dtype).view(v.shape))
             self._free(ins)
+
+    def _ck(self, ins: Instr, member: int) -> str:
+        """Checksum key of ``member``'s chunk of a chunked op (p2p transfers and broadcasts, which
+        travel as messages, are keyed by their tag)."""
+        return f"{ins.tag}@{member}"
+
+    def _record(self, ins: Instr, buf: torch.Tensor, sending: bool) -> None:
+        """Checksums of the chunks of ``buf`` this device sends (``sending``) or receives, one per
+        chunk owner (the op table says which)."""
+        o, group = op_of(ins.op), tuple(ins.group)
+        owners = (o.chunks_sent if sending else o.chunks_received)(self.device, ins.root, group)
+        if not sending and self.on_received is not None:
+            self.on_received(ins.tag, buf)
+        c, base = self._chunk(ins), self._local_offset(ins)
+        into = self.stats.sent_crc if sending else self.stats.recv_crc
+        for m in owners:
+            a = group.index(m) * c - base
+            into[self._ck(ins, m)] = self._sum(buf[a:a + c])
 
     # ---- p2p transfers and broadcasts: large pieces travel as messages of their own ----------------------
     def _split(self, tag: str) -> tuple[list[int], list[int], int, list[int]]:
@@ -461,7 +248,7 @@ class SwitchExecutor:
             rows = rows[first]
             nb = self.P.nbytes[rows]
             small, big = rows[nb < self.big], rows[nb >= self.big]
-            size = -(-nb[nb < self.big] // 16) * 16
+            size = -(-nb[nb < self.big] // self.meta.align) * self.meta.align
             offs = np.concatenate([[0], np.cumsum(size)[:-1]]) if len(size) else np.zeros(0, dtype=np.int64)
             hit = self._splits[tag] = (small.tolist(), offs.tolist(), int(size.sum()), big.tolist())
         return hit
@@ -531,112 +318,96 @@ class SwitchExecutor:
                 v.copy_(m.view(v.dtype).view(v.shape))
         self._release(tag)
 
-    def _ck(self, ins: Instr, member: int) -> str:
-        """Checksum key of a scatter's or gather's chunk of ``member`` (p2p transfers and broadcasts,
-        which travel as messages, are keyed by their tag)."""
-        return f"{ins.tag}@{member}"
-
-    def _record(self, ins: Instr, buf: torch.Tensor, per_member: str, into: dict[str, int]) -> None:
-        """Checksums of ``buf`` into ``into``: one per non-root member's chunk when ``ins`` is a
-        ``per_member`` collective (the root's scatter buffer, the root's gathered one), else one."""
-        if ins.op == per_member:
-            c = self._chunk(ins)
-            for p, m in enumerate(ins.group):
-                if m != ins.root:
-                    into[self._ck(ins, m)] = self._sum(buf[p * c:(p + 1) * c])
-        else:
-            into[self._ck(ins, self.device)] = self._sum(buf)
-
-    def _record_sent(self, ins: Instr, buf: torch.Tensor) -> None:
-        self._record(ins, buf, "scatter", self.stats.sent_crc)
-
-    def _record_received(self, ins: Instr, buf: torch.Tensor) -> None:
-        if self.on_received is not None:
-            self.on_received(ins.tag, buf)
-        self._record(ins, buf, "gather", self.stats.recv_crc)
-
-    def _comm_of(self, tag: str) -> Instr:
-        return self._comm[tag]
-
     def _messages(self, ins: Instr, msgs: list[torch.Tensor], sending: bool, post: Callable, t0: float) -> _Flight:
         """A flight of ``msgs`` cut into parts, part ``j`` issued as ``post(j, part)``. Each part is
         checksummed once it has gone out or landed (while later parts are on the wire) and folded,
         in order, into the transfer's checksum; a sender's staging goes back to the pool when all
         are out."""
-        parts = _parts(msgs, self.chunk)
-        fold = [0]
-        if sending:
-            self.stats.bytes_sent += ins.nbytes
-        else:
-            self.stats.bytes_received += ins.nbytes
+        pieces = parts(msgs, self.chunk)
+        acc = [0]
 
         def part(j: int) -> None:
             if not sending and self.on_received is not None:
-                self.on_received(ins.tag, parts[j])
-            fold[0] = _fold(fold[0], self._sum(parts[j]))
+                self.on_received(ins.tag, pieces[j])
+            acc[0] = fold(acc[0], self._sum(pieces[j]))
 
         def done() -> None:
-            (self.stats.sent_crc if sending else self.stats.recv_crc)[ins.tag] = fold[0]
+            (self.stats.sent_crc if sending else self.stats.recv_crc)[ins.tag] = acc[0]
             if sending:
                 self._release(ins.tag)
-        return _Flight(ins, ins.stream, [post(j, m) for j, m in enumerate(parts)], t0, done, on_part=part)
+        return _Flight(ins, ins.stream, [post(j, m) for j, m in enumerate(pieces)], t0, done, on_part=part)
 
+    # ---- one handler per op --------------------------------------------------------------------------
     def _issue(self, ins: Instr) -> _Flight:
-        tag = ins.tag
         t0 = time.perf_counter()
-        if ins.op in ("send", "recv"):
-            base, peer = self.tag_id[tag] * MAX_MSGS, self.index[ins.peer]
-            if ins.op == "send":
-                return self._messages(ins, self.msgs[tag], True,
-                                      lambda j, m: self.world.send([m], peer, base + j), t0)
-            return self._messages(ins, self._recv_p2p(ins), False,
-                                  lambda j, m: self.world.recv([m], peer, base + j), t0)
-        pg = self.group(tuple(ins.group))
-        me = ins.group.index(self.device)
-        root = ins.group.index(ins.root)
-        if ins.op == "broadcast":          # message by message, as a p2p transfer travels
-            o = dist.BroadcastOptions()
-            o.rootRank = root
-            mine = me == root
-            return self._messages(ins, self.msgs[tag] if mine else self._recv_p2p(ins), mine,
-                                  lambda j, m: pg.broadcast([m], o), t0)
-        sender = self.device in (ins.group if ins.op == "gather" else (ins.root,)) and not (
-            ins.op == "gather" and self.device == ins.root)
-        if not sender:
-            self._alloc(ins)
-        buf = self.bufs[ins.key]
+        o = op_of(ins.op)
+        if not o.p2p:                     # a collective: the op table says who sends and receives
+            group, root = tuple(ins.group), ins.root
+            sending, receiving = self.device in o.senders(root, group), self.device in o.receivers(root, group)
+        else:                             # point to point
+            group, root = (), self.device
+            sending, receiving = ins.op == "send", ins.op == "recv"
         c = self._chunk(ins)
-        if ins.op == "scatter":
-            o = dist.ScatterOptions()
-            o.rootRank = root
-            if me == root:
-                chunks = [buf[p * c:(p + 1) * c] for p in range(len(ins.group))]
-                work = pg.scatter([torch.empty(c, dtype=torch.uint8)], [chunks], o)
-            else:
-                work = pg.scatter([buf], [], o)
-        else:  # gather
-            o = dist.GatherOptions()
-            o.rootRank = root
-            if me == root:
-                chunks = [buf[p * c:(p + 1) * c] for p in range(len(ins.group))]
-                work = pg.gather([chunks], [torch.empty(c, dtype=torch.uint8)], o)
-            else:
-                work = pg.gather([], [buf], o)
-        then = None
-        if not sender:
-            self.stats.bytes_received += ins.nbytes if ins.op != "scatter" else c
-            then = lambda: self._record_received(ins, buf)  # noqa: E731
-        else:
-            self.stats.bytes_sent += ins.nbytes if ins.op != "gather" else c
+        if sending:
+            self.stats.bytes_sent += o.wire_bytes(self.device, root, group, ins.nbytes, c, True)
+        if receiving:
+            self.stats.bytes_received += o.wire_bytes(self.device, root, group, ins.nbytes, c, False)
+        if not o.chunked:                 # messages, part by part
+            msgs = self.msgs[ins.tag] if sending else self._recv_p2p(ins)
+            return self._messages(ins, msgs, sending, self.HANDLERS[ins.op](self, ins), t0)
+        if not sending:
+            self._alloc(ins)
+        buf = self.bufs[switch_name("buf", ins.tag)]
+        work = self.HANDLERS[ins.op](self, ins, buf, c)
+        then = (lambda: self._record(ins, buf, False)) if receiving else None  # noqa: E731
         return _Flight(ins, ins.stream, [work], t0, then)
+
+    def _send(self, ins: Instr) -> Callable:
+        base, peer = self.tag_id[ins.tag] * MAX_MSGS, self.index[ins.peer]
+        return lambda j, m: self.world.send([m], peer, base + j)
+
+    def _recv(self, ins: Instr) -> Callable:
+        base, peer = self.tag_id[ins.tag] * MAX_MSGS, self.index[ins.peer]
+        return lambda j, m: self.world.recv([m], peer, base + j)
+
+    def _broadcast(self, ins: Instr) -> Callable:
+        pg, o = self.group(tuple(ins.group)), dist.BroadcastOptions()
+        o.rootRank = ins.group.index(ins.root)
+        return lambda j, m: pg.broadcast([m], o)
+
+    def _scatter(self, ins: Instr, buf: torch.Tensor, c: int) -> Any:
+        pg, o = self.group(tuple(ins.group)), dist.ScatterOptions()
+        o.rootRank = ins.group.index(ins.root)
+        if self.device == ins.root:
+            chunks = [buf[p * c:(p + 1) * c] for p in range(len(ins.group))]
+            return pg.scatter([torch.empty(c, dtype=torch.uint8)], [chunks], o)
+        return pg.scatter([buf], [], o)
+
+    def _gather(self, ins: Instr, buf: torch.Tensor, c: int) -> Any:
+        pg, o = self.group(tuple(ins.group)), dist.GatherOptions()
+        o.rootRank = ins.group.index(ins.root)
+        if self.device == ins.root:
+            chunks = [buf[p * c:(p + 1) * c] for p in range(len(ins.group))]
+            return pg.gather([chunks], [torch.empty(c, dtype=torch.uint8)], o)
+        return pg.gather([], [buf], o)
+
+    def _all_gather(self, ins: Instr, buf: torch.Tensor, c: int) -> Any:
+        me = ins.group.index(self.device)
+        chunks = [buf[p * c:(p + 1) * c] for p in range(len(ins.group))]
+        return self.group(tuple(ins.group)).allgather([chunks], [chunks[me].clone()])
+
+    #: op -> handler: for messages ``handler(self, ins)`` returns ``post(j, part)``; for chunked ops
+    #: ``handler(self, ins, buffer, chunk)`` issues the collective and returns its work.
+    HANDLERS: dict[str, Callable] = {"send": _send, "recv": _recv, "broadcast": _broadcast, "scatter": _scatter,
+                                     "gather": _gather, "all_gather": _all_gather}
 
     # ---- driver ---------------------------------------------------------------------------------------
     def stage_of(self, ins: Instr) -> int:
         """The switch stage ``ins`` belongs to (``keep:<stage>``, else its transfer's stage)."""
-        if ins.key is not None and ins.key.startswith("keep:"):
-            return int(ins.key[5:])
-        tag = ins.tag if ins.tag is not None else ins.key.partition(":")[2]
-        return int(self._xstage[self.tag_id[tag]])
+        if ins.tag is not None:
+            return int(self._xstage[self.tag_id[ins.tag]])
+        what, (arg,) = parse_switch_name(ins.key)
+        return int(arg) if what == "keep" else int(self._xstage[self.tag_id[arg]])
 
     def run(self, stage: int | None = None) -> ExecStats:
         """Execute every stream of this device (only stage ``stage``'s instructions when given:
@@ -667,7 +438,7 @@ class SwitchExecutor:
                                                 if s.startswith(("send", "recv"))}
         done = self._done                                               # earlier stages' too
         finished: queue.SimpleQueue = queue.SimpleQueue()
-        timeout = _td(self.timeout)
+        timeout = timedelta(self.timeout)
         st = self.stats
         if self.pool is not None:
             self.pool.reset_peak()
@@ -759,7 +530,7 @@ class SwitchExecutor:
                     lanes[s].append(fl)
                 else:
                     busy[s] = fl
-                _WAITERS.submit(waiter, fl)
+                submit(waiter, fl)
                 st.add("issue", t0)
                 ran = True
                 if self.on_issue is not None:
@@ -772,7 +543,7 @@ class SwitchExecutor:
                 ck = st.seconds["checksum"]
                 self._copy(ins)
                 t1 = time.perf_counter()
-                what = ins.key.split(":")[0]
+                what = parse_switch_name(ins.key)[0]
                 st.seconds[what] += t1 - t0 - (st.seconds["checksum"] - ck)
                 st.rows.append((s, what, t0, t1, ins.nbytes))
                 done.add(ins.id)
@@ -796,46 +567,4 @@ class SwitchExecutor:
                     raise SwitchAborted(f"device {self.device}: {why} (waiting on "
                                         f"{', '.join(f'{f.ins.op} {f.ins.tag}' for f in waiting)})") from None
 
-
-#: Transfers that travel as a list of messages (see ``SwitchExecutor._split``).
-_MESSAGES = ("send", "recv", "broadcast")
-
-
-def _parts(msgs: list[torch.Tensor], chunk: int) -> list[torch.Tensor]:
-    """Messages cut into consecutive parts of at most ``chunk`` bytes (views, no copy); both ends
-    of a transfer cut alike, as their messages have the same sizes."""
-    return [m[a:a + chunk] for m in msgs for a in range(0, max(m.numel(), 1), chunk)]
-
-
-def _slices(dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(dst, src) views of equal shape cut along the first dimension into copies of about
-    ``nbytes`` bytes or less (a single row may be larger)."""
-    if dst.dim() == 0 or dst.numel() * dst.element_size() <= nbytes:
-        return [(dst, src)]
-    row = max(1, dst[0].numel() * dst.element_size())
-    step = max(1, nbytes // row)
-    return [(dst[a:a + step], src[a:a + step]) for a in range(0, dst.shape[0], step)]
-
-
-def _fold(h: int, c: int) -> int:
-    """Order-dependent combination of part checksums into one per transfer."""
-    return (h * 0x100000001B3 ^ c) & 0xFFFFFFFFFFFFFFFF
-
-
-def _td(seconds: float):
-    import datetime
-    return datetime.timedelta(seconds=seconds)
-
-
-def bytes_of(store: StateStore | None) -> int:
-    """Bytes of a store's parameter and optimizer buffers."""
-    if store is None:
-        return 0
-    total = 0
-    for b in store.buffers.values():
-        for k in ("param", "master", "exp_avg", "exp_avg_sq"):
-            t = getattr(b, k)
-            if t is not None:
-                total += t.numel() * t.element_size()
-    return total
 

@@ -158,7 +158,7 @@ class ReplayResult:
 
 
 def _world(strategy: str) -> int:
-    from ...strategy import Strategy
+    from ..strategy import Strategy
     return Strategy.parse(strategy).world
 
 

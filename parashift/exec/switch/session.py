@@ -10,6 +10,10 @@ goes on (:class:`LiveSession`), then switch between iterations; leaving devices 
 out and exit. During the pause, the next training world (torch's default process group, which
 the old layout trains on until its last step) is built by a thread while the state moves, so the
 pause is the transfer and verification plus whatever of the rebuild they do not hide.
+
+A session's settings are one frozen :class:`LiveOptions`. Tests inject faults through
+``LiveOptions.faults`` (an object with ``hooks(switch, device, program)`` returning the
+executor's ``(on_received, on_issue)`` hooks); nothing in the runtime injects any.
 """
 from __future__ import annotations
 
@@ -17,23 +21,63 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
-import numpy as np
 import torch
 
-from .. import models
-from ..errors import MemoryBudgetError, StrategyError, SwitchAborted
-from ..strategy import Strategy
-from .elastic import ElasticContext, ElasticManager, incarnations, launch_elastic
-from .launch import RankContext
-from .reference import OptimConfig
-from .state import StateStore
-from .switch import Prepared, SwitchRecord, execute_switch, place, prepare, store_arrays, training_worlds
-from .switch_exec import BIG, CHUNK, BufferPool, state_alloc
-from .switch_staged import lazy_alloc
+from ... import models
+from ...errors import MemoryBudgetError, StrategyError, SwitchAborted
+from ...ir.program import Program
+from ...strategy import Strategy
+from ...traces.chrome import write_chrome_trace
+from ...vps.transition import place
+from ..elastic import ElasticContext, ElasticManager, incarnations, launch_elastic
+from ..launch import RankContext
+from ..reference import OptimConfig
+from ..state import StateStore
+from .memory import BufferPool, lazy_alloc, state_alloc
+from .protocol import Prepared, SwitchRecord, execute_switch, prepare, training_worlds
+from .stores import store_arrays
+from .wire import BIG, CHUNK
 
-__all__ = ["Generation", "generations", "LiveSession", "LiveResult", "run_live"]
+__all__ = ["Generation", "generations", "LiveOptions", "SwitchFaults", "LiveSession", "LiveResult", "run_live",
+           "step_times"]
+
+
+class SwitchFaults(Protocol):
+    """Fault hooks a test injects (picklable: processes are spawned): for switch ``switch`` on
+    ``device``, the executor's ``(on_received, on_issue)`` hooks, each None for no hook."""
+
+    def hooks(self, switch: int, device: int, program: Program) -> tuple[Callable | None, Callable | None]: ...
+
+    def kills(self) -> bool:
+        """Whether a process may die (the launcher then tolerates a missing report)."""
+
+
+@dataclass(frozen=True)
+class LiveOptions:
+    """How a live job trains and switches. ``notice``: steps of warning before each switch;
+    ``switch_timeout``: seconds a switch phase may wait; ``memory_budget``: bytes of switch state
+    per device (None: no limit); ``export``: report flat states before and after each switch
+    (tests); ``progress``: report each step's loss; ``big_piece``/``message_part``: see
+    :mod:`.executor`; ``placement``: ``"keep"`` or ``"given"`` (see :func:`generations`);
+    ``cost_model``: what the switch lowering scores promotions with; ``faults``: test hooks."""
+
+    global_batch: int = 8
+    seq_len: int = 0
+    seed: int = 0
+    data_seed: int = 0
+    optim: OptimConfig = OptimConfig()
+    notice: int = 3
+    switch_timeout: float = 60.0
+    memory_budget: Any = None
+    export: bool = False
+    progress: bool = False
+    big_piece: int = BIG
+    message_part: int = CHUNK
+    placement: str = "keep"
+    cost_model: Any = None
+    faults: "SwitchFaults | None" = None
 
 
 @dataclass(frozen=True)
@@ -95,10 +139,10 @@ def _keys(gens: list[Generation], g: int) -> dict[int, str]:
 class LiveSession:
     """One process's side of a live job: the elastic manager, the current runtime and generation."""
 
-    def __init__(self, ctx: ElasticContext, spec: models.ModelSpec, gens: list[Generation], opts: dict) -> None:
+    def __init__(self, ctx: ElasticContext, spec: models.ModelSpec, gens: list[Generation], opts: LiveOptions) -> None:
         self.ctx, self.spec, self.gens, self.opts = ctx, spec, gens, opts
         self.device = ctx.device
-        self.timeout = float(opts.get("switch_timeout", 60.0))
+        self.timeout = float(opts.switch_timeout)
         self.manager = ElasticManager(ctx.store, ctx.member.key, self.timeout)
         self.pool = BufferPool()
         self.runtime = None
@@ -116,13 +160,13 @@ class LiveSession:
         self.ctx.store.set(f"sw{g}/notice", "1")
         fut: Future = Future()
         src, dst = self.gens[g - 1], self.gens[g]
-        gb, seq = self.opts["global_batch"], self.opts["seq_len"]
+        o = self.opts
 
         def work() -> None:
             try:
                 prep = prepare(self.manager, self.spec, src.strategy, dst.strategy, src.devices, dst.devices,
-                               _keys(self.gens, g), self.device, global_batch=gb, seq_len=seq,
-                               memory_budget=self.opts.get("memory_budget"))
+                               _keys(self.gens, g), self.device, global_batch=o.global_batch, seq_len=o.seq_len,
+                               memory_budget=o.memory_budget, cost_model=o.cost_model)
                 if self.device in dst.devices:     # the destination store, faulted in while training goes on
                     t0 = time.time()            # (a staged switch's fills stage by stage: lazily allocated)
                     prep.new_store = StateStore(self.spec, dst.strategy, dst.devices.index(self.device),
@@ -151,9 +195,9 @@ class LiveSession:
             prep: Prepared = fut.result(timeout=self.timeout)
         except Exception as e:  # noqa: BLE001 - no world: nothing moved yet
             rec.aborted = f"preparation failed: {type(e).__name__}: {e}"
-            err = SwitchAborted(f"switch at step {dst.step} aborted before moving anything: {rec.aborted}")
-            err.peer_failed = not isinstance(e, MemoryBudgetError)   # a refused plan: train on in the old layout
-            raise err from e
+            # a refused plan (memory budget): train on in the old layout; anything else: a peer is gone
+            raise SwitchAborted(f"switch at step {dst.step} aborted before moving anything: {rec.aborted}",
+                                rec.aborted, peer_failed=not isinstance(e, MemoryBudgetError)) from e
         rec.plan_seconds = prep.plan_seconds
         rec.world_seconds = prep.world_seconds + (prep.train_world_end - prep.train_world_start)
         rec.rows += [("elastic", "plan", prep.world_start - prep.plan_seconds, prep.world_start),
@@ -164,16 +208,17 @@ class LiveSession:
         new_rank = dst.devices.index(self.device) if self.device in dst.devices else None
         new, prep.new_store = prep.new_store, None      # allocated in the background by announce()
         rec.alloc_seconds = prep.alloc_seconds
-        on_received, on_issue = self._fault_hooks(g, prep)
+        faults = self.opts.faults
+        on_received, on_issue = (faults.hooks(g, self.device, prep.planned.program) if faults is not None
+                                 else (None, None))
         before = None                # (tests) a staged switch releases the old store as it goes
-        if self.opts.get("export") and old is not None:
+        if self.opts.export and old is not None:
             before = {"rank": src.devices.index(self.device), "arrays": store_arrays(old)}
         try:
             meta = execute_switch(prep, self.ctx.store, f"sw{g}/", self.device, old, new, rec, timeout=self.timeout,
                                   pool=self.pool, steps_done=self.runtime.steps_done if self.runtime else None,
-                                  on_received=on_received, on_issue=on_issue,
-                                  big=int(self.opts.get("big_piece", BIG)),
-                                  chunk=int(self.opts.get("message_part", CHUNK)))
+                                  on_received=on_received, on_issue=on_issue, big=self.opts.big_piece,
+                                  chunk=self.opts.message_part)
         except SwitchAborted as e:
             # the old layout's runtime, store and training world were never touched: with every
             # participant alive, training goes on in them; the switch's communicators are dropped
@@ -190,15 +235,14 @@ class LiveSession:
         t0 = time.time()
         rt = None
         if new is not None:          # the new world exists already: the rebuild is views over the new store
-            from .runtime import Runtime
+            from ..runtime import Runtime
             rctx = RankContext(new_rank, dst.strategy.world, self.ctx.backend, torch.device("cpu"), None)
-            rt = Runtime(prep.program, rctx, store=new, worlds=prep.worlds, data_seed=self.opts.get("data_seed", 0),
-                         model=self.spec, optim=OptimConfig(**self.opts.get("optim", {})), timeout=self.ctx.timeout)
+            rt = Runtime(prep.program, rctx, store=new, worlds=prep.worlds, data_seed=self.opts.data_seed,
+                         model=self.spec, optim=self.opts.optim, timeout=self.ctx.timeout)
             for b in new.buffers.values():
                 b.step = int(meta["opt_step"])
             rt.steps_done = int(meta["steps_done"])
-            rt.session = self
-            if self.opts.get("export"):
+            if self.opts.export:
                 self.exports[f"after{g}"] = {"rank": new_rank, "arrays": store_arrays(new)}
         t1 = time.time()
         rec.rebuild_seconds = t1 - t0
@@ -207,43 +251,10 @@ class LiveSession:
         self.runtime, self.gen = rt, g       # the old store is freed with the old runtime
         return rt
 
-    def _fault_hooks(self, g: int, prep: Prepared) -> tuple:
-        """Test hooks of ``opts["fault"]`` for switch ``g`` on this device: (on_received, on_issue).
-        ``fault["stage"]`` (default 0): the hook fires in the first transfer of that stage or later;
-        ``fault["op"]`` (optional): only in transfers of that op (``send``, ``broadcast``, ...; a
-        point-to-point transfer is ``send`` at both ends)."""
-        fault = self.opts.get("fault") or {}
-        if fault.get("switch") != g or fault.get("device") != self.device:
-            return None, None
-        from .switch_exec import PieceTable
-        P = PieceTable.of(prep.planned.program)
-        tags = prep.planned.program.meta["transfers"]
-        late = {tags[int(x)] for x in np.unique(P.transfer[(P.transfer >= 0) & (P.stage >= fault.get("stage", 0))])}
-        if "op" in fault:
-            rp = prep.planned.program.ranks.get(self.device)
-            late &= {i.tag for v in (rp.streams.values() if rp else ()) for i in v
-                     if i.tag is not None and i.op.replace("recv", "send") == fault["op"]}
-        if fault["kind"] == "corrupt":
-            hit = []
-
-            def on_received(tag, buf):  # noqa: ANN001 - flip one byte of the first buffer received
-                if not hit and buf.numel() and tag in late:
-                    hit.append(tag)
-                    buf.view(torch.uint8)[0] ^= 0xFF
-            return on_received, None
-        if fault["kind"] == "kill":
-            import os
-
-            def on_issue(ins):  # noqa: ANN001 - die in the middle of the transfer
-                if ins.op in ("send", "broadcast", "scatter", "gather") and ins.tag in late:
-                    os._exit(17)
-            return None, on_issue
-        return None, None
-
     def switch_to(self, strategy: "Strategy | str", devices: "tuple[int, ...] | list[int] | None" = None):
-        """What ``Runtime.switch`` calls: switch to the next scheduled generation when it matches,
-        else (after the schedule's last generation) to a new one on a subset of the current devices.
-        Returns the new Runtime, or None when this device leaves."""
+        """Switch to the next scheduled generation when it matches, else (after the schedule's last
+        generation) to a new one on a subset of the current devices. Returns the new Runtime, or
+        None when this device leaves."""
         st = Strategy.parse(strategy)
         nxt = self.gen + 1
         cur = self.gens[self.gen]
@@ -262,7 +273,7 @@ class LiveSession:
             raise StrategyError(f"devices {sorted(set(devs) - set(cur.devices))} have no process in this job; "
                                 f"growing needs joining processes: schedule the switch with run_live(switches=...) "
                                 f"or parashift run --switch-at")
-        if self.opts.get("placement", "keep") == "keep":
+        if self.opts.placement == "keep":
             devs = place(self.spec, cur.strategy, st, cur.devices, devs)
         gen = Generation(step, st, devs)
         self.gens.append(gen)
@@ -272,19 +283,17 @@ class LiveSession:
     def start(self) -> bool:
         """Join the job: generation 0 builds its runtime; a joining device waits for its switch.
         False when the job ended (or gave up the switch) before this device was needed."""
-        from .runtime import Runtime, compile_program
+        from ..runtime import Runtime, compile_program
         m = self.ctx.member
         if m.first == 0:
             g0 = self.gens[0]
             rank = g0.devices.index(self.device)
             prog = compile_program(self.spec if not _preset(self.spec) else self.spec.name, g0.strategy,
-                                   global_batch=self.opts["global_batch"], seq_len=self.opts["seq_len"])
+                                   global_batch=self.opts.global_batch, seq_len=self.opts.seq_len)
             worlds = training_worlds(self.manager, [f"{d}.0" for d in g0.devices], rank, prog)
             rctx = RankContext(rank, g0.strategy.world, self.ctx.backend, torch.device("cpu"), None)
-            self.runtime = Runtime(prog, rctx, seed=self.opts.get("seed", 0), data_seed=self.opts.get("data_seed", 0),
-                                   model=self.spec, worlds=worlds,
-                                   optim=OptimConfig(**self.opts.get("optim", {})), timeout=self.ctx.timeout)
-            self.runtime.session = self
+            self.runtime = Runtime(prog, rctx, seed=self.opts.seed, data_seed=self.opts.data_seed, model=self.spec,
+                                   worlds=worlds, optim=self.opts.optim, timeout=self.ctx.timeout)
             self.gen = 0
             return True
         g = m.first
@@ -301,7 +310,7 @@ class LiveSession:
         """Train until ``steps`` global steps, switching on schedule; returns this process's report."""
         losses: dict[int, float] = {}
         error = None
-        notice = int(self.opts.get("notice", 1))
+        notice = self.opts.notice
         stop_switching = False
         while self.runtime is not None and self.runtime.steps_done < steps:
             step = self.runtime.steps_done
@@ -311,9 +320,9 @@ class LiveSession:
                     self.announce(nxt)
                 if step == self.gens[nxt].step:
                     try:
-                        self.runtime.switch(self.gens[nxt].strategy, self.gens[nxt].devices)
+                        self.switch_to(self.gens[nxt].strategy, self.gens[nxt].devices)
                     except SwitchAborted as e:
-                        if getattr(e, "peer_failed", False):
+                        if e.peer_failed:
                             error = str(e)
                             break
                         stop_switching = True      # rolled back: train on in the old layout
@@ -322,7 +331,7 @@ class LiveSession:
             loss, _ = self.runtime.step()
             self.rows.append(("train", "step", t0, time.time(), step))
             losses[step] = float(loss)
-            if self.ctx.report is not None and self.opts.get("progress"):
+            if self.ctx.report is not None and self.opts.progress:
                 self.ctx.report((step, float(loss), self.gens[self.gen].devices))
         finished = self.runtime is not None and self.runtime.steps_done >= steps
         if finished or error is not None:
@@ -331,7 +340,7 @@ class LiveSession:
                "switches": [asdict(r) for r in self.records], "rows": self.rows,
                "final_gen": self.gen if self.runtime is not None else None,
                "groups_created": self.manager.created, "groups_reused": self.manager.reused}
-        if self.opts.get("export"):
+        if self.opts.export:
             if self.runtime is not None:
                 self.exports["final"] = {"rank": self.runtime.ctx.rank, "arrays": store_arrays(self.runtime.store)}
             out["exports"] = self.exports
@@ -360,7 +369,8 @@ def _wait_any(store, keys: list[str], timeout: float) -> bool:
     return False
 
 
-def _live_worker(ctx: ElasticContext, spec: models.ModelSpec, gens: list[Generation], steps: int, opts: dict) -> dict:
+def _live_worker(ctx: ElasticContext, spec: models.ModelSpec, gens: list[Generation], steps: int,
+                 opts: LiveOptions) -> dict:
     torch.manual_seed(0)
     session = LiveSession(ctx, spec, gens, opts)
     if not session.start():
@@ -401,7 +411,6 @@ class LiveResult:
     def to_chrome_trace(self, path: str) -> None:
         """Write :meth:`timeline` as a Chrome/Perfetto trace (one process per device; streams
         ``train``, ``elastic`` (background planning and world creation) and ``switch``)."""
-        from ..sim.result import write_chrome_trace
         df = self.timeline()
         df = df.assign(rank=df["device"], id=range(len(df)), phase=[f"step {s}" for s in df["step"]],
                        microbatch=float("nan"), nbytes=0, flops=0.0)
@@ -438,27 +447,27 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
              switches: list[tuple[int, "Strategy | str", "tuple[int, ...] | None"]] = (), global_batch: int = 8,
              seq_len: int | None = None, seed: int = 0, data_seed: int = 0, optim: OptimConfig = OptimConfig(),
              notice: int = 3, timeout: float = 300.0, switch_timeout: float = 60.0, memory_budget=None,
-             export: bool = False, fault: dict | None = None, big_piece: int = BIG,
-             message_part: int = CHUNK, placement: str = "keep",
+             export: bool = False, faults: "SwitchFaults | None" = None, big_piece: int = BIG,
+             message_part: int = CHUNK, placement: str = "keep", cost_model: Any = None,
              progress: Callable[[int, float], None] | None = None) -> LiveResult:
     """Train ``model`` for ``steps`` steps, hot-switching at the scheduled steps.
 
     ``switches``: (step, strategy, devices or None). ``notice``: steps of warning before each switch
     (planning and world creation overlap them). ``export``: return every process's flat state
-    before and after each switch (tests). ``fault``: a test hook, ``{"kind": "kill"|"corrupt",
-    "device": d, "switch": g}``. ``big_piece``: pieces of at least this many bytes travel as
-    messages of their own, unpacked, in parts of at most ``message_part`` bytes (see
-    :mod:`.switch_exec`). ``placement``: ``"keep"`` orders each
-    switch's devices (within a node) to keep the most state in place, ``"given"`` keeps their order.
+    before and after each switch (tests). ``faults``: test hooks (:class:`SwitchFaults`).
+    ``big_piece``: pieces of at least this many bytes travel as messages of their own, unpacked,
+    in parts of at most ``message_part`` bytes (see :mod:`.executor`). ``placement``: ``"keep"``
+    orders each switch's devices (within a node) to keep the most state in place, ``"given"``
+    keeps their order. ``cost_model``: what the switch lowering scores promotions with.
     """
     spec = models.get(model)
     if notice < 0:
         raise StrategyError(f"notice={notice} must be a number of steps >= 0 (the warning before each switch)")
     gens = generations(spec, strategy, steps, list(switches), placement)
-    opts = {"global_batch": global_batch, "seq_len": seq_len or spec.seq_len, "seed": seed, "data_seed": data_seed,
-            "placement": placement, "optim": optim.__dict__, "notice": notice, "switch_timeout": switch_timeout, "memory_budget": memory_budget,
-            "export": export, "fault": fault, "progress": progress is not None, "big_piece": big_piece,
-            "message_part": message_part}
+    opts = LiveOptions(global_batch=global_batch, seq_len=seq_len or spec.seq_len, seed=seed, data_seed=data_seed,
+                       optim=optim, notice=notice, switch_timeout=switch_timeout, memory_budget=memory_budget,
+                       export=export, progress=progress is not None, big_piece=big_piece, message_part=message_part,
+                       placement=placement, cost_model=cost_model, faults=faults)
     parts: dict[int, dict[str, float]] = {}
 
     def on_report(key: str, payload: tuple) -> None:
@@ -468,7 +477,7 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
         if len(got) == len(devices):
             progress(step, sum(got.values()))
     reports = launch_elastic(_live_worker, incarnations([g.devices for g in gens]), args=(spec, gens, steps, opts),
-                             timeout=timeout, allow_dead=fault is not None and fault.get("kind") == "kill",
+                             timeout=timeout, allow_dead=faults is not None and faults.kills(),
                              on_report=on_report if progress else None,
                              start_key=lambda m: None if m.first == 0 else f"sw{m.first}/notice")
     losses = []
@@ -488,67 +497,3 @@ def step_times(result: LiveResult) -> list[float]:
             if op == "step":
                 per[step] = max(per.get(step, 0.0), b - a)
     return [per[k] for k in sorted(per)]
-
-
-def run_cli(args) -> dict:
-    """``parashift run ... --switch-at STEP:STRATEGY[:DEVICES]``: a live job that hot-switches."""
-    import sys
-    from .switch import parse_switch_at
-    spec = models.get(args.model)
-    s0 = Strategy.parse(args.strategy)
-    if args.nprocs is not None and args.nprocs != s0.world:
-        raise StrategyError(f"strategy {s0} needs {s0.world} processes, not --nprocs {args.nprocs}; "
-                            f"drop --nprocs or change the strategy")
-    switches = [parse_switch_at(x) for x in args.switch_at]
-
-    def progress(step: int, loss: float) -> None:
-        if not args.json:
-            print(f"step {step + 1}/{args.steps}  loss {loss:.6f}", file=sys.stderr, flush=True)
-    budget = getattr(args, "switch_memory_budget", None)
-    if budget:
-        from ..cli.plan import parse_bytes
-        budget = parse_bytes(budget)
-    res = run_live(spec, s0, steps=args.steps, switches=switches, global_batch=args.global_batch,
-                   seq_len=args.seq_len or spec.seq_len, optim=OptimConfig(lr=args.lr), timeout=args.timeout,
-                   notice=getattr(args, "switch_notice", 3), memory_budget=budget or None,
-                   placement=getattr(args, "switch_placement", "keep"), progress=progress)
-    aborted = [s for s in res.switches if s.get("aborted")]
-    out = {"model": spec.name, "strategy": str(s0), "nprocs": s0.world, "schedule": None, **res.to_json(),
-           "step_times": step_times(res),
-           "switches": [{k: s[k] for k in ("step", "src", "dst", "seconds", "pause_seconds", "plan_seconds",
-                                           "world_seconds", "transfer_seconds", "verify_seconds",
-                                           "rebuild_seconds", "bytes_moved", "peak_bytes", "stages",
-                                           "released_bytes", "src_devices", "dst_devices")}
-                        | ({"aborted": s["aborted"]} if s.get("aborted") else {}) for s in res.switches]}
-    if getattr(args, "trace", None):
-        res.to_chrome_trace(args.trace)
-        out["trace"] = args.trace
-    if len(res.losses) < args.steps:
-        from ..errors import RuntimeFailure
-        why = aborted[0]["aborted"] if aborted else "a process failed"
-        raise RuntimeFailure(f"the live job stopped after {len(res.losses)} of {args.steps} steps: {why}")
-    return out
-
-
-def render_cli(result: dict) -> None:
-    """Human-readable summary of :func:`run_cli`'s result."""
-    print(f"{result['model']} live job: {result['strategy']} on {result['nprocs']} processes, "
-          f"{len(result['losses'])} steps")
-    print(f"  loss          {result['losses'][0]:.6f} -> {result['losses'][-1]:.6f}")
-    if result.get("trace"):
-        print(f"  trace         {result['trace']}")
-    for s in result["switches"]:
-        tag = f"  ABORTED: {s['aborted']}" if s.get("aborted") else ""
-        print(f"  step {s['step']:>4}: {s['src']} on {_devs(s['src_devices'])} -> {s['dst']} on "
-              f"{_devs(s['dst_devices'])}  pause {s['pause_seconds'] * 1e3:.0f} ms of "
-              f"{s['seconds'] * 1e3:.0f} ms (plan {s['plan_seconds'] * 1e3:.0f}, world {s['world_seconds'] * 1e3:.0f}, "
-              f"transfer {s['transfer_seconds'] * 1e3:.0f}, verify {s['verify_seconds'] * 1e3:.0f}, "
-              f"rebuild {s['rebuild_seconds'] * 1e3:.0f})  "
-              f"{s['bytes_moved'] / 2**20:.1f} MiB moved, peak {s['peak_bytes'] / 2**20:.1f} MiB/process"
-              + (f", {s['stages']} stages freeing {s['released_bytes'] / 2**20:.1f} MiB of old state"
-                 if s["stages"] > 1 else "") + tag)
-
-
-def _devs(devices: list[int]) -> str:
-    """Devices in rank order, as ``[0,2,1,3]``."""
-    return "[" + ",".join(str(d) for d in devices) + "]"

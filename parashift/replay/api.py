@@ -1,4 +1,4 @@
-"""``exec.replay``: replay a preemption trace against a live, hot-switching job."""
+"""``replay``: replay a preemption trace against a live, hot-switching job."""
 from __future__ import annotations
 
 import tempfile
@@ -9,10 +9,10 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
-from ... import models
-from ...errors import RuntimeFailure, StrategyError
-from ..reference import OptimConfig
-from ..switch import full_from_arrays
+from .. import models
+from ..errors import RuntimeFailure, StrategyError
+from ..exec.reference import OptimConfig
+from ..exec.switch import full_from_arrays
 from .live import run_replay_job
 from .restart import run_restart_job
 from .result import ReplayResult, lost_per_switch, state_difference, step_rows
@@ -39,7 +39,7 @@ def _full(spec: models.ModelSpec, strategy, finals: list[dict]) -> dict:
 
 def _static(spec: models.ModelSpec, sched: ReplaySchedule, steps: int, opts: dict) -> tuple[list[float], dict]:
     """The job that never switched: the starting strategy for the same steps (the same samples)."""
-    from ..switch_live import run_live
+    from ..exec.switch import run_live
     res = run_live(spec, sched.initial_strategy, steps=steps, export=True, global_batch=sched.global_batch,
                    seq_len=sched.seq_len, seed=opts["seed"], data_seed=opts["data_seed"], optim=opts["optim"],
                    timeout=opts["timeout"])
@@ -58,7 +58,7 @@ def replay(trace: "str | Path | pd.DataFrame", model: "str | models.ModelSpec" =
     """Replay ``trace`` (a path, a shipped trace name or a normalized DataFrame) against a live job.
 
     The trace's window (``start``/``end``, trace seconds) is scaled onto ``max_procs`` processes and
-    compressed ``time_scale`` times (:func:`~parashift.exec.replay.schedule.replay_schedule`); the
+    compressed ``time_scale`` times (:func:`~parashift.replay.schedule.replay_schedule`); the
     job trains from the first event's layout on, and at each event (after its notice, for a
     preemption) hot-switches to the ``policy``'s strategy for the new device count, until the
     window ends or ``max_steps``. A static job then trains the same samples in the starting

@@ -8,80 +8,30 @@ layout's state in a few flat buffers per rank, so here an old buffer is the page
 destination store is allocated lazily (its pages arrive as the transfer writes them).
 
 Safety comes first: a region is released only once its stage is *verified* (every participant
-published a clean record and every received checksum equals its sender's), and only when the verified pieces this
-device itself sent or kept cover the region whole, so that every released byte has a verified copy
-in the new layout. An abort at a later stage then restores the released regions from those copies
-(:func:`restore`): the old layout comes back whole and training goes on in it. Only the death of a
-device that holds such a copy loses state, and the error says which.
+published a clean record and every received checksum equals its sender's), and only when the
+verified pieces this device itself sent or kept cover the region whole, so that every released
+byte has a verified copy in the new layout. An abort at a later stage then restores the released
+regions from those copies (:func:`restore`): the old layout comes back whole and training goes on
+in it. Only the death of a device that holds such a copy loses state, and the error says which.
 """
 from __future__ import annotations
 
-import ctypes
-import sys
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..errors import SwitchAborted
-from .state import StateStore
-from .switch_exec import PieceTable, _libc, kind_tensor, piece_view
+from ...errors import SwitchAborted
+from ...ir.program import Program
+from ...vps.transition import PieceTable, SwitchMeta, parse_switch_name
+from ..state import StateStore
+from .memory import advise_free
+from .stores import kind_tensor, layout_store, piece_view
+from .wire import timedelta
 
-__all__ = ["lazy_alloc", "layout_store", "Releases", "restore", "rss_bytes", "reset_rss_peak"]
+__all__ = ["Releases", "restore", "RESTORE_TAG"]
 
-PAGE = 4096
-MADV_DONTNEED = 4
 RESTORE_TAG = 1 << 30          # point-to-point tags of restored pieces: RESTORE_TAG + piece row
-
-
-def lazy_alloc(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed state buffer whose pages are faulted in only when written (``calloc``: fresh
-    anonymous pages), for a destination store that fills stage by stage."""
-    if device.type != "cpu":
-        return torch.zeros(numel, dtype=dtype, device=device)
-    size = torch.empty(0, dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(numel * size, dtype=np.uint8)).view(dtype)
-
-
-def layout_store(spec, strategy, rank: int) -> StateStore:
-    """The StateStore geometry of ``rank`` in ``strategy`` without its memory (every buffer a
-    stride-0 stand-in of the right size): what another device holds, for planning."""
-    return StateStore(spec, strategy, rank, torch.device("cpu"), init=False,
-                      alloc=lambda n, dt, dev: torch.empty(1, dtype=dt).expand(n))
-
-
-def _advise_free(t: torch.Tensor, a: int, e: int) -> int:
-    """Hand the whole pages of elements ``[a, e)`` of contiguous CPU ``t`` back to the kernel
-    (their contents read as zeros afterwards); returns the bytes released."""
-    if t.device.type != "cpu" or not sys.platform.startswith("linux") or _libc() is None:
-        return 0
-    es = t.element_size()
-    lo = -(-(t.data_ptr() + a * es) // PAGE) * PAGE
-    hi = (t.data_ptr() + e * es) // PAGE * PAGE
-    if hi <= lo:
-        return 0
-    if _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), MADV_DONTNEED) != 0:
-        return 0
-    return hi - lo
-
-
-def rss_bytes() -> tuple[int, int]:
-    """(resident bytes now, resident high-water mark) of this process (Linux; (0, 0) elsewhere)."""
-    try:
-        with open("/proc/self/status") as f:
-            got = {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in f if ln.startswith(("VmRSS", "VmHWM"))}
-        return got.get("VmRSS", 0), got.get("VmHWM", 0)
-    except OSError:
-        return 0, 0
-
-
-def reset_rss_peak() -> None:
-    """Reset this process's resident high-water mark to its current size (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
 
 
 @dataclass(frozen=True)
@@ -119,10 +69,10 @@ class Releases:
     in stages ``<= k``, or, when ``d`` holds the whole box (a replica another device was chosen to
     send), by the distinct boxes inside it that anyone sent; it is released only when covered."""
 
-    def __init__(self, program, device: int, old: StateStore | None, spec, src, src_devices) -> None:
-        self.P = PieceTable.of(program)
-        self.dims = int(program.meta["dims"])
-        self.names, self.kinds = program.meta["tensors"], program.meta["kinds"]
+    def __init__(self, program: Program, device: int, old: StateStore | None, spec, src, src_devices) -> None:
+        meta = SwitchMeta.of(program)
+        self.P = meta.pieces
+        self.names, self.kinds = meta.tensors, meta.kinds
         self.device, self.old = device, old
         self.spec, self.src, self.src_devices = spec, src, tuple(src_devices)
         self._layouts: dict[int, StateStore] = {}
@@ -130,12 +80,13 @@ class Releases:
         for d, rp in program.ranks.items():
             stage = -1
             for ins in rp.streams.get("pack", ()):
-                if ins.key and ins.key.startswith("keep:"):
-                    stage = int(ins.key[5:])
+                what, arg = parse_switch_name(ins.key)
+                if what == "keep":
+                    stage = int(arg[0])
                 for name in ins.free:
-                    if name.startswith("old:"):
-                        _, kind, tensor = name.split(":", 2)
-                        self.gc.setdefault((d, stage), []).append((kind, tensor))
+                    what, arg = parse_switch_name(name)
+                    if what == "old":
+                        self.gc.setdefault((d, stage), []).append(arg)
         self.released: list[tuple[str, str]] = []
         self.released_bytes = 0
 
@@ -176,7 +127,7 @@ class Releases:
             if self.cover(self.device, kind, tensor, stage) is None:
                 continue                # kept whole until the commit (no verified copy covers it)
             r = self.region(self.device, kind, tensor)
-            got += _advise_free(r.flat, r.a, r.e)
+            got += advise_free(r.flat, r.a, r.e)
             self.released.append((kind, tensor))
         self.released_bytes += got
         return got
@@ -211,10 +162,9 @@ def restore(rel: Releases, before: int, world, index: dict[int, int], new: State
     copies in the new stores (collective over the switch's surviving participants: each calls it;
     ``gone``: devices that failed); returns the bytes this device got back. Raises SwitchAborted
     when the copy of a region this device released was on a device that failed."""
-    import datetime
     me = rel.device
     works, then, got = [], [], 0
-    td = datetime.timedelta(seconds=timeout)
+    td = timedelta(timeout)
     try:
         _post(rel, before, world, index, new, gone, works, then)
         for w, _ in works:

@@ -20,12 +20,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ... import models
-from ...strategy import Strategy
-from ..launch import RankContext, launch_local
-from ..reference import OptimConfig
-from ..state import StateStore
-from ..switch import StateKinds, full_from_arrays, store_arrays, store_from_full
+from .. import models
+from ..strategy import Strategy
+from ..exec.launch import RankContext, launch_local
+from ..exec.reference import OptimConfig
+from ..exec.state import StateStore
+from ..exec.switch import STATE_KINDS, full_from_arrays, store_arrays, store_from_full
 
 __all__ = ["run_restart_job", "save_state", "load_state"]
 
@@ -34,14 +34,14 @@ def _skeleton(spec: models.ModelSpec, strategy: Strategy, rank: int) -> dict[str
     """Empty tensors shaped like ``rank``'s saved buffers, keyed as :func:`save_state` keys them."""
     s = StateStore(spec, strategy, rank, torch.device("cpu"), init=False)
     return {f"r{rank}/{fam}/{k}": torch.empty_like(getattr(b, k)) for fam, b in s.buffers.items()
-            for k in StateKinds if getattr(b, k) is not None}
+            for k in STATE_KINDS if getattr(b, k) is not None}
 
 
 def save_state(store: StateStore, rank: int, steps_done: int, path: str) -> None:
     """Collective: every rank writes its flat buffers and counters to the DCP checkpoint ``path``."""
     import torch.distributed.checkpoint as dcp
     sd: dict[str, Any] = {f"r{rank}/{fam}/{k}": getattr(b, k) for fam, b in store.buffers.items()
-                          for k in StateKinds if getattr(b, k) is not None}
+                          for k in STATE_KINDS if getattr(b, k) is not None}
     sd[f"r{rank}/counters"] = torch.tensor([steps_done] + [b.step for b in store.buffers.values()],
                                            dtype=torch.int64)
     dcp.save(sd, checkpoint_id=path)
@@ -67,7 +67,7 @@ def load_state(store: StateStore, spec: models.ModelSpec, src: Strategy, path: s
     mine = store_from_full(spec, store.strategy, store.rank, full, opt_step=int(max(counters[1:], default=0)))
     for fam, b in store.buffers.items():
         nb = mine.buffers[fam]
-        for k in StateKinds:
+        for k in STATE_KINDS:
             t = getattr(b, k)
             if t is not None:
                 t.copy_(getattr(nb, k))
@@ -78,7 +78,7 @@ def load_state(store: StateStore, spec: models.ModelSpec, src: Strategy, path: s
 def _segment(ctx: RankContext, spec: models.ModelSpec, strategy: str, first: int, last: int,
              load_from: "tuple[str, str] | None", save_to: str | None, opts: dict) -> dict:
     """One segment's rank: build, load, train steps ``first..last-1``, save."""
-    from ..runtime import Runtime, compile_program
+    from ..exec.runtime import Runtime, compile_program
     torch.manual_seed(0)
     t_enter = time.time()
     st = Strategy.parse(strategy)

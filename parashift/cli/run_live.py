@@ -1,0 +1,90 @@
+"""``parashift run --switch-at STEP:STRATEGY[:DEVICES]``: a live job that hot-switches (parsing,
+the run, and its summary)."""
+from __future__ import annotations
+
+import sys
+
+from .. import models
+from ..cluster import parse_devices
+from ..errors import RuntimeFailure, StrategyError
+from ..exec.reference import OptimConfig
+from ..exec.switch import run_live, step_times
+from ..strategy import Strategy
+from ..units import parse_bytes
+
+__all__ = ["parse_switch_at", "run_cli", "render_cli"]
+
+
+def parse_switch_at(text: str) -> tuple[int, Strategy, tuple[int, ...] | None]:
+    """``STEP:STRATEGY[:DEVICES]`` -> (step, strategy, devices or None)."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or not parts[0].strip().isdigit():
+        raise StrategyError(f"--switch-at {text!r} is not STEP:STRATEGY[:DEVICES]; e.g. 10:tp=2,dp=2 or "
+                            f"10:dp=3:0,1,2")
+    step = int(parts[0])
+    strategy = Strategy.parse(parts[1])
+    devices = parse_devices(parts[2]) if len(parts) == 3 and parts[2].strip() else None
+    if devices is not None and len(devices) != strategy.world:
+        raise StrategyError(f"--switch-at {text!r}: strategy {strategy} runs {strategy.world} ranks but "
+                            f"{len(devices)} devices are listed; list exactly {strategy.world} device ids")
+    return step, strategy, devices
+
+
+def run_cli(args) -> dict:
+    """``parashift run ... --switch-at STEP:STRATEGY[:DEVICES]``: a live job that hot-switches."""
+    spec = models.get(args.model)
+    s0 = Strategy.parse(args.strategy)
+    if args.nprocs is not None and args.nprocs != s0.world:
+        raise StrategyError(f"strategy {s0} needs {s0.world} processes, not --nprocs {args.nprocs}; "
+                            f"drop --nprocs or change the strategy")
+    switches = [parse_switch_at(x) for x in args.switch_at]
+
+    def progress(step: int, loss: float) -> None:
+        if not args.json:
+            print(f"step {step + 1}/{args.steps}  loss {loss:.6f}", file=sys.stderr, flush=True)
+    budget = getattr(args, "switch_memory_budget", None)
+    if budget:
+        budget = parse_bytes(budget)
+    res = run_live(spec, s0, steps=args.steps, switches=switches, global_batch=args.global_batch,
+                   seq_len=args.seq_len or spec.seq_len, optim=OptimConfig(lr=args.lr), timeout=args.timeout,
+                   notice=getattr(args, "switch_notice", 3), memory_budget=budget or None,
+                   placement=getattr(args, "switch_placement", "keep"), progress=progress)
+    aborted = [s for s in res.switches if s.get("aborted")]
+    out = {"model": spec.name, "strategy": str(s0), "nprocs": s0.world, "schedule": None, **res.to_json(),
+           "step_times": step_times(res),
+           "switches": [{k: s[k] for k in ("step", "src", "dst", "seconds", "pause_seconds", "plan_seconds",
+                                           "world_seconds", "transfer_seconds", "verify_seconds",
+                                           "rebuild_seconds", "bytes_moved", "peak_bytes", "stages",
+                                           "released_bytes", "src_devices", "dst_devices")}
+                        | ({"aborted": s["aborted"]} if s.get("aborted") else {}) for s in res.switches]}
+    if getattr(args, "trace", None):
+        res.to_chrome_trace(args.trace)
+        out["trace"] = args.trace
+    if len(res.losses) < args.steps:
+        why = aborted[0]["aborted"] if aborted else "a process failed"
+        raise RuntimeFailure(f"the live job stopped after {len(res.losses)} of {args.steps} steps: {why}")
+    return out
+
+
+def render_cli(result: dict) -> None:
+    """Human-readable summary of :func:`run_cli`'s result."""
+    print(f"{result['model']} live job: {result['strategy']} on {result['nprocs']} processes, "
+          f"{len(result['losses'])} steps")
+    print(f"  loss          {result['losses'][0]:.6f} -> {result['losses'][-1]:.6f}")
+    if result.get("trace"):
+        print(f"  trace         {result['trace']}")
+    for s in result["switches"]:
+        tag = f"  ABORTED: {s['aborted']}" if s.get("aborted") else ""
+        print(f"  step {s['step']:>4}: {s['src']} on {_devs(s['src_devices'])} -> {s['dst']} on "
+              f"{_devs(s['dst_devices'])}  pause {s['pause_seconds'] * 1e3:.0f} ms of "
+              f"{s['seconds'] * 1e3:.0f} ms (plan {s['plan_seconds'] * 1e3:.0f}, world {s['world_seconds'] * 1e3:.0f}, "
+              f"transfer {s['transfer_seconds'] * 1e3:.0f}, verify {s['verify_seconds'] * 1e3:.0f}, "
+              f"rebuild {s['rebuild_seconds'] * 1e3:.0f})  "
+              f"{s['bytes_moved'] / 2**20:.1f} MiB moved, peak {s['peak_bytes'] / 2**20:.1f} MiB/process"
+              + (f", {s['stages']} stages freeing {s['released_bytes'] / 2**20:.1f} MiB of old state"
+                 if s["stages"] > 1 else "") + tag)
+
+
+def _devs(devices: list[int]) -> str:
+    """Devices in rank order, as ``[0,2,1,3]``."""
+    return "[" + ",".join(str(d) for d in devices) + "]"
