@@ -490,3 +490,10 @@ def test_lowered_meta_lists_every_destination_piece():
     assert (meta.pieces.src[meta.pieces.transfer == -1] == meta.pieces.dst[meta.pieces.transfer == -1]).all()
     with pytest.raises(Exception, match="not a switch Program"):
         T.SwitchMeta.decode({"kind": "train"})
+
+
+def test_simulated_switch_reports_what_its_meta_says():
+    plan = vps.plan_switch("tiny-gpt", "dp=2,tp=2", "dp=4,zero=1", cluster="a100-1x4")
+    res = sim.simulate_switch(T.lower(plan), "a100-1x4")
+    assert res.bytes_moved == plan.stats()["bytes_moved"] and res.bytes_kept + res.bytes_moved == int(plan.nbytes.sum())
+    assert res.summary()["stages"] == 1

@@ -1,7 +1,7 @@
 """Entry points: simulate a training-step Program or a switch Program."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ..cluster import Cluster, get as get_cluster
@@ -65,8 +65,8 @@ class SwitchSimResult:
     fits: bool
     sim_seconds: float
     result: SimResult = field(repr=False)
-    bytes_moved: int = 0
-    bytes_kept: int = 0
+    bytes_moved: int | None = None      # None: a hand-made Program without switch metadata
+    bytes_kept: int | None = None
     stages: int = 1
 
     @property
@@ -87,10 +87,13 @@ class SwitchSimResult:
 def simulate_switch(program: Program, cluster: "Cluster | str", cost_model: CostModel | None = None, *,
                     devices: "Mapping[int, int] | Sequence[int] | None" = None) -> SwitchSimResult:
     """Simulate a switch Program (ranks are devices unless ``devices`` maps them); its time is the
-    Program's plus the cost model's ``switch_overhead``. Raises ProgramError when ``program`` is
-    not a switch Program (``vps.transition.lower`` makes them)."""
+    Program's plus the cost model's ``switch_overhead``. A lowered switch's metadata (read through
+    its codec, ``vps.transition.SwitchMeta``) gives the bytes it moves and keeps."""
+    res = simulate(program, cluster, cost_model, devices=devices)
+    out = SwitchSimResult(res.step_time + res.cost_model.switch_overhead, res.link_bytes, res.peak_memory, res.fits,
+                          res.sim_seconds, res)
+    if program.meta.get("kind") != "switch":
+        return out
     from ..vps.transition.meta import SwitchMeta
     meta = SwitchMeta.of(program)
-    res = simulate(program, cluster, cost_model, devices=devices)
-    return SwitchSimResult(res.step_time + res.cost_model.switch_overhead, res.link_bytes, res.peak_memory, res.fits,
-                           res.sim_seconds, res, meta.bytes_moved, meta.bytes_kept, meta.stages)
+    return replace(out, bytes_moved=meta.bytes_moved, bytes_kept=meta.bytes_kept, stages=meta.stages)

@@ -163,7 +163,7 @@ class SwitchExecutor:
 
     @staticmethod
     def _chunk(ins: Instr) -> int:
-        return ins.nbytes // len(ins.group) if op_of(ins.op).chunked else 0
+        return op_of(ins.op).chunk(ins.nbytes, len(ins.group or ()))
 
     def _local_offset(self, ins: Instr) -> int:
         """Where this device's buffer of ``ins`` starts in the transfer's full buffer."""

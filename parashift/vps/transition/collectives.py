@@ -18,7 +18,7 @@ __all__ = ["Op", "OPS", "COLLECTIVE_OPS", "op"]
 
 @dataclass(frozen=True)
 class Op:
-    """One transfer op. ``p2p``: a message between two devices (``send`` at one end, ``recv``
+    """One transfer op. ``letter``: its transfer tags' first letter; ``p2p``: a message between two devices (``send`` at one end, ``recv``
     at the other), else a collective over a group; ``rooted``: one member (``root``) is special; ``chunked``: the full buffer is
     one chunk per member; ``whole``: which members hold the full buffer (``"all"``, ``"root"``);
     ``chunk_from``: who sends chunk ``p`` (``"owner"``: ``group[p]``, ``"root"``), ``chunk_to``:
@@ -26,6 +26,7 @@ class Op:
     ``owners``: which members own a chunk that travels (``"all"`` or ``"non-root"``)."""
 
     name: str
+    letter: str
     p2p: bool = False
     rooted: bool = True
     chunked: bool = False
@@ -75,6 +76,10 @@ class Op:
         return tuple(m for m in self._owners(root, group) if device in self._to(m, root, group))
 
     # ---- how many bytes, where -------------------------------------------------------------------
+    def chunk(self, nbytes: int, members: int) -> int:
+        """Bytes per member's chunk of a full buffer of ``nbytes`` (0 for an unchunked op)."""
+        return nbytes // members if self.chunked else 0
+
     def holds_whole(self, device: int, root: int) -> bool:
         return not self.chunked or self.whole == "all" or device == root
 
@@ -108,11 +113,11 @@ class Op:
 
 #: Every op a switch Program's transfers use, by name.
 OPS: Mapping[str, Op] = {o.name: o for o in (
-    Op("send", p2p=True, rooted=False),
-    Op("broadcast"),
-    Op("scatter", chunked=True, whole="root", chunk_from="root", chunk_to="owner"),
-    Op("gather", chunked=True, whole="root", chunk_from="owner", chunk_to="root"),
-    Op("all_gather", rooted=False, chunked=True, whole="all", chunk_from="owner", chunk_to="others", owners="all"),
+    Op("send", "s", p2p=True, rooted=False),
+    Op("broadcast", "b"),
+    Op("scatter", "s", chunked=True, whole="root", chunk_from="root", chunk_to="owner"),
+    Op("gather", "g", chunked=True, whole="root", chunk_from="owner", chunk_to="root"),
+    Op("all_gather", "a", rooted=False, chunked=True, whole="all", chunk_from="owner", chunk_to="others", owners="all"),
 )}
 
 #: Ops of transfers over a group (one communicator each), in the order the planner promotes them.

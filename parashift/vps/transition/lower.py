@@ -107,15 +107,33 @@ def lower(plan: SwitchPlan, cluster: "Cluster | str | None" = None, *, memory_bu
 
 
 def _emit(p: SwitchPlan, st: Staging, xf: Transfers, opts: Options, devices: list[int]) -> dict[int, RankProgram]:
-    names = p.src_layout.table.names
-    kinds = p.kinds
-    buf = st.buffers
+    """Every device's streams, stage after stage (module doc)."""
+    keep_bytes, allocs, frees, static = _memory_effects(p, st)
+    sends, recvs = p2p_order(xf.items, xor=opts.xor_order)
+    colls = collective_order(xf.items)
+    lane = _lanes(xf.items, opts.lanes)
+    ranks: dict[int, RankProgram] = {}
+    for d in devices:
+        out = _Device(d, xf.items, lane)
+        s_by, r_by, c_by = (_by_stage(xf.items, ids.get(d)) for ids in (sends, recvs, colls))
+        prev: tuple[int, ...] = ()
+        for k in range(st.stages):
+            prev = out.stage(k, prev, s_by.get(k, []), r_by.get(k, []), c_by.get(k, []), keep_bytes.get((d, k), 0),
+                             tuple(allocs.get((d, k), ())), tuple(frees.get((d, k), ())))
+        ranks[d] = RankProgram({s: tuple(v) for s, v in out.streams.items() if v},
+                               {"state": static[d]} if d in static else {})
+    idle = RankProgram({}, {})          # devices between the ids in use take no part (shared program)
+    return {d: ranks.get(d, idle) for d in range(devices[-1] + 1)}
+
+
+def _memory_effects(p: SwitchPlan, st: Staging) -> tuple[dict, dict, dict, dict]:
+    """Per (device, stage): bytes its kept pieces copy, the state buffers it allocates and frees;
+    per device: bytes of state reused in place."""
+    names, kinds, buf = p.src_layout.table.names, p.kinds, st.buffers
     lookup = np.zeros(int(buf.task.max(initial=0)) + 1, dtype=np.int64)
     for t, k in st.task_stage.items():
         lookup[t] = k
     bstage = lookup[buf.task]
-    live_old = (~buf.reused) & (buf.old > 0)
-    live_new = (~buf.reused) & (buf.new > 0)
     # kept pieces that need a copy (their buffer is not reused in place)
     n_t = len(names)
     bkey = (buf.dev * 8 + buf.kind) * n_t + buf.tensor
@@ -133,102 +151,102 @@ def _emit(p: SwitchPlan, st: Staging, xf: Transfers, opts: Options, devices: lis
         keep_bytes[(d, k)] = keep_bytes.get((d, k), 0) + b
     allocs: dict[tuple[int, int], list[tuple[str, int]]] = {}
     frees: dict[tuple[int, int], list[str]] = {}
-    for sel, prefix in ((live_old, "old"), (live_new, "new")):
-        i = np.flatnonzero(sel)
-        nbytes = (buf.old if prefix == "old" else buf.new)[i].tolist()
+    label: dict[tuple[str, int, int], str] = {}        # every device names a buffer alike
+    for prefix, size in (("old", buf.old), ("new", buf.new)):
+        i = np.flatnonzero((~buf.reused) & (size > 0))
         for d, k, t, s, b in zip(buf.dev[i].tolist(), buf.kind[i].tolist(), buf.tensor[i].tolist(),
-                                 bstage[i].tolist(), nbytes):
-            name = switch_name(prefix, kinds[k], names[t])
-            if prefix == "old":
+                                 bstage[i].tolist(), size[i].tolist()):
+            name = label.get((prefix, k, t))
+            if name is None:
+                name = label[(prefix, k, t)] = switch_name(prefix, kinds[k], names[t])
+            if prefix == "old":         # live from the start, freed by the stage that packs it
                 allocs.setdefault((d, 0), []).append((name, b))
                 frees.setdefault((d, s), []).append(name)
             else:
                 allocs.setdefault((d, s), []).append((name, b))
     r = np.flatnonzero(buf.reused)
     static = dict(zip(*(x.tolist() for x in _group_sum(buf.dev[r], buf.old[r]))))
-    sends, recvs = p2p_order(xf.items, xor=opts.xor_order)
-    colls = collective_order(xf.items)
-    streams: dict[int, dict[str, list[Instr]]] = {d: {s: [] for s in STREAMS} for d in devices}
-    counter = {d: 0 for d in devices}
+    return keep_bytes, allocs, frees, static
 
-    def emit(d: int, stream: str, op: str, **kw) -> int:
-        i = counter[d]
-        counter[d] += 1
-        streams[d].setdefault(stream, []).append(Instr(i, op, stream, **kw))
-        return i
 
-    def by_stage(ids: list[int] | None) -> dict[int, list[int]]:
-        out: dict[int, list[int]] = {}
-        for k in ids or ():
-            out.setdefault(xf.items[k].stage, []).append(k)
-        return out
+def _by_stage(items: tuple, ids: list[int] | None) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for k in ids or ():
+        out.setdefault(items[k].stage, []).append(k)
+    return out
 
-    L = opts.lanes
+
+def _lanes(items: tuple, lanes: int):
+    """The lane of every transfer: one per collective group (the same on every member), and for a
+    message the Fibonacci hash of its XOR round (equal at both ends): the top bits of the 32-bit
+    product, so consecutive rounds land on different lanes even for a few devices."""
     group_lane: dict[tuple[int, ...], int] = {}
-    for t in xf.items:
+    for t in items:
         if t.op in COLLECTIVE_OPS:
-            group_lane.setdefault(t.group, len(group_lane) % L)
+            group_lane.setdefault(t.group, len(group_lane) % lanes)
 
     def lane(t) -> int:
-        """Fibonacci hashing of the XOR round (equal at both ends): the top bits of the 32-bit
-        product, so consecutive rounds land on different lanes even for a few devices."""
         if t.op in COLLECTIVE_OPS:
             return group_lane[t.group]
-        return (((t.root ^ t.peer) * 2654435761) & 0xFFFFFFFF) * L >> 32
+        return (((t.root ^ t.peer) * 2654435761) & 0xFFFFFFFF) * lanes >> 32
+    return lane
 
-    for d in devices:
-        s_by, r_by, c_by = by_stage(sends.get(d)), by_stage(recvs.get(d)), by_stage(colls.get(d))
-        prev: tuple[int, ...] = ()
-        for k in range(st.stages):
-            begin = emit(d, "pack", "copy", deps=prev, nbytes=keep_bytes.get((d, k), 0), key=switch_name("keep", k),
-                         alloc=tuple(allocs.get((d, k), ())))
-            last = {"pack": begin}
-            packed: dict[int, int] = {}
-            out_coll = [x for x in c_by.get(k, []) if d in xf.items[x].senders]
-            for x in s_by.get(k, []) + out_coll:
-                t = xf.items[x]
-                nb = t.member_bytes(d)
-                packed[x] = last["pack"] = emit(d, "pack", "copy", deps=(begin,), nbytes=nb,
-                                                key=switch_name("pack", t.key), alloc=((switch_name("buf", t.key), nb),))
-            gc = tuple(frees.get((d, k), ()))
-            if gc:
-                stream = streams[d]["pack"]
-                stream[-1] = replace(stream[-1], free=stream[-1].free + gc)
-            for x in s_by.get(k, []):
-                t = xf.items[x]
-                ln = f"send{lane(t)}"
-                b = switch_name("buf", t.key)
-                last[ln] = emit(d, ln, "send", deps=(packed[x],), nbytes=t.nbytes, peer=t.peer, tag=t.key,
-                                key=b, free=(b,))
-            got: list[tuple[int, int]] = []
-            for x in r_by.get(k, []):
-                t = xf.items[x]
-                ln = f"recv{lane(t)}"
-                b = switch_name("buf", t.key)
-                rid = last[ln] = emit(d, ln, "recv", deps=(begin,), nbytes=t.nbytes, peer=t.root, tag=t.key,
-                                      key=b, alloc=((b, t.nbytes),))
-                got.append((x, rid))
-            for x in c_by.get(k, []):
-                t = xf.items[x]
-                ln = f"coll{lane(t)}"
-                b = switch_name("buf", t.key)
-                gives, gets = d in t.senders, d in t.receivers
-                # a sender's buffer exists since its pack; a receiver's is freed by its unpack
-                cid = last[ln] = emit(d, ln, t.op, deps=(packed[x],) if gives else (begin,), nbytes=t.nbytes,
-                                      group=t.group, root=t.root, tag=t.key, key=b,
-                                      alloc=() if gives else ((b, t.member_bytes(d)),),
-                                      free=(b,) if gives and not gets else ())
-                if gets:
-                    got.append((x, cid))
-            for x, rid in got:
-                t = xf.items[x]
-                last["unpack"] = emit(d, "unpack", "copy", deps=(rid,), nbytes=t.member_bytes(d),
-                                      key=switch_name("unpack", t.key), free=(switch_name("buf", t.key),))
-            prev = tuple(sorted(last.values()))
-    ranks = {d: RankProgram({s: tuple(v) for s, v in streams[d].items() if v},
-                            {"state": static[d]} if d in static else {}) for d in devices}
-    idle = RankProgram({}, {})          # devices between the ids in use take no part (shared program)
-    return {d: ranks.get(d, idle) for d in range(devices[-1] + 1)}
+
+class _Device:
+    """One device's streams as they are emitted (instruction ids in emission order)."""
+
+    def __init__(self, device: int, items: tuple, lane) -> None:
+        self.d, self.items, self.lane = device, items, lane
+        self.streams: dict[str, list[Instr]] = {s: [] for s in STREAMS}
+        self.count = 0
+
+    def emit(self, stream: str, op: str, **kw) -> int:
+        i, self.count = self.count, self.count + 1
+        self.streams.setdefault(stream, []).append(Instr(i, op, stream, **kw))
+        return i
+
+    def stage(self, k: int, prev: tuple[int, ...], sends: list[int], recvs: list[int], colls: list[int],
+              keep_bytes: int, alloc: tuple, gc: tuple) -> tuple[int, ...]:
+        """Emit stage ``k`` after ``prev``; returns the instructions the next stage waits on."""
+        d, items = self.d, self.items
+        begin = self.emit("pack", "copy", deps=prev, nbytes=keep_bytes, key=switch_name("keep", k), alloc=alloc)
+        last = {"pack": begin}
+        packed: dict[int, int] = {}
+        for x in sends + [x for x in colls if d in items[x].senders]:
+            t = items[x]
+            nb = t.member_bytes(d)
+            packed[x] = last["pack"] = self.emit("pack", "copy", deps=(begin,), nbytes=nb, key=switch_name("pack", t.key),
+                                                 alloc=((switch_name("buf", t.key), nb),))
+        if gc:                          # the stage's last pack frees the old buffers nothing needs any more
+            stream = self.streams["pack"]
+            stream[-1] = replace(stream[-1], free=stream[-1].free + gc)
+        for x in sends:
+            t, b = items[x], switch_name("buf", items[x].key)
+            ln = f"send{self.lane(t)}"
+            last[ln] = self.emit(ln, "send", deps=(packed[x],), nbytes=t.nbytes, peer=t.peer, tag=t.key, key=b,
+                                 free=(b,))
+        got: list[tuple[int, int]] = []
+        for x in recvs:
+            t, b = items[x], switch_name("buf", items[x].key)
+            ln = f"recv{self.lane(t)}"
+            last[ln] = self.emit(ln, "recv", deps=(begin,), nbytes=t.nbytes, peer=t.root, tag=t.key, key=b,
+                                 alloc=((b, t.nbytes),))
+            got.append((x, last[ln]))
+        for x in colls:
+            t, b = items[x], switch_name("buf", items[x].key)
+            ln = f"coll{self.lane(t)}"
+            gives, gets = d in t.senders, d in t.receivers
+            # a sender's buffer exists since its pack; a receiver's is freed by its unpack
+            last[ln] = self.emit(ln, t.op, deps=(packed[x],) if gives else (begin,), nbytes=t.nbytes, group=t.group,
+                                 root=t.root, tag=t.key, key=b, alloc=() if gives else ((b, t.member_bytes(d)),),
+                                 free=(b,) if gives and not gets else ())
+            if gets:
+                got.append((x, last[ln]))
+        for x, rid in got:
+            t = items[x]
+            last["unpack"] = self.emit("unpack", "copy", deps=(rid,), nbytes=t.member_bytes(d),
+                                       key=switch_name("unpack", t.key), free=(switch_name("buf", t.key),))
+        return tuple(sorted(last.values()))
 
 
 def _group_sum(key: np.ndarray, val: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

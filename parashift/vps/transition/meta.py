@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ...errors import ProgramError
+from .collectives import OPS
 
 __all__ = ["PieceTable", "SwitchMeta", "switch_name", "parse_switch_name", "NAMES"]
 
@@ -31,12 +32,13 @@ def switch_name(what: str, *parts: object) -> str:
     op: ``switch_name(op, stage, root, members)`` with the receivers of a send or broadcast, the
     other members of a scatter or gather, every member of an all_gather; a send may add the row of
     its one piece when transfers are not coalesced)."""
-    if what in ("send", "broadcast", "scatter", "gather", "all_gather"):
+    o = OPS.get(what)
+    if o is not None:
         stage, root, members, *piece = parts
         ids = ",".join(map(str, members))
-        if what in ("send", "broadcast"):
-            return f"{what[0]}{stage}:{root}>{ids}" + "".join(f":{p}" for p in piece)
-        return f"{'a' if what == 'all_gather' else what[0]}{stage}:{root}:{ids}"
+        if not o.chunked:
+            return f"{o.letter}{stage}:{root}>{ids}" + "".join(f":{p}" for p in piece)
+        return f"{o.letter}{stage}:{root}:{ids}"
     if NAMES.get(what) != len(parts):
         raise ProgramError(f"switch name {what!r} takes {NAMES.get(what)} part(s), got {parts!r}")
     return ":".join((what, *map(str, parts)))

@@ -321,8 +321,9 @@ def _promote_rooted(plan, stage, cluster, cost, free, add, op: str, loads: _Load
     rows = np.flatnonzero(free)
     if len(rows) == 0:
         return
-    root = plan.src[rows] if op == "scatter" else plan.dst[rows]
-    other = plan.dst[rows] if op == "scatter" else plan.src[rows]
+    out = op_of(op).chunk_from == "root"       # scatter: the root sends; gather: it receives
+    root = plan.src[rows] if out else plan.dst[rows]
+    other = plan.dst[rows] if out else plan.src[rows]
     order = np.lexsort((plan.tensor[rows], plan.kind[rows], other, root, stage[rows]))
     rows, root, other, stg = rows[order], root[order], other[order], stage[rows][order]
     starts = np.flatnonzero(np.r_[True, (root[1:] != root[:-1]) | (stg[1:] != stg[:-1])])
@@ -346,12 +347,12 @@ def _promote_rooted(plan, stage, cluster, cost, free, add, op: str, loads: _Load
         group = tuple(sorted([r] + uniq.tolist()))
         total = chunk * len(group)
         t_c = _coll_time(cost, cluster, op, total, group)
-        pairs = [(r, int(p), int(x)) if op == "scatter" else (int(p), r, int(x)) for p, x in zip(uniq, per)]
+        pairs = [(r, int(p), int(x)) if out else (int(p), r, int(x)) for p, x in zip(uniq, per)]
         if t_c >= _p2p_time(cost, cluster, pairs):
             continue
         out_b, in_b = op_of(op).link_bytes(r, group, total, chunk)
         raw = np.bincount(np.searchsorted(uniq, other[a:b]), weights=plan.nbytes[rows[a:b]]).astype(np.int64)
-        exact = [(r, int(p), int(x)) if op == "scatter" else (int(p), r, int(x)) for p, x in zip(uniq, raw)]
+        exact = [(r, int(p), int(x)) if out else (int(p), r, int(x)) for p, x in zip(uniq, raw)]
         if not loads.try_replace(int(stg[a]), exact, group, out_b, in_b, _coll_time(cost, cluster, op, 0, group)):
             continue
         pos = np.searchsorted(np.asarray(group), other[a:b])
