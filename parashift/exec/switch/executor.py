@@ -63,6 +63,21 @@ class _Flight:
 
 
 @dataclass
+class _Run:
+    """One run of the driver: streams and positions, what is on the wire, where waiters report."""
+
+    streams: dict[str, list[Instr]]
+    pos: dict[str, int]
+    busy: dict[str, _Flight]                    # collective streams: one flight at a time
+    lanes: dict[str, collections.deque]         # point-to-point streams: flights in issue order
+    finished: queue.SimpleQueue
+    timeout: Any
+
+    def in_flight(self) -> int:
+        return len(self.busy) + sum(len(q) for q in self.lanes.values())
+
+
+@dataclass
 class ExecStats:
     """What one device did: bytes packed/sent/received, pieces sent unpacked, checksums, and the
     driver thread's seconds per kind of work (``keep``, ``pack``, ``unpack``, ``checksum``,
@@ -423,6 +438,22 @@ class SwitchExecutor:
         While everything issued is on the wire, the driver runs deferred work (kept pieces' copies,
         checksums of sent messages).
         """
+        r = self._start(stage)
+        try:
+            self._drive(r)
+        except SwitchAborted:
+            self.graveyard.append((r.busy, r.lanes, self.bufs, self.msgs, self.temps))
+            raise
+        except Exception as e:  # noqa: BLE001 - a peer failure surfaces as a gloo error
+            self.graveyard.append((r.busy, r.lanes, self.bufs, self.msgs, self.temps))
+            raise SwitchAborted(f"device {self.device}: a transfer failed ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''}); a peer left or failed") from e
+        if self.pool is not None:
+            self.stats.staging_peak = self.pool.peak
+        return self.stats
+
+    def _start(self, stage: int | None) -> "_Run":
+        """This device's streams (of ``stage`` only, when given) and an empty wire."""
         rp = self.program.ranks.get(self.device)
         streams = {s: list(v) for s, v in (rp.streams.items() if rp is not None else ())}
         for v in streams.values():
@@ -432,90 +463,74 @@ class SwitchExecutor:
         if stage is not None:
             streams = {s: [i for i in v if self.stage_of(i) == stage] for s, v in streams.items()}
             streams = {s: v for s, v in streams.items() if v}
-        pos = {s: 0 for s in streams}
-        busy: dict[str, _Flight] = {}                                   # collective streams: one at a time
-        lanes: dict[str, collections.deque] = {s: collections.deque() for s in streams
-                                                if s.startswith(("send", "recv"))}
-        done = self._done                                               # earlier stages' too
-        finished: queue.SimpleQueue = queue.SimpleQueue()
-        timeout = timedelta(self.timeout)
-        st = self.stats
         if self.pool is not None:
             self.pool.reset_peak()
+        return _Run(streams, {s: 0 for s in streams}, {},
+                    {s: collections.deque() for s in streams if s.startswith(("send", "recv"))},
+                    queue.SimpleQueue(), timedelta(self.timeout))
 
-        def waiter(fl: _Flight) -> None:
-            try:
-                for j, w in enumerate(fl.works):
-                    w.wait(timeout)
-                    if fl.on_part is not None:
-                        finished.put((fl, j, None))
-                finished.put((fl, None, None))
-            except BaseException as e:  # noqa: BLE001 - handed to the driver
-                finished.put((fl, None, e))
-
-        def in_flight() -> int:
-            return len(busy) + sum(len(q) for q in lanes.values())
-
-        def complete(fl: _Flight) -> None:
-            if fl.then is not None:
-                fl.then()
-            self._free(fl.ins)
-            st.rows.append((fl.stream, fl.ins.op, fl.t0, time.perf_counter(), fl.ins.nbytes))
-            fl.done = True
-            q = lanes.get(fl.stream)
-            if q is None:
-                done.add(fl.ins.id)
-                del busy[fl.stream]
-                return
-            while q and q[0].done:
-                done.add(q.popleft().ins.id)
-
-        def handle(fl: _Flight, j: int | None, err: BaseException | None) -> None:
-            if err is not None:
-                raise err
-            if j is not None:
-                fl.on_part(j)
-            else:
-                complete(fl)
-        try:
-            while True:
-                ran = self._step(streams, pos, busy, lanes, done, waiter)
-                while True:                        # whatever landed meanwhile, before more copies
-                    try:
-                        item = finished.get_nowait()
-                    except queue.Empty:
-                        break
-                    handle(*item)
-                    ran = True
-                if ran:
-                    continue
-                if not in_flight():
-                    if any(pos[s] < len(v) for s, v in streams.items()):
-                        raise SwitchAborted(f"device {self.device}: the switch Program cannot proceed (a dependency "
-                                            f"is never satisfied); the Program is invalid")
+    def _drive(self, r: "_Run") -> None:
+        """Issue, copy and complete until every stream is through (or raise)."""
+        while True:
+            ran = self._step(r)
+            while True:                        # whatever landed meanwhile, before more copies
+                try:
+                    item = r.finished.get_nowait()
+                except queue.Empty:
                     break
-                if self.later:                     # the wire is busy: do deferred work meanwhile
-                    self._run_later(self.later.popleft())
-                    continue
-                handle(*self._wait(finished, busy, lanes))
-            while self.later:
+                self._handle(r, *item)
+                ran = True
+            if ran:
+                continue
+            if not r.in_flight():
+                if any(r.pos[s] < len(v) for s, v in r.streams.items()):
+                    raise SwitchAborted(f"device {self.device}: the switch Program cannot proceed (a dependency "
+                                        f"is never satisfied); the Program is invalid")
+                break
+            if self.later:                     # the wire is busy: do deferred work meanwhile
                 self._run_later(self.later.popleft())
-        except SwitchAborted:
-            self.graveyard.append((busy, lanes, self.bufs, self.msgs, self.temps))
-            raise
-        except Exception as e:  # noqa: BLE001 - a peer failure surfaces as a gloo error
-            self.graveyard.append((busy, lanes, self.bufs, self.msgs, self.temps))
-            raise SwitchAborted(f"device {self.device}: a transfer failed ({type(e).__name__}: "
-                                f"{str(e).splitlines()[0] if str(e) else ''}); a peer left or failed") from e
-        if self.pool is not None:
-            st.staging_peak = self.pool.peak
-        return st
+                continue
+            self._handle(r, *self._wait(r))
+        while self.later:
+            self._run_later(self.later.popleft())
 
-    def _step(self, streams: dict, pos: dict, busy: dict, lanes: dict, done: set, waiter: Callable) -> bool:
+    @staticmethod
+    def _waiter(r: "_Run", fl: _Flight) -> None:
+        """(On a waiter thread) wait on each of ``fl``'s works in order and report to the driver."""
+        try:
+            for j, w in enumerate(fl.works):
+                w.wait(r.timeout)
+                if fl.on_part is not None:
+                    r.finished.put((fl, j, None))
+            r.finished.put((fl, None, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the driver
+            r.finished.put((fl, None, e))
+
+    def _handle(self, r: "_Run", fl: _Flight, j: int | None, err: BaseException | None) -> None:
+        """A part of ``fl`` landed (``j``), or all of it, or it failed (``err``, raised here)."""
+        if err is not None:
+            raise err
+        if j is not None:
+            fl.on_part(j)
+            return
+        if fl.then is not None:
+            fl.then()
+        self._free(fl.ins)
+        self.stats.rows.append((fl.stream, fl.ins.op, fl.t0, time.perf_counter(), fl.ins.nbytes))
+        fl.done = True
+        q = r.lanes.get(fl.stream)
+        if q is None:
+            self._done.add(fl.ins.id)
+            del r.busy[fl.stream]
+            return
+        while q and q[0].done:
+            self._done.add(q.popleft().ins.id)
+
+    def _step(self, r: "_Run") -> bool:
         """Issue every communication instruction whose deps are done, then run at most one ready
         copy (pack, unpack, keep); False when nothing could run. Receives are posted and sends go out
         before the next pack, so that packing overlaps the transfers already on the wire."""
-        st = self.stats
+        st, streams, pos, busy, lanes, done = self.stats, r.streams, r.pos, r.busy, r.lanes, self._done
         ran = False
 
         def ready(s: str, v: list) -> bool:
@@ -530,7 +545,7 @@ class SwitchExecutor:
                     lanes[s].append(fl)
                 else:
                     busy[s] = fl
-                submit(waiter, fl)
+                submit(self._waiter, r, fl)
                 st.add("issue", t0)
                 ran = True
                 if self.on_issue is not None:
@@ -550,20 +565,20 @@ class SwitchExecutor:
                 return True
         return ran
 
-    def _wait(self, finished: queue.SimpleQueue, busy: dict, lanes: dict) -> tuple:
+    def _wait(self, r: "_Run") -> tuple:
         """The next finished flight; raises SwitchAborted when a peer is gone or nothing moves."""
         t0 = time.perf_counter()
         end = time.monotonic() + self.timeout + 5.0
         while True:
             try:
-                got = finished.get(timeout=0.05)
+                got = r.finished.get(timeout=0.05)
                 self.stats.add("idle", t0)
                 return got
             except queue.Empty:
                 gone = self.peer_gone() if self.peer_gone is not None else None
                 if gone is not None or time.monotonic() > end:
                     why = f"device {gone} is gone" if gone is not None else f"no progress for {self.timeout:.0f} s"
-                    waiting = list(busy.values()) + [f for q in lanes.values() for f in q if not f.done]
+                    waiting = list(r.busy.values()) + [f for q in r.lanes.values() for f in q if not f.done]
                     raise SwitchAborted(f"device {self.device}: {why} (waiting on "
                                         f"{', '.join(f'{f.ins.op} {f.ins.tag}' for f in waiting)})") from None
 

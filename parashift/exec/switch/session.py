@@ -185,29 +185,13 @@ class LiveSession:
         leaves). Raises SwitchAborted, with the old layout's runtime, state and world untouched,
         when the switch fails (with every participant alive, training goes on in them)."""
         t_pause = time.time()
-        self.announce(g)
-        fut, _ = self.pending.pop(g)
         src, dst = self.gens[g - 1], self.gens[g]
         rec = SwitchRecord(dst.step, str(src.strategy), str(dst.strategy), self.device,
                            joining=self.runtime is None)
         self.records.append(rec)
-        try:
-            prep: Prepared = fut.result(timeout=self.timeout)
-        except Exception as e:  # noqa: BLE001 - no world: nothing moved yet
-            rec.aborted = f"preparation failed: {type(e).__name__}: {e}"
-            # a refused plan (memory budget): train on in the old layout; anything else: a peer is gone
-            raise SwitchAborted(f"switch at step {dst.step} aborted before moving anything: {rec.aborted}",
-                                rec.aborted, peer_failed=not isinstance(e, MemoryBudgetError)) from e
-        rec.plan_seconds = prep.plan_seconds
-        rec.world_seconds = prep.world_seconds + (prep.train_world_end - prep.train_world_start)
-        rec.rows += [("elastic", "plan", prep.world_start - prep.plan_seconds, prep.world_start),
-                     ("elastic", "world", prep.world_start, prep.world_end)]
-        if prep.worlds is not None:
-            rec.rows.append(("elastic", "train-world", prep.train_world_start, prep.train_world_end))
+        prep = self._prepared(g, rec)
         old = self.runtime.store if self.runtime is not None else None
-        new_rank = dst.devices.index(self.device) if self.device in dst.devices else None
         new, prep.new_store = prep.new_store, None      # allocated in the background by announce()
-        rec.alloc_seconds = prep.alloc_seconds
         faults = self.opts.faults
         on_received, on_issue = (faults.hooks(g, self.device, prep.planned.program) if faults is not None
                                  else (None, None))
@@ -233,22 +217,48 @@ class LiveSession:
         if before is not None:
             self.exports[f"before{g}"] = before
         t0 = time.time()
-        rt = None
-        if new is not None:          # the new world exists already: the rebuild is views over the new store
-            from ..runtime import Runtime
-            rctx = RankContext(new_rank, dst.strategy.world, self.ctx.backend, torch.device("cpu"), None)
-            rt = Runtime(prep.program, rctx, store=new, worlds=prep.worlds, data_seed=self.opts.data_seed,
-                         model=self.spec, optim=self.opts.optim, timeout=self.ctx.timeout)
-            for b in new.buffers.values():
-                b.step = int(meta["opt_step"])
-            rt.steps_done = int(meta["steps_done"])
-            if self.opts.export:
-                self.exports[f"after{g}"] = {"rank": new_rank, "arrays": store_arrays(new)}
+        rt = self._rebuild(g, prep, new, meta) if new is not None else None
         t1 = time.time()
         rec.rebuild_seconds = t1 - t0
         rec.rows.append(("switch", "rebuild", t0, t1))
         rec.pause_seconds = t1 - t_pause
         self.runtime, self.gen = rt, g       # the old store is freed with the old runtime
+        return rt
+
+    def _prepared(self, g: int, rec: SwitchRecord) -> Prepared:
+        """Switch ``g``'s background preparation, once done (its timings go into ``rec``)."""
+        self.announce(g)
+        fut, _ = self.pending.pop(g)
+        try:
+            prep: Prepared = fut.result(timeout=self.timeout)
+        except Exception as e:  # noqa: BLE001 - no world: nothing moved yet
+            rec.aborted = f"preparation failed: {type(e).__name__}: {e}"
+            # a refused plan (memory budget): train on in the old layout; anything else: a peer is gone
+            raise SwitchAborted(f"switch at step {rec.step} aborted before moving anything: {rec.aborted}",
+                                rec.aborted, peer_failed=not isinstance(e, MemoryBudgetError)) from e
+        rec.plan_seconds = prep.plan_seconds
+        rec.world_seconds = prep.world_seconds + (prep.train_world_end - prep.train_world_start)
+        rec.alloc_seconds = prep.alloc_seconds
+        rec.rows += [("elastic", "plan", prep.world_start - prep.plan_seconds, prep.world_start),
+                     ("elastic", "world", prep.world_start, prep.world_end)]
+        if prep.worlds is not None:
+            rec.rows.append(("elastic", "train-world", prep.train_world_start, prep.train_world_end))
+        return prep
+
+    def _rebuild(self, g: int, prep: Prepared, new: StateStore, meta: dict):
+        """The new layout's Runtime: views over the new store, on the world built in the background;
+        the step and optimizer counters carry over."""
+        from ..runtime import Runtime
+        dst = self.gens[g]
+        new_rank = dst.devices.index(self.device)
+        rctx = RankContext(new_rank, dst.strategy.world, self.ctx.backend, torch.device("cpu"), None)
+        rt = Runtime(prep.program, rctx, store=new, worlds=prep.worlds, data_seed=self.opts.data_seed,
+                     model=self.spec, optim=self.opts.optim, timeout=self.ctx.timeout)
+        for b in new.buffers.values():
+            b.step = int(meta["opt_step"])
+        rt.steps_done = int(meta["steps_done"])
+        if self.opts.export:
+            self.exports[f"after{g}"] = {"rank": new_rank, "arrays": store_arrays(new)}
         return rt
 
     def switch_to(self, strategy: "Strategy | str", devices: "tuple[int, ...] | list[int] | None" = None):
