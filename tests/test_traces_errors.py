@@ -54,7 +54,7 @@ SEG = '[{t}, "{op}", {{"nodes": {nodes}}}]'
     ("hdr.csv", "time,event,count,available,region\n10,add,1,3\n", 1, "unknown columns ['region']"),
     ("hdr2.csv", "when,what\n10,add\n", 1, "unknown columns"),
     ("wide.csv", "0,add,a\n1000,remove,a,extra\n", 2, "4 fields"),
-    ("act.csv", "0,add,a\n1000,drop,a\n", 2, "'drop'"),
+    ("act.csv", "0,add,a\n1000,drop,a\n", 2, "not 'add' or 'remove'"),
     ("sgkey.txt", '[0, "add", {"nodes": ["a"], "gpu": 4}]\n[10, "DONE", {"nodes": []}]\n', 1,
      "unknown columns ['gpu']"),
     ("sgop.txt", '[0, "add", {"nodes": ["a"]}]\n[10, "explode", {"nodes": []}]\n', 2, "'explode'"),

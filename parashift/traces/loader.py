@@ -96,11 +96,11 @@ def detect(text: str, source: str = "<text>") -> str:
     if not any(_NUM.match(c) or _DATE.match(c) for c in cells):
         known = {name for h in csv_formats.HEADERS for name in h}
         unknown = [c for c in cells if c.lower() not in known]
-        problem = (f"unknown columns {unknown} in the header {','.join(cells)!r}" if unknown
-                   else f"the header {','.join(cells)!r} is not a complete set of columns")
+        problem = (f"unknown columns {unknown} in the header" if unknown
+                   else "the header is not a complete set of columns")
         raise fail(source, row, problem,
                    "headers this loader knows: " + "; ".join(",".join(h) for h in csv_formats.HEADERS))
-    raise fail(source, row, f"cannot tell the format from {first[:60]!r}",
+    raise fail(source, row, "cannot tell the format from its first line",
                f"pass format= one of {list(FORMATS)}")
 
 
