@@ -52,8 +52,13 @@ def _available() -> list[str]:
     return out
 
 
-class _UsageError(Exception):
-    """An argparse error, raised instead of exiting so that :func:`main` prints one line."""
+class _UsageError(SystemExit):
+    """An argparse error (exit status 2), raised with its one-line message so that :func:`main`
+    prints it and returns instead of exiting."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
 
 
 class _Parser(argparse.ArgumentParser):
@@ -115,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser = build_parser(argv)
         args = parser.parse_args(argv)
     except _UsageError as e:
-        print(str(e), file=sys.stderr)
+        print(e.message, file=sys.stderr)
         return 2
     if args.version:
         from .. import __version__
@@ -147,6 +152,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name}: error: out of memory; make the problem smaller (batch, sequence length, model)",
               file=sys.stderr)
         return 1
+    except BrokenPipeError:   # the reader (e.g. `| head`) went away: nothing left to say
+        _abort(tx)
+        sys.stderr.close()
+        return 0
     except OSError as e:
         _abort(tx)
         what = f" {e.filename}" if e.filename else ""
