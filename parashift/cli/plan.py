@@ -66,6 +66,9 @@ def run(args: argparse.Namespace) -> dict:
         raise PlanError("--kinds is empty; give state kinds such as param,master,exp_avg,exp_avg_sq")
     if args.memory_budget is not None:
         parse_bytes(args.memory_budget)   # a bad budget fails before the planning work
+    bad = sorted({k.strip() for k in args.off.split(",") if k.strip()} - set(_PASSES))
+    if bad:
+        raise PlanError(f"--off {','.join(bad)}: unknown lowering pass; use some of {', '.join(_PASSES)}")
     t0 = time.perf_counter()
     plan = vps.plan_switch(args.model, args.src, args.dst, cluster=args.cluster, src_devices=args.src_devices,
                            dst_devices=args.dst_devices, kinds=kinds, placement=args.placement)
@@ -93,10 +96,6 @@ def run(args: argparse.Namespace) -> dict:
 def _lower(plan, args: argparse.Namespace) -> dict:
     from ..vps import transition
     off = {k.strip(): False for k in args.off.split(",") if k.strip()}
-    bad = sorted(set(off) - set(_PASSES))
-    if bad:
-        from ..errors import PlanError
-        raise PlanError(f"--off {','.join(bad)}: unknown lowering pass; use some of {', '.join(_PASSES)}")
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     prog = transition.lower(plan, plan.cluster, memory_budget=budget, **off)
     prog.validate()
