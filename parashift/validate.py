@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -73,31 +72,25 @@ def _short(value: Any) -> str:
 
 def arg_int(lo: int | None = None, hi: int | None = None) -> Callable[[str], int]:
     """An argparse type: an integer in ``[lo, hi]``."""
-    def parse(text: str) -> int:
-        try:
-            v = int(text.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        try:
-            return int(number("the value", v, lo=lo, hi=hi, integer=True))
-        except InputError as e:
-            raise argparse.ArgumentTypeError(str(e).replace("the value must", "must")) from None
-    parse.__name__ = "integer"
-    return parse
+    return _arg_type(int, "an integer", lo=lo, hi=hi, integer=True)
 
 
 def arg_float(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False) -> Callable[[str], float]:
     """An argparse type: a finite number in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
-    def parse(text: str) -> float:
+    return _arg_type(float, "a number", lo=lo, hi=hi, lo_open=lo_open)
+
+
+def _arg_type(conv: Callable[[str], Any], kind: str, **bounds: Any) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
         try:
-            v = float(text.strip())
+            v = conv(text.strip())
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+            raise argparse.ArgumentTypeError(f"{text!r} is not {kind}") from None
         try:
-            return number("the value", v, lo=lo, hi=hi, lo_open=lo_open)
+            return number("the value", v, **bounds)
         except InputError as e:
             raise argparse.ArgumentTypeError(str(e).replace("the value must", "must")) from None
-    parse.__name__ = "number"
+    parse.__name__ = kind.split()[-1]
     return parse
 
 
@@ -297,12 +290,8 @@ def _type_name(obj: Any) -> str:
     return type(obj).__name__
 
 
-def writable_dir(path: "str | Path") -> bool:
-    """True when files can be created in folder ``path``."""
-    return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
 
-
-def check_step_size(global_batch: int, seq_len: int, dp: int = 1, mbs: int = 1, pp: int = 1) -> None:
+def check_step_size(global_batch: int, dp: int = 1, mbs: int = 1, pp: int = 1) -> None:
     """Refuse a step whose micro-batches x stages exceed :data:`MAX_STEP_SLOTS` before compiling it."""
     slots = (global_batch // max(1, dp * mbs)) * max(1, pp)
     if slots > MAX_STEP_SLOTS:

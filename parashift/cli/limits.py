@@ -90,5 +90,5 @@ def check_live(args: argparse.Namespace) -> None:
     if is_user_model(args.model):
         return
     spec = models.get(args.model)
-    check_step_size(args.global_batch, args.seq_len or spec.seq_len, s.dp, s.mbs, s.pp)
+    check_step_size(args.global_batch, s.dp, s.mbs, s.pp)
     check_memory(spec, args.global_batch, args.seq_len or spec.seq_len)

@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from ..strategy import Strategy
     s = Strategy.parse(args.strategy)
-    check_step_size(args.global_batch, args.seq_len or 1, s.dp, s.mbs, s.pp)
+    check_step_size(args.global_batch, s.dp, s.mbs, s.pp)
     t0 = time.perf_counter()
     prog = ir.compile(args.model, args.strategy, global_batch=args.global_batch, seq_len=args.seq_len)
     t1 = time.perf_counter()

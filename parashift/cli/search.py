@@ -44,9 +44,13 @@ def run(args: argparse.Namespace) -> dict:
     if args.storage and not study_name:
         study_name = f"{model.name}-{cl.name}-{devices}d-b{args.global_batch}-s{args.seq_len}-{args.objective}"
     opts = space_options(args)
-    bar = None if args.no_progress else _bar(args.trials)
+    bar = None   # made at the first trial, after the storage and the space are checked
 
     def progress(done: int, total: int, best) -> None:
+        nonlocal bar
+        if bar is None and not args.no_progress:
+            bar = _bar(args.trials)
+            bar.update(done - 1)
         if bar is not None:
             bar.update(1)
             if best is not None:

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> dict:
         raise ClusterError(f"strategy {strategy} needs {strategy.world} devices but {cl.name} has {cl.devices}; "
                            f"use a bigger cluster, e.g. {cl.with_devices(strategy.world).name}")
     cost = load_cost_model(args.cost_model) or CostModel.for_cluster(cl)
-    check_step_size(args.global_batch, args.seq_len, strategy.dp, strategy.mbs, strategy.pp)
+    check_step_size(args.global_batch, strategy.dp, strategy.mbs, strategy.pp)
     program = ir_compile(model, strategy, global_batch=args.global_batch, seq_len=args.seq_len)
     t0 = time.perf_counter()
     res = simulate(program, cl, cost)
