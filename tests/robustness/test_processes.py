@@ -96,3 +96,16 @@ def test_store_is_loopback_only_and_secret_namespaced():
     wrong.set("verdict", "forged")
     assert job.store.get("verdict") == b"ok"
     assert connect(*job.client_args(), 2.0).get("verdict") == b"ok"               # a member with the secret can
+
+
+def test_two_searches_create_one_fresh_sqlite_study_at_once(tmp_path):
+    db = f"sqlite:///{tmp_path / 'new.db'}"
+    cmd = [sys.executable, "-m", "parashift", "search", "--model", "tiny-gpt", "--cluster", "cpu-local",
+           "--global-batch", "8", "--seq-len", "32", "--trials", "3", "--seed", "0", "--storage", db,
+           "--study-name", "shared", "--no-progress", "--json"]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-300:] for o in outs]
+    import optuna
+    study = optuna.load_study(study_name="shared", storage=db)
+    assert len(study.trials) == 6      # both workers wrote their trials into the one study
