@@ -43,11 +43,11 @@ def _wait_for(proc, text, limit=90.0):
     pytest.fail(f"the job never printed {text!r}")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 @pytest.mark.parametrize("when,extra,mark", [
     ("mid-run", ["--strategy", "dp=2"], "step 3/"),
     ("mid-switch", ["--strategy", "dp=2", "--switch-at", "4:dp=1", "--switch-notice", "1"], "step 4/"),
-])
+], ids=["mid-run", "mid-switch"])
 def test_killing_the_launcher_leaves_no_process(sig, when, extra, mark):
     proc = _start(extra)
     try:
