@@ -4,7 +4,7 @@ from __future__ import annotations
 __all__ = [
     "ParashiftError", "UnknownPresetError", "StrategyError", "ClusterError", "DeviceListError",
     "PlanError", "MemoryBudgetError", "ProgramError", "DeadlockError", "TraceFormatError",
-    "RuntimeFailure", "SwitchAborted",
+    "RuntimeFailure", "SwitchAborted", "InputError", "OutputError", "LimitError",
 ]
 
 
@@ -68,3 +68,15 @@ class SwitchAborted(RuntimeFailure):
 
     def __reduce__(self):  # keep reason and peer_failed across processes
         return type(self), (str(self), self.reason, self.peer_failed)
+
+
+class InputError(ParashiftError, ValueError):
+    """A number or a file the user gave that parashift cannot use (the message names the key)."""
+
+
+class OutputError(ParashiftError, OSError):
+    """An output path that cannot be written (checked before any work starts)."""
+
+
+class LimitError(ParashiftError, ValueError):
+    """Work or memory estimated beyond a limit before starting; the message names the limit."""

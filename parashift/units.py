@@ -1,6 +1,8 @@
 """Quantities people type: byte sizes."""
 from __future__ import annotations
 
+import math
+
 from .errors import MemoryBudgetError
 
 __all__ = ["parse_bytes"]
@@ -18,6 +20,8 @@ def parse_bytes(text: str) -> int:
         value = float(num) * _UNITS[unit]
     except (KeyError, ValueError):
         raise MemoryBudgetError(f"cannot read memory budget {text!r}; write bytes such as 60GiB, 512MB or 7e10") from None
-    if value <= 0:
-        raise MemoryBudgetError(f"memory budget {text!r} must be positive")
+    if not math.isfinite(value) or value < 1:
+        raise MemoryBudgetError(f"memory budget {text!r} must be a finite number of bytes >= 1, e.g. 60GiB")
+    if value > 2**60:
+        raise MemoryBudgetError(f"memory budget {text!r} is over 1 EiB; write bytes such as 60GiB")
     return int(value)

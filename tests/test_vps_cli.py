@@ -11,7 +11,7 @@ KEYS = {"verified", "plan_seconds", "bytes_kept", "bytes_moved", "bytes_needed",
 
 def test_plan_json_node_loss(capsys):
     argv = ["plan", "--model", "llama2-7b", "--src", "dp=4,tp=4,pp=2,zero=1", "--dst", "dp=3,tp=4,pp=2,zero=1",
-            "--cluster", "a800-4x8", "--dst-devices", "0-7,16-31", "--json"]
+            "--cluster", "a800-4x8", "--dst-devices", "0-7,16-31", "--switch-placement", "given", "--json"]
     assert main(argv) == 0
     r = json.loads(capsys.readouterr().out)
     assert KEYS <= set(r)
@@ -23,9 +23,9 @@ def test_plan_json_node_loss(capsys):
 def test_plan_keep_placement_orders_devices_within_nodes(capsys):
     base = ["plan", "--model", "llama2-7b", "--src", "dp=2,tp=4,zero=1", "--dst", "dp=1,tp=8", "--cluster",
             "a800-1x8", "--json"]
-    assert main(base) == 0
+    assert main(base + ["--switch-placement", "given"]) == 0
     given = json.loads(capsys.readouterr().out)
-    assert main(base + ["--placement", "keep"]) == 0
+    assert main(base) == 0   # keep is the default, as in `run --switch-placement`
     kept = json.loads(capsys.readouterr().out)
     assert given["dst_devices"] == "0-7" and kept["dst_devices"] != "0-7"
     assert kept["verified"] and kept["bytes_moved"] < given["bytes_moved"]

@@ -10,10 +10,14 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
 import sys
+import traceback
 from typing import Sequence
 
-from ..errors import ParashiftError
+from ..errors import ParashiftError, RuntimeFailure
+from . import dialect
+from .outputs import Outputs
 
 __all__ = ["main", "COMMANDS"]
 
@@ -29,6 +33,7 @@ COMMANDS = {
     "replay": "replay",
     "calibrate": "calibrate",
     "demo": "demo",
+    "traces": "traces",
 }
 
 
@@ -47,10 +52,25 @@ def _available() -> list[str]:
     return out
 
 
+class _UsageError(SystemExit):
+    """An argparse error (exit status 2), raised with its one-line message so that :func:`main`
+    prints it and returns instead of exiting."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # type: ignore[override]
+        raise _UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
+
+
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="parashift", description="Explore, tune, deploy and hot-switch "
-                                     "distributed training strategies.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser = _Parser(prog="parashift", description="Explore, tune, deploy and hot-switch "
+                     "distributed training strategies.")
+    parser.add_argument("--version", action="store_true", help="print parashift's version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     wanted = next((a for a in argv if not a.startswith("-")), None)
     for cmd in _available():
         if wanted is not None and cmd != wanted:
@@ -87,20 +107,70 @@ def _jsonable(o):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one sub-command; return its exit status (0 ok, 1 error, 2 usage, 130 interrupted).
+
+    Errors print as one line on stderr (``PARASHIFT_TRACEBACK=1`` adds the traceback of an
+    unexpected one); output files are written all or nothing (:mod:`parashift.cli.outputs`).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    cmd = next((a for a in argv if not a.startswith("-")), None)
+    try:
+        if cmd in COMMANDS:
+            argv = dialect.rewrite_aliases(cmd, argv, getattr(_module(cmd), "ALIASES", {}))
+        parser = build_parser(argv)
+        args = parser.parse_args(argv)
+    except _UsageError as e:
+        print(e.message, file=sys.stderr)
+        return 2
+    if args.version:
+        from .. import __version__
+        print(f"parashift {__version__}")
+        return 0
     if not args.command:
         parser.print_help()
         return 2
     mod = _module(args.command)
+    name = f"parashift {args.command}"
+    tx = None
     try:
+        tx = Outputs(args, getattr(mod, "OUTPUTS", {}), getattr(mod, "OUTPUT_FLAGS", None))
         result = mod.run(args)
+        result = tx.commit(result)
+        tx = None
         emit(result, args.json, getattr(mod, "render", None), args)
     except ParashiftError as e:
-        print(f"parashift {args.command}: error: {e}", file=sys.stderr)
+        _abort(tx)
+        text = str(e) if isinstance(e, RuntimeFailure) else " ".join(str(e).split())
+        print(f"{name}: error: {text}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"parashift {args.command}: interrupted", file=sys.stderr)
+        _abort(tx)
+        print(f"{name}: interrupted", file=sys.stderr)
         return 130
+    except MemoryError:
+        _abort(tx)
+        print(f"{name}: error: out of memory; make the problem smaller (batch, sequence length, model)",
+              file=sys.stderr)
+        return 1
+    except BrokenPipeError:   # the reader (e.g. `| head`) went away: nothing left to say
+        _abort(tx)
+        sys.stderr.close()
+        return 0
+    except OSError as e:
+        _abort(tx)
+        what = f" {e.filename}" if e.filename else ""
+        print(f"{name}: error: cannot access{what}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - a bug: one line, the traceback on request
+        _abort(tx)
+        if os.environ.get("PARASHIFT_TRACEBACK"):
+            traceback.print_exc()
+        print(f"{name}: internal error ({type(e).__name__}: {' '.join(str(e).split())[:200]}); this is a bug, "
+              f"please report it with PARASHIFT_TRACEBACK=1 set", file=sys.stderr)
+        return 3
     return 0
+
+
+def _abort(tx: "Outputs | None") -> None:
+    if tx is not None:
+        tx.abort()

@@ -5,16 +5,19 @@ import argparse
 import sys
 import time
 
-from .options import add_batch_options, positive_int
+from ..validate import arg_float, arg_int
+from .limits import MAX_LOCAL_PROCS, check_memory
+from .options import add_batch_options, load_cost_model
 
 HELP = "run a few probe strategies live, fit the simulator's cost model to their timelines, write it as JSON"
+OUTPUTS = {"out": "file", "save_timelines": "dir"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--runs", type=positive_int, default=4, help="how many probe strategies to run (default 4)")
+    p.add_argument("--runs", type=arg_int(1, 64), default=4, help="how many probe strategies to run (default 4)")
     p.add_argument("--model", default="tiny-gpt", help="model preset the runtime can train (default tiny-gpt)")
-    p.add_argument("--nprocs", type=positive_int, default=4, help="local processes per probe (default 4)")
-    p.add_argument("--steps", type=positive_int, default=3, help="measured steps per probe, after one warm-up step")
+    p.add_argument("--nprocs", type=arg_int(1, MAX_LOCAL_PROCS), default=4, help="local processes per probe (default 4)")
+    p.add_argument("--steps", type=arg_int(1, 10_000), default=3, help="measured steps per probe, after one warm-up step")
     add_batch_options(p, live=True)
     p.add_argument("--strategies", help='probe strategies separated by ";" (default: a diverse built-in set)')
     p.add_argument("--cluster", default="cpu-local", help="cluster preset of this machine (default cpu-local)")
@@ -23,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "and Program (JSON)")
     p.add_argument("--from-timelines", metavar="DIR", help="fit timelines written by --save-timelines instead of "
                    "running probes")
-    p.add_argument("--host-cores", type=float, default=0.0,
+    p.add_argument("--host-cores", type=arg_float(0, 1e6), default=0.0,
                    help="model the probe processes as sharing this many CPU cores (a start value --refine "
                         "fits; default 0: not modeled)")
     p.add_argument("--refine", action="store_true",
@@ -98,7 +101,9 @@ def run(args: argparse.Namespace) -> dict:
         raise CalibrationError("--runs, --steps and --nprocs must be at least 1")
     spec = models.get(args.model)
     cl = clusters.get(args.cluster)
-    base = CostModel.load(args.base) if args.base else CostModel.for_cluster(cl)
+    base = load_cost_model(args.base) or CostModel.for_cluster(cl)
+    if args.from_timelines is None:
+        check_memory(spec, args.global_batch, args.seq_len or spec.seq_len, "a probe")
     t0 = time.perf_counter()
     if args.from_timelines:
         runs = _load_runs(args.from_timelines)

@@ -5,6 +5,7 @@ import argparse
 import sys
 
 HELP = "run the end-to-end demo on this machine's CPUs and write plots and summary.md to a folder"
+OUTPUTS = {"out": "dir"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

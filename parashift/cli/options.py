@@ -29,12 +29,14 @@ def positive_int(text: str) -> int:
 def add_batch_options(p: argparse.ArgumentParser, *, live: bool = False) -> None:
     """``--global-batch`` and ``--seq-len``: required for planning commands; for ``live`` ones
     (a job on this machine) 8 sequences of the model's own length by default."""
+    from ..validate import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, arg_int
+    batch, seq = arg_int(1, MAX_GLOBAL_BATCH), arg_int(1, MAX_SEQ_LEN)
     if live:
-        p.add_argument("--global-batch", type=positive_int, default=8, help="sequences per step (default 8)")
-        p.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: the model's)")
+        p.add_argument("--global-batch", type=batch, default=8, help="sequences per step (default 8)")
+        p.add_argument("--seq-len", type=seq, help="tokens per sequence (default: the model's)")
     else:
-        p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per step")
-        p.add_argument("--seq-len", type=positive_int, required=True, help="tokens per sequence")
+        p.add_argument("--global-batch", type=batch, required=True, help="sequences per step")
+        p.add_argument("--seq-len", type=seq, required=True, help="tokens per sequence")
 
 
 def add_cost_model(p: argparse.ArgumentParser,
@@ -45,10 +47,8 @@ def add_cost_model(p: argparse.ArgumentParser,
 
 def load_cost_model(path: "str | None"):
     """The :class:`~parashift.sim.CostModel` in ``path``, or None."""
-    if not path:
-        return None
-    from ..sim import CostModel
-    return CostModel.load(path)
+    from .inputs import load_cost_model as load   # schema-checked
+    return load(path)
 
 
 def add_space_options(p: argparse.ArgumentParser) -> None:
@@ -59,12 +59,14 @@ def add_space_options(p: argparse.ArgumentParser) -> None:
 
 def space_options(args: argparse.Namespace) -> dict:
     """make_space axes from the flags of :func:`add_space_options`."""
+    from ..strategy import RECOMPUTE, SCHEDULES
+    from ..validate import arg_choices_list
+    allowed = {"schedules": SCHEDULES, "zero": (0, 1, 2, 3), "recompute": RECOMPUTE, "mbs": None}
     out: dict = {}
     for flag, key, conv, _ in _SPACE:
         text = getattr(args, flag)
-        if text:
-            try:
-                out[key] = tuple(conv(x.strip()) for x in text.split(",") if x.strip())
-            except ValueError:
-                raise StrategyError(f"--{flag} {text!r} must be a comma-separated list, e.g. 0,1") from None
+        if text is not None:
+            out[key] = arg_choices_list(flag, text, conv, allowed[flag])
+            if flag == "mbs" and min(out[key]) < 1:
+                raise StrategyError(f"--mbs {text!r}: micro-batch sizes must be at least 1")
     return out

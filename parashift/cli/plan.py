@@ -7,6 +7,8 @@ import time
 from ..units import parse_bytes
 
 HELP = "plan the in-memory switch of a model's training state from one strategy to another"
+OUTPUTS = {"frame": "file", "program": "file"}
+ALIASES = {"--placement": "--switch-placement", "--memory-budget": "--switch-memory-budget"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,19 +19,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                      "(default: nodes of 8 devices)")
     p.add_argument("--src-devices", help="device of each current rank, e.g. 0-127 (default: rank i on device i)")
     p.add_argument("--dst-devices", help="device of each new rank, e.g. 0-39,48-127 (default: rank i on device i)")
-    p.add_argument("--placement", choices=("given", "keep"), default="given",
-                   help="given (default): rank i on the i-th destination device; keep: order the destination "
-                        "devices within each node so that they keep the most state in place")
+    p.add_argument("--switch-placement", dest="placement", choices=("keep", "given"), default="keep",
+                   help="keep (default): order the destination devices within each node so that they keep the "
+                        "most state in place; given: rank i on the i-th destination device (was --placement)")
     p.add_argument("--kinds", default=",".join(("param", "master", "exp_avg", "exp_avg_sq")),
                    help="state kinds to move (default: param,master,exp_avg,exp_avg_sq)")
     p.add_argument("--frame", help="write the plan's pieces as CSV (tensor, kind, src, dst, lo, hi, nbytes)")
     p.add_argument("--program", help="lower the plan to a switch Program and write it as JSON")
     p.add_argument("--simulate", action="store_true",
                    help="lower and simulate the switch; compare with the checkpoint-restart estimate")
-    p.add_argument("--memory-budget", help="bytes of switch state each device may hold (e.g. 60GiB, 7e10); "
-                                           "the switch is staged to stay under it")
+    p.add_argument("--switch-memory-budget", dest="memory_budget", metavar="BYTES",
+                   help="bytes of switch state each device may hold (e.g. 60GiB, 7e10); the switch is staged to "
+                        "stay under it (was --memory-budget)")
     p.add_argument("--off", default="", help="lowering passes to turn off, comma-separated: "
                                              "select_sources, promote, stage, coalesce, xor_order")
+
+
+_PASSES = ("select_sources", "promote", "stage", "coalesce", "xor_order")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -37,7 +43,14 @@ def run(args: argparse.Namespace) -> dict:
     from ..cluster import format_devices
     from ..errors import PlanError
 
-    kinds = tuple(k for k in args.kinds.split(",") if k)
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    if not kinds:
+        raise PlanError("--kinds is empty; give state kinds such as param,master,exp_avg,exp_avg_sq")
+    if args.memory_budget is not None:
+        parse_bytes(args.memory_budget)   # a bad budget fails before the planning work
+    bad = sorted({k.strip() for k in args.off.split(",") if k.strip()} - set(_PASSES))
+    if bad:
+        raise PlanError(f"--off {','.join(bad)}: unknown lowering pass; use some of {', '.join(_PASSES)}")
     t0 = time.perf_counter()
     plan = vps.plan_switch(args.model, args.src, args.dst, cluster=args.cluster, src_devices=args.src_devices,
                            dst_devices=args.dst_devices, kinds=kinds, placement=args.placement)
@@ -87,11 +100,8 @@ def _lower(plan, args: argparse.Namespace) -> dict:
 
 
 def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
+    from .dialect import format_bytes
+    return format_bytes(n)
 
 
 def render(r: dict, args: argparse.Namespace) -> None:

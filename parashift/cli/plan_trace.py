@@ -4,11 +4,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .options import (add_batch_options, add_cost_model, add_space_options, load_cost_model, positive_int,
-                      space_options)
+from ..validate import arg_float, arg_int
+from .options import add_batch_options, add_cost_model, add_space_options, load_cost_model, space_options
 
 HELP = ("plan strategies over a preemption/availability trace: checkpoint-restart vs hot switch vs "
         "switch-aware")
+OUTPUTS = {"plot": "image", "table": "file"}
+ALIASES = {"--max-devices": "--devices"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,16 +20,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", required=True, help="cluster preset, e.g. a800-16x8 (its size caps the counts)")
     add_batch_options(p)
     p.add_argument("--format", help="trace format (default: detected)")
-    p.add_argument("--devices-per-node", type=int,
+    p.add_argument("--devices-per-node", type=arg_int(1, 1024),
                    help="devices per trace node (default: the cluster's; 1 for a time,available CSV)")
-    p.add_argument("--max-devices", type=int, help="cap on devices (default: the cluster's size)")
-    p.add_argument("--from", dest="start", type=float, default=0.0, help="window start in trace seconds")
-    p.add_argument("--to", dest="stop", type=float, help="window end in trace seconds")
-    p.add_argument("--top-k", type=int, default=2, help="strategies kept per device count (default 2)")
-    p.add_argument("--max-candidates", type=int, default=4, help="candidates per device count (default 4)")
-    p.add_argument("--trials", type=positive_int, help="TPE trials per device count (default: enumerate small spaces, "
+    p.add_argument("--devices", dest="max_devices", type=arg_int(1, 1_000_000),
+                   help="the most devices the job may use (default: the cluster's size; was --max-devices)")
+    p.add_argument("--from", dest="start", type=arg_float(0), default=0.0, help="window start in trace seconds")
+    p.add_argument("--to", dest="stop", type=arg_float(0), help="window end in trace seconds")
+    p.add_argument("--top-k", type=arg_int(1, 100), default=2, help="strategies kept per device count (default 2)")
+    p.add_argument("--max-candidates", type=arg_int(1, 100), default=4, help="candidates per device count (default 4)")
+    p.add_argument("--trials", type=arg_int(1, 100_000), help="TPE trials per device count (default: enumerate small spaces, "
                    "else 200)")
-    p.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    p.add_argument("--seed", type=arg_int(0, 2**32 - 1), default=0, help="sampler seed (default 0)")
     add_cost_model(p)
     add_space_options(p)
     p.add_argument("--plot", help="write device count, chosen strategy and cumulative tokens (PNG)")
@@ -36,16 +39,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def load_trace(path: str, fmt: str | None = None):
     """A normalized trace, or a plain ``time,devices`` / ``time,available`` CSV as a DataFrame."""
-    import pandas as pd
     from .. import traces
-    from ..traces.shipped import resolve
-    p = resolve(path)
+    from .inputs import resolve_trace
+    p = resolve_trace(path)
     if fmt is None and str(p).endswith(".csv"):
-        with open(p) as f:
-            head = [c.strip() for c in f.readline().strip().split(",")]
+        from ..validate import read_text
+        text = read_text(p, "trace")
+        head = [c.strip() for c in text.split("\n", 1)[0].strip().split(",")]
         if head in (["time", "devices"], ["time", "available"]):
-            return pd.read_csv(p)
+            return _count_csv(path, text, head[1])
     return traces.load(p, fmt)
+
+
+def _count_csv(name: str, text: str, col: str):
+    """A ``time,devices`` / ``time,available`` CSV: finite times >= 0, non-decreasing; whole counts >= 0."""
+    import io
+
+    import numpy as np
+    import pandas as pd
+
+    from ..errors import TraceFormatError
+    try:
+        df = pd.read_csv(io.StringIO(text), dtype=str, keep_default_na=False)
+    except (pd.errors.ParserError, ValueError):
+        raise TraceFormatError(f"{name}: not a two-column CSV (a row has too many fields); write time,{col} "
+                               "rows") from None
+    if list(df.columns) != ["time", col]:
+        raise TraceFormatError(f"{name}: the header must be time,{col}")
+    if not len(df):
+        raise TraceFormatError(f"{name}: the file holds no data rows; add time,{col} rows")
+    t = pd.to_numeric(df["time"].str.strip(), errors="coerce").to_numpy(dtype=np.float64)
+    n = pd.to_numeric(df[col].str.strip(), errors="coerce").to_numpy(dtype=np.float64)
+    for what, v, whole in (("time", t, False), (col, n, True)):
+        bad = np.flatnonzero(~np.isfinite(v) | (v < 0) | ((v != np.round(v)) if whole else False))
+        if bad.size:
+            kind = "a whole number >= 0" if whole else "a finite number of seconds >= 0"
+            raise TraceFormatError(f"{name}, row {int(bad[0]) + 2}: {what} is not {kind}; fix the row")
+    if np.any(np.diff(t) < 0):
+        i = int(np.flatnonzero(np.diff(t) < 0)[0]) + 3
+        raise TraceFormatError(f"{name}, row {i}: time goes backwards; sort the rows by time")
+    return pd.DataFrame({"time": t, col: n.astype(np.int64)})
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -53,6 +86,9 @@ def run(args: argparse.Namespace) -> dict:
 
     model = models.get(args.model)
     cl = clusters.get(args.cluster)
+    if args.stop is not None and args.stop <= args.start:
+        from ..errors import TraceFormatError
+        raise TraceFormatError(f"--to {args.stop:g} must be after --from {args.start:g}")
     trace = load_trace(args.trace, args.format)
     if "event" in trace.columns and (args.start or args.stop is not None):
         trace = traces.window(trace, args.start, args.stop)

@@ -5,10 +5,15 @@ import argparse
 import math
 import sys
 
-from .options import add_batch_options, add_cost_model, load_cost_model, positive_int
+from ..validate import arg_float, arg_int
+from .inputs import resolve_trace
+from .limits import MAX_LOCAL_PROCS, check_memory
+from .options import add_batch_options, add_cost_model, load_cost_model
 
 HELP = ("replay a preemption/availability trace against a live job that hot-switches at every event "
         "(optionally against checkpoint-restart)")
+OUTPUTS = {"plot": "image", "table": "file"}
+ALIASES = {"--max-procs": "--nprocs"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -17,39 +22,48 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy-policy", dest="policy", choices=("best", "switch-aware"), default="switch-aware",
                    help="best: the best strategy per device count; switch-aware: the plan_trace dynamic program "
                         "(default)")
-    p.add_argument("--max-procs", type=positive_int, default=4, help="local processes at the busiest moment (default 4)")
-    p.add_argument("--time-scale", type=float, default=600.0,
+    p.add_argument("--nprocs", dest="max_procs", type=arg_int(1, MAX_LOCAL_PROCS), default=4,
+                   help="local processes at the busiest moment (default 4; was --max-procs)")
+    p.add_argument("--time-scale", type=arg_float(0, 1e9, lo_open=True), default=600.0,
                    help="trace seconds per replay second (default 600: ten trace minutes a second)")
-    p.add_argument("--from", dest="start", type=float, help="window start in trace seconds")
-    p.add_argument("--to", dest="stop", type=float, help="window end in trace seconds")
-    p.add_argument("--max-events", type=positive_int, help="replay only the first K events of the window")
-    p.add_argument("--notice", type=float,
+    p.add_argument("--from", dest="start", type=arg_float(0), help="window start in trace seconds")
+    p.add_argument("--to", dest="stop", type=arg_float(0), help="window end in trace seconds")
+    p.add_argument("--max-events", type=arg_int(1, 100_000), help="replay only the first K events of the window")
+    p.add_argument("--notice", type=arg_float(0, 1e9),
                    help="notice in trace seconds for preemptions the trace records none for (default 120, AWS)")
-    p.add_argument("--devices-per-node", type=float,
+    p.add_argument("--devices-per-node", type=arg_float(0, MAX_LOCAL_PROCS, lo_open=True),
                    help="devices per trace node (default: max-procs / the most nodes in the window)")
     add_batch_options(p, live=True)
-    p.add_argument("--max-steps", type=int, default=400, help="stop the replay after this many steps (default 400)")
+    p.add_argument("--max-steps", type=arg_int(1, 1_000_000), default=400, help="stop the replay after this many steps (default 400)")
     p.add_argument("--baseline", choices=("checkpoint-restart",),
                    help="also replay the same switches by DCP save, process restart and load")
     add_cost_model(p, "calibrated cost model JSON for the strategy search")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds before a job is stopped (default 900)")
+    p.add_argument("--timeout", type=arg_float(0, 7 * 86400, lo_open=True), default=900.0, help="seconds before a job is stopped (default 900)")
     p.add_argument("--plot", help="write availability, switches and the loss curves (PNG)")
     p.add_argument("--table", help="write the per-event table as CSV")
 
 
 def run(args: argparse.Namespace) -> dict:
+    from .. import models
     from ..replay import replay
+    if args.stop is not None and args.start is not None and args.stop <= args.start:
+        from ..errors import TraceFormatError
+        raise TraceFormatError(f"--to {args.stop:g} must be after --from {args.start:g}")
+    trace = str(resolve_trace(args.trace))
     cost = load_cost_model(args.cost_model)
+    spec = models.get(args.model)
+    check_memory(spec, args.global_batch, args.seq_len or spec.seq_len)
 
     def say(msg: str) -> None:
         if not args.json:
             print(f"replay: {msg}", file=sys.stderr, flush=True)
 
-    res = replay(args.trace, args.model, policy=args.policy, max_procs=args.max_procs, time_scale=args.time_scale,
+    res = replay(trace, args.model, policy=args.policy, max_procs=args.max_procs, time_scale=args.time_scale,
                  start=args.start, end=args.stop, max_events=args.max_events, baseline=args.baseline,
                  notice=args.notice, devices_per_node=args.devices_per_node, global_batch=args.global_batch,
                  seq_len=args.seq_len, cost_model=cost, max_steps=args.max_steps, timeout=args.timeout, progress=say)
     out = res.to_json()
+    out["trace"] = args.trace
     if args.plot:
         out["plot"] = res.plot(args.plot)
     if args.table:

@@ -6,9 +6,15 @@ import os
 import sys
 
 from ..errors import StrategyError
-from .options import add_batch_options, positive_int
+from .dialect import format_bytes
+from ..validate import arg_float, arg_int
+from .limits import MAX_LOCAL_PROCS, check_live
+from .options import add_batch_options
 
 HELP = "train a model for real on local processes (gloo on CPU, NCCL on GPUs) under a strategy or a saved plan"
+OUTPUTS = {"timeline": "file"}
+OUTPUT_FLAGS = {"timeline": "--timeline"}
+ALIASES = {"--trace": "--timeline"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,16 +22,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-gpt", help="model preset (default tiny-gpt), or MODULE:NAME of a "
                                                        "parashift.exec.UserModel (your annotated torch model)")
     p.add_argument("--strategy", default="dp=1,tp=1,pp=1", help="e.g. 'dp=2,pp=2,schedule=1f1b'")
-    p.add_argument("--nprocs", type=positive_int, help="processes to start (default: the strategy's world size)")
-    p.add_argument("--steps", type=positive_int, default=5, help="training steps (default 5)")
+    p.add_argument("--nprocs", type=arg_int(1, MAX_LOCAL_PROCS), help="processes to start (default: the strategy's world size)")
+    p.add_argument("--steps", type=arg_int(1, 1_000_000), default=5, help="training steps (default 5)")
     add_batch_options(p, live=True)
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
-    p.add_argument("--trace", help="write the last step's measured timeline as a Chrome trace to this file")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the job is stopped (default 600)")
+    p.add_argument("--lr", type=arg_float(0, 10, lo_open=True), default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--timeline", metavar="JSON", help="write the last step's measured timeline as a Chrome trace to this "
+                                                   "file (was --trace)")
+    p.add_argument("--timeout", type=arg_float(0, 7 * 86400, lo_open=True), default=600.0, help="seconds before the job is stopped (default 600)")
     p.add_argument("--switch-at", action="append", default=[], metavar="STEP:STRATEGY[:DEVICES]",
                    help="hot-switch the live job at STEP to STRATEGY (on DEVICES, e.g. 0,1,2 or 0-2: shrink, "
                         "grow or reshape); repeatable")
-    p.add_argument("--switch-notice", type=int, default=3, metavar="STEPS",
+    p.add_argument("--switch-notice", type=arg_int(0, 1_000_000), default=3, metavar="STEPS",
                    help="steps of warning before each switch, while planning and world creation run in the "
                         "background (default 3)")
     p.add_argument("--switch-memory-budget", metavar="BYTES",
@@ -38,8 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     from .. import models
-    from ..exec import OptimConfig, compile_program, load_plan, run_program, under_torchrun
+    from ..exec import OptimConfig, compile_program, run_program, under_torchrun
     from .run_user import is_user_model
+    args.trace = args.timeline   # the name run_user and switch_live read
+    check_live(args)
     if is_user_model(args.model):
         from .run_user import run_cli as run_user_cli
         return run_user_cli(args)
@@ -51,7 +60,8 @@ def run(args: argparse.Namespace) -> dict:
         from .run_live import run_cli
         return run_cli(args)
     if args.plan:
-        program = load_plan(args.plan)
+        from .inputs import load_plan as load_checked_plan
+        program = load_checked_plan(args.plan)
     else:
         spec = models.get(args.model)
         program = compile_program(spec.name, args.strategy, global_batch=args.global_batch,
@@ -72,7 +82,7 @@ def run(args: argparse.Namespace) -> dict:
         res.to_chrome_trace(args.trace)
     out = res.to_json()
     if args.trace:
-        out["trace"] = args.trace
+        out["timeline"] = args.trace
     if under_torchrun() and int(os.environ["RANK"]) != 0:
         sys.stdout = open(os.devnull, "w")   # every rank has the gathered result; rank 0 prints it
     return out
@@ -87,6 +97,6 @@ def render(result: dict, args: argparse.Namespace) -> None:
     print(f"{result['model']} under {result['strategy']} ({result['schedule']}) on {result['nprocs']} processes")
     print(f"  loss          {result['losses'][0]:.6f} -> {result['losses'][-1]:.6f} over {len(result['losses'])} steps")
     print(f"  step time     median {times[len(times) // 2] * 1e3:.1f} ms")
-    print(f"  peak memory   {max(result['peak_memory']) / 2**20:.2f} MiB (max over ranks)")
-    if result.get("trace"):
-        print(f"  trace         {result['trace']}")
+    print(f"  peak memory   {format_bytes(max(result['peak_memory']))} (max over ranks)")
+    if result.get("timeline"):
+        print(f"  timeline      {result['timeline']}")

@@ -57,9 +57,15 @@ def run_cli(args) -> dict:
                                            "rebuild_seconds", "bytes_moved", "peak_bytes", "stages",
                                            "released_bytes", "src_devices", "dst_devices")}
                         | ({"aborted": s["aborted"]} if s.get("aborted") else {}) for s in res.switches]}
+    if aborted:   # a rolled-back switch ends the schedule: the later switches are reported, not dropped
+        done, first = {s["step"] for s in res.switches}, min(s["step"] for s in aborted)
+        out["skipped_switches"] = [
+            {"step": st, "dst": str(dst), "reason": f"the switch at step {first} was rolled back; the job trained "
+                                                    f"on in its old layout and did not attempt later switches"}
+            for st, dst, _ in sorted(switches, key=lambda x: x[0]) if st > first and st not in done]
     if getattr(args, "trace", None):
         res.to_chrome_trace(args.trace)
-        out["trace"] = args.trace
+        out["timeline"] = args.trace
     if len(res.losses) < args.steps:
         why = aborted[0]["aborted"] if aborted else "a process failed"
         raise RuntimeFailure(f"the live job stopped after {len(res.losses)} of {args.steps} steps: {why}")
@@ -71,8 +77,8 @@ def render_cli(result: dict) -> None:
     print(f"{result['model']} live job: {result['strategy']} on {result['nprocs']} processes, "
           f"{len(result['losses'])} steps")
     print(f"  loss          {result['losses'][0]:.6f} -> {result['losses'][-1]:.6f}")
-    if result.get("trace"):
-        print(f"  trace         {result['trace']}")
+    if result.get("timeline"):
+        print(f"  timeline      {result['timeline']}")
     for s in result["switches"]:
         tag = f"  ABORTED: {s['aborted']}" if s.get("aborted") else ""
         print(f"  step {s['step']:>4}: {s['src']} on {_devs(s['src_devices'])} -> {s['dst']} on "
@@ -83,6 +89,8 @@ def render_cli(result: dict) -> None:
               f"{s['bytes_moved'] / 2**20:.1f} MiB moved, peak {s['peak_bytes'] / 2**20:.1f} MiB/process"
               + (f", {s['stages']} stages freeing {s['released_bytes'] / 2**20:.1f} MiB of old state"
                  if s["stages"] > 1 else "") + tag)
+    for s in result.get("skipped_switches", []):
+        print(f"  step {s['step']:>4}: -> {s['dst']}  SKIPPED: {s['reason']}")
 
 
 def _devs(devices: list[int]) -> str:

@@ -48,5 +48,5 @@ def run_cli(args: argparse.Namespace) -> dict:
         res.to_chrome_trace(args.trace)
     out = res.to_json()
     if args.trace:
-        out["trace"] = args.trace
+        out["timeline"] = args.trace
     return out

@@ -4,16 +4,17 @@ from __future__ import annotations
 import argparse
 import time
 
-from .options import positive_int
+from ..validate import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, arg_int, check_step_size
 
 HELP = "compile a strategy into a per-rank Program, validate it, and plot or save it"
+OUTPUTS = {"out": "file", "plot": "image"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model preset, e.g. llama2-7b (see `parashift models`)")
     p.add_argument("--strategy", required=True, help='e.g. "dp=2,tp=2,pp=4,schedule=1f1b"')
-    p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per step")
-    p.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (default: the model's)")
+    p.add_argument("--global-batch", type=arg_int(1, MAX_GLOBAL_BATCH), required=True, help="sequences per step")
+    p.add_argument("--seq-len", type=arg_int(1, MAX_SEQ_LEN), default=None, help="tokens per sequence (default: the model's)")
     p.add_argument("--plot", metavar="PNG", help="draw the per-stage order (stage x slot) to this file")
     p.add_argument("--out", metavar="JSON", help="save the Program to this file")
 
@@ -22,6 +23,9 @@ def run(args: argparse.Namespace) -> dict:
     from .. import ir
     from ..ir.plot import plot_order, stage_orders
 
+    from ..strategy import Strategy
+    s = Strategy.parse(args.strategy)
+    check_step_size(args.global_batch, s.dp, s.mbs, s.pp)
     t0 = time.perf_counter()
     prog = ir.compile(args.model, args.strategy, global_batch=args.global_batch, seq_len=args.seq_len)
     t1 = time.perf_counter()

@@ -4,10 +4,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..validate import arg_int
+from .dialect import format_bytes
 from .options import (add_batch_options, add_cost_model, add_space_options, load_cost_model, positive_int,
                       space_options)
 
 HELP = "search the fastest strategy that fits (Optuna over the simulator); write a deploy plan"
+OUTPUTS = {"out": "file", "plot": "image"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,8 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", required=True, help="cluster preset, e.g. a800-16x8 or cpu-local")
     p.add_argument("--devices", type=positive_int, help="devices the job uses (default: all of the cluster)")
     add_batch_options(p)
-    p.add_argument("--trials", type=positive_int, default=100, help="Optuna trials (default 100)")
-    p.add_argument("--seed", type=int, help="sampler seed, for a reproducible search")
+    p.add_argument("--trials", type=arg_int(1, 100_000), default=100, help="Optuna trials (default 100)")
+    p.add_argument("--seed", type=arg_int(0, 2**32 - 1), help="sampler seed (0 to 2^32-1), for a reproducible search")
     p.add_argument("--sampler", choices=("tpe", "random"), default="tpe", help="Optuna sampler (default tpe)")
     p.add_argument("--objective", default="throughput", choices=("throughput", "throughput,memory"),
                    help="'throughput,memory' searches the Pareto front of tokens/s against peak memory")
@@ -26,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_space_options(p)
     p.add_argument("--out", help="write the best strategy's deploy plan (for `parashift run plan.json`)")
     p.add_argument("--plot", help="write the optimization history and parameter importances (PNG)")
-    p.add_argument("--top", type=int, default=5, help="strategies listed in the text output (default 5)")
+    p.add_argument("--top", type=arg_int(1, 1000), default=5, help="strategies listed in the text output (default 5)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -41,9 +44,13 @@ def run(args: argparse.Namespace) -> dict:
     if args.storage and not study_name:
         study_name = f"{model.name}-{cl.name}-{devices}d-b{args.global_batch}-s{args.seq_len}-{args.objective}"
     opts = space_options(args)
-    bar = None if args.no_progress else _bar(args.trials)
+    bar = None   # made at the first trial, after the storage and the space are checked
 
     def progress(done: int, total: int, best) -> None:
+        nonlocal bar
+        if bar is None and not args.no_progress:
+            bar = _bar(args.trials)
+            bar.update(done - 1)
         if bar is not None:
             bar.update(1)
             if best is not None:
@@ -77,8 +84,7 @@ def _bar(total: int):
     return tqdm(total=total, desc="search", unit="trial", file=sys.stderr, leave=False, dynamic_ncols=True)
 
 
-def _bytes(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+_bytes = format_bytes
 
 
 def render(result: dict, args: argparse.Namespace) -> None:

@@ -4,9 +4,14 @@ from __future__ import annotations
 import argparse
 import time
 
-from .options import add_batch_options, add_cost_model
+from ..validate import check_step_size
+from .dialect import format_bytes
+from .options import add_batch_options, add_cost_model, load_cost_model
 
 HELP = "simulate one training step of a model under a strategy on a cluster (step time, MFU, memory)"
+OUTPUTS = {"timeline": "file", "plot": "image"}
+OUTPUT_FLAGS = {"timeline": "--timeline"}
+ALIASES = {"--trace": "--timeline"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -15,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strategy", required=True, help='e.g. "dp=4,tp=8,pp=4,zero=1"')
     add_batch_options(p)
     add_cost_model(p)
-    p.add_argument("--trace", help="write the timeline as a Chrome trace JSON file")
+    p.add_argument("--timeline", metavar="JSON", help="write the timeline as a Chrome trace JSON file (was --trace)")
     p.add_argument("--plot", help="write a Gantt chart of the timeline (PNG)")
 
 
@@ -32,7 +37,8 @@ def run(args: argparse.Namespace) -> dict:
     if strategy.world > cl.devices:
         raise ClusterError(f"strategy {strategy} needs {strategy.world} devices but {cl.name} has {cl.devices}; "
                            f"use a bigger cluster, e.g. {cl.with_devices(strategy.world).name}")
-    cost = CostModel.load(args.cost_model) if args.cost_model else CostModel.for_cluster(cl)
+    cost = load_cost_model(args.cost_model) or CostModel.for_cluster(cl)
+    check_step_size(args.global_batch, strategy.dp, strategy.mbs, strategy.pp)
     program = ir_compile(model, strategy, global_batch=args.global_batch, seq_len=args.seq_len)
     t0 = time.perf_counter()
     res = simulate(program, cl, cost)
@@ -40,8 +46,8 @@ def run(args: argparse.Namespace) -> dict:
     out = res.summary()
     out["sim_seconds"] = sim_seconds
     trace_ranks = _sample_ranks(program, strategy)
-    if args.trace:
-        res.to_chrome_trace(args.trace, ranks=trace_ranks)
+    if args.timeline:
+        res.to_chrome_trace(args.timeline, ranks=trace_ranks)
     if args.plot:
         res.plot_timeline(args.plot, ranks=trace_ranks)
     mem = res.memory_summary()
@@ -60,18 +66,18 @@ def _sample_ranks(program, strategy) -> list[int]:
 
 
 def render(result: dict, args: argparse.Namespace) -> None:
-    gib = 2**30
     print(f"{result['model']} on {result['cluster']} with {result['strategy']} "
           f"({result['devices']} devices, {result['microbatches']} micro-batches)")
     print(f"  step time      {result['step_time']:.4f} s")
     print(f"  throughput     {result['tokens_per_s']:,.0f} tokens/s")
     print(f"  MFU            {result['mfu'] * 100:.1f} %")
     print(f"  bubble         {result['bubble_fraction'] * 100:.1f} %")
-    print(f"  peak memory    {result['peak_memory_max'] / gib:.1f} GiB per device (max); "
+    print(f"  peak memory    {format_bytes(result['peak_memory_max'])} per device (max); "
           f"{'fits' if result['fits'] else 'DOES NOT FIT'}; dominated by {result['memory_dominant']} "
-          f"(states {result['memory_states'] / gib:.1f} GiB, activations {result['memory_activations'] / gib:.1f} GiB)")
+          f"(states {format_bytes(result['memory_states'])}, activations "
+          f"{format_bytes(result['memory_activations'])})")
     print(f"  simulated in   {result['sim_seconds']:.3f} s ({result['events']} events)")
-    if args.trace:
-        print(f"  trace          {args.trace}")
+    if args.timeline:
+        print(f"  timeline       {args.timeline}")
     if args.plot:
         print(f"  plot           {args.plot}")

@@ -138,8 +138,10 @@ class ElasticManager:
 
 
 # ---- launcher -------------------------------------------------------------------------------------------
-def _child(fn: Callable, args: tuple, member: Member, port: int, results: Any, timeout: float,
+def _child(fn: Callable, args: tuple, member: Member, where: tuple, results: Any, timeout: float,
            threads: int | None, backend: str) -> None:
+    from .jobstore import connect, die_with_parent
+    die_with_parent(os.getppid())   # dies with the forkserver, which dies with the launcher
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     key = member.key
 
@@ -151,7 +153,7 @@ def _child(fn: Callable, args: tuple, member: Member, port: int, results: Any, t
         import torch.distributed as dist
         if threads:
             torch.set_num_threads(threads)
-        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=timeout))
+        store = connect(*where, timeout)   # loopback, keys under the job's secret
         ctx = ElasticContext(member, store, backend, timeout, lambda payload: results.put((key, "progress", payload)))
         out = fn(ctx, *args)
         results.put((key, "ok", out))
@@ -178,18 +180,21 @@ def launch_elastic(fn: Callable, members: list[Member], *, args: tuple = (), tim
     without reporting (a fault test kills it) gets the result None instead of failing the job.
     Raises RuntimeFailure when a process raises, or when the job exceeds ``timeout`` seconds.
     """
-    import torch.distributed as dist
-    from .launch import _context, _stop
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=timeout),
-                          wait_for_workers=False)
+    from .jobstore import serve
+    from .launch import _context, _stop, dead_ranks, stop_on_sigterm
+    job = serve(timeout)
+    store = job.store
     ctx = _context()
     results = ctx.Queue()
-    procs = {m.key: ctx.Process(target=_child, args=(fn, args, m, store.port, results, timeout, threads, backend),
+    procs = {m.key: ctx.Process(target=_child, args=(fn, args, m, job.client_args(), results, timeout, threads,
+                                                     backend),
                                 name=f"parashift-dev{m.key}", daemon=True) for m in members}
     procs_members = {m.key: m for m in members}
     got: dict[str, Any] = {}
     waiting = {m.key: start_key(m) for m in members} if start_key is not None else {}
     waiting = {k: v for k, v in waiting.items() if v is not None}
+    sigterm = stop_on_sigterm()
+    sigterm.__enter__()
     try:
         for k, p in procs.items():
             if k not in waiting:
@@ -211,7 +216,13 @@ def launch_elastic(fn: Callable, members: list[Member], *, args: tuple = (), tim
                 item = None
             if item is not None:
                 k, kind = item[0], item[1]
-                if kind == "err":
+                if kind == "err":   # a process that died without reporting is the cause, not a peer's error
+                    keys = list(procs)
+                    dead = [(keys[i], c) for i, c in dead_ranks(list(procs.values()), {keys.index(k)})
+                            if not (allow_dead and keys[i] in got)]
+                    if dead and not allow_dead:
+                        raise RuntimeFailure(f"process {dead[0][0]} died (exit code {dead[0][1]}) without reporting; "
+                                             f"then process {k} failed: {item[2].splitlines()[0][:160]}")
                     raise RuntimeFailure(f"process {k} failed: {item[2]}\n--- traceback of {k} ---\n{item[3]}")
                 if kind == "progress":
                     if on_report is not None:
@@ -242,5 +253,6 @@ def launch_elastic(fn: Callable, members: list[Member], *, args: tuple = (), tim
     finally:
         _stop(list(procs.values()))
         results.close()
-        del store
+        sigterm.__exit__(None, None, None)
+        del store, job
     return got

@@ -1,19 +1,24 @@
 """Launchers: run a function on every rank of a local process group, or under torchrun.
 
 ``launch_local(fn, nprocs)`` starts ``nprocs`` processes (forkserver: torch is imported once),
-rendezvous through a TCPStore the parent holds open (so the port is never raced), gloo on CPU,
-NCCL when CUDA is available. A rank that raises ends the whole job within seconds: the others
+rendezvous through a TCPStore the parent holds open (so the port is never raced; bound to
+loopback, keys under a per-job secret: :mod:`.jobstore`), gloo on CPU, NCCL when CUDA is
+available. Workers die with their launcher (parent-death signals launcher -> forkserver ->
+worker) and a SIGTERM to the launcher stops them before it exits. A rank that raises ends the whole job within seconds: the others
 are terminated and the failing rank's traceback is raised as :class:`RuntimeFailure`. Under
 ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment) the same call runs this process's
 rank with the ``env://`` rendezvous.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -85,8 +90,10 @@ def _run_rank(fn: Callable, args: tuple, rank: int, world: int, backend: str, lo
         dist.destroy_process_group()
 
 
-def _child(fn: Callable, args: tuple, rank: int, world: int, backend: str, port: int, results: Any,
+def _child(fn: Callable, args: tuple, rank: int, world: int, backend: str, where: tuple, results: Any,
            timeout: float, threads: int | None) -> None:
+    from .jobstore import connect, die_with_parent
+    die_with_parent(os.getppid())   # the forkserver; if it is gone the job is over
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     reported = []
 
@@ -97,7 +104,7 @@ def _child(fn: Callable, args: tuple, rank: int, world: int, backend: str, port:
 
     try:
         import torch.distributed as dist
-        store = dist.TCPStore("127.0.0.1", port, world + 1, False, timeout=datetime.timedelta(seconds=timeout))
+        store = connect(*where, timeout)
         out = _run_rank(fn, args, rank, world, backend, rank, dist.PrefixStore("job", store), timeout, threads,
                         report, lambda payload: results.put((rank, "progress", payload)))
         results.put((rank, "ok", out))
@@ -107,11 +114,30 @@ def _child(fn: Callable, args: tuple, rank: int, world: int, backend: str, port:
 
 def _context():
     ctx = mp.get_context("forkserver")
+    # the forkserver dies with the thread that starts it: only the main thread's gets the guard
+    guard = ["parashift.exec._forkserver_guard"] if threading.current_thread() is threading.main_thread() else []
     try:
-        ctx.set_forkserver_preload(_PRELOAD)
+        ctx.set_forkserver_preload(guard + _PRELOAD)
     except Exception:  # noqa: BLE001 - preload is an optimization
         pass
     return ctx
+
+
+@contextlib.contextmanager
+def stop_on_sigterm():
+    """While the block runs (main thread only), SIGTERM raises SystemExit(143) so that the launcher's
+    clean-up stops its workers before it exits."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _stop(procs: list) -> None:
@@ -133,9 +159,10 @@ _PEER_ERRORS = ("Connection reset", "Connection closed", "Broken pipe", "Socket 
                 "connection refused", "NCCL communicator was aborted")
 
 
-def _fail(first: tuple, results: Any) -> None:
+def _fail(first: tuple, results: Any, procs: list | None = None) -> None:
     """Raise RuntimeFailure for the root cause: collect errors for a moment and prefer one that is
-    not a peer's broken connection (those follow the real failure)."""
+    not a peer's broken connection (those follow the real failure); when every error is a broken
+    connection and a rank died without reporting, name the dead rank first."""
     errs = [first]
     end = time.monotonic() + 0.5
     while time.monotonic() < end:
@@ -146,6 +173,12 @@ def _fail(first: tuple, results: Any) -> None:
         if item[1] == "err":
             errs.append(item)
     own = [e for e in errs if not any(k.lower() in e[2].lower() for k in _PEER_ERRORS)]
+    if not own:
+        dead = dead_ranks(procs or [], {e[0] for e in errs})
+        if dead:
+            r, code = dead[0]
+            raise RuntimeFailure(f"rank {r} died ({_exit_text(code)}) without reporting; the other ranks then lost "
+                                 f"their connection to it ({errs[0][2].splitlines()[0][:120]})")
     rank, _, msg, tb, _ = min(own or errs, key=lambda e: e[4])
     raise RuntimeFailure(f"rank {rank} failed: {msg}\n--- traceback of rank {rank} ---\n{tb}")
 
@@ -174,14 +207,20 @@ def launch_local(fn: Callable, nprocs: int, *, args: tuple = (), timeout: float 
         return out
     if nprocs < 1:
         raise RuntimeFailure(f"nprocs={nprocs} must be at least 1")
-    import torch.distributed as dist
-    store = dist.TCPStore("127.0.0.1", 0, nprocs + 1, True, timeout=datetime.timedelta(seconds=timeout),
-                          wait_for_workers=False)
+    from .jobstore import serve
+    job = serve(timeout)
     ctx = _context()
     results = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(fn, args, r, nprocs, backend, store.port, results, timeout, threads),
-                         name=f"parashift-rank{r}", daemon=True) for r in range(nprocs)]
+    procs = [ctx.Process(target=_child, args=(fn, args, r, nprocs, backend, job.client_args(), results, timeout,
+                                              threads), name=f"parashift-rank{r}", daemon=True)
+             for r in range(nprocs)]
     got: dict[int, Any] = {}
+    with stop_on_sigterm():
+        return _supervise(procs, results, job, nprocs, timeout, on_report, got)
+
+
+def _supervise(procs: list, results: Any, job: Any, nprocs: int, timeout: float,
+               on_report: Callable | None, got: dict) -> list[Any]:
     try:
         for p in procs:
             p.start()
@@ -193,7 +232,7 @@ def launch_local(fn: Callable, nprocs: int, *, args: tuple = (), timeout: float 
                 item = None
             if item is not None:
                 if item[1] == "err":
-                    _fail(item, results)
+                    _fail(item, results, procs)
                 if item[1] == "progress":
                     if on_report is not None:
                         on_report(item[0], item[2])
@@ -208,7 +247,7 @@ def launch_local(fn: Callable, nprocs: int, *, args: tuple = (), timeout: float 
                         raise RuntimeFailure(f"rank {r} died with exit code {p.exitcode} without reporting; "
                                              f"check its output above") from None
                     if item[1] == "err":
-                        _fail(item, results)
+                        _fail(item, results, procs)
                     if item[1] == "ok":
                         got[item[0]] = item[2]
             if time.monotonic() > deadline:
@@ -219,5 +258,26 @@ def launch_local(fn: Callable, nprocs: int, *, args: tuple = (), timeout: float 
     finally:
         _stop(procs)
         results.close()
-        del store
+        del job
     return [got[r] for r in range(nprocs)]
+
+
+def dead_ranks(procs: list, reported: set) -> list[tuple[int, int]]:
+    """(index, exit code) of the processes that have exited abnormally and are not in ``reported``."""
+    out = []
+    for r, p in enumerate(procs):
+        if r in reported or p.pid is None:
+            continue
+        p.join(0.05)
+        if p.exitcode not in (None, 0):
+            out.append((r, p.exitcode))
+    return out
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

@@ -220,8 +220,10 @@ def plan_trace(trace: pd.DataFrame, model: "str | ModelSpec", cluster: "str | Cl
                                                   cost_model=cost_model))
     counts = sorted({int(n) for n in seg["devices"] if n > 0})
     tops: dict[int, list[Candidate]] = {}
-    for w in counts:
-        say(f"searching strategies for {w} devices")
+    for i, w in enumerate(counts):   # progress: count done and time left (from the mean so far)
+        spent = time.perf_counter() - t0
+        left = f", about {spent / i * (len(counts) - i):.0f} s left" if i else ""
+        say(f"searching strategies for {w} devices ({i + 1}/{len(counts)}{left})")
         tops[w] = _world_candidates(m, c, w, global_batch, seq_len, ev, top_k, trials, exhaustive_limit, seed,
                                     dict(space_options or {}))
     # candidates per count: its own top-K, then the best of every smaller count

@@ -216,21 +216,91 @@ def _open_study(optuna: Any, storage: Any, study_name: str | None, objectives: t
                 space: Space) -> "optuna.Study":
     directions = [OBJECTIVES[o][0] for o in objectives]
     desc = {**space.describe(), "objective": list(objectives)}
-    with _quiet(optuna):
+    shown = _redact(storage) if isinstance(storage, str) else storage
+    with _quiet(optuna), _storage_lock(storage):
+        storage = _open_storage(optuna, storage)
         try:
             study = optuna.create_study(storage=storage, study_name=study_name, directions=directions,
                                         sampler=sampler, load_if_exists=True)
         except ValueError as e:  # e.g. an existing study with other directions
-            raise SearchError(f"cannot open study {study_name!r} in {storage}: {e}; use another study name") from None
-    old = study.user_attrs.get("parashift.setting")
-    if old is None:
-        study.set_user_attr("parashift.setting", desc)
-    elif old != desc:
+            raise SearchError(f"cannot open study {study_name!r} in {shown}: {e}; use another study name") from None
+        old = study.user_attrs.get("parashift.setting")
+        if old is None:
+            study.set_user_attr("parashift.setting", desc)
+    if old is not None and old != desc:
         diff = sorted(k for k in desc if old.get(k) != desc[k])
-        raise SearchError(f"study {study.study_name!r} in {storage} was made for another setting (differs in "
+        raise SearchError(f"study {study.study_name!r} in {shown} was made for another setting (differs in "
                           f"{', '.join(diff)}); resume it with the same model, devices, batch and objective, "
                           "or pass a new study name")
     return study
+
+
+def _redact(url: str) -> str:
+    """A storage URL without its password."""
+    import re
+    return re.sub(r"(://[^:/@]*):[^@]*@", r"\1:***@", url)
+
+
+def _sqlite_path(url: str) -> "str | None":
+    return url[len("sqlite:///"):] if url.startswith("sqlite:///") else None
+
+
+def _open_storage(optuna: Any, storage: Any) -> Any:
+    """An Optuna storage from a URL (checked, with a generous SQLite busy timeout), or ``storage`` as is."""
+    if not isinstance(storage, str):
+        return storage
+    import os
+    import re
+    if not re.match(r"^[a-z][a-z0-9+]*://", storage):
+        raise SearchError(f"--storage {_redact(storage)!r} is not an RDB URL; write e.g. sqlite:///study.db or "
+                          "postgresql://user@host/db")
+    path = _sqlite_path(storage)
+    kw: dict[str, Any] = {}
+    if path is not None:
+        folder = os.path.dirname(os.path.abspath(path)) if path else ""
+        if not path or path == ":memory:" or not os.path.isdir(folder):
+            raise SearchError(f"--storage {storage!r}: the SQLite file's folder does not exist; write "
+                              "sqlite:///FILE with FILE in an existing folder")
+        if os.path.isdir(path):
+            raise SearchError(f"--storage {storage!r} names a folder; name a database file")
+        kw["engine_kwargs"] = {"connect_args": {"timeout": 60}}
+    last: Exception | None = None
+    for attempt in range(5):   # several workers may create the schema of a fresh database at once
+        try:
+            return optuna.storages.RDBStorage(storage, **kw)
+        except ImportError as e:
+            raise SearchError(f"--storage {_redact(storage)!r} needs a database driver that is not installed "
+                              f"({e.name or e}); install it or use sqlite:///FILE") from None
+        except Exception as e:  # noqa: BLE001 - sqlalchemy errors: a bad URL, a busy or foreign database
+            last = e
+            if "locked" not in str(e) and "already exists" not in str(e):
+                break
+            time.sleep(0.2 * (attempt + 1))
+    raise SearchError(f"cannot open --storage {_redact(storage)!r} ({type(last).__name__}: "
+                      f"{' '.join(str(last).split())[:160]}); check the URL and that the database is one "
+                      "Optuna wrote") from None
+
+
+@contextlib.contextmanager
+def _storage_lock(storage: Any) -> Iterator[None]:
+    """An exclusive lock on a SQLite database's folder while its study is created (no-op otherwise);
+    locking the folder leaves no lock file behind."""
+    path = _sqlite_path(storage) if isinstance(storage, str) else None
+    if not path or path == ":memory:":
+        yield
+        return
+    import fcntl
+    import os
+    try:
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    except OSError:
+        yield      # a read-only folder: no lock; the storage's own errors say what is wrong
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

@@ -42,7 +42,7 @@ def fields(lines: Lines, names: tuple[str, ...], sep: str = ",") -> pd.DataFrame
         last = i == len(lines) - 1 and n[i] < len(names)
         hint = " (the file looks truncated)" if last else ""
         raise fail(lines.source, int(lines.row[i]), f"{n[i]} fields where the format has {len(names)} "
-                   f"({sep.join(names)}){hint}: {lines.text.iloc[i]!r}",
+                   f"({sep.join(names)}){hint}",
                    "fix or remove the row, or pass the right format= to load()")
     parts = lines.text.str.split(sep, n=len(names) - 1, expand=True, regex=False)
     parts.columns = list(names)
@@ -55,7 +55,7 @@ def numbers(lines: Lines, col: pd.Series, what: str) -> np.ndarray:
     bad = np.flatnonzero(~np.isfinite(out))
     if bad.size:
         i = bad[0]
-        raise fail(lines.source, int(lines.row[i]), f"{what} {col.iloc[i]!r} is not a number",
+        raise fail(lines.source, int(lines.row[i]), f"{what} is not a number",
                    f"write {what} as a plain decimal number")
     return out
 
@@ -66,7 +66,7 @@ def integers(lines: Lines, col: pd.Series, what: str, minimum: int | None = 0) -
     bad = np.flatnonzero(out != np.round(out))
     if bad.size:
         i = bad[0]
-        raise fail(lines.source, int(lines.row[i]), f"{what} {col.iloc[i]!r} is not a whole number",
+        raise fail(lines.source, int(lines.row[i]), f"{what} is not a whole number",
                    f"{what} counts nodes, so it must be an integer")
     if minimum is not None:
         bad = np.flatnonzero(out < minimum)
@@ -83,7 +83,7 @@ def timestamps(lines: Lines, col: pd.Series, what: str, fmt: str | None = None) 
     bad = np.flatnonzero(ts.isna().to_numpy())
     if bad.size:
         i = bad[0]
-        raise fail(lines.source, int(lines.row[i]), f"{what} {col.iloc[i]!r} is not a valid time"
+        raise fail(lines.source, int(lines.row[i]), f"{what} is not a valid time"
                    + (" (the file looks truncated)" if i == len(lines) - 1 else ""),
                    f"write {what} as {fmt or 'ISO 8601'}")
     return (ts - pd.Timestamp(0, tz="UTC")).dt.total_seconds().to_numpy(dtype=np.float64)

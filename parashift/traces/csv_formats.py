@@ -58,7 +58,7 @@ def read_event_log(source: str, text: str, notice: float | None = None) -> pd.Da
     bad = np.flatnonzero(~np.isin(action, ("add", "remove")))
     if bad.size:
         i = bad[0]
-        raise fail(source, int(lines.row[i]), f"action {f['action'].iloc[i]!r} is not 'add' or 'remove'",
+        raise fail(source, int(lines.row[i]), "the action is not 'add' or 'remove'",
                    "each row adds or removes one node")
     is_add = action == "add"
     nth = f.groupby("node", sort=False).cumcount().to_numpy()   # how often this node was seen before

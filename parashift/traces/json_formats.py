@@ -101,7 +101,7 @@ def _read_segment(source: str, text: str, fmt: str, notice: float | None) -> pd.
     shape_ok = [isinstance(e, list) and len(e) == 3 and isinstance(e[2], dict) for e in entries]
     if not all(shape_ok):
         i = shape_ok.index(False)
-        raise fail(source, int(rows[i]), f"{str(entries[i])[:60]!r} is not [t_ms, op, {{...}}]",
+        raise fail(source, int(rows[i]), "the entry is not [t_ms, op, {...}]",
                    "each line must be one JSON array [t_ms, op, {\"nodes\": [...]}]")
     df = pd.DataFrame(entries, columns=["t", "op", "info"])
     t = pd.to_numeric(df["t"], errors="coerce").to_numpy(dtype=np.float64)

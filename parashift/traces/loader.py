@@ -96,11 +96,11 @@ def detect(text: str, source: str = "<text>") -> str:
     if not any(_NUM.match(c) or _DATE.match(c) for c in cells):
         known = {name for h in csv_formats.HEADERS for name in h}
         unknown = [c for c in cells if c.lower() not in known]
-        problem = (f"unknown columns {unknown} in the header {','.join(cells)!r}" if unknown
-                   else f"the header {','.join(cells)!r} is not a complete set of columns")
+        problem = (f"unknown columns in the header ({len(unknown)} of {len(cells)})" if unknown
+                   else "the header is not a complete set of columns")
         raise fail(source, row, problem,
                    "headers this loader knows: " + "; ".join(",".join(h) for h in csv_formats.HEADERS))
-    raise fail(source, row, f"cannot tell the format from {first[:60]!r}",
+    raise fail(source, row, "cannot tell the format from its first line",
                f"pass format= one of {list(FORMATS)}")
 
 
@@ -121,6 +121,9 @@ def load(path: str | Path, format: str | None = None, *, notice: float | None = 
                    "pass a text trace (CSV, JSON or log)") from None
     if not text.strip():
         raise fail(p, None, "the file is empty", "check that it is the trace you meant")
+    from ..validate import MAX_DEPTH, _depth
+    if _depth(text) > MAX_DEPTH:
+        raise fail(p, None, f"it nests deeper than {MAX_DEPTH} levels", "pass a trace file, not arbitrary JSON")
     fmt = format or detect(text, str(p))
     if fmt not in FORMATS:
         raise TraceFormatError(f"unknown trace format {fmt!r}; pass one of {list(FORMATS)} or None to detect it")

@@ -37,7 +37,7 @@ def read_dime_log(source: str, text: str, notice: float | None = None) -> pd.Dat
     bad = np.flatnonzero(parts["time"].isna().to_numpy())
     if bad.size:
         i = bad[0]
-        raise fail(source, int(lines.row[i]), f"{lines.text.iloc[i][:60]!r} is not '[time] message'"
+        raise fail(source, int(lines.row[i]), "the line is not '[time] message'"
                    + (" (the file looks truncated)" if i == len(lines) - 1 else ""),
                    "every line starts with an ISO time in brackets")
     t = tx.timestamps(lines, parts["time"], "time")
@@ -57,7 +57,7 @@ def read_dime_log(source: str, text: str, notice: float | None = None) -> pd.Dat
     bad = np.flatnonzero(state == -2)
     if bad.size:
         i = bad[0]
-        raise fail(source, int(lines.row[i]), f"message {msg.iloc[i][:60]!r} is not a known instance event",
+        raise fail(source, int(lines.row[i]), "the message is not a known instance event",
                    "pass the right format= (dime-log reads 'Created instance', 'Instance ... running', "
                    "'... not running', '... creation failed' and 'Successfully deleted instance')")
     named = state >= 0

@@ -59,16 +59,25 @@ def shipped(pattern: str | None = None) -> list[Path]:
 
 
 def resolve(path: str | Path) -> Path:
-    """``path`` if it is a file, else the shipped trace of that relative name."""
+    """``path`` if it names an existing file (an explicit path is a path), else the shipped trace of
+    that relative name, which must lie inside the trace folder (names with ``..`` that escape it,
+    and absolute names, are refused)."""
     p = Path(path).expanduser()
     if p.is_file():
         return p
+    if p.is_dir():
+        raise TraceFormatError(f"{path} is a folder; pass a trace file or a shipped trace name")
     if not p.is_absolute():
         try:
-            cand = root() / p
+            base = root().resolve()
         except TraceFormatError:
-            cand = None
-        if cand is not None and cand.is_file():
-            return cand
+            base = None
+        if base is not None:
+            cand = (base / p).resolve()
+            if not cand.is_relative_to(base):
+                raise TraceFormatError(f"{path}: a shipped trace name must stay inside the trace folder; pass "
+                                       "a file path, or a name from `parashift traces`")
+            if cand.is_file():
+                return cand
     raise TraceFormatError(f"{path}: no such trace file; pass a file path or a shipped trace name "
-                           "(see parashift.traces.shipped())")
+                           "(see `parashift traces`)")
