@@ -22,7 +22,7 @@ from .model_graph import core_attention_flops, model_graph
 from .program import Program
 from .scheduler import lower
 from .costs import estimate_costs
-from .schedules import ScheduleCosts, schedule_order, split_backward
+from .schedules import ScheduleCosts, get_schedule, schedule_order
 
 __all__ = ["compile", "directives", "distributed_graph", "planning_costs"]
 
@@ -42,9 +42,11 @@ def planning_costs(spec: ModelSpec, s: Strategy, seq_len: int,
                    costs: "ScheduleCosts | Cluster | str | None" = None) -> "ScheduleCosts | None":
     """The durations :func:`compile` plans ``s``'s schedule with, or None for a fixed recipe.
 
-    zb-h1 is planned with durations; dualpipev keeps unit costs unless the caller passes some (its
-    F&I pairing already hides the communication the estimate would weigh)."""
-    if s.schedule == "zb-h1" or (s.schedule == "dualpipev" and costs is not None):
+    The schedule's registry record decides: ``costs="always"`` (zb-h1) plans with durations,
+    ``"given"`` (dualpipev, whose F&I pairing already hides the communication the estimate would
+    weigh) only with durations the caller passes."""
+    mode = get_schedule(s.schedule).costs
+    if mode == "always" or (mode == "given" and costs is not None):
         return _costs(spec, s, seq_len, costs)
     return None
 
@@ -67,13 +69,14 @@ def directives(model: "str | ModelSpec", strategy: "str | Strategy", *, global_b
     chunk_stage = tuple(int(x) for x in [s.chunk_rank_stage(c) for c in range(s.stages)])
     rc_bytes = {k: region_activation(spec, k, mbs=s.mbs, seq_len=seq_len, tp=s.tp, recompute="none")
                 for k in ("attn", "mlp", "moe.route", "moe.experts", "moe.combine", "head")}
+    sched = get_schedule(s.schedule)
     out: list = [Split(microbatches=m)]
-    if split_backward(s.schedule):
+    if sched.split_backward:
         out.append(Split(backward=True))
     out += [
         Place(tuple(int(x) for x in s.layer_stages(spec.layers)), chunk_stage, act_msg,
               tuple((OPTIM_FLOPS_PER_ELEMENT * e, e * opt_bytes_per_el) for e in opt_el),
-              vshape=s.schedule == "dualpipev"),
+              vshape=sched.vshape),
         Shard("tp", s.tp, act_msg, stats_bytes=3 * tokens * 4 * s.tp),
     ]
     if spec.is_moe:
@@ -85,7 +88,7 @@ def directives(model: "str | ModelSpec", strategy: "str | Strategy", *, global_b
                          tuple(int(x) * pb for x in (cp.expert if s.ep > 1 else cp.expert * 0)),
                          tuple(int(x) * gb for x in grad_dense), tuple(int(x) * gb for x in cp.expert),
                          ep=s.ep, tied_bytes=cp.tied * gb))
-    if s.schedule == "dualpipev" and s.ep > 1:
+    if sched.hides_ep_comm and s.ep > 1:
         out.append(Stream("comm", ops=("all_to_all",), tag_prefix="ep."))
     out.append(order if order is not None else schedule_order(s, m, planning_costs(spec, s, seq_len, costs)))
     if s.tp == 1 and s.ep == 1:
