@@ -206,6 +206,6 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
             out[s] = tuple(lst)
         mem = dict(static_memory[st]) if st < len(static_memory) else {}
         progs.append(RankProgram(out, mem))
-    ranks_stage = np.arange(strategy.world) // (strategy.tp * strategy.dp)
+    ranks_stage = np.arange(strategy.world) // (strategy.world // strategy.pp)
     ranks = {int(r): progs[int(st)] for r, st in enumerate(ranks_stage)}
     return Program(ranks, strategy, dict(meta or {}))
