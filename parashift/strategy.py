@@ -193,6 +193,17 @@ class Strategy:
         r = np.asarray(tp) + self.tp * (np.asarray(cp) + self.cp * (np.asarray(dp) + self.dp * np.asarray(pp)))
         return int(r) if np.ndim(r) == 0 else r
 
+    def peer(self, rank: "int | np.ndarray", offset: str) -> "int | np.ndarray":
+        """Rank(s) ``offset`` steps away along one axis, wrapping: ``"pp+1"`` (next stage), ``"cp-1"``
+        (previous context-parallel rank in the ring); the other coordinates stay."""
+        axis, step = offset[:2], offset[2:]
+        if axis not in ("pp", "cp") or not step[1:].isdigit() or step[:1] not in "+-":
+            raise StrategyError(f"peer {offset!r} is not 'pp+k', 'pp-k', 'cp+k' or 'cp-k'")
+        c = self.coords(rank)
+        size = self.pp if axis == "pp" else self.cp
+        moved = {**c, axis: (np.asarray(c[axis]) + int(step)) % size}
+        return self.rank(moved["tp"], moved["dp"], moved["pp"], moved["cp"])
+
     def grid(self) -> np.ndarray:
         """Every rank at its coordinates, indexed ``[pp, dp, cp, tp]``."""
         return np.arange(self.world).reshape(self.pp, self.dp, self.cp, self.tp)

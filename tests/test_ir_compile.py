@@ -55,24 +55,29 @@ def test_every_small_combination_validates(model):
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
-@pytest.mark.parametrize("strategy", ["dp=2,tp=2,pp=2", "dp=1,tp=1,pp=2", "dp=2,tp=2,pp=1,ep=2"])
+@pytest.mark.parametrize("strategy", ["dp=2,tp=2,pp=2", "dp=1,tp=1,pp=2", "dp=2,tp=2,pp=1,ep=2",
+                                      "tp=2,sp,cp=2,pp=2"])
 def test_flops_add_up(strategy, recompute):
+    """Every rank's share times tp x cp adds up to the model's FLOPs; full recompute re-runs every
+    region but the output layer (as Megatron), selective only core attention."""
     model = "tiny-moe" if "ep" in strategy else "tiny-gpt"
     spec = models.get(model)
     s = Strategy.parse(strategy).replace(recompute=recompute)
     m = 3
     prog = compile(model, s, global_batch=s.dp * m, seq_len=SEQ).validate()
-    fwd = sum(model_graph(spec, mbs=1, seq_len=SEQ).col("flops"))
+    g = model_graph(spec, mbs=1, seq_len=SEQ)
+    fwd = sum(g.col("flops"))
+    head = sum(f for f, k in zip(g.col("flops"), g.col("kind")) if k == "head")
     got = Counter()
     for st in range(s.pp):
-        rp = prog.ranks[st * s.tp * s.dp]
+        rp = prog.ranks[int(s.rank(pp=st))]
         for i in rp.instrs():
             if i.op == "compute" and i.phase != "optim":
-                got[i.phase] += i.flops * s.tp
+                got[i.phase] += i.flops * s.tp * s.cp
     assert got["fwd"] == pytest.approx(m * fwd)
     assert got["bwd"] == pytest.approx(2 * m * fwd)
     if recompute == "full":
-        assert got["recompute"] == pytest.approx(m * fwd)
+        assert got["recompute"] == pytest.approx(m * (fwd - head))
     elif recompute == "selective":
         core = 4 * SEQ * SEQ * spec.heads * spec.head_dim * spec.layers
         assert got["recompute"] == pytest.approx(m * core)
