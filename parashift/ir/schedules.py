@@ -10,8 +10,9 @@ estimate and the search space all read: a new schedule is one :func:`register` c
 - ``interleaved-1f1b``: Megatron's interleaved schedule over ``vpp`` chunks per stage (chunk c on
   stage ``c % pp``).
 - ``zb-h1``: zero-bubble H1: backward split into input-grad (I) and weight-grad (W); I has priority,
-  forwards keep 1F1B's in-flight bound (``pp - s``), and stage s defers at most ``pp - 1 - s``
-  weight-grads, which fill the cool-down bubbles.
+  forwards keep 1F1B's in-flight bound (``pp - s``), and every stage defers up to ``pp - 1``
+  weight-grads, which fill the cool-down bubbles (the last stages' deferred W's let the
+  input-grads reach the first stage early: the bubble is ZB-H1's ``(p-1)(F+I-W)``).
 - ``dualpipev``: V-shaped placement (stage s holds chunks s and 2*pp-1-s), split backward, and a
   forward of one micro-batch overlapped with the input-grad backward of another when both are ready
   (``&`` steps), so one's all-to-alls and p2p hide behind the other's compute.
@@ -140,6 +141,11 @@ def _list_schedule(pp: int, m: int, chunk_stage: list[int], limit: Callable[[int
     a ready I, then a ready F (at most ``limit(s)`` forwards awaiting their I), then a W: weight-grads
     only fill time the stage would otherwise spend waiting for a neighbour.
 
+    A filler is not started when what it would delay arrives sooner than half its length: an F waits
+    for an input-grad due before ``t + F/2``, a W for an input-grad or forward due before ``t + W/2``
+    (with p2p latency those arrive just after the stage frees up; starting the filler would delay
+    the critical chain by nearly its whole length). With free hand-offs this never waits.
+
     Event-driven: a stage is looked at only when it frees up or when an action it depends on
     completes (its output arrives), so planning costs O(actions), not O(actions x stages)."""
     chunks = len(chunk_stage)
@@ -185,6 +191,28 @@ def _list_schedule(pp: int, m: int, chunk_stage: list[int], limit: Callable[[int
             return arrived("F", c, i, s, t) and (c == chunks - 1 or arrived("I", c + 1, i, s, t))
         return arrived("I", c, i, s, t)
 
+    def arrival(typ: str, c: int, i: int, s: int) -> float:
+        d = done[typ][c][i]
+        return d + p2p if chunk_stage[c] != s else d
+
+    def eta_i(s: int) -> float:
+        """When this stage's next input-grad could start (inf: a dependency is not scheduled yet)."""
+        out = inf
+        for c in mine[s]:
+            i = nxt["I"][c]
+            if i < m:
+                out = min(out, max(arrival("F", c, i, s), arrival("I", c + 1, i, s) if c < chunks - 1 else 0.0))
+        return out
+
+    def eta_f(s: int) -> float:
+        """When this stage's next forward could start, within the in-flight bound."""
+        out = inf
+        for c in mine[s]:
+            i = nxt["F"][c]
+            if 0 < c and i < m and (inflight[s] < lim[s] or c > first[s]):
+                out = min(out, arrival("F", c - 1, i, s))
+        return out
+
     while remaining:
         t, s0 = heapq.heappop(events)
         todo = {s0}
@@ -217,12 +245,12 @@ def _list_schedule(pp: int, m: int, chunk_stage: list[int], limit: Callable[[int
                 step = (f0, i0)
             elif i0 is not None:
                 step = (i0,)
-            elif f0 is not None:
+            elif f0 is not None and eta_i(s) >= t + cost.of(f0) / 2:
                 step = (f0,)
-            elif w0 is not None:
+            elif f0 is None and w0 is not None and min(eta_i(s), eta_f(s)) >= t + cost.of(w0) / 2:
                 step = (w0,)
             else:
-                continue
+                continue   # what is on its way matters more than a filler that would delay it
             end = t + sum(cost.of(a) for a in step)
             busy[s] = end
             heapq.heappush(events, (end, s))
@@ -250,7 +278,7 @@ def _list_schedule(pp: int, m: int, chunk_stage: list[int], limit: Callable[[int
 def zb_h1(pp: int, m: int, costs: "ScheduleCosts | None" = None) -> Orders:
     """Zero-bubble H1: 1F1B's in-flight bound, backward split, weight-grads fill the bubbles
     (planned with ``costs``, unit costs by default)."""
-    return _list_schedule(pp, m, list(range(pp)), lambda s: pp - s, lambda s: pp - 1 - s, overlap=False,
+    return _list_schedule(pp, m, list(range(pp)), lambda s: pp - s, lambda s: pp - 1, overlap=False,
                           costs=costs)
 
 
