@@ -358,7 +358,7 @@ class Shard:
 @dataclass(frozen=True)
 class Recompute:
     """Re-run region forwards right before their backward. ``mode="full"``: every region but the
-    embedding and the output layer (as Megatron-LM); ``"selective"``: attention regions only, re-running ``selective_flops`` (core
+    embedding (the output layer too: a chunk's recomputed regions form one graph); ``"selective"``: attention regions only, re-running ``selective_flops`` (core
     attention; 0: the region's forward FLOPs). ``rc_bytes``: region kind -> bytes a recompute materializes (freed by the backward)."""
 
     mode: str
@@ -385,7 +385,7 @@ class Recompute:
             if c["op"][i] != "compute" or c["phase"][i] not in ("bwd", "bwd_input"):
                 continue
             kind = c["kind"][i]
-            if kind in ("embed", "head") or (self.mode == "selective" and kind != "attn"):
+            if kind == "embed" or (self.mode == "selective" and kind != "attn"):
                 continue
             key = (c["region"][i], c["mb"][i])
             f = fwd[key]

@@ -16,8 +16,9 @@ with ``s`` the sequence, ``b`` the micro-batch, ``h`` the hidden size, ``a`` the
 - full recomputation: only the layer input, ``2sbh`` (``2sbh/t`` with sequence parallelism).
 
 Context parallelism divides ``s`` by ``cp`` (each rank holds ``s/cp`` tokens; its scores are
-``s/cp x s``). Gated MLPs and grouped-query attention use their real widths; the output layer
-(``head``) is never recomputed, as in Megatron-LM.
+``s/cp x s``). Gated MLPs and grouped-query attention use their real widths. Under full
+recomputation the output layer (``head``) is recomputed too and keeps its input (Megatron-LM keeps
+its output layer's activations; the runtime rebuilds a chunk's recomputed regions as one graph).
 """
 from __future__ import annotations
 
@@ -151,12 +152,12 @@ def _terms(model: ModelSpec, kind: str, *, mbs: int, seq_len: int, tp: int, sp: 
 def region_activation(model: ModelSpec, kind: str, *, mbs: int, seq_len: int, tp: int, recompute: str,
                       sp: bool = False, cp: int = 1) -> int:
     """Activation bytes one region stashes for its backward, per micro-batch on one rank (see the
-    module docstring). Under full recomputation the attention region keeps the layer input and the
-    rest of the layer keeps nothing."""
+    module docstring). Under full recomputation the attention region keeps the layer input, the rest
+    of the layer nothing, and the output layer its input."""
     scale = model.dtype_bytes / 2
-    if recompute == "full" and kind not in ("head", "embed"):
+    if recompute == "full" and kind != "embed":
         sbh = seq_len / cp * mbs * model.hidden
-        return int(2 * (sbh / tp if sp else sbh) * scale) if kind == "attn" else 0
+        return int(2 * (sbh / tp if sp else sbh) * scale) if kind in ("attn", "head") else 0
     v, scores = _terms(model, kind, mbs=mbs, seq_len=seq_len, tp=tp, sp=sp, cp=cp)
     if recompute == "none" and not model.flash_attention:
         v += scores
