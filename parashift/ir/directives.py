@@ -56,6 +56,25 @@ def _comm_many(g: Graph, us: list[int], *, op: str, tags: list[str], group: "str
     return g.extend(len(us), op=op, group=group, tag=tags, nbytes=int(nbytes), stream=stream, key=key, **cols)
 
 
+def _neighbours(g: Graph) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """DATA predecessors and successors of every node."""
+    preds: dict[int, list[int]] = {}
+    succs: dict[int, list[int]] = {}
+    for u, v, k in zip(g.src, g.dst, g.ekind):
+        if k == DATA:
+            preds.setdefault(v, []).append(u)
+            succs.setdefault(u, []).append(v)
+    return preds, succs
+
+
+def _alongside(g: Graph, nbrs: tuple[dict, dict], u: int, node: int) -> None:
+    """Run ``node`` beside ``u``: it starts with u (after u's inputs) and u's consumers wait for both."""
+    for p in nbrs[0].get(u, []):
+        g.edge(p, node, DATA)
+    for v in nbrs[1].get(u, []):
+        g.edge(node, v, DATA)
+
+
 def _clone(g: Graph, src: Graph, i: int, **over) -> int:
     attrs = {k: v[i] for k, v in src.cols.items()}
     attrs.update(over)
@@ -216,7 +235,8 @@ class Shard:
     parallelism) every such all-reduce becomes a reduce-scatter into sequence shards (the norms and
     dropouts between blocks run on ``s/t`` tokens) and an all-gather before the next block; the
     backward of a column-parallel block also re-gathers its saved sequence-sharded input for the
-    weight gradient. ``nbytes`` is the full activation (the all-reduced tensor).
+    weight gradient, on the comm stream beside the backward compute (Megatron overlaps it with the
+    input-gradient GEMM). ``nbytes`` is the full activation (the all-reduced tensor).
     ``axis="ep"``: spread experts over ``ways`` ranks and add dispatch/combine all-to-alls around
     ``moe.experts``. ``axis="cp"``: every rank holds ``s/ways`` tokens, so compute FLOPs are divided by
     ``ways`` (balanced causal chunks), and each attention gathers the K/V blocks (``nbytes`` per rank)
@@ -291,7 +311,9 @@ class Shard:
     def _sequence_parallel(self, out: Graph) -> Graph:
         """TP with sequence parallelism: reduce-scatter + all-gather where TP all-reduces."""
         c = out.cols
-        steps: list[list[tuple[int, str, str, str]]] = [[], [], []]   # per hop: (node, op, tag, key)
+        steps: list[list[tuple[int, str, str, str]]] = [[], []]   # per hop: (node, op, tag, key)
+        regather: list[tuple[int, str]] = []
+        nbrs = _neighbours(out)
         for i in range(len(out)):
             if c["op"][i] != "compute" or c["phase"][i] == "optim":
                 continue
@@ -306,7 +328,7 @@ class Shard:
                 steps[0].append((i, "reduce_scatter", f"{base}.rs.m{mb}", "sp_scatter"))
                 steps[1].append((i, "all_gather", f"{base}.ag.m{mb}", "sp_gather"))
                 if ph != "fwd" and kind in ("head", "mlp", "attn"):
-                    steps[2].append((i, "all_gather", f"{base}.input.m{mb}", "sp_input"))
+                    regather.append((i, f"{base}.input.m{mb}"))
         last: dict[int, int] = {}       # region node -> its latest comm node
         for items in steps:
             by_key: dict[tuple[str, str], list[tuple[int, str]]] = {}
@@ -321,18 +343,16 @@ class Shard:
                 ins += list(zip(anchors, new))
                 last.update({u: int(x) for (u, _), x in zip(rows, new)})
             out.insert_after(ins)
+        for u, tag in regather:   # overlapped with the input-grad GEMM on the comm stream, as Megatron does
+            _alongside(out, nbrs, u, _comm(out, u, op="all_gather", tag=tag, group="tp", nbytes=self.nbytes,
+                                           stream="comm", dpos=-0.3, key="sp_input"))
         return out
 
     def _ring(self, out: Graph) -> Graph:
         """Context parallelism: FLOPs over ``ways`` ranks, K/V exchanges around attention."""
         c = out.cols
         n = len(out)
-        preds: dict[int, list[int]] = {}
-        succs: dict[int, list[int]] = {}
-        for u, v, k in zip(out.src, out.dst, out.ekind):
-            if k == DATA:
-                preds.setdefault(v, []).append(u)
-                succs.setdefault(u, []).append(v)
+        nbrs = _neighbours(out)
         after: list[tuple[int, int]] = []
         for i in range(n):
             if c["op"][i] != "compute" or c["phase"][i] == "optim":
@@ -343,11 +363,8 @@ class Shard:
                 continue
             base = f"cp.{c['region'][i]}.{ph}"
             kv = _comm(out, i, op="all_gather", tag=f"{base}.kv.m{c['mb'][i]}", group="cp",
-                       nbytes=self.nbytes * self.ways, stream="comm", dpos=-0.5, key="cp_kv")
-            for p in preds.get(i, []):      # starts with the attention region, not after it
-                out.edge(p, kv, DATA)
-            for v in succs.get(i, []):
-                out.edge(kv, v, DATA)
+                       nbytes=self.nbytes * self.ways, stream="comm", dpos=-0.3, key="cp_kv")
+            _alongside(out, nbrs, i, kv)     # starts with the attention region, not after it
             if ph != "fwd":                  # K/V gradients go back to their owners
                 after.append((i, _comm(out, i, op="reduce_scatter", tag=f"{base}.dkv.m{c['mb'][i]}", group="cp",
                                        nbytes=self.nbytes * self.ways, stream="comm", dpos=0.5, key="cp_dkv")))
