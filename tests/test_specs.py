@@ -204,3 +204,18 @@ def test_device_lists():
 def test_device_list_text_round_trips(devs):
     d = tuple(sorted(devs))
     assert clusters.parse_devices(clusters.format_devices(d)) == d
+
+
+@settings(max_examples=60, deadline=None)
+@given(any_strategy())
+def test_peers_move_along_one_axis(s):
+    ranks = np.arange(s.world)
+    c = s.coords(ranks)
+    for axis, size in (("pp", s.pp), ("cp", s.cp)):
+        for off in (f"{axis}+1", f"{axis}-1"):
+            q = s.coords(s.peer(ranks, off))
+            step = 1 if off.endswith("+1") else -1
+            assert np.array_equal(q[axis], (c[axis] + step) % size)
+            assert all(np.array_equal(q[k], c[k]) for k in ("tp", "dp", "pp", "cp") if k != axis)
+    with pytest.raises(StrategyError, match="is not 'pp\\+k'"):
+        s.peer(0, "dp+1")
