@@ -13,18 +13,35 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["Strategy", "SCHEDULES", "RECOMPUTE"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
-_INT_FIELDS = ("dp", "tp", "pp", "ep", "zero", "vpp", "mbs")
-_KEYS = _INT_FIELDS + ("schedule", "recompute")
+_INT_FIELDS = ("dp", "tp", "pp", "ep", "zero", "vpp", "mbs", "cp")
+_BOOL_FIELDS = ("sp",)
+_KEYS = _INT_FIELDS + _BOOL_FIELDS + ("schedule", "recompute")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def __getattr__(name: str):  # SCHEDULES lives in the schedule registry (parashift.ir.schedules)
+    if name == "SCHEDULES":
+        from .ir.schedules import schedule_names
+        return schedule_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _schedule(name: str):
+    from .ir.schedules import get_schedule
+    return get_schedule(name)
 
 
 @dataclass(frozen=True)
 class Strategy:
-    """A parallel strategy. Ranks are laid out in Megatron order: TP fastest, then DP, then PP.
+    """A parallel strategy. Ranks are laid out in Megatron order: TP fastest, then CP, then DP, then PP.
 
     EP subdivides the DP axis: ``ep_rank = dp_rank % ep`` and the expert-data-parallel
     rank is ``dp_rank // ep`` (experts are replicated over ``dp // ep`` ranks).
+    ``sp``: Megatron sequence parallelism (norms and dropout sharded along the sequence over the
+    TP group; needs tp > 1). ``cp``: context parallelism, each of ``cp`` ranks holds ``seq/cp``
+    tokens of every sequence and attention passes K/V around the CP ring; parameters are
+    replicated over CP and gradients are reduced (and ZeRO-sharded) over the ``dp x cp`` ranks.
     """
 
     dp: int = 1
@@ -36,8 +53,13 @@ class Strategy:
     mbs: int = 1
     schedule: str = "1f1b"
     recompute: str = "none"
+    cp: int = 1
+    sp: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.sp, (bool, np.bool_)):
+            raise StrategyError(f"sp={self.sp!r} must be a boolean; write 'sp' or 'sp=1' to turn it on")
+        object.__setattr__(self, "sp", bool(self.sp))
         for name in _INT_FIELDS:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
@@ -47,20 +69,21 @@ class Strategy:
                 raise StrategyError(f"{name}={v} must be at least 1")
         if not 0 <= self.zero <= 3:
             raise StrategyError(f"zero={self.zero} is not a ZeRO stage; use 0, 1, 2 or 3")
-        if self.schedule not in SCHEDULES:
-            raise StrategyError(f"unknown schedule {self.schedule!r}; use one of {', '.join(SCHEDULES)}")
+        sched = _schedule(self.schedule)
         if self.recompute not in RECOMPUTE:
             raise StrategyError(f"unknown recompute {self.recompute!r}; use one of {', '.join(RECOMPUTE)}")
         if self.dp % self.ep:
             raise StrategyError(f"ep={self.ep} must divide dp={self.dp} (experts are spread over DP ranks); "
                                 f"pick ep among the divisors of {self.dp}")
-        if self.schedule == "interleaved-1f1b" and self.vpp < 2:
-            raise StrategyError("schedule interleaved-1f1b needs vpp >= 2; set vpp=2 or use schedule=1f1b")
-        if self.schedule in ("gpipe", "1f1b", "zb-h1") and self.vpp != 1:
-            raise StrategyError(f"schedule {self.schedule} runs one chunk per stage (vpp=1); "
-                                f"use schedule=interleaved-1f1b or dualpipev for vpp={self.vpp}")
-        if self.schedule == "dualpipev" and self.vpp % 2:
-            raise StrategyError(f"dualpipev needs an even number of chunks per rank (vpp={self.vpp}); set vpp=2")
+        if self.sp and self.tp == 1:
+            raise StrategyError("sp (sequence parallelism) shards along the sequence over the TP group and "
+                                "needs tp > 1; set tp=2 or more, or drop sp")
+        if self.cp > 1 and self.ep > 1:
+            raise StrategyError(f"cp={self.cp} with ep={self.ep} is not supported (experts would span the "
+                                f"dp x cp ranks); use cp=1 for mixture-of-experts strategies")
+        problems = sched.vpp_problems(self.vpp)
+        if problems:
+            raise StrategyError("; ".join(problems))
 
     # ---- text form -------------------------------------------------------------------------
     @classmethod
@@ -72,6 +95,8 @@ class Strategy:
         for part in str(text).replace(" ", "").split(","):
             if not part:
                 continue
+            if part == "sp":
+                part = "sp=1"
             if "=" not in part:
                 raise StrategyError(f"strategy item {part!r} is not key=value; write e.g. 'dp=4,tp=2'")
             key, val = part.split("=", 1)
@@ -79,7 +104,11 @@ class Strategy:
                 raise StrategyError(f"unknown strategy key {key!r}; keys are {', '.join(_KEYS)}")
             if key in kw:
                 raise StrategyError(f"strategy key {key!r} is given twice in {text!r}")
-            if key in _INT_FIELDS:
+            if key in _BOOL_FIELDS:
+                if val.lower() not in _TRUE + _FALSE:
+                    raise StrategyError(f"{key}={val!r} must be on or off; write '{key}' or '{key}=0'")
+                kw[key] = val.lower() in _TRUE
+            elif key in _INT_FIELDS:
                 try:
                     kw[key] = int(val)
                 except ValueError:
@@ -98,7 +127,7 @@ class Strategy:
                 continue
             v = getattr(self, f.name)
             if v != getattr(default, f.name):
-                parts.append(f"{f.name}={v}")
+                parts.append("sp" if f.name == "sp" else f"{f.name}={v}")
         return ",".join(parts)
 
     def replace(self, **changes: object) -> "Strategy":
@@ -107,7 +136,17 @@ class Strategy:
     # ---- sizes -----------------------------------------------------------------------------
     @property
     def world(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def dpcp(self) -> int:
+        """Ranks that hold the same parameters and reduce gradients together: dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def grad_axis(self) -> str:
+        """Group axis of the dense gradient reduction and ZeRO sharding (``dp``, or ``dpcp`` with cp)."""
+        return "dpcp" if self.cp > 1 else "dp"
 
     @property
     def edp(self) -> int:
@@ -126,66 +165,95 @@ class Strategy:
             raise StrategyError(f"global batch {global_batch} is not divisible by dp*mbs={per}; "
                                 f"use a multiple of {per}")
         m = global_batch // per
-        if self.schedule == "interleaved-1f1b" and self.pp > 1 and m % self.pp:
-            raise StrategyError(f"interleaved-1f1b needs the micro-batch count ({m}) to be a multiple of "
-                                f"pp={self.pp}; change the global batch or mbs")
+        problems = _schedule(self.schedule).microbatch_problems(self, m)
+        if problems:
+            raise StrategyError("; ".join(problems))
         return m
 
     # ---- the rank grid ---------------------------------------------------------------------
     def coords(self, rank: "int | np.ndarray") -> dict:
-        """Coordinates of rank(s): tp, dp, pp, ep (= dp % ep) and edp (= dp // ep)."""
+        """Coordinates of rank(s): tp, cp, dp, pp, ep (= dp % ep), edp (= dp // ep) and
+        dpcp (= cp + cp_size * dp, the index in the gradient-reduction group)."""
         r = np.asarray(rank)
         if np.any((r < 0) | (r >= self.world)):
             raise StrategyError(f"rank {rank} is outside the world of {self.world} ranks")
         tp = r % self.tp
-        dp = (r // self.tp) % self.dp
-        pp = r // (self.tp * self.dp)
-        out = {"tp": tp, "dp": dp, "pp": pp, "ep": dp % self.ep, "edp": dp // self.ep}
+        cp = (r // self.tp) % self.cp
+        dp = (r // (self.tp * self.cp)) % self.dp
+        pp = r // (self.tp * self.cp * self.dp)
+        out = {"tp": tp, "dp": dp, "pp": pp, "ep": dp % self.ep, "edp": dp // self.ep, "cp": cp,
+               "dpcp": cp + self.cp * dp}
         if np.ndim(rank) == 0:
             return {k: int(v) for k, v in out.items()}
         return out
 
     def rank(self, tp: "int | np.ndarray" = 0, dp: "int | np.ndarray" = 0,
-             pp: "int | np.ndarray" = 0) -> "int | np.ndarray":
+             pp: "int | np.ndarray" = 0, cp: "int | np.ndarray" = 0) -> "int | np.ndarray":
         """Rank of coordinates (inverse of :meth:`coords`)."""
-        r = np.asarray(tp) + self.tp * (np.asarray(dp) + self.dp * np.asarray(pp))
+        r = np.asarray(tp) + self.tp * (np.asarray(cp) + self.cp * (np.asarray(dp) + self.dp * np.asarray(pp)))
         return int(r) if np.ndim(r) == 0 else r
 
-    def group(self, rank: int, axis: str) -> tuple[int, ...]:
-        """Members of ``rank``'s group along ``axis`` (tp, dp, pp, ep, edp, or mp = tp x pp)."""
+    def peer(self, rank: "int | np.ndarray", offset: str) -> "int | np.ndarray":
+        """Rank(s) ``offset`` steps away along one axis, wrapping: ``"pp+1"`` (next stage), ``"cp-1"``
+        (previous context-parallel rank in the ring); the other coordinates stay."""
+        axis, step = offset[:2], offset[2:]
+        if axis not in ("pp", "cp") or not step[1:].isdigit() or step[:1] not in "+-":
+            raise StrategyError(f"peer {offset!r} is not 'pp+k', 'pp-k', 'cp+k' or 'cp-k'")
         c = self.coords(rank)
+        size = self.pp if axis == "pp" else self.cp
+        moved = {**c, axis: (np.asarray(c[axis]) + int(step)) % size}
+        return self.rank(moved["tp"], moved["dp"], moved["pp"], moved["cp"])
+
+    def grid(self) -> np.ndarray:
+        """Every rank at its coordinates, indexed ``[pp, dp, cp, tp]``."""
+        return np.arange(self.world).reshape(self.pp, self.dp, self.cp, self.tp)
+
+    def group(self, rank: int, axis: str) -> tuple[int, ...]:
+        """Members of ``rank``'s group along ``axis`` (tp, cp, dp, dpcp, pp, ep, edp or embed), ascending."""
+        c = self.coords(rank)
+        tp, dp, pp, cp = c["tp"], c["dp"], c["pp"], c["cp"]
         if axis == "tp":
-            return tuple(int(x) for x in self.rank(np.arange(self.tp), c["dp"], c["pp"]))
-        if axis == "dp":
-            return tuple(int(x) for x in self.rank(c["tp"], np.arange(self.dp), c["pp"]))
-        if axis == "pp":
-            return tuple(int(x) for x in self.rank(c["tp"], c["dp"], np.arange(self.pp)))
-        if axis == "ep":  # same edp index, all ep ranks
-            return tuple(int(x) for x in self.rank(c["tp"], c["edp"] * self.ep + np.arange(self.ep), c["pp"]))
-        if axis == "edp":  # same ep index, all expert-data-parallel replicas
-            return tuple(int(x) for x in self.rank(c["tp"], c["ep"] + self.ep * np.arange(self.edp), c["pp"]))
-        if axis == "embed":  # first and last pipeline stage of this (tp, dp): tied embeddings
-            return tuple(sorted({int(self.rank(c["tp"], c["dp"], 0)), int(self.rank(c["tp"], c["dp"], self.pp - 1))}))
-        raise StrategyError(f"unknown group axis {axis!r}; use tp, dp, pp, ep, edp or embed")
+            r = self.rank(np.arange(self.tp), dp, pp, cp)
+        elif axis == "cp":
+            r = self.rank(tp, dp, pp, np.arange(self.cp))
+        elif axis == "dp":
+            r = self.rank(tp, np.arange(self.dp), pp, cp)
+        elif axis == "dpcp":
+            r = self.rank(tp, np.arange(self.dp)[:, None], pp, np.arange(self.cp)[None, :]).ravel()
+        elif axis == "pp":
+            r = self.rank(tp, dp, np.arange(self.pp), cp)
+        elif axis == "ep":  # same edp index, all ep ranks
+            r = self.rank(tp, c["edp"] * self.ep + np.arange(self.ep), pp, cp)
+        elif axis == "edp":  # same ep index, all expert-data-parallel replicas
+            r = self.rank(tp, c["ep"] + self.ep * np.arange(self.edp), pp, cp)
+        elif axis == "embed":  # first and last pipeline stage of this (tp, cp, dp): tied embeddings
+            r = np.unique([self.rank(tp, dp, 0, cp), self.rank(tp, dp, self.pp - 1, cp)])
+        else:
+            raise StrategyError(f"unknown group axis {axis!r}; use tp, cp, dp, dpcp, pp, ep, edp or embed")
+        return tuple(int(x) for x in np.atleast_1d(r))
 
     def groups(self, axis: str) -> np.ndarray:
         """All groups along ``axis`` as a 2-D array (one row per group, ranks ascending)."""
-        g = np.arange(self.world).reshape(self.pp, self.dp, self.tp)  # [pp, dp, tp]
+        g = self.grid()  # [pp, dp, cp, tp]
+        pp, dp, cp, tp = g.shape
         if axis == "tp":
-            return g.reshape(-1, self.tp)
+            return g.reshape(-1, tp)
+        if axis == "cp":
+            return g.transpose(0, 1, 3, 2).reshape(-1, cp)
         if axis == "dp":
-            return g.transpose(0, 2, 1).reshape(-1, self.dp)
+            return g.transpose(0, 2, 3, 1).reshape(-1, dp)
+        if axis == "dpcp":
+            return g.transpose(0, 3, 1, 2).reshape(-1, dp * cp)
         if axis == "pp":
-            return g.transpose(1, 2, 0).reshape(-1, self.pp)
-        if axis == "ep":
-            e = g.reshape(self.pp, self.edp, self.ep, self.tp)
-            return e.transpose(0, 1, 3, 2).reshape(-1, self.ep)
-        if axis == "edp":
-            e = g.reshape(self.pp, self.edp, self.ep, self.tp)
-            return e.transpose(0, 2, 3, 1).reshape(-1, self.edp)
+            return g.transpose(1, 2, 3, 0).reshape(-1, pp)
+        if axis in ("ep", "edp"):
+            e = g.reshape(pp, self.edp, self.ep, cp, tp)
+            if axis == "ep":
+                return e.transpose(0, 1, 3, 4, 2).reshape(-1, self.ep)
+            return e.transpose(0, 2, 3, 4, 1).reshape(-1, self.edp)
         if axis == "embed":
-            return np.unique(g[[0, -1]].transpose(1, 2, 0).reshape(-1, 2), axis=1)
-        raise StrategyError(f"unknown group axis {axis!r}; use tp, dp, pp, ep or edp")
+            return np.unique(g[[0, -1]].transpose(1, 2, 3, 0).reshape(-1, 2), axis=1)
+        raise StrategyError(f"unknown group axis {axis!r}; use tp, cp, dp, dpcp, pp, ep, edp or embed")
 
     # ---- model-dependent checks ------------------------------------------------------------
     def validate(self, model: "ModelSpec", devices: int | None = None) -> "Strategy":
@@ -214,8 +282,13 @@ class Strategy:
             out.append(f"ep={self.ep} needs a mixture-of-experts model; {model.name} is dense, set ep=1")
         if self.stages > model.layers:
             out.append(f"pp*vpp={self.stages} exceeds the {model.layers} layers; lower pp or vpp")
+        else:
+            out += _schedule(self.schedule).layer_problems(self, model.layers)
+        if self.cp > 1 and model.seq_len % (2 * self.cp):
+            out.append(f"cp={self.cp} needs the sequence length ({model.seq_len}) to be a multiple of "
+                       f"2*cp={2 * self.cp} (each rank holds two balanced causal chunks); pick cp accordingly")
         if devices is not None and devices != self.world:
-            out.append(f"dp*tp*pp={self.world} does not match the {devices} devices; "
+            out.append(f"dp*cp*tp*pp={self.world} does not match the {devices} devices; "
                        f"choose sizes whose product is {devices}")
         return out
 
@@ -234,7 +307,7 @@ class Strategy:
         stages then back up, so stage s holds chunks s and 2*pp-1-s.
         """
         c = np.asarray(chunk)
-        if self.schedule == "dualpipev":
+        if _schedule(self.schedule).vshape:
             lap, pos = c // self.pp, c % self.pp
             out = np.where(lap % 2 == 0, pos, self.pp - 1 - pos)
         else:

@@ -16,7 +16,7 @@ def test_schedule_json_plot_and_out(tmp_path, capsys):
     assert res["valid"] is True and res["ranks"] == 4
     assert res["instructions"]["send"] == res["instructions"]["recv"] == 4 * 2 * 2
     assert res["compile_seconds"] >= 0
-    assert res["order"]["1"].startswith("1F0 1I0 1W0 1F1")
+    assert res["order"]["1"].startswith("1F0 1I0 1F1 1I1")   # zb-h1: the last stage defers its W's
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
     prog = Program.load(str(out))
     assert prog.world == 4 and prog.meta["schedule"] == "zb-h1"

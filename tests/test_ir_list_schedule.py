@@ -36,6 +36,25 @@ def _reference(pp, m, chunk_stage, limit, wlimit, overlap, cost):
                 a.chunk == chunks - 1 or ok(Action(a.chunk + 1, "I", a.mb), a, t))
         return ok(Action(a.chunk, "I", a.mb), a, t)
 
+    def eta(s, t, typ):
+        """Earliest time the stage's next action of ``typ`` could start, from scheduled dependencies."""
+        best = float("inf")
+        for c in mine[s]:
+            i = nxt[(c, typ)]
+            if i >= m:
+                continue
+            if typ == "I":
+                deps = [Action(c, "F", i)] + ([Action(c + 1, "I", i)] if c < chunks - 1 else [])
+            elif c > 0 and (inflight[s] < limit(s) or c > min(mine[s])):
+                deps = [Action(c - 1, "F", i)]
+            else:
+                continue
+            if all(d in done for d in deps):
+                a = Action(c, typ, i)
+                best = min(best, max(done[d] + (cost.p2p if chunk_stage[d.chunk] != chunk_stage[a.chunk] else 0.0)
+                                     for d in deps))
+        return best
+
     while remaining:
         t = heapq.heappop(events)
         while events and events[0] <= t + eps:
@@ -53,8 +72,12 @@ def _reference(pp, m, chunk_stage, limit, wlimit, overlap, cost):
                 step = (ws[0],)
             elif overlap and fs and is_ and fs[0].chunk != is_[0].chunk:
                 step = (fs[0], is_[0])
-            elif is_ or fs or ws:
-                step = ((is_ or fs or ws)[0],)
+            elif is_:
+                step = (is_[0],)
+            elif fs and eta(s, t, "I") >= t + cost.of(fs[0]) / 2:
+                step = (fs[0],)
+            elif not fs and ws and min(eta(s, t, "I"), eta(s, t, "F")) >= t + cost.of(ws[0]) / 2:
+                step = (ws[0],)
             else:
                 continue
             end = t + sum(cost.of(a) for a in step)
@@ -87,7 +110,7 @@ def test_event_driven_scheduler_matches_the_reference(pp, m, v_shape, data):
         want = _reference(pp, m, stages, lambda s: 2 * pp, lambda s: pp, True, cost)
         assert S.dualpipev(pp, m, cost) == want
     else:
-        want = _reference(pp, m, list(range(pp)), lambda s: pp - s, lambda s: pp - 1 - s, False, cost)
+        want = _reference(pp, m, list(range(pp)), lambda s: pp - s, lambda s: pp - 1, False, cost)
         assert S.zb_h1(pp, m, cost) == want
 
 

@@ -12,6 +12,10 @@ SPACES = {  # (model, cluster, devices, global batch, seq len)
 }
 _POINTS = {k: search.make_space(m, c, devices=d, global_batch=b, seq_len=s).enumerate()
            for k, (m, c, d, b, s) in SPACES.items()}
+SPACES["gpt3-1.3b sp/cp"] = ("gpt3-1.3b", "a100-1x8", 8, 32, 2048)
+_POINTS["gpt3-1.3b sp/cp"] = [p for p in search.make_space("gpt3-1.3b", "a100-1x8", devices=8, global_batch=32,
+                                                           seq_len=2048, cp=(1, 2, 4), sp=(False, True)).enumerate()
+                              if p.sp or p.cp > 1]
 _EVAL = {k: search.SimEvaluator(m, c, global_batch=b, seq_len=s, precheck=False)
          for k, (m, c, d, b, s) in SPACES.items()}
 

@@ -136,3 +136,19 @@ def test_neighbors_change_one_axis_or_trade_two_sizes():
     best = search.neighbor(sp, s, {str(s)}, bound=lambda m: bound[str(m)], beat=len(found) - 3)
     assert sp.build(best)[0] == found[-1]
     assert search.neighbor(sp, s, {str(s)}, bound=lambda m: bound[str(m)], beat=len(found)) is None
+
+
+def test_sp_and_cp_axes():
+    """cp and sp are axes when offered: dp follows from tp*pp*cp, sp only with tp > 1, cp only where
+    the sequence splits into 2*cp balanced chunks; optuna points and params_of round-trip them."""
+    from parashift.search.space import make_space, params_of
+    space = make_space("tiny-gpt", "a100-1x8", devices=8, global_batch=8, seq_len=32, pp=(1,), mbs=(1,),
+                       zero=(0, 1), recompute=("none",), schedules=("1f1b",), cp=(1, 2, 4, 32), sp=(False, True))
+    found = space.enumerate()
+    assert {s.cp for s in found} == {1, 2, 4}                        # 32 does not split seq_len=32 in 64
+    assert all(s.world == 8 and (not s.sp or s.tp > 1) for s in found)
+    assert any(s.sp and s.cp == 2 for s in found) and any(s.cp == 4 and s.zero == 1 for s in found)
+    for s in found:
+        p = params_of(space, s)
+        assert p is not None and space.build(p)[0] == s
+    assert space.describe()["cp"] == [1, 2, 4, 32] and space.describe()["sp"] == [False, True]

@@ -7,6 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from parashift import Strategy, cluster as clusters, models
 from parashift.errors import ClusterError, DeviceListError, StrategyError, UnknownPresetError
+from parashift.ir.schedules import get_schedule
 from parashift.strategy import RECOMPUTE, SCHEDULES
 
 
@@ -51,13 +52,15 @@ def test_custom_models_and_tensor_metadata():
 # ---- Strategy text ----------------------------------------------------------------------------------------
 @st.composite
 def any_strategy(draw):
-    ep = draw(st.integers(1, 4))
+    cp = draw(st.integers(1, 3))
+    ep = 1 if cp > 1 else draw(st.integers(1, 4))
     dp = ep * draw(st.integers(1, 4))
     schedule = draw(st.sampled_from(SCHEDULES))
-    vpp = 1 if schedule in ("gpipe", "1f1b", "zb-h1") else draw(st.sampled_from([2, 4]))
-    return Strategy(dp=dp, tp=draw(st.integers(1, 8)), pp=draw(st.integers(1, 8)), ep=ep,
+    vpp = draw(st.sampled_from(get_schedule(schedule).vpp_choices((2, 4))))
+    tp = draw(st.integers(1, 8))
+    return Strategy(dp=dp, tp=tp, pp=draw(st.integers(1, 8)), ep=ep,
                     zero=draw(st.integers(0, 3)), vpp=vpp, mbs=draw(st.integers(1, 4)), schedule=schedule,
-                    recompute=draw(st.sampled_from(RECOMPUTE)))
+                    recompute=draw(st.sampled_from(RECOMPUTE)), cp=cp, sp=tp > 1 and draw(st.booleans()))
 
 
 @settings(max_examples=200, deadline=None)
@@ -79,7 +82,7 @@ def test_parse_defaults_and_examples():
     ("dp=2,dp=3", "given twice"), ("zero=4", "not a ZeRO stage"), ("tp=0", "must be at least 1"),
     ("dp=4,ep=3", "ep=3 must divide dp=4"), ("schedule=foo", "unknown schedule"),
     ("recompute=some", "unknown recompute"), ("pp=2,vpp=2,schedule=1f1b", "runs one chunk per stage"),
-    ("schedule=interleaved-1f1b", "needs vpp >= 2"), ("pp=2,vpp=3,schedule=dualpipev", "even number of chunks"),
+    ("schedule=interleaved-1f1b", "needs vpp >= 2"), ("pp=2,vpp=3,schedule=dualpipev", "exactly 2 chunks per stage; set vpp=2"),
 ])
 def test_parse_errors_say_what_and_how(text, msg):
     with pytest.raises(StrategyError, match=msg):
@@ -117,10 +120,12 @@ def test_layers_split_evenly_earlier_stages_take_more():
 def test_coords_rank_and_groups_agree(s):
     ranks = np.arange(s.world)
     c = s.coords(ranks)
-    assert np.array_equal(s.rank(c["tp"], c["dp"], c["pp"]), ranks)
+    assert np.array_equal(s.rank(c["tp"], c["dp"], c["pp"], c["cp"]), ranks)
     assert np.array_equal(c["tp"], ranks % s.tp)                           # TP fastest
+    assert np.array_equal(c["cp"], (ranks // s.tp) % s.cp)                 # then CP (Megatron order)
     assert np.array_equal(c["ep"] + s.ep * c["edp"], c["dp"])
-    for axis, size in (("tp", s.tp), ("dp", s.dp), ("pp", s.pp), ("ep", s.ep), ("edp", s.edp)):
+    for axis, size in (("tp", s.tp), ("dp", s.dp), ("pp", s.pp), ("ep", s.ep), ("edp", s.edp), ("cp", s.cp),
+                       ("dpcp", s.dpcp)):
         g = s.groups(axis)
         assert g.shape == (s.world // size, size)
         assert np.array_equal(np.sort(g.ravel()), ranks)                   # a partition of the world
@@ -128,9 +133,24 @@ def test_coords_rank_and_groups_agree(s):
             mine = s.group(r, axis)
             assert r in mine and any(tuple(row) == mine for row in g.tolist())
             others = [s.coords(x) for x in mine]
-            fixed = {"tp": ("dp", "pp"), "dp": ("tp", "pp"), "pp": ("tp", "dp"), "ep": ("tp", "pp", "edp"),
-                     "edp": ("tp", "pp", "ep")}[axis]
+            fixed = {"tp": ("dp", "pp", "cp"), "dp": ("tp", "pp", "cp"), "pp": ("tp", "dp", "cp"),
+                     "ep": ("tp", "pp", "edp", "cp"), "edp": ("tp", "pp", "ep", "cp"), "cp": ("tp", "dp", "pp"),
+                     "dpcp": ("tp", "pp")}[axis]
             assert all(o[k] == s.coords(r)[k] for o in others for k in fixed)
+
+
+def test_sp_cp_parse_and_check():
+    s = Strategy.parse("dp=2,tp=2,sp,cp=2")
+    assert (s.sp, s.cp, s.world, s.dpcp, s.grad_axis) == (True, 2, 8, 4, "dpcp")
+    assert str(s) == "dp=2,tp=2,pp=1,cp=2,sp" and Strategy.parse("tp=2,sp=0").sp is False
+    assert s.group(0, "cp") == (0, 2) and s.group(0, "dp") == (0, 4) and s.group(0, "dpcp") == (0, 2, 4, 6)
+    with pytest.raises(StrategyError, match="needs tp > 1"):
+        Strategy.parse("dp=2,sp")
+    with pytest.raises(StrategyError, match="must be on or off"):
+        Strategy.parse("tp=2,sp=maybe")
+    with pytest.raises(StrategyError, match="use cp=1 for mixture-of-experts"):
+        Strategy.parse("dp=2,ep=2,cp=2")
+    assert any("multiple of 2*cp=6" in p for p in Strategy.parse("cp=3").problems(models.get("tiny-gpt")))
 
 
 def test_coords_out_of_range():
@@ -184,3 +204,18 @@ def test_device_lists():
 def test_device_list_text_round_trips(devs):
     d = tuple(sorted(devs))
     assert clusters.parse_devices(clusters.format_devices(d)) == d
+
+
+@settings(max_examples=60, deadline=None)
+@given(any_strategy())
+def test_peers_move_along_one_axis(s):
+    ranks = np.arange(s.world)
+    c = s.coords(ranks)
+    for axis, size in (("pp", s.pp), ("cp", s.cp)):
+        for off in (f"{axis}+1", f"{axis}-1"):
+            q = s.coords(s.peer(ranks, off))
+            step = 1 if off.endswith("+1") else -1
+            assert np.array_equal(q[axis], (c[axis] + step) % size)
+            assert all(np.array_equal(q[k], c[k]) for k in ("tp", "dp", "pp", "cp") if k != axis)
+    with pytest.raises(StrategyError, match="is not 'pp\\+k'"):
+        s.peer(0, "dp+1")

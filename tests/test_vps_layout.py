@@ -43,7 +43,8 @@ def reference_holdings(model, s: Strategy) -> dict[tuple[int, int, str], np.ndar
     stages = _stage_of_tensors(model, s)
     out: dict[tuple[int, int, str], np.ndarray] = {}
     for rank in range(s.world):
-        tp, dp, pp = rank % s.tp, (rank // s.tp) % s.dp, rank // (s.tp * s.dp)
+        tp, cp = rank % s.tp, (rank // s.tp) % s.cp             # Megatron order: tp, cp, dp, pp
+        dp, pp = (rank // (s.tp * s.cp)) % s.dp, rank // (s.tp * s.cp * s.dp)
         ep, edp = dp % s.ep, dp // s.ep
         local = {}
         for i, t in enumerate(model.tensors):
@@ -60,7 +61,8 @@ def reference_holdings(model, s: Strategy) -> dict[tuple[int, int, str], np.ndar
                 for i, g in local.items():
                     out[(rank, i, kind)] = np.sort(g)
                 continue
-            for is_expert, parts, me in ((False, s.dp, dp), (True, s.edp, edp)):
+            # ZeRO shards over the data-parallel group with context parallelism (dp x cp, cp fastest)
+            for is_expert, parts, me in ((False, s.dp * s.cp, dp * s.cp + cp), (True, s.edp * s.cp, edp * s.cp + cp)):
                 ids = [i for i in local if (model.tensors[i].ep_dim is not None) == is_expert]
                 if not ids:
                     continue
@@ -123,7 +125,9 @@ def strategies_for(draw, model, max_world: int = 16):
     eps = [e for e in (1, 2, 4) if dp % e == 0 and (model.experts % e == 0 if model.experts else e == 1)]
     ep = draw(st.sampled_from(eps))
     zero = draw(st.integers(0, 3))
-    s = Strategy(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, vpp=vpp, schedule=schedule)
+    cp = 1 if ep > 1 or tp * pp * dp * 2 > max_world else draw(st.sampled_from([1, 2]))
+    sp = tp > 1 and draw(st.booleans())
+    s = Strategy(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, vpp=vpp, schedule=schedule, cp=cp, sp=sp)
     assert not s.problems(model), s.problems(model)
     return s
 
@@ -145,6 +149,7 @@ def test_layout_matches_the_reference(data):
 @pytest.mark.parametrize("name,strategy", [
     ("tiny-gpt", "dp=2,tp=2,pp=2,zero=1"), ("tiny-gpt", "dp=3,pp=2,vpp=2,zero=3"),
     ("tiny-moe", "dp=4,tp=2,ep=2,zero=2"), ("tiny-moe", "dp=2,pp=2,vpp=2,ep=2,schedule=dualpipev,zero=1"),
+    ("tiny-gpt", "dp=2,cp=2,tp=2,sp,zero=1"), ("tiny-gpt", "cp=2,pp=2,zero=3"), ("tiny-moe", "dp=2,cp=2,zero=2"),
 ])
 def test_presets_match_the_reference(name, strategy):
     model = models.get(name)
@@ -168,7 +173,7 @@ def test_each_element_is_held_the_expected_number_of_times(data):
     for t, spec in enumerate(model.tensors):
         copies = 2 if spec.tied and last != first else 1
         for k, kind in enumerate(lay.kinds):
-            replicas = 1 if s.zero >= ZERO_STAGE[kind] else (s.edp if spec.ep_dim is not None else s.dp)
+            replicas = 1 if s.zero >= ZERO_STAGE[kind] else (s.edp if spec.ep_dim is not None else s.dp) * s.cp
             replicas *= 1 if spec.tp_dim is not None else s.tp     # TP ranks all hold untouched tensors
             assert counts[(t, k)] == spec.numel * copies * replicas, (spec.name, kind)
 

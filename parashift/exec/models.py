@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from ..errors import StrategyError
 from ..models import ModelSpec, TensorSpec
+from ..strategy import Strategy
 
 __all__ = ["check_supported", "init_tensor", "Tape", "rms_norm", "rope_tables", "apply_rope", "swiglu",
            "INIT_STD"]
@@ -36,8 +37,14 @@ INIT_STD = 0.02
 NORM_EPS = 1e-5
 
 
-def check_supported(spec: ModelSpec) -> None:
-    """Raise StrategyError when ``spec`` uses a feature the runtime's torch model does not implement."""
+def check_supported(spec: ModelSpec, strategy: "Strategy | None" = None) -> None:
+    """Raise StrategyError when ``spec`` (or ``strategy``) uses a feature the runtime's torch model does
+    not implement: sequence and context parallelism are planned, simulated and searched, not run."""
+    if strategy is not None and (strategy.sp or strategy.cp > 1):
+        what = ", ".join(x for x, on in (("sp (sequence parallelism)", strategy.sp),
+                                         (f"cp={strategy.cp} (context parallelism)", strategy.cp > 1)) if on)
+        raise StrategyError(f"the runtime does not execute {what} yet; simulate or search that strategy "
+                            f"(parashift simulate / search), and run it without sp and with cp=1")
     bad = []
     if spec.norm != "rms":
         bad.append(f"norm={spec.norm!r} (use 'rms')")

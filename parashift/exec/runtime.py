@@ -51,7 +51,7 @@ def _check(program: Program, model: "models.ModelSpec | None" = None) -> None:
                            "loss_fn=...), which also maps the model's parameters onto the program's chunks")
     if meta.get("kind", "train_step") != "train_step":
         raise ProgramError(f"program kind {meta.get('kind')!r} is not a training step")
-    check_supported(_spec(program, model))
+    check_supported(_spec(program, model), program.strategy)
 
 
 class Runtime:

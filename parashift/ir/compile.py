@@ -1,8 +1,8 @@
 """``ir.compile``: model + strategy -> one validated-by-construction training-step Program.
 
 The pipeline is a list of directives (see :func:`directives`), each a pure graph rewrite:
-``Split(m)`` -> ``Split(backward)`` (zero-bubble schedules) -> ``Place`` -> ``Shard(tp)`` ->
-``Shard(ep)`` -> ``Recompute`` -> ``Replicate(dp, zero)`` -> ``Stream`` (dualpipev: EP all-to-alls on
+``Split(m)`` -> ``Split(backward)`` (zero-bubble schedules) -> ``Place`` -> ``Shard(tp)`` (with
+``sp``: reduce-scatter/all-gather) -> ``Shard(cp)`` (K/V ring) -> ``Shard(ep)`` -> ``Recompute`` -> ``Replicate(dp, zero)`` -> ``Stream`` (dualpipev: EP all-to-alls on
 "comm") -> ``Order`` (the schedule) -> ``Fuse`` (tp == ep == 1), then :func:`scheduler.lower`.
 The exact Program conventions are in :mod:`parashift.ir.conventions`.
 """
@@ -17,12 +17,13 @@ from ..models import ModelSpec
 from ..strategy import Strategy
 from .directives import Fuse, Order, Place, Recompute, Replicate, Shard, Split, Stream, apply_all
 from .graph import Graph
-from .memory import OPTIM_FLOPS_PER_ELEMENT, chunk_params, optimizer_elements, region_activation, static_memory
+from .memory import (OPTIM_FLOPS_PER_ELEMENT, chunk_params, optimizer_elements, recompute_bytes, region_activation,
+                     static_memory)
 from .model_graph import core_attention_flops, model_graph
 from .program import Program
 from .scheduler import lower
 from .costs import estimate_costs
-from .schedules import ScheduleCosts, schedule_order, split_backward
+from .schedules import ScheduleCosts, get_schedule, schedule_order
 
 __all__ = ["compile", "directives", "distributed_graph", "planning_costs"]
 
@@ -42,9 +43,11 @@ def planning_costs(spec: ModelSpec, s: Strategy, seq_len: int,
                    costs: "ScheduleCosts | Cluster | str | None" = None) -> "ScheduleCosts | None":
     """The durations :func:`compile` plans ``s``'s schedule with, or None for a fixed recipe.
 
-    zb-h1 is planned with durations; dualpipev keeps unit costs unless the caller passes some (its
-    F&I pairing already hides the communication the estimate would weigh)."""
-    if s.schedule == "zb-h1" or (s.schedule == "dualpipev" and costs is not None):
+    The schedule's registry record decides: ``costs="always"`` (zb-h1) plans with durations,
+    ``"given"`` (dualpipev, whose F&I pairing already hides the communication the estimate would
+    weigh) only with durations the caller passes."""
+    mode = get_schedule(s.schedule).costs
+    if mode == "always" or (mode == "given" and costs is not None):
         return _costs(spec, s, seq_len, costs)
     return None
 
@@ -57,38 +60,44 @@ def directives(model: "str | ModelSpec", strategy: "str | Strategy", *, global_b
     m = s.num_microbatches(global_batch)
     if seq_len < 1:
         raise StrategyError(f"seq_len={seq_len} must be positive")
-    tokens = s.mbs * seq_len
+    if s.cp > 1 and seq_len % (2 * s.cp):
+        raise StrategyError(f"cp={s.cp} needs seq_len={seq_len} to be a multiple of 2*cp={2 * s.cp}; change cp or seq_len")
+    tokens = s.mbs * seq_len // s.cp            # tokens one rank holds per micro-batch
     db = spec.dtype_bytes
     act_msg = tokens * spec.hidden * db
+    kv_block = 2 * tokens * spec.kv_heads * spec.head_dim // s.tp * db
     cp = chunk_params(spec, s)
     opt_el = optimizer_elements(spec, s)
     opt_bytes_per_el = spec.kind_bytes("param") + spec.kind_bytes("grad") + 2 * 3 * 4 if spec.dtype != "fp32" \
         else 4 + 4 + 2 * 2 * 4
     chunk_stage = tuple(int(x) for x in [s.chunk_rank_stage(c) for c in range(s.stages)])
-    rc_bytes = {k: region_activation(spec, k, mbs=s.mbs, seq_len=seq_len, tp=s.tp, recompute="none")
+    rc_bytes = {k: recompute_bytes(spec, k, mbs=s.mbs, seq_len=seq_len, tp=s.tp, recompute=s.recompute, sp=s.sp,
+                                   cp=s.cp)
                 for k in ("attn", "mlp", "moe.route", "moe.experts", "moe.combine", "head")}
+    sched = get_schedule(s.schedule)
     out: list = [Split(microbatches=m)]
-    if split_backward(s.schedule):
+    if sched.split_backward:
         out.append(Split(backward=True))
     out += [
-        Place(tuple(int(x) for x in s.layer_stages(spec.layers)), chunk_stage, act_msg,
+        Place(tuple(int(x) for x in s.layer_stages(spec.layers)), chunk_stage, act_msg // (s.tp if s.sp else 1),
               tuple((OPTIM_FLOPS_PER_ELEMENT * e, e * opt_bytes_per_el) for e in opt_el),
-              vshape=s.schedule == "dualpipev"),
-        Shard("tp", s.tp, act_msg, stats_bytes=3 * tokens * 4 * s.tp),
+              vshape=sched.vshape),
+        Shard("tp", s.tp, act_msg, stats_bytes=3 * tokens * 4 * s.tp, sp=s.sp),
+        Shard("cp", s.cp, kv_block),
     ]
     if spec.is_moe:
         out.append(Shard("ep", s.ep, tokens * spec.top_k * spec.hidden * db))
-    out.append(Recompute(s.recompute, core_attention_flops(spec, tokens, seq_len) / s.tp, rc_bytes))
+    out.append(Recompute(s.recompute, core_attention_flops(spec, s.mbs * seq_len, seq_len) / s.tp / s.cp, rc_bytes))
     pb, gb = spec.kind_bytes("param"), spec.kind_bytes("grad")
     grad_dense = cp.dense if s.ep > 1 else cp.total()
-    out.append(Replicate(s.dp, s.zero, tuple(int(x) * pb for x in (cp.dense if s.ep > 1 else cp.total())),
+    out.append(Replicate(s.dpcp, s.zero, tuple(int(x) * pb for x in (cp.dense if s.ep > 1 else cp.total())),
                          tuple(int(x) * pb for x in (cp.expert if s.ep > 1 else cp.expert * 0)),
                          tuple(int(x) * gb for x in grad_dense), tuple(int(x) * gb for x in cp.expert),
-                         ep=s.ep, tied_bytes=cp.tied * gb))
-    if s.schedule == "dualpipev" and s.ep > 1:
+                         ep=s.ep, tied_bytes=cp.tied * gb, axis=s.grad_axis))
+    if sched.hides_ep_comm and s.ep > 1:
         out.append(Stream("comm", ops=("all_to_all",), tag_prefix="ep."))
     out.append(order if order is not None else schedule_order(s, m, planning_costs(spec, s, seq_len, costs)))
-    if s.tp == 1 and s.ep == 1:
+    if s.tp == 1 and s.ep == 1 and s.cp == 1:
         out.append(Fuse())
     return out
 
@@ -106,8 +115,8 @@ def _base(spec: ModelSpec, s: Strategy, seq_len: int) -> Graph:
     c = g.cols
     for i in range(len(g)):
         c["act"][i] = region_activation(spec, c["kind"][i], mbs=s.mbs, seq_len=seq_len, tp=s.tp,
-                                        recompute=s.recompute)
-        c["nbytes"][i] = int(c["params"][i] // s.tp + 2 * s.mbs * seq_len * spec.hidden * spec.dtype_bytes)
+                                        recompute=s.recompute, sp=s.sp, cp=s.cp)
+        c["nbytes"][i] = int(c["params"][i] // s.tp + 2 * s.mbs * seq_len // s.cp * spec.hidden * spec.dtype_bytes)
     return g
 
 
@@ -138,7 +147,7 @@ def compile(model: "str | ModelSpec | Graph", strategy: "str | Strategy", *, glo
     meta = {"model": spec.name, "strategy": str(s), "schedule": s.schedule, "global_batch": int(global_batch),
             "seq_len": int(seq), "microbatches": m, "mbs": s.mbs, "kind": "train_step"}
     # with communication on the compute stream FLOPs misjudge step times: order p2p pairs by durations
-    timing = _costs(spec, s, seq, costs).of if s.tp > 1 or s.ep > 1 else None
+    timing = _costs(spec, s, seq, costs).of if s.tp > 1 or s.ep > 1 or s.cp > 1 else None
     prog = lower(g, s, static_memory=static_memory(spec, s), meta=meta, step_time=timing)
     if validate:
         prog.validate()

@@ -23,7 +23,7 @@ from .graph import Graph
 from .memory import OPTIM_FLOPS_PER_ELEMENT
 from .program import Program
 from .scheduler import lower
-from .schedules import schedule_order, split_backward
+from .schedules import get_schedule, schedule_order, split_backward
 
 __all__ = ["compile_graph"]
 
@@ -57,9 +57,9 @@ def compile_graph(graph: Graph, strategy: "str | Strategy", *, global_batch: int
                   order: "Order | Callable[[Strategy, int], Order] | None" = None, validate: bool = False) -> Program:
     """Program for a traced single-device region graph (see module docstring)."""
     s = Strategy.parse(strategy)
-    if s.tp > 1 or s.ep > 1:
+    if s.tp > 1 or s.ep > 1 or s.cp > 1:
         raise StrategyError(f"a traced model runs with dp, pp, vpp, zero, any schedule and recompute; tp={s.tp}, "
-                            f"ep={s.ep} need a preset model (parashift.models) that says how regions shard")
+                            f"ep={s.ep}, cp={s.cp} need a preset model (parashift.models) that says how regions shard")
     if not len(graph) or any(p != "fwd" for p in graph.col("phase")) or any(m != -1 for m in graph.col("mb")):
         raise ProgramError("compile_graph needs a single-device forward graph from parashift.ir.annotate.trace")
     g = _layers(graph)
@@ -87,7 +87,7 @@ def compile_graph(graph: Graph, strategy: "str | Strategy", *, global_batch: int
     if split_backward(s.schedule):
         steps.append(Split(backward=True))
     steps += [
-        Place(layer_chunk, chunk_stage, act_msg, opt, vshape=s.schedule == "dualpipev"),
+        Place(layer_chunk, chunk_stage, act_msg, opt, vshape=get_schedule(s.schedule).vshape),
         Recompute(s.recompute, 0.0, {}),
         Replicate(s.dp, s.zero, tuple(int(x) for x in chunk_bytes), (0,) * s.stages,
                   tuple(int(x) for x in chunk_bytes), (0,) * s.stages),

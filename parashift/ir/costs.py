@@ -14,7 +14,7 @@ from .. import cluster as _cluster
 from ..models import ModelSpec
 from ..strategy import Strategy
 from .model_graph import core_attention_flops, region_flops, region_kinds
-from .schedules import ScheduleCosts
+from .schedules import ScheduleCosts, get_schedule
 
 __all__ = ["estimate_costs", "REFERENCE_CLUSTER", "COMPUTE_EFFICIENCY", "LINK_EFFICIENCY", "COMM_OVERHEAD"]
 
@@ -57,7 +57,7 @@ def estimate_costs(model: ModelSpec, strategy: Strategy, seq_len: int,
     comm = 0.0
     if s.tp > 1:  # ring all-reduce after attention and after the MLP / MoE block, per pass
         comm += 2 * _collective(_ring_factor(s.tp) * msg, 2 * (s.tp - 1), g.intra_bw, g.intra_latency)
-    if model.is_moe and s.ep > 1 and s.schedule != "dualpipev":  # dispatch + combine (dualpipev hides them)
+    if model.is_moe and s.ep > 1 and not get_schedule(s.schedule).hides_ep_comm:  # dispatch + combine
         a2a = tokens * model.top_k * model.hidden * db * (s.ep - 1) / s.ep
         inter = s.ep * s.tp > cl.per_node
         comm += 2 * _collective(a2a, 1, g.inter_bw if inter else g.intra_bw,

@@ -7,8 +7,9 @@ not changed) that adds the communication its placement implies:
   every backward into input-grad and weight-grad halves (zero-bubble schedules);
 - :class:`Place` assigns regions to chunks (virtual stages) and chunks to pipeline stages, adds the
   send/recv pairs where data crosses stages and one optimizer step per stage;
-- :class:`Shard` divides regions over a TP group (adding the TP all-reduces) or experts over an EP
-  group (adding dispatch/combine all-to-alls);
+- :class:`Shard` divides regions over a TP group (adding the TP all-reduces, or with sequence
+  parallelism reduce-scatters and all-gathers), experts over an EP group (adding dispatch/combine
+  all-to-alls), or the sequence over a CP ring (adding the K/V ring exchanges of ring attention);
 - :class:`Recompute` re-runs region forwards right before their backward;
 - :class:`Replicate` adds DP gradient sync (all-reduce, or ZeRO reduce-scatter plus parameter
   all-gathers) and the tied-embedding all-reduce;
@@ -53,6 +54,25 @@ def _comm_many(g: Graph, us: list[int], *, op: str, tags: list[str], group: "str
                                              "action")}
     cols["pos"] = [c["pos"][u] + dpos for u in us]
     return g.extend(len(us), op=op, group=group, tag=tags, nbytes=int(nbytes), stream=stream, key=key, **cols)
+
+
+def _neighbours(g: Graph) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
+    """DATA predecessors and successors of every node."""
+    preds: dict[int, list[int]] = {}
+    succs: dict[int, list[int]] = {}
+    for u, v, k in zip(g.src, g.dst, g.ekind):
+        if k == DATA:
+            preds.setdefault(v, []).append(u)
+            succs.setdefault(u, []).append(v)
+    return preds, succs
+
+
+def _alongside(g: Graph, nbrs: tuple[dict, dict], u: int, node: int) -> None:
+    """Run ``node`` beside ``u``: it starts with u (after u's inputs) and u's consumers wait for both."""
+    for p in nbrs[0].get(u, []):
+        g.edge(p, node, DATA)
+    for v in nbrs[1].get(u, []):
+        g.edge(node, v, DATA)
 
 
 def _clone(g: Graph, src: Graph, i: int, **over) -> int:
@@ -211,20 +231,37 @@ class Place:
 class Shard:
     """Shard regions over a group. ``axis="tp"``: divide FLOPs and parameters by ``ways`` and add the
     TP all-reduces (row-parallel outputs in fwd, column-parallel input grads in bwd) plus the
-    vocab-parallel loss statistics all-gather after the head. ``axis="ep"``: spread experts over
-    ``ways`` ranks and add dispatch/combine all-to-alls around ``moe.experts``."""
+    vocab-parallel loss statistics all-gather after the head. With ``sp`` (Megatron sequence
+    parallelism) every such all-reduce becomes a reduce-scatter into sequence shards (the norms and
+    dropouts between blocks run on ``s/t`` tokens) and an all-gather before the next block; the
+    backward of a column-parallel block also re-gathers its saved sequence-sharded input for the
+    weight gradient, on the comm stream beside the backward compute (Megatron overlaps it with the
+    input-gradient GEMM). ``nbytes`` is the full activation (the all-reduced tensor).
+    ``axis="ep"``: spread experts over ``ways`` ranks and add dispatch/combine all-to-alls around
+    ``moe.experts``. ``axis="cp"``: every rank holds ``s/ways`` tokens, so compute FLOPs are divided by
+    ``ways`` (balanced causal chunks), and each attention gathers the K/V blocks (``nbytes`` per rank)
+    of the CP group: forward an all-gather, backward an all-gather of K/V and a reduce-scatter of their
+    gradients. Each rank moves ``(ways - 1)`` blocks per pass, the bytes the p2p ring of ring attention
+    moves (this is Megatron/TransformerEngine's ``cp_comm_type="all_gather"``, as Llama 3 trained);
+    the gathers run on the comm stream alongside the attention compute and the next block waits for
+    both, as ring attention overlaps its exchanges with compute."""
 
     axis: str
     ways: int
     nbytes: int
     stats_bytes: int = 0
+    sp: bool = False
 
     def apply(self, g: Graph) -> Graph:
-        if self.axis not in ("tp", "ep"):
-            raise ProgramError(f"Shard axis {self.axis!r} is not supported; use 'tp' or 'ep'")
+        if self.axis not in ("tp", "ep", "cp"):
+            raise ProgramError(f"Shard axis {self.axis!r} is not supported; use 'tp', 'ep' or 'cp'")
         out = g.copy()
         if self.ways == 1:
             return out
+        if self.axis == "cp":
+            return self._ring(out)
+        if self.axis == "tp" and self.sp:
+            return self._sequence_parallel(out)
         c = out.cols
         n = len(out)
         plan: dict[tuple, list] = {}   # (op, key) -> [(node, tag)]
@@ -271,10 +308,74 @@ class Shard:
         return out
 
 
+    def _sequence_parallel(self, out: Graph) -> Graph:
+        """TP with sequence parallelism: reduce-scatter + all-gather where TP all-reduces."""
+        c = out.cols
+        steps: list[list[tuple[int, str, str, str]]] = [[], []]   # per hop: (node, op, tag, key)
+        regather: list[tuple[int, str]] = []
+        nbrs = _neighbours(out)
+        for i in range(len(out)):
+            if c["op"][i] != "compute" or c["phase"][i] == "optim":
+                continue
+            c["flops"][i] /= self.ways
+            c["params"][i] //= self.ways
+            kind, ph, mb, reg = c["kind"][i], c["phase"][i], c["mb"][i], c["region"][i]
+            if ph == "fwd" and kind == "head":
+                steps[0].append((i, "all_gather", f"tp.head.fwd.m{mb}", "ce_stats"))
+            elif (ph == "fwd" and kind in ("embed", "attn", "mlp", "moe.combine")) or \
+                    (ph in ("bwd", "bwd_input") and kind in ("head", "mlp", "attn", "moe.route")):
+                base = f"sp.{reg}.{ph}"
+                steps[0].append((i, "reduce_scatter", f"{base}.rs.m{mb}", "sp_scatter"))
+                steps[1].append((i, "all_gather", f"{base}.ag.m{mb}", "sp_gather"))
+                if ph != "fwd" and kind in ("head", "mlp", "attn"):
+                    regather.append((i, f"{base}.input.m{mb}"))
+        last: dict[int, int] = {}       # region node -> its latest comm node
+        for items in steps:
+            by_key: dict[tuple[str, str], list[tuple[int, str]]] = {}
+            for u, op, tag, key in items:
+                by_key.setdefault((op, key), []).append((u, tag))
+            ins = []
+            for (op, key), rows in by_key.items():
+                anchors = [last.get(u, u) for u, _ in rows]
+                nb = self.stats_bytes if key == "ce_stats" else self.nbytes
+                new = _comm_many(out, anchors, op=op, tags=[t for _, t in rows], group="tp", nbytes=nb, key=key,
+                                 dpos=0.05)
+                ins += list(zip(anchors, new))
+                last.update({u: int(x) for (u, _), x in zip(rows, new)})
+            out.insert_after(ins)
+        for u, tag in regather:   # overlapped with the input-grad GEMM on the comm stream, as Megatron does
+            _alongside(out, nbrs, u, _comm(out, u, op="all_gather", tag=tag, group="tp", nbytes=self.nbytes,
+                                           stream="comm", dpos=-0.3, key="sp_input"))
+        return out
+
+    def _ring(self, out: Graph) -> Graph:
+        """Context parallelism: FLOPs over ``ways`` ranks, K/V exchanges around attention."""
+        c = out.cols
+        n = len(out)
+        nbrs = _neighbours(out)
+        after: list[tuple[int, int]] = []
+        for i in range(n):
+            if c["op"][i] != "compute" or c["phase"][i] == "optim":
+                continue
+            c["flops"][i] /= self.ways
+            ph = c["phase"][i]
+            if c["kind"][i] != "attn" or ph not in ("fwd", "bwd", "bwd_input"):
+                continue
+            base = f"cp.{c['region'][i]}.{ph}"
+            kv = _comm(out, i, op="all_gather", tag=f"{base}.kv.m{c['mb'][i]}", group="cp",
+                       nbytes=self.nbytes * self.ways, stream="comm", dpos=-0.3, key="cp_kv")
+            _alongside(out, nbrs, i, kv)     # starts with the attention region, not after it
+            if ph != "fwd":                  # K/V gradients go back to their owners
+                after.append((i, _comm(out, i, op="reduce_scatter", tag=f"{base}.dkv.m{c['mb'][i]}", group="cp",
+                                       nbytes=self.nbytes * self.ways, stream="comm", dpos=0.5, key="cp_dkv")))
+        out.insert_after(after)
+        return out
+
+
 @dataclass(frozen=True)
 class Recompute:
     """Re-run region forwards right before their backward. ``mode="full"``: every region but the
-    embedding; ``"selective"``: attention regions only, re-running ``selective_flops`` (core
+    embedding (the output layer too: a chunk's recomputed regions form one graph); ``"selective"``: attention regions only, re-running ``selective_flops`` (core
     attention; 0: the region's forward FLOPs). ``rc_bytes``: region kind -> bytes a recompute materializes (freed by the backward)."""
 
     mode: str
@@ -324,7 +425,8 @@ class Replicate:
 
     Per chunk: ``dense_bytes[c]`` / ``expert_bytes[c]`` are the chunk's parameter bytes on one rank
     (TP/EP shard, before ZeRO) and ``grad_dense[c]`` / ``grad_expert[c]`` its gradient bytes. Expert
-    gradients sync over ``edp`` when ``ep > 1``. ``tied_bytes``: the tied word embedding's grad bytes
+    gradients sync over ``edp`` when ``ep > 1``; dense gradients over ``axis`` (``dp``, or ``dpcp``: the
+    data-parallel group with context parallelism, as Megatron reduces them). ``tied_bytes``: the tied word embedding's grad bytes
     (0: untied), all-reduced over the ``embed`` group when embedding and head sit on different stages.
     """
 
@@ -336,6 +438,7 @@ class Replicate:
     grad_expert: tuple[int, ...]
     ep: int = 1
     tied_bytes: int = 0
+    axis: str = "dp"
 
     def apply(self, g: Graph) -> Graph:
         out = g.copy()
@@ -370,12 +473,12 @@ class Replicate:
             anchor = (AFTER, ch)
             specs = []
             if self.ways > 1:
-                specs.append(("dp", self.grad_dense[ch], "dense"))
+                specs.append((self.axis, self.grad_dense[ch], "dense"))
             if self.ep > 1 and edp > 1 and self.grad_expert[ch]:
                 specs.append(("edp", self.grad_expert[ch], "expert"))
             for grp, nb, what in specs:
                 s = out.add(op="all_reduce" if self.zero == 0 else "reduce_scatter", group=grp, chunk=ch,
-                            stage=st, tag=f"{grp}.grad.c{ch}", key=f"grad:c{ch}:{what}", nbytes=int(nb),
+                            stage=st, tag=f"{'edp' if what == 'expert' else 'dp'}.grad.c{ch}", key=f"grad:c{ch}:{what}", nbytes=int(nb),
                             stream="comm", action=anchor)
                 sync_nodes.setdefault(ch, []).append(s)
         # reroute bwd -> optim edges through the chunk's syncs
@@ -412,11 +515,11 @@ class Replicate:
         # ZeRO parameter all-gathers
         if self.zero in (1, 2):
             for ch in range(chunks):
-                for grp, nb, pfx in (("dp", self.dense_bytes[ch], "dp"), ("edp", self.expert_bytes[ch], "edp")):
-                    size = self.ways if grp == "dp" else (edp if self.ep > 1 else 1)
+                for grp, nb, pfx in ((self.axis, self.dense_bytes[ch], "dp"), ("edp", self.expert_bytes[ch], "edp")):
+                    size = self.ways if grp == self.axis else (edp if self.ep > 1 else 1)
                     if size > 1 and nb:
                         a = out.add(op="all_gather", group=grp, chunk=ch, stage=stage_of[ch],
-                                    tag=f"{pfx}.param.c{ch}", key=f"param:c{ch}:{'dense' if grp == 'dp' else 'expert'}",
+                                    tag=f"{pfx}.param.c{ch}", key=f"param:c{ch}:{'dense' if grp == self.axis else 'expert'}",
                                     nbytes=int(nb), stream="comm", action=(POST, ch))
                         out.edge(optim[stage_of[ch]], a, SAVED)
         elif self.zero == 3:
@@ -430,15 +533,15 @@ class Replicate:
                     w = Action(a.chunk, "W", a.mb)
                     users.append(first_of_action[w])
                     end = last_of_action[w]
-                for grp, nb, pfx, buf in (("dp", self.dense_bytes[a.chunk], "z3.param", "z3"),
+                for grp, nb, pfx, buf in ((self.axis, self.dense_bytes[a.chunk], "z3.param", "z3"),
                                           ("edp", self.expert_bytes[a.chunk], "z3.eparam", "z3e")):
-                    size = self.ways if grp == "dp" else (edp if self.ep > 1 else 1)
+                    size = self.ways if grp == self.axis else (edp if self.ep > 1 else 1)
                     if size <= 1 or not nb:
                         continue
                     name = f"{buf}.c{a.chunk}.{ph}.m{a.mb}"
                     n = out.add(op="all_gather", group=grp, chunk=a.chunk, stage=c["stage"][first],
                                 phase=ph, mb=a.mb, tag=f"{pfx}.c{a.chunk}.{ph}.m{a.mb}", nbytes=int(nb),
-                                key=f"param:c{a.chunk}:{'dense' if grp == 'dp' else 'expert'}",
+                                key=f"param:c{a.chunk}:{'dense' if grp == self.axis else 'expert'}",
                                 stream="comm", action=a, pos=-1.0, alloc=((name, int(nb)),))
                     for u in users:
                         out.edge(n, u, SAVED)

@@ -1,11 +1,24 @@
 """Bytes a training step holds: static states per rank (ZeRO-aware) and activations per micro-batch.
 
-Static memory comes from ``parashift.vps.layout`` (``static_memory``); ``analytic_static_memory``
-derives the same bytes from the tensor inventory (TP shards along ``tp_dim``, EP shards experts, ZeRO
-shards the DP group's flat buffer padded to a multiple of the group size), and a test checks both agree. Activation bytes follow Megatron-LM
-(Korthikanti et al. 2022, no sequence parallelism): per layer ``sbh(10 + 24/t + 5as/(ht))`` without
-recomputation, ``sbh(10 + 24/t)`` with selective recomputation, and the region inputs (``2sbh`` each)
-with full recomputation, for 16-bit activations (scaled by ``dtype_bytes / 2``).
+Static memory is derived from the tensor inventory: TP shards along ``tp_dim``, EP shards experts,
+ZeRO shards each stage's flat buffer over the ``dp x cp`` ranks (experts: ``dp / ep``), padded to a
+multiple of the group size, exactly as :mod:`parashift.vps.layout` lays the buffers out (a test
+checks both agree; neither imports the other: the state kinds live in :mod:`parashift.states`).
+
+Activation bytes follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models", section 4), per layer for 16-bit activations (scaled by ``dtype_bytes / 2``),
+with ``s`` the sequence, ``b`` the micro-batch, ``h`` the hidden size, ``a`` the heads, ``t`` TP:
+
+- no recomputation: ``sbh(10 + 24/t + 5as/(ht))`` (``34sbh/t + 5as^2b/t`` with sequence
+  parallelism, which shards the norms', dropouts' and block inputs' ``10sbh`` over TP too);
+- selective recomputation: the same without the ``5as^2b/t`` attention scores (also dropped when the
+  model uses fused/flash attention, which never stores them);
+- full recomputation: only the layer input, ``2sbh`` (``2sbh/t`` with sequence parallelism).
+
+Context parallelism divides ``s`` by ``cp`` (each rank holds ``s/cp`` tokens; its scores are
+``s/cp x s``). Gated MLPs and grouped-query attention use their real widths. Under full
+recomputation the output layer (``head``) is recomputed too and keeps its input (Megatron-LM keeps
+its output layer's activations; the runtime rebuilds a chunk's recomputed regions as one graph).
 """
 from __future__ import annotations
 
@@ -14,10 +27,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..models import ModelSpec
+from ..states import zero_shards
 from ..strategy import Strategy
 
-__all__ = ["ChunkParams", "chunk_params", "static_memory", "analytic_static_memory", "optimizer_elements",
-           "region_activation", "OPTIM_FLOPS_PER_ELEMENT"]
+__all__ = ["ChunkParams", "chunk_params", "static_memory", "optimizer_elements", "region_activation",
+           "recompute_bytes", "OPTIM_FLOPS_PER_ELEMENT"]
 
 OPTIM_FLOPS_PER_ELEMENT = 10.0
 
@@ -65,42 +79,31 @@ def _shard(n: int, ways: int) -> int:
     return -(-n // ways)
 
 
+def _groups(s: Strategy) -> tuple[int, int]:
+    """Ranks that share (and ZeRO-shard) dense and expert parameters: dp x cp, and dp x cp / ep."""
+    return s.dpcp, s.dpcp // s.ep
+
+
 def static_memory(model: ModelSpec, strategy: Strategy) -> list[dict[str, int]]:
-    """Per pipeline stage: {"param", "grad", "master", "optim"} bytes one rank of that stage holds,
-    taken from ``parashift.vps.layout`` (ZeRO buffers with their padding); ``analytic_static_memory``
-    computes the same numbers from the inventory alone."""
-    from ..vps import layout
-    lay = layout(model, strategy)
-    per = {k: lay.bytes_per_rank(k, padded=True) for k in lay.kinds}
-    zero = np.zeros(strategy.world, np.int64)
-    out = []
-    for st in range(strategy.pp):
-        r = st * strategy.tp * strategy.dp
-        out.append({"param": int(per["param"][r]), "grad": int(per["grad"][r]),
-                    "master": int(per.get("master", zero)[r]),
-                    "optim": int(per["exp_avg"][r] + per["exp_avg_sq"][r])})
-    return out
-
-
-def analytic_static_memory(model: ModelSpec, strategy: Strategy) -> list[dict[str, int]]:
-    """``static_memory`` from the tensor inventory alone (no VPS layout)."""
+    """Per pipeline stage: {"param", "grad", "master", "optim"} bytes one rank of that stage holds
+    (ZeRO buffers with their padding, as :func:`parashift.vps.layout` lays them out)."""
     s = strategy
     cp = chunk_params(model, s)
     stage_of = np.asarray(s.chunk_rank_stage(np.arange(s.stages)))
     pb, gb = model.kind_bytes("param"), model.kind_bytes("grad")
     master = 0 if model.dtype == "fp32" else 4
+    dense_g, expert_g = _groups(s)
     out = []
     for st in range(s.pp):
         mask = stage_of == st
         dense, exp_ = int(cp.dense[mask].sum()), int(cp.expert[mask].sum())
-        edp = s.dp // s.ep if s.ep > 1 else s.dp
 
-        def z(n: int, ways: int, stage: int) -> int:
-            return _shard(n, ways) if s.zero >= stage else n
+        def z(n: int, ways: int, kind: str) -> int:
+            return _shard(n, ways) if zero_shards(kind, s.zero) else n
 
-        elems = {k: z(dense, s.dp, lvl) + z(exp_, edp, lvl) for k, lvl in (("param", 3), ("grad", 2), ("opt", 1))}
+        elems = {k: z(dense, dense_g, k) + z(exp_, expert_g, k) for k in ("param", "grad", "master")}
         out.append({"param": elems["param"] * pb, "grad": elems["grad"] * gb,
-                    "master": elems["opt"] * master, "optim": elems["opt"] * 8})
+                    "master": elems["master"] * master, "optim": elems["master"] * 8})
     return out
 
 
@@ -109,39 +112,69 @@ def optimizer_elements(model: ModelSpec, strategy: Strategy) -> list[int]:
     s = strategy
     cp = chunk_params(model, s)
     stage_of = np.asarray(s.chunk_rank_stage(np.arange(s.stages)))
-    edp = s.dp // s.ep if s.ep > 1 else s.dp
+    dense_g, expert_g = _groups(s)
     out = []
     for st in range(s.pp):
         mask = stage_of == st
         d, e = int(cp.dense[mask].sum()), int(cp.expert[mask].sum())
-        out.append(_shard(d, s.dp) + _shard(e, edp) if s.zero >= 1 else d + e)
+        out.append(_shard(d, dense_g) + _shard(e, expert_g) if s.zero >= 1 else d + e)
     return out
 
 
-def region_activation(model: ModelSpec, kind: str, *, mbs: int, seq_len: int, tp: int, recompute: str) -> int:
-    """Activation bytes one region stashes for its backward, per micro-batch on one rank."""
-    s, b, h, t = seq_len, mbs, model.hidden, tp
+def _terms(model: ModelSpec, kind: str, *, mbs: int, seq_len: int, tp: int, sp: bool, cp: int) -> tuple[float, float]:
+    """(stash without scores, attention scores) of one region, in 16-bit bytes, no recomputation."""
+    s, b, h, t = seq_len / cp, mbs, model.hidden, tp
     a = model.heads
     sbh = s * b * h
-    scale = model.dtype_bytes / 2
+    rep = sbh / t if sp else sbh      # what SP shards along the sequence: norms, dropouts, block inputs
     mats_in = 2 if model.gated else 1
-    if recompute == "full":
-        return int(2 * sbh * scale) if kind not in ("embed", "moe.experts", "moe.combine") else 0
-    if kind == "attn":
-        v = sbh * (5 + 8 / t)
-        if recompute == "none" and not model.flash_attention:
-            v += 5 * a * s * s * b / t
-    elif kind == "mlp":
-        v = sbh * 5 + 2 * s * b * model.ffn * (mats_in + 1) / t
+    scores = 0.0
+    if kind == "attn":  # norm in 2sbh, QKV in 2sbh, mask sbh; Q, K, V, out-proj in: 2sb(h + 2 kv_dim + h)/t
+        kv = model.kv_heads / model.heads
+        v = 5 * rep + 2 * sbh * (2 + 2 * kv) / t
+        scores = 5 * a * s * seq_len * b / t
+    elif kind == "mlp":  # norm in, fc1 in, mask: 5sbh; fc1 out and activation out
+        v = 5 * rep + 2 * s * b * model.ffn * (mats_in + 1) / t
     elif kind == "moe.route":
-        v = sbh * 5 + 2 * s * b * model.shared_ffn * (mats_in + 1) / t + 4 * s * b * model.experts
+        v = 5 * rep + 2 * s * b * model.shared_ffn * (mats_in + 1) / t + 4 * s * b * model.experts
     elif kind == "moe.experts":
         k = model.top_k
         v = 2 * s * b * k * h + 2 * s * b * k * model.expert_ffn * (mats_in + 1) / t
     elif kind == "moe.combine":
         v = 2 * s * b * model.top_k * h
     elif kind == "head":
-        v = 4 * sbh + 4 * s * b * model.vocab / t / scale
+        v = 4 * rep + 4 * s * b * model.vocab / t / (model.dtype_bytes / 2)
     else:  # embed
         v = 0.0
+    return v, scores
+
+
+def region_activation(model: ModelSpec, kind: str, *, mbs: int, seq_len: int, tp: int, recompute: str,
+                      sp: bool = False, cp: int = 1) -> int:
+    """Activation bytes one region stashes for its backward, per micro-batch on one rank (see the
+    module docstring). Under full recomputation the attention region keeps the layer input, the rest
+    of the layer nothing, and the output layer its input."""
+    scale = model.dtype_bytes / 2
+    if recompute == "full" and kind != "embed":
+        sbh = seq_len / cp * mbs * model.hidden
+        return int(2 * (sbh / tp if sp else sbh) * scale) if kind in ("attn", "head") else 0
+    v, scores = _terms(model, kind, mbs=mbs, seq_len=seq_len, tp=tp, sp=sp, cp=cp)
+    if recompute == "none" and not model.flash_attention:
+        v += scores
     return int(v * scale)
+
+
+def recompute_bytes(model: ModelSpec, kind: str, *, mbs: int, seq_len: int, tp: int, recompute: str,
+                    sp: bool = False, cp: int = 1) -> int:
+    """Bytes a recompute of one region materializes until its backward frees them: the attention
+    scores (selective, unless flash attention never stores them) or what the region would stash
+    without recomputation beyond what it keeps (full)."""
+    if recompute == "none":
+        return 0
+    kw = dict(mbs=mbs, seq_len=seq_len, tp=tp, sp=sp, cp=cp)
+    if recompute == "selective":
+        if kind != "attn" or model.flash_attention:
+            return 0
+        return int(_terms(model, kind, **kw)[1] * model.dtype_bytes / 2)
+    return max(0, region_activation(model, kind, recompute="none", **kw)
+               - region_activation(model, kind, recompute="full", **kw))

@@ -189,7 +189,8 @@ class Order:
 @dataclass(frozen=True)
 class Fuse:
     """Merge, per action and phase, the compute nodes of actions with no communication on the
-    compute stream into one node (region ``"embed+layers.0-3"``, ``"layers.4-7+head"``)."""
+    compute stream into one node (region ``"embed+layers.0-3"``, ``"layers.4-7+head"``); see
+    :func:`_fused_alloc` for a fused recompute's memory."""
 
     def apply(self, g: Graph) -> Graph:
         c = g.cols
@@ -215,7 +216,7 @@ class Fuse:
                        act=int(sum(c["act"][j] for j in members)),
                        params=int(sum(c["params"][j] for j in members)),
                        pos=float(min(c["pos"][j] for j in members)),
-                       alloc=tuple(x for j in members for x in c["alloc"][j]),
+                       alloc=_fused_alloc(c, members),
                        free=tuple(x for j in members for x in c["free"][j]),
                        layer=min(c["layer"][j] for j in members))
             else:
@@ -228,6 +229,18 @@ class Fuse:
                 seen.add((u, v, k))
                 out.edge(u, v, k)
         return out
+
+
+def _fused_alloc(c: dict, members: list[int]) -> tuple:
+    """Buffers a fused node allocates. A fused recompute charges only its largest region's buffer:
+    the backward it feeds runs layer by layer and frees each layer's recomputed tensors before the
+    next layer's are needed (Megatron recomputes one layer at a time); the other names stay, empty,
+    so the backward's frees still match."""
+    allocs = [x for j in members for x in c["alloc"][j]]
+    if c["phase"][members[0]] != "recompute" or not allocs:
+        return tuple(allocs)
+    big = max(range(len(allocs)), key=lambda k: allocs[k][1])
+    return tuple((name, nb if k == big else 0) for k, (name, nb) in enumerate(allocs))
 
 
 def _fused_name(c: dict, members: list[int]) -> str:

@@ -13,7 +13,7 @@ _COLORS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
 def stage_orders(program: Program) -> dict[int, list[Action]]:
     """Each stage's compute actions in stream order (consecutive instructions of one action merged)."""
     s = program.strategy
-    per = (s.tp * s.dp) if s is not None else 1
+    per = (s.world // s.pp) if s is not None else 1
     stages = (s.pp if s is not None else 1)
     out: dict[int, list[Action]] = {}
     for st in range(stages):

@@ -213,17 +213,16 @@ class Program:
         return self.strategy.group(rank, g)
 
     def resolve_peer(self, rank: int, instr: Instr) -> int:
-        """Concrete peer; symbolic peers are ``pp+k`` / ``pp-k`` (stage offset, wrapping)."""
+        """Concrete peer; symbolic peers are ``pp+k`` / ``pp-k`` (stage offset) or ``cp+k`` / ``cp-k``
+        (context-parallel ring offset), wrapping (see :meth:`Strategy.peer`)."""
         p = instr.peer
         if isinstance(p, int):
             return p
         if p is None:
             raise ProgramError(f"rank {rank} instruction {instr} has no peer")
-        if self.strategy is None or not p.startswith("pp"):
-            raise ProgramError(f"cannot resolve peer {p!r} of rank {rank}: use an int or 'pp+k'/'pp-k' with a strategy")
-        s = self.strategy
-        c = s.coords(rank)
-        return int(s.rank(c["tp"], c["dp"], (c["pp"] + int(p[2:])) % s.pp))
+        if self.strategy is None or not p.startswith(("pp", "cp")):
+            raise ProgramError(f"cannot resolve peer {p!r} of rank {rank}: use an int or 'pp+k'/'cp-k' with a strategy")
+        return int(self.strategy.peer(rank, p))
 
     # ---- views -----------------------------------------------------------------------------------
     @property

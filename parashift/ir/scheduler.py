@@ -53,7 +53,8 @@ def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None) -
     for u, v in zip(g.src, g.dst):
         if c["op"][u] == "send" and c["op"][v] == "recv":
             recv_of[u] = v
-    sends = [i for i in range(n) if c["op"][i] == "send"]
+    sends = [i for i in range(n) if c["op"][i] == "send" and c["stream"][i] == "p2p"]   # pipeline hand-offs
+    recv_of = {u: v for u, v in recv_of.items() if c["stream"][u] == "p2p"}
     if len(recv_of) != len(sends):
         raise ProgramError("a send node has no recv node; apply Place to add send/recv pairs")
     needs: dict[tuple[int, int], list[int]] = {}     # (stage, step) -> sends whose recv it consumes
@@ -206,6 +207,6 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
             out[s] = tuple(lst)
         mem = dict(static_memory[st]) if st < len(static_memory) else {}
         progs.append(RankProgram(out, mem))
-    ranks_stage = np.arange(strategy.world) // (strategy.tp * strategy.dp)
+    ranks_stage = np.arange(strategy.world) // (strategy.world // strategy.pp)
     ranks = {int(r): progs[int(st)] for r, st in enumerate(ranks_stage)}
     return Program(ranks, strategy, dict(meta or {}))

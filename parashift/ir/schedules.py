@@ -1,5 +1,8 @@
 """Pipeline schedules as data: each recipe returns every stage's order of actions, which
-:class:`~parashift.ir.directives.Order` applies to the graph.
+:class:`~parashift.ir.directives.Order` applies to the graph, and each schedule is one
+:class:`Schedule` record in a registry (its recipe, chunks per stage, V shape, split backward, the
+rules it checks and its published bubble formula) that strategy validation, compile, the cost
+estimate and the search space all read: a new schedule is one :func:`register` call.
 
 - ``gpipe``: all forwards, then all backwards.
 - ``1f1b``: stage s runs ``pp - s - 1`` warm-up forwards, alternates one forward and one backward,
@@ -7,8 +10,9 @@
 - ``interleaved-1f1b``: Megatron's interleaved schedule over ``vpp`` chunks per stage (chunk c on
   stage ``c % pp``).
 - ``zb-h1``: zero-bubble H1: backward split into input-grad (I) and weight-grad (W); I has priority,
-  forwards keep 1F1B's in-flight bound (``pp - s``), and stage s defers at most ``pp - 1 - s``
-  weight-grads, which fill the cool-down bubbles.
+  forwards keep 1F1B's in-flight bound (``pp - s``), and every stage defers up to ``pp - 1``
+  weight-grads, which fill the cool-down bubbles (the last stages' deferred W's let the
+  input-grads reach the first stage early: the bubble is ZB-H1's ``(p-1)(F+I-W)``).
 - ``dualpipev``: V-shaped placement (stage s holds chunks s and 2*pp-1-s), split backward, and a
   forward of one micro-batch overlapped with the input-grad backward of another when both are ready
   (``&`` steps), so one's all-to-alls and p2p hide behind the other's compute.
@@ -31,7 +35,8 @@ from .actions import Action, Step
 from .directives import Order
 
 __all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "dualpipev", "RECIPES", "schedule_steps",
-           "schedule_order", "ScheduleCosts"]
+           "schedule_order", "ScheduleCosts", "Schedule", "register", "get_schedule", "schedule_names",
+           "split_backward"]
 
 Orders = dict[int, list[Step]]
 
@@ -136,6 +141,11 @@ def _list_schedule(pp: int, m: int, chunk_stage: list[int], limit: Callable[[int
     a ready I, then a ready F (at most ``limit(s)`` forwards awaiting their I), then a W: weight-grads
     only fill time the stage would otherwise spend waiting for a neighbour.
 
+    A filler is not started when what it would delay arrives sooner than half its length: an F waits
+    for an input-grad due before ``t + F/2``, a W for an input-grad or forward due before ``t + W/2``
+    (with p2p latency those arrive just after the stage frees up; starting the filler would delay
+    the critical chain by nearly its whole length). With free hand-offs this never waits.
+
     Event-driven: a stage is looked at only when it frees up or when an action it depends on
     completes (its output arrives), so planning costs O(actions), not O(actions x stages)."""
     chunks = len(chunk_stage)
@@ -181,6 +191,28 @@ def _list_schedule(pp: int, m: int, chunk_stage: list[int], limit: Callable[[int
             return arrived("F", c, i, s, t) and (c == chunks - 1 or arrived("I", c + 1, i, s, t))
         return arrived("I", c, i, s, t)
 
+    def arrival(typ: str, c: int, i: int, s: int) -> float:
+        d = done[typ][c][i]
+        return d + p2p if chunk_stage[c] != s else d
+
+    def eta_i(s: int) -> float:
+        """When this stage's next input-grad could start (inf: a dependency is not scheduled yet)."""
+        out = inf
+        for c in mine[s]:
+            i = nxt["I"][c]
+            if i < m:
+                out = min(out, max(arrival("F", c, i, s), arrival("I", c + 1, i, s) if c < chunks - 1 else 0.0))
+        return out
+
+    def eta_f(s: int) -> float:
+        """When this stage's next forward could start, within the in-flight bound."""
+        out = inf
+        for c in mine[s]:
+            i = nxt["F"][c]
+            if 0 < c and i < m and (inflight[s] < lim[s] or c > first[s]):
+                out = min(out, arrival("F", c - 1, i, s))
+        return out
+
     while remaining:
         t, s0 = heapq.heappop(events)
         todo = {s0}
@@ -213,12 +245,12 @@ def _list_schedule(pp: int, m: int, chunk_stage: list[int], limit: Callable[[int
                 step = (f0, i0)
             elif i0 is not None:
                 step = (i0,)
-            elif f0 is not None:
+            elif f0 is not None and eta_i(s) >= t + cost.of(f0) / 2:
                 step = (f0,)
-            elif w0 is not None:
+            elif f0 is None and w0 is not None and min(eta_i(s), eta_f(s)) >= t + cost.of(w0) / 2:
                 step = (w0,)
             else:
-                continue
+                continue   # what is on its way matters more than a filler that would delay it
             end = t + sum(cost.of(a) for a in step)
             busy[s] = end
             heapq.heappush(events, (end, s))
@@ -246,7 +278,7 @@ def _list_schedule(pp: int, m: int, chunk_stage: list[int], limit: Callable[[int
 def zb_h1(pp: int, m: int, costs: "ScheduleCosts | None" = None) -> Orders:
     """Zero-bubble H1: 1F1B's in-flight bound, backward split, weight-grads fill the bubbles
     (planned with ``costs``, unit costs by default)."""
-    return _list_schedule(pp, m, list(range(pp)), lambda s: pp - s, lambda s: pp - 1 - s, overlap=False,
+    return _list_schedule(pp, m, list(range(pp)), lambda s: pp - s, lambda s: pp - 1, overlap=False,
                           costs=costs)
 
 
@@ -257,29 +289,148 @@ def dualpipev(pp: int, m: int, costs: "ScheduleCosts | None" = None) -> Orders:
     return _list_schedule(pp, m, stages, lambda s: 2 * pp, lambda s: pp, overlap=True, costs=costs)
 
 
-RECIPES: dict[str, Callable[[Strategy, int], Orders]] = {
-    "gpipe": lambda s, m: gpipe(s.pp, m),
-    "1f1b": lambda s, m: one_f_one_b(s.pp, m),
-    "interleaved-1f1b": lambda s, m: interleaved_1f1b(s.pp, s.vpp, m),
-    "zb-h1": lambda s, m: zb_h1(s.pp, m),
-    "dualpipev": lambda s, m: dualpipev(s.pp, m),
-}
+# ---- the registry ---------------------------------------------------------------------------------
+Recipe = Callable[[Strategy, int, "ScheduleCosts | None"], Orders]
+
+
+def _flat_bubble(p: int, m: int, v: int, f: float, i: float, w: float) -> float:
+    return (p - 1) / m
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Everything the rest of parashift knows about one pipeline schedule.
+
+    ``chunks``: chunks per stage (1; a fixed count such as DualPipeV's 2; None: any ``vpp >= 2``).
+    ``costs``: whether the recipe is list-scheduled with F/I/W durations (``"never"``, ``"always"``,
+    or ``"given"``: only when the caller passes some). ``hides_ep_comm``: expert all-to-alls run on
+    the comm stream, overlapped with the other micro-batch's compute. ``layers_divisible``: Megatron
+    rejects layer counts not divisible by ``pp * vpp``; ``microbatches_multiple_of_pp``: Megatron
+    rejects micro-batch counts that are not a multiple of ``pp``. ``bubble(p, m, v, f, i, w)``: the
+    published idle fraction of a stage (idle time over busy time) on uniform stages with per-chunk
+    forward ``f``, input-grad ``i`` and weight-grad ``w`` durations.
+    """
+
+    name: str
+    recipe: Recipe
+    summary: str
+    bubble: Callable[[int, int, int, float, float, float], float]
+    source: str
+    chunks: "int | None" = 1
+    vshape: bool = False
+    split_backward: bool = False
+    costs: str = "never"
+    hides_ep_comm: bool = False
+    layers_divisible: bool = False
+    microbatches_multiple_of_pp: bool = False
+
+    @property
+    def chunked(self) -> bool:
+        """Whether a stage runs more than one chunk."""
+        return self.chunks != 1
+
+    def vpp_choices(self, vpps: "tuple[int, ...]") -> tuple[int, ...]:
+        """The ``vpp`` values this schedule can run, out of ``vpps`` for a free choice."""
+        if self.chunks is None:
+            return tuple(v for v in vpps if v >= 2)
+        return (self.chunks,)
+
+    def vpp_problems(self, vpp: int) -> list[str]:
+        if self.chunks is None and vpp < 2:
+            return [f"schedule {self.name} needs vpp >= 2; set vpp=2 or use schedule=1f1b"]
+        if self.chunks == 1 and vpp != 1:
+            return [f"schedule {self.name} runs one chunk per stage (vpp=1); "
+                    f"use schedule=interleaved-1f1b or dualpipev for vpp={vpp}"]
+        if self.chunks not in (None, 1) and vpp != self.chunks:
+            return [f"schedule {self.name} places exactly {self.chunks} chunks per stage; set vpp={self.chunks}, "
+                    f"not {vpp}"]
+        return []
+
+    def microbatch_problems(self, s: Strategy, m: int) -> list[str]:
+        if self.microbatches_multiple_of_pp and s.pp > 1 and m % s.pp:
+            return [f"{self.name} needs the micro-batch count ({m}) to be a multiple of pp={s.pp} (as "
+                    f"Megatron-LM requires); change the global batch or mbs so that it is"]
+        return []
+
+    def layer_problems(self, s: Strategy, layers: int) -> list[str]:
+        if self.layers_divisible and s.pp > 1 and layers % s.stages:
+            ok = [v for v in range(2, 9) if layers % (s.pp * v) == 0]
+            fix = f"use vpp={ok[0]}" if ok else "use schedule=1f1b"
+            return [f"{self.name} needs the {layers} layers to split evenly over pp*vpp={s.stages} chunks (as "
+                    f"Megatron-LM requires); {fix} or change pp"]
+        return []
+
+    def order(self, s: Strategy, m: int, costs: "ScheduleCosts | None" = None) -> Orders:
+        """Every stage's steps for ``m`` micro-batches (``costs`` for list-scheduled recipes)."""
+        return self.recipe(s, m, costs if self.costs != "never" else None)
+
+
+def _interleaved(s: Strategy, m: int, costs: "ScheduleCosts | None") -> Orders:
+    if s.pp == 1:
+        return {0: _one([Action(c, "F", i) for i in range(m) for c in range(s.vpp)]
+                        + [Action(c, "B", i) for i in range(m) for c in reversed(range(s.vpp))])}
+    return interleaved_1f1b(s.pp, s.vpp, m)
+
+
+_REGISTRY: dict[str, Schedule] = {}
+
+
+def register(schedule: Schedule) -> Schedule:
+    """Add a schedule to the registry (strategy parsing, compile, costs and search read it)."""
+    _REGISTRY[schedule.name] = schedule
+    return schedule
+
+
+for _s in (
+    Schedule("gpipe", lambda s, m, c: gpipe(s.pp, m), "all forwards, then all backwards",
+             _flat_bubble, "Huang et al. 2019 (GPipe): (p-1)/m"),
+    Schedule("1f1b", lambda s, m, c: one_f_one_b(s.pp, m), "one forward, one backward (PipeDream-flush)",
+             _flat_bubble, "Narayanan et al. 2021: (p-1)/m"),
+    Schedule("interleaved-1f1b", _interleaved, "Megatron-LM's interleaved 1F1B over vpp chunks per stage",
+             lambda p, m, v, f, i, w: (p - 1) / (v * m), "Narayanan et al. 2021: (p-1)/(v*m)",
+             chunks=None, layers_divisible=True, microbatches_multiple_of_pp=True),
+    Schedule("zb-h1", lambda s, m, c: zb_h1(s.pp, m, c), "zero-bubble H1: split backward, W fills the bubbles",
+             lambda p, m, v, f, i, w: (p - 1) * (f + i - w) / (m * (f + i + w)),
+             "Qi et al. 2024 (Zero Bubble PP), ZB-H1: (p-1)(F+B-W) over m(F+B+W)",
+             split_backward=True, costs="always"),
+    Schedule("dualpipev", lambda s, m, c: dualpipev(s.pp, m, c),
+             "DualPipeV: V-shaped chunks, split backward, forward overlapped with input-grad backward",
+             lambda p, m, v, f, i, w: (p - 1) * ((f + i) + (i + w) - 3 * w) / (m * v * (f + i + w)),
+             "DeepSeek-V3 report / DualPipe: (PP/2-1)(F&B+B-3W) with PP/2 = p ranks, F&B = F+I unoverlapped",
+             chunks=2, vshape=True, split_backward=True, costs="given", hides_ep_comm=True),
+):
+    register(_s)
+
+
+def get_schedule(name: str) -> Schedule:
+    """The registered schedule called ``name`` (StrategyError naming the choices otherwise)."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise StrategyError(f"unknown schedule {name!r}; use one of {', '.join(_REGISTRY)}") from None
+
+
+def schedule_names() -> tuple[str, ...]:
+    """Every registered schedule, in registration order."""
+    return tuple(_REGISTRY)
+
+
+class _Recipes(dict):
+    """``RECIPES[name](strategy, m)``: the registry's order recipes (kept for callers of the old table)."""
+
+    def __missing__(self, key: str):
+        return lambda s, m: get_schedule(key).order(s, m)
+
+
+RECIPES: dict[str, Callable[[Strategy, int], Orders]] = _Recipes()
+for _n in list(_REGISTRY):
+    RECIPES[_n] = (lambda n: lambda s, m: get_schedule(n).order(s, m))(_n)
 
 
 def schedule_steps(strategy: Strategy, m: int, costs: "ScheduleCosts | None" = None) -> Orders:
     """Every stage's steps for ``strategy.schedule`` with ``m`` micro-batches; the list-scheduled
     recipes (zb-h1, dualpipev) plan with ``costs`` (unit costs when None)."""
-    s = strategy
-    if s.schedule == "dualpipev" and s.vpp != 2:
-        raise StrategyError(f"dualpipev places exactly two chunks per stage (V shape); set vpp=2, not {s.vpp}")
-    if s.schedule == "interleaved-1f1b" and s.pp == 1:
-        return {0: _one([Action(c, "F", i) for i in range(m) for c in range(s.vpp)]
-                        + [Action(c, "B", i) for i in range(m) for c in reversed(range(s.vpp))])}
-    if costs is not None and s.schedule == "zb-h1":
-        return zb_h1(s.pp, m, costs)
-    if costs is not None and s.schedule == "dualpipev":
-        return dualpipev(s.pp, m, costs)
-    return RECIPES[s.schedule](s, m)
+    return get_schedule(strategy.schedule).order(strategy, m, costs)
 
 
 def schedule_order(strategy: Strategy, m: int, costs: "ScheduleCosts | None" = None) -> Order:
@@ -289,4 +440,4 @@ def schedule_order(strategy: Strategy, m: int, costs: "ScheduleCosts | None" = N
 
 def split_backward(schedule: str) -> bool:
     """Whether a schedule runs input-grad and weight-grad backwards separately."""
-    return schedule in ("zb-h1", "dualpipev")
+    return get_schedule(schedule).split_backward

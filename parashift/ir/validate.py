@@ -40,11 +40,9 @@ class _Resolver:
     def peers(self, rank_arr: np.ndarray, peer: "int | str | None", who: str) -> np.ndarray:
         if isinstance(peer, (int, np.integer)):
             return np.full(len(rank_arr), int(peer), np.int64)
-        if peer is None or self.s is None or not str(peer).startswith("pp"):
-            raise ProgramError(f"{who}: cannot resolve peer {peer!r}; use a rank or 'pp+k'/'pp-k' with a strategy")
-        s = self.s
-        c = s.coords(rank_arr)
-        return np.asarray(s.rank(c["tp"], c["dp"], (c["pp"] + int(str(peer)[2:])) % s.pp), np.int64)
+        if peer is None or self.s is None or not str(peer).startswith(("pp", "cp")):
+            raise ProgramError(f"{who}: cannot resolve peer {peer!r}; use a rank or 'pp+k'/'cp-k' with a strategy")
+        return np.asarray(self.s.peer(rank_arr, str(peer)), np.int64)
 
     def group_table(self, axis: str) -> tuple[np.ndarray, np.ndarray]:
         """(members [groups, size] sorted rows, row of each rank or -1)."""

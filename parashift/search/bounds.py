@@ -28,12 +28,13 @@ __all__ = ["chunk_activation_bytes", "peak_memory_lower_bound", "chunk_forward_f
 
 
 @lru_cache(maxsize=4096)
-def _layer_act(model: ModelSpec, mbs: int, seq_len: int, tp: int, recompute: str) -> tuple[int, int]:
+def _layer_act(model: ModelSpec, mbs: int, seq_len: int, tp: int, recompute: str, sp: bool = False,
+               cp: int = 1) -> tuple[int, int]:
     from ..ir.memory import region_activation
     from ..ir.model_graph import region_kinds
-    layer = sum(region_activation(model, k, mbs=mbs, seq_len=seq_len, tp=tp, recompute=recompute)
-                for k in region_kinds(model))
-    head = region_activation(model, "head", mbs=mbs, seq_len=seq_len, tp=tp, recompute=recompute)
+    kw = dict(mbs=mbs, seq_len=seq_len, tp=tp, recompute=recompute, sp=sp, cp=cp)
+    layer = sum(region_activation(model, k, **kw) for k in region_kinds(model))
+    head = region_activation(model, "head", **kw)
     return layer, head
 
 
@@ -43,7 +44,7 @@ def _layers_per_chunk(model: ModelSpec, s: Strategy) -> np.ndarray:
 
 def chunk_activation_bytes(model: ModelSpec, s: Strategy, seq_len: int) -> np.ndarray:
     """Activation bytes one micro-batch leaves on a rank per chunk (``[pp * vpp]``)."""
-    layer, head = _layer_act(model, s.mbs, seq_len, s.tp, s.recompute)
+    layer, head = _layer_act(model, s.mbs, seq_len, s.tp, s.recompute, s.sp, s.cp)
     out = _layers_per_chunk(model, s).astype(np.float64) * layer
     out[-1] += head
     return out
@@ -69,7 +70,7 @@ def chunk_forward_flops(model: ModelSpec, s: Strategy, seq_len: int) -> np.ndarr
     layer, head = _layer_flops(model, s.mbs * seq_len, seq_len)
     out = _layers_per_chunk(model, s).astype(np.float64) * layer
     out[-1] += head
-    return out / s.tp
+    return out / s.tp / s.cp
 
 
 def step_time_lower_bound(model: ModelSpec, s: Strategy, *, global_batch: int, seq_len: int,

@@ -1,15 +1,16 @@
 """The strategy space of one (model, device count): its axes, validity and canonical forms.
 
-A point of the space is a choice on every axis: ``tp``, ``pp`` (``dp`` is derived as
-``devices // (tp * pp)``), ``ep`` (MoE models only), ``zero``, ``mbs``, ``schedule``, ``vpp``
-(interleaved-1f1b only; dualpipev always runs two chunks per stage) and ``recompute``.
+A point of the space is a choice on every axis: ``tp``, ``pp``, ``cp`` (``dp`` is derived as
+``devices // (tp * pp * cp)``), ``sp``, ``ep`` (MoE models only), ``zero``, ``mbs``, ``schedule``,
+``vpp`` (the schedule registry says which: free for interleaved-1f1b, two for dualpipev, one for
+the rest) and ``recompute``. ``sp`` and ``cp`` are off unless the caller offers choices.
 
 Equivalent points are folded onto one *canonical* strategy, so that the search never
 simulates the same training step twice under two names:
 
 - with one pipeline stage (``pp == 1``) every schedule runs the same per-rank order as 1F1B
   (GPipe only holds more activations), so the schedule is ``1f1b`` and ``vpp`` is 1;
-- with one data-parallel replica (``dp == 1``) ZeRO has nothing to shard, so ``zero`` is 0.
+- with one data-parallel replica (``dp * cp == 1``) ZeRO has nothing to shard, so ``zero`` is 0.
 """
 from __future__ import annotations
 
@@ -22,15 +23,17 @@ import numpy as np
 from ..cluster import Cluster, get as get_cluster
 from ..errors import StrategyError
 from ..models import ModelSpec, get as get_model
-from ..strategy import RECOMPUTE, SCHEDULES, Strategy
+from ..ir.schedules import get_schedule, schedule_names
+from ..strategy import RECOMPUTE, Strategy
 
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
 
 __all__ = ["Space", "make_space", "enumerate_space", "canonical", "divisors", "neighbor", "params_of"]
 
-#: schedules whose stages run more than one chunk, and how many (None: chosen from ``vpp``)
-_CHUNKED = {"interleaved-1f1b": None, "dualpipev": 2}
+def _sched_vpp(schedules: "tuple[str, ...]", vpps: "tuple[int, ...]") -> list[tuple[str, int]]:
+    """Every (schedule, vpp) pair the registry allows."""
+    return [(sc, v) for sc in schedules for v in get_schedule(sc).vpp_choices(vpps)]
 
 
 def divisors(n: int) -> list[int]:
@@ -44,7 +47,7 @@ def canonical(strategy: Strategy) -> Strategy:
     s = strategy
     if s.pp == 1 and (s.schedule != "1f1b" or s.vpp != 1):
         s = s.replace(schedule="1f1b", vpp=1)
-    if s.dp == 1 and s.zero:
+    if s.dpcp == 1 and s.zero:
         s = s.replace(zero=0)
     return s
 
@@ -63,28 +66,28 @@ class Space:
     ep: tuple[int, ...] = (1,)
     zero: tuple[int, ...] = (0, 1, 2, 3)
     mbs: tuple[int, ...] = (1, 2, 4, 8)
-    schedule: tuple[str, ...] = SCHEDULES
+    schedule: tuple[str, ...] = field(default_factory=schedule_names)
     vpp: tuple[int, ...] = (2, 4)
     recompute: tuple[str, ...] = RECOMPUTE
+    cp: tuple[int, ...] = (1,)
+    sp: tuple[bool, ...] = (False,)
     _valid: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     # ---- points -> strategies --------------------------------------------------------------------
     def build(self, params: dict[str, Any]) -> tuple[Strategy | None, str]:
         """The canonical strategy for a point (``tp, pp, ep, zero, mbs, schedule, vpp, recompute``),
         or ``(None, reason)`` when the point is invalid; ``vpp`` may be absent unless interleaved."""
-        tp, pp = int(params["tp"]), int(params["pp"])
-        if self.devices % (tp * pp):
-            return None, (f"tp*pp={tp * pp} does not divide the {self.devices} devices; "
-                          f"pick tp and pp whose product divides {self.devices}")
+        tp, pp, cp = int(params["tp"]), int(params["pp"]), int(params.get("cp", 1))
+        if self.devices % (tp * pp * cp):
+            return None, (f"tp*pp*cp={tp * pp * cp} does not divide the {self.devices} devices; "
+                          f"pick tp, pp and cp whose product divides {self.devices}")
         schedule = params["schedule"]
-        if schedule not in _CHUNKED:
-            vpp = 1
-        else:
-            vpp = _CHUNKED[schedule] or int(params.get("vpp", 1))
         try:
-            s = Strategy(dp=self.devices // (tp * pp), tp=tp, pp=pp, ep=int(params.get("ep", 1)),
+            sched = get_schedule(schedule)
+            vpp = sched.chunks or int(params.get("vpp", 1))
+            s = Strategy(dp=self.devices // (tp * pp * cp), tp=tp, pp=pp, ep=int(params.get("ep", 1)),
                          zero=int(params["zero"]), vpp=vpp, mbs=int(params["mbs"]), schedule=schedule,
-                         recompute=params["recompute"])
+                         recompute=params["recompute"], cp=cp, sp=bool(params.get("sp", False)) and tp > 1)
         except StrategyError as e:
             return None, str(e)
         s = canonical(s)
@@ -98,6 +101,10 @@ class Space:
         if key in self._valid:
             return list(self._valid[key])
         out = s.problems(self.model, self.devices)
+        if s.tp * s.cp > self.per_node and s.cp > 1:
+            out.append(f"tp*cp={s.tp * s.cp} would span nodes of {self.per_node} devices; keep tp*cp <= {self.per_node}")
+        if s.cp > 1 and self.seq_len % (2 * s.cp):
+            out.append(f"cp={s.cp} needs seq_len={self.seq_len} to be a multiple of {2 * s.cp}; pick another cp")
         if s.tp > self.per_node:
             out.append(f"tp={s.tp} would span nodes of {self.per_node} devices; keep tp <= {self.per_node}")
         try:
@@ -110,16 +117,15 @@ class Space:
     # ---- the whole space -------------------------------------------------------------------------
     def points(self) -> "itertools.product":
         """Every raw point (before validity and canonical folding) as tuples of axis values."""
-        sched_vpp = [(sc, v) for sc in self.schedule
-                     for v in ((self.vpp if _CHUNKED[sc] is None else (_CHUNKED[sc],)) if sc in _CHUNKED else (1,))]
-        return itertools.product(self.tp, self.pp, self.ep, self.zero, self.mbs, sched_vpp, self.recompute)
+        return itertools.product(self.tp, self.pp, self.ep, self.zero, self.mbs, _sched_vpp(self.schedule, self.vpp),
+                                 self.recompute, self.cp, self.sp)
 
     def enumerate(self) -> list[Strategy]:
         """Every distinct valid canonical strategy, in a deterministic order."""
         seen: dict[str, Strategy] = {}
-        for tp, pp, ep, zero, mbs, (sc, vpp), rc in self.points():
+        for tp, pp, ep, zero, mbs, (sc, vpp), rc, cp, sp in self.points():
             s, _ = self.build({"tp": tp, "pp": pp, "ep": ep, "zero": zero, "mbs": mbs, "schedule": sc,
-                               "vpp": vpp, "recompute": rc})
+                               "vpp": vpp, "recompute": rc, "cp": cp, "sp": sp})
             if s is not None:
                 seen.setdefault(str(s), s)
         return list(seen.values())
@@ -134,9 +140,13 @@ class Space:
         p["zero"] = trial.suggest_categorical("zero", self.zero)
         p["mbs"] = trial.suggest_categorical("mbs", self.mbs)
         p["schedule"] = trial.suggest_categorical("schedule", self.schedule)
-        if p["schedule"] == "interleaved-1f1b":
+        if get_schedule(p["schedule"]).chunks is None:
             p["vpp"] = trial.suggest_categorical("vpp", self.vpp)
         p["recompute"] = trial.suggest_categorical("recompute", self.recompute)
+        if self.cp != (1,):
+            p["cp"] = trial.suggest_categorical("cp", self.cp)
+        if self.sp != (False,):
+            p["sp"] = trial.suggest_categorical("sp", self.sp)
         return p
 
     def describe(self) -> dict[str, Any]:
@@ -144,7 +154,8 @@ class Space:
         return {"model": self.model.name, "devices": self.devices, "global_batch": self.global_batch,
                 "seq_len": self.seq_len, "tp": list(self.tp), "pp": list(self.pp), "ep": list(self.ep),
                 "zero": list(self.zero), "mbs": list(self.mbs), "schedule": list(self.schedule),
-                "vpp": list(self.vpp), "recompute": list(self.recompute)}
+                "vpp": list(self.vpp), "recompute": list(self.recompute), "cp": list(self.cp),
+                "sp": list(self.sp)}
 
 
 def params_of(space: Space, s: Strategy) -> dict[str, Any] | None:
@@ -153,10 +164,15 @@ def params_of(space: Space, s: Strategy) -> dict[str, Any] | None:
                          "recompute": s.recompute}
     if len(space.ep) > 1 or space.ep != (1,):
         p["ep"] = s.ep
-    if s.schedule == "interleaved-1f1b":
+    if get_schedule(s.schedule).chunks is None:
         p["vpp"] = s.vpp
+    if space.cp != (1,):
+        p["cp"] = s.cp
+    if space.sp != (False,):
+        p["sp"] = s.sp
     axes = {"tp": space.tp, "pp": space.pp, "ep": space.ep, "zero": space.zero, "mbs": space.mbs,
-            "schedule": space.schedule, "vpp": space.vpp, "recompute": space.recompute}
+            "schedule": space.schedule, "vpp": space.vpp, "recompute": space.recompute, "cp": space.cp,
+            "sp": space.sp}
     return p if all(v in axes[k] for k, v in p.items()) else None
 
 
@@ -169,18 +185,17 @@ def neighbor(space: Space, s: Strategy, visited: "set[str]", bound: Any = None, 
     exceeds ``beat`` qualify, highest bound first; ``could_fit`` drops those that cannot fit.
     """
     moves: list[Strategy] = []
-    sched = [(sc, v) for sc in space.schedule
-             for v in ((space.vpp if _CHUNKED[sc] is None else (_CHUNKED[sc],)) if sc in _CHUNKED else (1,))]
+    sched = _sched_vpp(space.schedule, space.vpp)
     for field_, values in (("zero", space.zero), ("mbs", space.mbs), ("recompute", space.recompute),
-                           ("ep", space.ep)):
+                           ("ep", space.ep), ("cp", space.cp), ("sp", space.sp)):
         moves += [_try(s, **{field_: v}) for v in values if v != getattr(s, field_)]
     moves += [_try(s, schedule=sc, vpp=v) for sc, v in sched if (sc, v) != (s.schedule, s.vpp)]
     for tp in space.tp:
         for pp in space.pp:
             if (tp, pp) == (s.tp, s.pp) or (tp != s.tp and pp != s.pp and tp * pp != s.tp * s.pp):
                 continue
-            if s.world % (tp * pp) == 0:
-                moves.append(_try(s, tp=tp, pp=pp, dp=s.world // (tp * pp)))
+            if s.world % (tp * pp * s.cp) == 0:
+                moves.append(_try(s, tp=tp, pp=pp, dp=s.world // (tp * pp * s.cp), sp=s.sp and tp > 1))
     seen: dict[str, Strategy] = {}
     for m in moves:
         if m is None:
@@ -202,8 +217,10 @@ def neighbor(space: Space, s: Strategy, visited: "set[str]", bound: Any = None, 
 
 def _try(s: Strategy, **changes: Any) -> Strategy | None:
     try:
-        if changes.get("schedule") in ("gpipe", "1f1b", "zb-h1") and "vpp" not in changes:
+        if "schedule" in changes and "vpp" not in changes and get_schedule(changes["schedule"]).chunks == 1:
             changes["vpp"] = 1
+        if "cp" in changes:
+            changes["dp"] = s.dp * s.cp // changes["cp"] if (s.dp * s.cp) % changes["cp"] == 0 else 0
         return s.replace(**changes)
     except StrategyError:
         return None
@@ -212,14 +229,16 @@ def _try(s: Strategy, **changes: Any) -> Strategy | None:
 def make_space(model: "str | ModelSpec", cluster: "str | Cluster", *, devices: int, global_batch: int,
                seq_len: int, tp: "tuple[int, ...] | None" = None, pp: "tuple[int, ...] | None" = None,
                ep: "tuple[int, ...] | None" = None, zero: tuple[int, ...] = (0, 1, 2, 3),
-               mbs: "tuple[int, ...] | None" = None, schedules: tuple[str, ...] = SCHEDULES,
-               vpp: tuple[int, ...] = (2, 4), recompute: tuple[str, ...] = RECOMPUTE) -> Space:
+               mbs: "tuple[int, ...] | None" = None, schedules: "tuple[str, ...] | None" = None,
+               vpp: tuple[int, ...] = (2, 4), recompute: tuple[str, ...] = RECOMPUTE,
+               cp: tuple[int, ...] = (1,), sp: tuple[bool, ...] = (False,)) -> Space:
     """The space of ``model`` on ``devices`` devices of ``cluster``.
 
     Defaults: ``tp`` the divisors of ``devices`` up to the devices per node that the model's
     heads, KV heads, FFN and vocabulary allow; ``pp`` the divisors of ``devices`` up to the layer
     count; ``ep`` (MoE) the divisors of ``devices`` that divide the expert count; ``mbs`` the
-    powers of two up to 8 that divide the global batch.
+    powers of two up to 8 that divide the global batch; ``cp`` (context parallelism) and ``sp``
+    (sequence parallelism, with tp > 1) off unless choices are passed, e.g. ``cp=(1, 2), sp=(False, True)``.
     """
     m = get_model(model)
     c = get_cluster(cluster)
@@ -233,16 +252,18 @@ def make_space(model: "str | ModelSpec", cluster: "str | Cluster", *, devices: i
         ep = tuple(e for e in divs if m.experts and m.experts % e == 0) if m.is_moe else (1,)
     if mbs is None:
         mbs = tuple(b for b in (1, 2, 4, 8) if global_batch % b == 0)
+    schedules = schedule_names() if schedules is None else schedules
     for name, axis in (("tp", tp), ("pp", pp), ("ep", ep), ("zero", zero), ("mbs", mbs),
                        ("schedules", schedules), ("recompute", recompute)):
         if not axis:
             raise StrategyError(f"the {name} axis of the space for {m.name} on {devices} devices is empty; "
                                 f"pass explicit {name} choices")
-    bad = [s for s in schedules if s not in SCHEDULES]
+    bad = [s for s in schedules if s not in schedule_names()]
     if bad:
-        raise StrategyError(f"unknown schedules {bad}; use some of {', '.join(SCHEDULES)}")
+        raise StrategyError(f"unknown schedules {bad}; use some of {', '.join(schedule_names())}")
     return Space(m, devices, c.per_node, global_batch, seq_len, tuple(tp), tuple(pp), tuple(ep), tuple(zero),
-                 tuple(mbs), tuple(schedules), tuple(vpp), tuple(recompute))
+                 tuple(mbs), tuple(schedules), tuple(vpp), tuple(recompute), tuple(int(x) for x in cp),
+                 tuple(bool(x) for x in sp))
 
 
 def enumerate_space(model: "str | ModelSpec", cluster: "str | Cluster", *, devices: int, global_batch: int,

@@ -3,12 +3,13 @@
 A rank's state is organized in *blocks*, each a flat buffer of the rank's local (TP/EP)
 shards concatenated in model order:
 
-- slot 0, dense: the dense tensors of the rank's pipeline stage, shared by the ``dp`` ranks
-  with the same (tp, pp) coordinates;
+- slot 0, dense: the dense tensors of the rank's pipeline stage, shared by the ``dp x cp`` ranks
+  with the same (tp, pp) coordinates (context-parallel ranks hold the same parameters);
 - slot 1, experts: the expert tensors of the rank's (pp, tp, ep) shard, shared by the ``edp``
   ranks of its expert-data-parallel group;
 - slots 2 and 3: the same two buffers under ZeRO, padded to a multiple of the group size
-  (``dp`` for dense, ``edp`` for experts) and split evenly, one shard per rank.
+  (``dp x cp`` for dense, as Megatron's distributed optimizer shards over the data-parallel
+  group with context parallelism; ``edp`` for experts) and split evenly, one shard per rank.
 
 A block holds some kinds: the kinds ZeRO does not shard live in slots 0/1, the sharded ones in
 slots 2/3 (stage 1 shards master and moments, 2 also grads, 3 also params). Blocks are
@@ -232,7 +233,8 @@ def layout(model: "ModelSpec | str", strategy: "Strategy | str") -> Layout:
     kinds = model.state_kinds
     sharded_mask = sum(1 << i for i, k in enumerate(kinds) if s.zero >= ZERO_STAGE[k])
     plain_mask = ((1 << len(kinds)) - 1) & ~sharded_mask
-    grid = np.arange(s.world).reshape(s.pp, s.dp, s.tp)            # rank at (pp, dp, tp)
+    D = s.dpcp                                                     # replicas: (dp, cp), cp fastest
+    grid = np.arange(s.world).reshape(s.pp, D, s.tp)               # rank at (pp, dp*cp + cp, tp)
     expert = table.expert
 
     blk_slot, blk_kinds, blk_size, blk_ranks = [], [], [], []
@@ -241,7 +243,7 @@ def layout(model: "ModelSpec | str", strategy: "Strategy | str") -> Layout:
     nblocks = 0
     families = [(False, 1)] + ([(True, s.ep)] if expert.any() else [])
     for fam_expert, E in families:
-        group = s.edp if fam_expert else s.dp
+        group = D // s.ep if fam_expert else D
         for zero_slot, mask in ((False, plain_mask), (True, sharded_mask)):
             if not mask:
                 continue
@@ -260,9 +262,9 @@ def layout(model: "ModelSpec | str", strategy: "Strategy | str") -> Layout:
                 if zero_slot:
                     dps = (e + s.ep * j if fam_expert else j)[:, None]
                 elif fam_expert:
-                    dps = e[:, None] + s.ep * np.arange(s.edp)[None, :]
+                    dps = e[:, None] + s.ep * np.arange(D // s.ep)[None, :]
                 else:
-                    dps = np.broadcast_to(np.arange(s.dp)[None, :], (nb, s.dp))
+                    dps = np.broadcast_to(np.arange(D)[None, :], (nb, D))
                 ranks = grid[st, dps, c[:, None]]
                 blk_ranks.append(ranks)
                 rank_blocks[ranks.ravel(), slot] = np.repeat(base + np.arange(nb), ranks.shape[1])

@@ -13,14 +13,10 @@ import numpy as np
 
 from ..errors import StrategyError
 from ..models import ModelSpec
+from ..states import KINDS, ZERO_STAGE
 from ..strategy import Strategy
 
 __all__ = ["TensorTable", "tensor_table", "ZERO_STAGE", "KINDS", "local_shape", "shard_origin", "held_by_stage"]
-
-#: Every VPS state kind, in canonical order.
-KINDS = ("param", "grad", "master", "exp_avg", "exp_avg_sq")
-#: Smallest ZeRO stage that shards each kind over the data-parallel group.
-ZERO_STAGE = {"param": 3, "grad": 2, "master": 1, "exp_avg": 1, "exp_avg_sq": 1}
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,0 +1,104 @@
+"""The schedule registry: every schedule is searchable and simulatable, obeys its anchor's rules,
+and its simulated bubble on uniform stages follows its published formula."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from parashift import Strategy, cluster, models, search
+from parashift.cost import CostModel
+from parashift.errors import StrategyError
+from parashift.ir import compile
+from parashift.ir import schedules as S
+from parashift.search.space import make_space
+from parashift.sim import simulate
+
+TINY = models.get("tiny-gpt")
+
+
+@pytest.mark.parametrize("name", S.schedule_names())
+def test_every_registered_schedule_is_searchable_and_simulatable(name):
+    sched = S.get_schedule(name)
+    space = make_space(TINY, "a100-1x8", devices=4, global_batch=8, seq_len=32, tp=(1,), pp=(2,), mbs=(1,),
+                       zero=(0,), recompute=("none",), schedules=(name,))
+    found = space.enumerate()
+    assert found and all(s.schedule == name for s in found)
+    assert {s.vpp for s in found} <= set(sched.vpp_choices(space.vpp))     # tiny-gpt: vpp=4 exceeds its layers
+    for s in found:
+        out = search.SimEvaluator(TINY, "a100-1x8", global_batch=8, seq_len=32, precheck=False)(s)
+        assert out.step_time > 0, (name, str(s))
+
+
+def test_a_registered_schedule_reaches_every_layer():
+    """One register() call: parsing, validation, compile, costs and the search space all see it."""
+    base = S.get_schedule("1f1b")
+    new = dataclasses.replace(base, name="1f1b-copy", summary="1F1B under another name")
+    S.register(new)
+    try:
+        s = Strategy.parse("dp=2,pp=2,schedule=1f1b-copy")
+        assert "1f1b-copy" in S.schedule_names()
+        prog = compile(TINY, s, global_batch=8, seq_len=32, validate=True)
+        ref = compile(TINY, s.replace(schedule="1f1b"), global_batch=8, seq_len=32)
+        assert [str(i) for i in prog.ranks[0].instrs()] == [str(i) for i in ref.ranks[0].instrs()]
+        space = make_space(TINY, "a100-1x8", devices=4, global_batch=8, seq_len=32, pp=(2,), tp=(1,), mbs=(1,),
+                           zero=(0,), recompute=("none",))
+        assert any(x.schedule == "1f1b-copy" for x in space.enumerate())
+    finally:
+        S._REGISTRY.pop("1f1b-copy")
+    with pytest.raises(StrategyError, match="unknown schedule '1f1b-copy'"):
+        Strategy.parse("pp=2,schedule=1f1b-copy")
+
+
+# ---- rules ----------------------------------------------------------------------------------------------
+def test_interleaved_rejects_uneven_splits_with_the_fix():
+    spec = models.gpt(12, 256, 4, vocab=128, seq_len=64, name="l12", pad_vocab=128)
+    probs = Strategy.parse("pp=4,vpp=2").problems(spec)          # 12 layers over 8 chunks
+    assert len(probs) == 1 and "12 layers to split evenly over pp*vpp=8" in probs[0] and "vpp=3" in probs[0]
+    with pytest.raises(StrategyError, match="split evenly"):
+        compile(spec, "pp=4,vpp=2", global_batch=8, seq_len=64)
+    assert Strategy.parse("pp=4,vpp=3").problems(spec) == []
+    assert Strategy.parse("pp=4").problems(spec) == []              # 1F1B may split unevenly (3 per stage)
+    with pytest.raises(StrategyError, match=r"micro-batch count \(6\) to be a multiple of pp=4"):
+        Strategy.parse("pp=4,vpp=3").num_microbatches(6)
+    # the search space does not offer what the anchor rejects
+    space = make_space(spec, "a100-1x8", devices=4, global_batch=8, seq_len=64, tp=(1,), pp=(4,), mbs=(1,),
+                       zero=(0,), recompute=("none",), schedules=("interleaved-1f1b",), vpp=(2, 3))
+    assert [s.vpp for s in space.enumerate()] == [3]
+
+
+def test_fixed_chunk_counts_come_from_the_record():
+    assert S.get_schedule("dualpipev").vpp_choices((2, 4)) == (2,)
+    assert S.get_schedule("interleaved-1f1b").vpp_choices((1, 2, 4)) == (2, 4)
+    with pytest.raises(StrategyError, match="exactly 2 chunks per stage"):
+        Strategy(pp=2, vpp=4, schedule="dualpipev")
+
+
+# ---- bubbles on uniform stages --------------------------------------------------------------------------
+UNI = models.gpt(16, 4096, 32, vocab=128, seq_len=2048, name="uniform", pad_vocab=128)
+
+
+@pytest.mark.parametrize("strategy,m", [
+    ("pp=4", 8), ("pp=4,schedule=gpipe", 8), ("pp=4,vpp=2", 8), ("pp=4,vpp=4", 16), ("pp=2,vpp=4", 8),
+    ("pp=4,schedule=zb-h1", 8), ("pp=2,schedule=zb-h1", 8), ("pp=4,vpp=2,schedule=dualpipev", 8),
+    ("pp=2,vpp=2,schedule=dualpipev", 8),
+])
+def test_simulated_bubble_follows_the_published_formula(strategy, m):
+    """Idle over busy time of a stage: (p-1)/m (1F1B, GPipe), (p-1)/(v m) (interleaved),
+    (p-1)(F+I-W)/(m(F+I+W)) (ZB-H1), (p-1)(F&B+B-3W)/(2m(F+I+W)) (DualPipeV, F&B = F+I)."""
+    s = Strategy.parse(strategy)
+    cost = dataclasses.replace(CostModel.for_cluster(cluster.get("a100-1x8")), p2p_posted=True)
+    r = simulate(compile(UNI, s, global_batch=m, seq_len=2048), "a100-1x8", cost)
+    got = r.bubble_fraction / (1 - r.bubble_fraction)
+    want = S.get_schedule(s.schedule).bubble(s.pp, m, s.vpp, 1.0, 1.0, 1.0)
+    assert got == pytest.approx(want, rel=0.15, abs=0.003)
+
+
+def test_deeper_interleaving_raises_throughput_on_uniform_stages():
+    """pp=4 with TP over sequence-parallel sends: each extra chunk per stage shortens the bubble."""
+    spec = models.gpt(32, 8192, 64, vocab=1024, seq_len=2048, name="deep", pad_vocab=128)
+    tps = []
+    for v in (1, 2, 4):
+        s = Strategy.parse(f"tp=8,pp=4,sp{',vpp=%d' % v if v > 1 else ''}")
+        tps.append(simulate(compile(spec, s, global_batch=16, seq_len=2048), "a100-4x8").tokens_per_s)
+    assert tps[0] < tps[1] < tps[2], tps
