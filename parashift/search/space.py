@@ -10,6 +10,9 @@ simulates the same training step twice under two names:
 - with one pipeline stage (``pp == 1``) every schedule runs the same per-rank order as 1F1B
   (GPipe only holds more activations), so the schedule is ``1f1b`` and ``vpp`` is 1;
 - with one data-parallel replica (``dp == 1``) ZeRO has nothing to shard, so ``zero`` is 0.
+
+With ``all_devices=False`` a strategy may leave devices idle: for each point ``dp`` is the
+largest degree with ``dp * tp * pp <= devices`` that makes a valid strategy.
 """
 from __future__ import annotations
 
@@ -66,23 +69,35 @@ class Space:
     schedule: tuple[str, ...] = SCHEDULES
     vpp: tuple[int, ...] = (2, 4)
     recompute: tuple[str, ...] = RECOMPUTE
+    all_devices: bool = True
     _valid: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     # ---- points -> strategies --------------------------------------------------------------------
     def build(self, params: dict[str, Any]) -> tuple[Strategy | None, str]:
         """The canonical strategy for a point (``tp, pp, ep, zero, mbs, schedule, vpp, recompute``),
         or ``(None, reason)`` when the point is invalid; ``vpp`` may be absent unless interleaved."""
+        if self.all_devices:
+            return self._build_on(params, self.devices)
         tp, pp = int(params["tp"]), int(params["pp"])
-        if self.devices % (tp * pp):
-            return None, (f"tp*pp={tp * pp} does not divide the {self.devices} devices; "
-                          f"pick tp and pp whose product divides {self.devices}")
+        reason = f"tp*pp={tp * pp} exceeds the {self.devices} devices; lower tp or pp"
+        for dp in range(self.devices // (tp * pp), 0, -1):  # the largest dp that makes a valid strategy
+            s, reason = self._build_on(params, dp * tp * pp)
+            if s is not None:
+                return s, ""
+        return None, reason
+
+    def _build_on(self, params: dict[str, Any], devices: int) -> tuple[Strategy | None, str]:
+        tp, pp = int(params["tp"]), int(params["pp"])
+        if devices % (tp * pp):
+            return None, (f"tp*pp={tp * pp} does not divide the {devices} devices; "
+                          f"pick tp and pp whose product divides {devices}")
         schedule = params["schedule"]
         if schedule not in _CHUNKED:
             vpp = 1
         else:
             vpp = _CHUNKED[schedule] or int(params.get("vpp", 1))
         try:
-            s = Strategy(dp=self.devices // (tp * pp), tp=tp, pp=pp, ep=int(params.get("ep", 1)),
+            s = Strategy(dp=devices // (tp * pp), tp=tp, pp=pp, ep=int(params.get("ep", 1)),
                          zero=int(params["zero"]), vpp=vpp, mbs=int(params["mbs"]), schedule=schedule,
                          recompute=params["recompute"])
         except StrategyError as e:
@@ -97,7 +112,9 @@ class Space:
         key = str(s)
         if key in self._valid:
             return list(self._valid[key])
-        out = s.problems(self.model, self.devices)
+        out = s.problems(self.model, self.devices if self.all_devices else None)
+        if s.world > self.devices:
+            out.append(f"dp*tp*pp={s.world} exceeds the {self.devices} devices; lower dp, tp or pp")
         if s.tp > self.per_node:
             out.append(f"tp={s.tp} would span nodes of {self.per_node} devices; keep tp <= {self.per_node}")
         try:
@@ -144,7 +161,7 @@ class Space:
         return {"model": self.model.name, "devices": self.devices, "global_batch": self.global_batch,
                 "seq_len": self.seq_len, "tp": list(self.tp), "pp": list(self.pp), "ep": list(self.ep),
                 "zero": list(self.zero), "mbs": list(self.mbs), "schedule": list(self.schedule),
-                "vpp": list(self.vpp), "recompute": list(self.recompute)}
+                "vpp": list(self.vpp), "recompute": list(self.recompute), "all_devices": self.all_devices}
 
 
 def params_of(space: Space, s: Strategy) -> dict[str, Any] | None:
@@ -213,18 +230,23 @@ def make_space(model: "str | ModelSpec", cluster: "str | Cluster", *, devices: i
                seq_len: int, tp: "tuple[int, ...] | None" = None, pp: "tuple[int, ...] | None" = None,
                ep: "tuple[int, ...] | None" = None, zero: tuple[int, ...] = (0, 1, 2, 3),
                mbs: "tuple[int, ...] | None" = None, schedules: tuple[str, ...] = SCHEDULES,
-               vpp: tuple[int, ...] = (2, 4), recompute: tuple[str, ...] = RECOMPUTE) -> Space:
+               vpp: tuple[int, ...] = (2, 4), recompute: tuple[str, ...] = RECOMPUTE,
+               all_devices: bool = True) -> Space:
     """The space of ``model`` on ``devices`` devices of ``cluster``.
 
     Defaults: ``tp`` the divisors of ``devices`` up to the devices per node that the model's
     heads, KV heads, FFN and vocabulary allow; ``pp`` the divisors of ``devices`` up to the layer
     count; ``ep`` (MoE) the divisors of ``devices`` that divide the expert count; ``mbs`` the
-    powers of two up to 8 that divide the global batch.
+    powers of two up to 8 that divide the global batch. ``all_devices=False``: strategies on
+    fewer devices are points too (``tp`` and ``pp`` then also take the divisors of the devices
+    per node and of the layer count).
     """
     m = get_model(model)
     c = get_cluster(cluster)
     _check_inputs(m, c, devices, global_batch, seq_len)
     divs = divisors(devices)
+    if not all_devices:
+        divs = sorted(set(divs) | {d for d in divisors(c.per_node) + divisors(m.layers) if d <= devices})
     if tp is None:
         tp = tuple(t for t in divs if t <= c.per_node and not _tp_problems(m, t))
     if pp is None:
@@ -242,7 +264,7 @@ def make_space(model: "str | ModelSpec", cluster: "str | Cluster", *, devices: i
     if bad:
         raise StrategyError(f"unknown schedules {bad}; use some of {', '.join(SCHEDULES)}")
     return Space(m, devices, c.per_node, global_batch, seq_len, tuple(tp), tuple(pp), tuple(ep), tuple(zero),
-                 tuple(mbs), tuple(schedules), tuple(vpp), tuple(recompute))
+                 tuple(mbs), tuple(schedules), tuple(vpp), tuple(recompute), all_devices)
 
 
 def enumerate_space(model: "str | ModelSpec", cluster: "str | Cluster", *, devices: int, global_batch: int,
