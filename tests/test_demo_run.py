@@ -96,8 +96,21 @@ def test_live_steps_when_available(demo):
     result, _ = demo
     deploy, hot, replay = result.steps[2], result.steps[3], result.steps[4]
     if deploy.ok:
-        ratio = _fig(result, 3, "measured / predicted step time")
-        assert math.isfinite(ratio) and ratio > 0
+        table = deploy.data["measured"]   # the closed loop: winner (and runner-up) predicted vs measured
+        best = str(deploy.data["search"].best.strategy)
+        assert table["strategy"].iloc[0] == best and len(table) in (1, 2)
+        for r in table.itertuples():
+            tag = "winner" if r.strategy == best else "runner-up"
+            ratio = _fig(result, 3, f"{tag} {r.strategy}: measured / predicted")
+            assert math.isfinite(ratio) and ratio > 0
+        text = result.summary.read_text()
+        assert "| strategy | predicted ms | measured ms |" in text
+        held = deploy.data["ranking_held"]
+        assert ("The ranking held" in text) == (held is True) and ("did not hold" in text) == (held is False)
+        plan = json.loads((result.out / "deploy_plan.json").read_text())
+        assert plan["meta"]["deploy"]["cost_model"] != json.loads(json.dumps(
+            __import__("parashift").sim.CostModel.for_cluster(__import__("parashift").cluster.get("cpu-local"))
+            .to_json()))   # searched with the fitted cost model, not the datasheet one
         assert _fig(result, 3, "instructions matched between run and simulation") > 0
         assert (result.out / "deploy_sim_vs_measured.png").stat().st_size > 1000
         assert (result.out / "deploy_plan.json").is_file()
