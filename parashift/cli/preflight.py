@@ -52,8 +52,11 @@ def preflight(program: "Program", *, cores: int | None = None, memory: int | Non
     cores = int(cores or os.cpu_count() or 1)
     memory = int(memory if memory is not None else available_memory())
     if peak_per_device is None or not math.isfinite(peak_per_device):
+        from ..cluster import get as get_cluster
         from ..sim import simulate
-        peak_per_device = float(simulate(program, "cpu-local").peak_memory_max)
+        here = get_cluster("cpu-local")
+        here = here if world <= here.devices else here.with_devices(world)
+        peak_per_device = float(simulate(program, here).peak_memory_max)
     need = world * (float(peak_per_device) + PROCESS_BYTES)
     out = {"processes": world, "cores": cores, "processes_per_core": world / cores,
            "memory_estimate": need, "memory_available": memory}
