@@ -250,7 +250,7 @@ fitted.steps[["source", "measured", "predicted", "base_predicted"]]"""),
         new_markdown_cell("## Search with the fitted cost model, and why the winner won"),
         new_code_cell("""\
 search = ps.search.tune(MODEL, CLUSTER, devices=4, global_batch=BATCH, seq_len=SEQ, n_trials=30, seed=0,
-                        cost_model=fitted.cost_model)
+                        cost_model=fitted.cost_model, space_options={"recompute": ("none",)})  # fits without it
 pd.Series(search.counts())"""),
         new_code_cell("""\
 search.explain(5)     # step split into compute / exposed communication / bubble, memory, what each lost on"""),
@@ -299,7 +299,7 @@ From the command line (`run` prints the plan's predicted step time next to the m
 
 ```
 parashift calibrate --runs 3 --steps 2 --global-batch 12 --seq-len 32 --out cost.json
-parashift search --model tiny-gpt --cluster cpu-local --devices 4 --global-batch 12 --seq-len 32 --trials 30 --cost-model cost.json --explain --out plan.json
+parashift search --model tiny-gpt --cluster cpu-local --devices 4 --global-batch 12 --seq-len 32 --trials 30 --recompute none --cost-model cost.json --explain --out plan.json
 parashift run plan.json --steps 4
 ```"""),
     ]

@@ -96,4 +96,4 @@ def test_breakdown_sums_to_the_step_and_explain_names_what_runners_up_lost_on(ca
     assert main(["search", "--model", "tiny-gpt", "--cluster", "cpu-local", "--devices", "4", "--global-batch", "16",
                  "--seq-len", "32", "--trials", "25", "--seed", "0", "--explain", "--no-progress"]) == 0
     text = capsys.readouterr().out
-    assert "= compute" in text and "why the winner won" in text and "simulated (the others" in text
+    assert "= compute" in text and "why the winner won" in text and "simulated (the others" in text and "pruned as unable to beat" in text

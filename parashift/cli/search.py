@@ -105,13 +105,10 @@ def _bytes(n: float) -> str:
 
 def _counts_line(c: dict) -> str:
     """What the trial counts mean, in one line."""
-    parts = [f"{c['feasible']} distinct strategies fit"]
-    for key, label in (("infeasible", "do not fit in memory"), ("invalid", "invalid points"),
-                       ("dominated", "pruned: could not beat the best"), ("repeats", "repeats answered from the cache")):
-        if c[key]:
-            parts.append(f"{c[key]} {label}")
-    return (f"  trials         {c['trials']}: " + ", ".join(parts) + f"; {c['simulated']} simulated (the "
-            "others came from the cache or were ruled out by a memory bound before simulation)")
+    return (f"  trials         {c['trials']}: {c['feasible']} distinct strategies fit, {c['infeasible']} do not fit "
+            f"in memory, {c['invalid']} invalid points, {c['dominated']} pruned as unable to beat the best, "
+            f"{c['repeats']} repeats answered from the cache; {c['simulated']} simulated (the others came from "
+            "the cache or were ruled out by a memory bound before simulation)")
 
 
 def _ms(x: float | None) -> str:

@@ -42,8 +42,11 @@ def search_and_export(plan_path: str, *, devices: int = LIVE["devices"], n_trial
     def tick(done: int, total: int, best: Any) -> None:
         if progress is not None and (done == total or done % 10 == 0):
             progress(f"search trial {done}/{total}, best so far {best.strategy if best else 'none'}")
+    # No activation recomputation: tiny-gpt fits without it, and the runtime fails today on selective
+    # recomputation under the split-backward schedules (zb-h1, dualpipev).
     res = search.tune(LIVE["model"], LIVE["cluster"], devices=devices, global_batch=LIVE["global_batch"],
-                      seq_len=LIVE["seq_len"], n_trials=n_trials, seed=seed, cost_model=cost_model, progress=tick)
+                      seq_len=LIVE["seq_len"], n_trials=n_trials, seed=seed, cost_model=cost_model,
+                      space_options={"recompute": ("none",)}, progress=tick)
     if not hasattr(res, "export"):
         from .core import NotAvailable
         raise NotAvailable("parashift.search's SearchResult has no export() to write a deploy plan yet")

@@ -3,9 +3,9 @@
 ``measure(result, strategies)`` executes each strategy's Program on local processes (the
 runtime, gloo on CPU) and returns one row per strategy with the simulator's predicted step
 time next to the measured one; ``ranking_held`` says whether the measured order is the
-predicted one. ``runner_up`` picks the strategy to compare the winner with: the best one whose
-prediction differs from the winner's by at least ``min_gap`` (a strategy that ties the winner
-cannot confirm or refute the ranking).
+predicted one. ``runner_up`` picks the strategy to compare the winner with: the best one of
+another layout whose prediction differs from the winner's by at least ``min_gap`` (a strategy
+that ties the winner cannot confirm or refute the ranking).
 """
 from __future__ import annotations
 
@@ -27,12 +27,18 @@ MEASURE_COLUMNS = ("strategy", "predicted_rank", "predicted_step_seconds", "meas
 
 
 def runner_up(result: SearchResult, min_gap: float = 0.02, k: int = 50) -> Candidate | None:
-    """The best of ``result.top(k)`` predicted at least ``min_gap`` (relative) slower than the winner."""
+    """The best of ``result.top(k)`` predicted at least ``min_gap`` (relative) slower than the winner
+    with another layout (dp, tp, pp, ep, schedule or chunks differ)."""
     top = result.top(k)
     if not top:
         return None
-    best = top[0].step_time
-    return next((c for c in top[1:] if c.step_time >= best * (1 + min_gap)), None)
+    best = top[0]
+    return next((c for c in top[1:] if c.step_time >= best.step_time * (1 + min_gap)
+                 and _layout(c.strategy) != _layout(best.strategy)), None)
+
+
+def _layout(s: Strategy) -> tuple:
+    return (s.dp, s.tp, s.pp, s.ep, s.schedule, s.vpp)
 
 
 def measure(result: SearchResult, strategies: "Sequence[Strategy | str | Candidate] | None" = None, *,

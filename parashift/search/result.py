@@ -120,7 +120,7 @@ def lost_on(c: Candidate, best: Candidate) -> str:
     if _tie_round(c.tokens_per_s) < _tie_round(best.tokens_per_s):
         diffs = {"compute": c.compute - best.compute, "exposed communication": c.exposed_comm - best.exposed_comm,
                  "bubble": c.bubble - best.bubble}
-        worse = sorted(((v, k) for k, v in diffs.items() if math.isfinite(v) and v > 0), reverse=True)
+        worse = sorted(((v, k) for k, v in diffs.items() if math.isfinite(v) and v >= 5e-5), reverse=True)
         why = ", ".join(f"+{v * 1e3:.1f} ms {k}" for v, k in worse[:2]) or "a longer step"
         return f"{(c.step_time / best.step_time - 1) * 100:.1f}% slower: {why}"
     if c.peak_memory > best.peak_memory:
