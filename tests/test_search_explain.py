@@ -97,3 +97,24 @@ def test_breakdown_sums_to_the_step_and_explain_names_what_runners_up_lost_on(ca
                  "--seq-len", "32", "--trials", "25", "--seed", "0", "--explain", "--no-progress"]) == 0
     text = capsys.readouterr().out
     assert "= compute" in text and "why the winner won" in text and "simulated (the others" in text and "pruned as unable to beat" in text
+
+
+class PowersOfTwo:
+    """Only power-of-two worlds run fast: an awkward device count should leave devices idle."""
+
+    def __call__(self, s):
+        fast = s.world & (s.world - 1) == 0
+        step = (1.0 / s.world if fast else 5.0) + 0.01 * (s.tp + s.pp)
+        return Outcome("ok", "", step, 1024 / step, GIB, 0.4, 0.0, 0.0, True, 80 * GIB, step, 0.0, 0.0)
+
+
+def test_trace_planner_uses_the_same_rule():
+    import pandas as pd
+    trace = pd.DataFrame({"time": [0.0, 100.0, 200.0, 300.0], "devices": [4, 3, 4, 4]})
+    kw = dict(global_batch=8, seq_len=32, evaluate=PowersOfTwo(), switch_cost=lambda a, b: search.SwitchCost(0.0, "x"),
+              restart_cost=lambda a, b: search.SwitchCost(1.0, "x"))
+    plan = search.plan_trace(trace, "tiny-gpt", "cpu-local", **kw)
+    three = plan.per_count.set_index("devices").loc[3]
+    assert three["world"] == 2 and three["tokens_per_s"] > 1024 / 1.0
+    strict = search.plan_trace(trace, "tiny-gpt", "cpu-local", all_devices=True, **kw)
+    assert strict.per_count.set_index("devices").loc[3, "world"] in (0, 3)

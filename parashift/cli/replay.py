@@ -63,9 +63,11 @@ def _ms(v) -> str:
 
 
 def render(result: dict, args: argparse.Namespace) -> None:
+    wall = result.get("wall_seconds")
     print(f"{result['model']} replaying {result['trace']} ({result['policy']}, x{result['time_scale']:g}, "
-          f"{result['devices_per_node']:g} devices/node): {result['steps']} steps in {result['wall_seconds']:.1f} s "
-          f"of wall clock (trace window {result['duration']:.1f} s at this scale), starting on "
+          f"{result['devices_per_node']:g} devices/node): {result['steps']} steps in "
+          + (f"{wall:.1f} s of wall clock " if wall is not None else "")
+          + f"(trace window {result['duration']:.1f} s at this scale), starting on "
           f"{result['initial_devices']} devices with {result['initial_strategy']}")
     base = result.get("baseline")
     print(f"  {'event s':>7} {'done s':>7} {'lag ms':>7} {'trace t':>8} {'event':>8} {'dev':>3} {'step':>5} "
