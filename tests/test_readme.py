@@ -36,19 +36,23 @@ def readme_blocks() -> list[tuple[str, list[str]]]:
     """Each README command (continuations joined) with the output lines shown under it."""
     out: list[tuple[str, list[str]]] = []
     lines = README.read_text().splitlines()
-    i, in_block = 0, False
+    current: "list[str] | None" = None
+    i, fence = 0, None          # the open fence line ("```" for shell blocks, "```python" ...)
     while i < len(lines):
         line = lines[i]
+        in_block = fence == "```"
         if line.startswith("```"):
-            in_block = not in_block and line == "```"
+            fence = line if fence is None else None
+            current = None                       # output belongs to a command of the same block
         elif in_block and line.startswith("$ parashift "):
             cmd = line[2:]
             while cmd.endswith("\\"):
                 i += 1
                 cmd = cmd[:-1] + " " + lines[i].strip()
-            out.append((cmd, []))
-        elif in_block and out and line.strip():
-            out[-1][1].append(line)
+            current = []
+            out.append((cmd, current))
+        elif in_block and current is not None and line.strip():
+            current.append(line)
         i += 1
     return out
 
