@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from parashift.cli import main as cli_main
+from parashift.cluster import get as get_cluster
+from parashift.cost import CostModel
 from parashift.demo import STEPS, run_demo
 
 
@@ -108,9 +110,8 @@ def test_live_steps_when_available(demo):
         held = deploy.data["ranking_held"]
         assert ("The ranking held" in text) == (held is True) and ("did not hold" in text) == (held is False)
         plan = json.loads((result.out / "deploy_plan.json").read_text())
-        assert plan["meta"]["deploy"]["cost_model"] != json.loads(json.dumps(
-            __import__("parashift").sim.CostModel.for_cluster(__import__("parashift").cluster.get("cpu-local"))
-            .to_json()))   # searched with the fitted cost model, not the datasheet one
+        datasheet = json.loads(json.dumps(CostModel.for_cluster(get_cluster("cpu-local")).to_json()))
+        assert plan["meta"]["deploy"]["cost_model"] != datasheet   # searched with the fitted cost model
         assert _fig(result, 3, "instructions matched between run and simulation") > 0
         assert (result.out / "deploy_sim_vs_measured.png").stat().st_size > 1000
         assert (result.out / "deploy_plan.json").is_file()
