@@ -180,7 +180,8 @@ class SearchResult:
         ok = trials[trials["status"] == "ok"].drop_duplicates("strategy")
         cands = sorted((Candidate.from_row(r) for r in ok.itertuples()), key=rank_key)
         best = cands[0] if cands else None
-        mask = pareto_mask(np.array([[c.tokens_per_s, c.peak_memory] for c in cands]).reshape(-1, 2), (True, False))
+        mask = pareto_mask(np.array([[_tie_round(c.tokens_per_s), c.peak_memory] for c in cands]).reshape(-1, 2),
+                           (True, False))   # tokens/s within TIE are equal: the lighter one dominates
         front = tuple(sorted((c for c, keep in zip(cands, mask) if keep), key=lambda c: c.peak_memory))
         return cls(best=best, pareto=front, trials=trials, study=study, **kw)
 
