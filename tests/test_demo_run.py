@@ -127,6 +127,9 @@ def test_live_steps_when_available(demo):
         assert (result.out / "hot_switch_loss.png").stat().st_size > 1000
     if replay.ok:
         assert _fig(result, 5, "trace events replayed") >= 1
+        late = _fig(result, 5, "preemptions handled after their notice ran out")
+        text = result.summary.read_text()
+        assert ("**FAILED**" in text) == (late > 0) and "lag_seconds" in text
         assert _fig(result, 5, "largest relative loss difference to the static job") < 1e-5
         assert (result.out / "replay.png").stat().st_size > 1000
         assert (result.out / "replay_events.csv").is_file()
