@@ -14,14 +14,16 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 HERE = Path(__file__).resolve().parent
 
 SETUP = """\
-import matplotlib
-matplotlib.use("Agg")            # files and inline images only; no display needed
 %matplotlib inline
+import tempfile
+from pathlib import Path
 import pandas as pd
 import parashift as ps
-from parashift.demo import plots
+from parashift import plots      # every plot_* both displays inline and writes its file
 pd.set_option("display.width", 160)
-pd.set_option("display.max_columns", 20)"""
+pd.set_option("display.max_columns", 20)
+OUT = Path(tempfile.mkdtemp(prefix="parashift-notebook-"))   # the figures are saved here
+print("figures go to", OUT)"""
 
 
 def nb01() -> list:
@@ -44,15 +46,13 @@ print(cluster.name, cluster.devices, "devices,", cluster.per_node, "per node,",
         new_markdown_cell("""\
 ## Strategies side by side
 
-Each strategy uses all 128 devices. `simulate_fitting` tries activation recompute `none`, then
+Each strategy uses all 128 devices. `ps.explore.simulate_fitting` tries activation recompute `none`, then
 `selective`, then `full`, and keeps the lightest that fits in device memory."""),
         new_code_cell("""\
-from parashift.demo import simulate_fitting
-
 GLOBAL_BATCH, SEQ_LEN = 128, 4096
 rows, results = [], {}
 for text in ["dp=4,tp=8,pp=4,zero=1", "dp=8,tp=8,pp=2,zero=1", "dp=2,tp=8,pp=8,zero=1", "dp=8,tp=4,pp=4,zero=1"]:
-    s, res, tried = simulate_fitting(model.name, cluster.name, ps.Strategy.parse(text),
+    s, res, tried = ps.explore.simulate_fitting(model.name, cluster.name, ps.Strategy.parse(text),
                                      global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN)
     results[text] = res
     rows.append({"strategy": text, "recompute": s.recompute, "step time (s)": res.step_time,
@@ -66,7 +66,7 @@ strategies"""),
 One strategy (`dp=4,tp=8,pp=4,zero=1`) under four pipeline schedules; interleaved 1F1B and DualPipeV run
 two model chunks per pipeline rank (`vpp=2`)."""),
         new_code_cell("""\
-from parashift.demo import compare_schedules, stage_ranks
+from parashift.explore import compare_schedules, stage_ranks
 
 table, runs = compare_schedules(model.name, cluster.name, "dp=4,tp=8,pp=4,zero=1",
                                 global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN)
@@ -76,7 +76,8 @@ ax = table.set_index("schedule")[["step_time_s"]].plot.bar(legend=False, figsize
 ax.set_ylabel("simulated step time (s)")
 ax2 = ax.twinx()
 ax2.plot(range(len(table)), 100 * table["bubble_fraction"], "o-", color="#C44E52")
-ax2.set_ylabel("bubble (%)", color="#C44E52");"""),
+ax2.set_ylabel("bubble (%)", color="#C44E52")
+ax.figure.savefig(OUT / "schedules.png", dpi=110, bbox_inches="tight")"""),
         new_markdown_cell("""\
 ## Timelines
 
@@ -85,7 +86,7 @@ input/weight gradients) and communication kinds; compare where the bubbles sit."
         new_code_cell("""\
 first, best = "1f1b", table.loc[table["step_time_s"].idxmin(), "schedule"]
 panels = {f"{k}: {runs[k].strategy}": runs[k].result.timeline_of(stage_ranks(runs[k].strategy)) for k in (first, best)}
-plots.plot_gantt(panels, max_devices=4)"""),
+plots.plot_gantt(panels, OUT / "timelines.png", max_devices=4)"""),
         new_markdown_cell("""\
 ## Memory
 
@@ -95,14 +96,15 @@ activations, against what a device can use; then the bytes in use over one step 
 mem = table.assign(states=table["states_gib"] * 2**30, activations=table["activations_gib"] * 2**30,
                    buffers=table["buffers_gib"] * 2**30)
 cm = runs[first].result.cost_model
-plots.plot_memory(mem, capacity=cm.memory_capacity - cm.memory_reserved)"""),
+plots.plot_memory(mem, OUT / "memory.png", capacity=cm.memory_capacity - cm.memory_reserved)"""),
         new_code_cell("""\
 res = runs[best].result
 mt = res.memory_timeline(stage_ranks(runs[best].strategy))
 fig, ax = plots.pyplot().subplots(figsize=(8, 3))
 for dev, d in mt.groupby("device"):
     ax.step(d["time"], d["bytes"] / 2**30, where="post", label=f"device {dev}")
-ax.set_xlabel("time (s)"); ax.set_ylabel("GiB in use"); ax.legend(fontsize=7); ax.set_title(f"{best}: memory over one step");"""),
+ax.set_xlabel("time (s)"); ax.set_ylabel("GiB in use"); ax.legend(fontsize=7); ax.set_title(f"{best}: memory over one step")
+fig.savefig(OUT / "memory_over_step.png", dpi=110, bbox_inches="tight")"""),
         new_code_cell("""\
 frame = res.memory_frame().drop_duplicates(["param", "activations"])     # one row per pipeline stage
 gib = ["param", "grad", "master", "optim", "activations", "peak", "capacity"]
@@ -111,7 +113,7 @@ frame[["device", "rank"] + gib + ["fits"]].assign(**{c: frame[c] / 2**30 for c i
 The same numbers come from the command line:
 
 ```
-parashift simulate --model llama2-70b --cluster a800-16x8 --strategy "dp=4,tp=8,pp=4,zero=1" \\
+parashift simulate --model llama2-70b --cluster a800-16x8 --strategy dp=4,tp=8,pp=4,zero=1 \\
     --global-batch 128 --seq-len 4096 --trace trace.json --plot timeline.png
 ```"""),
     ]
@@ -127,10 +129,12 @@ set of devices to another, in memory. Here: llama2-70b trains as `dp=4,tp=8,pp=4
 node 5 (devices 40-47) is lost and the job continues as `dp=3,tp=8,pp=5,zero=1` on the other 120."""),
         new_code_cell(SETUP),
         new_code_cell("""\
-from parashift.demo import NODE_LOSS, bytes_matrix, node_bytes, ablation, lower_and_simulate
+from parashift.explore import bytes_matrix, node_bytes, ablation, lower_and_simulate
 
-plan = ps.vps.plan_switch(NODE_LOSS["model"], NODE_LOSS["src"], NODE_LOSS["dst"], cluster=NODE_LOSS["cluster"],
-                          src_devices=NODE_LOSS["src_devices"], dst_devices=NODE_LOSS["dst_devices"])
+MODEL, CLUSTER, SRC = "llama2-70b", "a800-16x8", "dp=4,tp=8,pp=4,zero=1"
+plan = ps.vps.plan_switch(MODEL, SRC, "dp=3,tp=8,pp=5,zero=1", cluster=CLUSTER,
+                          src_devices=ps.cluster.parse_devices("0-127"),
+                          dst_devices=ps.cluster.parse_devices("0-39,48-127"))   # node 5 (devices 40-47) is gone
 plan.verify()          # every destination element is covered exactly once, by a device that holds it
 plan"""),
         new_markdown_cell("## The plan as a table"),
@@ -151,10 +155,10 @@ pieces.head(8)"""),
 First device to device (only moved bytes are drawn: what a device keeps in place costs nothing),
 then the same summed per node. Most bytes stay inside a node's neighbourhood of pipeline stages."""),
         new_code_cell("""\
-plots.plot_bytes_heatmap(bytes_matrix(plan), title="bytes moved between devices")"""),
+plots.plot_bytes_heatmap(bytes_matrix(plan), OUT / "device_bytes.png", title="bytes moved between devices")"""),
         new_code_cell("""\
-plots.plot_bytes_heatmap(node_bytes(plan), title="bytes moved between nodes", src_label="source node",
-                         dst_label="destination node")"""),
+plots.plot_bytes_heatmap(node_bytes(plan), OUT / "node_bytes.png", title="bytes moved between nodes",
+                         src_label="source node", dst_label="destination node")"""),
         new_markdown_cell("""\
 ## The transition engine and its ablation
 
@@ -166,7 +170,7 @@ coalesces pieces into one message per device pair, and orders point-to-point rou
 abl = ablation(plan)
 abl.round(3)"""),
         new_code_cell("""\
-plots.plot_bars(list(abl["passes"]), list(abl["switch_s"]), ylabel="simulated switch time (s)",
+plots.plot_bars(list(abl["passes"]), list(abl["switch_s"]), OUT / "ablation.png", ylabel="simulated switch time (s)",
                 title="switch time with each pass turned off")"""),
         new_markdown_cell("""\
 With a memory budget per device the engine splits the switch into stages, freeing old buffers as it
@@ -188,8 +192,7 @@ their devices do not hold."""),
         new_code_cell("""\
 rows = {}
 for placement in ("given", "keep"):
-    p = ps.vps.plan_switch(NODE_LOSS["model"], NODE_LOSS["src"], "dp=8,tp=4,pp=4,zero=1", cluster=NODE_LOSS["cluster"],
-                           placement=placement)
+    p = ps.vps.plan_switch(MODEL, SRC, "dp=8,tp=4,pp=4,zero=1", cluster=CLUSTER, placement=placement)
     rows[placement] = {"first node's devices in rank order": p.dst_devices[:8],
                        "moved (GiB)": p.stats()["bytes_moved"] / 2**30, "kept (GiB)": p.stats()["bytes_kept"] / 2**30}
 pd.DataFrame(rows).T"""),
@@ -229,41 +232,62 @@ parashift plan --model llama2-70b --src dp=4,tp=8,pp=4,zero=1 --dst dp=3,tp=8,pp
 def nb03() -> list:
     return [
         new_markdown_cell("""\
-# 03 · Autotune and deploy
+# 03 · Autotune and deploy: the closed loop
 
-An Optuna search picks the fastest strategy for a small GPT on this machine's CPU processes (scored
-by the simulator); the winner is exported as a deploy plan, executed for real on 4 gloo processes,
-and its measured timeline is compared instruction by instruction with the simulated one."""),
+Calibrate the simulator on this machine (a few short live probe runs), let an Optuna search pick the
+fastest strategy for a small GPT on up to 4 CPU processes with the fitted cost model, see why the
+winner won, then run the winner and the runner-up for real on gloo processes and check the predicted
+ranking against the measured one."""),
         new_code_cell(SETUP),
+        new_markdown_cell("## Calibrate `cpu-local`"),
         new_code_cell("""\
-from parashift.demo.deploy import LIVE
-search = ps.search.tune(LIVE["model"], LIVE["cluster"], devices=4, global_batch=LIVE["global_batch"],
-                        seq_len=LIVE["seq_len"], n_trials=30, seed=0)
-pd.Series(search.summary()).drop("pareto")"""),
+MODEL, CLUSTER, BATCH, SEQ = "tiny-gpt", "cpu-local", 12, 32
+probes = ps.calibrate.run_probes(MODEL, ps.calibrate.probe_strategies(MODEL, 4, 3, global_batch=BATCH),
+                                 global_batch=BATCH, seq_len=SEQ, steps=2)
+fitted = ps.calibrate.fit([p.timeline for p in probes], CLUSTER, programs=[p.program for p in probes])
+fitted.cost_model.save(str(OUT / "cost.json"))
+fitted.steps[["source", "measured", "predicted", "base_predicted"]]"""),
+        new_markdown_cell("## Search with the fitted cost model, and why the winner won"),
         new_code_cell("""\
-search.trials[["number", "strategy", "status", "tokens_per_s", "peak_memory", "reason"]].head(12)"""),
+search = ps.search.tune(MODEL, CLUSTER, devices=4, global_batch=BATCH, seq_len=SEQ, n_trials=30, seed=0,
+                        cost_model=fitted.cost_model, space_options={"recompute": ("none",)})  # fits without it
+pd.Series(search.counts())"""),
+        new_code_cell("""\
+search.explain(5)     # step split into compute / exposed communication / bubble, memory, what each lost on"""),
         new_markdown_cell("## Optuna's own plots"),
         new_code_cell("""\
 import warnings
 from optuna.visualization import matplotlib as ovm
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")          # Optuna marks its matplotlib plots experimental
-    ovm.plot_optimization_history(search.study, target_name="tokens/s")
-    ovm.plot_param_importances(search.study, target_name="tokens/s")"""),
-        new_markdown_cell("## Deploy: the plan file, run live"),
+    ax = ovm.plot_optimization_history(search.study, target_name="tokens/s")
+ax.figure.savefig(OUT / "history.png", dpi=110, bbox_inches="tight")"""),
         new_code_cell("""\
-import tempfile, os
-plan_path = os.path.join(tempfile.mkdtemp(), "plan.json")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    ax = ovm.plot_param_importances(search.study, target_name="tokens/s")
+ax.figure.savefig(OUT / "importances.png", dpi=110, bbox_inches="tight")"""),
+        new_markdown_cell("""\
+## Deploy: winner and runner-up, run live
+
+`measure` runs each strategy's Program on local gloo processes and sets the measured step time
+(median after a warm-up step) next to the prediction; the runner-up is the best strategy predicted at
+least 2% slower than the winner, so the pair can confirm or refute the ranking."""),
+        new_code_cell("""\
+table = ps.search.measure(search, steps=4)
+print("ranking held:", ps.search.ranking_held(table))
+table"""),
+        new_markdown_cell("## Simulated vs measured, instruction by instruction"),
+        new_code_cell("""\
+plan_path = str(OUT / "plan.json")
 search.export(plan_path)
 program = ps.exec.load_plan(plan_path)
-run = ps.exec.run_program(program, steps=4, timeout=300)
-pd.DataFrame({"loss": run.losses, "step time (ms)": [1e3 * t for t in run.step_times]})"""),
-        new_markdown_cell("## Simulated vs measured"),
-        new_code_cell("""\
-sim = ps.sim.simulate(program, LIVE["cluster"])
+run = ps.exec.run_program(program, steps=3, timeout=300)
+sim = ps.sim.simulate(program, CLUSTER, fitted.cost_model)
 measured, simulated = run.to_frame(), sim.timeline
-plots.plot_gantt({f"simulated ({sim.step_time * 1e3:.1f} ms)": simulated,
-                  f"measured, last step ({run.step_times[-1] * 1e3:.1f} ms)": measured}, unit="ms")"""),
+plots.plot_gantt({f"simulated, fitted cost model ({sim.step_time * 1e3:.1f} ms)": simulated,
+                  f"measured, last step ({run.step_times[-1] * 1e3:.1f} ms)": measured}, OUT / "sim_vs_run.png",
+                 unit="ms")"""),
         new_code_cell("""\
 joined = measured.merge(simulated, on=["rank", "id"], suffixes=("_run", "_sim"), validate="one_to_one")
 joined["measured_ms"] = 1e3 * (joined["end_run"] - joined["start_run"])
@@ -271,11 +295,11 @@ joined["simulated_ms"] = 1e3 * (joined["end_sim"] - joined["start_sim"])
 joined["kind"] = joined["op_run"].where(joined["op_run"] != "compute", joined["phase_run"])
 joined.groupby("kind")[["measured_ms", "simulated_ms"]].sum().round(2)"""),
         new_markdown_cell("""\
-The simulator's cost model for `cpu-local` comes from datasheet-style defaults; `parashift calibrate`
-fits it to measured timelines like this one. From the command line:
+From the command line (`run` prints the plan's predicted step time next to the measured one):
 
 ```
-parashift search --model tiny-gpt --cluster cpu-local --devices 4 --global-batch 12 --seq-len 32 --trials 30 --export plan.json
+parashift calibrate --runs 3 --steps 2 --global-batch 12 --seq-len 32 --out cost.json
+parashift search --model tiny-gpt --cluster cpu-local --devices 4 --global-batch 12 --seq-len 32 --trials 30 --recompute none --cost-model cost.json --explain --out plan.json
 parashift run plan.json --steps 4
 ```"""),
     ]
@@ -300,7 +324,8 @@ trace.head()"""),
 curve = ps.traces.availability(trace)
 fig, ax = plots.pyplot().subplots(figsize=(8, 2.8))
 ax.step(curve["time"] / 3600, curve["available"], where="post")
-ax.set_xlabel("hours"); ax.set_ylabel("nodes available"); ax.set_title("AWS p3 spot nodes (Bamboo trace)");"""),
+ax.set_xlabel("hours"); ax.set_ylabel("nodes available"); ax.set_title("AWS p3 spot nodes (Bamboo trace)")
+fig.savefig(OUT / "availability.png", dpi=110, bbox_inches="tight")"""),
         new_markdown_cell("""\
 ## Plan for the trace
 
@@ -309,41 +334,41 @@ faster. `plan_trace` searches the best strategies of a small GPT for every devic
 three policies: checkpoint-restart at every change, a hot switch at every change, and the switch-aware
 dynamic program."""),
         new_code_cell("""\
-from parashift.demo.deploy import LIVE
+MODEL, CLUSTER, BATCH, SEQ = "tiny-gpt", "cpu-local", 12, 32
 window = ps.traces.window(trace, 0, 3 * 3600)
 scaled = ps.traces.scale(window, devices_per_node=0.125, max_devices=4, time_scale=600)
-tp = ps.search.plan_trace(scaled, LIVE["model"], LIVE["cluster"], global_batch=LIVE["global_batch"],
-                          seq_len=LIVE["seq_len"])
+tp = ps.search.plan_trace(scaled, MODEL, CLUSTER, global_batch=BATCH, seq_len=SEQ)
 tp.summary()"""),
         new_code_cell("""\
 tp.policy_frame("switch-aware")[["start", "end", "devices", "strategy", "switch_seconds", "tokens"]].head(10)"""),
         new_code_cell("""\
-import tempfile, os
-folder = tempfile.mkdtemp()
-Image(tp.plot(os.path.join(folder, "plan.png")))"""),
+Image(tp.plot(str(OUT / "plan.png")))"""),
         new_markdown_cell("""\
 ## Replay a slice live
 
 Trace minutes 20-45 (an addition, a preemption, an addition), 900x faster: the job starts on the
 processes the trace allows and hot-switches at each event to the switch-aware policy's strategy; a
-static job trains the same samples without switching."""),
+static job trains the same samples without switching. Each event's row says when the switch had
+finished (`wall_time`), its `lag_seconds` after the event, and `late` when a preemption was handled
+after its notice ran out (the job kept a device the trace had taken back)."""),
         new_code_cell("""\
-from parashift.demo.replay import replay_slice
-rep = replay_slice()
-rep.to_frame()[["time", "trace_time", "event", "devices", "strategy", "step", "switched", "pause_seconds",
-                "lost_seconds"]]"""),
+rep = ps.exec.replay("bamboo/p3-trace.csv", MODEL, policy="switch-aware", max_procs=4, time_scale=900,
+                     start=1200, end=2700, max_events=3, global_batch=BATCH, seq_len=SEQ)
+print("every preemption handled within its notice:", rep.ok)
+rep.to_frame()[["time", "wall_time", "lag_seconds", "late", "trace_time", "event", "devices", "strategy", "step",
+                "pause_seconds", "lost_seconds"]]"""),
         new_code_cell("""\
 pd.DataFrame({"loss": rep.losses, "static loss": rep.static_losses}).assign(
     relative_difference=lambda d: (d["loss"] - d["static loss"]).abs() / d["static loss"]).tail()"""),
         new_code_cell("""\
-Image(rep.plot(os.path.join(folder, "replay.png")))"""),
+Image(rep.plot(str(OUT / "replay.png")))"""),
         new_markdown_cell("""\
 From the command line (add `--baseline checkpoint-restart` to replay the same switches by DCP save,
 restart and load):
 
 ```
 parashift replay bamboo/p3-trace.csv --model tiny-gpt --strategy-policy switch-aware --max-procs 4 \\
-    --time-scale 900 --from 1200 --to 2700 --max-events 3 --global-batch 12 --plot replay.png
+    --time-scale 900 --from 1200 --to 2700 --max-events 3 --global-batch 12 --seq-len 32 --plot replay.png
 ```"""),
     ]
 
@@ -356,6 +381,8 @@ def build(name: str) -> nbformat.NotebookNode:
     nb = new_notebook(cells=NOTEBOOKS[name]())
     for i, cell in enumerate(nb.cells):       # stable ids: regenerating changes nothing that did not change
         cell["id"] = f"cell-{i:02d}"
+        if cell.cell_type == "code" and "plots.plot_" in cell.source and cell.source.endswith(")"):
+            cell.source += ";"    # the figure displays once (inline), not also as the cell's value
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.metadata["language_info"] = {"name": "python"}
     return nb

@@ -22,7 +22,7 @@ __all__ = [
     "RuntimeFailure", "SwitchAborted", "region",
 ]
 
-_LAZY = {"vps", "ir", "sim", "search", "exec", "replay", "traces", "calibrate", "demo"}
+_LAZY = {"vps", "ir", "sim", "search", "exec", "replay", "traces", "calibrate", "demo", "explore", "plots"}
 
 
 def __getattr__(name: str):

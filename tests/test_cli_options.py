@@ -29,9 +29,9 @@ def test_compile_rejects_a_zero_sequence_length():
 
 
 def test_search_without_a_feasible_strategy_says_why(capsys):
-    # 5 devices: dp=5 does not divide the batch, tp=5 not the heads, pp=5 not the layers
+    # all 5 devices: dp=5 does not divide the batch, tp=5 not the heads, pp=5 not the layers
     assert main(["search", "--model", "tiny-gpt", "--cluster", "cpu-local", "--devices", "5", "--global-batch", "8",
-                 "--seq-len", "32", "--trials", "4", "--seed", "0", "--json", "--no-progress"]) == 0
+                 "--seq-len", "32", "--trials", "4", "--seed", "0", "--json", "--no-progress", "--all-devices"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["best"] is None and out["reasons"]
     assert sum(r["trials"] for r in out["reasons"]) <= 4 and all(r["reason"] for r in out["reasons"])

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from parashift.cli import main as cli_main
+from parashift.cluster import get as get_cluster
+from parashift.cost import CostModel
 from parashift.demo import STEPS, run_demo
 
 
@@ -96,8 +98,20 @@ def test_live_steps_when_available(demo):
     result, _ = demo
     deploy, hot, replay = result.steps[2], result.steps[3], result.steps[4]
     if deploy.ok:
-        ratio = _fig(result, 3, "measured / predicted step time")
-        assert math.isfinite(ratio) and ratio > 0
+        table = deploy.data["measured"]   # the closed loop: winner (and runner-up) predicted vs measured
+        best = str(deploy.data["search"].best.strategy)
+        assert table["strategy"].iloc[0] == best and len(table) in (1, 2)
+        for r in table.itertuples():
+            tag = "winner" if r.strategy == best else "runner-up"
+            ratio = _fig(result, 3, f"{tag} {r.strategy}: measured / predicted")
+            assert math.isfinite(ratio) and ratio > 0
+        text = result.summary.read_text()
+        assert "| strategy | predicted ms | measured ms |" in text
+        held = deploy.data["ranking_held"]
+        assert ("The ranking held" in text) == (held is True) and ("did not hold" in text) == (held is False)
+        plan = json.loads((result.out / "deploy_plan.json").read_text())
+        datasheet = json.loads(json.dumps(CostModel.for_cluster(get_cluster("cpu-local")).to_json()))
+        assert plan["meta"]["deploy"]["cost_model"] != datasheet   # searched with the fitted cost model
         assert _fig(result, 3, "instructions matched between run and simulation") > 0
         assert (result.out / "deploy_sim_vs_measured.png").stat().st_size > 1000
         assert (result.out / "deploy_plan.json").is_file()
@@ -113,6 +127,9 @@ def test_live_steps_when_available(demo):
         assert (result.out / "hot_switch_loss.png").stat().st_size > 1000
     if replay.ok:
         assert _fig(result, 5, "trace events replayed") >= 1
+        late = _fig(result, 5, "preemptions handled after their notice ran out")
+        text = result.summary.read_text()
+        assert ("**FAILED**" in text) == (late > 0) and "lag_seconds" in text
         assert _fig(result, 5, "largest relative loss difference to the static job") < 1e-5
         assert (result.out / "replay.png").stat().st_size > 1000
         assert (result.out / "replay_events.csv").is_file()

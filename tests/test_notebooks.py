@@ -1,8 +1,11 @@
 """Every notebook runs top to bottom in a fresh kernel (nbclient) without an error, in the venv's
-own Python, from the notebooks/ folder; the shipped files carry no outputs."""
+own Python, from the notebooks/ folder; the shipped files carry no outputs; every plot cell shows its
+image inline (and saves it); notebooks use the public API only; every shell command a notebook
+shows runs and exits 0."""
 from __future__ import annotations
 
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -15,6 +18,25 @@ pytest.importorskip("ipykernel")
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 NAMES = sorted(p.name for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 CELL_TIMEOUT = 300
+#: a cell that draws: a parashift plot_* call, an explicit savefig, or a saved PNG shown with Image(...)
+PLOT_CELL = re.compile(r"plots\.plot_\w+\(|\.savefig\(|Image\(")
+
+
+def plot_cells(nb) -> list[int]:
+    return [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and PLOT_CELL.search(c.source)]
+
+
+def shell_commands(nb) -> list[str]:
+    """The ``parashift ...`` commands of a notebook's markdown code blocks (continuations joined)."""
+    out = []
+    for c in nb.cells:
+        if c.cell_type != "markdown":
+            continue
+        for block in re.findall(r"```\n(.*?)```", c.source, flags=re.S):
+            for cmd in block.replace("\\\n", " ").splitlines():
+                if cmd.strip().startswith("parashift "):
+                    out.append(cmd.strip())
+    return out
 
 
 def _client(nb, **kw):
@@ -52,9 +74,41 @@ def test_notebook_runs(name):
         pytest.fail(f"{name} failed:\n{plain[-3000:]}")
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
-    images = sum(1 for c in nb.cells if c.cell_type == "code" for o in c.outputs
-                 if o.output_type in ("display_data", "execute_result") and "image/png" in o.get("data", {}))
-    assert images >= 2, f"{name} drew {images} picture(s)"
+    def images(cell) -> int:
+        return sum(1 for o in cell.outputs
+                   if o.output_type in ("display_data", "execute_result") and "image/png" in o.get("data", {}))
+    drawn = plot_cells(nb)
+    assert len(drawn) >= 2
+    for i in drawn:   # one image per plot cell: displayed inline, not only written to a file
+        assert images(nb.cells[i]) == 1, f"{name} cell {i} shows {images(nb.cells[i])} images:\n{nb.cells[i].source}"
+    assert sum(images(c) for c in nb.cells if c.cell_type == "code") == len(drawn)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_uses_the_public_api_only(name):
+    nb = nbformat.read(str(NOTEBOOKS / name), as_version=4)
+    code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
+    assert "parashift.demo" not in code and "matplotlib.use(" not in code
+    assert not re.search(r"\b(LIVE|NODE_LOSS|REPLAY|replay_slice)\b", code), name   # the demo's settings
+
+
+COMMANDS = [(name, cmd) for name in NAMES for cmd in shell_commands(nbformat.read(str(NOTEBOOKS / name), as_version=4))]
+
+
+def test_every_notebook_shows_commands():
+    assert {n for n, _ in COMMANDS} == set(NAMES)
+
+
+@pytest.mark.parametrize("name,cmd", COMMANDS, ids=[f"{n[:2]}-{c.split()[1]}" for n, c in COMMANDS])
+def test_notebook_shell_command_runs(name, cmd, tmp_path, monkeypatch, capsys):
+    from parashift.cli import main
+    monkeypatch.chdir(tmp_path)   # files the commands write (and read: plan.json, cost.json) stay here
+    if " run plan.json" in cmd or "--cost-model cost.json" in cmd:   # earlier commands of the same notebook
+        for prev in shell_commands(nbformat.read(str(NOTEBOOKS / name), as_version=4)):
+            if prev == cmd:
+                break
+            assert main(shlex.split(prev)[1:]) == 0, prev
+    assert main(shlex.split(cmd)[1:]) == 0, f"{name}: {cmd}\n{capsys.readouterr().err[-2000:]}"
 
 
 def test_notebooks_match_their_generator():

@@ -1,5 +1,7 @@
 """The README tells the truth: every `$ parashift ...` command it shows parses, runs and exits 0,
-and the deterministic lines it prints (planning and simulation results) are what the command prints."""
+prints every line the README shows under it in the same format (numbers, strategies and the
+binding constraint may differ: timings and machine-fitted cost models vary), and the
+deterministic lines (planning and simulation results) are exactly what the command prints."""
 from __future__ import annotations
 
 import re
@@ -30,7 +32,60 @@ def readme_commands() -> list[str]:
     return out
 
 
+def readme_blocks() -> list[tuple[str, list[str]]]:
+    """Each README command (continuations joined) with the output lines shown under it."""
+    out: list[tuple[str, list[str]]] = []
+    lines = README.read_text().splitlines()
+    current: "list[str] | None" = None
+    i, fence = 0, None          # the open fence line ("```" for shell blocks, "```python" ...)
+    while i < len(lines):
+        line = lines[i]
+        in_block = fence == "```"
+        if line.startswith("```"):
+            fence = line if fence is None else None
+            current = None                       # output belongs to a command of the same block
+        elif in_block and line.startswith("$ parashift "):
+            cmd = line[2:]
+            while cmd.endswith("\\"):
+                i += 1
+                cmd = cmd[:-1] + " " + lines[i].strip()
+            current = []
+            out.append((cmd, current))
+        elif in_block and current is not None and line.strip():
+            current.append(line)
+        i += 1
+    return out
+
+
 COMMANDS = readme_commands()
+BLOCKS = dict(readme_blocks())
+
+_NUM = r"[-+]?[0-9][0-9,]*(?:\.[0-9]+)?(?:e[-+]?[0-9]+)?"
+_BINDING = r"(?:compute|communication|bubble|memory|unknown)"
+_SCHEDULE = r"\(?(?:gpipe|1f1b|interleaved-1f1b|zb-h1|dualpipev)\)?"
+
+
+def line_format(line: str) -> "re.Pattern | None":
+    """A README output line as a pattern: numbers, strategies (tokens with '='), schedules and the
+    binding constraint are wildcards; a runner-up's 'lost on' text is free; whitespace is elastic.
+    None for lines that are not output formats ('...') or depend on timing (a late preemption)."""
+    line = line.rstrip().removesuffix("  LATE")
+    if line.strip() in ("...", "") or line.strip().startswith("FAILED:"):
+        return None
+    toks = line.split()
+    if "=" in toks[0] and toks[0].endswith(":"):          # "<strategy>: what it lost on"
+        return re.compile(r"^\s*\S+=\S*: .+")
+    parts = []
+    for t in toks:
+        if "=" in t:
+            parts.append(r"\S+")
+        elif re.fullmatch(_SCHEDULE, t):
+            parts.append(_SCHEDULE)
+        elif re.fullmatch(r"compute|communication|bubble", t):
+            parts.append(_BINDING)
+        else:
+            parts.append(re.sub(re.escape("NUM"), _NUM, re.escape(re.sub(_NUM, "NUM", t))))
+    return re.compile(r"\s+".join(parts))
 
 # lines the README shows that must come out exactly (simulation and planning are deterministic)
 EXPECTED = {
@@ -39,7 +94,10 @@ EXPECTED = {
                            "stage 3: 3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3F4 3B4 3F5 3B5 3F6 3B6 3F7 3B7"],
     "parashift simulate --model llama2-70b": ["step time      7.6863 s", "bubble         19.4 %"],
     "parashift plan": ["kept in place   828.36 GiB", "moved           328.10 GiB", "verified: every destination"],
-    "parashift plan-trace": ["hot-switch           1.48e+09"],
+    "parashift plan-trace": ["hot-switch          1.486e+09",
+                             "18 devices       287,741 tok/s  dp=16,tp=1,pp=1,zero=2"],
+    "parashift search --model gpt3-1.3b": ["best           dp=32,tp=1,pp=1,zero=2",
+                                           "devices        uses 32 of 38 (6 idle"],
 }
 
 
@@ -48,6 +106,18 @@ def test_readme_shows_the_two_commands_and_many_cli_examples():
     assert "make demo" in text and "make test" in text
     assert {shlex.split(c)[1] for c in COMMANDS} >= {"models", "schedule", "simulate", "plan", "run", "search",
                                                        "plan-trace", "replay", "calibrate"}
+    assert list(BLOCKS) == COMMANDS and sum(len(v) for v in BLOCKS.values()) > 50
+
+
+def test_line_formats_accept_other_figures_and_reject_other_shapes():
+    f = line_format("  step time      0.1845 s = compute 67.1 ms + exposed communication 82.0 ms + bubble 35.5 ms")
+    assert f.search("  step time 1.2 s = compute 1,067.1 ms + exposed communication 2.0 ms + bubble 0.0 ms")
+    assert not f.search("  step time 1.2 s = compute 67.1 ms")
+    g = line_format("  peak memory    2.79 MiB per device; bound by communication")
+    assert g.search("  peak memory 12.00 MiB per device; bound by compute") and not g.search("peak 2 MiB")
+    h = line_format("tiny-gpt under dp=2,tp=1,pp=2,mbs=2,schedule=zb-h1 (zb-h1) on 4 processes")
+    assert h.search("tiny-gpt under dp=4,tp=1,pp=1,zero=2 (1f1b) on 4 processes")
+    assert line_format("...") is None and line_format("  FAILED: preempt at 3.40 s") is None
 
 
 @pytest.mark.parametrize("cmd", COMMANDS)
@@ -64,6 +134,11 @@ def test_every_readme_command_runs_in_order(tmp_path):
         r = subprocess.run([sys.executable, "-m", "parashift", *argv], cwd=tmp_path, capture_output=True,
                            text=True, timeout=900)
         assert r.returncode == 0, f"{cmd}\n{r.stderr[-2000:]}"
+        printed = [ln.rstrip().removesuffix("  LATE") for ln in (r.stdout + "\n" + r.stderr).splitlines()]
+        for shown in BLOCKS[cmd]:
+            fmt = line_format(shown)
+            assert fmt is None or any(fmt.search(ln) for ln in printed), (
+                f"{cmd}: README shows {shown!r}, no printed line has its format\n{r.stdout}\n{r.stderr[-1500:]}")
         for prefix, lines in EXPECTED.items():
             if cmd.startswith(prefix) and (prefix != "parashift plan" or argv[0] == "plan"):
                 squeeze = re.sub(r" +", " ", r.stdout)

@@ -35,6 +35,9 @@ def test_search_json_writes_a_plan_that_parashift_run_trains(tmp_path, capsys):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     ran = json.loads(r.stdout)
+    assert ran["predicted_step_seconds"] == pytest.approx(deploy["predicted"]["step_time"])
+    assert ran["measured_step_seconds"] > 0 and ran["cost_model_calibrated"] is False
+    assert any("uncalibrated" in w for w in ran["warnings"])
     assert len(ran["losses"]) == 2 and all(l > 0 for l in ran["losses"]) and ran["strategy"] == out["best"]
 
 

@@ -35,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_space_options(p)
     p.add_argument("--plot", help="write device count, chosen strategy and cumulative tokens (PNG)")
     p.add_argument("--table", help="write every policy's per-segment plan as CSV")
+    p.add_argument("--all-devices", action="store_true",
+                   help="per device count, only strategies that use every device (default: any count up to it)")
 
 
 def load_trace(path: str, fmt: str | None = None):
@@ -100,7 +102,8 @@ def run(args: argparse.Namespace) -> dict:
     plan = search.plan_trace(trace, model, cl, global_batch=args.global_batch, seq_len=args.seq_len,
                              devices_per_node=args.devices_per_node, max_devices=args.max_devices,
                              top_k=args.top_k, max_candidates=args.max_candidates, trials=args.trials,
-                             seed=args.seed, cost_model=cost, space_options=space_options(args), progress=say)
+                             seed=args.seed, cost_model=cost, space_options=space_options(args),
+                             all_devices=args.all_devices, progress=say)
     out = plan.to_dict()
     out.update({"model": model.name, "cluster": cl.name, "trace": args.trace,
                 "duration_s": float(plan.segments["end"].iloc[-1] - plan.segments["start"].iloc[0])})

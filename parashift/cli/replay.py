@@ -77,19 +77,26 @@ def _ms(v) -> str:
 
 
 def render(result: dict, args: argparse.Namespace) -> None:
+    wall = result.get("wall_seconds")
     print(f"{result['model']} replaying {result['trace']} ({result['policy']}, x{result['time_scale']:g}, "
-          f"{result['devices_per_node']:g} devices/node): {result['steps']} steps in {result['duration']:.1f} s, "
-          f"starting on {result['initial_devices']} devices with {result['initial_strategy']}")
+          f"{result['devices_per_node']:g} devices/node): {result['steps']} steps in "
+          + (f"{wall:.1f} s of wall clock " if wall is not None else "")
+          + f"(trace window {result['duration']:.1f} s at this scale), starting on "
+          f"{result['initial_devices']} devices with {result['initial_strategy']}")
     base = result.get("baseline")
-    print(f"  {'t(s)':>6} {'trace t':>8} {'event':>8} {'dev':>3} {'step':>5} {'pause ms':>8} {'lost ms':>8}"
-          + (f" {'restart ms':>10}" if base else "") + "  strategy")
+    print(f"  {'event s':>7} {'done s':>7} {'lag ms':>7} {'trace t':>8} {'event':>8} {'dev':>3} {'step':>5} "
+          f"{'pause ms':>8} {'lost ms':>8}" + (f" {'restart ms':>10}" if base else "") + "  strategy")
     for e in result["events"]:
         step = "-" if e.get("step") is None else str(e["step"])
         what = e["strategy"] if e["switched"] else ("(no switch)" if e["applied"] else "(not reached)")
-        print(f"  {e['time']:6.2f} {e['trace_time']:8.0f} {e['event']:>8} {e['devices']:3d} {step:>5} "
-              f"{_ms(e['pause_seconds'] if e['switched'] else None):>8} "
+        done = "-" if e.get("wall_time") is None else f"{e['wall_time']:7.2f}"
+        print(f"  {e['time']:7.2f} {done:>7} {_ms(e.get('lag_seconds')):>7} {e['trace_time']:8.0f} {e['event']:>8} "
+              f"{e['devices']:3d} {step:>5} {_ms(e['pause_seconds'] if e['switched'] else None):>8} "
               f"{_ms(e['lost_seconds'] if e['switched'] else None):>8}"
-              + (f" {_ms(e.get('baseline_lost_seconds')):>10}" if base else "") + f"  {what}")
+              + (f" {_ms(e.get('baseline_lost_seconds')):>10}" if base else "") + f"  {what}"
+              + ("  LATE" if e.get("late") else ""))
+    for f in result.get("failures", []):
+        print(f"  FAILED: {f}")
     missed = sum(1 for e in result["events"] if not e["applied"])
     if missed:
         print(f"  {missed} event(s) not reached before the job stopped (window end or --max-steps {args.max_steps})")

@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--switch-memory-budget", metavar="BYTES",
                    help="state bytes each device may hold during a switch (e.g. 12MiB); when the old and the new "
                         "state together exceed it, the switch runs stage by stage and frees old state as it goes")
+    p.add_argument("--force", action="store_true",
+                   help="start even when the preflight finds too many processes per core or too little memory")
     p.add_argument("--switch-placement", choices=("keep", "given"), default="keep",
                    help="keep (default): order each switch's devices (within a node) so that they keep the most "
                         "state in place; given: rank i runs on the i-th listed device")
@@ -71,6 +73,10 @@ def run(args: argparse.Namespace) -> dict:
                             f"drop --nprocs or change the strategy")
     if args.steps < 1:
         raise StrategyError(f"--steps {args.steps} must be at least 1")
+    from .preflight import prediction, preflight
+    pred = prediction(program)
+    if not args.force and not under_torchrun():
+        preflight(program, peak_per_device=(pred or {}).get("peak_memory"))
 
     def progress(step: int, loss: float, seconds: float) -> None:
         if not args.json:
@@ -83,9 +89,30 @@ def run(args: argparse.Namespace) -> dict:
     out = res.to_json()
     if args.trace:
         out["timeline"] = args.trace
+    if pred is not None:
+        out.update(_compare(pred, res.step_times))
     if under_torchrun() and int(os.environ["RANK"]) != 0:
         sys.stdout = open(os.devnull, "w")   # every rank has the gathered result; rank 0 prints it
     return out
+
+
+def _compare(pred: dict, step_times: list[float]) -> dict:
+    """Predicted against measured step time (median after the first, warm-up step), with warnings."""
+    import statistics
+    measured = statistics.median(step_times[1:] or step_times)
+    from ..exec import under_torchrun
+    here = pred["cluster"] if under_torchrun() else "cpu-local"  # torchrun: the cluster the plan is for
+    warnings = []
+    if pred["cluster"] != here:
+        warnings.append(f"the plan was predicted for {pred['cluster']} and ran on {here}: the figures are not "
+                        "comparable; search for this cluster to compare")
+    elif pred["uncalibrated"]:
+        warnings.append(f"the prediction uses {here}'s uncalibrated datasheet cost model; run `parashift "
+                        "calibrate --out cost.json` and search again with --cost-model cost.json")
+    return {"predicted_step_seconds": pred["step_time"], "measured_step_seconds": measured,
+            "measured_over_predicted": measured / pred["step_time"] if pred["step_time"] > 0 else None,
+            "predicted_cluster": pred["cluster"], "cost_model_calibrated": not pred["uncalibrated"],
+            "warnings": warnings}
 
 
 def render(result: dict, args: argparse.Namespace) -> None:
@@ -98,5 +125,11 @@ def render(result: dict, args: argparse.Namespace) -> None:
     print(f"  loss          {result['losses'][0]:.6f} -> {result['losses'][-1]:.6f} over {len(result['losses'])} steps")
     print(f"  step time     median {times[len(times) // 2] * 1e3:.1f} ms")
     print(f"  peak memory   {format_bytes(max(result['peak_memory']))} (max over ranks)")
+    if result.get("predicted_step_seconds") is not None:
+        p, m = result["predicted_step_seconds"], result["measured_step_seconds"]
+        print(f"  predicted     {p * 1e3:.1f} ms per step ({result['predicted_cluster']}), measured {m * 1e3:.1f} ms "
+              f"(median after the first step): {m / p:.2f}x the prediction")
+    for w in result.get("warnings", []):
+        print(f"  warning: {w}")
     if result.get("timeline"):
         print(f"  timeline      {result['timeline']}")

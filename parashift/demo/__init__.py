@@ -1,9 +1,9 @@
 """``parashift demo``: the whole tour in one run, every figure computed, everything written to a folder.
 
 1. explore (simulate four pipeline schedules of llama2-70b on 128 A800s), 2. switch (plan and
-simulate the 128 -> 120 device shrink after a node loss, against checkpoint-restart), 3. tune and
-deploy (an Optuna search for tiny-gpt on 4 CPU processes, the winner run live, measured next to
-simulated), 4. hot switch (the live job shrinks to 3 devices and grows back, against a DCP
+simulate the 128 -> 120 device shrink after a node loss, against checkpoint-restart), 3. the closed
+loop (calibrate cpu-local on short probe runs, search tiny-gpt on up to 4 CPU processes with the
+fitted model, run the winner and the runner-up live: predicted vs measured, did the ranking hold), 4. hot switch (the live job shrinks to 3 devices and grows back, against a DCP
 checkpoint-reshard), 5. replay (a time-compressed slice of a shipped preemption trace against the
 live job), 6. ``summary.md``.
 
@@ -40,7 +40,7 @@ def _steps() -> list[tuple[str, Callable[[DemoContext, StepResult], None]]]:
     from .switch import step_switch
     return [("Explore: four pipeline schedules of llama2-70b on 128 A800s", step_explore),
             ("Switch: 128 -> 120 devices after a node loss", step_switch),
-            ("Tune and deploy: an Optuna search for tiny-gpt on 4 CPU processes, run live", step_deploy),
+            ("Closed loop: calibrate cpu-local, search, run the winner and the runner-up live", step_deploy),
             ("Hot switch: the live job shrinks to 3 devices and grows back", step_hot_switch),
             ("Replay: a time-compressed slice of a shipped preemption trace", step_replay)]
 

@@ -1,102 +1,28 @@
 """Step 1, explore: one strategy under several pipeline schedules, simulated side by side."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
-from ..errors import StrategyError
-from ..strategy import RECOMPUTE, Strategy
+from ..explore import (SCHEDULE_VPP, ScheduleRun, compare_schedules, schedule_strategy, simulate_fitting,
+                       stage_ranks)
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-    from ..sim import SimResult
     from .core import DemoContext, StepResult
-
-__all__ = ["SCHEDULE_VPP", "ScheduleRun", "schedule_strategy", "simulate_fitting", "compare_schedules",
-           "stage_ranks", "step_explore"]
-
-#: Model chunks per pipeline rank each schedule runs.
-SCHEDULE_VPP = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zb-h1": 1, "dualpipev": 2}
 
 MODEL, CLUSTER, BASE = "llama2-70b", "a800-16x8", "dp=4,tp=8,pp=4,zero=1"
 GLOBAL_BATCH, SEQ_LEN = 128, 4096
 
-
-@dataclass(frozen=True)
-class ScheduleRun:
-    """A schedule's simulated step: the strategy that ran (with the recompute it needed) and its result."""
-
-    schedule: str
-    strategy: Strategy
-    result: "SimResult"
-    tried: tuple[str, ...]          # recompute modes tried, lightest first
-
-
-def schedule_strategy(base: "Strategy | str", schedule: str, recompute: str = "none") -> Strategy:
-    """``base`` under ``schedule`` with the schedule's chunks per rank (vpp) and ``recompute``."""
-    if schedule not in SCHEDULE_VPP:
-        raise StrategyError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULE_VPP)}")
-    return Strategy.parse(base).replace(schedule=schedule, vpp=SCHEDULE_VPP[schedule], recompute=recompute)
-
-
-def simulate_fitting(model: str, cluster: str, strategy: Strategy, *, global_batch: int, seq_len: int,
-                     recompute: "str | None" = None) -> tuple[Strategy, "SimResult", tuple[str, ...]]:
-    """Simulate ``strategy``; with ``recompute=None`` try none, selective, full in turn and keep the
-    lightest that fits in device memory (the last one tried if none fits)."""
-    from .. import models
-    from ..ir import compile as ir_compile
-    from ..sim import simulate
-    spec = models.get(model)
-    modes = (recompute,) if recompute is not None else RECOMPUTE
-    tried: list[str] = []
-    res = None
-    for mode in modes:
-        s = strategy.replace(recompute=mode)
-        s.validate(spec)
-        res = simulate(ir_compile(spec, s, global_batch=global_batch, seq_len=seq_len), cluster)
-        tried.append(mode)
-        if res.fits:
-            break
-    assert res is not None
-    return s, res, tuple(tried)
-
-
-def compare_schedules(model: str = MODEL, cluster: str = CLUSTER, base: "Strategy | str" = BASE, *,
-                      schedules: Sequence[str] = ("1f1b", "interleaved-1f1b", "zb-h1", "dualpipev"),
-                      global_batch: int = GLOBAL_BATCH, seq_len: int = SEQ_LEN, recompute: "str | None" = None,
-                      progress: "Callable[[str], None] | None" = None) -> tuple["pd.DataFrame", dict[str, ScheduleRun]]:
-    """Simulate ``base`` under each schedule (recompute: the lightest that fits unless given).
-
-    Returns a table (one row per schedule: strategy, recompute, step time s, tokens/s, MFU,
-    bubble fraction, peak memory GiB and its states/activations split, fits) and the runs."""
-    import pandas as pd
-    runs: dict[str, ScheduleRun] = {}
-    rows = []
-    for sched in schedules:
-        if progress:
-            progress(f"simulating {sched}")
-        s, res, tried = simulate_fitting(model, cluster, schedule_strategy(base, sched), global_batch=global_batch,
-                                         seq_len=seq_len, recompute=recompute)
-        runs[sched] = ScheduleRun(sched, s, res, tried)
-        mem = res.memory_summary()
-        rows.append({"schedule": sched, "strategy": str(s), "recompute": s.recompute, "step_time_s": res.step_time,
-                     "tokens_per_s": res.tokens_per_s, "mfu": res.mfu, "bubble_fraction": res.bubble_fraction,
-                     "peak_memory_gib": res.peak_memory_max / 2**30, "states_gib": mem["states"] / 2**30,
-                     "activations_gib": mem["activations"] / 2**30, "buffers_gib": mem["buffers"] / 2**30,
-                     "fits": res.fits})
-    return pd.DataFrame(rows), runs
-
-
-def stage_ranks(strategy: Strategy) -> list[int]:
-    """One rank per pipeline stage (tp=0, dp=0): the ranks whose timelines differ."""
-    return [int(strategy.rank(0, 0, p)) for p in range(strategy.pp)]
+__all__ = ["SCHEDULE_VPP", "ScheduleRun", "schedule_strategy", "simulate_fitting", "compare_schedules",
+           "stage_ranks", "step_explore"]
 
 
 def step_explore(ctx: "DemoContext", res: "StepResult") -> None:
     """Step 1: llama2-70b on a800-16x8, dp=4,tp=8,pp=4,zero=1 under four schedules."""
     from .plots import plot_gantt, plot_memory
-    table, runs = compare_schedules(progress=ctx.say)
+    table, runs = compare_schedules(MODEL, CLUSTER, BASE, global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN,
+                                    progress=ctx.say)
     table.to_csv(ctx.path("explore_schedules.csv"), index=False)
     ok = table[table["fits"]]
     best = ok.loc[ok["step_time_s"].idxmin(), "schedule"] if len(ok) else table.loc[table["step_time_s"].idxmin(),

@@ -22,10 +22,10 @@ def run_live_fn() -> Any:
 
 
 def best_strategy(devices: int, n_trials: int = LIVE["n_trials"]) -> Any:
-    """The search's best strategy for :data:`LIVE`'s model on ``devices`` CPU processes."""
+    """The search's best strategy for :data:`LIVE`'s model on all of ``devices`` CPU processes."""
     search = require("parashift.search", "tune")
     res = search.tune(LIVE["model"], LIVE["cluster"], devices=devices, global_batch=LIVE["global_batch"],
-                      seq_len=LIVE["seq_len"], n_trials=n_trials, seed=LIVE["seed"])
+                      seq_len=LIVE["seq_len"], n_trials=n_trials, seed=LIVE["seed"], all_devices=True)
     if res.best is None:
         raise DemoError(f"the search found no strategy for {LIVE['model']} on {devices} processes in {n_trials} "
                         f"trials; run more trials")
@@ -80,7 +80,7 @@ def step_hot_switch(ctx: "DemoContext", res: "StepResult") -> None:
     """Step 4: shrink 4 -> 3, grow 3 -> 4, against DCP checkpoint-reshard of the same state."""
     from .plots import plot_bars, plot_losses
     big = ctx.shared.get("share_strategy")
-    if big is None:
+    if big is None or big.world != LIVE["devices"]:  # the job shrinks from all four devices
         ctx.say(f"searching the best strategy on {LIVE['devices']} processes")
         big = best_strategy(LIVE["devices"])
     ctx.say("searching the best strategy on 3 processes")

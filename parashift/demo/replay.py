@@ -47,6 +47,9 @@ def step_replay(ctx: "DemoContext", res: "StepResult") -> None:
     if len(switched):
         res.add("largest switch pause", float(switched["pause_seconds"].max()), "s")
         res.add("median switch pause", float(switched["pause_seconds"].median()), "s")
+        res.add("largest lag of a switch behind its event", float(switched["lag_seconds"].max()), "s")
+    late = r.late_events
+    res.add("preemptions handled after their notice ran out", len(late), "events")
     res.add("training time lost to reconfiguration", float(r.lost_seconds), "s")
     res.add("steps trained", len(losses), "steps")
     res.add("largest relative loss difference to the static job", dev, "")
@@ -56,13 +59,16 @@ def step_replay(ctx: "DemoContext", res: "StepResult") -> None:
     res.body = (f"Trace minutes {REPLAY['start'] / 60:.0f}-{REPLAY['end'] / 60:.0f} of `{REPLAY['trace']}` (AWS p3 "
                 f"spot nodes, Bamboo), scaled onto at most {REPLAY['max_procs']} processes and played {REPLAY['time_scale']:.0f}x "
                 f"faster; at each event the job hot-switches to the {REPLAY['policy']} policy's strategy for the "
-                f"new device count.\n\n" + _events_md(events))
+                f"new device count. `wall_time` is when the switch had finished (the first step in the new "
+                f"layout started), `lag_seconds` how long after the event.\n\n" + _events_md(events)
+                + ("\n\n" + "\n".join(f"**FAILED**: {f}" for f in r.to_json()["failures"]) if late else
+                   "\n\nEvery preemption was handled within its notice."))
     res.data.update(replay=r, events=events)
 
 
 def _events_md(events: Any) -> str:
-    cols = [c for c in ("time", "trace_time", "event", "devices", "step", "strategy", "pause_seconds")
-            if c in events.columns]
+    cols = [c for c in ("time", "wall_time", "lag_seconds", "late", "trace_time", "event", "devices", "step",
+                        "strategy", "pause_seconds") if c in events.columns]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in events[cols].itertuples(index=False):
         lines.append("| " + " | ".join(_num(v) for v in row) + " |")

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from ..explore import PASSES, ablation, bytes_matrix, lower_and_simulate, node_bytes
+
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
@@ -20,53 +22,6 @@ __all__ = ["NODE_LOSS", "bytes_matrix", "node_bytes", "lower_and_simulate", "abl
 #: The scenario: dp=4,tp=8,pp=4 on 128 A800s loses node 5 (devices 40-47) and shrinks to 120.
 NODE_LOSS = {"model": "llama2-70b", "cluster": "a800-16x8", "src": "dp=4,tp=8,pp=4,zero=1",
              "dst": "dp=3,tp=8,pp=5,zero=1", "src_devices": "0-127", "dst_devices": "0-39,48-127"}
-PASSES = ("select_sources", "promote", "stage", "coalesce", "xor_order")
-
-
-def bytes_matrix(plan: "SwitchPlan") -> np.ndarray:
-    """``m[src, dst]``: bytes the plan moves from device src to device dst (kept pieces excluded)."""
-    n = int(max(plan.src.max(initial=0), plan.dst.max(initial=0))) + 1
-    m = np.zeros((n, n), dtype=np.float64)
-    mv = plan.moved
-    np.add.at(m, (plan.src[mv], plan.dst[mv]), plan.nbytes[mv])
-    return m
-
-
-def node_bytes(plan: "SwitchPlan") -> np.ndarray:
-    """Bytes between nodes: ``bytes_matrix`` summed over the cluster's nodes."""
-    m = bytes_matrix(plan)
-    node = np.asarray(plan.cluster.node_of(np.arange(len(m))), dtype=np.int64)
-    k = int(node.max()) + 1
-    out = np.zeros((k, k))
-    np.add.at(out, (node[:, None].repeat(len(m), 1), node[None, :].repeat(len(m), 0)), m)
-    return out
-
-
-def lower_and_simulate(plan: "SwitchPlan", **options: object) -> dict:
-    """Lower ``plan`` (transition passes per ``options``), validate and simulate it: the switch's
-    seconds, stages, messages, collectives and peak memory per device."""
-    from .. import sim
-    from ..vps import transition
-    prog = transition.lower(plan, plan.cluster, **options)
-    prog.validate()
-    res = sim.simulate_switch(prog, plan.cluster)
-    meta = prog.meta
-    return {"switch_s": res.switch_time, "stages": meta["stages"], "switch_messages": meta["messages"],
-            "collectives": int(sum(meta["collectives"].values())), "instructions": prog.num_instructions(),
-            "peak_memory_gib": res.peak_memory_max / 2**30, "bytes_inter_gib": res.link_bytes["inter"] / 2**30,
-            "lower_s": meta["lower_seconds"], "fits": res.fits}
-
-
-def ablation(plan: "SwitchPlan", passes: Sequence[str] = PASSES) -> "pd.DataFrame":
-    """The switch with every pass on, then with each of ``passes`` turned off alone (one row each);
-    ``slowdown`` is the simulated switch time relative to all passes on."""
-    import pandas as pd
-    rows = [{"passes": "all on", **lower_and_simulate(plan)}]
-    for p in passes:
-        rows.append({"passes": f"{p} off", **lower_and_simulate(plan, **{p: False})})
-    df = pd.DataFrame(rows)
-    df["slowdown"] = df["switch_s"] / df["switch_s"].iloc[0]
-    return df
 
 
 def node_loss(**overrides: str) -> tuple["SwitchPlan", dict]:

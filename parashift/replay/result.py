@@ -13,10 +13,12 @@ __all__ = ["ReplayResult", "EVENT_COLUMNS", "lost_per_switch", "state_difference
 EVENT_COLUMNS = ("time", "trace_time", "event", "count", "devices", "notice", "strategy", "world", "step",
                  "applied", "switched", "wall_time", "lag_seconds", "pause_seconds", "lost_seconds",
                  "plan_seconds", "world_seconds", "transfer_seconds", "verify_seconds", "rebuild_seconds",
-                 "bytes_moved", "tokens", "baseline_lost_seconds")
+                 "bytes_moved", "tokens", "baseline_lost_seconds", "late")
 """``time``/``trace_time``: the event (replay/trace seconds); ``devices``: the pool after it; ``step``: the
-first step in the new layout; ``wall_time``: replay second that step started (``lag_seconds`` after the
-event: positive for a preemption means the device was held past its reclaim); ``pause_seconds``: the
+first step in the new layout; ``wall_time``: replay second that step started, i.e. when the switch had
+finished (``lag_seconds`` after the event; None when the job stopped before it); ``late``: a preemption
+whose switch finished after its notice ran out (the job held a device the trace had taken back);
+``pause_seconds``: the
 switch's stall between iterations; ``lost_seconds``: end of the step before to start of the step after;
 ``tokens``: tokens trained before the event took effect."""
 
@@ -75,6 +77,23 @@ class ReplayResult:
     baseline_wall_seconds: float | None = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    def __post_init__(self) -> None:
+        for e in self.events:
+            wall = e.get("wall_time")
+            has = wall is not None and not (isinstance(wall, float) and np.isnan(wall))
+            e["lag_seconds"] = float(wall) - float(e["time"]) if has else None
+            e["late"] = bool(e["event"] == "preempt" and has and e["lag_seconds"] > 0)
+
+    @property
+    def late_events(self) -> list[dict]:
+        """Preemptions handled after their notice expired (each a failure of the replay)."""
+        return [e for e in self.events if e["late"]]
+
+    @property
+    def ok(self) -> bool:
+        """True when every preemption was handled within its notice."""
+        return not self.late_events
+
     @property
     def lost_ratio(self) -> float | None:
         """Baseline seconds lost to reconfiguration per hot-switch second lost (> 1: hot switching wins)."""
@@ -108,7 +127,10 @@ class ReplayResult:
                "events": [{k: _plain(v) for k, v in e.items()} for e in self.events],
                "losses": self.losses, "static_losses": self.static_losses,
                "max_loss_rel_diff": self.max_loss_rel_diff, "state_difference": self.state_difference,
-               "lost_seconds": self.lost_seconds, "wall_seconds": self.wall_seconds}
+               "lost_seconds": self.lost_seconds, "wall_seconds": self.wall_seconds, "ok": self.ok,
+               "late_preemptions": len(self.late_events),
+               "failures": [f"{e['event']} at {e['time']:.2f} s (notice {e['notice']:.2f} s): the switch finished "
+                            f"{e['lag_seconds']:.3f} s after the device was taken back" for e in self.late_events]}
         if self.baseline is not None:
             out.update(baseline=self.baseline, baseline_lost_seconds=self.baseline_lost_seconds,
                        lost_ratio=self.lost_ratio, baseline_losses=self.baseline_losses,
@@ -118,9 +140,8 @@ class ReplayResult:
     def plot(self, path: str) -> str:
         """Availability and the job's devices over replay time with the switches marked, and the
         loss curve next to the static job's; written to ``path`` (PNG)."""
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from ...plots import pyplot
+        plt = pyplot()
         fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6.5))
         av = self.availability
         ax1.step(av["time"], av["devices"], where="post", label="devices available", color="tab:gray")

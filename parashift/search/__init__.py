@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .evaluate import CachedEvaluator, Evaluator, Outcome, SimEvaluator
 from .exhaustive import ExhaustiveResult, exhaustive
+from .measure import MEASURE_COLUMNS, measure, ranking_held, runner_up
 from .memory import state_bytes_lower_bound, state_bytes_per_stage
 from .result import PLAN_FORMAT, Candidate, SearchResult, pareto_mask, plan_json
 from .space import Space, canonical, divisors, enumerate_space, make_space, neighbor, params_of
@@ -21,5 +22,5 @@ __all__ = [
     "Outcome", "Evaluator", "SimEvaluator", "CachedEvaluator", "SearchError", "OBJECTIVES", "pareto_mask",
     "plan_json", "PLAN_FORMAT", "state_bytes_lower_bound", "state_bytes_per_stage",
     "plan_trace", "TracePlan", "trace_segments", "POLICIES", "PathResult", "run_path", "best_path", "greedy_path",
-    "START", "IDLE", "SwitchCost", "HotSwitchCost", "RestartCost", "exhaustive", "ExhaustiveResult",
+    "START", "IDLE", "measure", "ranking_held", "runner_up", "MEASURE_COLUMNS", "SwitchCost", "HotSwitchCost", "RestartCost", "exhaustive", "ExhaustiveResult",
 ]

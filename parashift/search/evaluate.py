@@ -26,7 +26,7 @@ from .bounds import peak_memory_lower_bound, step_time_lower_bound
 if TYPE_CHECKING:  # pragma: no cover
     from ..ir.program import Program
 
-__all__ = ["Outcome", "Evaluator", "SimEvaluator", "CachedEvaluator", "STATUSES"]
+__all__ = ["Outcome", "Evaluator", "SimEvaluator", "CachedEvaluator", "STATUSES", "step_breakdown"]
 
 #: ok: simulated and fits; infeasible: does not fit in memory; invalid: cannot run at all
 STATUSES = ("ok", "infeasible", "invalid")
@@ -40,6 +40,8 @@ class Outcome:
     ``peak_memory``: the largest per-device peak in bytes (for an infeasible strategy rejected
     before simulation, the lower bound that ruled it out); ``memory_budget``: the bytes a device
     may use. ``seconds``: wall time the evaluation took; ``simulated``: whether the simulator ran.
+    ``compute``, ``exposed_comm``, ``bubble``: the step time split (seconds, means over devices,
+    summing to ``step_time``; see :func:`step_breakdown`).
     """
 
     status: str
@@ -52,6 +54,9 @@ class Outcome:
     seconds: float = 0.0
     simulated: bool = False
     memory_budget: float = NAN
+    compute: float = NAN
+    exposed_comm: float = NAN
+    bubble: float = NAN
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -129,16 +134,17 @@ class SimEvaluator:
             figures = self._simulate(strategy)
         if isinstance(figures, str):
             return Outcome("invalid", figures, seconds=time.perf_counter() - t0)
-        step, tps, peak, mfu, bubble, fits = figures
+        step, tps, peak, mfu, bubble, fits, split = figures
         status, reason = "ok", ""
         if not fits:
             status = "infeasible"
             reason = f"peak memory {peak / 2**30:.1f} GiB per device exceeds the {self.budget() / 2**30:.1f} GiB available"
-        return Outcome(status, reason, step, tps, peak, mfu, bubble, time.perf_counter() - t0, True, self.budget())
+        return Outcome(status, reason, step, tps, peak, mfu, bubble, time.perf_counter() - t0, True, self.budget(),
+                       *split)
 
-    def _simulate(self, strategy: Strategy) -> "tuple[float, float, float, float, float, bool] | str":
-        """Compile and simulate: (step time, tokens/s, peak bytes, MFU, bubble, fits), or why the
-        compiler rejects the strategy."""
+    def _simulate(self, strategy: Strategy) -> "tuple | str":
+        """Compile and simulate: (step time, tokens/s, peak bytes, MFU, bubble, fits, (compute,
+        exposed comm, bubble seconds)), or why the compiler rejects the strategy."""
         from .. import sim
         try:
             prog = self.program(strategy)
@@ -146,7 +152,45 @@ class SimEvaluator:
             return f"the compiler rejects it: {e}"
         r = sim.simulate(prog, self.cluster, self.costs())
         return (float(r.step_time), float(r.tokens_per_s), float(max(_values(r.peak_memory))), float(r.mfu),
-                float(r.bubble_fraction), bool(r.fits))
+                float(r.bubble_fraction), bool(r.fits), step_breakdown(r))
+
+
+def step_breakdown(result: Any) -> tuple[float, float, float]:
+    """(compute, exposed communication, bubble) seconds of a simulated step, means over devices.
+
+    ``compute``: time the device's compute stream is busy; ``exposed_comm``: time a collective
+    (stream ``comm``) runs while nothing computes; ``bubble``: the rest of the step (waiting on
+    pipeline neighbours, point-to-point transfers, idling). The three sum to the step time.
+    """
+    raw = result.raw
+    step = float(result.step_time)
+    members = raw.folding.members
+    spans: dict[int, dict[bool, list[tuple[float, float]]]] = {r: {True: [], False: []} for r in members}
+    for r, stream, _ins, a, b in raw.records:
+        if b > a and (stream == "compute" or stream == "comm"):
+            spans[r][stream == "compute"].append((a, b))
+    world = sum(len(m) for m in members.values())
+    comp = comm = 0.0
+    for r, m in members.items():
+        busy = _union(spans[r][True])
+        comp += _length(busy) * len(m)
+        comm += (_length(_union(spans[r][True] + spans[r][False])) - _length(busy)) * len(m)
+    comp, comm = comp / world, comm / world
+    return comp, comm, max(0.0, step - comp - comm)
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in spans)
 
 
 class CachedEvaluator:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .evaluate import CachedEvaluator, Evaluator, Outcome
-from .result import Candidate
+from .result import Candidate, rank_key
 from .space import Space
 
 __all__ = ["exhaustive", "ExhaustiveResult"]
@@ -51,7 +51,7 @@ def exhaustive(space: Space, evaluate: "Evaluator | CachedEvaluator", *, top_k: 
         evaluated += 1
         if out.ok:
             found.append(Candidate.from_outcome(s, out))
-            found.sort(key=lambda c: -c.tokens_per_s)
+            found.sort(key=rank_key)
             del found[top_k:]
         if progress is not None:
             progress(i + 1, len(order))

@@ -43,16 +43,14 @@ def plot_search(result: "SearchResult", path: str) -> str:
     study = result.study
     done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     multi = len(result.objective) > 1
-    tps = (lambda t: t.values[0]) if multi else None
     panels: list[tuple[str, Any]] = []
     if multi:
-        panels.append(("Pareto front", _render(lambda: ovm.plot_pareto_front(
-            study, target_names=["tokens/s", "peak memory (bytes)"]), plt)))
+        panels.append(("Pareto front", _render(lambda: _pareto(result, plt), plt)))
     else:
         panels.append(("Optimization history", _render(lambda: ovm.plot_optimization_history(
             study, target_name="tokens/s"), plt)))
     if len(done) >= 2:
-        img = _render(lambda: ovm.plot_param_importances(study, target=tps, target_name="tokens/s"), plt)
+        img = _render(lambda: ovm.plot_param_importances(study, target_name="tokens/s"), plt)
     else:
         img = f"only {len(done)} completed trial(s): parameter importances need at least 2"
     panels.append(("Parameter importances", img))
@@ -73,6 +71,20 @@ def plot_search(result: "SearchResult", path: str) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _pareto(result: "SearchResult", plt: Any) -> Any:
+    """Every feasible trial's peak memory against tokens/s, the Pareto front joined."""
+    ok = result.trials[result.trials["status"] == "ok"]
+    fig, ax = plt.subplots()
+    ax.scatter(ok["peak_memory"] / 2**30, ok["tokens_per_s"], s=12, color="tab:gray", label="feasible trials")
+    front = result.pareto
+    ax.plot([c.peak_memory / 2**30 for c in front], [c.tokens_per_s for c in front], "o-", color="tab:red",
+            label="Pareto front")
+    ax.set_xlabel("peak memory per device (GiB)")
+    ax.set_ylabel("tokens/s")
+    ax.legend(fontsize=8)
+    return ax
 
 
 def plot_trace_plan(plan: "TracePlan", path: str) -> str:

@@ -20,11 +20,20 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .evaluate import Outcome
 
-__all__ = ["Candidate", "SearchResult", "pareto_mask", "TRIAL_COLUMNS", "PLAN_FORMAT"]
+__all__ = ["Candidate", "SearchResult", "pareto_mask", "rank_key", "complexity", "lost_on", "TRIAL_COLUMNS",
+           "PLAN_FORMAT"]
+
+NAN = float("nan")
 
 TRIAL_COLUMNS = ("number", "state", "strategy", "status", "reason", "tp", "pp", "dp", "ep", "zero", "vpp", "mbs",
                  "schedule", "recompute", "tokens_per_s", "step_time", "peak_memory", "mfu", "bubble_fraction",
-                 "cached", "simulated", "eval_seconds")
+                 "compute", "exposed_comm", "bubble", "memory_budget", "cached", "simulated", "eval_seconds")
+_FIGURES = ("step_time", "tokens_per_s", "peak_memory", "mfu", "bubble_fraction", "compute", "exposed_comm",
+            "bubble", "memory_budget")
+#: relative tokens/s difference below which two strategies tie (then memory, then simplicity decide)
+TIE = 1e-6
+#: share of the memory budget above which memory is the binding constraint
+MEMORY_BOUND = 0.9
 _AXES = ("tp", "pp", "dp", "ep", "zero", "vpp", "mbs", "schedule", "recompute")
 #: ``meta["deploy"]["format"]`` of a deploy plan file (a Program JSON with deployment metadata)
 PLAN_FORMAT = "parashift.plan"
@@ -32,30 +41,99 @@ PLAN_FORMAT = "parashift.plan"
 
 @dataclass(frozen=True)
 class Candidate:
-    """A strategy with its simulated figures (seconds, tokens/s, bytes per device)."""
+    """A strategy with its simulated figures (seconds, tokens/s, bytes per device).
+
+    ``compute``, ``exposed_comm`` and ``bubble`` split ``step_time`` (seconds);
+    ``memory_budget``: the bytes a device may use.
+    """
 
     strategy: Strategy
     step_time: float
     tokens_per_s: float
     peak_memory: float
-    mfu: float = float("nan")
-    bubble_fraction: float = float("nan")
+    mfu: float = NAN
+    bubble_fraction: float = NAN
+    compute: float = NAN
+    exposed_comm: float = NAN
+    bubble: float = NAN
+    memory_budget: float = NAN
 
     @classmethod
     def from_outcome(cls, strategy: Strategy, out: "Outcome") -> "Candidate":
-        return cls(strategy, out.step_time, out.tokens_per_s, out.peak_memory, out.mfu, out.bubble_fraction)
+        return cls(strategy, *(float(getattr(out, a)) for a in _FIGURES[:2]), out.peak_memory, out.mfu,
+                   out.bubble_fraction, out.compute, out.exposed_comm, out.bubble, out.memory_budget)
+
+    @classmethod
+    def from_row(cls, r: Any) -> "Candidate":
+        """From a row (namedtuple) of a trials frame."""
+        return cls(Strategy.parse(r.strategy), *(float(getattr(r, a, NAN)) for a in _FIGURES))
 
     @property
     def world(self) -> int:
         return self.strategy.world
 
+    @property
+    def breakdown(self) -> dict[str, float]:
+        """compute, exposed_comm and bubble (seconds) and peak_memory (bytes)."""
+        return {"compute": self.compute, "exposed_comm": self.exposed_comm, "bubble": self.bubble,
+                "peak_memory": self.peak_memory}
+
+    @property
+    def binding(self) -> str:
+        """What bounds the step: ``memory`` (peak over 90% of the budget), else the largest of
+        ``compute``, ``communication`` and ``bubble``."""
+        if math.isfinite(self.memory_budget) and self.peak_memory >= MEMORY_BOUND * self.memory_budget:
+            return "memory"
+        parts = {"compute": self.compute, "communication": self.exposed_comm, "bubble": self.bubble}
+        if not all(math.isfinite(v) for v in parts.values()):
+            return "unknown"
+        return max(parts, key=parts.get)
+
     def to_dict(self) -> dict[str, Any]:
-        return {"strategy": str(self.strategy), "step_time": self.step_time, "tokens_per_s": self.tokens_per_s,
-                "peak_memory": self.peak_memory, "mfu": self.mfu, "bubble_fraction": self.bubble_fraction}
+        return {"strategy": str(self.strategy), "devices_used": self.world, "step_time": _num(self.step_time),
+                "tokens_per_s": _num(self.tokens_per_s), "peak_memory": _num(self.peak_memory),
+                "mfu": _num(self.mfu), "bubble_fraction": _num(self.bubble_fraction),
+                "breakdown": {k: _num(v) for k, v in self.breakdown.items()}, "binding": self.binding}
 
     def __str__(self) -> str:
         return (f"{self.strategy}: {self.tokens_per_s:,.0f} tokens/s, step {self.step_time:.3f} s, "
                 f"peak {self.peak_memory / 2**30:.1f} GiB")
+
+
+def rank_key(c: Candidate) -> tuple:
+    """Sort key, best first: tokens/s (within :data:`TIE`), then peak memory, then simplicity."""
+    return (-_tie_round(c.tokens_per_s), c.peak_memory, complexity(c.strategy), str(c.strategy))
+
+
+def complexity(s: Strategy) -> tuple[int, int]:
+    """How much machinery a strategy uses (parallel axes, ZeRO stage, chunks, recomputation,
+    a schedule other than 1F1B), then its device count: lower is simpler."""
+    parts = (s.tp > 1) + (s.pp > 1) + (s.ep > 1) + s.zero + (s.vpp > 1) + (s.recompute != "none") \
+        + (s.pp > 1 and s.schedule != "1f1b")
+    return int(parts), s.world
+
+
+def lost_on(c: Candidate, best: Candidate) -> str:
+    """Why ``c`` ranks below ``best``, in words."""
+    if c.strategy == best.strategy:
+        return "winner"
+    if _tie_round(c.tokens_per_s) < _tie_round(best.tokens_per_s):
+        diffs = {"compute": c.compute - best.compute, "exposed communication": c.exposed_comm - best.exposed_comm,
+                 "bubble": c.bubble - best.bubble}
+        worse = sorted(((v, k) for k, v in diffs.items() if math.isfinite(v) and v >= 5e-5), reverse=True)
+        why = ", ".join(f"+{v * 1e3:.1f} ms {k}" for v, k in worse[:2]) or "a longer step"
+        return f"{(c.step_time / best.step_time - 1) * 100:.1f}% slower: {why}"
+    if c.peak_memory > best.peak_memory:
+        return f"ties on throughput, needs {(c.peak_memory - best.peak_memory) / 2**30:.2f} GiB more memory"
+    return "ties on throughput and memory; a less simple strategy"
+
+
+def _tie_round(x: float) -> float:
+    return float(f"{x:.6g}") if math.isfinite(x) else -math.inf
+
+
+def _num(v: float) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
 
 
 def pareto_mask(values: np.ndarray, maximize: "tuple[bool, ...]") -> np.ndarray:
@@ -100,10 +178,10 @@ class SearchResult:
     def from_study(cls, study: "optuna.Study", **kw: Any) -> "SearchResult":
         trials = trials_frame(study, kw["devices"])
         ok = trials[trials["status"] == "ok"].drop_duplicates("strategy")
-        cands = [Candidate(Strategy.parse(r.strategy), r.step_time, r.tokens_per_s, r.peak_memory, r.mfu,
-                           r.bubble_fraction) for r in ok.itertuples()]
-        best = max(cands, key=lambda c: c.tokens_per_s, default=None)
-        mask = pareto_mask(np.array([[c.tokens_per_s, c.peak_memory] for c in cands]).reshape(-1, 2), (True, False))
+        cands = sorted((Candidate.from_row(r) for r in ok.itertuples()), key=rank_key)
+        best = cands[0] if cands else None
+        mask = pareto_mask(np.array([[_tie_round(c.tokens_per_s), c.peak_memory] for c in cands]).reshape(-1, 2),
+                           (True, False))   # tokens/s within TIE are equal: the lighter one dominates
         front = tuple(sorted((c for c, keep in zip(cands, mask) if keep), key=lambda c: c.peak_memory))
         return cls(best=best, pareto=front, trials=trials, study=study, **kw)
 
@@ -113,11 +191,37 @@ class SearchResult:
         return int((self.trials["status"] == "ok").sum())
 
     def top(self, k: int) -> list[Candidate]:
-        """The ``k`` feasible distinct strategies of highest tokens/s."""
+        """The ``k`` best feasible distinct strategies (order of :func:`rank_key`)."""
         ok = self.trials[self.trials["status"] == "ok"].drop_duplicates("strategy")
-        ok = ok.sort_values(["tokens_per_s", "number"], ascending=[False, True]).head(k)
-        return [Candidate(Strategy.parse(r.strategy), r.step_time, r.tokens_per_s, r.peak_memory, r.mfu,
-                          r.bubble_fraction) for r in ok.itertuples()]
+        return sorted((Candidate.from_row(r) for r in ok.itertuples()), key=rank_key)[:k]
+
+    def explain(self, k: int = 5) -> "pd.DataFrame":
+        """The winner and the next ``k - 1`` strategies: tokens/s, the step split into compute,
+        exposed communication and bubble (seconds), peak memory (bytes), devices used and idle,
+        the binding constraint and what each runner-up lost on."""
+        import pandas as pd
+        top = self.top(k)
+        rows = [{"strategy": str(c.strategy), "tokens_per_s": c.tokens_per_s, "step_time": c.step_time,
+                 "compute": c.compute, "exposed_comm": c.exposed_comm, "bubble": c.bubble,
+                 "peak_memory": c.peak_memory, "devices_used": c.world, "idle_devices": self.devices - c.world,
+                 "binding": c.binding, "lost_on": lost_on(c, top[0])} for c in top]
+        return pd.DataFrame(rows, columns=["strategy", "tokens_per_s", "step_time", "compute", "exposed_comm",
+                                           "bubble", "peak_memory", "devices_used", "idle_devices", "binding",
+                                           "lost_on"])
+
+    def counts(self) -> dict[str, int]:
+        """How the trials split: ``feasible`` (distinct strategies that fit), ``infeasible``,
+        ``invalid``, ``dominated`` (pruned unscored: could not beat the best), ``repeats`` (a
+        strategy scored before, answered from the cache) and ``simulated`` (simulator runs)."""
+        t = self.trials
+        st = t["status"].fillna("invalid")
+        scored = t[st.isin(["ok", "infeasible"])]
+        return {"trials": int(len(t)), "feasible": int(t.loc[st == "ok", "strategy"].nunique()),
+                "infeasible": int(t.loc[st == "infeasible", "strategy"].nunique()),
+                "invalid": int((st == "invalid").sum()), "dominated": int((st == "dominated").sum()),
+                "repeats": int(scored["cached"].sum()),
+                "simulated": int((scored["simulated"] & ~scored["cached"]).sum()),
+                "evaluations": int(self.evaluations)}
 
     def summary(self) -> dict[str, Any]:
         """The figures ``parashift search --json`` prints."""
@@ -126,8 +230,12 @@ class SearchResult:
                 "best_tokens_per_s": b.tokens_per_s if b else None,
                 "best_step_time": b.step_time if b else None,
                 "best_peak_memory": b.peak_memory if b else None,
+                "breakdown": {k: _num(v) for k, v in b.breakdown.items()} if b else None,
+                "binding": b.binding if b else None,
+                "devices_used": b.world if b else None, "idle_devices": self.devices - b.world if b else None,
                 "trials": int(len(self.trials)), "feasible_trials": self.feasible_trials,
                 "evaluations": self.evaluations, "search_seconds": self.search_seconds,
+                "counts": self.counts(),
                 "pareto": [c.to_dict() for c in self.pareto] if len(self.objective) > 1 else None}
 
     # ---- outputs -------------------------------------------------------------------------------------
@@ -173,8 +281,7 @@ class SearchResult:
         rows = self.trials[(self.trials["strategy"] == s) & (self.trials["status"] == "ok")]
         if rows.empty:
             raise PlanError(f"strategy {s} is not a feasible trial of this search; pick one from result.trials")
-        r = next(rows.itertuples())
-        return Candidate(Strategy.parse(s), r.step_time, r.tokens_per_s, r.peak_memory, r.mfu, r.bubble_fraction)
+        return Candidate.from_row(next(rows.itertuples()))
 
 
 def plan_json(program: Any, *, model: ModelSpec, strategy: Strategy, global_batch: int, seq_len: int,
@@ -209,7 +316,7 @@ def trials_frame(study: "optuna.Study", devices: int) -> "pd.DataFrame":
             dp = devices // (tp * pp) if tp and pp and devices % (tp * pp) == 0 else None
             row.update({a: p.get(a) for a in _AXES})
             row.update(dp=dp, ep=p.get("ep", 1), vpp=p.get("vpp", 1))
-        for a in ("tokens_per_s", "step_time", "peak_memory", "mfu", "bubble_fraction", "eval_seconds"):
+        for a in _FIGURES + ("eval_seconds",):
             v = ua.get(a)
             row[a] = float(v) if v is not None else float("nan")
         row["cached"] = bool(ua.get("cached", False))

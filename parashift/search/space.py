@@ -11,6 +11,9 @@ simulates the same training step twice under two names:
 - with one pipeline stage (``pp == 1``) every schedule runs the same per-rank order as 1F1B
   (GPipe only holds more activations), so the schedule is ``1f1b`` and ``vpp`` is 1;
 - with one data-parallel replica (``dp * cp == 1``) ZeRO has nothing to shard, so ``zero`` is 0.
+
+With ``all_devices=False`` a strategy may leave devices idle: for each point ``dp`` is the
+largest degree with ``dp * tp * pp * cp <= devices`` that makes a valid strategy.
 """
 from __future__ import annotations
 
@@ -71,21 +74,33 @@ class Space:
     recompute: tuple[str, ...] = RECOMPUTE
     cp: tuple[int, ...] = (1,)
     sp: tuple[bool, ...] = (False,)
+    all_devices: bool = True
     _valid: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     # ---- points -> strategies --------------------------------------------------------------------
     def build(self, params: dict[str, Any]) -> tuple[Strategy | None, str]:
         """The canonical strategy for a point (``tp, pp, ep, zero, mbs, schedule, vpp, recompute``),
         or ``(None, reason)`` when the point is invalid; ``vpp`` may be absent unless interleaved."""
+        if self.all_devices:
+            return self._build_on(params, self.devices)
         tp, pp, cp = int(params["tp"]), int(params["pp"]), int(params.get("cp", 1))
-        if self.devices % (tp * pp * cp):
-            return None, (f"tp*pp*cp={tp * pp * cp} does not divide the {self.devices} devices; "
-                          f"pick tp, pp and cp whose product divides {self.devices}")
+        reason = f"tp*pp*cp={tp * pp * cp} exceeds the {self.devices} devices; lower tp, pp or cp"
+        for dp in range(self.devices // (tp * pp * cp), 0, -1):  # the largest dp that makes a valid strategy
+            s, reason = self._build_on(params, dp * tp * pp * cp)
+            if s is not None:
+                return s, ""
+        return None, reason
+
+    def _build_on(self, params: dict[str, Any], devices: int) -> tuple[Strategy | None, str]:
+        tp, pp, cp = int(params["tp"]), int(params["pp"]), int(params.get("cp", 1))
+        if devices % (tp * pp * cp):
+            return None, (f"tp*pp*cp={tp * pp * cp} does not divide the {devices} devices; "
+                          f"pick tp, pp and cp whose product divides {devices}")
         schedule = params["schedule"]
         try:
             sched = get_schedule(schedule)
             vpp = sched.chunks or int(params.get("vpp", 1))
-            s = Strategy(dp=self.devices // (tp * pp * cp), tp=tp, pp=pp, ep=int(params.get("ep", 1)),
+            s = Strategy(dp=devices // (tp * pp * cp), tp=tp, pp=pp, ep=int(params.get("ep", 1)),
                          zero=int(params["zero"]), vpp=vpp, mbs=int(params["mbs"]), schedule=schedule,
                          recompute=params["recompute"], cp=cp, sp=bool(params.get("sp", False)) and tp > 1)
         except StrategyError as e:
@@ -100,7 +115,9 @@ class Space:
         key = str(s)
         if key in self._valid:
             return list(self._valid[key])
-        out = s.problems(self.model, self.devices)
+        out = s.problems(self.model, self.devices if self.all_devices else None)
+        if s.world > self.devices:
+            out.append(f"the strategy's {s.world} ranks exceed the {self.devices} devices; lower dp, tp, pp or cp")
         if s.tp * s.cp > self.per_node and s.cp > 1:
             out.append(f"tp*cp={s.tp * s.cp} would span nodes of {self.per_node} devices; keep tp*cp <= {self.per_node}")
         if s.cp > 1 and self.seq_len % (2 * s.cp):
@@ -155,7 +172,7 @@ class Space:
                 "seq_len": self.seq_len, "tp": list(self.tp), "pp": list(self.pp), "ep": list(self.ep),
                 "zero": list(self.zero), "mbs": list(self.mbs), "schedule": list(self.schedule),
                 "vpp": list(self.vpp), "recompute": list(self.recompute), "cp": list(self.cp),
-                "sp": list(self.sp)}
+                "sp": list(self.sp), "all_devices": self.all_devices}
 
 
 def params_of(space: Space, s: Strategy) -> dict[str, Any] | None:
@@ -231,7 +248,7 @@ def make_space(model: "str | ModelSpec", cluster: "str | Cluster", *, devices: i
                ep: "tuple[int, ...] | None" = None, zero: tuple[int, ...] = (0, 1, 2, 3),
                mbs: "tuple[int, ...] | None" = None, schedules: "tuple[str, ...] | None" = None,
                vpp: tuple[int, ...] = (2, 4), recompute: tuple[str, ...] = RECOMPUTE,
-               cp: tuple[int, ...] = (1,), sp: tuple[bool, ...] = (False,)) -> Space:
+               cp: tuple[int, ...] = (1,), sp: tuple[bool, ...] = (False,), all_devices: bool = True) -> Space:
     """The space of ``model`` on ``devices`` devices of ``cluster``.
 
     Defaults: ``tp`` the divisors of ``devices`` up to the devices per node that the model's
@@ -239,11 +256,15 @@ def make_space(model: "str | ModelSpec", cluster: "str | Cluster", *, devices: i
     count; ``ep`` (MoE) the divisors of ``devices`` that divide the expert count; ``mbs`` the
     powers of two up to 8 that divide the global batch; ``cp`` (context parallelism) and ``sp``
     (sequence parallelism, with tp > 1) off unless choices are passed, e.g. ``cp=(1, 2), sp=(False, True)``.
+    ``all_devices=False``: strategies on fewer devices are points too (``tp`` and ``pp`` then also
+    take the divisors of the devices per node and of the layer count).
     """
     m = get_model(model)
     c = get_cluster(cluster)
     _check_inputs(m, c, devices, global_batch, seq_len)
     divs = divisors(devices)
+    if not all_devices:
+        divs = sorted(set(divs) | {d for d in divisors(c.per_node) + divisors(m.layers) if d <= devices})
     if tp is None:
         tp = tuple(t for t in divs if t <= c.per_node and not _tp_problems(m, t))
     if pp is None:
@@ -263,7 +284,7 @@ def make_space(model: "str | ModelSpec", cluster: "str | Cluster", *, devices: i
         raise StrategyError(f"unknown schedules {bad}; use some of {', '.join(schedule_names())}")
     return Space(m, devices, c.per_node, global_batch, seq_len, tuple(tp), tuple(pp), tuple(ep), tuple(zero),
                  tuple(mbs), tuple(schedules), tuple(vpp), tuple(recompute), tuple(int(x) for x in cp),
-                 tuple(bool(x) for x in sp))
+                 tuple(bool(x) for x in sp), all_devices)
 
 
 def enumerate_space(model: "str | ModelSpec", cluster: "str | Cluster", *, devices: int, global_batch: int,

@@ -29,7 +29,7 @@ from ..strategy import Strategy
 from .evaluate import CachedEvaluator, Evaluator, SimEvaluator
 from .exhaustive import exhaustive
 from .policies import IDLE, PathResult, best_path, greedy_path, run_path
-from .result import Candidate
+from .result import Candidate, rank_key
 from .space import make_space
 from .switch_cost import HotSwitchCost, RestartCost, SwitchCost
 from .tune import tune
@@ -201,7 +201,7 @@ def plan_trace(trace: pd.DataFrame, model: "str | ModelSpec", cluster: "str | Cl
                exhaustive_limit: int = 600, seed: int | None = 0, cost_model: Any = None, storage: Any = None,
                space_options: Mapping[str, Any] | None = None, evaluate: Evaluator | None = None,
                switch_cost: SwitchFn | None = None, restart_cost: SwitchFn | None = None,
-               progress: Callable[[str], None] | None = None) -> TracePlan:
+               all_devices: bool = False, progress: Callable[[str], None] | None = None) -> TracePlan:
     """Plan ``model`` on ``cluster`` over ``trace`` and compare the three policies (module doc).
 
     Per device count the space is enumerated and solved exactly (:func:`exhaustive`) when it
@@ -210,6 +210,8 @@ def plan_trace(trace: pd.DataFrame, model: "str | ModelSpec", cluster: "str | Cl
     of each smaller count, at most ``max_candidates`` per count. ``storage``: the
     checkpoint-restart parameters (``sim.StorageModel``). ``evaluate``, ``switch_cost`` and
     ``restart_cost`` replace the simulator-backed defaults (for tests and what-if studies).
+    As in :func:`tune`, a count's space holds strategies on any device count up to it (idle
+    devices allowed) unless ``all_devices``.
     """
     t0 = time.perf_counter()
     m, c = get_model(model), get_cluster(cluster)
@@ -225,7 +227,7 @@ def plan_trace(trace: pd.DataFrame, model: "str | ModelSpec", cluster: "str | Cl
         left = f", about {spent / i * (len(counts) - i):.0f} s left" if i else ""
         say(f"searching strategies for {w} devices ({i + 1}/{len(counts)}{left})")
         tops[w] = _world_candidates(m, c, w, global_batch, seq_len, ev, top_k, trials, exhaustive_limit, seed,
-                                    dict(space_options or {}))
+                                    {"all_devices": all_devices, **(space_options or {})})
     # candidates per count: its own top-K, then the best of every smaller count
     ids: dict[str, int] = {}
     cands: list[Candidate] = []
@@ -274,13 +276,13 @@ def plan_trace(trace: pd.DataFrame, model: "str | ModelSpec", cluster: "str | Cl
 def _world_candidates(m: ModelSpec, c: Cluster, w: int, global_batch: int, seq_len: int, ev: CachedEvaluator,
                       top_k: int, trials: int | None, exhaustive_limit: int, seed: int | None,
                       space_options: dict) -> list[Candidate]:
-    """The ``top_k`` feasible strategies on ``w`` devices, best first ([] when none runs)."""
+    """The ``top_k`` feasible strategies on at most ``w`` devices, best first ([] when none runs)."""
     space = make_space(m, c, devices=w, global_batch=global_batch, seq_len=seq_len, **space_options)
     points = space.enumerate()
     if not points:
         return []
     if trials is None and len(points) <= exhaustive_limit:
-        return list(exhaustive(space, ev, top_k=top_k).top)
+        return sorted(exhaustive(space, ev, top_k=top_k).top, key=rank_key)
     res = tune(m, c, devices=w, global_batch=global_batch, seq_len=seq_len, n_trials=trials or 200, seed=seed,
                space=space, evaluate=ev.evaluate, cache=ev.cache)
     return res.top(top_k)

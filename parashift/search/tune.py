@@ -25,8 +25,8 @@ from ..cluster import Cluster, get as get_cluster
 from ..errors import ParashiftError
 from ..models import ModelSpec, get as get_model
 from .evaluate import CachedEvaluator, Evaluator, Outcome, SimEvaluator
-from .result import Candidate, SearchResult
-from .space import Space, make_space, neighbor
+from .result import Candidate, SearchResult, rank_key
+from .space import Space, canonical, make_space, neighbor, params_of
 
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
@@ -35,7 +35,12 @@ __all__ = ["tune", "SearchError", "OBJECTIVES"]
 
 #: objective name -> (Optuna direction, outcome field)
 OBJECTIVES = {"throughput": ("maximize", "tokens_per_s"), "memory": ("minimize", "peak_memory")}
-_ATTRS = ("step_time", "tokens_per_s", "peak_memory", "mfu", "bubble_fraction", "memory_budget")
+_ATTRS = ("step_time", "tokens_per_s", "peak_memory", "mfu", "bubble_fraction", "memory_budget", "compute",
+          "exposed_comm", "bubble")
+#: axes the last trials vary on the leaders, to find lighter strategies (and break ties by memory)
+_POLISH_AXES = ("zero", "recompute", "mbs")
+#: share of the trials kept for that sweep, and how many leaders it varies
+_POLISH_SHARE, _POLISH_LEADERS = 0.2, 5
 
 
 class SearchError(ParashiftError, ValueError):
@@ -48,7 +53,7 @@ def tune(model: "str | ModelSpec", cluster: "str | Cluster", *, devices: int, gl
          sampler: "str | optuna.samplers.BaseSampler" = "tpe", space: Space | None = None,
          space_options: "dict[str, Any] | None" = None,
          evaluate: Evaluator | None = None, cache: "dict[str, Outcome] | None" = None,
-         prune_dominated: bool = True, local_search: bool = True,
+         prune_dominated: bool = True, local_search: bool = True, all_devices: bool = False,
          progress: "Callable[[int, int, Candidate | None], None] | None" = None) -> SearchResult:
     """Search the strategies of ``model`` on ``devices`` devices of ``cluster`` for ``n_trials`` trials.
 
@@ -64,8 +69,12 @@ def tune(model: "str | ModelSpec", cluster: "str | Cluster", *, devices: int, gl
     ``dominated``); this never loses the optimum. ``local_search``: after the first 30% of the
     trials, every other trial probes an unvisited neighbor of the incumbent (one axis changed,
     or two of tp/pp/dp traded) that could still beat it, highest upper bound first, through
-    ``study.enqueue_trial``; the sampler drives the rest. ``progress(done, total, best)`` is
-    called after each trial.
+    ``study.enqueue_trial``; the sampler drives the rest; the last trials (up to 20%) score
+    unvisited ZeRO, recomputation and micro-batch variants of the five best strategies, so that
+    ties are broken by memory and the Pareto front has lighter points. ``all_devices``: only strategies that use every device (default: any device
+    count up to ``devices``, idle devices reported). The best strategy is the fastest, ties
+    (tokens/s within 1e-6) broken by peak memory then simplicity (:func:`.result.rank_key`).
+    ``progress(done, total, best)`` is called after each trial.
     """
     import optuna
 
@@ -74,7 +83,7 @@ def tune(model: "str | ModelSpec", cluster: "str | Cluster", *, devices: int, gl
         raise SearchError(f"n_trials={n_trials!r} must be a non-negative integer")
     objectives = _objectives(objective)
     space = space or make_space(m, c, devices=devices, global_batch=global_batch, seq_len=seq_len,
-                                **(space_options or {}))
+                                **{"all_devices": all_devices, **(space_options or {})})
     if (space.model.name, space.devices, space.global_batch, space.seq_len) != (m.name, devices, global_batch,
                                                                                  seq_len):
         raise SearchError(f"the space is for {space.model.name} on {space.devices} devices with global batch "
@@ -90,14 +99,20 @@ def tune(model: "str | ModelSpec", cluster: "str | Cluster", *, devices: int, gl
         if key and out is not None:
             ev.cache.setdefault(key, out)
 
-    bound = getattr(base, "throughput_bound", None) if prune_dominated and objectives == ("throughput",) else None
+    bound = getattr(base, "throughput_bound", None) if prune_dominated else None
     t0 = time.perf_counter()
     best = _incumbent(study)  # a resumed study's best (never a shared cache's: that would leak)
     visited = {ft.user_attrs["strategy"] for ft in study.get_trials(deepcopy=False) if ft.user_attrs.get("strategy")}
     local_from = max(10, int(0.3 * n_trials)) if local_search else n_trials
+    polish_from = n_trials - int(_POLISH_SHARE * n_trials) if local_search else n_trials
+    leaders: list[Candidate] = [] if best is None else [best]
     with _quiet(optuna):
         for i in range(n_trials):
-            if i >= local_from and i % 2 and best is not None:
+            polish = _polish(space, leaders, visited, getattr(base, "could_fit", None)) \
+                if i >= polish_from else None
+            if polish is not None:
+                study.enqueue_trial(polish, skip_if_exists=False)
+            elif i >= local_from and i % 2 and best is not None:
                 move = neighbor(space, best.strategy, visited, getattr(base, "throughput_bound", None),
                                 getattr(base, "could_fit", None), best.tokens_per_s)
                 if move is not None:
@@ -114,14 +129,35 @@ def tune(model: "str | ModelSpec", cluster: "str | Cluster", *, devices: int, gl
             else:
                 out, cached = ev(strat)
                 _tell(optuna, study, trial, strat, out, cached, objectives, use_constraint)
-                if out.ok and (best is None or out.tokens_per_s > best.tokens_per_s):
-                    best = Candidate.from_outcome(strat, out)
+                cand = Candidate.from_outcome(strat, out)
+                if out.ok and (best is None or rank_key(cand) < rank_key(best)):
+                    best = cand
+                if out.ok and not cached:
+                    leaders = sorted(leaders + [cand], key=rank_key)[:_POLISH_LEADERS]
             if progress is not None:
                 progress(i + 1, n_trials, best)
     seconds = time.perf_counter() - t0
     return SearchResult.from_study(study, model=m, cluster=c, devices=devices, global_batch=global_batch,
                                    seq_len=seq_len, objective=objectives, cost_model=cost_model, evaluator=ev,
                                    search_seconds=seconds, evaluations=ev.calls)
+
+
+def _polish(space: Space, leaders: "list[Candidate]", visited: "set[str]",
+            could_fit: Any) -> "dict[str, Any] | None":
+    """An unvisited point of ``space`` that differs from a leader on one of :data:`_POLISH_AXES`."""
+    for lead in leaders:
+        for axis in _POLISH_AXES:
+            for v in getattr(space, axis):
+                try:
+                    m = canonical(lead.strategy.replace(**{axis: v}))
+                except ParashiftError:
+                    continue
+                if str(m) in visited or space.problems(m) or (could_fit is not None and not could_fit(m)):
+                    continue
+                p = params_of(space, m)
+                if p is not None and space.build(p)[0] == m:
+                    return p
+    return None
 
 
 # ---- telling Optuna ---------------------------------------------------------------------------------
@@ -131,8 +167,10 @@ def _incumbent(study: "optuna.Study") -> Candidate | None:
     best: Candidate | None = None
     for ft in study.get_trials(deepcopy=False):
         out = _outcome_of(ft)
-        if out is not None and out.ok and (best is None or out.tokens_per_s > best.tokens_per_s):
-            best = Candidate.from_outcome(Strategy.parse(ft.user_attrs["strategy"]), out)
+        if out is not None and out.ok:
+            cand = Candidate.from_outcome(Strategy.parse(ft.user_attrs["strategy"]), out)
+            if best is None or rank_key(cand) < rank_key(best):
+                best = cand
     return best
 
 
@@ -164,9 +202,9 @@ def _tell(optuna: Any, study: "optuna.Study", trial: "optuna.trial.Trial", strat
         trial.set_constraint("memory", violation)
     else:
         trial.set_user_attr("constraint", [violation])
-    values = [getattr(out, OBJECTIVES[o][1]) for o in objectives]
-    if all(math.isfinite(v) for v in values):
-        study.tell(trial, values if len(values) > 1 else values[0])
+    value = out.tokens_per_s  # the sampler maximizes tokens/s whatever the objective (module doc)
+    if math.isfinite(value):
+        study.tell(trial, value)
     else:  # rejected before simulation (memory lower bound): no figures to tell
         study.tell(trial, state=optuna.trial.TrialState.PRUNED)
 
@@ -214,7 +252,7 @@ def _sampler(optuna: Any, sampler: Any, seed: int | None, use_constraint: bool) 
 
 def _open_study(optuna: Any, storage: Any, study_name: str | None, objectives: tuple[str, ...], sampler: Any,
                 space: Space) -> "optuna.Study":
-    directions = [OBJECTIVES[o][0] for o in objectives]
+    directions = ["maximize"]
     desc = {**space.describe(), "objective": list(objectives)}
     shown = _redact(storage) if isinstance(storage, str) else storage
     with _quiet(optuna), _storage_lock(storage):
