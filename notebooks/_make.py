@@ -352,7 +352,7 @@ static job trains the same samples without switching. Each event's row says when
 finished (`wall_time`), its `lag_seconds` after the event, and `late` when a preemption was handled
 after its notice ran out (the job kept a device the trace had taken back)."""),
         new_code_cell("""\
-rep = ps.exec.replay("bamboo/p3-trace.csv", MODEL, policy="switch-aware", max_procs=4, time_scale=900,
+rep = ps.replay.replay("bamboo/p3-trace.csv", MODEL, policy="switch-aware", max_procs=4, time_scale=900,
                      start=1200, end=2700, max_events=3, global_batch=BATCH, seq_len=SEQ)
 print("every preemption handled within its notice:", rep.ok)
 rep.to_frame()[["time", "wall_time", "lag_seconds", "late", "trace_time", "event", "devices", "strategy", "step",

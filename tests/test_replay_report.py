@@ -5,7 +5,7 @@ import argparse
 import pandas as pd
 
 from parashift.cli.replay import render
-from parashift.exec.replay.result import ReplayResult
+from parashift.replay.result import ReplayResult
 
 
 def _event(time, event, wall, notice=0.13, switched=True):
