@@ -27,6 +27,7 @@ from ..errors import ProgramError
 from .actions import AFTER, END, OPTIM, POST, Action
 from .graph import DATA, SAVED, Graph
 from .ordering import Fuse, Order, Stream
+from . import tags as T
 
 __all__ = ["Split", "Place", "Shard", "Recompute", "Replicate", "Order", "Stream", "Fuse", "apply_all",
            "END", "OPTIM", "POST", "AFTER"]
@@ -189,7 +190,7 @@ class Place:
                 continue
             cu, cv, mb = c["chunk"][u], c["chunk"][v], c["mb"][u]
             fwd = cv > cu
-            tag = f"act.c{cu}.m{mb}" if fwd else f"grad.c{cv}.m{mb}"
+            tag = str(T.P2PTag(T.Payload.ACT, cu, mb) if fwd else T.P2PTag(T.Payload.GRAD, cv, mb))
             peer = self._peer(cu, cv)
             s = _comm(out, u, op="send", tag=tag, peer=peer, nbytes=self.act_bytes, stream="p2p", dpos=0.75)
             r = _comm(out, v, op="recv", tag=tag, peer="pp-1" if peer == "pp+1" else "pp+1",
@@ -236,11 +237,11 @@ class Shard:
                 c["params"][i] //= self.ways
                 kind, ph, mb, reg = c["kind"][i], c["phase"][i], c["mb"][i], c["region"][i]
                 if ph == "fwd" and kind in ("embed", "attn", "mlp", "moe.combine"):
-                    plan.setdefault(("all_reduce", None), []).append((i, f"tp.{reg}.fwd.m{mb}"))
+                    plan.setdefault(("all_reduce", None), []).append((i, str(T.TPTag(reg, "fwd", mb))))
                 elif ph == "fwd" and kind == "head":
-                    plan.setdefault(("all_gather", "ce_stats"), []).append((i, f"tp.head.fwd.m{mb}"))
+                    plan.setdefault(("all_gather", "ce_stats"), []).append((i, str(T.TPTag("head", "fwd", mb))))
                 elif ph in ("bwd", "bwd_input") and kind in ("head", "mlp", "attn", "moe.route"):
-                    plan.setdefault(("all_reduce", None), []).append((i, f"tp.{reg}.{ph}.m{mb}"))
+                    plan.setdefault(("all_reduce", None), []).append((i, str(T.TPTag(reg, ph, mb))))
         else:
             for i in range(n):
                 if c["op"][i] != "compute":
@@ -260,7 +261,7 @@ class Shard:
                     what = "dispatch"
                 if what:
                     plan.setdefault(("all_to_all", None), []).append(
-                        (i, f"ep.layers.{layer}.moe.{what}.{ph_tag}.m{mb}"))
+                        (i, str(T.EPTag(layer, T.A2A(what), ph_tag, mb))))
         ins: list[tuple[int, int]] = []
         for (op, key), items in plan.items():
             us = [u for u, _ in items]
@@ -306,7 +307,7 @@ class Recompute:
             key = (c["region"][i], c["mb"][i])
             f = fwd[key]
             flops = c["flops"][f] if self.mode == "full" or self.selective_flops <= 0 else self.selective_flops
-            buf = f"rc.{key[0]}.m{key[1]}"
+            buf = str(T.StepBuffer("rc", key[1], region=key[0]))
             r = _clone(out, out, i, phase="recompute", flops=float(flops), act=0, pos=c["pos"][i] - 0.25,
                        alloc=((buf, int(self.rc_bytes.get(kind, 0))),), free=())
             last = weight.get(key, i)
@@ -375,7 +376,7 @@ class Replicate:
                 specs.append(("edp", self.grad_expert[ch], "expert"))
             for grp, nb, what in specs:
                 s = out.add(op="all_reduce" if self.zero == 0 else "reduce_scatter", group=grp, chunk=ch,
-                            stage=st, tag=f"{grp}.grad.c{ch}", key=f"grad:c{ch}:{what}", nbytes=int(nb),
+                            stage=st, tag=str(T.SyncTag(T.Axis(grp), T.Sync.GRAD, ch)), key=str(T.StepKey("grad", ch, what)), nbytes=int(nb),
                             stream="comm", action=anchor)
                 sync_nodes.setdefault(ch, []).append(s)
         # reroute bwd -> optim edges through the chunk's syncs
@@ -399,8 +400,8 @@ class Replicate:
         if self.tied_bytes and stage_of[0] != stage_of[last]:
             for ch, kind in ((0, "embed"), (last, "head")):
                 st = stage_of[ch]
-                t = out.add(op="all_reduce", group="embed", chunk=ch, stage=st, tag="embed.grad",
-                            key="grad:embed", nbytes=int(self.tied_bytes), stream="comm", action=(END, 0))
+                t = out.add(op="all_reduce", group="embed", chunk=ch, stage=st, tag=str(T.EmbedTag()),
+                            key=str(T.StepKey("grad", None, "embed")), nbytes=int(self.tied_bytes), stream="comm", action=(END, 0))
                 for i in bwd_of_chunk[ch]:
                     if c["kind"][i] == kind:
                         out.edge(i, t, SAVED)
@@ -416,7 +417,7 @@ class Replicate:
                     size = self.ways if grp == "dp" else (edp if self.ep > 1 else 1)
                     if size > 1 and nb:
                         a = out.add(op="all_gather", group=grp, chunk=ch, stage=stage_of[ch],
-                                    tag=f"{pfx}.param.c{ch}", key=f"param:c{ch}:{'dense' if grp == 'dp' else 'expert'}",
+                                    tag=str(T.SyncTag(T.Axis(pfx), T.Sync.PARAM, ch)), key=str(T.StepKey("param", ch, "dense" if grp == "dp" else "expert")),
                                     nbytes=int(nb), stream="comm", action=(POST, ch))
                         out.edge(optim[stage_of[ch]], a, SAVED)
         elif self.zero == 3:
@@ -435,10 +436,10 @@ class Replicate:
                     size = self.ways if grp == "dp" else (edp if self.ep > 1 else 1)
                     if size <= 1 or not nb:
                         continue
-                    name = f"{buf}.c{a.chunk}.{ph}.m{a.mb}"
+                    name = str(T.StepBuffer(buf, a.mb, chunk=a.chunk, phase=ph))
                     n = out.add(op="all_gather", group=grp, chunk=a.chunk, stage=c["stage"][first],
-                                phase=ph, mb=a.mb, tag=f"{pfx}.c{a.chunk}.{ph}.m{a.mb}", nbytes=int(nb),
-                                key=f"param:c{a.chunk}:{'dense' if grp == 'dp' else 'expert'}",
+                                phase=ph, mb=a.mb, tag=str(T.Z3Tag(grp == "edp", a.chunk, ph, a.mb)), nbytes=int(nb),
+                                key=str(T.StepKey("param", a.chunk, "dense" if grp == "dp" else "expert")),
                                 stream="comm", action=a, pos=-1.0, alloc=((name, int(nb)),))
                     for u in users:
                         out.edge(n, u, SAVED)
