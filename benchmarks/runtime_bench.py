@@ -144,8 +144,10 @@ _OURS_BUFFERS = {"_recv_buffer", "_release", "store_release_all", "release_all"}
 
 
 def _is_wait(fn: tuple) -> bool:
-    return fn[2] in ("<method 'wait' of 'torch._C._distributed_c10d.Work' objects>",
-                     "<method 'acquire' of '_thread.lock' objects>", "<built-in method time.sleep>")
+    """A blocking wait: a work handle's wait, a lock or condition, a sleep."""
+    name = fn[2]
+    return fn[0] == "~" and (("wait" in name and "_distributed_c10d" in name) or name in (
+        "<method 'acquire' of '_thread.lock' objects>", "<built-in method time.sleep>"))
 
 
 def _categorize(stats: dict, side: str, steps: int, instrs: int) -> dict:
@@ -161,7 +163,7 @@ def _categorize(stats: dict, side: str, steps: int, instrs: int) -> dict:
     python = tot(lambda k: not builtin(k))
     if side == "parashift":
         total = cum(lambda k: k[2] == "run_step")
-        waits = cum(lambda k: k[0].endswith("exec/comm.py") and k[2] == "wait")
+        waits = tot(_is_wait)
         compute = cum(lambda k: k[0].endswith("interpreter.py") and k[2] == "_compute")
         tags = (tot(lambda k: k[2] in ("<method 'match' of 're.Pattern' objects>", "<built-in method zlib.crc32>"))
                 + cum(lambda k: k[0].endswith("ir/tags.py") and k[2] == "parse_tag"))
@@ -201,7 +203,10 @@ def _ours_profile_job(ctx, program_json: dict, size: str, steps: int, warmup: in
     from parashift.exec.runtime import Runtime
     from parashift.ir.program import Program
     program = Program.from_json(program_json)
-    rt = Runtime(program, ctx, model=bench_model(size), timeout=600)
+    try:
+        rt = Runtime(program, ctx, model=bench_model(size), timeout=600, profile=False)   # as timed
+    except TypeError:      # a runtime from before `profile` existed (it always recorded)
+        rt = Runtime(program, ctx, model=bench_model(size), timeout=600)
     stats = _profiled(lambda k: rt.interp.run_step(k), steps, warmup)
     return _categorize(stats, "parashift", steps, len(program.ranks[ctx.rank]))
 
