@@ -10,9 +10,15 @@ depends on a send, still waits for its completion through ``deps``. Collectives 
 different streams use different communicators (the ``Worlds`` channel), so their interleaving
 never mismatches between ranks.
 
-What each instruction does is decided by its op, phase, region and tag (the tag grammar is
-:mod:`parashift.ir.tags`, the conventions :mod:`parashift.ir.conventions`); the numbers come from :mod:`parashift.exec.regions` and the
-state store. A failing instruction raises RuntimeFailure naming the rank, stream, instruction
+With profiling off on gloo (``record`` None) a step takes a faster path with the same results:
+every receive without deps is posted when the step starts (each into a buffer allocated once),
+sends nothing depends on are waited on by helper threads and reaped at the step's end, and when
+every blocked stream waits on one transfer the loop waits on that handle directly. Nothing is
+timed or synchronized then.
+
+What each instruction does is decided by its op, phase, region and tag, parsed once at load (the
+grammar is :mod:`parashift.ir.tags`, the conventions :mod:`parashift.ir.conventions`); the
+numbers come from :mod:`parashift.exec.regions` and the state store. A failing instruction raises RuntimeFailure naming the rank, stream, instruction
 and its neighbours.
 """
 from __future__ import annotations
