@@ -125,9 +125,10 @@ class Poller:
             got = self.ready()
             if got or time.monotonic() >= end:
                 return got
+            watched = all(f.finished is not None for f in self.flights)   # nothing to poll: sleep until notified
             with self.cond:
                 if not any(f.finished for f in self.flights if f.finished is not None):
-                    self.cond.wait(nap)
+                    self.cond.wait(max(end - time.monotonic(), 0.0) if watched else nap)
             nap = min(nap * 2, 1e-3)
 
     def close(self) -> None:
