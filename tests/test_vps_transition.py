@@ -476,10 +476,26 @@ def test_switch_meta_codec_round_trips_through_json(n, dims_extra, data):
 
 @given(st.sampled_from(sorted(T.meta.NAMES)), st.data())
 def test_switch_names_parse_back(what, data):
-    part = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=8)
-    n = T.meta.NAMES[what]
-    parts = data.draw(st.lists(part.filter(lambda x: ":" not in x), min_size=n - 1, max_size=n - 1)) + [data.draw(part)]
+    name = st.text(st.characters(blacklist_categories=("Cs", "Z", "Cc")), min_size=1, max_size=8)
+    if what == "keep":
+        parts = [str(data.draw(st.integers(0, 99)))]
+    elif what in ("old", "new"):
+        parts = [data.draw(name.filter(lambda x: ":" not in x)), data.draw(name)]
+    else:   # pack/unpack/buf name a transfer by its tag
+        members = data.draw(st.lists(st.integers(0, 63), min_size=1, max_size=4, unique=True))
+        op = data.draw(st.sampled_from(sorted(T.OPS)))
+        parts = [T.switch_name(op, data.draw(st.integers(0, 9)), data.draw(st.integers(0, 63)),
+                               members[:1] if op == "send" else members)]
     assert T.parse_switch_name(T.switch_name(what, *parts)) == (what, tuple(parts))
+
+
+@given(st.sampled_from(sorted(T.OPS)), st.integers(0, 9), st.integers(0, 63),
+       st.lists(st.integers(0, 63), min_size=1, max_size=5, unique=True))
+def test_transfer_tags_follow_the_one_grammar(op, stage, root, members):
+    from parashift.ir.tags import TransferTag
+    members = members[:1] if op == "send" else members
+    tag = T.switch_name(op, stage, root, members)
+    assert TransferTag.parse(tag) == TransferTag(op, stage, root, tuple(members))
 
 
 def test_lowered_meta_lists_every_destination_piece():

@@ -33,31 +33,41 @@ class Flight:
     t0: float = 0.0
     finished: bool | None = None   # set by a helper thread for works that cannot be polled
     error: BaseException | None = None
+    prep: Any = None               # the interpreter's prepared instruction
 
 
 class Poller:
     """Tracks in-flight instructions and reports the finished ones.
 
     Collectives are polled (``Work.is_completed``); gloo send/recv, which only complete through
-    ``wait``, are each waited on by a pooled helper thread. ``wait(timeout)`` blocks until at least
-    one instruction finishes: directly on the handle when a single collective is in flight
-    (nothing else can progress meanwhile), otherwise on a condition the helpers notify.
+    ``wait``, are waited on by pooled helper threads: each as it is submitted (``eager``), or only
+    when the caller must wait for whichever finishes first. ``wait(timeout)`` blocks until at
+    least one instruction finishes: directly on the handle when a single instruction is in flight,
+    otherwise on a condition the helpers notify.
     """
 
-    def __init__(self, gloo: bool, pool: ThreadPoolExecutor | None = None, wait_only: bool = False) -> None:
+    def __init__(self, gloo: bool, pool: ThreadPoolExecutor | None = None, wait_only: bool = False,
+                 eager: bool = True) -> None:
         self.flights: list[Flight] = []
         self.gloo = gloo
         self.wait_only = wait_only     # backends whose works never report completion by polling (fake)
+        self.eager = eager
         self.cond = threading.Condition()
         self.pool, self.own_pool = pool, pool is None
 
+    def _needs_helper(self, fl: Flight) -> bool:
+        return (self.gloo and fl.instr.op in ("send", "recv")) or self.wait_only
+
     def submit(self, fl: Flight) -> None:
         self.flights.append(fl)
-        if (self.gloo and fl.instr.op in ("send", "recv")) or self.wait_only:
-            fl.finished = False
-            if self.pool is None:
-                self.pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="parashift-p2p")
-            self.pool.submit(self._wait_p2p, fl)
+        if self._needs_helper(fl) and (self.eager or self.wait_only):
+            self._watch(fl)
+
+    def _watch(self, fl: Flight) -> None:
+        fl.finished = False
+        if self.pool is None:
+            self.pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="parashift-p2p")
+        self.pool.submit(self._wait_p2p, fl)
 
     def _wait_p2p(self, fl: Flight) -> None:
         err = None
@@ -70,10 +80,11 @@ class Poller:
             fl.finished, fl.error = True, err
             self.cond.notify_all()
 
-    @staticmethod
-    def _done(fl: Flight) -> bool:
+    def _done(self, fl: Flight) -> bool:
         if fl.finished is not None:
             return fl.finished
+        if self.gloo and fl.instr.op in ("send", "recv"):
+            return False                 # unwatched gloo p2p: only a wait on it tells
         return all(w.is_completed() for w in fl.works)
 
     def _finish(self, fl: Flight) -> tuple[Flight, BaseException | None]:
@@ -90,26 +101,34 @@ class Poller:
     def ready(self) -> list[tuple[Flight, BaseException | None]]:
         return [self._finish(fl) for fl in [f for f in self.flights if self._done(f)]]
 
-    def wait(self, timeout: float) -> list[tuple[Flight, BaseException | None]]:
-        """Block until some instruction finishes (empty list after ``timeout`` seconds)."""
-        if len(self.flights) == 1 and self.gloo and self.flights[0].finished is None:
-            fl = self.flights[0]
+    def wait(self, timeout: float, root: Flight | None = None) -> list[tuple[Flight, BaseException | None]]:
+        """Block until some instruction finishes (empty list after ``timeout`` seconds): directly on
+        ``root`` (the one flight every blocked stream waits for) or on the only flight, else on
+        whichever finishes first."""
+        fl = root if root is not None else self.flights[0] if len(self.flights) == 1 else None
+        if fl is not None and self.gloo and fl.finished is None:
             try:
                 for w in fl.works:
                     w.wait(datetime.timedelta(seconds=timeout))
-            except BaseException:  # noqa: BLE001 - a timeout or a failed peer: report through _finish
-                if not self._done(fl) and not _failed(fl):
+            except BaseException as e:  # noqa: BLE001 - a timeout or a failed peer: report through _finish
+                if not _failed(fl):
                     return []
+                fl.error = e
+            fl.finished = True           # waited once: a gloo p2p work must not be waited on again
             return [self._finish(fl)]
+        for f in self.flights:           # whichever finishes first: helpers watch the p2p nobody watched yet
+            if f.finished is None and self._needs_helper(f):
+                self._watch(f)
         end = time.monotonic() + timeout
         nap = 5e-5
         while True:
             got = self.ready()
             if got or time.monotonic() >= end:
                 return got
+            watched = all(f.finished is not None for f in self.flights)   # nothing to poll: sleep until notified
             with self.cond:
                 if not any(f.finished for f in self.flights if f.finished is not None):
-                    self.cond.wait(nap)
+                    self.cond.wait(max(end - time.monotonic(), 0.0) if watched else nap)
             nap = min(nap * 2, 1e-3)
 
     def close(self) -> None:

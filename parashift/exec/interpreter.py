@@ -10,14 +10,19 @@ depends on a send, still waits for its completion through ``deps``. Collectives 
 different streams use different communicators (the ``Worlds`` channel), so their interleaving
 never mismatches between ranks.
 
-What each instruction does is decided by its op, phase, region and tag (see
-``/work/notes/conventions.md``); the numbers come from :mod:`parashift.exec.regions` and the
-state store. A failing instruction raises RuntimeFailure naming the rank, stream, instruction
+With profiling off on gloo (``record`` None) a step takes a faster path with the same results:
+every receive without deps is posted when the step starts (each into a buffer allocated once),
+sends nothing depends on are waited on by helper threads and reaped at the step's end, and when
+every blocked stream waits on one transfer the loop waits on that handle directly. Nothing is
+timed or synchronized then.
+
+What each instruction does is decided by its op, phase, region and tag, parsed once at load (the
+grammar is :mod:`parashift.ir.tags`, the conventions :mod:`parashift.ir.conventions`); the
+numbers come from :mod:`parashift.exec.regions` and the state store. A failing instruction raises RuntimeFailure naming the rank, stream, instruction
 and its neighbours.
 """
 from __future__ import annotations
 
-import re
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +34,7 @@ import torch.distributed as dist
 
 from ..errors import RuntimeFailure
 from ..ir.program import Instr, Program
+from ..ir.tags import EPTag, P2PTag, Payload, StepTag, Sync, SyncTag, TPTag, Z3Tag, parse_tag
 from ..models import ModelSpec
 from .comm import Flight, Poller, a2a, all_gather, all_gather_flat, reduce_scatter
 from .profiler import tensor_bytes
@@ -36,14 +42,19 @@ from .reference import OptimConfig, microbatch_rows
 from .regions import KINDS, Rec, RegionCtx, atomic_regions, head_logit_grad, region_kind
 from .state import _DT, StateStore
 
-__all__ = ["Interpreter", "chunk_atoms", "group_keys"]
+__all__ = ["Interpreter", "Prepared", "StepState", "chunk_atoms", "group_keys"]
 
-_P2P = re.compile(r"^(act|grad)\.c(\d+)\.m(\d+)$")
-_TP = re.compile(r"^tp\.(.+)\.(fwd|bwd|bwd_input)\.m(\d+)$")
-_EP = re.compile(r"^ep\.layers\.(\d+)\.moe\.(dispatch|combine)\.(fwd|bwd|bwd_input)\.m(\d+)$")
-_DP = re.compile(r"^(dp|edp)\.(grad|param)\.c(\d+)$")
-_Z3 = re.compile(r"^z3\.(e?param)\.c(\d+)\.(\w+)\.m(\d+)$")
 _P2P_ORDER = ("p2p", "comm")   # streams issued before compute, so communication starts early
+
+
+def _drain(fl: Flight) -> BaseException | None:
+    """Wait (on a helper thread) for a send nothing depends on; its error, if any."""
+    try:
+        for w in fl.works:
+            w.wait()
+    except BaseException as e:  # noqa: BLE001 - reported when the step reaps its sends
+        return e
+    return None
 
 
 def chunk_atoms(spec: ModelSpec, strategy) -> list[list[str]]:
@@ -72,7 +83,7 @@ def group_keys(program: Program) -> set[tuple[tuple[int, ...], str]]:
 
 
 @dataclass
-class _Step:
+class StepState:
     """Per-step state: activation / gradient environments per (chunk, mb) and the mailboxes."""
 
     env: dict = field(default_factory=dict)
@@ -90,100 +101,253 @@ class _Step:
         return self.genv.setdefault((c, mb), {})
 
 
+_COMPUTE, _SEND, _RECV, _TPK, _EPK, _DPK, _Z3K = range(7)
+
+
+@dataclass(eq=False)
+class Prepared:
+    """One instruction resolved when the Program is loaded: what a step needs, and nothing to look up."""
+
+    ins: Instr
+    idx: int                         # dense index (done flags, deps)
+    stream: int                      # index into the interpreter's streams
+    deps: tuple[int, ...]
+    kind: int
+    tag: StepTag | None = None
+    group: Any = None                # the process group of a collective or p2p
+    peer: int = -1                   # p2p peer (group rank = global rank)
+    itag: int = 0                    # gloo message tag
+    atoms: tuple[str, ...] = ()
+    z3_free: tuple[str, ...] = ()
+    sync_chunk: int = -1             # a DP gradient sync's chunk (waits for TP backward reductions)
+    buf: torch.Tensor | None = None  # a recv's reusable buffer
+    watched: bool = True             # something depends on its completion (a send nobody waits for is reaped at the end)
+
+
 class Interpreter:
-    """Executes one rank's RankProgram for one training step at a time."""
+    """Executes one rank's RankProgram for one training step at a time.
+
+    Everything that does not change between steps (parsed tags, peers, process groups, recv
+    buffers, dependency indices, region lists) is resolved once, in :meth:`_prepare`; a step is a
+    loop over those prepared instructions. Subclasses supply the compute (:meth:`_init_model`,
+    :meth:`_compute`, :meth:`_recv_buffer`).
+    """
 
     def __init__(self, program: Program, rank: int, worlds: Any, store: StateStore, spec: ModelSpec,
-                 device: torch.device, batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+                 device: torch.device, batch: Callable[[int], tuple[Any, Any]],
                  optim: OptimConfig, record: Callable[[Instr, str, float, float], None] | None = None,
                  timeout: float = 300.0) -> None:
-        from .models import rope_tables
+        """``record(instr, stream, t0, t1)``: called for every executed instruction (profiling on);
+        None runs without timing or synchronizing anything."""
         self.program, self.rank, self.worlds, self.store, self.spec = program, rank, worlds, store, spec
         self.device, self.batch, self.optim, self.record, self.timeout = device, batch, optim, record, timeout
-        s = self.strategy = program.strategy
+        self.strategy = program.strategy
         self.rp = program.ranks[rank]
-        self.coords = s.coords(rank)
-        meta = program.meta
-        self.seq, self.gb = int(meta["seq_len"]), int(meta["global_batch"])
-        self.atoms = chunk_atoms(spec, s)
-        self.rc = {(i.chunk, i.microbatch, a) for i in self.rp.instrs() if i.phase == "recompute"
-                   for a in atomic_regions(i.region, spec)}
-        self.ctx = RegionCtx(spec, s.tp, self.coords["tp"], s.ep, self.coords["ep"], 1.0 / (self.gb * self.seq),
-                             store.param, store.grad,
-                             tuple(t.to(_DT[spec.dtype]) for t in rope_tables(self.seq, spec.head_dim, device=device)),
-                             chain=s.tp == 1 and not spec.is_moe)
+        self.coords = self.strategy.coords(rank)
+        self.gb = int(program.meta["global_batch"])
+        self.st = StepState()
+        self._init_model()
         self.streams = sorted(self.rp.streams, key=lambda n: (n not in _P2P_ORDER, _P2P_ORDER.index(n)
                                                               if n in _P2P_ORDER else 0, n))
         self.pos = {i.id: (st, k) for st, ins in self.rp.streams.items() for k, i in enumerate(ins)}
         self.nccl = worlds.backend == "nccl"
         self.pool: ThreadPoolExecutor | None = None     # waits on gloo send/recv (they cannot be polled)
+        self._prepare()
+
+    def _init_model(self) -> None:
+        """The preset model's region context (subclasses running other models override it)."""
+        from .models import rope_tables
+        spec, s, device = self.spec, self.strategy, self.device
+        self.seq = int(self.program.meta["seq_len"])
+        self.atoms = chunk_atoms(spec, s)
+        self.rc = {(i.chunk, i.microbatch, a) for i in self.rp.instrs() if i.phase == "recompute"
+                   for a in atomic_regions(i.region, spec)}
+        self.ctx = RegionCtx(spec, s.tp, self.coords["tp"], s.ep, self.coords["ep"], 1.0 / (self.gb * self.seq),
+                             self.store.param, self.store.grad,
+                             tuple(t.to(_DT[spec.dtype]) for t in rope_tables(self.seq, spec.head_dim, device=device)),
+                             chain=s.tp == 1 and not spec.is_moe)
+
+    # ---- load time ----------------------------------------------------------------------------------
+    def _prepare(self) -> None:
+        """Resolve every instruction once (tags, groups, peers, buffers, deps)."""
+        index: dict[int, int] = {}
+        for s in self.streams:
+            for ins in self.rp.streams[s]:
+                index[ins.id] = len(index)
+        self.n = len(index)
+        self.seqs: list[list[Prepared]] = []
+        needed: set[int] = set()
+        p2p_group = None
+        for k, s in enumerate(self.streams):
+            seq = []
+            for ins in self.rp.streams[s]:
+                deps = tuple(index[d] for d in ins.deps)
+                needed.update(deps)
+                p = Prepared(ins, index[ins.id], k, deps, _COMPUTE)
+                if ins.op == "compute":
+                    if ins.region is not None:
+                        p.atoms = tuple(self._atoms_of(ins.region))
+                else:
+                    p.tag = parse_tag(ins.tag or "")
+                    p.kind = self._kind_of(ins, p.tag)
+                    if p.kind in (_SEND, _RECV):
+                        if p2p_group is None:
+                            p2p_group = self.worlds.get(range(self.program.world), "p2p")   # group rank = global rank
+                        p.group, p.peer = p2p_group, self.program.resolve_peer(self.rank, ins)
+                        p.itag = zlib.crc32(ins.tag.encode()) & 0x7FFFFFFF
+                        if p.kind == _RECV:
+                            p.buf = self._recv_buffer(p.tag.chunk)
+                    else:
+                        p.group = self.worlds.get(self.program.resolve_group(self.rank, ins), s)
+                    if isinstance(p.tag, SyncTag) and p.tag.what is Sync.GRAD:
+                        p.sync_chunk = p.tag.chunk
+                p.z3_free = tuple(name for name in ins.free if name.startswith("z3."))
+                seq.append(p)
+            self.seqs.append(seq)
+        self.stream_of = [0] * self.n
+        for seq in self.seqs:
+            for p in seq:
+                self.stream_of[p.idx] = p.stream
+                p.watched = p.idx in needed or p.kind != _SEND
+
+    def _atoms_of(self, region: str) -> list[str]:
+        return atomic_regions(region, self.spec)
+
+    @staticmethod
+    def _kind_of(ins: Instr, tag: StepTag) -> int:
+        if ins.op in ("send", "recv"):
+            if not isinstance(tag, P2PTag):
+                raise RuntimeFailure(f"p2p instruction {ins} has tag {ins.tag!r}, not act|grad.c<chunk>.m<mb>")
+            return _SEND if ins.op == "send" else _RECV
+        if isinstance(tag, TPTag) and (ins.op == "all_reduce" or ins.key == "ce_stats"):
+            return _TPK
+        if isinstance(tag, EPTag) and ins.op == "all_to_all":
+            return _EPK
+        if isinstance(tag, SyncTag):
+            return _DPK
+        if isinstance(tag, Z3Tag) and ins.op == "all_gather":
+            return _Z3K
+        raise RuntimeFailure(f"the runtime does not know what {ins.op} with tag {ins.tag!r} carries "
+                             f"(instruction {ins}); rebuild the Program with parashift.ir.compile")
 
     # ---- the loop ---------------------------------------------------------------------------------
     def run_step(self, step: int) -> float:
         """Execute the program once; returns this rank's share of the step's loss."""
-        self.st = _Step()
+        self.st = StepState()
         self.tokens, self.targets = self.batch(step)
-        done: set[int] = set()
-        ptr = {s: 0 for s in self.streams}
-        busy: dict[str, Flight] = {}
+        seqs, nstreams = self.seqs, len(self.seqs)
+        done = bytearray(self.n)
+        ptr = [0] * nstreams
+        ends = [len(q) for q in seqs]
+        busy: list[Flight | None] = [None] * nstreams
+        inflight: dict[int, Flight] = {}
+        fast = self.record is None and not self.nccl     # profiling off (gloo): post receives early, reap sends late
         if self.pool is None and not self.nccl:
             self.pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="parashift-p2p")
-        poller = Poller(gloo=not self.nccl, pool=self.pool, wait_only=self.worlds.backend == "fake")
-        left = len(self.rp)
+        poller = Poller(gloo=not self.nccl, pool=self.pool, wait_only=self.worlds.backend == "fake",
+                        eager=not fast)
+        left = self.n
+        loose: list = []                  # sends nothing waits for: a helper waits, the step's end reaps
+        early = bytearray(self.n)         # receives posted at the start of the step
 
         def finish(items: list) -> None:
             nonlocal left
             for fl, err in items:
                 self._complete(fl, err)
-                done.add(fl.instr.id)
-                if busy.get(fl.stream) is fl:
-                    del busy[fl.stream]
+                p = fl.prep
+                done[p.idx] = 1
+                inflight.pop(p.idx, None)
+                if busy[p.stream] is fl:
+                    busy[p.stream] = None
                 left -= 1
         try:
+            if fast:
+                for q in seqs:
+                    for p in q:
+                        if p.kind == _RECV and not p.deps:
+                            fl = self._post_recv(p)
+                            early[p.idx] = 1
+                            inflight[p.idx] = fl
+                            poller.submit(fl)
             while left:
                 progressed = False
-                for s in self.streams:
-                    if s in busy or ptr[s] >= len(self.rp.streams[s]):
+                for s in range(nstreams):
+                    if busy[s] is not None or ptr[s] >= ends[s]:
                         continue
-                    ins = self.rp.streams[s][ptr[s]]
-                    if any(d not in done for d in ins.deps) or not self._grads_final(ins):
+                    p = seqs[s][ptr[s]]
+                    if early[p.idx]:                  # a receive posted early
+                        ptr[s] += 1
+                        progressed = True
+                        continue
+                    if not all(done[d] for d in p.deps) or (p.sync_chunk >= 0 and self.st.open_bwd.get(p.sync_chunk)):
                         continue
                     ptr[s] += 1
                     progressed = True
-                    fl = self._issue(ins, s)
+                    fl = self._issue(p)
                     if fl is None:
-                        done.add(ins.id)
+                        done[p.idx] = 1
                         left -= 1
                     elif not fl.works:
                         self._complete(fl, None)
-                        done.add(ins.id)
+                        done[p.idx] = 1
+                        left -= 1
+                    elif fast and not p.watched:
+                        loose.append(poller.pool.submit(_drain, fl))
+                        done[p.idx] = 1
                         left -= 1
                     else:
-                        if ins.op not in ("send", "recv"):   # p2p is posted in order, never waited on in line
+                        if p.kind not in (_SEND, _RECV):   # p2p is posted in order, never waited on in line
                             busy[s] = fl
+                        inflight[p.idx] = fl
                         poller.submit(fl)
-                    if busy:
+                    if any(b is not None for b in busy):
                         finish(poller.ready())
                 if left and not progressed:
-                    got = poller.wait(self.timeout)
+                    got = poller.wait(self.timeout, self._root(ptr, busy, inflight, done) if fast else None)
                     if not got:
-                        heads = {s: str(self.rp.streams[s][ptr[s]]) for s in self.streams
-                                 if ptr[s] < len(self.rp.streams[s])}
+                        heads = {self.streams[s]: str(seqs[s][ptr[s]].ins) for s in range(nstreams) if ptr[s] < ends[s]}
                         raise RuntimeFailure(f"rank {self.rank} made no progress for {self.timeout:.0f} s; in flight: "
-                                             f"{ {s: str(f.instr) for s, f in busy.items()} }; next: {heads}")
+                                             f"{ {self.streams[s]: str(f.instr) for s, f in enumerate(busy) if f} }; "
+                                             f"next: {heads}")
                     finish(got)
+            for fut in loose:
+                err = fut.result(timeout=self.timeout)
+                if err is not None:
+                    raise RuntimeFailure(f"rank {self.rank}: a send failed: {type(err).__name__}: {err}")
         finally:
             poller.close()
         self.store_release_all()
         return self.st.loss
 
-    def _grads_final(self, ins: Instr) -> bool:
-        """A DP gradient sync of chunk c also waits for c's TP backward reductions still in flight:
-        the norm-weight gradients of a region are added when its input-gradient all-reduce ends."""
-        if ins.tag is None or ".grad.c" not in ins.tag or not self.st.open_bwd:
+    def _root(self, ptr: list[int], busy: list, inflight: dict, done: bytearray) -> "Flight | None":
+        """The one in-flight instruction every blocked stream waits for, if there is exactly one
+        (waiting on it alone then delays nothing); None when several could unblock work."""
+        roots: set[int] = set()
+        seen: set[int] = set()
+        seqs = self.seqs
+
+        def blocked_by(p: Prepared) -> bool:
+            if p.sync_chunk >= 0 and self.st.open_bwd.get(p.sync_chunk):
+                return False
+            for d in p.deps:
+                if done[d] or d in seen:
+                    continue
+                seen.add(d)
+                if d in inflight:
+                    roots.add(d)
+                    continue
+                s = self.stream_of[d]
+                if busy[s] is not None:
+                    roots.add(busy[s].prep.idx)
+                elif not blocked_by(seqs[s][ptr[s]]):
+                    return False
             return True
-        m = _DP.match(ins.tag)
-        return m is None or self.st.open_bwd.get(int(m.group(3)), 0) == 0
+        for s, q in enumerate(seqs):
+            if busy[s] is not None:
+                roots.add(busy[s].prep.idx)
+            elif ptr[s] < len(q) and not blocked_by(q[ptr[s]]):
+                return None
+        return inflight.get(next(iter(roots))) if len(roots) == 1 else None
 
     def store_release_all(self) -> None:
         for b in self.store.buffers.values():
@@ -197,24 +361,26 @@ class Interpreter:
         return RuntimeFailure(f"rank {self.rank}, stream {stream!r}, instruction {ins.id} ({ins.op}"
                               f"{' ' + ins.phase if ins.phase else ''}) failed: {type(e).__name__}: {e}\n{near}")
 
-    def _issue(self, ins: Instr, stream: str) -> Flight | None:
-        t0 = time.perf_counter()
+    def _issue(self, p: Prepared) -> Flight | None:
+        ins = p.ins
+        t0 = time.perf_counter() if self.record is not None else 0.0
         try:
-            if ins.op == "compute":
+            if p.kind == _COMPUTE:
                 self._compute(ins)
-                if self.nccl and self.record is not None:
-                    torch.cuda.synchronize()
-                self._release(ins)
+                if p.z3_free:
+                    self._release(p)
                 if self.record is not None:
-                    self.record(ins, stream, t0, time.perf_counter())
+                    if self.nccl:
+                        torch.cuda.synchronize()
+                    self.record(ins, ins.stream, t0, time.perf_counter())
                 return None
-            fl = self._comm(ins, stream)
-            fl.t0 = t0
+            fl = self._comm(p)
+            fl.t0, fl.prep = t0, p
             return fl
         except RuntimeFailure:
             raise
         except Exception as e:  # noqa: BLE001 - re-raised with the instruction's context
-            raise self._fail(ins, stream, e) from e
+            raise self._fail(ins, ins.stream, e) from e
 
     def _complete(self, fl: Flight, err: BaseException | None) -> None:
         try:
@@ -222,7 +388,8 @@ class Interpreter:
                 raise err
             if fl.then is not None:
                 fl.then()
-            self._release(fl.instr)
+            if fl.prep is not None and fl.prep.z3_free:
+                self._release(fl.prep)
         except RuntimeFailure:
             raise
         except Exception as e:  # noqa: BLE001
@@ -230,10 +397,9 @@ class Interpreter:
         if self.record is not None:
             self.record(fl.instr, fl.stream, fl.t0, time.perf_counter())
 
-    def _release(self, ins: Instr) -> None:
-        for name in ins.free:
-            if name.startswith("z3."):
-                self.store.release(name)
+    def _release(self, p: Prepared) -> None:
+        for name in p.z3_free:
+            self.store.release(name)
 
     # ---- compute ----------------------------------------------------------------------------------
     def _compute(self, ins: Instr) -> None:
@@ -415,57 +581,46 @@ class Interpreter:
             self.st.genv.pop((c, mb), None)
 
     # ---- communication ------------------------------------------------------------------------------
-    def _group(self, ins: Instr, stream: str):
-        return self.worlds.get(self.program.resolve_group(self.rank, ins), stream)
+    def _comm(self, p: Prepared) -> Flight:
+        k, tag, ins = p.kind, p.tag, p.ins
+        if k == _SEND:
+            box = self.st.act if tag.payload is Payload.ACT else self.st.gout
+            t = box.pop((tag.chunk, tag.mb)).contiguous()
+            kw = {} if self.nccl else {"tag": p.itag}
+            return Flight(ins, ins.stream, [dist.isend(t, group_dst=p.peer, group=p.group, **kw)], keep=t, prep=p)
+        if k == _RECV:
+            return self._post_recv(p)
+        if k == _TPK:
+            return self._tp(p, tag.region, tag.phase, tag.mb)
+        if k == _EPK:
+            return self._ep(p, tag.layer, tag.which.value, tag.phase, tag.mb)
+        if k == _DPK:
+            return self._dp(p, tag.axis.value, tag.what.value, tag.chunk)
+        return self._z3(p, "eparam" if tag.expert else "param", tag.chunk, tag.phase, tag.mb)
 
-    def _comm(self, ins: Instr, stream: str) -> Flight:
-        tag = ins.tag or ""
-        if ins.op in ("send", "recv"):
-            return self._p2p(ins, stream)
-        m = _TP.match(tag)
-        if m and (ins.op == "all_reduce" or ins.key == "ce_stats"):
-            return self._tp(ins, stream, m.group(1), m.group(2), int(m.group(3)))
-        m = _EP.match(tag)
-        if m and ins.op == "all_to_all":
-            return self._ep(ins, stream, int(m.group(1)), m.group(2), m.group(3), int(m.group(4)))
-        m = _DP.match(tag)
-        if m:
-            return self._dp(ins, stream, m.group(1), m.group(2), int(m.group(3)))
-        m = _Z3.match(tag)
-        if m and ins.op == "all_gather":
-            return self._z3(ins, stream, m.group(1), int(m.group(2)), m.group(3), int(m.group(4)))
-        raise RuntimeError(f"the runtime does not know what {ins.op} with tag {tag!r} carries")
-
-    def _p2p(self, ins: Instr, stream: str) -> Flight:
-        m = _P2P.match(ins.tag or "")
-        if not m:
-            raise RuntimeError(f"p2p tag {ins.tag!r} is not act.c<chunk>.m<mb> or grad.c<chunk>.m<mb>")
-        what, c, mb = m.group(1), int(m.group(2)), int(m.group(3))
-        box = self.st.act if what == "act" else self.st.gout
-        peer = self.program.resolve_peer(self.rank, ins)
-        group = self.worlds.get(range(self.program.world), "p2p")   # group rank = global rank
-        itag = zlib.crc32(ins.tag.encode()) & 0x7FFFFFFF
-        if ins.op == "send":
-            t = box.pop((c, mb)).contiguous()
-            kw = {} if self.nccl else {"tag": itag}
-            return Flight(ins, stream, [dist.isend(t, group_dst=peer, group=group, **kw)], keep=t)
-        buf = self._recv_buffer(c)
-        kw = {} if self.nccl else {"tag": itag}
-        work = dist.irecv(buf, group_src=peer, group=group, **kw)
+    def _post_recv(self, p: Prepared) -> Flight:
+        """Post a receive into its reusable buffer; it lands in the step's mailbox when it completes."""
+        tag, buf = p.tag, p.buf
+        box = self.st.act if tag.payload is Payload.ACT else self.st.gout
+        kw = {} if self.nccl else {"tag": p.itag}
+        work = dist.irecv(buf, group_src=p.peer, group=p.group, **kw)
+        key = (tag.chunk, tag.mb)
 
         def then() -> None:
-            box[(c, mb)] = buf
-        return Flight(ins, stream, [work], then=then)
+            box[key] = buf
+        fl = Flight(p.ins, p.ins.stream, [work], then=then, prep=p)
+        fl.t0 = time.perf_counter() if self.record is not None else 0.0
+        return fl
 
     def _recv_buffer(self, chunk: int) -> torch.Tensor:
-        """An empty tensor for chunk ``chunk``'s output activation (or its gradient) arriving by p2p."""
+        """A tensor (allocated once, when the Program is loaded) for chunk ``chunk``'s output activation (or its gradient) arriving by p2p."""
         shape = (self.strategy.mbs, self.seq, self.spec.hidden)
         return torch.empty(shape, dtype=self.store.buffers["dense"].dtype, device=self.device)
 
-    def _tp(self, ins: Instr, stream: str, region: str, phase: str, mb: int) -> Flight:
+    def _tp(self, p: Prepared, region: str, phase: str, mb: int) -> Flight:
+        ins, stream, g = p.ins, p.ins.stream, p.group
         c = ins.chunk
         rec = self.st.recs[(c, mb)][region]
-        g = self._group(ins, stream)
         if phase == "fwd":
             if ins.key == "ce_stats" or ins.op == "all_gather":
                 local = rec.pending
@@ -485,9 +640,9 @@ class Interpreter:
             self._bwd_done(c, mb, rec, rec.t.pop("_drop", True))
         return Flight(ins, stream, [work], then=then_b)
 
-    def _ep(self, ins: Instr, stream: str, layer: int, which: str, phase: str, mb: int) -> Flight:
+    def _ep(self, p: Prepared, layer: int, which: str, phase: str, mb: int) -> Flight:
+        ins, stream, g = p.ins, p.ins.stream, p.group
         c = ins.chunk
-        g = self._group(ins, stream)
         env, genv = self.st.e(c, mb), self.st.g(c, mb)
         skey = f"moe.splits.{layer}"
         if phase == "fwd" and which == "dispatch":
@@ -515,8 +670,8 @@ class Interpreter:
             box[dst] = out
         return Flight(ins, stream, [work], then=then, keep=t)
 
-    def _dp(self, ins: Instr, stream: str, axis: str, what: str, c: int) -> Flight:
-        g = self._group(ins, stream)
+    def _dp(self, p: Prepared, axis: str, what: str, c: int) -> Flight:
+        ins, stream, g = p.ins, p.ins.stream, p.group
         works, thens, keep = [], [], []
         for b in self.store.families(axis):
             if c not in b.ranges:
@@ -539,8 +694,8 @@ class Interpreter:
         return Flight(ins, stream, [w for w in works if w is not None], then=lambda: [f() for f in thens],
                       keep=keep)
 
-    def _z3(self, ins: Instr, stream: str, what: str, c: int, phase: str, mb: int) -> Flight:
-        g = self._group(ins, stream)
+    def _z3(self, p: Prepared, what: str, c: int, phase: str, mb: int) -> Flight:
+        ins, stream, g = p.ins, p.ins.stream, p.group
         name = f"z3.c{c}.{phase}.m{mb}"
         fams = self.store.families("edp" if what == "eparam" else "dp")
         works, thens, keep = [], [], []

@@ -25,7 +25,8 @@ from .profiler import Profiler, timeline_frame
 from .reference import OptimConfig, make_batch
 from .state import StateStore
 
-__all__ = ["Runtime", "RunResult", "run", "run_program", "compile_program", "load_plan", "world_keys"]
+__all__ = ["Runtime", "RunResult", "run", "run_program", "compile_program", "load_plan", "world_keys", "export_keys",
+           "assemble_params", "StepProgress"]
 
 
 def _spec(program: Program, model: "models.ModelSpec | None") -> "models.ModelSpec":
@@ -60,10 +61,11 @@ class Runtime:
     def __init__(self, program: Program, ctx: RankContext, *, seed: int = 0, data_seed: int = 0,
                  optim: OptimConfig = OptimConfig(), timeout: float = 300.0,
                  model: "models.ModelSpec | None" = None, store: StateStore | None = None,
-                 worlds: Worlds | None = None) -> None:
+                 worlds: Worlds | None = None, profile: bool = True) -> None:
         """``store``: this rank's state in the program's layout (a hot switch builds it), else
         initialized from ``seed``. ``worlds``: the process groups to run on, already prepared with
-        :func:`world_keys` (a live job builds them ahead), else created here."""
+        :func:`world_keys` (a live job builds them ahead), else created here. ``profile``: record
+        every instruction's timing (off: no timing, no synchronization, receives posted early)."""
         _check(program, model)
         self.program, self.ctx = program, ctx
         if program.world != ctx.world:
@@ -81,7 +83,7 @@ class Runtime:
         gb, seq = int(program.meta["global_batch"]), int(program.meta["seq_len"])
         self.interp = Interpreter(program, ctx.rank, self.worlds, self.store, self.spec, ctx.device,
                                   lambda step: make_batch(self.spec, step, gb, seq, data_seed), optim,
-                                  self.profiler.record, timeout)
+                                  self.profiler.record if profile else None, timeout)
         self.steps_done = 0
 
     def step(self) -> tuple[float, float]:
@@ -137,7 +139,8 @@ def world_keys(program: Program) -> set:
     return keys
 
 
-def _export_keys(program: Program) -> set:
+def export_keys(program: Program) -> set:
+    """The process groups :meth:`Runtime.gathered_parameters` needs (ZeRO-3 DP groups)."""
     s = program.strategy
     keys = set()
     if s.zero == 3:
@@ -155,8 +158,8 @@ def _train_job(ctx: RankContext, program_json: dict, steps: int, opts: dict) -> 
     program = Program.from_json(program_json)
     rt = Runtime(program, ctx, seed=opts.get("seed", 0), data_seed=opts.get("data_seed", 0),
                  optim=OptimConfig(**opts.get("optim", {})), timeout=opts.get("timeout", 300.0),
-                 model=opts.get("model"))
-    rt.worlds.prepare(_export_keys(program))
+                 model=opts.get("model"), profile=opts.get("profile", True))
+    rt.worlds.prepare(export_keys(program))
     losses, times = [], []
     for _ in range(steps):
         loss, dt = rt.step()
@@ -204,7 +207,8 @@ class RunResult:
                 "schedule": self.program.meta.get("schedule")}
 
 
-def _assemble(spec, parts: list[dict]) -> dict[str, torch.Tensor]:
+def assemble_params(spec, parts: list[dict]) -> dict[str, torch.Tensor]:
+    """Full tensors from the ranks' ``gathered_parameters`` (name -> (offsets, values)); NaN where none held."""
     out = {t.name: torch.full(t.shape, float("nan")) for t in spec.tensors}
     for part in parts:
         for name, (off, val) in part.items():
@@ -222,7 +226,7 @@ def compile_program(model: "str | models.ModelSpec", strategy: "str | Strategy",
     return program
 
 
-class _Progress:
+class StepProgress:
     """Sums the ranks' per-step reports and calls ``fn(step, loss, seconds)`` once a step is complete."""
 
     def __init__(self, world: int, fn: Callable[[int, float, float], None]) -> None:
@@ -252,7 +256,7 @@ def run_program(program: Program, *, steps: int = 1, seed: int = 0, data_seed: i
     opts = {"seed": seed, "data_seed": data_seed, "optim": optim.__dict__, "params": params, "profile": profile,
             "timeout": timeout, "progress": progress is not None, "model": model}
     outs = launch_local(_train_job, program.world, args=(program.to_json(), steps, opts), timeout=timeout,
-                        backend=backend, on_report=_Progress(program.world, progress) if progress else None,
+                        backend=backend, on_report=StepProgress(program.world, progress) if progress else None,
                         gather=True)
     outs = [o for o in outs if o is not None]
     losses = [float(sum(o["losses"][k] for o in outs)) for k in range(steps)]
@@ -260,7 +264,7 @@ def run_program(program: Program, *, steps: int = 1, seed: int = 0, data_seed: i
     rows = [r for o in outs for r in o["timeline"]]
     spec = _spec(program, model)
     return RunResult(program, losses, times, [o["peak_memory"] for o in outs], rows,
-                     _assemble(spec, [o["params"] for o in outs]) if params else None)
+                     assemble_params(spec, [o["params"] for o in outs]) if params else None)
 
 
 def run(model: "str | models.ModelSpec", strategy: "str | Strategy", *, steps: int = 1, global_batch: int = 8,

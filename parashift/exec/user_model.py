@@ -35,11 +35,11 @@ from ..errors import StrategyError
 from ..ir.program import Instr, Program
 from ..strategy import Strategy
 from .groups import Worlds
-from .interpreter import _P2P_ORDER, Interpreter, _Step
+from .interpreter import Interpreter
 from .launch import RankContext, launch_local
 from .profiler import Profiler, tensor_bytes
 from .reference import OptimConfig, microbatch_rows
-from .runtime import RunResult, Runtime, _assemble, _export_keys, _Progress, world_keys
+from .runtime import RunResult, Runtime, StepProgress, assemble_params, export_keys, world_keys
 from .state import StateStore
 from .user_plan import UserPlan, microbatch_input, plan_user_model, rows_of
 
@@ -99,22 +99,16 @@ class UserInterpreter(Interpreter):
     def __init__(self, program: Program, rank: int, worlds: Worlds, store: StateStore, plan: UserPlan,
                  model: torch.nn.Module, device: torch.device, batch: Callable[[int], tuple[Any, Any]],
                  loss_fn: Callable, optim: OptimConfig, record: Callable | None, timeout: float) -> None:
-        self.program, self.rank, self.worlds, self.store, self.spec = program, rank, worlds, store, plan.spec
-        self.device, self.batch, self.optim, self.record, self.timeout = device, batch, optim, record, timeout
         self.plan, self.model, self.loss_fn = plan, model, loss_fn
-        self.kids = list(model.children())
-        s = self.strategy = program.strategy
-        self.rp = program.ranks[rank]
-        self.coords = s.coords(rank)
-        self.gb = int(program.meta["global_batch"])
-        self.scale = s.mbs / self.gb                  # micro-batch losses average to the global-batch mean
+        super().__init__(program, rank, worlds, store, plan.spec, device, batch, optim, record, timeout)
+
+    def _init_model(self) -> None:
+        self.kids = list(self.model.children())
+        self.scale = self.strategy.mbs / self.gb      # micro-batch losses average to the global-batch mean
         self.rc = {(i.chunk, i.microbatch) for i in self.rp.instrs() if i.phase == "recompute"}
-        self.streams = sorted(self.rp.streams, key=lambda n: (n not in _P2P_ORDER, _P2P_ORDER.index(n)
-                                                              if n in _P2P_ORDER else 0, n))
-        self.pos = {i.id: (st, k) for st, ins in self.rp.streams.items() for k, i in enumerate(ins)}
-        self.nccl = worlds.backend == "nccl"
-        self.pool = None
-        self.st = _Step()
+
+    def _atoms_of(self, region: str) -> list[str]:
+        return [region]
 
     def _recv_buffer(self, chunk: int) -> torch.Tensor:
         shape, dtype = self.plan.boundary[chunk]
@@ -213,13 +207,13 @@ class UserRuntime(Runtime):
 
     def __init__(self, program: Program, plan: UserPlan, model: torch.nn.Module, ctx: RankContext, *,
                  data: Callable[[int], tuple[Any, Any]], loss_fn: Callable, optim: OptimConfig = OptimConfig(),
-                 timeout: float = 300.0) -> None:
+                 timeout: float = 300.0, profile: bool = True) -> None:
         if program.world != ctx.world:
             raise StrategyError(f"the program has {program.world} ranks but the job has {ctx.world} processes; "
                                 f"launch it with nprocs={program.world}")
         self.program, self.ctx, self.spec = program, ctx, plan.spec
         self.worlds = Worlds(ctx.rank, ctx.world, ctx.backend)
-        self.worlds.prepare(_export_keys(program) | world_keys(program))
+        self.worlds.prepare(export_keys(program) | world_keys(program))
         self.store = StateStore(plan.spec, program.strategy, ctx.rank, ctx.device, init=False)
         values = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
         for b in self.store.buffers.values():
@@ -229,7 +223,7 @@ class UserRuntime(Runtime):
         model.to(ctx.device)
         self.profiler = Profiler(ctx.rank, ctx.rank)
         self.interp = UserInterpreter(program, ctx.rank, self.worlds, self.store, plan, model, ctx.device, data,
-                                      loss_fn, optim, self.profiler.record, timeout)
+                                      loss_fn, optim, self.profiler.record if profile else None, timeout)
         self.steps_done = 0
 
 
@@ -240,7 +234,7 @@ def _user_job(ctx: RankContext, program_json: dict, plan: UserPlan, factory: Cal
     model = factory()
     program = Program.from_json(program_json)
     rt = UserRuntime(program, plan, model, ctx, data=data, loss_fn=loss_fn, optim=OptimConfig(**opts["optim"]),
-                     timeout=opts["timeout"])
+                     timeout=opts["timeout"], profile=opts["profile"])
     losses, times = [], []
     for _ in range(steps):
         loss, dt = rt.step()
@@ -271,11 +265,11 @@ def run_user_model(factory: Callable[[], torch.nn.Module], strategy: "str | Stra
             "progress": progress is not None}
     outs = launch_local(_user_job, program.world, args=(program.to_json(), plan, factory, data, loss_fn, steps, opts),
                         timeout=timeout, backend=backend,
-                        on_report=_Progress(program.world, progress) if progress else None, gather=True)
+                        on_report=StepProgress(program.world, progress) if progress else None, gather=True)
     outs = [o for o in outs if o is not None]
     losses = [float(sum(o["losses"][k] for o in outs)) for k in range(steps)]
     times = [max(o["step_times"][k] for o in outs) for k in range(steps)]
     rows = [r for o in outs for r in o["timeline"]]
     return RunResult(program, losses, times, [o["peak_memory"] for o in outs], rows,
-                     _assemble(plan.spec, [o["params"] for o in outs]) if params else None)
+                     assemble_params(plan.spec, [o["params"] for o in outs]) if params else None)
 

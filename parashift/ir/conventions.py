@@ -1,6 +1,8 @@
 """Training-step Program conventions: the contract between ``ir.compile``, ``sim`` and ``exec``.
 
-This docstring is the authoritative copy (mirrored in the team notes).
+This docstring is the authoritative copy. The tag, payload-key and buffer-name grammar below is
+built and parsed by :mod:`parashift.ir.tags` (typed values, ``str`` / ``parse``); the compiler and
+the runtime use that module, never string formatting or regular expressions of their own.
 
 # Training-step Program conventions (shared contract of ir.compile, sim and exec)
 

@@ -28,6 +28,7 @@ from ..errors import ProgramError
 from .actions import AFTER, END, OPTIM, POST, Action
 from .graph import DATA, SAVED, Graph
 from .ordering import Fuse, Order, Stream
+from . import tags as T
 
 __all__ = ["Split", "Place", "Shard", "Recompute", "Replicate", "Order", "Stream", "Fuse", "apply_all",
            "END", "OPTIM", "POST", "AFTER"]
@@ -209,7 +210,7 @@ class Place:
                 continue
             cu, cv, mb = c["chunk"][u], c["chunk"][v], c["mb"][u]
             fwd = cv > cu
-            tag = f"act.c{cu}.m{mb}" if fwd else f"grad.c{cv}.m{mb}"
+            tag = str(T.P2PTag(T.Payload.ACT, cu, mb) if fwd else T.P2PTag(T.Payload.GRAD, cv, mb))
             peer = self._peer(cu, cv)
             s = _comm(out, u, op="send", tag=tag, peer=peer, nbytes=self.act_bytes, stream="p2p", dpos=0.75)
             r = _comm(out, v, op="recv", tag=tag, peer="pp-1" if peer == "pp+1" else "pp+1",
@@ -273,11 +274,11 @@ class Shard:
                 c["params"][i] //= self.ways
                 kind, ph, mb, reg = c["kind"][i], c["phase"][i], c["mb"][i], c["region"][i]
                 if ph == "fwd" and kind in ("embed", "attn", "mlp", "moe.combine"):
-                    plan.setdefault(("all_reduce", None), []).append((i, f"tp.{reg}.fwd.m{mb}"))
+                    plan.setdefault(("all_reduce", None), []).append((i, str(T.TPTag(reg, "fwd", mb))))
                 elif ph == "fwd" and kind == "head":
-                    plan.setdefault(("all_gather", "ce_stats"), []).append((i, f"tp.head.fwd.m{mb}"))
+                    plan.setdefault(("all_gather", "ce_stats"), []).append((i, str(T.TPTag("head", "fwd", mb))))
                 elif ph in ("bwd", "bwd_input") and kind in ("head", "mlp", "attn", "moe.route"):
-                    plan.setdefault(("all_reduce", None), []).append((i, f"tp.{reg}.{ph}.m{mb}"))
+                    plan.setdefault(("all_reduce", None), []).append((i, str(T.TPTag(reg, ph, mb))))
         else:
             for i in range(n):
                 if c["op"][i] != "compute":
@@ -297,7 +298,7 @@ class Shard:
                     what = "dispatch"
                 if what:
                     plan.setdefault(("all_to_all", None), []).append(
-                        (i, f"ep.layers.{layer}.moe.{what}.{ph_tag}.m{mb}"))
+                        (i, str(T.EPTag(layer, T.A2A(what), ph_tag, mb))))
         ins: list[tuple[int, int]] = []
         for (op, key), items in plan.items():
             us = [u for u, _ in items]
@@ -321,14 +322,13 @@ class Shard:
             c["params"][i] //= self.ways
             kind, ph, mb, reg = c["kind"][i], c["phase"][i], c["mb"][i], c["region"][i]
             if ph == "fwd" and kind == "head":
-                steps[0].append((i, "all_gather", f"tp.head.fwd.m{mb}", "ce_stats"))
+                steps[0].append((i, "all_gather", str(T.TPTag("head", "fwd", mb)), "ce_stats"))
             elif (ph == "fwd" and kind in ("embed", "attn", "mlp", "moe.combine")) or \
                     (ph in ("bwd", "bwd_input") and kind in ("head", "mlp", "attn", "moe.route")):
-                base = f"sp.{reg}.{ph}"
-                steps[0].append((i, "reduce_scatter", f"{base}.rs.m{mb}", "sp_scatter"))
-                steps[1].append((i, "all_gather", f"{base}.ag.m{mb}", "sp_gather"))
+                steps[0].append((i, "reduce_scatter", str(T.SPTag(reg, ph, "rs", mb)), "sp_scatter"))
+                steps[1].append((i, "all_gather", str(T.SPTag(reg, ph, "ag", mb)), "sp_gather"))
                 if ph != "fwd" and kind in ("head", "mlp", "attn"):
-                    regather.append((i, f"{base}.input.m{mb}"))
+                    regather.append((i, str(T.SPTag(reg, ph, "input", mb))))
         last: dict[int, int] = {}       # region node -> its latest comm node
         for items in steps:
             by_key: dict[tuple[str, str], list[tuple[int, str]]] = {}
@@ -338,14 +338,15 @@ class Shard:
             for (op, key), rows in by_key.items():
                 anchors = [last.get(u, u) for u, _ in rows]
                 nb = self.stats_bytes if key == "ce_stats" else self.nbytes
-                new = _comm_many(out, anchors, op=op, tags=[t for _, t in rows], group="tp", nbytes=nb, key=key,
+                new = _comm_many(out, anchors, op=op, tags=[t for _, t in rows], group="tp", nbytes=nb,
+                                 key=str(T.StepKey(key)),
                                  dpos=0.05)
                 ins += list(zip(anchors, new))
                 last.update({u: int(x) for (u, _), x in zip(rows, new)})
             out.insert_after(ins)
         for u, tag in regather:   # overlapped with the input-grad GEMM on the comm stream, as Megatron does
             _alongside(out, nbrs, u, _comm(out, u, op="all_gather", tag=tag, group="tp", nbytes=self.nbytes,
-                                           stream="comm", dpos=-0.3, key="sp_input"))
+                                           stream="comm", dpos=-0.3, key=str(T.StepKey("sp_input"))))
         return out
 
     def _ring(self, out: Graph) -> Graph:
@@ -361,13 +362,14 @@ class Shard:
             ph = c["phase"][i]
             if c["kind"][i] != "attn" or ph not in ("fwd", "bwd", "bwd_input"):
                 continue
-            base = f"cp.{c['region'][i]}.{ph}"
-            kv = _comm(out, i, op="all_gather", tag=f"{base}.kv.m{c['mb'][i]}", group="cp",
-                       nbytes=self.nbytes * self.ways, stream="comm", dpos=-0.3, key="cp_kv")
+            reg, mb = c["region"][i], c["mb"][i]
+            kv = _comm(out, i, op="all_gather", tag=str(T.CPTag(reg, ph, "kv", mb)), group="cp",
+                       nbytes=self.nbytes * self.ways, stream="comm", dpos=-0.3, key=str(T.StepKey("cp_kv")))
             _alongside(out, nbrs, i, kv)     # starts with the attention region, not after it
             if ph != "fwd":                  # K/V gradients go back to their owners
-                after.append((i, _comm(out, i, op="reduce_scatter", tag=f"{base}.dkv.m{c['mb'][i]}", group="cp",
-                                       nbytes=self.nbytes * self.ways, stream="comm", dpos=0.5, key="cp_dkv")))
+                after.append((i, _comm(out, i, op="reduce_scatter", tag=str(T.CPTag(reg, ph, "dkv", mb)), group="cp",
+                                       nbytes=self.nbytes * self.ways, stream="comm", dpos=0.5,
+                                       key=str(T.StepKey("cp_dkv")))))
         out.insert_after(after)
         return out
 
@@ -407,7 +409,7 @@ class Recompute:
             key = (c["region"][i], c["mb"][i])
             f = fwd[key]
             flops = c["flops"][f] if self.mode == "full" or self.selective_flops <= 0 else self.selective_flops
-            buf = f"rc.{key[0]}.m{key[1]}"
+            buf = str(T.StepBuffer("rc", key[1], region=key[0]))
             r = _clone(out, out, i, phase="recompute", flops=float(flops), act=0, pos=c["pos"][i] - 0.25,
                        alloc=((buf, int(self.rc_bytes.get(kind, 0))),), free=())
             last = weight.get(key, i)
@@ -478,7 +480,8 @@ class Replicate:
                 specs.append(("edp", self.grad_expert[ch], "expert"))
             for grp, nb, what in specs:
                 s = out.add(op="all_reduce" if self.zero == 0 else "reduce_scatter", group=grp, chunk=ch,
-                            stage=st, tag=f"{'edp' if what == 'expert' else 'dp'}.grad.c{ch}", key=f"grad:c{ch}:{what}", nbytes=int(nb),
+                            stage=st, tag=str(T.SyncTag(T.Axis("edp" if what == "expert" else "dp"), T.Sync.GRAD, ch)),
+                            key=str(T.StepKey("grad", ch, what)), nbytes=int(nb),
                             stream="comm", action=anchor)
                 sync_nodes.setdefault(ch, []).append(s)
         # reroute bwd -> optim edges through the chunk's syncs
@@ -502,8 +505,8 @@ class Replicate:
         if self.tied_bytes and stage_of[0] != stage_of[last]:
             for ch, kind in ((0, "embed"), (last, "head")):
                 st = stage_of[ch]
-                t = out.add(op="all_reduce", group="embed", chunk=ch, stage=st, tag="embed.grad",
-                            key="grad:embed", nbytes=int(self.tied_bytes), stream="comm", action=(END, 0))
+                t = out.add(op="all_reduce", group="embed", chunk=ch, stage=st, tag=str(T.EmbedTag()),
+                            key=str(T.StepKey("grad", None, "embed")), nbytes=int(self.tied_bytes), stream="comm", action=(END, 0))
                 for i in bwd_of_chunk[ch]:
                     if c["kind"][i] == kind:
                         out.edge(i, t, SAVED)
@@ -519,7 +522,8 @@ class Replicate:
                     size = self.ways if grp == self.axis else (edp if self.ep > 1 else 1)
                     if size > 1 and nb:
                         a = out.add(op="all_gather", group=grp, chunk=ch, stage=stage_of[ch],
-                                    tag=f"{pfx}.param.c{ch}", key=f"param:c{ch}:{'dense' if grp == self.axis else 'expert'}",
+                                    tag=str(T.SyncTag(T.Axis(pfx), T.Sync.PARAM, ch)),
+                                    key=str(T.StepKey("param", ch, "dense" if grp == self.axis else "expert")),
                                     nbytes=int(nb), stream="comm", action=(POST, ch))
                         out.edge(optim[stage_of[ch]], a, SAVED)
         elif self.zero == 3:
@@ -538,10 +542,10 @@ class Replicate:
                     size = self.ways if grp == self.axis else (edp if self.ep > 1 else 1)
                     if size <= 1 or not nb:
                         continue
-                    name = f"{buf}.c{a.chunk}.{ph}.m{a.mb}"
+                    name = str(T.StepBuffer(buf, a.mb, chunk=a.chunk, phase=ph))
                     n = out.add(op="all_gather", group=grp, chunk=a.chunk, stage=c["stage"][first],
-                                phase=ph, mb=a.mb, tag=f"{pfx}.c{a.chunk}.{ph}.m{a.mb}", nbytes=int(nb),
-                                key=f"param:c{a.chunk}:{'dense' if grp == self.axis else 'expert'}",
+                                phase=ph, mb=a.mb, tag=str(T.Z3Tag(grp == "edp", a.chunk, ph, a.mb)), nbytes=int(nb),
+                                key=str(T.StepKey("param", a.chunk, "dense" if grp == self.axis else "expert")),
                                 stream="comm", action=a, pos=-1.0, alloc=((name, int(nb)),))
                     for u in users:
                         out.edge(n, u, SAVED)

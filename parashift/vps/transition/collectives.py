@@ -18,7 +18,7 @@ __all__ = ["Op", "OPS", "COLLECTIVE_OPS", "op"]
 
 @dataclass(frozen=True)
 class Op:
-    """One transfer op. ``letter``: its transfer tags' first letter; ``p2p``: a message between two devices (``send`` at one end, ``recv``
+    """One transfer op (its tags are spelled by :class:`parashift.ir.tags.TransferTag`). ``p2p``: a message between two devices (``send`` at one end, ``recv``
     at the other), else a collective over a group; ``rooted``: one member (``root``) is special; ``chunked``: the full buffer is
     one chunk per member; ``whole``: which members hold the full buffer (``"all"``, ``"root"``);
     ``chunk_from``: who sends chunk ``p`` (``"owner"``: ``group[p]``, ``"root"``), ``chunk_to``:
@@ -26,7 +26,6 @@ class Op:
     ``owners``: which members own a chunk that travels (``"all"`` or ``"non-root"``)."""
 
     name: str
-    letter: str
     p2p: bool = False
     rooted: bool = True
     chunked: bool = False
@@ -113,11 +112,11 @@ class Op:
 
 #: Every op a switch Program's transfers use, by name.
 OPS: Mapping[str, Op] = {o.name: o for o in (
-    Op("send", "s", p2p=True, rooted=False),
-    Op("broadcast", "b"),
-    Op("scatter", "s", chunked=True, whole="root", chunk_from="root", chunk_to="owner"),
-    Op("gather", "g", chunked=True, whole="root", chunk_from="owner", chunk_to="root"),
-    Op("all_gather", "a", rooted=False, chunked=True, whole="all", chunk_from="owner", chunk_to="others", owners="all"),
+    Op("send", p2p=True, rooted=False),
+    Op("broadcast"),
+    Op("scatter", chunked=True, whole="root", chunk_from="root", chunk_to="owner"),
+    Op("gather", chunked=True, whole="root", chunk_from="owner", chunk_to="root"),
+    Op("all_gather", rooted=False, chunked=True, whole="all", chunk_from="owner", chunk_to="others", owners="all"),
 )}
 
 #: Ops of transfers over a group (one communicator each), in the order the planner promotes them.

@@ -6,8 +6,9 @@ executor, staged release, the live planner, the simulator's switch result) reads
 transfer ``-1`` is kept on its device (``src == dst``) and copied by ``keep:<stage>``.
 
 Transfer tags, instruction keys and buffer names (``keep:<stage>``, ``pack:<tag>``,
-``unpack:<tag>``, ``buf:<tag>``, ``old:<kind>:<tensor>``, ``new:<kind>:<tensor>``) are spelled only
-by :func:`switch_name` and read only by :func:`parse_switch_name` (a transfer's tag is an opaque
+``unpack:<tag>``, ``buf:<tag>``, ``old:<kind>:<tensor>``, ``new:<kind>:<tensor>``) follow the one
+tag grammar of :mod:`parashift.ir.tags`; here they are spelled only by :func:`switch_name` and read
+only by :func:`parse_switch_name` (a transfer's tag is an opaque
 id: ``SwitchMeta.transfers`` maps it to its transfer).
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ...errors import ProgramError
+from ...ir import tags as T
 from .collectives import OPS
 
 __all__ = ["PieceTable", "SwitchMeta", "switch_name", "parse_switch_name", "NAMES"]
@@ -27,30 +29,35 @@ NAMES = {"keep": 1, "pack": 1, "unpack": 1, "buf": 1, "old": 2, "new": 2}
 
 
 def switch_name(what: str, *parts: object) -> str:
-    """Every name a switch Program spells: an instruction key or buffer name (``what`` in
-    :data:`NAMES`: ``switch_name("old", kind, tensor)``), or a transfer's tag (``what`` a transfer
-    op: ``switch_name(op, stage, root, members)`` with the receivers of a send or broadcast, the
-    other members of a scatter or gather, every member of an all_gather; a send may add the row of
-    its one piece when transfers are not coalesced)."""
-    o = OPS.get(what)
-    if o is not None:
+    """Every name a switch Program spells, through the one tag grammar (:mod:`parashift.ir.tags`):
+    an instruction key or buffer name (``what`` in :data:`NAMES`: ``switch_name("old", kind,
+    tensor)``), or a transfer's tag (``what`` a transfer op: ``switch_name(op, stage, root,
+    members)`` with the receivers of a send or broadcast, the other members of a scatter or gather,
+    every member of an all_gather; a send may add the row of its one piece when transfers are not
+    coalesced)."""
+    if what in OPS:
         stage, root, members, *piece = parts
-        ids = ",".join(map(str, members))
-        if not o.chunked:
-            return f"{o.letter}{stage}:{root}>{ids}" + "".join(f":{p}" for p in piece)
-        return f"{o.letter}{stage}:{root}:{ids}"
+        return str(T.TransferTag(what, int(stage), int(root), tuple(int(m) for m in members),
+                                 int(piece[0]) if piece else None))
     if NAMES.get(what) != len(parts):
         raise ProgramError(f"switch name {what!r} takes {NAMES.get(what)} part(s), got {parts!r}")
-    return ":".join((what, *map(str, parts)))
+    if what in ("old", "new"):
+        return str(T.StateBuffer(what, str(parts[0]), str(parts[1])))
+    if what == "keep":
+        return str(T.SwitchKey("keep", stage=int(parts[0])))
+    return str(T.SwitchKey(what, transfer=str(parts[0])))
 
 
 def parse_switch_name(text: str) -> tuple[str, tuple[str, ...]]:
     """``(what, parts)`` of a name :func:`switch_name` built (a tag may itself hold colons)."""
-    what, _, rest = text.partition(":")
-    n = NAMES.get(what)
-    if n is None or not rest:
-        raise ProgramError(f"{text!r} is not a switch Program key or buffer name ({', '.join(NAMES)})")
-    return what, tuple(rest.split(":", n - 1)) if n > 1 else (rest,)
+    what = text.partition(":")[0]
+    if what in ("old", "new"):
+        b = T.StateBuffer.parse(text)
+        return what, (b.kind, b.tensor)
+    if what in NAMES:
+        k = T.SwitchKey.parse(text)
+        return what, (str(k.stage) if what == "keep" else k.transfer,)
+    raise ProgramError(f"{text!r} is not a switch Program key or buffer name ({', '.join(NAMES)})")
 
 
 _COLUMNS = ("tensor", "kind", "src", "dst", "lo", "hi", "nbytes", "stage", "transfer", "offset")
