@@ -132,8 +132,9 @@ class CostModel:
 
     @classmethod
     def for_cluster(cls, cluster: "Cluster") -> "CostModel":
-        """Defaults for a cluster preset's GPU kind."""
-        return cls.for_gpu(cluster.gpu)
+        """Defaults for a cluster's GPU kind, with its NICs' per-device share as the inter-node bandwidth."""
+        base = cls.for_gpu(cluster.gpu)
+        return replace(base, bandwidth={**base.bandwidth, "inter": cluster.inter_bw})
 
     def replace(self, **changes: Any) -> "CostModel":
         return replace(self, **changes)
