@@ -130,9 +130,9 @@ class CostModel:
         if self.compute_model not in ("shape", "flops"):
             raise CostModelError(f"compute_model {self.compute_model!r} must be shape (kernel shapes) or flops "
                                  f"(FLOPs at efficiency[phase]); fix the cost model file")
-        if not (0 < self.gemm_efficiency <= 1 and 0 < self.flash_efficiency <= 1) or self.gemm_tile_m < 1 \
+        if not (self.gemm_efficiency > 0 and self.flash_efficiency > 0) or self.gemm_tile_m < 1 \
                 or self.gemm_tile_n < 1 or self.sms < 1 or self.gemm_k_half < 0 or self.elementwise_bytes < 0:
-            raise CostModelError("gemm_efficiency and flash_efficiency must be in (0, 1], tiles and sms >= 1, "
+            raise CostModelError("gemm_efficiency and flash_efficiency must be positive, tiles and sms >= 1, "
                                  "gemm_k_half and elementwise_bytes >= 0; fix the cost model file")
         if self.algorithm not in ALGORITHMS:
             raise CostModelError(f"unknown collective algorithm {self.algorithm!r}; use one of {', '.join(ALGORITHMS)}")
