@@ -17,22 +17,23 @@ __all__ = ["KNOBS", "A100_VTRAIN", "apply_knobs", "knobs_of"]
 #: The fitted knobs: the shape model's GEMM ceiling and short-k penalty, the dispatch floor per layer
 #: (split 5:3 between attention and MLP), the backward floor multiplier, the floor per micro-batch
 #: (embedding + head), HBM bytes per unfused attention score element, the elementwise traffic scale,
-#: and the fixed costs of an optimizer step, an NVLink ring step and a pipeline send/recv.
+#: and the fixed costs of an optimizer step, an NVLink ring step, a pipeline send/recv and a collective.
 KNOBS = ("gemm_efficiency", "gemm_k_half", "layer_floor", "bwd_floor", "microbatch_floor",
-         "attention_score_bytes", "elementwise_bytes", "optim_overhead", "intra_latency", "p2p_overhead")
+         "attention_score_bytes", "elementwise_bytes", "optim_overhead", "intra_latency", "p2p_overhead",
+         "comm_overhead")
 
 # BEGIN FITTED (python benchmarks/vtrain_bench.py --fit)
 A100_VTRAIN: dict[str, float] = {
-    "gemm_efficiency": 0.8491994748856047,
-    "gemm_k_half": 14.321200954096128,
-    "layer_floor": 0.001060807821746498,
-    "bwd_floor": 0.6096838326079437,
-    "microbatch_floor": 0.0018940275298879481,
-    "attention_score_bytes": 9.931090292935092,
-    "elementwise_bytes": 1.4493059224283096,
-    "optim_overhead": 6.250000000000001e-09,
-    "intra_latency": 1.225823686227241e-05,
-    "p2p_overhead": 0.0024170715771790418,
+    "gemm_efficiency": 0.8351043514751344,
+    "gemm_k_half": 44.88407616201047,
+    "layer_floor": 0.0010166251577243865,
+    "bwd_floor": 0.6531238013458751,
+    "microbatch_floor": 0.0032362089739686774,
+    "attention_score_bytes": 13.156777907482606,
+    "elementwise_bytes": 0.4611024915808361,
+    "optim_overhead": 0.000183944454728878,
+    "intra_latency": 5.9834686813544415e-06,
+    "p2p_overhead": 0.0009163490175443964,
 }
 # END FITTED
 
@@ -48,7 +49,7 @@ def apply_knobs(base: "CostModel", knobs: Mapping[str, float]) -> "CostModel":
                         attention_score_bytes=float(k["attention_score_bytes"]),
                         elementwise_bytes=float(k["elementwise_bytes"]), optim_overhead=float(k["optim_overhead"]),
                         latency={**base.latency, "intra": float(k["intra_latency"])},
-                        p2p_overhead=float(k["p2p_overhead"]))
+                        p2p_overhead=float(k["p2p_overhead"]), comm_overhead=float(k["comm_overhead"]))
 
 
 def knobs_of(cm: "CostModel") -> dict[str, float]:
@@ -58,4 +59,5 @@ def knobs_of(cm: "CostModel") -> dict[str, float]:
             "layer_floor": f["attn"] + f["mlp"], "bwd_floor": cm.phase_floor["bwd"],
             "microbatch_floor": f["embed"] + f["head"], "attention_score_bytes": cm.attention_score_bytes,
             "elementwise_bytes": cm.elementwise_bytes, "optim_overhead": cm.optim_overhead,
-            "intra_latency": cm.latency["intra"], "p2p_overhead": cm.p2p_overhead}
+            "intra_latency": cm.latency["intra"], "p2p_overhead": cm.p2p_overhead,
+            "comm_overhead": cm.comm_overhead}

@@ -424,14 +424,16 @@ def region_units(region: str | None) -> tuple[tuple[str, int], ...]:
 _GPU_TUNING: dict[str, dict] = {
     # nccl-tests all-reduce on 2-8 A100s (traces/vtrain-a100 LUT, 1 MiB-1 GiB) fit within 4% by a fixed
     # 62 us per operation, ~0 per ring step and 218 GB/s (73% of the 300 GB/s NVLink).
+    # GPU runtimes (Megatron's batched isend/irecv, torch.distributed.pipelining) post their pipeline
+    # sends and receives and go on computing: p2p_posted.
     "a100": {"link_efficiency": _d(local=0.8, intra=0.726, inter=0.9), "comm_overhead": 6.2e-5,
-             "latency": _d(local=1e-6, intra=0.0, inter=8e-6)},
+             "latency": _d(local=1e-6, intra=0.0, inter=8e-6), "p2p_posted": True},
     "a800": {"link_efficiency": _d(local=0.8, intra=0.726, inter=0.9), "comm_overhead": 6.2e-5,
-             "latency": _d(local=1e-6, intra=0.0, inter=8e-6)},
+             "latency": _d(local=1e-6, intra=0.0, inter=8e-6), "p2p_posted": True},
     "h100": {"efficiency": _d(fwd=0.55, bwd=0.55, bwd_input=0.55, bwd_weight=0.55, recompute=0.55, optim=0.55),
-             "link_efficiency": _d(local=0.8, intra=0.8, inter=0.9)},
+             "link_efficiency": _d(local=0.8, intra=0.8, inter=0.9), "p2p_posted": True},
     "h200": {"efficiency": _d(fwd=0.58, bwd=0.58, bwd_input=0.58, bwd_weight=0.58, recompute=0.58, optim=0.58),
-             "link_efficiency": _d(local=0.8, intra=0.8, inter=0.9)},
+             "link_efficiency": _d(local=0.8, intra=0.8, inter=0.9), "p2p_posted": True},
     # gloo over loopback on one core per process: ~1 GFLOP/s effective matmuls with big per-op costs.
     "cpu": {"efficiency": _d(fwd=0.3, bwd=0.3, bwd_input=0.3, bwd_weight=0.3, recompute=0.3, optim=0.3),
             "region_floor": _d(embed=5e-5, attn=2e-4, mlp=1e-4, moe=3e-4, head=1e-4, layer=3e-4),
