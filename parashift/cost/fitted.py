@@ -15,7 +15,8 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["KNOBS", "A100_VTRAIN", "apply_knobs", "knobs_of"]
 
 #: The fitted knobs: the shape model's GEMM ceiling and short-k penalty, the dispatch floor per layer
-#: (split 5:3 between attention and MLP), the backward floor multiplier, the floor per micro-batch
+#: (split 5:3 between attention and MLP), the backward floor multiplier (a split backward's input and
+#: weight halves take half of it each), the floor per micro-batch
 #: (embedding + head), HBM bytes per unfused attention score element, the elementwise traffic scale,
 #: and the fixed costs of an optimizer step, an NVLink ring step, a pipeline send/recv and a collective.
 KNOBS = ("gemm_efficiency", "gemm_k_half", "layer_floor", "bwd_floor", "microbatch_floor",
@@ -45,7 +46,9 @@ def apply_knobs(base: "CostModel", knobs: Mapping[str, float]) -> "CostModel":
     floor = {**base.region_floor, "attn": layer * 5 / 8, "mlp": layer * 3 / 8, "layer": layer,
              "embed": mb / 2, "head": mb / 2}
     return base.replace(gemm_efficiency=min(float(k["gemm_efficiency"]), 1.0), gemm_k_half=float(k["gemm_k_half"]),
-                        region_floor=floor, phase_floor={**base.phase_floor, "bwd": float(k["bwd_floor"])},
+                        region_floor=floor, phase_floor={**base.phase_floor, "bwd": float(k["bwd_floor"]),
+                                                         "bwd_input": float(k["bwd_floor"]) / 2,
+                                                         "bwd_weight": float(k["bwd_floor"]) / 2},
                         attention_score_bytes=float(k["attention_score_bytes"]),
                         elementwise_bytes=float(k["elementwise_bytes"]), optim_overhead=float(k["optim_overhead"]),
                         latency={**base.latency, "intra": float(k["intra_latency"])},

@@ -247,6 +247,13 @@ class CostModel:
             t += layers * scores_per_layer * self.attention_score_bytes * pf / (self.hbm_bw * self.memory_efficiency)
         return t
 
+    def best_rate(self) -> float:
+        """FLOP/s no compute instruction beats (for lower bounds on step time)."""
+        rate = self.peak_flops * max(self.efficiency.values()) * max(self.region_efficiency.values())
+        if self.compute_model == "shape":
+            rate = max(rate, self.peak_flops * max(self.gemm_efficiency, self.flash_efficiency))
+        return rate
+
     def _shape_time(self, units: tuple, phase: str, work: "Workload") -> float | None:
         total = 0.0
         for kind, n in units:
