@@ -25,16 +25,17 @@ KNOBS = ("gemm_efficiency", "gemm_k_half", "layer_floor", "bwd_floor", "microbat
 
 # BEGIN FITTED (python benchmarks/vtrain_bench.py --fit)
 A100_VTRAIN: dict[str, float] = {
-    "gemm_efficiency": 0.8351043514751344,
-    "gemm_k_half": 44.88407616201047,
-    "layer_floor": 0.0010166251577243865,
-    "bwd_floor": 0.6531238013458751,
-    "microbatch_floor": 0.0032362089739686774,
-    "attention_score_bytes": 13.156777907482606,
-    "elementwise_bytes": 0.4611024915808361,
-    "optim_overhead": 0.000183944454728878,
-    "intra_latency": 5.9834686813544415e-06,
-    "p2p_overhead": 0.0009163490175443964,
+    "gemm_efficiency": 0.9041756922005068,
+    "gemm_k_half": 137.36138169329465,
+    "layer_floor": 0.0010680164423829772,
+    "bwd_floor": 0.6998779225234312,
+    "microbatch_floor": 0.0034566831347968016,
+    "attention_score_bytes": 11.947078640217542,
+    "elementwise_bytes": 0.878763641992657,
+    "optim_overhead": 5.6759179966766233e-11,
+    "intra_latency": 1.1148964409816728e-05,
+    "p2p_overhead": 0.0016405721360241595,
+    "comm_overhead": 1.6888113587824964e-11,
 }
 # END FITTED
 
