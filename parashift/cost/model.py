@@ -445,5 +445,6 @@ _GPU_TUNING: dict[str, dict] = {
     "cpu": {"efficiency": _d(fwd=0.3, bwd=0.3, bwd_input=0.3, bwd_weight=0.3, recompute=0.3, optim=0.3),
             "region_floor": _d(embed=5e-5, attn=2e-4, mlp=1e-4, moe=3e-4, head=1e-4, layer=3e-4),
             "link_efficiency": _d(local=0.5, intra=0.6, inter=0.6), "comm_overhead": 1e-4,
-            "optim_overhead": 1e-3, "memory_reserved": 0, "compute_model": "flops"},
+            "optim_overhead": 1e-3, "memory_reserved": 0, "compute_model": "flops",
+            "pp_scatter_gather": False},  # parashift's own runtime sends whole activations
 }
