@@ -91,7 +91,8 @@ def main() -> None:
     res = pd.DataFrame(out_rows)
     # throughput per GPU ranks the configurations: tokens per second per GPU, measured vs predicted
     tok = df["global_batch"].to_numpy() * df["seq_len"].to_numpy() / df["gpus"].to_numpy()
-    out = {"rows": len(res), "model_kind": args.model_kind,
+    kind = "flops" if args.model_kind == "flops" or (cost is not None and cost.compute_model == "flops") else "shape"
+    out = {"rows": len(res), "model_kind": kind,
            "median_ape": float(res["ape"].median()), "mean_ape": float(res["ape"].mean()),
            "worst_ape": float(res["ape"].max()),
            "spearman_tokens_per_gpu": spearman(tok / res["measured_s"].to_numpy(), tok / res["predicted_s"].to_numpy()),

@@ -130,7 +130,7 @@ class Cluster:
     def with_devices(self, n: int) -> "Cluster":
         """The smallest cluster of this GPU kind with at least ``n`` devices."""
         nodes = max(1, -(-n // self.per_node))
-        base, _, extra = self.name.partition(":")
+        extra = self.name.partition(":")[2]
         name = _name(self.gpu.name, nodes, self.per_node) + (f":{extra}" if extra else "")
         return replace(self, nodes=nodes, name=name)
 
@@ -212,8 +212,6 @@ def _apply(base: Cluster, items: "dict[str, object]", source: str) -> Cluster:
         v = parse_quantity(raw, unit, k)  # type: ignore[arg-type]
         (gpu_kw if where == "gpu" else cl_kw)[fld] = int(v) if fld == "memory" else v
     gpu = replace(base.gpu, **gpu_kw) if gpu_kw else base.gpu
-    if "nics_per_node" in gpu_kw:
-        gpu_kw.pop("nics_per_node")
     nodes = int(cl_kw.pop("nodes", base.nodes))
     per = int(cl_kw.pop("per_node", base.per_node))
     return Cluster(base.name, gpu, nodes, per, int(cl_kw.get("nics_per_node", base.nics_per_node)),
