@@ -78,7 +78,8 @@ class CostModel:
     ``"flops"`` (or no model known) is the FLOPs-at-efficiency rule above.
     ``pp_scatter_gather``: a pipeline send of a training step under TP moves 1/tp of the activation
     per TP rank, then an all-gather inside the receiving node (Megatron's scatter/gather); False:
-    every TP rank sends the whole activation.
+    every TP rank sends the whole activation. ``step_p2p_posted``: like ``p2p_posted`` for training
+    steps only (a switch Program's rounds still run one transfer at a time per stream).
     Switches: ``switch_overhead`` seconds a hot switch pays on top of its Program (allocating the
     new layout's buffers, starting the transfer), added by ``simulate_switch``.
     ``p2p_posted``: a stream posts each send/recv and goes on without waiting for it (a runtime
@@ -125,6 +126,7 @@ class CostModel:
     elementwise_bytes: float = 1.0
     sms: int = 108
     pp_scatter_gather: bool = True
+    step_p2p_posted: bool = False
 
     def __post_init__(self) -> None:
         if self.compute_model not in ("shape", "flops"):
@@ -432,15 +434,15 @@ _GPU_TUNING: dict[str, dict] = {
     # nccl-tests all-reduce on 2-8 A100s (traces/vtrain-a100 LUT, 1 MiB-1 GiB) fit within 4% by a fixed
     # 62 us per operation, ~0 per ring step and 218 GB/s (73% of the 300 GB/s NVLink).
     # GPU runtimes (Megatron's batched isend/irecv, torch.distributed.pipelining) post their pipeline
-    # sends and receives and go on computing: p2p_posted.
+    # sends and receives and go on computing: step_p2p_posted.
     "a100": {"link_efficiency": _d(local=0.8, intra=0.726, inter=0.9), "comm_overhead": 6.2e-5,
-             "latency": _d(local=1e-6, intra=0.0, inter=8e-6), "p2p_posted": True},
+             "latency": _d(local=1e-6, intra=0.0, inter=8e-6), "step_p2p_posted": True},
     "a800": {"link_efficiency": _d(local=0.8, intra=0.726, inter=0.9), "comm_overhead": 6.2e-5,
-             "latency": _d(local=1e-6, intra=0.0, inter=8e-6), "p2p_posted": True},
+             "latency": _d(local=1e-6, intra=0.0, inter=8e-6), "step_p2p_posted": True},
     "h100": {"efficiency": _d(fwd=0.55, bwd=0.55, bwd_input=0.55, bwd_weight=0.55, recompute=0.55, optim=0.55),
-             "link_efficiency": _d(local=0.8, intra=0.8, inter=0.9), "p2p_posted": True},
+             "link_efficiency": _d(local=0.8, intra=0.8, inter=0.9), "step_p2p_posted": True},
     "h200": {"efficiency": _d(fwd=0.58, bwd=0.58, bwd_input=0.58, bwd_weight=0.58, recompute=0.58, optim=0.58),
-             "link_efficiency": _d(local=0.8, intra=0.8, inter=0.9), "p2p_posted": True},
+             "link_efficiency": _d(local=0.8, intra=0.8, inter=0.9), "step_p2p_posted": True},
     # gloo over loopback on one core per process: ~1 GFLOP/s effective matmuls with big per-op costs.
     "cpu": {"efficiency": _d(fwd=0.3, bwd=0.3, bwd_input=0.3, bwd_weight=0.3, recompute=0.3, optim=0.3),
             "region_floor": _d(embed=5e-5, attn=2e-4, mlp=1e-4, moe=3e-4, head=1e-4, layer=3e-4),

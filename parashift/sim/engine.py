@@ -115,7 +115,8 @@ class Engine:
         self.phase_cache: dict[tuple, tuple[Phase, ...]] = {}
         self.p2p_cache: dict[tuple, tuple[Phase, ...]] = {}
         st = self.program.strategy
-        self.tp = int(getattr(st, "tp", 1)) if st is not None and self.program.meta.get("kind") == "train_step" else 1
+        self.tp_step = st is not None and self.program.meta.get("kind") == "train_step"
+        self.tp = int(getattr(st, "tp", 1)) if self.tp_step else 1
         self.ctime: dict[tuple, float] = {}
         self.bw = {link: self.cost.link_bw(link) for link in ("local", "intra", "inter")}
         self.group_reps: dict[tuple, tuple[tuple[int, ...], tuple]] = {}
@@ -189,7 +190,7 @@ class Engine:
         cres = (("compute", dev), ("host", dev // self.cluster.per_node)) if self.cost.host_cores > 0 \
             else (("compute", dev),)
         cell = self.progress[(r, s)]
-        posted = self.cost.p2p_posted
+        posted = self.cost.p2p_posted or (self.cost.step_p2p_posted and self.tp_step)
         for k, ins in enumerate(instrs):
             for d in ins.deps:
                 ev = done[d]
