@@ -1,7 +1,9 @@
 """Cluster presets: nodes of GPUs with their compute, memory and links.
 
 Names follow ``<gpu>-<nodes>x<per-node>`` (``a800-16x8``, ``h100-64x8``); any counts parse.
-``cpu-local`` describes this machine's worker processes for gloo runs.
+``cpu-local`` describes this machine's worker processes for gloo runs. A preset takes overrides
+after a colon (``a100-64x8:nic_bw=12.5GB,nics_per_node=4``, see :data:`OVERRIDES`), and a JSON file
+describes a whole cluster (``{"gpu": "a100", "nodes": 4, "per_node": 8, "nic_bw": 2.5e10, ...}``).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import numpy as np
 
 from .errors import ClusterError, UnknownPresetError
 
-__all__ = ["Cluster", "GPUS", "get", "names", "parse_devices", "format_devices"]
+__all__ = ["Cluster", "GPUS", "get", "names", "parse_devices", "format_devices", "OVERRIDES", "parse_quantity"]
 
 GB = 1e9
 GiB = 2**30
@@ -33,35 +35,68 @@ class GPU:
     inter_latency: float   # seconds
     interconnect: str
     duplex: bool = True    # sending and receiving at once each get the full bandwidth (False: they share it)
+    peak_fp32: float = 0.0  # dense fp32 FLOP/s (0: 1/16 of peak_flops)
+    peak_tf32: float = 0.0  # dense tf32 FLOP/s (0: half of peak_flops)
+    peak_fp8: float = 0.0   # dense fp8 FLOP/s (0: none; fp8 runs at peak_flops)
+    sms: int = 108          # streaming multiprocessors (the waves of a GEMM's tiles)
+    nics_per_node: int = 8  # NICs of a node (rail-aligned: NIC i serves the devices i, i + nics, ...)
+
+    def peak(self, dtype: str) -> float:
+        """Dense FLOP/s of one device in ``dtype`` (bf16/fp16 at ``peak_flops``)."""
+        if dtype == "fp32":
+            return self.peak_fp32 or self.peak_flops / 16
+        if dtype == "tf32":
+            return self.peak_tf32 or self.peak_flops / 2
+        if dtype == "fp8":
+            return self.peak_fp8 or self.peak_flops
+        return self.peak_flops
 
 
 GPUS: dict[str, GPU] = {
     # A800: A100 with NVLink cut to 400 GB/s bidirectional; 4x200 Gb/s HDR NICs per node in the testbed.
-    "a800": GPU("a800", 80 * GiB, 312e12, 2.0e12, 200 * GB, 3e-6, 100e9 / 8 * 1.0, 8e-6, "NVLink 400 GB/s, HDR IB"),
+    "a800": GPU("a800", 80 * GiB, 312e12, 2.0e12, 200 * GB, 3e-6, 100e9 / 8 * 1.0, 8e-6, "NVLink 400 GB/s, HDR IB",
+                 peak_fp32=19.5e12, peak_tf32=156e12, sms=108, nics_per_node=4),
     # A100-80GB SXM: NVLink3 600 GB/s bidirectional, one HDR 200 Gb/s NIC per GPU.
-    "a100": GPU("a100", 80 * GiB, 312e12, 2.0e12, 300 * GB, 3e-6, 25 * GB, 8e-6, "NVLink 600 GB/s, HDR IB"),
+    "a100": GPU("a100", 80 * GiB, 312e12, 2.0e12, 300 * GB, 3e-6, 25 * GB, 8e-6, "NVLink 600 GB/s, HDR IB",
+                 peak_fp32=19.5e12, peak_tf32=156e12, sms=108, nics_per_node=8),
     # H100 SXM: NVLink4 900 GB/s bidirectional, one NDR 400 Gb/s NIC per GPU.
-    "h100": GPU("h100", 80 * GiB, 989e12, 3.35e12, 450 * GB, 2.5e-6, 50 * GB, 6e-6, "NVLink 900 GB/s, NDR IB"),
+    "h100": GPU("h100", 80 * GiB, 989e12, 3.35e12, 450 * GB, 2.5e-6, 50 * GB, 6e-6, "NVLink 900 GB/s, NDR IB",
+                 peak_fp32=67e12, peak_tf32=494e12, peak_fp8=1979e12, sms=132, nics_per_node=8),
     # H200 SXM: H100 compute with 141 GB HBM3e at 4.8 TB/s.
-    "h200": GPU("h200", 141 * GB, 989e12, 4.8e12, 450 * GB, 2.5e-6, 50 * GB, 6e-6, "NVLink 900 GB/s, NDR IB"),
+    "h200": GPU("h200", 141 * GB, 989e12, 4.8e12, 450 * GB, 2.5e-6, 50 * GB, 6e-6, "NVLink 900 GB/s, NDR IB",
+                 peak_fp32=67e12, peak_tf32=494e12, peak_fp8=1979e12, sms=132, nics_per_node=8),
     # This machine's worker processes: one core each, gloo over loopback TCP/shared memory.
     # Both directions are copies by the same cores, so a process's sends and receives share them.
-    "cpu": GPU("cpu", 2 * GiB, 2.0e10, 1.0e10, 1.5 * GB, 6e-5, 1.5 * GB, 6e-5, "gloo over loopback", duplex=False),
+    "cpu": GPU("cpu", 2 * GiB, 2.0e10, 1.0e10, 1.5 * GB, 6e-5, 1.5 * GB, 6e-5, "gloo over loopback", duplex=False,
+                peak_fp32=2.0e10, peak_tf32=2.0e10, sms=1, nics_per_node=1),
 }
 
 
 @dataclass(frozen=True)
 class Cluster:
-    """``nodes`` nodes of ``per_node`` devices of one GPU kind."""
+    """``nodes`` nodes of ``per_node`` devices of one GPU kind.
+
+    ``nics_per_node`` NICs of ``nic_bw`` bytes/s each (one direction) connect a node to the others,
+    rail-aligned (NIC ``i`` serves local devices ``i, i + nics, ...``); 0 takes the GPU kind's
+    defaults. :attr:`inter_bw` is one device's share when every device of a node sends off-node.
+    """
 
     name: str
     gpu: GPU
     nodes: int
     per_node: int
+    nics_per_node: int = 0
+    nic_bw: float = 0.0
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.per_node < 1:
             raise ClusterError(f"cluster {self.name!r} needs at least one node of one device")
+        if not self.nics_per_node:
+            object.__setattr__(self, "nics_per_node", self.gpu.nics_per_node)
+        if not self.nic_bw:
+            object.__setattr__(self, "nic_bw", self.gpu.inter_bw * 8 / self.gpu.nics_per_node)
+        if self.nics_per_node < 1 or self.nic_bw <= 0:
+            raise ClusterError(f"cluster {self.name!r}: nics_per_node and nic_bw must be positive")
 
     @property
     def devices(self) -> int:
@@ -71,6 +106,16 @@ class Cluster:
     def memory(self) -> int:
         """Bytes of memory per device."""
         return self.gpu.memory
+
+    @property
+    def inter_bw(self) -> float:
+        """Bytes/s one device gets off-node when all devices of its node send at once."""
+        return self.nic_bw * min(self.nics_per_node, self.per_node) / self.per_node
+
+    @property
+    def devices_per_nic(self) -> int:
+        """Devices sharing one NIC (1 when every device has its own rail)."""
+        return max(1, -(-self.per_node // self.nics_per_node))
 
     def node_of(self, device: "int | np.ndarray") -> "int | np.ndarray":
         """Node index of device id(s); device d sits on node d // per_node."""
@@ -85,10 +130,14 @@ class Cluster:
     def with_devices(self, n: int) -> "Cluster":
         """The smallest cluster of this GPU kind with at least ``n`` devices."""
         nodes = max(1, -(-n // self.per_node))
-        return replace(self, nodes=nodes, name=_name(self.gpu.name, nodes, self.per_node))
+        extra = self.name.partition(":")[2]
+        name = _name(self.gpu.name, nodes, self.per_node) + (f":{extra}" if extra else "")
+        return replace(self, nodes=nodes, name=name)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "nodes": self.nodes, "per_node": self.per_node, "gpu": asdict(self.gpu)}
+        return {"name": self.name, "nodes": self.nodes, "per_node": self.per_node,
+                "nics_per_node": self.nics_per_node, "nic_bw": self.nic_bw, "inter_bw_per_device": self.inter_bw,
+                "gpu": asdict(self.gpu)}
 
 
 def _name(gpu: str, nodes: int, per_node: int) -> str:
@@ -97,27 +146,146 @@ def _name(gpu: str, nodes: int, per_node: int) -> str:
 
 _PATTERN = re.compile(r"^([a-z0-9]+)-(\d+)x(\d+)$")
 
+#: Override keys (``preset:key=value,...`` or JSON file fields): key -> (where, field, unit, meaning).
+OVERRIDES: dict[str, tuple[str, str, str, str]] = {
+    "nodes": ("cluster", "nodes", "count", "nodes"),
+    "per_node": ("cluster", "per_node", "count", "devices per node"),
+    "nics_per_node": ("cluster", "nics_per_node", "count", "NICs per node (rail-aligned)"),
+    "nic_bw": ("cluster", "nic_bw", "bandwidth", "one NIC's bandwidth, one direction (e.g. 25GB or 200Gb)"),
+    "inter_bw": ("cluster", "nic_bw", "bandwidth", "same as nic_bw"),
+    "inter_latency": ("gpu", "inter_latency", "seconds", "latency of a message between nodes (e.g. 8us)"),
+    "intra_bw": ("gpu", "intra_bw", "bandwidth", "NVLink/PCIe bandwidth per device, one direction"),
+    "nvlink_bw": ("gpu", "intra_bw", "bandwidth", "same as intra_bw"),
+    "intra_latency": ("gpu", "intra_latency", "seconds", "latency of a message inside a node"),
+    "memory": ("gpu", "memory", "bytes", "device memory (e.g. 80GiB)"),
+    "hbm_bw": ("gpu", "hbm_bw", "bandwidth", "HBM bandwidth (e.g. 2TB)"),
+    "peak_flops": ("gpu", "peak_flops", "flops", "dense bf16/fp16 FLOP/s (e.g. 312T)"),
+    "peak_bf16": ("gpu", "peak_flops", "flops", "same as peak_flops"),
+    "peak_fp16": ("gpu", "peak_flops", "flops", "same as peak_flops"),
+    "peak_tf32": ("gpu", "peak_tf32", "flops", "dense tf32 FLOP/s"),
+    "peak_fp32": ("gpu", "peak_fp32", "flops", "dense fp32 FLOP/s"),
+    "peak_fp8": ("gpu", "peak_fp8", "flops", "dense fp8 FLOP/s"),
+    "sms": ("gpu", "sms", "count", "streaming multiprocessors"),
+}
 
-def get(name: "str | Cluster") -> Cluster:
-    """A cluster by name: ``a800-16x8``, ``a100-64x8``, ``h100-4x8``, ``h200-1x8``, ``cpu-local``."""
-    if isinstance(name, Cluster):
-        return name
-    key = str(name).strip().lower()
+_SUFFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15, "ki": 2.0**10, "mi": 2.0**20,
+           "gi": 2.0**30, "ti": 2.0**40}
+_QTY = re.compile(r"^([0-9]*\.?[0-9]+(?:e[-+]?\d+)?)\s*([kmgtp]i?)?(b|bit|bits|byte|bytes|flops|s|ms|us|ns|/s)?(/s)?$",
+                  re.IGNORECASE)
+
+
+def parse_quantity(text: "str | float | int", unit: str, key: str = "value") -> float:
+    """``"12.5GB"`` -> 1.25e10 bytes(/s); ``"200Gb"`` -> 2.5e10 (bits / 8); ``"80GiB"``; ``"312T"``;
+    ``"8us"`` -> 8e-6 s; plain numbers are taken in base units (bytes, FLOP/s, seconds)."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        v = float(text)
+    else:
+        m = _QTY.match(str(text).strip().replace("_", ""))
+        if not m:
+            raise ClusterError(f"cluster key {key}={text!r} is not a number with an optional unit "
+                               f"(e.g. 25GB, 200Gb, 80GiB, 312T, 8us)")
+        num, pre, suf = float(m.group(1)), (m.group(2) or ""), (m.group(3) or "")
+        if suf in ("ms", "us", "ns"):
+            if unit != "seconds" or pre:
+                raise ClusterError(f"cluster key {key}={text!r}: a time unit is only valid for latencies")
+            v = num * {"ms": 1e-3, "us": 1e-6, "ns": 1e-9}[suf]
+        else:
+            v = num * _SUFFIX[pre.lower()]
+            if suf == "b" or suf.lower() in ("bit", "bits"):   # lower-case b: bits
+                v /= 8
+    if unit == "count":
+        if v != int(v) or v < 1:
+            raise ClusterError(f"cluster key {key}={text!r} must be a positive integer")
+        return int(v)
+    if not v > 0:
+        raise ClusterError(f"cluster key {key}={text!r} must be positive")
+    return v
+
+
+def _apply(base: Cluster, items: "dict[str, object]", source: str) -> Cluster:
+    gpu_kw: dict = {}
+    cl_kw: dict = {}
+    for k, raw in items.items():
+        if k not in OVERRIDES:
+            raise ClusterError(f"unknown cluster key {k!r} in {source}; keys are {', '.join(OVERRIDES)}")
+        where, fld, unit, _ = OVERRIDES[k]
+        v = parse_quantity(raw, unit, k)  # type: ignore[arg-type]
+        (gpu_kw if where == "gpu" else cl_kw)[fld] = int(v) if fld == "memory" else v
+    gpu = replace(base.gpu, **gpu_kw) if gpu_kw else base.gpu
+    nodes = int(cl_kw.pop("nodes", base.nodes))
+    per = int(cl_kw.pop("per_node", base.per_node))
+    return Cluster(base.name, gpu, nodes, per, int(cl_kw.get("nics_per_node", base.nics_per_node)),
+                   float(cl_kw.get("nic_bw", base.nic_bw)))
+
+
+def _preset(key: str, name: object) -> Cluster:
     if key == "cpu-local":
         return Cluster("cpu-local", GPUS["cpu"], 1, max(8, os.cpu_count() or 1))
     m = _PATTERN.match(key)
     if not m or m.group(1) not in GPUS or m.group(1) == "cpu":
         raise UnknownPresetError(
             f"unknown cluster {name!r}; use <gpu>-<nodes>x<per-node> with gpu in "
-            f"{', '.join(g for g in GPUS if g != 'cpu')} (e.g. a800-16x8), or cpu-local")
+            f"{', '.join(g for g in GPUS if g != 'cpu')} (e.g. a800-16x8), cpu-local, a preset with overrides "
+            f"(a100-64x8:nic_bw=25GB,nics_per_node=8) or a JSON file")
     nodes, per = int(m.group(2)), int(m.group(3))
     if nodes < 1 or per < 1:
         raise ClusterError(f"cluster {name!r} needs at least one node of one device")
     return Cluster(key, GPUS[m.group(1)], nodes, per)
 
 
+def _from_file(path: str) -> Cluster:
+    import json
+    try:
+        with open(path) as f:
+            obj = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ClusterError(f"cannot read cluster file {path}: {e}") from None
+    if not isinstance(obj, dict) or "gpu" not in obj:
+        raise ClusterError(f"cluster file {path} must hold a JSON object with at least gpu (one of "
+                           f"{', '.join(GPUS)}), nodes and per_node")
+    obj = dict(obj)
+    gpu = str(obj.pop("gpu")).lower()
+    if gpu not in GPUS:
+        raise ClusterError(f"cluster file {path}: unknown gpu {gpu!r}; use one of {', '.join(GPUS)} and override "
+                           f"its numbers (peak_flops, hbm_bw, memory, ...)")
+    name = str(obj.pop("name", "")) or os.path.splitext(os.path.basename(path))[0]
+    nodes, per = obj.pop("nodes", 1), obj.pop("per_node", 8)
+    base = Cluster(name, GPUS[gpu], int(parse_quantity(nodes, "count", "nodes")),
+                   int(parse_quantity(per, "count", "per_node")))
+    out = _apply(base, obj, f"cluster file {path}")
+    return replace(out, name=name)
+
+
+def get(name: "str | Cluster") -> Cluster:
+    """A cluster: a preset (``a800-16x8``, ``a100-64x8``, ``h100-4x8``, ``cpu-local``), a preset with
+    overrides (``a100-64x8:nic_bw=12.5GB,nics_per_node=4``; keys in :data:`OVERRIDES`) or a JSON file."""
+    if isinstance(name, Cluster):
+        return name
+    raw = str(name).strip()
+    if raw.lower().endswith(".json") or os.path.sep in raw:
+        if not os.path.exists(raw):
+            raise ClusterError(f"cluster file {raw} does not exist; give a preset such as a100-4x8 or a JSON file")
+        return _from_file(raw)
+    key, _, extra = raw.partition(":")
+    base = _preset(key.strip().lower(), name)
+    if not extra.strip():
+        return base
+    items: dict[str, object] = {}
+    for part in extra.replace(" ", "").split(","):
+        if not part:
+            continue
+        if "=" not in part:
+            raise ClusterError(f"cluster override {part!r} in {raw!r} is not key=value; write e.g. "
+                               f"{key}:nic_bw=25GB,nics_per_node=8")
+        k, v = part.split("=", 1)
+        items[k] = v
+    out = _apply(base, items, repr(raw))
+    canon = ",".join(f"{k}={v}" for k, v in items.items())
+    return replace(out, name=f"{_name(out.gpu.name, out.nodes, out.per_node)}:{canon}")
+
+
 def names() -> list[str]:
-    """Example preset names (any node counts parse)."""
+    """Example preset names (any node counts parse; see :data:`GPUS` for the GPU kinds)."""
     return ["a800-16x8", "a800-128x8", "a100-1x8", "a100-64x8", "h100-16x8", "h200-16x8", "cpu-local"]
 
 

@@ -120,7 +120,8 @@ def test_checkpoint_restart_estimate_is_explicit_and_monotone():
 
 def test_fitted_a100_model_predicts_held_out_vtrain_rows():
     """The cost model fitted on vTrain's fit half (benchmarks/vtrain_a100_cost.json, seed-0 split)
-    predicts a sample of the other half within 10% mean error; datasheet defaults do far worse."""
+    predicts a sample of the other half within 10% mean error; the A100 preset carries the same knobs;
+    datasheet numbers alone do far worse."""
     from pathlib import Path
 
     from parashift.sim import simulate
@@ -130,11 +131,14 @@ def test_fitted_a100_model_predicts_held_out_vtrain_rows():
     perm = np.random.default_rng(0).permutation(len(df))
     test_rows = np.sort(perm[len(df) // 2:])[::18]  # 40 held-out rows
     c = clusters.get("a100-1x8")
-    errs, raw = [], []
+    errs, raw, preset = [], [], []
+    datasheet = CostModel.for_gpu(c.gpu, fitted=False)
     for i in test_rows:
         row = df.iloc[int(i)]
         prog, model = program_of(row)
         errs.append(abs(simulate(prog, c, fitted, model=model).step_time * 1e3 / row.time_ms - 1))
-        raw.append(abs(simulate(prog, c, model=model).step_time * 1e3 / row.time_ms - 1))
+        raw.append(abs(simulate(prog, c, datasheet, model=model).step_time * 1e3 / row.time_ms - 1))
+        preset.append(abs(simulate(prog, c, model=model).step_time * 1e3 / row.time_ms - 1))
     assert np.mean(errs) < 0.10
-    assert np.mean(raw) > np.mean(errs)
+    assert np.mean(raw) > 2 * np.mean(errs)
+    assert np.mean(preset) == pytest.approx(np.mean(errs), rel=1e-6)

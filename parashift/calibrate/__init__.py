@@ -7,9 +7,11 @@ kind, latency and achieved bandwidth per link class) and reports the fit error p
 timelines; ``parashift calibrate`` does both and writes the model as JSON. ``fit_programs`` fits
 parameters to whole-program times (e.g. live switch transfers) with the simulator in the loop;
 ``fit_steps`` (which ``fit`` runs last) fits time scales of compute and communication, and the
-host's shared cores, to measured step times the same way.
+host's shared cores, to measured step times the same way. ``fit_measured`` fits a table of measured
+step times (model, strategy, global_batch, seq_len, step_seconds) of runs on the user's cluster.
 """
 from .fit import Fit, ape, fit, posts_p2p, predict_samples, spearman, step_table
+from .measured import MEASURED_COLUMNS, MeasuredFit, fit_measured, read_measured
 from .params import Param
 from .probe import ProbeRun, probe_strategies, run_probe, run_probes
 from .programs import fit_programs, simulated_times
@@ -18,4 +20,5 @@ from .steps import StepFit, fit_steps, scaled
 
 __all__ = ["fit", "Fit", "extract", "align_clocks", "Samples", "CalibrationError", "Param", "ape", "spearman",
            "predict_samples", "step_table", "ProbeRun", "probe_strategies", "run_probe", "run_probes",
-           "fit_programs", "simulated_times", "fit_steps", "StepFit", "scaled", "posts_p2p"]
+           "fit_programs", "simulated_times", "fit_steps", "StepFit", "scaled", "posts_p2p",
+           "fit_measured", "MeasuredFit", "read_measured", "MEASURED_COLUMNS"]

@@ -24,6 +24,7 @@ __all__ = ["main", "COMMANDS"]
 #: sub-command -> module; each module is imported only when its command runs.
 COMMANDS = {
     "models": "models",
+    "clusters": "clusters",
     "plan": "plan",
     "schedule": "schedule",
     "simulate": "simulate",

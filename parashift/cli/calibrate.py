@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--refine", action="store_true",
                    help="also fit time scales of compute and communication to the probes' step times, "
                         "simulating them (fits the probes closely; held-out strategies may not gain)")
+    p.add_argument("--measured", metavar="CSV", help="fit a table of measured runs on --cluster instead of probing "
+                   "(columns model, strategy, global_batch, seq_len, step_seconds); see parashift.calibrate.measured")
     p.add_argument("--out", required=True, help="where to write the fitted cost model (JSON)")
 
 
@@ -97,6 +99,9 @@ def run(args: argparse.Namespace) -> dict:
     from ..calibrate import CalibrationError, fit
     from ..sim import CostModel
 
+    if args.measured:
+        from ..calibrate.measured import run_measured
+        return run_measured(args, _progress)
     if args.runs < 1 or args.steps < 1 or args.nprocs < 1:
         raise CalibrationError("--runs, --steps and --nprocs must be at least 1")
     spec = models.get(args.model)
@@ -132,6 +137,9 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def render(result: dict, args: argparse.Namespace) -> None:
+    if "measured" in result:
+        from ..calibrate.measured import render_measured
+        return render_measured(result)
     print(f"cost model for {result['cluster']} fitted on {len(result['probes'])} probes of {result['model']} "
           f"({result['samples']} samples, {result['seconds']:.1f} s) -> {result['out']}")
     print("  error per op kind (APE of single instructions, of their total; median APE before the fit):")

@@ -22,6 +22,7 @@ from ..errors import ParashiftError
 if TYPE_CHECKING:  # pragma: no cover
     from ..cluster import Cluster, GPU
     from ..ir.program import Instr
+    from .compute import Workload
 
 __all__ = ["CostModel", "Phase", "LINK_CLASSES", "ALGORITHMS", "region_units", "topology"]
 
@@ -70,6 +71,15 @@ class CostModel:
     Shared hosts: ``host_cores`` > 0 says the devices of one node are processes sharing that
     many CPU cores, so compute running at once on ``n`` of them proceeds at
     ``min(1, host_cores / n)`` of its speed (0: every device computes on its own, as GPUs do).
+    Shapes (``compute_model="shape"``, the default on GPUs, when the simulator knows the model): a
+    region's time comes from its kernels (:mod:`parashift.cost.compute`: GEMM tiles and waves over
+    ``sms`` SMs at ``gemm_efficiency`` of peak, memory-bound operands, ``gemm_overhead`` per kernel,
+    flash or unfused attention, elementwise traffic through HBM), still at least the dispatch floor;
+    ``"flops"`` (or no model known) is the FLOPs-at-efficiency rule above.
+    ``pp_scatter_gather``: a pipeline send of a training step under TP moves 1/tp of the activation
+    per TP rank, then an all-gather inside the receiving node (Megatron's scatter/gather); False:
+    every TP rank sends the whole activation. ``step_p2p_posted``: like ``p2p_posted`` for training
+    steps only (a switch Program's rounds still run one transfer at a time per stream).
     Switches: ``switch_overhead`` seconds a hot switch pays on top of its Program (allocating the
     new layout's buffers, starting the transfer), added by ``simulate_switch``.
     ``p2p_posted``: a stream posts each send/recv and goes on without waiting for it (a runtime
@@ -106,8 +116,26 @@ class CostModel:
     region_overhead: Mapping[str, float] = field(default_factory=dict)
     phase_overhead: Mapping[str, float] = field(default_factory=dict)
     switch_overhead: float = 0.0
+    compute_model: str = "shape"
+    gemm_efficiency: float = 0.8
+    gemm_tile_m: int = 256
+    gemm_tile_n: int = 128
+    gemm_k_half: float = 64.0
+    gemm_overhead: float = 4e-6
+    flash_efficiency: float = 0.5
+    elementwise_bytes: float = 1.0
+    sms: int = 108
+    pp_scatter_gather: bool = True
+    step_p2p_posted: bool = False
 
     def __post_init__(self) -> None:
+        if self.compute_model not in ("shape", "flops"):
+            raise CostModelError(f"compute_model {self.compute_model!r} must be shape (kernel shapes) or flops "
+                                 f"(FLOPs at efficiency[phase]); fix the cost model file")
+        if not (self.gemm_efficiency > 0 and self.flash_efficiency > 0) or self.gemm_tile_m < 1 \
+                or self.gemm_tile_n < 1 or self.sms < 1 or self.gemm_k_half < 0 or self.elementwise_bytes < 0:
+            raise CostModelError("gemm_efficiency and flash_efficiency must be positive, tiles and sms >= 1, "
+                                 "gemm_k_half and elementwise_bytes >= 0; fix the cost model file")
         if self.algorithm not in ALGORITHMS:
             raise CostModelError(f"unknown collective algorithm {self.algorithm!r}; use one of {', '.join(ALGORITHMS)}")
         for name in ("bandwidth", "link_efficiency", "latency"):
@@ -123,17 +151,24 @@ class CostModel:
 
     # ---- construction -----------------------------------------------------------------------
     @classmethod
-    def for_gpu(cls, gpu: "GPU") -> "CostModel":
-        """Defaults from a GPU kind's public datasheet numbers (``parashift.cluster.GPUS``)."""
+    def for_gpu(cls, gpu: "GPU", fitted: bool = True) -> "CostModel":
+        """Defaults from a GPU kind's public datasheet numbers (``parashift.cluster.GPUS``) and, with
+        ``fitted``, the knobs fitted on that GPU's measurements (:mod:`parashift.cost.fitted`)."""
         base = cls(gpu=gpu.name, peak_flops=gpu.peak_flops, hbm_bw=gpu.hbm_bw, memory_capacity=int(gpu.memory),
+                   sms=gpu.sms,
                    bandwidth=_d(local=gpu.hbm_bw / 2, intra=gpu.intra_bw, inter=gpu.inter_bw),
                    latency=_d(local=1e-6, intra=gpu.intra_latency, inter=gpu.inter_latency))
-        return replace(base, **_GPU_TUNING.get(gpu.name, {}))
+        out = replace(base, **_GPU_TUNING.get(gpu.name, {}))
+        if fitted and gpu.name in ("a100", "a800"):
+            from .fitted import A100_VTRAIN, apply_knobs
+            out = apply_knobs(out, A100_VTRAIN)
+        return out
 
     @classmethod
     def for_cluster(cls, cluster: "Cluster") -> "CostModel":
-        """Defaults for a cluster preset's GPU kind."""
-        return cls.for_gpu(cluster.gpu)
+        """Defaults for a cluster's GPU kind, with its NICs' per-device share as the inter-node bandwidth."""
+        base = cls.for_gpu(cluster.gpu)
+        return replace(base, bandwidth={**base.bandwidth, "inter": cluster.inter_bw})
 
     def replace(self, **changes: Any) -> "CostModel":
         return replace(self, **changes)
@@ -149,6 +184,7 @@ class CostModel:
         if obj.pop("format", "parashift.cost_model") != "parashift.cost_model":
             raise CostModelError("not a parashift cost model (format must be parashift.cost_model)")
         known = {f.name for f in fields(cls)}
+        obj.setdefault("compute_model", "flops")  # files from before the shape model priced FLOPs
         unknown = sorted(set(obj) - known)
         if unknown:
             raise CostModelError(f"unknown cost model fields {unknown}; known fields are {sorted(known)}")
@@ -173,12 +209,15 @@ class CostModel:
         return hash(json.dumps(self.to_json(), sort_keys=True))
 
     # ---- compute ----------------------------------------------------------------------------
-    def compute_time(self, instr: "Instr", state_bytes: float = 0.0, scores_per_layer: float = 0.0) -> float:
+    def compute_time(self, instr: "Instr", state_bytes: float = 0.0, scores_per_layer: float = 0.0,
+                     work: "Workload | None" = None) -> float:
         """Seconds of one compute instruction alone on its device.
 
         ``state_bytes``: the rank's static state bytes; an optimizer step with ``nbytes == 0``
         streams ``optim_traffic * state_bytes`` through HBM. ``scores_per_layer``: attention score
         elements of one layer on this rank (mbs x heads/tp x seq^2), for unfused attention.
+        ``work``: the rank's :class:`~parashift.cost.compute.Workload` (shapes); with
+        ``compute_model="shape"`` its kernel times replace the FLOPs rule.
         """
         phase = instr.phase or "fwd"
         if phase == "optim":
@@ -187,6 +226,10 @@ class CostModel:
             t_flop = instr.flops / (self.peak_flops * self.efficiency.get("optim", 1.0))
             return max(t_mem, t_flop) + self.optim_overhead
         units = region_units(instr.region)
+        if work is not None and self.compute_model == "shape":
+            t_shape = self._shape_time(units, phase, work)
+            if t_shape is not None:
+                return self._with_floor(t_shape, units, phase)
         eff = self.efficiency.get(phase, 1.0)
         kinds = [k for k, n in units if n]
         if len(kinds) == 1:
@@ -204,6 +247,31 @@ class CostModel:
         if scores_per_layer and self.attention_score_bytes and phase != "bwd_weight":
             layers = sum(n for k, n in units if k in ("attn", "layer"))
             t += layers * scores_per_layer * self.attention_score_bytes * pf / (self.hbm_bw * self.memory_efficiency)
+        return t
+
+    def best_rate(self) -> float:
+        """FLOP/s no compute instruction beats (for lower bounds on step time)."""
+        rate = self.peak_flops * max(self.efficiency.values()) * max(self.region_efficiency.values())
+        if self.compute_model == "shape":
+            rate = max(rate, self.peak_flops * max(self.gemm_efficiency, self.flash_efficiency))
+        return rate
+
+    def _shape_time(self, units: tuple, phase: str, work: "Workload") -> float | None:
+        total = 0.0
+        for kind, n in units:
+            if not n:
+                continue
+            t = work.time(self, kind, phase)
+            if t is None:
+                return None
+            total += t * n
+        return total
+
+    def _with_floor(self, t: float, units: tuple, phase: str) -> float:
+        floor = sum(self.region_floor.get(k, 0.0) * n for k, n in units) * self.phase_floor.get(phase, 1.0)
+        t = max(t, floor)
+        if self.region_overhead:
+            t += sum(self.region_overhead.get(k, 0.0) * n for k, n in units) * self.phase_overhead.get(phase, 1.0)
         return t
 
     # ---- communication ----------------------------------------------------------------------
@@ -365,17 +433,20 @@ def region_units(region: str | None) -> tuple[tuple[str, int], ...]:
 _GPU_TUNING: dict[str, dict] = {
     # nccl-tests all-reduce on 2-8 A100s (traces/vtrain-a100 LUT, 1 MiB-1 GiB) fit within 4% by a fixed
     # 62 us per operation, ~0 per ring step and 218 GB/s (73% of the 300 GB/s NVLink).
+    # GPU runtimes (Megatron's batched isend/irecv, torch.distributed.pipelining) post their pipeline
+    # sends and receives and go on computing: step_p2p_posted.
     "a100": {"link_efficiency": _d(local=0.8, intra=0.726, inter=0.9), "comm_overhead": 6.2e-5,
-             "latency": _d(local=1e-6, intra=0.0, inter=8e-6)},
+             "latency": _d(local=1e-6, intra=0.0, inter=8e-6), "step_p2p_posted": True},
     "a800": {"link_efficiency": _d(local=0.8, intra=0.726, inter=0.9), "comm_overhead": 6.2e-5,
-             "latency": _d(local=1e-6, intra=0.0, inter=8e-6)},
+             "latency": _d(local=1e-6, intra=0.0, inter=8e-6), "step_p2p_posted": True},
     "h100": {"efficiency": _d(fwd=0.55, bwd=0.55, bwd_input=0.55, bwd_weight=0.55, recompute=0.55, optim=0.55),
-             "link_efficiency": _d(local=0.8, intra=0.8, inter=0.9)},
+             "link_efficiency": _d(local=0.8, intra=0.8, inter=0.9), "step_p2p_posted": True},
     "h200": {"efficiency": _d(fwd=0.58, bwd=0.58, bwd_input=0.58, bwd_weight=0.58, recompute=0.58, optim=0.58),
-             "link_efficiency": _d(local=0.8, intra=0.8, inter=0.9)},
+             "link_efficiency": _d(local=0.8, intra=0.8, inter=0.9), "step_p2p_posted": True},
     # gloo over loopback on one core per process: ~1 GFLOP/s effective matmuls with big per-op costs.
     "cpu": {"efficiency": _d(fwd=0.3, bwd=0.3, bwd_input=0.3, bwd_weight=0.3, recompute=0.3, optim=0.3),
             "region_floor": _d(embed=5e-5, attn=2e-4, mlp=1e-4, moe=3e-4, head=1e-4, layer=3e-4),
             "link_efficiency": _d(local=0.5, intra=0.6, inter=0.6), "comm_overhead": 1e-4,
-            "optim_overhead": 1e-3, "memory_reserved": 0},
+            "optim_overhead": 1e-3, "memory_reserved": 0, "compute_model": "flops",
+            "pp_scatter_gather": False},  # parashift's own runtime sends whole activations
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..errors import UnknownPresetError
+from .parse import parse_model
 from .spec import ModelSpec, gpt, moe
 
 __all__ = ["get", "names", "PUBLIC_PARAMS"]
@@ -52,13 +53,17 @@ def names() -> list[str]:
 
 
 def get(name: "str | ModelSpec") -> ModelSpec:
-    """A preset by name (an unknown name lists the valid ones)."""
+    """A preset by name, a JSON file of ``ModelSpec`` fields or an inline ``gpt:``/``moe:`` spec
+    (see :mod:`parashift.models.parse`); an unknown name lists the valid ones."""
     if isinstance(name, ModelSpec):
         return name
     key = str(name).strip().lower()
     if key not in _PRESETS:
-        raise UnknownPresetError(f"unknown model {name!r}; presets are {', '.join(_PRESETS)} "
-                                 f"(or describe one with parashift.models.gpt/moe)")
+        if ":" not in key:  # a file may change between calls: read it each time
+            return parse_model(str(name).strip(), _PRESETS)
+        if key not in _CACHE:
+            _CACHE[key] = parse_model(str(name).strip(), _PRESETS)
+        return _CACHE[key]
     if key not in _CACHE:
         _CACHE[key] = _PRESETS[key]()
     return _CACHE[key]

@@ -77,7 +77,7 @@ def step_time_lower_bound(model: ModelSpec, s: Strategy, *, global_batch: int, s
                           cost_model: Any) -> float:
     """Seconds a step takes at least: the schedule's compute alone, at the best efficiency the
     cost model allows, with communication free (see :func:`replay`)."""
-    rate = cost_model.peak_flops * max(cost_model.efficiency.values()) * max(cost_model.region_efficiency.values())
+    rate = cost_model.best_rate()
     makespan, _ = _replay_unit(model, s, global_batch, seq_len)
     return makespan / rate
 

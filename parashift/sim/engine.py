@@ -23,7 +23,7 @@ import simpy
 from ..cluster import Cluster
 from ..errors import DeadlockError, DeviceListError, ProgramError
 from ..ir.program import Instr, Program
-from ..cost import CostModel, Phase, link_class, topology
+from ..cost import CostModel, Phase, Workload, link_class, topology
 from .fluid import FluidNetwork
 from .fold import Folding, fold
 
@@ -86,8 +86,9 @@ class Engine:
 
     def __init__(self, program: Program, cluster: Cluster, cost: CostModel,
                  devices: "Mapping[int, int] | Sequence[int] | None" = None, fold_symmetric: bool = True,
-                 scores_per_layer: float = 0.0) -> None:
+                 scores_per_layer: float = 0.0, workload: "Workload | None" = None) -> None:
         self.program = program
+        self.workload = workload
         self.scores = float(scores_per_layer)
         self.cluster = cluster
         self.cost = cost
@@ -112,6 +113,10 @@ class Engine:
         self.p2p: dict[tuple, list] = {}
         self.coll: dict[tuple, list] = {}
         self.phase_cache: dict[tuple, tuple[Phase, ...]] = {}
+        self.p2p_cache: dict[tuple, tuple[Phase, ...]] = {}
+        st = self.program.strategy
+        self.tp_step = st is not None and self.program.meta.get("kind") == "train_step"
+        self.tp = int(getattr(st, "tp", 1)) if self.tp_step else 1
         self.ctime: dict[tuple, float] = {}
         self.bw = {link: self.cost.link_bw(link) for link in ("local", "intra", "inter")}
         self.group_reps: dict[tuple, tuple[tuple[int, ...], tuple]] = {}
@@ -185,7 +190,7 @@ class Engine:
         cres = (("compute", dev), ("host", dev // self.cluster.per_node)) if self.cost.host_cores > 0 \
             else (("compute", dev),)
         cell = self.progress[(r, s)]
-        posted = self.cost.p2p_posted
+        posted = self.cost.p2p_posted or (self.cost.step_p2p_posted and self.tp_step)
         for k, ins in enumerate(instrs):
             for d in ins.deps:
                 ev = done[d]
@@ -199,7 +204,7 @@ class Engine:
                 key = (ins.phase, ins.region, ins.flops, ins.nbytes, static_bytes)
                 dt = ctime.get(key)
                 if dt is None:
-                    dt = ctime[key] = self.cost.compute_time(ins, static_bytes, self.scores)
+                    dt = ctime[key] = self.cost.compute_time(ins, static_bytes, self.scores, self.workload)
                 ev = self.net.flow(cres, dt) if shared_compute else env.timeout(dt)
             elif op == "send" or op == "recv":
                 ev = self._p2p(r, ins)
@@ -333,10 +338,29 @@ class Engine:
         src = self.devices[send_r]
         dst = self.devices[fo.peers[(send_r, send_ins.peer)]]
         link = link_class(self.cluster, src, dst)
-        phases = self.cost.p2p_phases(send_ins.nbytes, link)
-        self.raw.link_bytes[link] += send_ins.nbytes * len(fo.members[send_r])
+        phases = self._p2p_phases(send_ins, link)
+        for ph in phases:
+            self.raw.link_bytes[ph.link] += ph.nbytes * len(fo.members[send_r])
         self._run_phases(phases, [(src, dst)], [ev, o_ev], "send")
         return ev
+
+    def _p2p_phases(self, ins: Instr, link: str) -> tuple[Phase, ...]:
+        """A pipeline send under TP with ``cost.pp_scatter_gather`` (as Megatron does): each TP rank
+        sends 1/tp of the activation, and the receiving TP group all-gathers it over its node's links."""
+        cost = self.cost
+        tp = self.tp
+        key = (ins.nbytes, link)
+        ph = self.p2p_cache.get(key)
+        if ph is None:
+            if tp > 1 and cost.pp_scatter_gather and link != "local" and isinstance(ins.peer, str) \
+                    and ins.peer.startswith("pp"):
+                inner = "intra" if tp <= self.cluster.per_node else "inter"
+                ph = cost.p2p_phases(ins.nbytes / tp, link) + \
+                    (Phase(inner, ins.nbytes * (tp - 1) / tp, cost.latency[inner] * (tp - 1)),)
+            else:
+                ph = cost.p2p_phases(ins.nbytes, link)
+            self.p2p_cache[key] = ph
+        return ph
 
     def _copy(self, r: int, ins: Instr) -> simpy.Event:
         ev = self.env.event()

@@ -14,6 +14,7 @@ from .result import SimResult
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
+    from ..cost import Workload
     from ..models import ModelSpec
 
 __all__ = ["simulate", "simulate_switch", "SwitchSimResult"]
@@ -35,18 +36,40 @@ def simulate(program: Program, cluster: "Cluster | str", cost_model: CostModel |
     cluster = get_cluster(cluster)
     cost = cost_model if cost_model is not None else CostModel.for_cluster(cluster)
     scores = _scores_per_layer(program, model) if cost.attention_score_bytes else 0.0
-    raw = Engine(program, cluster, cost, devices, fold, scores).run()
+    raw = Engine(program, cluster, cost, devices, fold, scores, _workload(program, model)).run()
     return SimResult.from_raw(program, cluster, cost, raw)
+
+
+def _workload(program: Program, model: "ModelSpec | None") -> "Workload | None":
+    """Kernel shapes of the program's micro-batch (None without a known model or strategy)."""
+    from ..cost import Workload
+    if model is None:
+        model = _model_of(program)
+    s = program.strategy
+    if model is None or s is None:
+        return None
+    return Workload.of(model, s, program.meta.get("seq_len") or model.seq_len, program.meta.get("mbs"))
+
+
+def _model_of(program: Program) -> "ModelSpec | None":
+    """The model a program names (a preset or an inline spec), or None."""
+    from .. import models
+    from ..errors import ParashiftError
+    name = program.meta.get("model")
+    if not name:
+        return None
+    try:
+        return models.get(name)
+    except ParashiftError:
+        return None
 
 
 def _scores_per_layer(program: Program, model: "ModelSpec | None") -> float:
     """Attention score elements of one layer on one rank: mbs x heads/tp x seq^2 (0 if unknown)."""
-    from .. import models
     if model is None:
-        name = program.meta.get("model")
-        if name not in models.names():
+        model = _model_of(program)
+        if model is None:
             return 0.0
-        model = models.get(name)
     s = program.strategy
     seq = program.meta.get("seq_len") or model.seq_len
     mbs = program.meta.get("mbs") or (s.mbs if s else 1)

@@ -60,12 +60,13 @@ def load_allreduce_lut(gpus: int, path: "str | Path | None" = None):
 
 def model_of(row) -> "ModelSpec":
     """The GPT of one measured row: GELU MLP of 4*hidden, LayerNorm with biases, learned positions,
-    tied embeddings, fp16, GPT-2 vocabulary padded (as Megatron does) to a multiple of 128*tp."""
+    tied embeddings, fp16, GPT-2 vocabulary padded (as Megatron does) to a multiple of 128*tp, and
+    unfused attention (Megatron-DeepSpeed of 2022: scores go through HBM)."""
     from ..models import gpt
     return gpt(layers=int(row.layers), hidden=int(row.hidden), heads=int(row.heads), ffn=4 * int(row.hidden),
                vocab=50257, seq_len=int(row.seq_len), name=f"gpt-h{int(row.hidden)}-l{int(row.layers)}",
                gated=False, bias=True, norm="ln", pos_emb="learned", tied=True, dtype="fp16",
-               pad_vocab=128 * int(row.tp))
+               pad_vocab=128 * int(row.tp), flash_attention=False)
 
 
 def strategy_of(row) -> "Strategy":

@@ -1,0 +1,167 @@
+"""Calibrate from a table of measured runs: one step time per (model, strategy, batch) row.
+
+A team that has trained on its cluster knows step times, not instruction timelines. Each row of the
+table names the ``model`` (a preset, a JSON file or an inline ``gpt:``/``moe:`` spec), the
+``strategy`` (devices follow from it), ``global_batch``, ``seq_len`` and the measured
+``step_seconds``. :func:`fit_measured` compiles every row, then fits with the simulator in the loop
+(the robust solver of :mod:`parashift.calibrate.solve`), in stages that keep the terms apart:
+compute first (GEMM ceiling, elementwise traffic, per-kernel overhead), then the links inside a node
+(bandwidth and latency), then the links between nodes. A stage fits only the parameters that move
+some row's prediction, so a table of single-node runs leaves the inter-node link at its base value.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import numpy as np
+import pandas as pd
+
+from ..cluster import Cluster, get as get_cluster
+from ..cost import CostModel
+from .params import Param, apply, get_value
+from .samples import CalibrationError
+from .solve import Block, informed, solve
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..ir.program import Program
+    from ..models import ModelSpec
+
+__all__ = ["fit_measured", "MeasuredFit", "MEASURED_COLUMNS", "STAGES", "read_measured"]
+
+MEASURED_COLUMNS = ("model", "strategy", "global_batch", "seq_len", "step_seconds")
+#: The fitting stages: name -> parameters (compute terms, then each link class apart).
+STAGES: dict[str, tuple[str, ...]] = {
+    "compute": ("gemm_efficiency", "elementwise_bytes", "gemm_overhead"),
+    "intra": ("link_bw.intra", "latency.intra"),
+    "inter": ("link_bw.inter", "latency.inter"),
+}
+
+
+@dataclass(frozen=True)
+class MeasuredFit:
+    """The fitted ``cost_model``, the ``base`` it started from, ``rows`` (per row: model, strategy,
+    measured, base_predicted, predicted, ape, base_ape) and ``params`` (stage, name, base, fitted;
+    parameters no row informs are absent)."""
+
+    cost_model: CostModel
+    base: CostModel
+    rows: pd.DataFrame
+    params: pd.DataFrame = field(repr=False)
+
+    @property
+    def median_ape(self) -> float:
+        return float(self.rows["ape"].median())
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-able: median and mean APE before and after, per-row errors, fitted parameters."""
+        return {"median_ape": self.median_ape, "mean_ape": float(self.rows["ape"].mean()),
+                "base_median_ape": float(self.rows["base_ape"].median()),
+                "rows": self.rows.to_dict(orient="records"),
+                "params": {r.name: {"stage": r.stage, "base": float(r.base), "fitted": float(r.fitted)}
+                           for r in self.params.itertuples()}}
+
+
+def read_measured(path: str) -> pd.DataFrame:
+    """The measured-runs CSV at ``path``, checked for :data:`MEASURED_COLUMNS`."""
+    try:
+        df = pd.read_csv(path)
+    except (OSError, ValueError) as e:
+        raise CalibrationError(f"cannot read measured runs {path}: {e}") from None
+    return _checked(df, path)
+
+
+def _checked(frame: pd.DataFrame, where: str = "the measured runs") -> pd.DataFrame:
+    missing = [c for c in MEASURED_COLUMNS if c not in frame.columns]
+    if missing:
+        raise CalibrationError(f"{where} lack columns {missing}; give {', '.join(MEASURED_COLUMNS)} "
+                               f"(one row per measured run)")
+    if not len(frame):
+        raise CalibrationError(f"{where} have no rows; give at least one measured run")
+    t = pd.to_numeric(frame["step_seconds"], errors="coerce")
+    bad = frame.index[~(t > 0) | ~np.isfinite(t)]
+    if len(bad):
+        raise CalibrationError(f"{where}: row {int(bad[0]) + 1} has step_seconds {frame.loc[bad[0], 'step_seconds']!r}; "
+                               f"give positive seconds")
+    return frame.assign(step_seconds=t.astype(float))
+
+
+def _compile(frame: pd.DataFrame, cluster: Cluster) -> "list[tuple[Program, ModelSpec]]":
+    from .. import models
+    from ..errors import ParashiftError
+    from ..ir import compile as ir_compile
+    from ..strategy import Strategy
+    out = []
+    for i, r in enumerate(frame.itertuples(index=False)):
+        try:
+            m = models.get(str(r.model))
+            s = Strategy.parse(str(r.strategy)).validate(m)
+            if s.world > cluster.devices:
+                raise CalibrationError(f"strategy {s} needs {s.world} devices; {cluster.name} has {cluster.devices}")
+            out.append((ir_compile(m, s, global_batch=int(r.global_batch), seq_len=int(r.seq_len)), m))
+        except ParashiftError as e:
+            raise CalibrationError(f"measured row {i + 1} ({r.model}, {r.strategy}): {e}") from None
+    return out
+
+
+def fit_measured(frame: pd.DataFrame, cluster: "Cluster | str", base: CostModel | None = None, *,
+                 stages: "dict[str, Sequence[str]] | None" = None,
+                 progress: "Callable[[str], None] | None" = None) -> MeasuredFit:
+    """Fit ``base`` (default: the cluster's preset model) to the measured step times of ``frame``
+    (columns :data:`MEASURED_COLUMNS`), stage by stage (:data:`STAGES`)."""
+    from ..sim import simulate
+    cl = get_cluster(cluster)
+    df = _checked(frame.reset_index(drop=True))
+    base = base if base is not None else CostModel.for_cluster(cl)
+    say = progress or (lambda _m: None)
+    say(f"compiling {len(df)} measured runs")
+    progs = _compile(df, cl)
+    meas = df["step_seconds"].to_numpy(float)
+
+    def predict(cm: CostModel) -> np.ndarray:
+        return np.array([simulate(p, cl, cm, model=m).step_time for p, m in progs])
+
+    block = Block("measured", predict, np.arange(len(progs)), meas)
+    before = predict(base)
+    cm = base
+    rows = []
+    for stage, names in (stages or STAGES).items():
+        cands = informed(block, cm, [Param.parse(n) for n in names])
+        if not cands:
+            say(f"{stage}: no row depends on {', '.join(names)}; kept")
+            continue
+        say(f"{stage}: fitting {', '.join(p.name for p in cands)}")
+        sol = solve(block, cm, cands, max_iter=20, rounds=2)
+        rows += [{"stage": stage, "name": p.name, "base": get_value(base, p), "fitted": float(v)}
+                 for p, v in zip(sol.params, sol.values)]
+        cm = apply(cm, sol.params, sol.values)
+    after = predict(cm)
+    table = pd.DataFrame({"model": df["model"].astype(str), "strategy": df["strategy"].astype(str),
+                          "measured": meas, "base_predicted": before, "predicted": after,
+                          "ape": np.abs(after / meas - 1), "base_ape": np.abs(before / meas - 1)})
+    return MeasuredFit(cm, base, table, pd.DataFrame(rows, columns=["stage", "name", "base", "fitted"]))
+
+
+def run_measured(args: Any, progress: "Callable[[str], None]") -> dict:
+    """``parashift calibrate --measured CSV --cluster C --out F [--base B]``: fit, save, report."""
+    from ..cluster import get as get_cluster
+    cl = get_cluster(args.cluster)
+    base = CostModel.load(args.base) if args.base else None
+    f = fit_measured(read_measured(args.measured), cl, base, progress=progress)
+    f.cost_model.save(args.out)
+    return {"out": args.out, "cluster": cl.name, "measured": args.measured, **f.summary()}
+
+
+def render_measured(result: dict) -> None:
+    """The per-row fit error and the fitted parameters, for people."""
+    rows = pd.DataFrame(result["rows"])
+    print(f"cost model for {result['cluster']} fitted on {len(rows)} measured runs of {result['measured']} "
+          f"-> {result['out']}")
+    print(f"  median APE {result['median_ape'] * 100:.1f}% (before: {result['base_median_ape'] * 100:.1f}%)")
+    show = pd.DataFrame({"model": rows["model"].str.slice(0, 40), "strategy": rows["strategy"],
+                         "measured_s": rows["measured"].round(4), "predicted_s": rows["predicted"].round(4),
+                         "APE": (rows["ape"] * 100).map(lambda v: f"{v:.1f}%"),
+                         "before": (rows["base_ape"] * 100).map(lambda v: f"{v:.1f}%")})
+    print(show.to_string(index=False))
+    for name, p in result["params"].items():
+        print(f"  [{p['stage']}] {name}: {p['base']:.4g} -> {p['fitted']:.4g}")

@@ -1,0 +1,166 @@
+"""Shape-aware compute: a transformer region's time from its kernels' shapes.
+
+A GEMM ``(m, n, k)`` is cut into output tiles (the best of a few shapes up to ``gemm_tile_m x
+gemm_tile_n``, as a GEMM library picks one; smaller tiles run less efficiently); the tiles run in
+waves of one tile per streaming multiprocessor, each wave as long as one tile's ``2 * tm * tn * k``
+FLOPs at the tile's efficiency of an SM's share of the peak, stretched by ``(k + gemm_k_half) / k``
+(a tile's prologue and epilogue: short reductions run below the ceiling). The GEMM is memory-bound
+instead when reading its operands and writing its result through HBM takes longer
+(``(mk + kn + mn) * dtype bytes / (hbm_bw * memory_efficiency)``), and every kernel pays
+``gemm_overhead``. So small, skinny and badly quantized GEMMs (a TP shard of 1/8, a micro-batch of
+one) are slower per FLOP than large ones, as measured on real GPUs.
+
+Attention's core runs either fused (flash: ``4 * tokens * seq * heads * head_dim`` FLOPs at
+``flash_efficiency`` of peak, backward 2.5x) or unfused (the two batched GEMMs of each head plus
+``attention_score_bytes`` of HBM traffic per score element for scale, mask, softmax and dropout,
+twice that backward). Norms, activations, dropout and residual adds stream their tensors through HBM
+(``elementwise_bytes`` scales the modeled traffic); without sequence parallelism every TP rank
+streams the whole ``tokens x hidden`` activations, which is what stops them shrinking with TP.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..models import ModelSpec
+    from .model import CostModel
+
+__all__ = ["Workload", "gemm_time", "tiles", "KINDS", "TILE_FRACTIONS"]
+
+#: Region kinds the shape model knows (others fall back to FLOPs at ``gemm_efficiency``).
+KINDS = ("embed", "attn", "mlp", "head", "layer")
+
+
+#: The tile shapes a GEMM library picks among, as fractions of the largest (gemm_tile_m x gemm_tile_n).
+TILE_FRACTIONS = ((1, 1), (2, 1), (2, 2), (4, 2))
+
+
+def tiles(cm: "CostModel") -> tuple[tuple[int, int, float], ...]:
+    """Candidate tiles ``(tm, tn, efficiency)``: a smaller tile reuses each operand byte less, so it
+    reaches ``gemm_efficiency`` times the square root of its arithmetic intensity over the largest's."""
+    big_m, big_n = cm.gemm_tile_m, cm.gemm_tile_n
+    top = big_m * big_n / (big_m + big_n)
+    out = []
+    for fm, fn in TILE_FRACTIONS:
+        tm, tn = max(1, big_m // fm), max(1, big_n // fn)
+        out.append((tm, tn, cm.gemm_efficiency * math.sqrt(tm * tn / (tm + tn) / top)))
+    return tuple(out)
+
+
+def _waves_time(cm: "CostModel", batch: float, m: float, n: float, k: float, peak: float) -> float:
+    """Compute-bound seconds of ``batch`` GEMMs ``(m, n, k)`` in one kernel, best tile of :func:`tiles`."""
+    sms = max(1, cm.sms)
+    best = math.inf
+    for tm, tn, eff in tiles(cm):
+        waves = math.ceil(batch * math.ceil(m / tm) * math.ceil(n / tn) / sms)
+        best = min(best, waves * 2.0 * tm * tn * k / (peak / sms * eff) * (k + cm.gemm_k_half) / k)
+    return best
+
+
+def gemm_time(cm: "CostModel", m: float, n: float, k: float, dtype_bytes: int = 2, peak: float | None = None) -> float:
+    """Seconds of one ``(m x k) @ (k x n)`` GEMM under ``cm``'s shape parameters."""
+    return _batched_gemm(cm, 1, m, n, k, dtype_bytes, peak or cm.peak_flops)
+
+
+def _batched_gemm(cm: "CostModel", batch: float, m: float, n: float, k: float, db: int, peak: float) -> float:
+    """A batch of equal GEMMs launched as one kernel: the tiles of all of them share the waves; the
+    kernel is memory-bound instead when moving its operands and results through HBM takes longer."""
+    if batch <= 0 or m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    t_mem = batch * (m * k + k * n + m * n) * db / (cm.hbm_bw * cm.memory_efficiency)
+    return max(_waves_time(cm, batch, m, n, k, peak), t_mem) + cm.gemm_overhead
+
+
+@dataclass
+class Workload:
+    """Per-region kernel times of one rank's micro-batch: ``model`` at ``mbs`` sequences of
+    ``seq_len`` tokens under ``tp``-way tensor parallelism (``sp``: sequence parallelism shards the
+    norms and dropouts over the TP group; ``cp``: context parallelism splits the sequence)."""
+
+    model: "ModelSpec"
+    tp: int
+    mbs: int
+    seq_len: int
+    sp: bool = False
+    cp: int = 1
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, model: "ModelSpec", strategy: object, seq_len: int, mbs: int | None = None) -> "Workload":
+        """The workload of a strategy (duck-typed: ``tp``, ``mbs``, optional ``sp``/``cp``)."""
+        sp = getattr(strategy, "sp", False)
+        return cls(model, int(getattr(strategy, "tp", 1)), int(mbs or getattr(strategy, "mbs", 1)), int(seq_len),
+                   bool(sp) if not isinstance(sp, str) else sp not in ("", "0", "false", "none"),
+                   int(getattr(strategy, "cp", 1) or 1))
+
+    def time(self, cm: "CostModel", kind: str, phase: str) -> float | None:
+        """Seconds of one region of ``kind`` in ``phase`` (fwd, bwd, bwd_input, bwd_weight,
+        recompute); None for a kind the shape model does not know (MoE)."""
+        key = (id(cm), kind, phase)
+        v = self._cache.get(key)
+        if v is None and key not in self._cache:
+            v = self._cache[key] = self._time(cm, kind, phase)
+        return v
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _time(self, cm: "CostModel", kind: str, phase: str) -> float | None:
+        if kind == "layer":
+            if self.model.is_moe:
+                return None
+            a, b = self._time(cm, "attn", phase), self._time(cm, "mlp", phase)
+            return None if a is None or b is None else a + b
+        if kind not in KINDS or (kind == "mlp" and self.model.is_moe):
+            return None
+        gemms, core, ew = self._parts(cm, kind)
+        if phase in ("fwd", "recompute"):
+            return sum(gemm_time(cm, m, n, k, *self._dt(cm)) for m, n, k in gemms) + core[0] + ew
+        dgrad = sum(gemm_time(cm, m, k, n, *self._dt(cm)) for m, n, k in gemms)
+        wgrad = sum(gemm_time(cm, n, k, m, *self._dt(cm)) for m, n, k in gemms)
+        if phase == "bwd_weight":
+            return wgrad
+        rest = dgrad + core[1] + 2.0 * ew
+        return rest if phase == "bwd_input" else rest + wgrad
+
+    def _dt(self, cm: "CostModel") -> tuple[int, float]:
+        db = self.model.dtype_bytes
+        return db, (cm.peak_flops if db == 2 else cm.peak_flops / 2)
+
+    def _parts(self, cm: "CostModel", kind: str) -> tuple[list, tuple[float, float], float]:
+        """GEMM shapes ``(m, n, k)``, attention core (fwd, bwd) seconds and elementwise seconds."""
+        md, tp = self.model, self.tp
+        s = self.seq_len / self.cp
+        T = self.mbs * s
+        h, d = md.hidden, md.head_dim
+        q, kv = md.heads * d, md.kv_heads * d
+        db, peak = self._dt(cm)
+        hbm = cm.hbm_bw * cm.memory_efficiency * 1.0
+        row = T * h * db / (tp if self.sp else 1)         # one activation tensor per rank
+        norm = 2 * row                                     # read x, write y
+        bda = 3 * row + row / db                           # bias-dropout-add: 2 reads, 1 write, a byte mask
+        ew_scale = cm.elementwise_bytes
+        if kind == "attn":
+            gemms = [(T, (q + 2 * kv) / tp, h), (T, h, q / tp)]
+            heads = md.heads / tp
+            if md.flash_attention:
+                f = 4.0 * T * self.seq_len * q / tp / (peak * cm.flash_efficiency)
+                core = (f, 2.5 * f)
+            else:
+                b = self.mbs * heads
+                g = _batched_gemm(cm, b, s, self.seq_len, d, db, peak) + _batched_gemm(cm, b, s, d, self.seq_len, db, peak)
+                sc = b * s * self.seq_len * cm.attention_score_bytes / hbm
+                core = (g + sc, 2 * g + 2 * sc)
+            rope = 0.0 if md.pos_emb != "rope" else 2 * T * (q + kv) / tp * db
+            return gemms, core, ew_scale * (norm + bda + rope) / hbm
+        if kind == "mlp":
+            mats_in = 2 if md.gated else 1
+            f = md.ffn / tp
+            gemms = [(T, mats_in * f, h), (T, h, f)]
+            act = T * f * db * (3 if md.gated else 2)
+            return gemms, (0.0, 0.0), ew_scale * (norm + bda + act) / hbm
+        if kind == "embed":
+            return [], (0.0, 0.0), ew_scale * (T * h * db * (3 if md.pos_emb == "learned" else 2) + row / db) / hbm
+        # head: final norm, the vocabulary GEMM and a fused cross-entropy over fp32 logits
+        v = md.vocab / tp
+        return [(T, v, h)], (0.0, 0.0), ew_scale * (norm + T * v * 4 * 2) / hbm
