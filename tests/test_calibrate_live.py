@@ -25,6 +25,10 @@ def test_cli_calibrates_from_live_probes(tmp_path, capsys):
     assert res["out"] == str(out) and len(res["probes"]) == 2
     assert {"fwd", "bwd", "all"} <= set(res["per_op"]) and math.isfinite(res["median_ape"])
     assert "probe 1/2" in cap.err and "probe 2/2" in cap.err       # progress on stderr
+    v = res["verdict"]                                             # each probe predicted by the other's fit
+    assert [p["strategy"] for p in v["probes"]] == [p["strategy"] for p in res["probes"]]
+    assert all(p["held_out_predicted"] > 0 for p in v["probes"]) and v["text"].startswith("verdict: held-out")
+    assert v["ok"] == (v["held_out_ape"] <= 2 * max(v["noise"], 0.01))
     cm = sim.CostModel.load(str(out))
     assert all(math.isfinite(v) and v > 0 for v in res["params"].values())
     assert all(v > 0 for v in cm.efficiency.values()) and cm.link_bw("intra") > 0 and cm.comm_overhead > 0

@@ -128,7 +128,12 @@ def run(args: argparse.Namespace) -> dict:
     probes = [{"strategy": str(r.strategy), "step_time": r.step_time, "predicted_step_time": pred.get(k),
                "base_predicted_step_time": dict(zip(f.steps["source"], f.steps["base_predicted"])).get(k)}
               for k, r in enumerate(runs)]
+    _progress("held-out check (leave one probe out)")
+    from ..calibrate.verdict import holdout_verdict
+    verdict = holdout_verdict(runs, cl, base=base, host_cores=cores or None, refine=args.refine)
     return {"out": args.out, "model": spec.name, "cluster": cl.name, "nprocs": max(r.program.world for r in runs),
+            "verdict": verdict.to_json() if verdict is not None else
+            {"ok": None, "text": "verdict: one probe only, nothing to hold out; run --runs 2 or more"},
             "median_ape": summ["median_ape"], "step_median_ape": summ["step_median_ape"],
             "per_op": summ["per_op"], "params": summ["params"], "probes": probes,
             "samples": summ["samples"], "dropped": summ["dropped"], "step_factors": summ["step_factors"],
@@ -160,3 +165,8 @@ def render(result: dict, args: argparse.Namespace) -> None:
     print("  fitted parameters:")
     for name, v in result["params"].items():
         print(f"    {name:<28}{v:.4g}")
+    v = result["verdict"]
+    for p in v.get("probes", []):
+        print(f"    held out: {p['strategy']:<32}{p['measured'] * 1e3:9.1f} ms measured, "
+              f"{p['held_out_predicted'] * 1e3:.1f} ms predicted by the other probes' fit, noise {p['noise'] * 100:.1f}%")
+    print(f"  {v['text']}")
