@@ -176,7 +176,9 @@ class WeightSwitch:
                     flat.zero_()          # the padding past the last tensor is zero, as before
             t.rows.append(("restore-alloc", t0, time.time()))
             self._run(self.back, self.store, train_store, t)
-        self.store = None
+        t1 = time.time()
+        self.store = None           # the rollout copy is freed
+        t.rows.append(("drop", t1, time.time()))
         t.seconds = time.time() - t0
         return t
 
