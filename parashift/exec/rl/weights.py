@@ -36,11 +36,15 @@ from ..state import MemoryTracker, StateStore
 from ..switch.executor import SwitchExecutor
 from ..switch.memory import BufferPool
 from ..switch.stores import kind_tensor
-from ..switch.wire import reserve_waiters
+from ..switch.wire import BIG, reserve_waiters
 
 __all__ = ["ROLLOUT_DTYPES", "check_rollout", "rollout_store", "WeightSwitch", "SwitchTiming"]
 
 ROLLOUT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+#: With ``release``, every piece is packed into a staging buffer: a piece sent straight from the
+#: state (gloo) pins that storage, which could then not be freed.
+_PACK_ALL = 1 << 62
 
 
 def check_rollout(spec: ModelSpec, train: "Strategy | str", rollout: "Strategy | str") -> tuple[Strategy, Strategy]:
@@ -187,7 +191,7 @@ class WeightSwitch:
         index = {d: d for d in planned.participants}
         ex = SwitchExecutor(planned.program, self.device, old, new, self.world, index,
                             lambda g: (_ for _ in ()).throw(SwitchAborted(f"unexpected collective over {g}")),
-                            timeout=self.timeout, pool=self.pool)
+                            timeout=self.timeout, pool=self.pool, big=_PACK_ALL if self.release else BIG)
         t0 = time.time()
         reason = None
         try:
