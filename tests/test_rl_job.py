@@ -21,6 +21,10 @@ def test_cli_rollout_job_generates_like_one_process_and_trains_like_no_switch(ca
         assert abs(it["loss"] - it["reference_loss"]) < 1e-5
         assert it["rollout_switch_seconds"] > 0 and it["train_switch_seconds"] > 0 and it["bytes_moved"] > 0
     assert out["iterations"][0]["loss"] != out["iterations"][1]["loss"]
+    assert main(argv[:-1] + ["--rollout-keep-weights", "--json"]) == 0
+    kept = json.loads(capsys.readouterr().out)
+    assert kept["released_training_weights"] is False
+    assert [it["loss"] for it in kept["iterations"]] == [it["loss"] for it in out["iterations"]]
 
 
 @pytest.mark.parametrize("model,train,rollout,dtype", [

@@ -16,6 +16,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens generated per sequence each iteration (with --rollout; default 8)")
     p.add_argument("--rollout-dtype", choices=("fp32", "bf16"), default="fp32",
                    help="dtype of the rollout copy of the weights (with --rollout; default fp32)")
+    p.add_argument("--rollout-keep-weights", action="store_true",
+                   help="keep the training copy of the weights during the rollout (default: free it and restore "
+                        "it from the rollout copy when that has the training dtype)")
     p.add_argument("--prompt-len", type=positive_int, default=8,
                    help="tokens of each prompt (with --rollout; default 8)")
     p.add_argument("--iterations", type=positive_int, help="RL iterations (with --rollout; default --steps)")
@@ -33,6 +36,7 @@ def run_cli(args: argparse.Namespace) -> dict:
             print(f"iteration {it + 1}/{iterations}  loss {loss:.6f}", file=sys.stderr, flush=True)
     res = run_rl(args.model, args.strategy, args.rollout, iterations=iterations, rollout_tokens=args.rollout_tokens,
                  prompts=args.global_batch, prompt_len=args.prompt_len, dtype=args.rollout_dtype,
+                 release=False if args.rollout_keep_weights else None,
                  optim=OptimConfig(lr=args.lr), timeout=args.timeout, progress=progress)
     if args.trace:
         res.timeline().to_csv(args.trace, index=False)
