@@ -10,7 +10,8 @@ Two ways, on 4 gloo processes (CPU), for each case (training layout -> rollout l
   training layout (each rank's owned boxes as ShardedTensor shards) to /dev/shm and ``load``
   into the rollout layout's boxes (DCP reshards), then copy into the rollout store.
 
-Both fill the same rollout store; the bench checks that they agree bit for bit. Medians over
+Both fill the same rollout store; the bench reports whether they agree bit for bit
+(``rollout_weights_equal``). Progress goes to stderr. Medians over
 ``--repeats`` (the machine is shared: read the medians, not single runs). Prints one JSON object:
 per case the medians and ``dcp_over_switch``.
 
@@ -107,6 +108,9 @@ def _worker(ctx, spec, repeats: int, root: str) -> dict:
             sw.append(t1 - t0)
             rt.append(t2 - t0)
             dc.append(dt)
+            if ctx.rank == 0:
+                print(f"{name} {rep + 1}/{repeats}: switch {t1 - t0:.3f} s, round trip {t2 - t0:.3f} s, dcp {dt:.3f} s",
+                      file=sys.stderr, flush=True)
         out[name] = {"switch": sw, "roundtrip": rt, "dcp": dc, "same": same,
                      "bytes": sum(b.param.numel() * b.param.element_size() for b in store.buffers.values())}
     return out

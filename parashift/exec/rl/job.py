@@ -133,10 +133,7 @@ class RLResult:
         import pandas as pd
         rows = [(r["rank"], st, op, it, a, b) for r in self.reports for st, op, a, b, it in r["rows"]]
         df = pd.DataFrame(rows, columns=["device", "stream", "op", "iteration", "start", "end"])
-        if len(df):
-            t0 = df["start"].min()
-            df["start"] -= t0
-            df["end"] -= t0
+        df[["start", "end"]] -= df["start"].min() if len(df) else 0.0
         return df.sort_values(["start", "device"]).reset_index(drop=True)
 
     def to_json(self) -> dict:
