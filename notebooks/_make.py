@@ -437,7 +437,7 @@ fig"""),
         new_markdown_cell("""\
 ## A bf16 rollout copy on fewer devices
 
-`tiny-moe` trains with experts over `ep=2` on four devices; the rollout copy is bf16 (cast on arrival)
+`tiny-moe` trains with experts over `ep=2` on four devices; the rollout copy is bf16 (cast by the senders)
 on two devices with `tp=2`. The training weights stay in fp32, so only the way out moves data."""),
         new_code_cell("""\
 moe = run_rl("tiny-moe", "dp=4,ep=2,zero=1", "tp=2", iterations=2, rollout_tokens=4, dtype="bf16")

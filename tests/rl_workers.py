@@ -16,7 +16,7 @@ def round_trip(ctx, model: str, train: str, rollout: str, dtype: str, release: b
     rt.step()
     before = store_arrays(rt.store)
     ws = WeightSwitch(spec, train, rollout, ctx.rank, kinds=kinds, dtype=dtype, release=release)
-    ws.to_rollout(rt.store)
+    out = ws.to_rollout(rt.store)
     released = {f: int(b.param.untyped_storage().nbytes()) for f, b in rt.store.buffers.items()}
     ro = None if ws.store is None else {f: {k: getattr(b, k).float().numpy().copy() for k in kinds}
                                         for f, b in ws.store.buffers.items()}
@@ -25,4 +25,4 @@ def round_trip(ctx, model: str, train: str, rollout: str, dtype: str, release: b
     after = store_arrays(rt.store)
     loss, _ = rt.step()
     return {"before": before, "after": after, "rollout": ro, "rollout_dtype": ro_dtype, "released": released,
-            "loss": float(loss)}
+            "loss": float(loss), "sent": out.bytes_sent}

@@ -11,6 +11,7 @@ from parashift.exec.launch import launch_local
 from parashift.exec.rl.weights import WeightSwitch, check_rollout
 from parashift.exec.switch.stores import full_from_arrays
 from parashift.strategy import Strategy
+from parashift.vps.plan import plan_switch
 from rl_workers import round_trip
 
 
@@ -48,6 +49,8 @@ def test_bf16_rollout_copy_is_cast_and_optimizer_state_moves_only_when_chosen():
     for name in want:
         cast = torch.from_numpy(want[name]).to(torch.bfloat16).float().numpy()
         assert np.array_equal(got[name], cast), name
+    fp32 = plan_switch("tiny-gpt", "dp=2,zero=1", "tp=2", kinds=("param",)).stats()["bytes_moved"]
+    assert sum(r["sent"] for r in res) == pytest.approx(fp32 / 2, rel=0.01)      # bf16 on the wire
     for r in res:       # the training copy was kept, untouched
         assert all(np.array_equal(r["before"][f][k], r["after"][f][k]) for f in r["before"] for k in r["before"][f])
     res = launch_local(round_trip, 2, args=("tiny-gpt", "dp=2,zero=1", "tp=2", "fp32", False,

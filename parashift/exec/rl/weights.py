@@ -15,8 +15,9 @@ all-gather) and any mismatch raises :class:`~parashift.errors.SwitchAborted`.
 ``release=True`` frees the training copy of the moved kinds while the rollout copy exists
 (their storage is resized to zero; the views the runtime holds stay valid) and restores it from
 the rollout copy on the way back, so the round trip is exact. It needs a rollout copy of the
-training dtype; a ``bf16`` rollout copy of fp32 weights is cast on arrival (after the transfer,
-on the receiving device) and the training copy is kept.
+training dtype. For a ``bf16`` rollout copy of fp32 weights, each sender casts its weights into
+a temporary bf16 copy that the transfer reads (half the bytes on the wire); the training copy is
+kept.
 """
 from __future__ import annotations
 
@@ -64,13 +65,14 @@ def check_rollout(spec: ModelSpec, train: "Strategy | str", rollout: "Strategy |
 
 
 def rollout_store(spec: ModelSpec, strategy: Strategy, rank: int) -> StateStore:
-    """Rank ``rank``'s store of rollout layout ``strategy``: a zeroed ``param`` buffer per family, no
-    optimizer state (``master``/``exp_avg``/``exp_avg_sq`` are None)."""
+    """Rank ``rank``'s store of ``strategy`` holding weights only: a zeroed ``param`` buffer per
+    family (its ZeRO-3 shard under ZeRO-3), no optimizer state (``master``/``exp_avg``/``exp_avg_sq``
+    are None)."""
     s = StateStore(spec, strategy, rank, torch.device("cpu"), init=False,
                    alloc=lambda n, dt, dev: torch.empty(1, dtype=dt).expand(n))     # stand-ins, replaced below
     s.mem = MemoryTracker()
     for fam, b in s.buffers.items():
-        b.param = torch.zeros(b.padded, dtype=b.dtype)
+        b.param = torch.zeros(b.q if b.zero >= 3 else b.padded, dtype=b.dtype)
         b.master = b.exp_avg = b.exp_avg_sq = None
         b.mem = s.mem
         s.mem.alloc(f"param:{fam}", b.param.numel() * b.param.element_size())
@@ -124,7 +126,9 @@ class WeightSwitch:
         self.rdev = tuple(range(self.rollout.world))
         self.world = world if world is not None else dist.group.WORLD
         self.timeout = timeout
-        self.out = _plan(spec, self.train, self.rollout, self.tdev, self.rdev, self.kinds)
+        # a copy of another dtype travels in that dtype: the sender casts its weights, then they move
+        self.wire = spec if same else _with_dtype(spec, dtype)
+        self.out = _plan(self.wire, self.train, self.rollout, self.tdev, self.rdev, self.kinds)
         self.back = _plan(spec, self.rollout, self.train, self.rdev, self.tdev, self.kinds) if release else None
         for p in (self.out, self.back):
             if p is not None:
@@ -142,19 +146,21 @@ class WeightSwitch:
         """Move the chosen kinds of ``train_store`` into a new rollout copy (``self.store``)."""
         t = SwitchTiming()
         t0 = time.time()
-        new = rollout_store(self.spec, self.rollout, self.device) if self.rollout_rank is not None else None
+        new = rollout_store(self.wire, self.rollout, self.device) if self.rollout_rank is not None else None
         if new is not None and self.kinds != ("param",):
             for b in new.buffers.values():
                 for k in self.kinds:
                     if k != "param":
                         setattr(b, k, torch.zeros(b.padded, dtype=torch.float32))
-        self._run(self.out, train_store, new, t)
-        if new is not None and self.dtype != "fp32":
+        src = train_store
+        if self.wire is not self.spec:          # the cast, at the sender: the wire carries the rollout dtype
             t1 = time.time()
-            for b in new.buffers.values():
-                b.param = b.param.to(ROLLOUT_DTYPES[self.dtype])     # the cast, on arrival
-                b.dtype = b.param.dtype
+            src = rollout_store(self.wire, self.train, self.device)
+            for fam, b in src.buffers.items():
+                b.param.copy_(train_store.buffers[fam].param)
             t.rows.append(("cast", t1, time.time()))
+        self._run(self.out, src, new, t)
+        del src
         if self.release:
             t1 = time.time()
             for fam, b in train_store.buffers.items():
@@ -215,3 +221,10 @@ class WeightSwitch:
         t.bytes_received += ex.stats.bytes_received
         t.rows += [("transfer", t0, t1), ("verify", t1, t2)]
 
+
+def _with_dtype(spec: ModelSpec, dtype: str) -> ModelSpec:
+    """``spec`` with its parameters in ``dtype`` (the geometry of a copy of another dtype)."""
+    from dataclasses import replace
+
+    from ...models.spec import _with_tensors
+    return _with_tensors(replace(spec, dtype=dtype, tensors=()))
