@@ -54,3 +54,20 @@ def test_plan_picks_the_fastest_pair_and_compares_with_one_layout():
                    train=train[:1], rollout=["tp=2"], release=False)
     assert keep.best["to_train_seconds"] == 0.0
     assert plan.to_json()["speedup_over_single_layout"] >= 1 - 1e-9
+
+
+def test_search_rl_cli_reports_the_best_pair_and_the_single_layout(capsys):
+    import json
+
+    from parashift.cli import main
+    argv = ["search-rl", "--model", "llama2-7b", "--cluster", "h100-16x8", "--devices", "4", "--prompts", "16",
+            "--prompt-len", "128", "--rollout-tokens", "64", "--train", "dp=4,zero=1", "--train", "dp=2,pp=2",
+            "--rollout", "tp=2", "--rollout", "dp=4", "--top", "2", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["pairs"]) == 2 and out["best"] == out["pairs"][0]
+    assert out["single_layout"]["train"] == "dp=4,tp=1,pp=1,zero=1"
+    assert main(argv[:-1]) == 0
+    assert "best pair" in capsys.readouterr().out
+    assert main(["search-rl", "--model", "llama2-7b", "--cluster", "h100-16x8", "--devices", "4", "--prompts", "6",
+                 "--prompt-len", "8", "--rollout-tokens", "8", "--rollout", "dp=4", "--train", "dp=2"]) != 0
