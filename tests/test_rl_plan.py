@@ -53,6 +53,8 @@ def test_plan_picks_the_fastest_pair_and_compares_with_one_layout():
     keep = plan_rl("llama2-7b", "h100-16x8", devices=4, prompts=16, prompt_len=256, rollout_tokens=128,
                    train=train[:1], rollout=["tp=2"], release=False)
     assert keep.best["to_train_seconds"] == 0.0
+    freed = plan.table[(plan.table["train"] == keep.best["train"]) & (plan.table["rollout"] == keep.best["rollout"])]
+    assert keep.best["rollout_peak_memory"] > freed["rollout_peak_memory"].iloc[0]     # the kept training weights
     assert plan.to_json()["speedup_over_single_layout"] >= 1 - 1e-9
 
 

@@ -7,8 +7,10 @@ compiler and simulator (:class:`.evaluate.SimEvaluator`), the rollout by
 :func:`parashift.sim.rollout.simulate_rollout` (prefill and decode Programs), the switches by
 lowering ``vps.plan_switch(kinds=("param",))`` and :func:`parashift.sim.simulate_switch` (the way
 back is free when the training weights stay in place, ``release=False``). :func:`plan_rl` scores
-every rollout layout against the best training layouts and compares the best pair with the best
-*single* layout used for both phases (no switch: a training layout with ``pp=1``, ``ep=1`` and
+every rollout layout against the best training layouts (a pair fits when the rollout's weights
+and key/value cache plus the training state a device keeps, optimizer state and unreleased
+weights, fit in its memory) and compares the best pair with the best *single* layout used for
+both phases (no switch: a training layout with ``pp=1``, ``ep=1`` and
 weights not sharded by ZeRO-3 generates as it is).
 """
 from __future__ import annotations
@@ -150,10 +152,12 @@ def plan_rl(model: "ModelSpec | str", cluster: "Cluster | str", *, devices: int,
             out, moved = weight_switch_seconds(spec, t, r, clus, cm)
             back = weight_switch_seconds(spec, r, t, clus, cm)[0] if release else 0.0
             g = gens[str(r)]
+            peak = g.peak_memory + _kept_bytes(spec, t, release)
             rows.append({"train": str(t), "rollout": str(r), "train_seconds": steps[str(t)],
                          "rollout_seconds": g.seconds, "to_rollout_seconds": out, "to_train_seconds": back,
                          "iteration_seconds": steps[str(t)] + g.seconds + out + back, "bytes_moved": moved,
-                         "rollout_devices": r.world, "rollout_fits": g.fits})
+                         "rollout_devices": r.world, "rollout_peak_memory": peak,
+                         "rollout_fits": peak + cm.memory_reserved <= cm.memory_capacity})
     table = pd.DataFrame(rows)
     table = table[table["rollout_fits"]].sort_values("iteration_seconds").reset_index(drop=True)
     if table.empty:
@@ -165,13 +169,24 @@ def plan_rl(model: "ModelSpec | str", cluster: "Cluster | str", *, devices: int,
         r = Strategy(dp=t.dp, tp=t.tp)
         g = simulate_rollout(spec, r, clus, prompts=prompts, prompt_len=prompt_len, rollout_tokens=rollout_tokens,
                              dtype=dtype, cost_model=cm)
+        peak = g.peak_memory + _kept_bytes(spec, t, True)    # its own weights generate: no second copy
+        fits = peak + cm.memory_reserved <= cm.memory_capacity
         row = {"train": str(t), "rollout": str(t), "train_seconds": steps[str(t)], "rollout_seconds": g.seconds,
                "to_rollout_seconds": 0.0, "to_train_seconds": 0.0,
                "iteration_seconds": steps[str(t)] + g.seconds, "bytes_moved": 0, "rollout_devices": t.world,
-               "rollout_fits": g.fits}
-        if g.fits and (single is None or row["iteration_seconds"] < single["iteration_seconds"]):
+               "rollout_peak_memory": peak, "rollout_fits": fits}
+        if fits and (single is None or row["iteration_seconds"] < single["iteration_seconds"]):
             single = row
     return RLPlan(spec.name, devices, prompts, prompt_len, rollout_tokens, table, single)
+
+
+def _kept_bytes(spec: ModelSpec, train: Strategy, release: bool) -> float:
+    """Training state a device keeps during the rollout (the largest over devices): optimizer state
+    (master, moments) and, unless released, the training weights; gradients are not kept."""
+    from ..vps import layout
+    lay = layout(spec, train)
+    kinds = [k for k in lay.kinds if k in ("master", "exp_avg", "exp_avg_sq") or (k == "param" and not release)]
+    return float(sum(lay.bytes_per_rank(k, padded=True) for k in kinds).max())
 
 
 def _generates(s: Strategy) -> bool:
