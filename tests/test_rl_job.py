@@ -30,6 +30,8 @@ def test_cli_rollout_job_generates_like_one_process_and_trains_like_no_switch(ca
 @pytest.mark.parametrize("model,train,rollout,dtype", [
     ("tiny-moe", "dp=4,ep=2,zero=1", "tp=2", "bf16"),       # rollout on 2 of 4 devices, bf16 copy
     ("tiny-gpt", "dp=2,pp=2", "tp=2,dp=2", "fp32"),        # pipeline training, TP replicas for the rollout
+    pytest.param("tiny-gpt", "dp=2,tp=2,zero=3", "tp=2,dp=2", "fp32", marks=pytest.mark.slow),   # sharded weights
+    pytest.param("tiny-moe", "dp=2,ep=2,tp=2", "tp=2", "fp32", marks=pytest.mark.slow),          # EP x TP experts
 ])
 def test_rollout_layouts_dtypes_and_fewer_devices_keep_losses_exact(model, train, rollout, dtype):
     res = run_rl(model, train, rollout, iterations=2, rollout_tokens=4, dtype=dtype)
