@@ -175,7 +175,8 @@ class WeightSwitch:
         return t
 
     def to_train(self, train_store: StateStore) -> SwitchTiming:
-        """Drop the rollout copy; with ``release``, first restore the training copy from it."""
+        """Drop the rollout copy; with ``release``, first restore the training copy from it (when
+        that fails, SwitchAborted is raised and the rollout copy stays in ``self.store``)."""
         t = SwitchTiming()
         t0 = time.time()
         if self.release:
