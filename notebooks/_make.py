@@ -373,8 +373,107 @@ parashift replay bamboo/p3-trace.csv --model tiny-gpt --strategy-policy switch-a
     ]
 
 
+def nb06() -> list:
+    return [
+        new_markdown_cell("""\
+# 06 · Reinforcement-learning phases
+
+RL post-training alternates two phases on the same devices every iteration: a *rollout* (generation,
+forward only, best in a TP-heavy layout without optimizer state) and a *training* step (DP / PP / ZeRO).
+Here the weights switch between the two layouts in memory every iteration while the optimizer state
+stays where it is. Plan the pair of layouts with the simulator, then run such a job for real on local
+processes and look at its iteration timeline with both switches."""),
+        new_code_cell(SETUP),
+        new_markdown_cell("""\
+## Plan: which (training, rollout) pair makes an iteration fastest?
+
+`plan_rl` simulates the training step of each training layout, the rollout (a prefill Program, then
+one decode Program per generated token) of each rollout layout, and both weight switches
+(`kinds=("param",)`), and compares the best pair with the best single layout used for both phases."""),
+        new_code_cell("""\
+from parashift.search.rl import plan_rl
+
+plan = plan_rl("llama2-7b", "h100-16x8", devices=8, prompts=64, prompt_len=512, rollout_tokens=256,
+               train=["dp=8,zero=1", "dp=4,pp=2,zero=1", "dp=4,tp=2,zero=1", "dp=2,tp=4"])
+cols = ["train", "rollout", "train_seconds", "rollout_seconds", "to_rollout_seconds", "to_train_seconds",
+        "iteration_seconds"]
+print("best pair:", plan.best["train"], "->", plan.best["rollout"], f"{plan.best['iteration_seconds']:.3f} s")
+print("one layout for both:", plan.single["train"], f"{plan.single['iteration_seconds']:.3f} s",
+      f"(the pair is {plan.speedup:.2f}x faster)")
+plan.table[cols].head(8)"""),
+        new_code_cell("""\
+import numpy as np
+plt = plots.pyplot()
+rows = [("best pair", plan.best), ("one layout", plan.single)]
+parts = ["train_seconds", "to_rollout_seconds", "rollout_seconds", "to_train_seconds"]
+fig, ax = plt.subplots(figsize=(7, 2.6))
+left = np.zeros(len(rows))
+for part, colour in zip(parts, ["#55A868", "#DD8452", "#4C72B0", "#C44E52"]):
+    vals = np.array([r[part] for _, r in rows])
+    ax.barh([n for n, _ in rows], vals, left=left, color=colour, label=part.replace("_seconds", ""))
+    left += vals
+ax.set_xlabel("simulated seconds per iteration"); ax.legend(fontsize=7, ncol=4, loc="lower right")
+fig.tight_layout()
+fig"""),
+        new_markdown_cell("""\
+## Simulate: decode steps are memory-bound
+
+A decode step streams every local weight and the key/value cache for one token per sequence: its time
+grows with the cache, and TP splits the weight traffic (at the price of two all-reduces per layer)."""),
+        new_code_cell("""\
+from parashift.sim.rollout import rollout_program
+pasts = [256, 1024, 4096, 16384]
+fig, ax = plt.subplots(figsize=(6, 3))
+for layout in ["dp=8", "dp=4,tp=2", "tp=8"]:
+    ys = [ps.sim.simulate(rollout_program("llama2-7b", layout, prompts=64, tokens=1, past=p), "h100-16x8").step_time
+          for p in pasts]
+    ax.plot(pasts, [1e3 * y for y in ys], marker="o", label=layout)
+ax.set_xscale("log"); ax.set_xlabel("cached tokens"); ax.set_ylabel("decode step (ms)"); ax.legend(fontsize=8)
+fig.tight_layout()
+fig"""),
+        new_markdown_cell("""\
+## Run: a live job with phases
+
+Four processes train `tiny-gpt` with `dp=2,tp=2,zero=1`; every iteration the weights switch to `tp=2` on
+devices 0-1 (devices 2-3 idle), 6 tokens are generated greedily with a KV cache for each prompt, the
+weights switch back and one step trains on the sequences. The job is checked against one process doing
+the same without switching: the same tokens, the same losses."""),
+        new_code_cell("""\
+from parashift.exec.rl.job import run_rl
+res = run_rl("tiny-gpt", "dp=2,tp=2,zero=1", "tp=2", iterations=3, rollout_tokens=6)
+its = pd.DataFrame(res.iterations)
+assert its["generated_equal_reference"].all() and (its["loss"] - its["reference_loss"]).abs().max() < 1e-5
+its[["iteration", "loss", "reference_loss", "rollout_switch_seconds", "generate_seconds", "train_switch_seconds",
+     "train_seconds", "generated_equal_reference"]]"""),
+        new_code_cell("""\
+tl = res.timeline()
+tl = tl[tl["iteration"] > 0]                  # the first iteration includes warm-up
+colours = {"rollout-switch": "#DD8452", "rollout": "#4C72B0", "train-switch": "#C44E52", "train": "#55A868"}
+fig, ax = plt.subplots(figsize=(11, 2.8))
+for (dev, stream), g in tl.groupby(["device", "stream"]):
+    ax.broken_barh(list(zip(g["start"], g["end"] - g["start"])), (dev - 0.4, 0.8), facecolors=colours[stream],
+                   linewidth=0)
+ax.set_yticks(sorted(tl["device"].unique())); ax.set_ylabel("device"); ax.set_xlabel("seconds")
+ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()], labels=list(colours),
+          fontsize=7, ncol=4, loc="upper right")
+ax.set_title("iterations 1-2: switch out, generate (devices 2-3 idle), switch back, train", fontsize=9)
+fig.tight_layout()
+fig"""),
+        new_markdown_cell("""\
+## A bf16 rollout copy on fewer devices
+
+`tiny-moe` trains with experts over `ep=2` on four devices; the rollout copy is bf16 (cast by the senders)
+on two devices with `tp=2`. The training weights stay in fp32, so only the way out moves data."""),
+        new_code_cell("""\
+moe = run_rl("tiny-moe", "dp=4,ep=2,zero=1", "tp=2", iterations=2, rollout_tokens=4, dtype="bf16")
+pd.DataFrame(moe.iterations)[["iteration", "loss", "reference_loss", "rollout_switch_seconds",
+                              "train_switch_seconds", "generated_equal_reference"]]"""),
+    ]
+
+
 NOTEBOOKS = {"01_explore_strategies.ipynb": nb01, "02_switch_plans.ipynb": nb02,
              "03_autotune_and_deploy.ipynb": nb03, "04_replay_preemption.ipynb": nb04}
+NOTEBOOKS["06_rl_phases.ipynb"] = nb06
 
 
 def build(name: str) -> nbformat.NotebookNode:

@@ -30,6 +30,7 @@ COMMANDS = {
     "simulate": "simulate",
     "run": "run",
     "search": "search",
+    "search-rl": "search_rl",
     "plan-trace": "plan_trace",
     "replay": "replay",
     "calibrate": "calibrate",

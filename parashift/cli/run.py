@@ -43,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--switch-placement", choices=("keep", "given"), default="keep",
                    help="keep (default): order each switch's devices (within a node) so that they keep the most "
                         "state in place; given: rank i runs on the i-th listed device")
+    from .run_rl import add_arguments as add_rl_arguments
+    add_rl_arguments(p)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -54,6 +56,9 @@ def run(args: argparse.Namespace) -> dict:
     if is_user_model(args.model):
         from .run_user import run_cli as run_user_cli
         return run_user_cli(args)
+    if getattr(args, "rollout", None):
+        from .run_rl import run_cli as run_rl_cli
+        return run_rl_cli(args)
     if args.switch_at:
         if args.plan:
             raise StrategyError("--switch-at runs a live job from --model/--strategy; drop the plan file")
@@ -116,6 +121,10 @@ def _compare(pred: dict, step_times: list[float]) -> dict:
 
 
 def render(result: dict, args: argparse.Namespace) -> None:
+    if "rollout" in result:
+        from .run_rl import render_cli as render_rl
+        render_rl(result)
+        return
     if "switches" in result:
         from .run_live import render_cli
         render_cli(result)

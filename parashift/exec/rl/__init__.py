@@ -1,0 +1,1 @@
+"""Reinforcement-learning phases: the weights switch between a training and a rollout layout."""
