@@ -49,6 +49,8 @@ CI = [
     ("tiny-moe", "dp=2,ep=2,zero=1"),
     ("tiny-moe", "dp=2,tp=2,ep=2,zero=3"),
     ("tiny-moe", "dp=2,ep=2,pp=2,vpp=2,schedule=dualpipev"),
+    ("tiny-gpt", "tp=2,sp"),
+    ("tiny-gpt", "tp=2,sp,pp=2"),
 ]
 
 
@@ -90,3 +92,9 @@ def test_bf16_model_keeps_fp32_master_weights() -> None:
                                      dtype="fp32", pad_vocab=8), 3, 4, 16, optim=OPT)[0]
     res = run(spec, "dp=2,pp=2,zero=1", steps=3, global_batch=4, seq_len=16, optim=OPT, timeout=120)
     assert all(abs(a - b) < 2e-2 * abs(b) for a, b in zip(res.losses, ref)), (res.losses, ref)
+
+
+def test_cp_is_refused_in_one_line() -> None:
+    """Context parallelism is planned and simulated, not run: the runtime says so before starting."""
+    with pytest.raises(StrategyError, match="cp=2"):
+        run("tiny-gpt", "cp=2", steps=1, global_batch=GB, seq_len=SEQ, optim=OPT, timeout=60)
