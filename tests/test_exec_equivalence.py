@@ -84,6 +84,21 @@ def test_full_matrix(model: str, strategy: str) -> None:
     check(model, strategy)
 
 
+SP_MORE = [
+    ("tiny-gpt", "tp=2,sp,pp=2,schedule=zb-h1,recompute=full"),
+    ("tiny-gpt", "dp=2,tp=2,sp,zero=1,recompute=selective"),
+    ("tiny-gpt", "tp=2,sp,pp=2,vpp=2,schedule=interleaved-1f1b,zero=3"),
+    ("tiny-moe", "dp=2,tp=2,sp,ep=2,zero=1"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,strategy", SP_MORE, ids=[f"{m}:{s}" for m, s in SP_MORE])
+def test_sequence_parallel_variants(model: str, strategy: str) -> None:
+    """sp with split backwards, recomputation, ZeRO, virtual stages and MoE trains like one process."""
+    check(model, strategy)
+
+
 def test_bf16_model_keeps_fp32_master_weights() -> None:
     """A bf16 model trains with fp32 master weights and moments; its losses follow the fp32 reference
     to bf16 precision."""
