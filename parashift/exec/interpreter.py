@@ -18,7 +18,10 @@ timed or synchronized then.
 
 What each instruction does is decided by its op, phase, region and tag, parsed once at load (the
 grammar is :mod:`parashift.ir.tags`, the conventions :mod:`parashift.ir.conventions`); the
-numbers come from :mod:`parashift.exec.regions` and the state store. A failing instruction raises RuntimeFailure naming the rank, stream, instruction
+numbers come from :mod:`parashift.exec.regions` and the state store. Sequence parallelism runs each TP
+reduction as the Program's reduce-scatter along the sequence (the residual add on this rank's rows)
+and all-gather; the column-parallel GEMMs keep their input's rows only, re-gathered on the comm
+stream for their weight gradients (a gradient whose input has not landed waits for it). A failing instruction raises RuntimeFailure naming the rank, stream, instruction
 and its neighbours.
 """
 from __future__ import annotations
