@@ -49,6 +49,8 @@ CI = [
     ("tiny-moe", "dp=2,ep=2,zero=1"),
     ("tiny-moe", "dp=2,tp=2,ep=2,zero=3"),
     ("tiny-moe", "dp=2,ep=2,pp=2,vpp=2,schedule=dualpipev"),
+    ("tiny-gpt", "tp=2,sp"),
+    ("tiny-gpt", "tp=2,sp,pp=2"),
 ]
 
 
@@ -82,6 +84,21 @@ def test_full_matrix(model: str, strategy: str) -> None:
     check(model, strategy)
 
 
+SP_MORE = [
+    ("tiny-gpt", "tp=2,sp,pp=2,schedule=zb-h1,recompute=full"),
+    ("tiny-gpt", "dp=2,tp=2,sp,zero=1,recompute=selective"),
+    ("tiny-gpt", "tp=2,sp,pp=2,vpp=2,schedule=interleaved-1f1b,zero=3"),
+    ("tiny-moe", "dp=2,tp=2,sp,ep=2,zero=1"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,strategy", SP_MORE, ids=[f"{m}:{s}" for m, s in SP_MORE])
+def test_sequence_parallel_variants(model: str, strategy: str) -> None:
+    """sp with split backwards, recomputation, ZeRO, virtual stages and MoE trains like one process."""
+    check(model, strategy)
+
+
 def test_bf16_model_keeps_fp32_master_weights() -> None:
     """A bf16 model trains with fp32 master weights and moments; its losses follow the fp32 reference
     to bf16 precision."""
@@ -90,3 +107,9 @@ def test_bf16_model_keeps_fp32_master_weights() -> None:
                                      dtype="fp32", pad_vocab=8), 3, 4, 16, optim=OPT)[0]
     res = run(spec, "dp=2,pp=2,zero=1", steps=3, global_batch=4, seq_len=16, optim=OPT, timeout=120)
     assert all(abs(a - b) < 2e-2 * abs(b) for a, b in zip(res.losses, ref)), (res.losses, ref)
+
+
+def test_cp_is_refused_in_one_line() -> None:
+    """Context parallelism is planned and simulated, not run: the runtime says so before starting."""
+    with pytest.raises(StrategyError, match="cp=2"):
+        run("tiny-gpt", "cp=2", steps=1, global_batch=GB, seq_len=SEQ, optim=OPT, timeout=60)

@@ -18,11 +18,15 @@ timed or synchronized then.
 
 What each instruction does is decided by its op, phase, region and tag, parsed once at load (the
 grammar is :mod:`parashift.ir.tags`, the conventions :mod:`parashift.ir.conventions`); the
-numbers come from :mod:`parashift.exec.regions` and the state store. A failing instruction raises RuntimeFailure naming the rank, stream, instruction
+numbers come from :mod:`parashift.exec.regions` and the state store. Sequence parallelism runs each TP
+reduction as the Program's reduce-scatter along the sequence (the residual add on this rank's rows)
+and all-gather; the column-parallel GEMMs keep their input's rows only, re-gathered on the comm
+stream for their weight gradients (a gradient whose input has not landed waits for it). A failing instruction raises RuntimeFailure naming the rank, stream, instruction
 and its neighbours.
 """
 from __future__ import annotations
 
+import math
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -34,9 +38,9 @@ import torch.distributed as dist
 
 from ..errors import RuntimeFailure
 from ..ir.program import Instr, Program
-from ..ir.tags import EPTag, P2PTag, Payload, StepTag, Sync, SyncTag, TPTag, Z3Tag, parse_tag
+from ..ir.tags import EPTag, P2PTag, Payload, SPTag, StepTag, Sync, SyncTag, TPTag, Z3Tag, parse_tag
 from ..models import ModelSpec
-from .comm import Flight, Poller, a2a, all_gather, all_gather_flat, reduce_scatter
+from .comm import Flight, Poller, a2a, all_gather, all_gather_flat, reduce_scatter, reduce_scatter_flat
 from .profiler import tensor_bytes
 from .reference import OptimConfig, microbatch_rows
 from .regions import KINDS, Rec, RegionCtx, atomic_regions, head_logit_grad, region_kind
@@ -92,6 +96,9 @@ class StepState:
     act: dict = field(default_factory=dict)
     gout: dict = field(default_factory=dict)
     open_bwd: dict = field(default_factory=dict)   # chunk -> TP backward reductions not yet finished
+    sp_x: dict = field(default_factory=dict)       # (chunk, mb, region) -> (use index, this rank's rows of its input)
+    sp_dy: dict = field(default_factory=dict)      # (chunk, mb, region) -> (param key, output grad) awaiting the re-gather
+    sp_full: dict = field(default_factory=dict)    # (chunk, mb, region) -> re-gathered input awaiting its recompute
     loss: float = 0.0
 
     def e(self, c: int, mb: int) -> dict:
@@ -101,7 +108,7 @@ class StepState:
         return self.genv.setdefault((c, mb), {})
 
 
-_COMPUTE, _SEND, _RECV, _TPK, _EPK, _DPK, _Z3K = range(7)
+_COMPUTE, _SEND, _RECV, _TPK, _EPK, _DPK, _Z3K, _SPK = range(8)
 
 
 @dataclass(eq=False)
@@ -223,6 +230,8 @@ class Interpreter:
             return _TPK
         if isinstance(tag, EPTag) and ins.op == "all_to_all":
             return _EPK
+        if isinstance(tag, SPTag) and ins.op == ("reduce_scatter" if tag.hop == "rs" else "all_gather"):
+            return _SPK
         if isinstance(tag, SyncTag):
             return _DPK
         if isinstance(tag, Z3Tag) and ins.op == "all_gather":
@@ -427,6 +436,7 @@ class Interpreter:
         elif ph == "bwd_weight":
             for a in reversed(atoms):
                 rec = self.st.recs[(c, mb)][a]
+                self._sp_defer(c, mb, rec)
                 KINDS[rec.kind].bwd_weight(self.ctx, rec)
                 self._drop(c, mb, a)
         else:
@@ -451,6 +461,7 @@ class Interpreter:
         with torch.set_grad_enabled(graph):
             KINDS[kind].fwd(self.ctx, rec, env, graph)
         rec.built = graph
+        self._sp_keep_rows(c, mb, rec)
         if not self._needs_tp("fwd", kind):
             self._fwd_done(c, mb, rec)
 
@@ -461,10 +472,15 @@ class Interpreter:
             return kind in ("embed", "attn", "mlp", "moe.combine", "head")
         return kind in ("head", "mlp", "attn", "moe.route")
 
-    def _fwd_done(self, c: int, mb: int, rec: Rec) -> None:
+    def _fwd_done(self, c: int, mb: int, rec: Rec, h: torch.Tensor | None = None) -> None:
+        """Finish a region's forward; ``h``: its output residual stream, already complete (SP)."""
         env = self.st.e(c, mb)
-        with torch.set_grad_enabled(self.ctx.chain and rec.built):   # chain mode keeps the residual attached
-            KINDS[rec.kind].fwd_done(self.ctx, rec, env)
+        if h is not None:
+            env["h"] = h
+            rec.pending = None
+        else:
+            with torch.set_grad_enabled(self.ctx.chain and rec.built):   # chain mode keeps the residual attached
+                KINDS[rec.kind].fwd_done(self.ctx, rec, env)
         if rec.kind == "head":
             if self.coords["tp"] == 0:
                 self.st.loss += float(env.pop("loss"))
@@ -501,6 +517,7 @@ class Interpreter:
                 carry["h"] = rec.t["h_out"] = rec.t["h"] + rec.t["out"]
         rec.pending = None
         rec.built = True
+        self._sp_keep_rows(c, mb, rec)
         self._account(c, mb, rec)
 
     def _bwd(self, c: int, mb: int, atom: str, full: bool) -> None:
@@ -515,6 +532,7 @@ class Interpreter:
         kd = KINDS[rec.kind]
         kd.bwd_input(self.ctx, rec, genv)
         if full:
+            self._sp_defer(c, mb, rec)
             kd.bwd_weight(self.ctx, rec)
         if not self._needs_tp("bwd", rec.kind):
             self._bwd_done(c, mb, rec, drop=full)
@@ -596,6 +614,8 @@ class Interpreter:
             return self._ep(p, tag.layer, tag.which.value, tag.phase, tag.mb)
         if k == _DPK:
             return self._dp(p, tag.axis.value, tag.what.value, tag.chunk)
+        if k == _SPK:
+            return self._sp(p, tag)
         return self._z3(p, "eparam" if tag.expert else "param", tag.chunk, tag.phase, tag.mb)
 
     def _post_recv(self, p: Prepared) -> Flight:
@@ -639,6 +659,94 @@ class Interpreter:
             self.st.open_bwd[c] -= 1
             self._bwd_done(c, mb, rec, rec.t.pop("_drop", True))
         return Flight(ins, stream, [work], then=then_b)
+
+    # ---- sequence parallelism: the TP all-reduce as reduce-scatter + all-gather along the sequence ----
+    def _rows(self) -> slice:
+        L = self.seq // self.strategy.tp
+        return slice(self.coords["tp"] * L, (self.coords["tp"] + 1) * L)
+
+    def _sp_keep_rows(self, c: int, mb: int, rec: Rec) -> None:
+        """SP: the column-parallel GEMM of a block (qkv, fc1, the output layer) keeps only this rank's
+        sequence rows of its input; the backward's ``sp ... input`` all-gather restores the rest."""
+        if not self.strategy.sp or rec.kind not in ("attn", "mlp", "head"):
+            return
+        key, z = (c, mb, rec.region), rec.t["z_leaf"]
+        k = next(j for j, u in enumerate(rec.tape.uses) if u.x is z)
+        if key in self.st.sp_full:       # a recompute after the re-gather landed
+            rec.tape.uses[k].x = self.st.sp_full.pop(key)
+            return
+        self.st.sp_x[key] = (k, z.detach()[:, self._rows()].transpose(0, 1).contiguous())
+        rec.tape.uses[k].x = None
+
+    def _sp_defer(self, c: int, mb: int, rec: Rec) -> None:
+        """Before a region's weight gradients: the GEMM whose input is not re-gathered yet gets its
+        gradient when the re-gather lands (its output gradient is kept until then)."""
+        key = (c, mb, rec.region)
+        if key not in self.st.sp_x or rec.dys is None:
+            return
+        k = self.st.sp_x[key][0]
+        live = [j for j, u in enumerate(rec.tape.uses) if u.y.requires_grad]
+        if k in live and rec.dys[live.index(k)] is not None:
+            i = live.index(k)
+            self.st.sp_dy[key] = (rec.tape.uses[k].key, rec.dys[i])
+            rec.dys[i] = None
+
+    def _sp(self, p: Prepared, tag: SPTag) -> Flight:
+        ins, g, tp = p.ins, p.group, self.strategy.tp
+        c, mb, key = ins.chunk, tag.mb, (ins.chunk, tag.mb, tag.region)
+        if tag.hop == "input":
+            k, mine = self.st.sp_x[key]       # popped when it lands: until then weight gradients wait for it
+            full = mine.new_empty((tp * mine.shape[0],) + tuple(mine.shape[1:]))
+            work = all_gather_flat(full, mine, group=g, async_op=True)
+
+            def then_in() -> None:
+                del self.st.sp_x[key]
+                x = full.transpose(0, 1)
+                if key in self.st.sp_dy:
+                    name, dy = self.st.sp_dy.pop(key)
+                    self.ctx.acc(*name).addmm_(dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+                else:
+                    rec = self.st.recs.get((c, mb), {}).get(tag.region)
+                    if rec is not None and rec.built and len(rec.tape.uses) > k:
+                        rec.tape.uses[k].x = x
+                    else:                 # its forward ran without a graph: the recompute takes it
+                        self.st.sp_full[key] = x
+            return Flight(ins, ins.stream, [work], then=then_in, keep=mine)
+        rec = self.st.recs[(c, mb)][tag.region]
+        t = rec.pending
+        seq_dim = t.dim() == 3 and t.shape[1] == self.seq     # [b, n, h]; else a flat buffer (MoE route)
+        if tag.hop == "rs":
+            if seq_dim:
+                inp = t.transpose(0, 1).contiguous()
+            else:
+                inp = t.new_zeros(-(-t.numel() // tp) * tp)
+                inp[:t.numel()] = t.reshape(-1)
+            out = inp.new_empty((inp.shape[0] // tp,) + tuple(inp.shape[1:]))
+            work = reduce_scatter_flat(out, inp, group=g, async_op=True)
+            shape = tuple(t.shape)
+
+            def then_rs() -> None:
+                if tag.phase == "fwd" and rec.kind != "embed":    # the residual add, on this rank's rows only
+                    res = rec.saved["moe.res"] if rec.kind == "moe.combine" else rec.t["h"].detach()
+                    out.add_(res.transpose(0, 1)[self._rows()])
+                rec.pending = out
+                rec.t["sp_shape"] = shape
+            return Flight(ins, ins.stream, [work], then=then_rs, keep=inp)
+        mine = t
+        full = mine.new_empty((tp * mine.shape[0],) + tuple(mine.shape[1:]))
+        work = all_gather_flat(full, mine, group=g, async_op=True)
+        shape = rec.t.pop("sp_shape")
+
+        def then_ag() -> None:
+            x = full.transpose(0, 1).contiguous() if len(shape) == 3 and shape[1] == self.seq \
+                else full[:math.prod(shape)].view(shape)
+            if tag.phase == "fwd":
+                self._fwd_done(c, mb, rec, h=x)
+                return
+            rec.pending = x
+            self.st.open_bwd[c] -= 1
+            self._bwd_done(c, mb, rec, rec.t.pop("_drop", True))
+        return Flight(ins, ins.stream, [work], then=then_ag, keep=mine)
 
     def _ep(self, p: Prepared, layer: int, which: str, phase: str, mb: int) -> Flight:
         ins, stream, g = p.ins, p.ins.stream, p.group

@@ -39,12 +39,10 @@ NORM_EPS = 1e-5
 
 def check_supported(spec: ModelSpec, strategy: "Strategy | None" = None) -> None:
     """Raise StrategyError when ``spec`` (or ``strategy``) uses a feature the runtime's torch model does
-    not implement: sequence and context parallelism are planned, simulated and searched, not run."""
-    if strategy is not None and (strategy.sp or strategy.cp > 1):
-        what = ", ".join(x for x, on in (("sp (sequence parallelism)", strategy.sp),
-                                         (f"cp={strategy.cp} (context parallelism)", strategy.cp > 1)) if on)
-        raise StrategyError(f"the runtime does not execute {what} yet; simulate or search that strategy "
-                            f"(parashift simulate / search), and run it without sp and with cp=1")
+    not implement: context parallelism is planned, simulated and searched, not run."""
+    if strategy is not None and strategy.cp > 1:
+        raise StrategyError(f"the runtime does not execute cp={strategy.cp} (context parallelism) yet; simulate or "
+                            f"search that strategy (parashift simulate / search), and run it with cp=1")
     bad = []
     if spec.norm != "rms":
         bad.append(f"norm={spec.norm!r} (use 'rms')")
