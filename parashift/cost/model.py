@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+from ..collectives import OPS as SWITCH_OPS
 from ..errors import ParashiftError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -352,10 +353,13 @@ def _ring(cm: CostModel, op: str, b: float, n: int, link: str) -> tuple[Phase, .
     f = (n - 1) / n
     if op == "all_reduce":
         return (Phase(link, 2 * f * b, 2 * (n - 1) * a),)
-    if op in ("all_gather", "reduce_scatter", "all_to_all", "scatter", "gather"):
+    sw = SWITCH_OPS.get(op)
+    if sw is not None and not sw.p2p:   # switch transfer ops: the bytes their busiest link carries, per the op table
+        group = tuple(range(n))
+        out, inn = sw.link_bytes(0, group, int(b), int(b) // n if sw.chunked else 0)
+        return (Phase(link, float(max(max(out.values()), max(inn.values(), default=0))), (n - 1) * a),)
+    if op in ("reduce_scatter", "all_to_all"):
         return (Phase(link, f * b, (n - 1) * a),)
-    if op == "broadcast":  # pipelined chain
-        return (Phase(link, b, (n - 1) * a),)
     raise CostModelError(f"unknown collective {op!r}")
 
 

@@ -39,6 +39,7 @@ from enum import Enum
 from typing import Union
 
 from ..errors import ProgramError
+from ..collectives import OPS
 
 __all__ = ["Payload", "Axis", "Sync", "A2A", "P2PTag", "TPTag", "EPTag", "SyncTag", "Z3Tag", "EmbedTag",
            "SPTag", "CPTag", "StepTag", "parse_tag", "StepKey", "StepBuffer", "TransferTag", "SwitchKey", "StateBuffer",
@@ -374,9 +375,11 @@ class StepBuffer:
 
 
 # ---- switch tags ------------------------------------------------------------------------------------
-#: Each switch transfer op's tag letter (a send and a scatter share ``s``: a send's tag has ``>``).
-TRANSFER_LETTERS = {"send": "s", "broadcast": "b", "scatter": "s", "gather": "g", "all_gather": "a"}
+#: Each switch transfer op's tag letter, from the op table (a send and a scatter share ``s``: a
+#: send's tag has ``>``).
+TRANSFER_LETTERS = {o.name: o.letter for o in OPS.values()}
 _TRANSFER_OPS = TRANSFER_LETTERS
+_BY_LETTER = {o.letter: o.name for o in OPS.values() if o.chunked}
 
 
 @dataclass(frozen=True)
@@ -413,7 +416,7 @@ class TransferTag:
     def parse(cls, text: str) -> "TransferTag":
         what = "switch transfer tag"
         parts = text.split(":")
-        if not parts[0] or parts[0][0] not in "sbga" or len(parts) not in (2, 3):
+        if not parts[0] or parts[0][0] not in set(TRANSFER_LETTERS.values()) or len(parts) not in (2, 3):
             raise _bad(text, what)
         stage = _int(text, parts[0][1:], "", what)
         code = parts[0][0]
@@ -432,9 +435,8 @@ class TransferTag:
             if code == "b" and len(parts) == 2:
                 return cls("broadcast", stage, root, ints(dst))
             raise _bad(text, what)
-        if code in "sga" and len(parts) == 3:
-            op = {"s": "scatter", "g": "gather", "a": "all_gather"}[code]
-            return cls(op, stage, _int(text, parts[1], "", what), ints(parts[2]))
+        if code in _BY_LETTER and len(parts) == 3:
+            return cls(_BY_LETTER[code], stage, _int(text, parts[1], "", what), ints(parts[2]))
         raise _bad(text, what)
 
 

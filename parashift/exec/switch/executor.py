@@ -42,7 +42,7 @@ import torch.distributed as dist
 from ...errors import SwitchAborted
 from ...ir.program import Instr, Program
 from ...vps.transition import SwitchMeta, parse_switch_name, switch_name
-from ...vps.transition.collectives import op as op_of
+from ...collectives import op as op_of
 from ..state import StateStore
 from .memory import BufferPool
 from .stores import piece_view

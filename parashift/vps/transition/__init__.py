@@ -8,7 +8,7 @@ cheaper), :func:`p2p_order` (XOR rounds, with the deadlock-freedom proof in :mod
 metadata (one codec), :data:`OPS` what each transfer op means, and :func:`plan_live_switch` /
 :func:`place` plan a live job's switch.
 """
-from .collectives import COLLECTIVE_OPS, OPS, Op
+from ...collectives import COLLECTIVE_OPS, OPS, Op
 from .live import SwitchPlanned, live_cluster, place, plan_live_switch
 from .lower import Options, lower
 from .meta import PieceTable, SwitchMeta, parse_switch_name, switch_name

@@ -17,7 +17,7 @@ from ...ir.program import Program
 from ...models import ModelSpec
 from ...strategy import Strategy
 from ..plan import plan_switch
-from .collectives import COLLECTIVE_OPS
+from ...collectives import COLLECTIVE_OPS
 from .lower import lower
 from .staging import budget_array, state_buffers
 

@@ -10,7 +10,7 @@ program); groups are concrete device tuples. Per device and stage, five streams:
 - ``send<l>`` / ``recv<l>`` (``l < lanes``): point-to-point transfers in XOR order (see
   :mod:`order`); a message of XOR round ``s`` travels on lane ``hash(s) % lanes`` at both
   ends, so the lanes of one device run concurrently and share its links;
-- ``coll<l>``: collectives (:data:`.collectives.COLLECTIVE_OPS`) in one global order; all
+- ``coll<l>``: collectives (:data:`parashift.collectives.COLLECTIVE_OPS`) in one global order; all
   collectives over one group (one communicator) use the same lane on every member;
 - ``unpack``: one ``unpack:<tag>`` copy per received transfer, which frees its staging buffer.
 
@@ -33,7 +33,7 @@ from ...cluster import Cluster, format_devices
 from ...errors import PlanError
 from ...ir.program import Instr, Program, RankProgram
 from ..plan import SwitchPlan
-from .collectives import COLLECTIVE_OPS
+from ...collectives import COLLECTIVE_OPS
 from .meta import PieceTable, SwitchMeta, switch_name
 from .order import collective_order, p2p_order
 from .sources import select_sources

@@ -20,7 +20,7 @@ import numpy as np
 
 from ...errors import ProgramError
 from ...ir import tags as T
-from .collectives import OPS
+from ...collectives import OPS
 
 __all__ = ["PieceTable", "SwitchMeta", "switch_name", "parse_switch_name", "NAMES"]
 

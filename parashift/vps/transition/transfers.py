@@ -6,7 +6,7 @@ of devices named by its members: a *broadcast* (one source, the same pieces to e
 a *scatter* (one source, distinct pieces per member), a *gather* (distinct pieces from every
 member converge on the root) or an *all_gather* (every member sends its distinct pieces to
 every other). What each op means (senders, receivers, bytes per member, offsets, link load) is
-the table in :mod:`.collectives`. Collectives are issued only where the cost model says they
+the table in :mod:`parashift.collectives`. Collectives are issued only where the cost model says they
 beat the point-to-point messages they replace. Each piece records its transfer and its byte
 offset in the transfer's full buffer (offsets aligned to ``ALIGN`` bytes); for chunked ops the
 full buffer is ``members`` chunks of ``chunk`` bytes in group order.
@@ -21,7 +21,7 @@ import numpy as np
 from ...cluster import Cluster
 from ...ir.program import Instr
 from ..plan import SwitchPlan
-from .collectives import op as op_of
+from ...collectives import op as op_of
 from .meta import switch_name
 
 if TYPE_CHECKING:  # pragma: no cover - the simulator loads simpy; import it only when lowering
@@ -35,7 +35,7 @@ ALIGN = 16
 
 @dataclass(frozen=True)
 class Transfer:
-    """One buffer on the wire. ``op``: a name in :data:`.collectives.OPS`."""
+    """One buffer on the wire. ``op``: a name in :data:`parashift.collectives.OPS`."""
 
     op: str
     stage: int

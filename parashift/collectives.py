@@ -1,12 +1,14 @@
-"""What every switch transfer op means: the one table the planner, the simulator's switch cost and
-the executor read.
+"""What every switch transfer op means: the one table the tag grammar (``ir.tags``), the cost model
+(the bytes a collective's links carry), the planner's promotion and the executor read. It sits
+below every layer, beside ``units`` and ``states``.
 
 A transfer moves one buffer. Its *full* buffer is ``nbytes`` long; for a *chunked* op it is
 ``len(group)`` chunks of ``chunk`` bytes in group order, chunk ``p`` belonging to ``group[p]``.
 Per op the table says who sends and who receives, which chunks travel from whom to whom (each is
 checksummed at both ends), how many bytes each member holds, packs or receives, where a member's
 local buffer starts in the full one, and how many bytes each member's links carry (the ring or
-chain a collective runs as). Adding a collective is one :class:`Op` here plus one executor handler.
+chain a collective runs as). Adding a collective is one :class:`Op` here, a promotion pass in
+:mod:`parashift.vps.transition.transfers` and one executor handler.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ __all__ = ["Op", "OPS", "COLLECTIVE_OPS", "op"]
 
 @dataclass(frozen=True)
 class Op:
-    """One transfer op (its tags are spelled by :class:`parashift.ir.tags.TransferTag`). ``p2p``: a message between two devices (``send`` at one end, ``recv``
+    """One transfer op. ``letter``: its transfer tags' first letter (:class:`parashift.ir.tags.TransferTag`
+    spells them); ``p2p``: a message between two devices (``send`` at one end, ``recv``
     at the other), else a collective over a group; ``rooted``: one member (``root``) is special; ``chunked``: the full buffer is
     one chunk per member; ``whole``: which members hold the full buffer (``"all"``, ``"root"``);
     ``chunk_from``: who sends chunk ``p`` (``"owner"``: ``group[p]``, ``"root"``), ``chunk_to``:
@@ -26,6 +29,7 @@ class Op:
     ``owners``: which members own a chunk that travels (``"all"`` or ``"non-root"``)."""
 
     name: str
+    letter: str
     p2p: bool = False
     rooted: bool = True
     chunked: bool = False
@@ -112,11 +116,11 @@ class Op:
 
 #: Every op a switch Program's transfers use, by name.
 OPS: Mapping[str, Op] = {o.name: o for o in (
-    Op("send", p2p=True, rooted=False),
-    Op("broadcast"),
-    Op("scatter", chunked=True, whole="root", chunk_from="root", chunk_to="owner"),
-    Op("gather", chunked=True, whole="root", chunk_from="owner", chunk_to="root"),
-    Op("all_gather", rooted=False, chunked=True, whole="all", chunk_from="owner", chunk_to="others", owners="all"),
+    Op("send", "s", p2p=True, rooted=False),
+    Op("broadcast", "b"),
+    Op("scatter", "s", chunked=True, whole="root", chunk_from="root", chunk_to="owner"),
+    Op("gather", "g", chunked=True, whole="root", chunk_from="owner", chunk_to="root"),
+    Op("all_gather", "a", rooted=False, chunked=True, whole="all", chunk_from="owner", chunk_to="others", owners="all"),
 )}
 
 #: Ops of transfers over a group (one communicator each), in the order the planner promotes them.
