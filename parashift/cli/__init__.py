@@ -28,6 +28,7 @@ COMMANDS = {
     "schedule": "schedule",
     "simulate": "simulate",
     "run": "run",
+    "join": "join",
     "search": "search",
     "plan-trace": "plan_trace",
     "replay": "replay",

@@ -1,0 +1,215 @@
+"""A live job that spans hosts: the first host serves the job's store at an endpoint, agents join it.
+
+The first host (:func:`run_first_host`) binds the job's TCPStore to ``HOST:PORT`` under the job's
+secret (:func:`read_secret`: ``$PARASHIFT_JOB_SECRET`` or a 0600 file; never argv) and registers
+its ``nprocs`` processes as devices ``0..nprocs-1``. Each other host runs an agent
+(:func:`run_agent`) that connects with the same secret, takes the next free device ids
+(``store.add``) and waits for the job's settings. When the strategy's world is registered, the
+first host publishes the settings; every host then starts its own processes with
+:func:`.elastic.launch_elastic` on the shared store, and their groups are built over that store
+by the elastic device manager (:class:`.elastic.ElasticManager`): no process is restarted. Each
+agent sends its processes' reports back through the store; the first host assembles the result.
+
+Store keys (under the job's secret): ``hosts/devices`` (devices registered), ``hosts/count``
+(hosts), ``hosts/config`` (pickled settings), ``hosts/report/<h>``, ``hosts/failed/<h>``.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import pickle
+import re
+import socket
+import stat
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import RuntimeFailure, StrategyError
+from .elastic import Member, launch_elastic
+from .jobstore import JobStore, connect, serve
+
+__all__ = ["SECRET_ENV", "parse_endpoint", "read_secret", "run_first_host", "run_agent"]
+
+#: environment variable holding the job's secret (the alternative is a 0600 file named by --secret-file)
+SECRET_ENV = "PARASHIFT_JOB_SECRET"
+_SECRET_RE = re.compile(r"^[A-Za-z0-9_-]{16,128}$")
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) -> (host, port)."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise StrategyError(f"--endpoint {text!r} is not HOST:PORT; e.g. 10.0.0.5:29500 or 127.0.0.1:29500")
+    return host, int(port)
+
+
+def read_secret(secret_file: str | None, create: bool = False) -> str:
+    """The job's secret: ``secret_file`` (owner-only permissions) when given, else ``$PARASHIFT_JOB_SECRET``.
+    ``create``: write a new secret to ``secret_file`` (mode 0600) when it does not exist (the first host)."""
+    import secrets
+    if secret_file:
+        if create and not os.path.exists(secret_file):
+            fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(16) + "\n")
+        try:
+            st = os.stat(secret_file)
+        except OSError as e:
+            raise StrategyError(f"--secret-file {secret_file!r}: {e.strerror}; copy the first host's secret file "
+                                f"here (mode 0600) or set {SECRET_ENV}") from None
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            raise StrategyError(f"--secret-file {secret_file!r} can be read by other users (mode "
+                                f"{stat.S_IMODE(st.st_mode):o}); run chmod 600 on it")
+        with open(secret_file) as f:
+            secret = f.read().strip()
+    else:
+        secret = os.environ.get(SECRET_ENV, "").strip()
+        if not secret:
+            raise StrategyError(f"a multi-host job needs its secret: set {SECRET_ENV} (the same value on every "
+                                f"host, e.g. from `openssl rand -hex 16`) or pass --secret-file PATH (mode 0600)")
+    if not _SECRET_RE.match(secret):
+        raise StrategyError(f"the job's secret must be 16-128 characters of letters, digits, '-' or '_' "
+                            f"(e.g. `openssl rand -hex 16`), not {len(secret)} other characters")
+    return secret
+
+
+def _check_gloo_interface(host: str) -> None:
+    """Processes of different hosts must not bind gloo to loopback (launch_elastic's default)."""
+    try:
+        loop = ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        loop = False
+    if not loop and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        raise StrategyError(f"endpoint {host} is not loopback: set GLOO_SOCKET_IFNAME to the network interface "
+                            f"that reaches the other hosts (e.g. eth0) on every host")
+
+
+@dataclass(frozen=True)
+class _Config:
+    """What the first host publishes to the agents: the job's settings and device layout."""
+
+    spec: Any
+    gens: list
+    steps: int
+    opts: Any
+    world: int
+
+
+def _wait_key(store: Any, key: str, timeout: float, what: str, alive: Callable[[], None] | None = None) -> None:
+    end = time.monotonic() + timeout
+    while not store.check([key]):
+        if alive is not None:
+            alive()
+        if time.monotonic() > end:
+            raise RuntimeFailure(f"timed out after {timeout:.0f} s waiting for {what}; raise --timeout or check "
+                                 f"that every host runs its command against the same --endpoint and secret")
+        time.sleep(0.05)
+
+
+def _local_members(devices: range) -> list[Member]:
+    return [Member(d, 0, 0) for d in devices]
+
+
+def _say(quiet: bool, text: str) -> None:
+    if not quiet:
+        print(text, file=sys.stderr, flush=True)
+
+
+def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, secret: str,
+                   timeout: float = 600.0, quiet: bool = False, **live) -> tuple[Any, dict[int, list[int]]]:
+    """Serve the job at ``endpoint``, wait for agents to bring the strategy's world, train, and
+    return the whole job's :class:`.switch.LiveResult` and {host number: its devices} (this host is 1). ``live``: :func:`.switch.run_live`'s
+    options (global_batch, seq_len, optim, notice, memory_budget, placement, ...)."""
+    from .. import models
+    from .switch.session import LiveOptions, LiveResult, _live_worker, _summarize, generations
+    spec = models.get(model)
+    host, port = parse_endpoint(endpoint)
+    _check_gloo_interface(host)
+    gens = generations(spec, strategy, steps, [], live.pop("placement", "keep"))
+    world = gens[0].strategy.world
+    if nprocs > world:
+        raise StrategyError(f"--nprocs {nprocs} is more than strategy {gens[0].strategy} runs ({world}); "
+                            f"start at most {world} processes here")
+    seq_len = live.pop("seq_len", None) or spec.seq_len
+    opts = LiveOptions(seq_len=seq_len, **live)
+    job = serve(timeout, host, port, secret)
+    store = job.store
+    store.add("hosts/count", 1)
+    store.add("hosts/devices", nprocs)
+    _say(quiet, f"serving the job at {host}:{port}: devices 0-{nprocs - 1} here; waiting for "
+                f"{world - nprocs} more from `parashift join --endpoint {host}:{port}`")
+    end = time.monotonic() + timeout
+    while store.add("hosts/devices", 0) < world:
+        if time.monotonic() > end:
+            raise RuntimeFailure(f"only {store.add('hosts/devices', 0)} of the {world} devices of {gens[0].strategy} "
+                                 f"joined within {timeout:.0f} s; start `parashift join --endpoint {host}:{port} "
+                                 f"--nprocs N` on the other hosts")
+        time.sleep(0.05)
+    hosts = int(store.add("hosts/count", 0))
+    store.set("hosts/config", pickle.dumps(_Config(spec, gens, steps, opts, world)))
+    _say(quiet, f"{hosts} hosts, {world} devices: training {spec.name} under {gens[0].strategy}")
+    reports = launch_elastic(_live_worker, _local_members(range(nprocs)), args=(spec, gens, steps, opts),
+                             timeout=timeout, job=job)
+    placed = {1: list(range(nprocs))}
+    for h in range(2, hosts + 1):          # the agents' reports (their processes have finished training)
+        def failed(h=h) -> None:
+            if store.check([f"hosts/failed/{h}"]):
+                raise RuntimeFailure(f"host {h} failed: {store.get(f'hosts/failed/{h}').decode()}")
+        _wait_key(store, f"hosts/report/{h}", timeout, f"host {h}'s report", failed)
+        got = pickle.loads(store.get(f"hosts/report/{h}"))
+        placed[h] = sorted(r["device"] for r in got.values() if r)
+        reports.update(got)
+    store.set("hosts/done", "1")
+    losses = []
+    for k in range(steps):
+        shares = [r["losses"][k] for r in reports.values() if r and k in r["losses"]]
+        if len(shares) < world:
+            break
+        losses.append(float(sum(shares)))
+    errors = [r["error"] for r in reports.values() if r and r.get("error")]
+    if len(losses) < steps:
+        raise RuntimeFailure(f"the multi-host job stopped after {len(losses)} of {steps} steps"
+                             + (f": {errors[0]}" if errors else ""))
+    return LiveResult(losses, _summarize(gens, reports), reports, gens), placed
+
+
+def run_agent(*, endpoint: str, nprocs: int, secret: str, timeout: float = 600.0, quiet: bool = False) -> dict:
+    """Join the job served at ``endpoint`` with ``nprocs`` local processes; returns what this host ran
+    (``host``, ``devices``, per-device step counts)."""
+    host, port = parse_endpoint(endpoint)
+    _check_gloo_interface(host)
+    try:
+        store = connect(host, port, secret, timeout)
+    except Exception as e:  # noqa: BLE001 - torch raises several kinds for an unreachable store
+        raise RuntimeFailure(f"cannot reach the job's store at {host}:{port} ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:120]}); start `parashift run ... --live --endpoint "
+                             f"{host}:{port}` on the first host first") from None
+    h = int(store.add("hosts/count", 1))
+    end = int(store.add("hosts/devices", nprocs))
+    devices = range(end - nprocs, end)
+    try:
+        _wait_key(store, "hosts/config", timeout, "the first host to publish the job")
+        cfg: _Config = pickle.loads(store.get("hosts/config"))
+        if end > cfg.world:
+            raise RuntimeFailure(f"the job runs {cfg.world} devices and already has them all (this host would be "
+                                 f"devices {devices.start}-{devices.stop - 1}); joining a running job is not built "
+                                 f"yet: start the hosts before the job begins")
+        _say(quiet, f"host {h}: devices {devices.start}-{devices.stop - 1} of {cfg.world}, training "
+                    f"{cfg.spec.name} under {cfg.gens[0].strategy}")
+        from .switch.session import _live_worker
+        job = JobStore(store, store, host, port, secret)
+        reports = launch_elastic(_live_worker, _local_members(devices), args=(cfg.spec, cfg.gens, cfg.steps, cfg.opts),
+                                 timeout=timeout, job=job)
+    except BaseException as e:
+        try:
+            store.set(f"hosts/failed/{h}", f"{type(e).__name__}: {e}"[:500])
+        except Exception:  # noqa: BLE001 - the store may be gone with the first host
+            pass
+        raise
+    store.set(f"hosts/report/{h}", pickle.dumps(reports))
+    _say(quiet, f"host {h}: done; report sent to {host}:{port}")
+    return {"host": h, "devices": list(devices),
+            "steps": {k: len(r["losses"]) for k, r in reports.items() if r}}
