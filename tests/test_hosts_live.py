@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from parashift.cli import main
 from parashift.errors import StrategyError
@@ -52,27 +53,36 @@ def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, st
     return out
 
 
-def test_two_hosts_train_as_the_static_job(capsys):
+def test_two_hosts_train_then_a_third_joins(capsys):
+    """Hosts 1 and 2 (one process each) train dp=2; host 3 (two processes) joins the running job,
+    which grows to dp=4 at a step boundary; the losses equal the static dp=2 job on one host."""
     port = _free_port()
     env = dict(os.environ, **{SECRET_ENV: SECRET}, PYTHONUNBUFFERED="1")
-    common = ["--endpoint", f"127.0.0.1:{port}", "--nprocs", "2", "--timeout", "150"]
-    first = _host(["run", "--model", "tiny-gpt", "--strategy", "dp=2,tp=2", "--steps", "3", "--live", *common,
-                   "--json"], env)
+    at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", "150"]
+    first = _host(["run", "--model", "tiny-gpt", "--strategy", "dp=2", "--steps", "8", "--live", "--switch-notice",
+                   "1", *at, "--nprocs", "1", "--json"], env)
     time.sleep(0.5)
-    agent = _host(["join", *common], env)
-    (rc1, out1, err1), (rc2, out2, err2) = _finish([first, agent], 170)
-    assert rc1 == 0, err1[-2000:]
-    assert rc2 == 0, err2[-2000:]
+    second = _host(["join", *at, "--nprocs", "1"], env)
+    deadline = time.monotonic() + 60
+    while not second.stderr.readline().startswith("host 2: devices 1-1"):   # the first world is complete
+        assert time.monotonic() < deadline and second.poll() is None, "host 2 never started training"
+    third = _host(["join", *at, "--nprocs", "2"], env)
+    (rc1, out1, err1), (rc2, _, err2), (rc3, _, err3) = _finish([first, second, third], 170)
+    assert rc1 == 0 and rc2 == 0 and rc3 == 0, (err1 + err2 + err3)[-3000:]
     got = json.loads(out1)
-    assert got["switches"] == [] and got["hosts"] == {"1": [0, 1], "2": [2, 3]}
-    assert "devices 2-3 of 4" in err2
-    assert SECRET not in out1 + err1 + out2 + err2
-    # the same job on one host
-    assert main(["run", "--model", "tiny-gpt", "--strategy", "dp=2,tp=2", "--steps", "3", "--live", "--json"]) == 0
+    assert got["hosts"] == {"1": [0], "2": [1], "3": [2, 3]}
+    assert got["strategies"] == ["dp=2,tp=1,pp=1", "dp=4,tp=1,pp=1"] and got["devices"][1] == [0, 1, 2, 3]
+    (sw,) = got["switches"]
+    assert sw["cause"] == "join" and 0 < sw["step"] < 8 and "aborted" not in sw
+    assert f"from step {sw['step']}" in err3
+    assert SECRET not in out1 + err1 + err2 + err3
+    # the same job on one host, never switching
+    assert main(["run", "--model", "tiny-gpt", "--strategy", "dp=2", "--steps", "8", "--live", "--json"]) == 0
     ref = json.loads(capsys.readouterr().out)
+    assert len(got["losses"]) == 8
     assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
     time.sleep(1.0)
-    assert _gone(first.pid) and _gone(agent.pid), "processes left behind"
+    assert all(_gone(p.pid) for p in (first, second, third)), "processes left behind"
 
 
 def test_secret_never_from_argv(tmp_path, monkeypatch):
@@ -98,3 +108,27 @@ def test_cli_errors(capsys):
     assert "add --live" in capsys.readouterr().err
     assert main(["join", "--nprocs", "1"]) != 0
     assert "--endpoint" in capsys.readouterr().err
+
+
+@settings(max_examples=40, deadline=None)
+@given(tp=st.sampled_from([1, 2]), pp=st.sampled_from([1, 2]), dp=st.integers(1, 3), extra=st.integers(0, 9),
+       batch=st.sampled_from([8, 12, 16]))
+def test_grow_strategy_is_the_widest_dp_that_fits(tp, pp, dp, extra, batch):
+    from parashift import models
+    from parashift.exec.hosts import grow_strategy
+    from parashift.strategy import Strategy
+    spec = models.get("tiny-gpt")
+    cur = Strategy(dp=dp, tp=tp, pp=pp)
+    devices = cur.world + extra
+    got = grow_strategy(spec, cur, devices, batch)
+
+    def fits(d):
+        try:
+            cur.replace(dp=d).validate(spec)
+        except StrategyError:
+            return False
+        return batch % d == 0
+    want = max((d for d in range(dp + 1, devices // (tp * pp) + 1) if fits(d)), default=None)
+    assert (got.dp if got is not None else None) == want
+    if got is not None:
+        assert (got.tp, got.pp) == (tp, pp) and got.world <= devices

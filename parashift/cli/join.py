@@ -11,7 +11,7 @@ HELP = "join a multi-host live job (started with `parashift run ... --live --end
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_host_arguments(p)
+    add_host_arguments(p, first=False)
     p.add_argument("--nprocs", type=arg_int(1, MAX_LOCAL_PROCS), required=True,
                    help="processes (devices) this host brings to the job")
     p.add_argument("--timeout", type=arg_float(0, 7 * 86400, lo_open=True), default=600.0,

@@ -9,14 +9,18 @@ from ..validate import arg_int
 __all__ = ["add_host_arguments", "run_cli"]
 
 
-def add_host_arguments(p: argparse.ArgumentParser) -> None:
-    """``--live``, ``--endpoint``, ``--secret-file`` (shared by ``run`` and ``join``)."""
+def add_host_arguments(p: argparse.ArgumentParser, first: bool = True) -> None:
+    """``--endpoint``, ``--secret-file`` (shared by ``run`` and ``join``) and ``--on-join`` (``first``: run)."""
     p.add_argument("--endpoint", metavar="HOST:PORT",
                    help="multi-host live job: serve (run) or reach (join) the job's store at this address; "
                         "with run, --nprocs is the number of processes on this host")
     p.add_argument("--secret-file", metavar="PATH",
                    help="the job's secret, in a file only you can read (mode 0600; run creates it if missing); "
                         "default: the PARASHIFT_JOB_SECRET environment variable")
+    if first:
+        p.add_argument("--on-join", choices=("grow", "ignore"), default="grow",
+                       help="when a host joins the running job: grow (default: switch to a strategy with a wider dp "
+                            "that uses its devices, a few steps later) or ignore (refuse it)")
 
 
 def run_cli(args: argparse.Namespace) -> dict:
@@ -39,7 +43,7 @@ def run_cli(args: argparse.Namespace) -> dict:
                          secret=read_secret(args.secret_file, create=True), timeout=args.timeout,
                          quiet=bool(args.json), global_batch=args.global_batch, seq_len=args.seq_len,
                          optim=OptimConfig(lr=args.lr), notice=args.switch_notice, memory_budget=budget,
-                         placement=args.switch_placement)
+                         placement=args.switch_placement, on_join=args.on_join)
     out = {"model": models.get(args.model).name, "strategy": str(s0), "nprocs": s0.world, "endpoint": args.endpoint,
            "schedule": None, **res.to_json(), "step_times": step_times(res), "switches": res.switches,
            "hosts": {str(h): devs for h, devs in placed.items()}}

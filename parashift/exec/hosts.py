@@ -10,8 +10,17 @@ first host publishes the settings; every host then starts its own processes with
 by the elastic device manager (:class:`.elastic.ElasticManager`): no process is restarted. Each
 agent sends its processes' reports back through the store; the first host assembles the result.
 
+A host that joins a running job (its devices beyond the first world) is announced through
+``hosts/devices``; with ``on_join="grow"`` the process of device 0 (:class:`_Follow`, called at
+every step boundary) picks the next strategy for the larger device set (:func:`grow_strategy`)
+and publishes the next generation ``hosts/gen/<g>`` with a switch step ``notice + 2`` steps
+ahead; every process appends it to its schedule at its next step boundary, so the world is built
+in the background during the notice and the switch happens between iterations; the joining
+agent starts its processes for that generation.
+
 Store keys (under the job's secret): ``hosts/devices`` (devices registered), ``hosts/count``
-(hosts), ``hosts/config`` (pickled settings), ``hosts/report/<h>``, ``hosts/failed/<h>``.
+(hosts), ``hosts/config`` (pickled settings), ``hosts/gen/<g>`` (generations after the first),
+``hosts/report/<h>``, ``hosts/failed/<h>``.
 """
 from __future__ import annotations
 
@@ -87,6 +96,48 @@ def _check_gloo_interface(host: str) -> None:
                             f"that reaches the other hosts (e.g. eth0) on every host")
 
 
+def grow_strategy(spec: Any, current: Any, devices: int, global_batch: int) -> Any:
+    """The ``grow`` policy: keep tp, pp, ep, zero and the schedule, widen dp to the most of ``devices``
+    that divides the global batch; None when no wider strategy fits."""
+    cell = current.world // current.dp
+    for dp in range(devices // cell, current.dp, -1):
+        cand = current.replace(dp=dp)
+        if global_batch % (dp * cand.mbs) or dp % cand.ep:
+            continue
+        try:
+            cand.validate(spec)
+        except StrategyError:
+            continue
+        return cand
+    return None
+
+
+@dataclass
+class _Follow:
+    """Called by every process at each step boundary (``LiveOptions.on_step``): device 0 turns newly
+    registered devices into the next generation; every process appends published generations."""
+
+    on_join: str
+    steps: int
+
+    def __call__(self, session: Any, step: int) -> None:
+        import pickle as pk
+        from .switch.session import Generation
+        store, gens = session.ctx.store, session.gens
+        if self.on_join == "grow" and session.device == 0 and session.gen == len(gens) - 1:
+            cur = gens[-1]
+            have = int(store.add("hosts/devices", 0))
+            at = step + session.opts.notice + 2
+            if have > max(cur.devices) + 1 and at < self.steps:
+                st = grow_strategy(session.spec, cur.strategy, len(cur.devices) + have - max(cur.devices) - 1,
+                                   session.opts.global_batch)
+                if st is not None:
+                    new = tuple(cur.devices) + tuple(range(max(cur.devices) + 1, have))[:st.world - len(cur.devices)]
+                    store.set(f"hosts/gen/{len(gens)}", pk.dumps(Generation(at, st, new)))
+        while store.check([f"hosts/gen/{len(gens)}"]):
+            gens.append(pk.loads(store.get(f"hosts/gen/{len(gens)}")))
+
+
 @dataclass(frozen=True)
 class _Config:
     """What the first host publishes to the agents: the job's settings and device layout."""
@@ -96,6 +147,7 @@ class _Config:
     steps: int
     opts: Any
     world: int
+    on_join: str = "grow"
 
 
 def _wait_key(store: Any, key: str, timeout: float, what: str, alive: Callable[[], None] | None = None) -> None:
@@ -119,7 +171,7 @@ def _say(quiet: bool, text: str) -> None:
 
 
 def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, secret: str,
-                   timeout: float = 600.0, quiet: bool = False, **live) -> tuple[Any, dict[int, list[int]]]:
+                   timeout: float = 600.0, quiet: bool = False, on_join: str = "grow", **live) -> tuple[Any, dict[int, list[int]]]:
     """Serve the job at ``endpoint``, wait for agents to bring the strategy's world, train, and
     return the whole job's :class:`.switch.LiveResult` and {host number: its devices} (this host is 1). ``live``: :func:`.switch.run_live`'s
     options (global_batch, seq_len, optim, notice, memory_budget, placement, ...)."""
@@ -134,7 +186,9 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
         raise StrategyError(f"--nprocs {nprocs} is more than strategy {gens[0].strategy} runs ({world}); "
                             f"start at most {world} processes here")
     seq_len = live.pop("seq_len", None) or spec.seq_len
-    opts = LiveOptions(seq_len=seq_len, **live)
+    if on_join not in ("grow", "ignore"):
+        raise StrategyError(f"--on-join {on_join!r}: use grow (switch to a wider strategy) or ignore")
+    opts = LiveOptions(seq_len=seq_len, on_step=_Follow(on_join, steps), **live)
     job = serve(timeout, host, port, secret)
     store = job.store
     store.add("hosts/count", 1)
@@ -148,12 +202,12 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
                                  f"joined within {timeout:.0f} s; start `parashift join --endpoint {host}:{port} "
                                  f"--nprocs N` on the other hosts")
         time.sleep(0.05)
-    hosts = int(store.add("hosts/count", 0))
-    store.set("hosts/config", pickle.dumps(_Config(spec, gens, steps, opts, world)))
-    _say(quiet, f"{hosts} hosts, {world} devices: training {spec.name} under {gens[0].strategy}")
+    store.set("hosts/config", pickle.dumps(_Config(spec, gens, steps, opts, world, on_join)))
+    _say(quiet, f"{int(store.add('hosts/count', 0))} hosts, {world} devices: training {spec.name} under {gens[0].strategy}")
     reports = launch_elastic(_live_worker, _local_members(range(nprocs)), args=(spec, gens, steps, opts),
                              timeout=timeout, job=job)
     placed = {1: list(range(nprocs))}
+    hosts = int(store.add("hosts/count", 0))   # every host that came, in time or late
     for h in range(2, hosts + 1):          # the agents' reports (their processes have finished training)
         def failed(h=h) -> None:
             if store.check([f"hosts/failed/{h}"]):
@@ -163,17 +217,37 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
         placed[h] = sorted(r["device"] for r in got.values() if r)
         reports.update(got)
     store.set("hosts/done", "1")
+    while store.check([f"hosts/gen/{len(gens)}"]):
+        gens.append(pickle.loads(store.get(f"hosts/gen/{len(gens)}")))
     losses = []
     for k in range(steps):
         shares = [r["losses"][k] for r in reports.values() if r and k in r["losses"]]
-        if len(shares) < world:
+        if len(shares) < [g for g in gens if g.step <= k][-1].strategy.world:
             break
         losses.append(float(sum(shares)))
     errors = [r["error"] for r in reports.values() if r and r.get("error")]
     if len(losses) < steps:
         raise RuntimeFailure(f"the multi-host job stopped after {len(losses)} of {steps} steps"
                              + (f": {errors[0]}" if errors else ""))
-    return LiveResult(losses, _summarize(gens, reports), reports, gens), placed
+    switches = _summarize(gens, reports)
+    for sw in switches:
+        sw["cause"] = "join"          # the only switches a multi-host job makes today
+    return LiveResult(losses, switches, reports, gens), placed
+
+
+def _wait_generation(store: Any, gens: list, devices: range, timeout: float) -> int | None:
+    """Append published generations to ``gens`` until one uses ``devices``; its index, or None when the
+    job ends first."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        while store.check([f"hosts/gen/{len(gens)}"]):
+            gens.append(pickle.loads(store.get(f"hosts/gen/{len(gens)}")))
+            if set(devices) & set(gens[-1].devices):
+                return len(gens) - 1
+        if store.check(["job/end"]):
+            return None
+        time.sleep(0.05)
+    raise RuntimeFailure(f"timed out after {timeout:.0f} s waiting for the job to use this host's devices")
 
 
 def run_agent(*, endpoint: str, nprocs: int, secret: str, timeout: float = 600.0, quiet: bool = False) -> dict:
@@ -193,22 +267,42 @@ def run_agent(*, endpoint: str, nprocs: int, secret: str, timeout: float = 600.0
     try:
         _wait_key(store, "hosts/config", timeout, "the first host to publish the job")
         cfg: _Config = pickle.loads(store.get("hosts/config"))
+        gens, first = list(cfg.gens), 0
+        if devices.start < cfg.world < end:
+            raise RuntimeFailure(f"this host's devices {devices.start}-{end - 1} straddle the job's first world of "
+                                 f"{cfg.world} devices; make the hosts' --nprocs add up to the strategy's world, "
+                                 f"then join more hosts")
         if end > cfg.world:
-            raise RuntimeFailure(f"the job runs {cfg.world} devices and already has them all (this host would be "
-                                 f"devices {devices.start}-{devices.stop - 1}); joining a running job is not built "
-                                 f"yet: start the hosts before the job begins")
-        _say(quiet, f"host {h}: devices {devices.start}-{devices.stop - 1} of {cfg.world}, training "
-                    f"{cfg.spec.name} under {cfg.gens[0].strategy}")
+            if cfg.on_join != "grow":
+                store.set(f"hosts/report/{h}", pickle.dumps({}))    # the job goes on without this host
+                raise RuntimeFailure(f"the job runs {cfg.world} devices and already has them all, and its first host "
+                                     f"ignores joins (--on-join ignore); start it with --on-join grow")
+            _say(quiet, f"host {h}: devices {devices.start}-{devices.stop - 1} announced; waiting for the job to "
+                        f"switch to a strategy that uses them")
+            first = _wait_generation(store, gens, devices, timeout)
+            if first is None:
+                _say(quiet, f"host {h}: the job ended (or found no strategy for these devices) before using them")
+                store.set(f"hosts/report/{h}", pickle.dumps({}))
+                return {"host": h, "devices": list(devices), "steps": {}}
+        _say(quiet, f"host {h}: devices {devices.start}-{devices.stop - 1}, training {cfg.spec.name} under "
+                    f"{gens[first].strategy}" + (f" from step {gens[first].step}" if first else ""))
         from .switch.session import _live_worker
         job = JobStore(store, store, host, port, secret)
-        reports = launch_elastic(_live_worker, _local_members(devices), args=(cfg.spec, cfg.gens, cfg.steps, cfg.opts),
+        members = [Member(d, first, first) for d in devices if d in gens[first].devices]
+        if first:     # processes start when the switch that brings them in is announced (notice steps ahead)
+            _wait_key(store, f"sw{first}/notice", timeout, f"the notice of the switch at step {gens[first].step}",
+                      lambda: None)
+        reports = launch_elastic(_live_worker, members, args=(cfg.spec, gens, cfg.steps, cfg.opts),
                                  timeout=timeout, job=job)
     except BaseException as e:
+        if type(e).__name__.startswith("Dist"):    # the store went away with the first host
+            e = RuntimeFailure(f"lost the job's store at {host}:{port} ({str(e).splitlines()[0][:120]}); the "
+                               f"first host has ended or failed: see its output")
         try:
             store.set(f"hosts/failed/{h}", f"{type(e).__name__}: {e}"[:500])
         except Exception:  # noqa: BLE001 - the store may be gone with the first host
             pass
-        raise
+        raise e from None
     store.set(f"hosts/report/{h}", pickle.dumps(reports))
     _say(quiet, f"host {h}: done; report sent to {host}:{port}")
     return {"host": h, "devices": list(devices),
