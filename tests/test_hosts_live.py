@@ -53,33 +53,39 @@ def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, st
     return out
 
 
-def test_two_hosts_train_then_a_third_joins(capsys):
+def test_two_hosts_train_a_third_joins_one_leaves_with_notice(capsys):
     """Hosts 1 and 2 (one process each) train dp=2; host 3 (two processes) joins the running job,
-    which grows to dp=4 at a step boundary; the losses equal the static dp=2 job on one host."""
+    which grows to dp=4 at a step boundary; then host 2 gets SIGTERM and the job shrinks to dp=3
+    without it. The losses equal the static dp=2 job on one host; every host exits 0."""
     port = _free_port()
     env = dict(os.environ, **{SECRET_ENV: SECRET}, PYTHONUNBUFFERED="1")
     at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", "150"]
-    first = _host(["run", "--model", "tiny-gpt", "--strategy", "dp=2", "--steps", "8", "--live", "--switch-notice",
-                   "1", *at, "--nprocs", "1", "--json"], env)
+    job = ["--model", "tiny-gpt", "--strategy", "dp=2", "--steps", "30", "--global-batch", "12", "--live"]
+    first = _host(["run", *job, "--switch-notice", "1", *at, "--nprocs", "1", "--json"], env)
     time.sleep(0.5)
     second = _host(["join", *at, "--nprocs", "1"], env)
     deadline = time.monotonic() + 60
     while not second.stderr.readline().startswith("host 2: devices 1-1"):   # the first world is complete
         assert time.monotonic() < deadline and second.poll() is None, "host 2 never started training"
     third = _host(["join", *at, "--nprocs", "2"], env)
+    while "from step" not in third.stderr.readline():
+        assert time.monotonic() < deadline and third.poll() is None, "host 3 never joined"
+    second.send_signal(signal.SIGTERM)
     (rc1, out1, err1), (rc2, _, err2), (rc3, _, err3) = _finish([first, second, third], 170)
     assert rc1 == 0 and rc2 == 0 and rc3 == 0, (err1 + err2 + err3)[-3000:]
     got = json.loads(out1)
     assert got["hosts"] == {"1": [0], "2": [1], "3": [2, 3]}
-    assert got["strategies"] == ["dp=2,tp=1,pp=1", "dp=4,tp=1,pp=1"] and got["devices"][1] == [0, 1, 2, 3]
-    (sw,) = got["switches"]
-    assert sw["cause"] == "join" and 0 < sw["step"] < 8 and "aborted" not in sw
-    assert f"from step {sw['step']}" in err3
+    assert got["strategies"] == ["dp=2,tp=1,pp=1", "dp=4,tp=1,pp=1", "dp=3,tp=1,pp=1"]
+    assert got["devices"][1:] == [[0, 1, 2, 3], [0, 2, 3]]
+    join, notice = got["switches"]
+    assert join["cause"] == "join" and notice["cause"] == "notice" and join["step"] < notice["step"] < 30
+    assert "aborted" not in join and "aborted" not in notice
+    assert "SIGTERM: devices 1-1 leave" in err2
     assert SECRET not in out1 + err1 + err2 + err3
     # the same job on one host, never switching
-    assert main(["run", "--model", "tiny-gpt", "--strategy", "dp=2", "--steps", "8", "--live", "--json"]) == 0
+    assert main(["run", *job, "--json"]) == 0
     ref = json.loads(capsys.readouterr().out)
-    assert len(got["losses"]) == 8
+    assert len(got["losses"]) == 30
     assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
     time.sleep(1.0)
     assert all(_gone(p.pid) for p in (first, second, third)), "processes left behind"

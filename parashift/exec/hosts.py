@@ -96,11 +96,35 @@ def _check_gloo_interface(host: str) -> None:
                             f"that reaches the other hosts (e.g. eth0) on every host")
 
 
+def _count(store: Any, gens: list) -> int:
+    """Generations published so far, less one (the index of the last published one)."""
+    g = len(gens)
+    while store.check([f"hosts/gen/{g}"]):
+        g += 1
+    return g - 1
+
+
+def _append(store: Any, gens: list, causes: list | None = None) -> None:
+    """Append the published generations ``gens`` does not hold yet (their causes to ``causes``)."""
+    import pickle as pk
+    while store.check([f"hosts/gen/{len(gens)}"]):
+        gen, cause = pk.loads(store.get(f"hosts/gen/{len(gens)}"))
+        gens.append(gen)
+        if causes is not None:
+            causes.append(cause)
+
+
 def grow_strategy(spec: Any, current: Any, devices: int, global_batch: int) -> Any:
     """The ``grow`` policy: keep tp, pp, ep, zero and the schedule, widen dp to the most of ``devices``
     that divides the global batch; None when no wider strategy fits."""
+    return fit_strategy(spec, current, devices, global_batch, above=current.dp)
+
+
+def fit_strategy(spec: Any, current: Any, devices: int, global_batch: int, above: int = 0) -> Any:
+    """``current`` with the widest dp (> ``above``) that fits ``devices`` and divides the global batch
+    (tp, pp, ep, zero and the schedule kept); None when there is none."""
     cell = current.world // current.dp
-    for dp in range(devices // cell, current.dp, -1):
+    for dp in range(devices // cell, above, -1):
         cand = current.replace(dp=dp)
         if global_batch % (dp * cand.mbs) or dp % cand.ep:
             continue
@@ -133,9 +157,30 @@ class _Follow:
                                    session.opts.global_batch)
                 if st is not None:
                     new = tuple(cur.devices) + tuple(range(max(cur.devices) + 1, have))[:st.world - len(cur.devices)]
-                    store.set(f"hosts/gen/{len(gens)}", pk.dumps(Generation(at, st, new)))
-        while store.check([f"hosts/gen/{len(gens)}"]):
-            gens.append(pk.loads(store.get(f"hosts/gen/{len(gens)}")))
+                    store.set(f"hosts/gen/{len(gens)}", pk.dumps((Generation(at, st, new), "join")))
+        if session.device == 0 and session.gen == len(gens) - 1 and len(gens) - 1 == _count(store, gens):
+            self._leave(session, step)
+        _append(store, gens)
+
+    def _leave(self, session: Any, step: int) -> None:
+        """Device 0: a host that got SIGTERM (``hosts/leave/<h>``) -> the next generation without its devices."""
+        import pickle as pk
+        from .switch.session import Generation
+        store, gens = session.ctx.store, session.gens
+        cur = gens[-1]
+        gone: set[int] = set()
+        for h in range(2, int(store.add("hosts/count", 0)) + 1):
+            if store.check([f"hosts/leave/{h}"]):
+                gone |= set(pk.loads(store.get(f"hosts/leave/{h}"))) & set(cur.devices)
+        at = step + session.opts.notice + 2
+        if not gone or at >= self.steps:
+            return
+        left = [d for d in cur.devices if d not in gone]
+        st = fit_strategy(session.spec, cur.strategy, len(left), session.opts.global_batch)
+        if st is None:
+            raise RuntimeFailure(f"devices {sorted(gone)} are leaving and no strategy like {cur.strategy} fits the "
+                                 f"{len(left)} that stay")
+        store.set(f"hosts/gen/{len(gens)}", pk.dumps((Generation(at, st, tuple(left[:st.world])), "notice")))
 
 
 @dataclass(frozen=True)
@@ -217,8 +262,8 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
         placed[h] = sorted(r["device"] for r in got.values() if r)
         reports.update(got)
     store.set("hosts/done", "1")
-    while store.check([f"hosts/gen/{len(gens)}"]):
-        gens.append(pickle.loads(store.get(f"hosts/gen/{len(gens)}")))
+    causes: list[str] = []
+    _append(store, gens, causes)
     losses = []
     for k in range(steps):
         shares = [r["losses"][k] for r in reports.values() if r and k in r["losses"]]
@@ -230,9 +275,25 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
         raise RuntimeFailure(f"the multi-host job stopped after {len(losses)} of {steps} steps"
                              + (f": {errors[0]}" if errors else ""))
     switches = _summarize(gens, reports)
+    by_step = {g.step: c for g, c in zip(gens[1:], causes)}
     for sw in switches:
-        sw["cause"] = "join"          # the only switches a multi-host job makes today
+        sw["cause"] = by_step[sw["step"]]
     return LiveResult(losses, switches, reports, gens), placed
+
+
+def _leave_on_sigterm(host: str, port: int, secret: str, h: int, devices: range, quiet: bool) -> None:
+    """SIGTERM (a notice) to this agent: announce that its devices leave; its processes then switch
+    away with the job and exit once the survivors have verified their new state."""
+    import signal
+    import threading
+
+    def announce() -> None:
+        connect(host, port, secret, 30.0).set(f"hosts/leave/{h}", pickle.dumps(list(devices)))
+
+    def handler(signum, frame) -> None:
+        _say(quiet, f"host {h}: SIGTERM: devices {devices.start}-{devices.stop - 1} leave at the job's next switch")
+        threading.Thread(target=announce, daemon=True).start()
+    signal.signal(signal.SIGTERM, handler)
 
 
 def _wait_generation(store: Any, gens: list, devices: range, timeout: float) -> int | None:
@@ -240,10 +301,12 @@ def _wait_generation(store: Any, gens: list, devices: range, timeout: float) -> 
     job ends first."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        while store.check([f"hosts/gen/{len(gens)}"]):
-            gens.append(pickle.loads(store.get(f"hosts/gen/{len(gens)}")))
-            if set(devices) & set(gens[-1].devices):
-                return len(gens) - 1
+        n = len(gens)
+        _append(store, gens)
+        for g in range(n, len(gens)):
+            if set(devices) & set(gens[g].devices):
+                del gens[g + 1:]
+                return g
         if store.check(["job/end"]):
             return None
         time.sleep(0.05)
@@ -288,12 +351,13 @@ def run_agent(*, endpoint: str, nprocs: int, secret: str, timeout: float = 600.0
                     f"{gens[first].strategy}" + (f" from step {gens[first].step}" if first else ""))
         from .switch.session import _live_worker
         job = JobStore(store, store, host, port, secret)
+        _leave_on_sigterm(host, port, secret, h, devices, quiet)
         members = [Member(d, first, first) for d in devices if d in gens[first].devices]
         if first:     # processes start when the switch that brings them in is announced (notice steps ahead)
             _wait_key(store, f"sw{first}/notice", timeout, f"the notice of the switch at step {gens[first].step}",
                       lambda: None)
         reports = launch_elastic(_live_worker, members, args=(cfg.spec, gens, cfg.steps, cfg.opts),
-                                 timeout=timeout, job=job)
+                                 timeout=timeout, job=job, keep_sigterm=True)
     except BaseException as e:
         if type(e).__name__.startswith("Dist"):    # the store went away with the first host
             e = RuntimeFailure(f"lost the job's store at {host}:{port} ({str(e).splitlines()[0][:120]}); the "
