@@ -30,11 +30,15 @@ def _host(args: list[str], env: dict) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
 
 
-def _gone(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return True
+def _gone(pgid: int, within: float = 10.0) -> bool:
+    """No process of group ``pgid`` is left (zombies are reaped by init once their parent is gone)."""
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
     return False
 
 
@@ -87,8 +91,29 @@ def test_two_hosts_train_a_third_joins_one_leaves_with_notice(capsys):
     ref = json.loads(capsys.readouterr().out)
     assert len(got["losses"]) == 30
     assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
-    time.sleep(1.0)
     assert all(_gone(p.pid) for p in (first, second, third)), "processes left behind"
+
+
+def test_a_killed_host_ends_the_job_in_bounded_time_and_is_named():
+    """SIGKILL of an agent's whole process group mid-run: the first host notices within seconds (gloo
+    loses the peer, the store's heartbeats name the host) and exits non-zero; nothing is left."""
+    port = _free_port()
+    env = dict(os.environ, **{SECRET_ENV: SECRET}, PYTHONUNBUFFERED="1")
+    at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", "150", "--nprocs", "2"]
+    first = _host(["run", "--model", "tiny-gpt", "--strategy", "dp=4", "--steps", "100000", "--live", *at], env)
+    time.sleep(0.5)
+    agent = _host(["join", *at], env)
+    deadline = time.monotonic() + 60
+    while "devices 2-3" not in agent.stderr.readline():
+        assert time.monotonic() < deadline and agent.poll() is None, "host 2 never started"
+    time.sleep(8)                      # training (or still building its worlds on a busy machine)
+    t0 = time.monotonic()
+    os.killpg(agent.pid, signal.SIGKILL)
+    agent.wait()
+    ((rc, _, err),) = _finish([first], 120)
+    assert rc == 1 and time.monotonic() - t0 < 90
+    assert "host 2 (devices 2-3) stopped beating" in err and "not built yet" in err
+    assert _gone(first.pid) and _gone(agent.pid), "processes left behind"
 
 
 def test_secret_never_from_argv(tmp_path, monkeypatch):

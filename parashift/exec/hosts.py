@@ -249,8 +249,17 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
         time.sleep(0.05)
     store.set("hosts/config", pickle.dumps(_Config(spec, gens, steps, opts, world, on_join)))
     _say(quiet, f"{int(store.add('hosts/count', 0))} hosts, {world} devices: training {spec.name} under {gens[0].strategy}")
-    reports = launch_elastic(_live_worker, _local_members(range(nprocs)), args=(spec, gens, steps, opts),
-                             timeout=timeout, job=job)
+    try:
+        reports = launch_elastic(_live_worker, _local_members(range(nprocs)), args=(spec, gens, steps, opts),
+                                 timeout=timeout, job=job)
+    except RuntimeFailure as e:
+        dead = _silent_hosts(store)
+        if not dead:
+            raise
+        what = "; ".join(f"host {h} (devices {d})" for h, d in dead)
+        raise RuntimeFailure(f"{what} stopped beating (killed, or cut off from {host}:{port}); the job cannot go on "
+                             f"without it: recovery from replicas or snapshots is not built yet. First error: "
+                             f"{str(e).splitlines()[0][:200]}") from None
     placed = {1: list(range(nprocs))}
     hosts = int(store.add("hosts/count", 0))   # every host that came, in time or late
     for h in range(2, hosts + 1):          # the agents' reports (their processes have finished training)
@@ -279,6 +288,35 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
     for sw in switches:
         sw["cause"] = by_step[sw["step"]]
     return LiveResult(losses, switches, reports, gens), placed
+
+
+#: seconds between an agent's heartbeats (a counter in the store: no clock is compared across hosts)
+BEAT_SECONDS = 0.5
+
+
+def _beat(host: str, port: int, secret: str, h: int) -> None:
+    """A daemon thread that bumps ``hosts/beat/<h>`` every :data:`BEAT_SECONDS` over its own connection."""
+    import threading
+
+    def loop() -> None:
+        try:
+            store = connect(host, port, secret, 30.0)
+            while True:
+                store.add(f"hosts/beat/{h}", 1)
+                time.sleep(BEAT_SECONDS)
+        except Exception:  # noqa: BLE001 - the store is gone: the job is over
+            return
+    threading.Thread(target=loop, name="parashift-heartbeat", daemon=True).start()
+
+
+def _silent_hosts(store: Any, wait: float = 4 * BEAT_SECONDS) -> list[tuple[int, str]]:
+    """Agents whose heartbeat did not move for ``wait`` seconds, with their devices (the first host's check
+    after a failure: tells a dead host from a failing process)."""
+    hosts = range(2, int(store.add("hosts/count", 0)) + 1)
+    before = {h: store.add(f"hosts/beat/{h}", 0) for h in hosts}
+    time.sleep(wait)
+    return [(h, store.get(f"hosts/devices_of/{h}").decode()) for h in hosts
+            if store.add(f"hosts/beat/{h}", 0) == before[h] and not store.check([f"hosts/report/{h}"])]
 
 
 def _leave_on_sigterm(host: str, port: int, secret: str, h: int, devices: range, quiet: bool) -> None:
@@ -327,6 +365,8 @@ def run_agent(*, endpoint: str, nprocs: int, secret: str, timeout: float = 600.0
     h = int(store.add("hosts/count", 1))
     end = int(store.add("hosts/devices", nprocs))
     devices = range(end - nprocs, end)
+    store.set(f"hosts/devices_of/{h}", f"{devices.start}-{devices.stop - 1}")
+    _beat(host, port, secret, h)
     try:
         _wait_key(store, "hosts/config", timeout, "the first host to publish the job")
         cfg: _Config = pickle.loads(store.get("hosts/config"))
