@@ -96,6 +96,12 @@ def _check_gloo_interface(host: str) -> None:
                             f"that reaches the other hosts (e.g. eth0) on every host")
 
 
+def eval_pair(raw: bytes) -> tuple[float, int]:
+    """``repr((seconds, step))`` as written by :mod:`.recover`."""
+    a, b = raw.decode().strip("()").split(",")
+    return float(a), int(b)
+
+
 def _count(store: Any, gens: list) -> int:
     """Generations published so far, less one (the index of the last published one)."""
     g = len(gens)
@@ -146,17 +152,20 @@ class _Follow:
 
     def __call__(self, session: Any, step: int) -> None:
         import pickle as pk
+        from .recover import guard
         from .switch.session import Generation
         store, gens = session.ctx.store, session.gens
+        guard(session)
         if self.on_join == "grow" and session.device == 0 and session.gen == len(gens) - 1:
             cur = gens[-1]
             have = int(store.add("hosts/devices", 0))
+            top = max(max(g.devices) for g in gens) + 1      # devices once used (lost ones) never come back
             at = step + session.opts.notice + 2
-            if have > max(cur.devices) + 1 and at < self.steps:
-                st = grow_strategy(session.spec, cur.strategy, len(cur.devices) + have - max(cur.devices) - 1,
+            if have > top and at < self.steps:
+                st = grow_strategy(session.spec, cur.strategy, len(cur.devices) + have - top,
                                    session.opts.global_batch)
                 if st is not None:
-                    new = tuple(cur.devices) + tuple(range(max(cur.devices) + 1, have))[:st.world - len(cur.devices)]
+                    new = tuple(cur.devices) + tuple(range(top, have))[:st.world - len(cur.devices)]
                     store.set(f"hosts/gen/{len(gens)}", pk.dumps((Generation(at, st, new), "join")))
         if session.device == 0 and session.gen == len(gens) - 1 and len(gens) - 1 == _count(store, gens):
             self._leave(session, step)
@@ -258,11 +267,14 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
             raise
         what = "; ".join(f"host {h} (devices {d})" for h, d in dead)
         raise RuntimeFailure(f"{what} stopped beating (killed, or cut off from {host}:{port}); the job cannot go on "
-                             f"without it: recovery from replicas or snapshots is not built yet. First error: "
+                             f"without it (recovery from replicas needs a layout that holds every piece on each "
+                             f"device: dp only, zero=0; snapshots are not built yet). First error: "
                              f"{str(e).splitlines()[0][:200]}") from None
     placed = {1: list(range(nprocs))}
     hosts = int(store.add("hosts/count", 0))   # every host that came, in time or late
     for h in range(2, hosts + 1):          # the agents' reports (their processes have finished training)
+        if store.check([f"hosts/dead/{h}"]):
+            continue
         def failed(h=h) -> None:
             if store.check([f"hosts/failed/{h}"]):
                 raise RuntimeFailure(f"host {h} failed: {store.get(f'hosts/failed/{h}').decode()}")
@@ -274,11 +286,12 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
     causes: list[str] = []
     _append(store, gens, causes)
     losses = []
-    for k in range(steps):
-        shares = [r["losses"][k] for r in reports.values() if r and k in r["losses"]]
-        if len(shares) < [g for g in gens if g.step <= k][-1].strategy.world:
+    for k in range(steps):           # every device's share, as published after each step (dead hosts' too)
+        devs = [g for g in gens if g.step <= k][-1].devices
+        keys = [f"hosts/loss/{k}/{d}" for d in devs]
+        if not store.check(keys):
             break
-        losses.append(float(sum(shares)))
+        losses.append(float(sum(float(store.get(key)) for key in keys)))
     errors = [r["error"] for r in reports.values() if r and r.get("error")]
     if len(losses) < steps:
         raise RuntimeFailure(f"the multi-host job stopped after {len(losses)} of {steps} steps"
@@ -287,6 +300,14 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
     by_step = {g.step: c for g, c in zip(gens[1:], causes)}
     for sw in switches:
         sw["cause"] = by_step[sw["step"]]
+    for g, c in zip(range(1, len(gens)), causes):
+        if c == "failure":
+            got = [eval_pair(store.get(f"hosts/recovered/{g}/{d}")) for d in gens[g].devices]
+            switches.append({"step": gens[g].step, "src": str(gens[g - 1].strategy), "dst": str(gens[g].strategy),
+                             "src_devices": list(gens[g - 1].devices), "dst_devices": list(gens[g].devices),
+                             "cause": "failure", "recovered_from": "replicas", "steps_lost": 0,
+                             "seconds": max(s for s, _ in got), "pause_seconds": max(s for s, _ in got)})
+    switches.sort(key=lambda sw: sw["step"])
     return LiveResult(losses, switches, reports, gens), placed
 
 
