@@ -19,8 +19,10 @@ in the background during the notice and the switch happens between iterations; t
 agent starts its processes for that generation.
 
 Store keys (under the job's secret): ``hosts/devices`` (devices registered), ``hosts/count``
-(hosts), ``hosts/config`` (pickled settings), ``hosts/gen/<g>`` (generations after the first),
-``hosts/report/<h>``, ``hosts/failed/<h>``.
+(hosts), ``hosts/config`` (pickled settings), ``hosts/gen/<g>`` (generations after the first, with
+their cause), ``hosts/leave/<h>`` (a SIGTERM notice), ``hosts/beat/<h>`` (heartbeat counters),
+``hosts/devices_of/<h>``, ``hosts/dead/<h>``, ``hosts/loss/<step>/<device>`` (loss shares, see
+:mod:`.recover`), ``hosts/report/<h>``, ``hosts/failed/<h>``.
 """
 from __future__ import annotations
 
