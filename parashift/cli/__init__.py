@@ -29,6 +29,7 @@ COMMANDS = {
     "schedule": "schedule",
     "simulate": "simulate",
     "run": "run",
+    "join": "join",
     "search": "search",
     "search-rl": "search_rl",
     "plan-trace": "plan_trace",

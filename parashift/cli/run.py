@@ -10,6 +10,7 @@ from .dialect import format_bytes
 from ..validate import arg_float, arg_int
 from .limits import MAX_LOCAL_PROCS, check_live
 from .options import add_batch_options
+from .run_hosts import add_host_arguments
 
 HELP = "train a model for real on local processes (gloo on CPU, NCCL on GPUs) under a strategy or a saved plan"
 OUTPUTS = {"timeline": "file"}
@@ -40,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "state together exceed it, the switch runs stage by stage and frees old state as it goes")
     p.add_argument("--force", action="store_true",
                    help="start even when the preflight finds too many processes per core or too little memory")
+    p.add_argument("--live", action="store_true", help="run a live (hot-switchable) job; implied by --switch-at, "
+                   "needed with --endpoint")
+    add_host_arguments(p)
     p.add_argument("--switch-placement", choices=("keep", "given"), default="keep",
                    help="keep (default): order each switch's devices (within a node) so that they keep the most "
                         "state in place; given: rank i runs on the i-th listed device")
@@ -59,7 +63,12 @@ def run(args: argparse.Namespace) -> dict:
     if getattr(args, "rollout", None):
         from .run_rl import run_cli as run_rl_cli
         return run_rl_cli(args)
-    if args.switch_at:
+    if args.endpoint:
+        if not args.live:
+            raise StrategyError("--endpoint starts a multi-host live job; add --live")
+        from .run_hosts import run_cli as run_hosts_cli
+        return run_hosts_cli(args)
+    if args.switch_at or args.live:
         if args.plan:
             raise StrategyError("--switch-at runs a live job from --model/--strategy; drop the plan file")
         if args.steps < 1:

@@ -12,6 +12,7 @@ so a device that left and came back gets new communicators) and reused by later 
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import queue as queue_mod
@@ -170,7 +171,8 @@ def _child(fn: Callable, args: tuple, member: Member, where: tuple, results: Any
 def launch_elastic(fn: Callable, members: list[Member], *, args: tuple = (), timeout: float = 300.0,
                    backend: str = "gloo", threads: int | None = 1, allow_dead: bool = False,
                    on_report: Callable[[str, Any], None] | None = None,
-                   start_key: Callable[[Member], str | None] | None = None) -> dict[str, Any]:
+                   start_key: Callable[[Member], str | None] | None = None, job: Any = None,
+                   keep_sigterm: bool = False) -> dict[str, Any]:
     """Run ``fn(ctx, *args)`` in one fresh process per member; return {member key: result}.
 
     All processes share one TCPStore held by this process. ``start_key(member)``: a store key
@@ -178,11 +180,13 @@ def launch_elastic(fn: Callable, members: list[Member], *, args: tuple = (), tim
     the switch a joining device comes in at; a member whose key never appears (every started
     process has finished) gets the result None. ``allow_dead``: a process that dies
     without reporting (a fault test kills it) gets the result None instead of failing the job.
-    Raises RuntimeFailure when a process raises, or when the job exceeds ``timeout`` seconds.
+    ``job``: the :class:`.jobstore.JobStore` to use (a multi-host job's, :mod:`.hosts`; default a new
+    loopback one). ``keep_sigterm``: leave the caller's SIGTERM handler in place (default: SIGTERM stops
+    the processes). Raises RuntimeFailure when a process raises, or when the job exceeds ``timeout`` seconds.
     """
     from .jobstore import serve
     from .launch import _context, _stop, dead_ranks, stop_on_sigterm
-    job = serve(timeout)
+    job = job if job is not None else serve(timeout)
     store = job.store
     ctx = _context()
     results = ctx.Queue()
@@ -193,7 +197,7 @@ def launch_elastic(fn: Callable, members: list[Member], *, args: tuple = (), tim
     got: dict[str, Any] = {}
     waiting = {m.key: start_key(m) for m in members} if start_key is not None else {}
     waiting = {k: v for k, v in waiting.items() if v is not None}
-    sigterm = stop_on_sigterm()
+    sigterm = stop_on_sigterm() if not keep_sigterm else contextlib.nullcontext()
     sigterm.__enter__()
     try:
         for k, p in procs.items():

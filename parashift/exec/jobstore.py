@@ -50,8 +50,9 @@ class JobStore:
         return self.host, self.port, self.secret
 
 
-def serve(timeout: float, host: str | None = None) -> JobStore:
-    """A TCPStore server on ``host`` (default ``$PARASHIFT_STORE_HOST`` or 127.0.0.1), port chosen by the OS."""
+def serve(timeout: float, host: str | None = None, port: int = 0, secret: str | None = None) -> JobStore:
+    """A TCPStore server on ``host`` (default ``$PARASHIFT_STORE_HOST`` or 127.0.0.1) and ``port`` (0: chosen
+    by the OS), keys under ``secret`` (default: a new one)."""
     import torch.distributed as dist
     host = host or os.environ.get(HOST_ENV) or "127.0.0.1"
     try:
@@ -62,17 +63,17 @@ def serve(timeout: float, host: str | None = None) -> JobStore:
     sock = socket.socket(info[0], socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(info[4][:2])
+        sock.bind((info[4][0], port))
         sock.listen(1024)
     except OSError as e:
         sock.close()
-        raise RuntimeFailure(f"cannot bind the job's store to {host!r} ({e.strerror}); set {HOST_ENV} to an "
-                             f"address of this machine or unset it for loopback") from None
+        raise RuntimeFailure(f"cannot bind the job's store to {host!r} port {port} ({e.strerror}); use an "
+                             f"address of this machine and a free port (or unset {HOST_ENV} for loopback)") from None
     port = sock.getsockname()[1]
     server = dist.TCPStore(host, port, None, True, timeout=datetime.timedelta(seconds=timeout),
                            wait_for_workers=False, master_listen_fd=sock.fileno())
     sock.detach()   # the store owns the listening socket now (it closes it when it goes)
-    secret = secrets.token_hex(16)
+    secret = secret or secrets.token_hex(16)
     return JobStore(server, dist.PrefixStore(namespace(secret), server), host, port, secret)
 
 

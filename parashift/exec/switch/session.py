@@ -78,6 +78,7 @@ class LiveOptions:
     placement: str = "keep"
     cost_model: Any = None
     faults: "SwitchFaults | None" = None
+    on_step: Any = None      # called as on_step(session, step) at every step boundary (multi-host jobs)
 
 
 @dataclass(frozen=True)
@@ -324,6 +325,8 @@ class LiveSession:
         stop_switching = False
         while self.runtime is not None and self.runtime.steps_done < steps:
             step = self.runtime.steps_done
+            if self.opts.on_step is not None:
+                self.opts.on_step(self, step)
             nxt = self.gen + 1
             if not stop_switching and nxt < len(self.gens) and self.device in _participants(self.gens, nxt):
                 if step >= self.gens[nxt].step - notice:

@@ -1,0 +1,34 @@
+"""``parashift join --endpoint HOST:PORT --nprocs N``: bring this host's processes into a live job."""
+from __future__ import annotations
+
+import argparse
+
+from ..validate import arg_float, arg_int
+from .limits import MAX_LOCAL_PROCS
+from .run_hosts import add_host_arguments
+
+HELP = "join a multi-host live job (started with `parashift run ... --live --endpoint HOST:PORT`) with local processes"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_host_arguments(p, first=False)
+    p.add_argument("--nprocs", type=arg_int(1, MAX_LOCAL_PROCS), required=True,
+                   help="processes (devices) this host brings to the job")
+    p.add_argument("--timeout", type=arg_float(0, 7 * 86400, lo_open=True), default=600.0,
+                   help="seconds before this host gives up (default 600)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    from ..errors import StrategyError
+    from ..exec.hosts import read_secret, run_agent
+    if not args.endpoint:
+        raise StrategyError("join needs --endpoint HOST:PORT, the address the first host's "
+                            "`parashift run ... --live --endpoint` serves")
+    return run_agent(endpoint=args.endpoint, nprocs=args.nprocs, secret=read_secret(args.secret_file),
+                     timeout=args.timeout, quiet=bool(args.json))
+
+
+def render(result: dict, args: argparse.Namespace) -> None:
+    steps = sorted(set(result["steps"].values()))
+    print(f"host {result['host']}: devices {result['devices']} trained {steps[-1] if steps else 0} steps; "
+          f"the first host prints the job's losses")

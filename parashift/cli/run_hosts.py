@@ -1,0 +1,53 @@
+"""``parashift run ... --live --endpoint HOST:PORT --nprocs N``: the first host of a multi-host live job."""
+from __future__ import annotations
+
+import argparse
+
+from ..errors import StrategyError
+from ..validate import arg_int
+
+__all__ = ["add_host_arguments", "run_cli"]
+
+
+def add_host_arguments(p: argparse.ArgumentParser, first: bool = True) -> None:
+    """``--endpoint``, ``--secret-file`` (shared by ``run`` and ``join``) and ``--on-join`` (``first``: run)."""
+    p.add_argument("--endpoint", metavar="HOST:PORT",
+                   help="multi-host live job: serve (run) or reach (join) the job's store at this address; "
+                        "with run, --nprocs is the number of processes on this host")
+    p.add_argument("--secret-file", metavar="PATH",
+                   help="the job's secret, in a file only you can read (mode 0600; run creates it if missing); "
+                        "default: the PARASHIFT_JOB_SECRET environment variable")
+    if first:
+        p.add_argument("--on-join", choices=("grow", "ignore"), default="grow",
+                       help="when a host joins the running job: grow (default: switch to a strategy with a wider dp "
+                            "that uses its devices, a few steps later) or ignore (refuse it)")
+
+
+def run_cli(args: argparse.Namespace) -> dict:
+    """The first host: serve the store, wait for the agents, train, print the whole job's result."""
+    from .. import models
+    from ..exec.hosts import read_secret, run_first_host
+    from ..exec.reference import OptimConfig
+    from ..exec.switch import step_times
+    from ..strategy import Strategy
+    from ..units import parse_bytes
+    if args.switch_at:
+        raise StrategyError("--switch-at is not supported with --endpoint yet (a multi-host job trains its "
+                            "strategy on the hosts that joined); drop --switch-at or --endpoint")
+    if args.plan:
+        raise StrategyError("--endpoint runs a live job from --model/--strategy; drop the plan file")
+    s0 = Strategy.parse(args.strategy)
+    nprocs = args.nprocs if args.nprocs is not None else s0.world
+    budget = parse_bytes(args.switch_memory_budget) if getattr(args, "switch_memory_budget", None) else None
+    res, placed = run_first_host(args.model, s0, steps=args.steps, endpoint=args.endpoint, nprocs=nprocs,
+                         secret=read_secret(args.secret_file, create=True), timeout=args.timeout,
+                         quiet=bool(args.json), global_batch=args.global_batch, seq_len=args.seq_len,
+                         optim=OptimConfig(lr=args.lr), notice=args.switch_notice, memory_budget=budget,
+                         placement=args.switch_placement, on_join=args.on_join)
+    out = {"model": models.get(args.model).name, "strategy": str(s0), "nprocs": s0.world, "endpoint": args.endpoint,
+           "schedule": None, **res.to_json(), "step_times": step_times(res), "switches": res.switches,
+           "hosts": {str(h): devs for h, devs in placed.items()}}
+    if args.trace:
+        res.to_chrome_trace(args.trace)
+        out["timeline"] = args.trace
+    return out

@@ -1,0 +1,436 @@
+"""A live job that spans hosts: the first host serves the job's store at an endpoint, agents join it.
+
+The first host (:func:`run_first_host`) binds the job's TCPStore to ``HOST:PORT`` under the job's
+secret (:func:`read_secret`: ``$PARASHIFT_JOB_SECRET`` or a 0600 file; never argv) and registers
+its ``nprocs`` processes as devices ``0..nprocs-1``. Each other host runs an agent
+(:func:`run_agent`) that connects with the same secret, takes the next free device ids
+(``store.add``) and waits for the job's settings. When the strategy's world is registered, the
+first host publishes the settings; every host then starts its own processes with
+:func:`.elastic.launch_elastic` on the shared store, and their groups are built over that store
+by the elastic device manager (:class:`.elastic.ElasticManager`): no process is restarted. Each
+agent sends its processes' reports back through the store; the first host assembles the result.
+
+A host that joins a running job (its devices beyond the first world) is announced through
+``hosts/devices``; with ``on_join="grow"`` the process of device 0 (:class:`_Follow`, called at
+every step boundary) picks the next strategy for the larger device set (:func:`grow_strategy`)
+and publishes the next generation ``hosts/gen/<g>`` with a switch step ``notice + 2`` steps
+ahead; every process appends it to its schedule at its next step boundary, so the world is built
+in the background during the notice and the switch happens between iterations; the joining
+agent starts its processes for that generation.
+
+Store keys (under the job's secret): ``hosts/devices`` (devices registered), ``hosts/count``
+(hosts), ``hosts/config`` (pickled settings), ``hosts/gen/<g>`` (generations after the first, with
+their cause), ``hosts/leave/<h>`` (a SIGTERM notice), ``hosts/beat/<h>`` (heartbeat counters),
+``hosts/devices_of/<h>``, ``hosts/dead/<h>``, ``hosts/loss/<step>/<device>`` (loss shares, see
+:mod:`.recover`), ``hosts/report/<h>``, ``hosts/failed/<h>``.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import pickle
+import re
+import socket
+import stat
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import RuntimeFailure, StrategyError
+from .elastic import Member, launch_elastic
+from .jobstore import JobStore, connect, serve
+
+__all__ = ["SECRET_ENV", "parse_endpoint", "read_secret", "run_first_host", "run_agent"]
+
+#: environment variable holding the job's secret (the alternative is a 0600 file named by --secret-file)
+SECRET_ENV = "PARASHIFT_JOB_SECRET"
+_SECRET_RE = re.compile(r"^[A-Za-z0-9_-]{16,128}$")
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) -> (host, port)."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise StrategyError(f"--endpoint {text!r} is not HOST:PORT; e.g. 10.0.0.5:29500 or 127.0.0.1:29500")
+    return host, int(port)
+
+
+def read_secret(secret_file: str | None, create: bool = False) -> str:
+    """The job's secret: ``secret_file`` (owner-only permissions) when given, else ``$PARASHIFT_JOB_SECRET``.
+    ``create``: write a new secret to ``secret_file`` (mode 0600) when it does not exist (the first host)."""
+    import secrets
+    if secret_file:
+        if create and not os.path.exists(secret_file):
+            fd = os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(16) + "\n")
+        try:
+            st = os.stat(secret_file)
+        except OSError as e:
+            raise StrategyError(f"--secret-file {secret_file!r}: {e.strerror}; copy the first host's secret file "
+                                f"here (mode 0600) or set {SECRET_ENV}") from None
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            raise StrategyError(f"--secret-file {secret_file!r} can be read by other users (mode "
+                                f"{stat.S_IMODE(st.st_mode):o}); run chmod 600 on it")
+        with open(secret_file) as f:
+            secret = f.read().strip()
+    else:
+        secret = os.environ.get(SECRET_ENV, "").strip()
+        if not secret:
+            raise StrategyError(f"a multi-host job needs its secret: set {SECRET_ENV} (the same value on every "
+                                f"host, e.g. from `openssl rand -hex 16`) or pass --secret-file PATH (mode 0600)")
+    if not _SECRET_RE.match(secret):
+        raise StrategyError(f"the job's secret must be 16-128 characters of letters, digits, '-' or '_' "
+                            f"(e.g. `openssl rand -hex 16`), not {len(secret)} other characters")
+    return secret
+
+
+def _check_gloo_interface(host: str) -> None:
+    """Processes of different hosts must not bind gloo to loopback (launch_elastic's default)."""
+    try:
+        loop = ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        loop = False
+    if not loop and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        raise StrategyError(f"endpoint {host} is not loopback: set GLOO_SOCKET_IFNAME to the network interface "
+                            f"that reaches the other hosts (e.g. eth0) on every host")
+
+
+def eval_pair(raw: bytes) -> tuple[float, int]:
+    """``repr((seconds, step))`` as written by :mod:`.recover`."""
+    a, b = raw.decode().strip("()").split(",")
+    return float(a), int(b)
+
+
+def _count(store: Any, gens: list) -> int:
+    """Generations published so far, less one (the index of the last published one)."""
+    g = len(gens)
+    while store.check([f"hosts/gen/{g}"]):
+        g += 1
+    return g - 1
+
+
+def _append(store: Any, gens: list, causes: list | None = None) -> None:
+    """Append the published generations ``gens`` does not hold yet (their causes to ``causes``)."""
+    import pickle as pk
+    while store.check([f"hosts/gen/{len(gens)}"]):
+        gen, cause = pk.loads(store.get(f"hosts/gen/{len(gens)}"))
+        gens.append(gen)
+        if causes is not None:
+            causes.append(cause)
+
+
+def grow_strategy(spec: Any, current: Any, devices: int, global_batch: int) -> Any:
+    """The ``grow`` policy: keep tp, pp, ep, zero and the schedule, widen dp to the most of ``devices``
+    that divides the global batch; None when no wider strategy fits."""
+    return fit_strategy(spec, current, devices, global_batch, above=current.dp)
+
+
+def fit_strategy(spec: Any, current: Any, devices: int, global_batch: int, above: int = 0) -> Any:
+    """``current`` with the widest dp (> ``above``) that fits ``devices`` and divides the global batch
+    (tp, pp, ep, zero and the schedule kept); None when there is none."""
+    cell = current.world // current.dp
+    for dp in range(devices // cell, above, -1):
+        cand = current.replace(dp=dp)
+        if global_batch % (dp * cand.mbs) or dp % cand.ep:
+            continue
+        try:
+            cand.validate(spec)
+        except StrategyError:
+            continue
+        return cand
+    return None
+
+
+@dataclass
+class _Follow:
+    """Called by every process at each step boundary (``LiveOptions.on_step``): device 0 turns newly
+    registered devices into the next generation; every process appends published generations."""
+
+    on_join: str
+    steps: int
+
+    def __call__(self, session: Any, step: int) -> None:
+        import pickle as pk
+        from .recover import guard
+        from .switch.session import Generation
+        store, gens = session.ctx.store, session.gens
+        guard(session)
+        if self.on_join == "grow" and session.device == 0 and session.gen == len(gens) - 1:
+            cur = gens[-1]
+            have = int(store.add("hosts/devices", 0))
+            top = max(max(g.devices) for g in gens) + 1      # devices once used (lost ones) never come back
+            at = step + session.opts.notice + 2
+            if have > top and at < self.steps:
+                st = grow_strategy(session.spec, cur.strategy, len(cur.devices) + have - top,
+                                   session.opts.global_batch)
+                if st is not None:
+                    new = tuple(cur.devices) + tuple(range(top, have))[:st.world - len(cur.devices)]
+                    store.set(f"hosts/gen/{len(gens)}", pk.dumps((Generation(at, st, new), "join")))
+        if session.device == 0 and session.gen == len(gens) - 1 and len(gens) - 1 == _count(store, gens):
+            self._leave(session, step)
+        _append(store, gens)
+
+    def _leave(self, session: Any, step: int) -> None:
+        """Device 0: a host that got SIGTERM (``hosts/leave/<h>``) -> the next generation without its devices."""
+        import pickle as pk
+        from .switch.session import Generation
+        store, gens = session.ctx.store, session.gens
+        cur = gens[-1]
+        gone: set[int] = set()
+        for h in range(2, int(store.add("hosts/count", 0)) + 1):
+            if store.check([f"hosts/leave/{h}"]):
+                gone |= set(pk.loads(store.get(f"hosts/leave/{h}"))) & set(cur.devices)
+        at = step + session.opts.notice + 2
+        if not gone or at >= self.steps:
+            return
+        left = [d for d in cur.devices if d not in gone]
+        st = fit_strategy(session.spec, cur.strategy, len(left), session.opts.global_batch)
+        if st is None:
+            raise RuntimeFailure(f"devices {sorted(gone)} are leaving and no strategy like {cur.strategy} fits the "
+                                 f"{len(left)} that stay")
+        store.set(f"hosts/gen/{len(gens)}", pk.dumps((Generation(at, st, tuple(left[:st.world])), "notice")))
+
+
+@dataclass(frozen=True)
+class _Config:
+    """What the first host publishes to the agents: the job's settings and device layout."""
+
+    spec: Any
+    gens: list
+    steps: int
+    opts: Any
+    world: int
+    on_join: str = "grow"
+
+
+def _wait_key(store: Any, key: str, timeout: float, what: str, alive: Callable[[], None] | None = None) -> None:
+    end = time.monotonic() + timeout
+    while not store.check([key]):
+        if alive is not None:
+            alive()
+        if time.monotonic() > end:
+            raise RuntimeFailure(f"timed out after {timeout:.0f} s waiting for {what}; raise --timeout or check "
+                                 f"that every host runs its command against the same --endpoint and secret")
+        time.sleep(0.05)
+
+
+def _local_members(devices: range) -> list[Member]:
+    return [Member(d, 0, 0) for d in devices]
+
+
+def _say(quiet: bool, text: str) -> None:
+    if not quiet:
+        print(text, file=sys.stderr, flush=True)
+
+
+def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, secret: str,
+                   timeout: float = 600.0, quiet: bool = False, on_join: str = "grow", **live) -> tuple[Any, dict[int, list[int]]]:
+    """Serve the job at ``endpoint``, wait for agents to bring the strategy's world, train, and
+    return the whole job's :class:`.switch.LiveResult` and {host number: its devices} (this host is 1). ``live``: :func:`.switch.run_live`'s
+    options (global_batch, seq_len, optim, notice, memory_budget, placement, ...)."""
+    from .. import models
+    from .switch.session import LiveOptions, LiveResult, _live_worker, _summarize, generations
+    spec = models.get(model)
+    host, port = parse_endpoint(endpoint)
+    _check_gloo_interface(host)
+    gens = generations(spec, strategy, steps, [], live.pop("placement", "keep"))
+    world = gens[0].strategy.world
+    if nprocs > world:
+        raise StrategyError(f"--nprocs {nprocs} is more than strategy {gens[0].strategy} runs ({world}); "
+                            f"start at most {world} processes here")
+    seq_len = live.pop("seq_len", None) or spec.seq_len
+    if on_join not in ("grow", "ignore"):
+        raise StrategyError(f"--on-join {on_join!r}: use grow (switch to a wider strategy) or ignore")
+    opts = LiveOptions(seq_len=seq_len, on_step=_Follow(on_join, steps), **live)
+    job = serve(timeout, host, port, secret)
+    store = job.store
+    store.add("hosts/count", 1)
+    store.add("hosts/devices", nprocs)
+    _say(quiet, f"serving the job at {host}:{port}: devices 0-{nprocs - 1} here; waiting for "
+                f"{world - nprocs} more from `parashift join --endpoint {host}:{port}`")
+    end = time.monotonic() + timeout
+    while store.add("hosts/devices", 0) < world:
+        if time.monotonic() > end:
+            raise RuntimeFailure(f"only {store.add('hosts/devices', 0)} of the {world} devices of {gens[0].strategy} "
+                                 f"joined within {timeout:.0f} s; start `parashift join --endpoint {host}:{port} "
+                                 f"--nprocs N` on the other hosts")
+        time.sleep(0.05)
+    store.set("hosts/config", pickle.dumps(_Config(spec, gens, steps, opts, world, on_join)))
+    _say(quiet, f"{int(store.add('hosts/count', 0))} hosts, {world} devices: training {spec.name} under {gens[0].strategy}")
+    try:
+        reports = launch_elastic(_live_worker, _local_members(range(nprocs)), args=(spec, gens, steps, opts),
+                                 timeout=timeout, job=job)
+    except RuntimeFailure as e:
+        dead = _silent_hosts(store)
+        if not dead:
+            raise
+        what = "; ".join(f"host {h} (devices {d})" for h, d in dead)
+        raise RuntimeFailure(f"{what} stopped beating (killed, or cut off from {host}:{port}); the job cannot go on "
+                             f"without it (recovery from replicas needs a layout that holds every piece on each "
+                             f"device: dp only, zero=0; snapshots are not built yet). First error: "
+                             f"{str(e).splitlines()[0][:200]}") from None
+    placed = {1: list(range(nprocs))}
+    hosts = int(store.add("hosts/count", 0))   # every host that came, in time or late
+    for h in range(2, hosts + 1):          # the agents' reports (their processes have finished training)
+        if store.check([f"hosts/dead/{h}"]):
+            continue
+        def failed(h=h) -> None:
+            if store.check([f"hosts/failed/{h}"]):
+                raise RuntimeFailure(f"host {h} failed: {store.get(f'hosts/failed/{h}').decode()}")
+        _wait_key(store, f"hosts/report/{h}", timeout, f"host {h}'s report", failed)
+        got = pickle.loads(store.get(f"hosts/report/{h}"))
+        placed[h] = sorted(r["device"] for r in got.values() if r)
+        reports.update(got)
+    store.set("hosts/done", "1")
+    causes: list[str] = []
+    _append(store, gens, causes)
+    losses = []
+    for k in range(steps):           # every device's share, as published after each step (dead hosts' too)
+        devs = [g for g in gens if g.step <= k][-1].devices
+        keys = [f"hosts/loss/{k}/{d}" for d in devs]
+        if not store.check(keys):
+            break
+        losses.append(float(sum(float(store.get(key)) for key in keys)))
+    errors = [r["error"] for r in reports.values() if r and r.get("error")]
+    if len(losses) < steps:
+        raise RuntimeFailure(f"the multi-host job stopped after {len(losses)} of {steps} steps"
+                             + (f": {errors[0]}" if errors else ""))
+    switches = _summarize(gens, reports)
+    by_step = {g.step: c for g, c in zip(gens[1:], causes)}
+    for sw in switches:
+        sw["cause"] = by_step[sw["step"]]
+    for g, c in zip(range(1, len(gens)), causes):
+        if c == "failure":
+            got = [eval_pair(store.get(f"hosts/recovered/{g}/{d}")) for d in gens[g].devices]
+            switches.append({"step": gens[g].step, "src": str(gens[g - 1].strategy), "dst": str(gens[g].strategy),
+                             "src_devices": list(gens[g - 1].devices), "dst_devices": list(gens[g].devices),
+                             "cause": "failure", "recovered_from": "replicas", "steps_lost": 0,
+                             "seconds": max(s for s, _ in got), "pause_seconds": max(s for s, _ in got)})
+    switches.sort(key=lambda sw: sw["step"])
+    return LiveResult(losses, switches, reports, gens), placed
+
+
+#: seconds between an agent's heartbeats (a counter in the store: no clock is compared across hosts)
+BEAT_SECONDS = 0.5
+
+
+def _beat(host: str, port: int, secret: str, h: int) -> None:
+    """A daemon thread that bumps ``hosts/beat/<h>`` every :data:`BEAT_SECONDS` over its own connection."""
+    import threading
+
+    def loop() -> None:
+        try:
+            store = connect(host, port, secret, 30.0)
+            while True:
+                store.add(f"hosts/beat/{h}", 1)
+                time.sleep(BEAT_SECONDS)
+        except Exception:  # noqa: BLE001 - the store is gone: the job is over
+            return
+    threading.Thread(target=loop, name="parashift-heartbeat", daemon=True).start()
+
+
+def _silent_hosts(store: Any, wait: float = 4 * BEAT_SECONDS) -> list[tuple[int, str]]:
+    """Agents whose heartbeat did not move for ``wait`` seconds, with their devices (the first host's check
+    after a failure: tells a dead host from a failing process)."""
+    hosts = range(2, int(store.add("hosts/count", 0)) + 1)
+    before = {h: store.add(f"hosts/beat/{h}", 0) for h in hosts}
+    time.sleep(wait)
+    return [(h, store.get(f"hosts/devices_of/{h}").decode()) for h in hosts
+            if store.add(f"hosts/beat/{h}", 0) == before[h] and not store.check([f"hosts/report/{h}"])]
+
+
+def _leave_on_sigterm(host: str, port: int, secret: str, h: int, devices: range, quiet: bool) -> None:
+    """SIGTERM (a notice) to this agent: announce that its devices leave; its processes then switch
+    away with the job and exit once the survivors have verified their new state."""
+    import signal
+    import threading
+
+    def announce() -> None:
+        connect(host, port, secret, 30.0).set(f"hosts/leave/{h}", pickle.dumps(list(devices)))
+
+    def handler(signum, frame) -> None:
+        _say(quiet, f"host {h}: SIGTERM: devices {devices.start}-{devices.stop - 1} leave at the job's next switch")
+        threading.Thread(target=announce, daemon=True).start()
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _wait_generation(store: Any, gens: list, devices: range, timeout: float) -> int | None:
+    """Append published generations to ``gens`` until one uses ``devices``; its index, or None when the
+    job ends first."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        n = len(gens)
+        _append(store, gens)
+        for g in range(n, len(gens)):
+            if set(devices) & set(gens[g].devices):
+                del gens[g + 1:]
+                return g
+        if store.check(["job/end"]):
+            return None
+        time.sleep(0.05)
+    raise RuntimeFailure(f"timed out after {timeout:.0f} s waiting for the job to use this host's devices")
+
+
+def run_agent(*, endpoint: str, nprocs: int, secret: str, timeout: float = 600.0, quiet: bool = False) -> dict:
+    """Join the job served at ``endpoint`` with ``nprocs`` local processes; returns what this host ran
+    (``host``, ``devices``, per-device step counts)."""
+    host, port = parse_endpoint(endpoint)
+    _check_gloo_interface(host)
+    try:
+        store = connect(host, port, secret, timeout)
+    except Exception as e:  # noqa: BLE001 - torch raises several kinds for an unreachable store
+        raise RuntimeFailure(f"cannot reach the job's store at {host}:{port} ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:120]}); start `parashift run ... --live --endpoint "
+                             f"{host}:{port}` on the first host first") from None
+    h = int(store.add("hosts/count", 1))
+    end = int(store.add("hosts/devices", nprocs))
+    devices = range(end - nprocs, end)
+    store.set(f"hosts/devices_of/{h}", f"{devices.start}-{devices.stop - 1}")
+    _beat(host, port, secret, h)
+    try:
+        _wait_key(store, "hosts/config", timeout, "the first host to publish the job")
+        cfg: _Config = pickle.loads(store.get("hosts/config"))
+        gens, first = list(cfg.gens), 0
+        if devices.start < cfg.world < end:
+            raise RuntimeFailure(f"this host's devices {devices.start}-{end - 1} straddle the job's first world of "
+                                 f"{cfg.world} devices; make the hosts' --nprocs add up to the strategy's world, "
+                                 f"then join more hosts")
+        if end > cfg.world:
+            if cfg.on_join != "grow":
+                store.set(f"hosts/report/{h}", pickle.dumps({}))    # the job goes on without this host
+                raise RuntimeFailure(f"the job runs {cfg.world} devices and already has them all, and its first host "
+                                     f"ignores joins (--on-join ignore); start it with --on-join grow")
+            _say(quiet, f"host {h}: devices {devices.start}-{devices.stop - 1} announced; waiting for the job to "
+                        f"switch to a strategy that uses them")
+            first = _wait_generation(store, gens, devices, timeout)
+            if first is None:
+                _say(quiet, f"host {h}: the job ended (or found no strategy for these devices) before using them")
+                store.set(f"hosts/report/{h}", pickle.dumps({}))
+                return {"host": h, "devices": list(devices), "steps": {}}
+        _say(quiet, f"host {h}: devices {devices.start}-{devices.stop - 1}, training {cfg.spec.name} under "
+                    f"{gens[first].strategy}" + (f" from step {gens[first].step}" if first else ""))
+        from .switch.session import _live_worker
+        job = JobStore(store, store, host, port, secret)
+        _leave_on_sigterm(host, port, secret, h, devices, quiet)
+        members = [Member(d, first, first) for d in devices if d in gens[first].devices]
+        if first:     # processes start when the switch that brings them in is announced (notice steps ahead)
+            _wait_key(store, f"sw{first}/notice", timeout, f"the notice of the switch at step {gens[first].step}",
+                      lambda: None)
+        reports = launch_elastic(_live_worker, members, args=(cfg.spec, gens, cfg.steps, cfg.opts),
+                                 timeout=timeout, job=job, keep_sigterm=True)
+    except BaseException as e:
+        if type(e).__name__.startswith("Dist"):    # the store went away with the first host
+            e = RuntimeFailure(f"lost the job's store at {host}:{port} ({str(e).splitlines()[0][:120]}); the "
+                               f"first host has ended or failed: see its output")
+        try:
+            store.set(f"hosts/failed/{h}", f"{type(e).__name__}: {e}"[:500])
+        except Exception:  # noqa: BLE001 - the store may be gone with the first host
+            pass
+        raise e from None
+    store.set(f"hosts/report/{h}", pickle.dumps(reports))
+    _say(quiet, f"host {h}: done; report sent to {host}:{port}")
+    return {"host": h, "devices": list(devices),
+            "steps": {k: len(r["losses"]) for k, r in reports.items() if r}}

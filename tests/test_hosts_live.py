@@ -1,0 +1,181 @@
+"""Multi-host live jobs on loopback: each "host" is a process group of its own (the first serves the store)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from parashift.cli import main
+from parashift.errors import StrategyError
+from parashift.exec.hosts import SECRET_ENV, parse_endpoint, read_secret
+
+SECRET = "hosts-test-secret-0123456789"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _host(args: list[str], env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "parashift", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+
+
+def _gone(pgid: int, within: float = 10.0) -> bool:
+    """No process of group ``pgid`` is left (zombies are reaped by init once their parent is gone)."""
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
+    """Wait for every host; on timeout kill their process groups (the test then fails)."""
+    out = []
+    try:
+        for p in procs:
+            o, e = p.communicate(timeout=timeout)
+            out.append((p.returncode, o, e))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return out
+
+
+def test_two_hosts_train_a_third_joins_one_leaves_with_notice(capsys):
+    """Hosts 1 and 2 (one process each) train dp=2; host 3 (two processes) joins the running job,
+    which grows to dp=4 at a step boundary; then host 2 gets SIGTERM and the job shrinks to dp=3
+    without it. The losses equal the static dp=2 job on one host; every host exits 0."""
+    port = _free_port()
+    env = dict(os.environ, **{SECRET_ENV: SECRET}, PYTHONUNBUFFERED="1")
+    at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", "150"]
+    job = ["--model", "tiny-gpt", "--strategy", "dp=2", "--steps", "30", "--global-batch", "12", "--live"]
+    first = _host(["run", *job, "--switch-notice", "1", *at, "--nprocs", "1", "--json"], env)
+    time.sleep(0.5)
+    second = _host(["join", *at, "--nprocs", "1"], env)
+    deadline = time.monotonic() + 60
+    while not second.stderr.readline().startswith("host 2: devices 1-1"):   # the first world is complete
+        assert time.monotonic() < deadline and second.poll() is None, "host 2 never started training"
+    third = _host(["join", *at, "--nprocs", "2"], env)
+    while "from step" not in third.stderr.readline():
+        assert time.monotonic() < deadline and third.poll() is None, "host 3 never joined"
+    second.send_signal(signal.SIGTERM)
+    (rc1, out1, err1), (rc2, _, err2), (rc3, _, err3) = _finish([first, second, third], 170)
+    assert rc1 == 0 and rc2 == 0 and rc3 == 0, (err1 + err2 + err3)[-3000:]
+    got = json.loads(out1)
+    assert got["hosts"] == {"1": [0], "2": [1], "3": [2, 3]}
+    assert got["strategies"] == ["dp=2,tp=1,pp=1", "dp=4,tp=1,pp=1", "dp=3,tp=1,pp=1"]
+    assert got["devices"][1:] == [[0, 1, 2, 3], [0, 2, 3]]
+    join, notice = got["switches"]
+    assert join["cause"] == "join" and notice["cause"] == "notice" and join["step"] < notice["step"] < 30
+    assert "aborted" not in join and "aborted" not in notice
+    assert "SIGTERM: devices 1-1 leave" in err2
+    assert SECRET not in out1 + err1 + err2 + err3
+    # the same job on one host, never switching
+    assert main(["run", *job, "--json"]) == 0
+    ref = json.loads(capsys.readouterr().out)
+    assert len(got["losses"]) == 30
+    assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+    assert all(_gone(p.pid) for p in (first, second, third)), "processes left behind"
+
+
+@pytest.mark.parametrize("strategy", ["dp=4", "dp=2,tp=2"])
+def test_a_killed_host(strategy, capsys):
+    """SIGKILL of an agent's whole process group mid-run. dp=4 (every device holds every piece): the
+    survivors notice within seconds, device 0 names the silent host by its heartbeat, and the job
+    goes on as dp=2 from the replicas, its losses equal to the static job. dp=2,tp=2 (no replica of
+    the lost pieces): the job ends non-zero naming the host. Nothing is left either way."""
+    port = _free_port()
+    env = dict(os.environ, **{SECRET_ENV: SECRET}, PYTHONUNBUFFERED="1")
+    at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", "150", "--nprocs", "2"]
+    job = ["--model", "tiny-gpt", "--strategy", strategy, "--steps", "40", "--live"]
+    first = _host(["run", *job, *at, "--json"], env)
+    time.sleep(0.5)
+    agent = _host(["join", *at], env)
+    from parashift.exec.jobstore import connect
+    store = connect("127.0.0.1", port, SECRET, 60)
+    deadline = time.monotonic() + 90
+    while not store.check(["hosts/loss/3/2"]):          # host 2's device 2 has trained 4 steps
+        assert time.monotonic() < deadline and agent.poll() is None and first.poll() is None, "never trained"
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    os.killpg(agent.pid, signal.SIGKILL)
+    agent.wait()
+    ((rc, out, err),) = _finish([first], 120)
+    assert time.monotonic() - t0 < 90
+    if strategy == "dp=4":
+        assert rc == 0, err[-2000:]
+        got = json.loads(out)
+        (sw,) = got["switches"]
+        assert sw["cause"] == "failure" and sw["recovered_from"] == "replicas" and sw["steps_lost"] == 0
+        assert sw["dst_devices"] == [0, 1] and sw["step"] >= 4
+        assert main(["run", *job, "--json"]) == 0
+        ref = json.loads(capsys.readouterr().out)
+        assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5) and len(got["losses"]) == 40
+    else:
+        assert rc == 1 and "host 2 (devices 2-3) stopped beating" in err and "snapshots are not built" in err
+    assert _gone(first.pid) and _gone(agent.pid), "processes left behind"
+
+
+def test_secret_never_from_argv(tmp_path, monkeypatch):
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    with pytest.raises(StrategyError, match=SECRET_ENV):
+        read_secret(None)
+    f = tmp_path / "job.secret"
+    made = read_secret(str(f), create=True)
+    assert (os.stat(f).st_mode & 0o777) == 0o600 and read_secret(str(f)) == made
+    os.chmod(f, 0o644)
+    with pytest.raises(StrategyError, match="chmod 600"):
+        read_secret(str(f))
+    monkeypatch.setenv(SECRET_ENV, "short")
+    with pytest.raises(StrategyError, match="16-128"):
+        read_secret(None)
+    with pytest.raises(StrategyError, match="HOST:PORT"):
+        parse_endpoint("10.0.0.5")
+    assert parse_endpoint("[::1]:29500") == ("::1", 29500)
+
+
+def test_cli_errors(capsys):
+    assert main(["run", "--endpoint", "127.0.0.1:29500", "--strategy", "dp=2"]) != 0
+    assert "add --live" in capsys.readouterr().err
+    assert main(["join", "--nprocs", "1"]) != 0
+    assert "--endpoint" in capsys.readouterr().err
+
+
+@settings(max_examples=40, deadline=None)
+@given(tp=st.sampled_from([1, 2]), pp=st.sampled_from([1, 2]), dp=st.integers(1, 3), extra=st.integers(0, 9),
+       batch=st.sampled_from([8, 12, 16]))
+def test_grow_strategy_is_the_widest_dp_that_fits(tp, pp, dp, extra, batch):
+    from parashift import models
+    from parashift.exec.hosts import grow_strategy
+    from parashift.strategy import Strategy
+    spec = models.get("tiny-gpt")
+    cur = Strategy(dp=dp, tp=tp, pp=pp)
+    devices = cur.world + extra
+    got = grow_strategy(spec, cur, devices, batch)
+
+    def fits(d):
+        try:
+            cur.replace(dp=d).validate(spec)
+        except StrategyError:
+            return False
+        return batch % d == 0
+    want = max((d for d in range(dp + 1, devices // (tp * pp) + 1) if fits(d)), default=None)
+    assert (got.dp if got is not None else None) == want
+    if got is not None:
+        assert (got.tp, got.pp) == (tp, pp) and got.world <= devices
