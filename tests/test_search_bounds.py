@@ -35,14 +35,16 @@ def test_bounds_never_exceed_the_simulation(name, data):
 
 
 def test_bounds_are_tight_for_1f1b():
-    """For a dense 1F1B strategy the replay's activation peak is exact and its time within 30% (the
-    shape-aware compute model's elementwise and attention time is not in the FLOPs bound)."""
+    """For a dense 1F1B strategy the replay's activation peak is exact and its time a lower bound
+    within 35% (the shape-aware compute model's elementwise and attention time is not in the FLOPs
+    bound)."""
     ev = search.SimEvaluator("gpt3-1.3b", "a100-1x8", global_batch=32, seq_len=2048, precheck=False)
     s = __import__("parashift").Strategy.parse("dp=2,tp=1,pp=4,zero=1,mbs=2")
     out = ev(s)
     mem = peak_memory_lower_bound(ev.model, s, global_batch=32, seq_len=2048)
     assert mem == pytest.approx(out.peak_memory, rel=0.02)
-    assert step_time_lower_bound(ev.model, s, global_batch=32, seq_len=2048, cost_model=ev.costs()) > 0.7 * out.step_time
+    bound = step_time_lower_bound(ev.model, s, global_batch=32, seq_len=2048, cost_model=ev.costs())
+    assert 0.65 * out.step_time < bound <= out.step_time
 
 
 def test_replay_counts_the_1f1b_bubble_and_in_flight_micro_batches():
