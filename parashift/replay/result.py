@@ -140,7 +140,7 @@ class ReplayResult:
     def plot(self, path: str) -> str:
         """Availability and the job's devices over replay time with the switches marked, and the
         loss curve next to the static job's; written to ``path`` (PNG)."""
-        from ...plots import pyplot
+        from ..plots import pyplot
         plt = pyplot()
         fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6.5))
         av = self.availability
