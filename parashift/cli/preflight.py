@@ -13,6 +13,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ParashiftError
+from .limits import available_memory
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..ir.program import Program
@@ -29,18 +30,6 @@ MEMORY_SHARE = 0.8
 
 class PreflightError(ParashiftError):
     """A job this machine cannot run (too many processes per core, or not enough memory)."""
-
-
-def available_memory() -> int:
-    """Bytes of memory available now (``MemAvailable`` on Linux, else the physical total)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def preflight(program: "Program", *, cores: int | None = None, memory: int | None = None,
