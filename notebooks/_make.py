@@ -389,7 +389,13 @@ processes and look at its iteration timeline with both switches."""),
 
 `plan_rl` simulates the training step of each training layout, the rollout (a prefill Program, then
 one decode Program per generated token) of each rollout layout, and both weight switches
-(`kinds=("param",)`), and compares the best pair with the best single layout used for both phases."""),
+(`kinds=("param",)`), and compares the best pair with the best single layout used for both phases.
+The same from the command line:
+
+```
+parashift search-rl --model llama2-7b --cluster h100-16x8 --devices 8 --prompts 64 --prompt-len 512 \
+    --rollout-tokens 256 --top 3
+```"""),
         new_code_cell("""\
 from parashift.search.rl import plan_rl
 
@@ -413,8 +419,7 @@ for part, colour in zip(parts, ["#55A868", "#DD8452", "#4C72B0", "#C44E52"]):
     ax.barh([n for n, _ in rows], vals, left=left, color=colour, label=part.replace("_seconds", ""))
     left += vals
 ax.set_xlabel("simulated seconds per iteration"); ax.legend(fontsize=7, ncol=4, loc="lower right")
-fig.tight_layout()
-fig"""),
+fig.savefig(OUT / "iteration_parts.png", dpi=110, bbox_inches="tight")"""),
         new_markdown_cell("""\
 ## Simulate: decode steps are memory-bound
 
@@ -429,8 +434,7 @@ for layout in ["dp=8", "dp=4,tp=2", "tp=8"]:
           for p in pasts]
     ax.plot(pasts, [1e3 * y for y in ys], marker="o", label=layout)
 ax.set_xscale("log"); ax.set_xlabel("cached tokens"); ax.set_ylabel("decode step (ms)"); ax.legend(fontsize=8)
-fig.tight_layout()
-fig"""),
+fig.savefig(OUT / "decode_steps.png", dpi=110, bbox_inches="tight")"""),
         new_markdown_cell("""\
 ## Run: a live job with phases
 
@@ -457,8 +461,7 @@ ax.set_yticks(sorted(tl["device"].unique())); ax.set_ylabel("device"); ax.set_xl
 ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()], labels=list(colours),
           fontsize=7, ncol=4, loc="upper right")
 ax.set_title("iterations 1-2: switch out, generate (devices 2-3 idle), switch back, train", fontsize=9)
-fig.tight_layout()
-fig"""),
+fig.savefig(OUT / "rl_timeline.png", dpi=110, bbox_inches="tight")"""),
         new_markdown_cell("""\
 ## A bf16 rollout copy on fewer devices
 

@@ -41,8 +41,12 @@ def simulate(program: Program, cluster: "Cluster | str", cost_model: CostModel |
 
 
 def _workload(program: Program, model: "ModelSpec | None") -> "Workload | None":
-    """Kernel shapes of the program's micro-batch (None without a known model or strategy)."""
+    """Kernel shapes of the program's micro-batch (None without a known model or strategy, and for a
+    rollout Program: a decode step attends to a cache the training shapes do not describe, so its
+    instructions are priced by their own FLOPs and bytes)."""
     from ..cost import Workload
+    if program.meta.get("kind") == "rollout":
+        return None
     if model is None:
         model = _model_of(program)
     s = program.strategy
