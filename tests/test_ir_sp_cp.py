@@ -78,3 +78,12 @@ def test_switch_plans_cover_cp(src, dst):
     plan.verify()
     if Strategy.parse(src).zero == Strategy.parse(dst).zero == 0:
         assert plan.stats()["bytes_moved"] == plan.stats()["bytes_needed"]
+
+
+def test_dualpipev_with_both_sp_and_cp_is_refused_until_its_lowering_stops_deadlocking():
+    from parashift import models as _m
+    from parashift.strategy import Strategy as _S
+    spec = _m.get("gpt3-1.3b")
+    assert any("dualpipev with both sp and cp" in p
+               for p in _S.parse("tp=2,pp=2,vpp=2,schedule=dualpipev,cp=2,sp").problems(spec))
+    assert _S.parse("tp=2,pp=2,vpp=2,schedule=dualpipev,sp").problems(spec) == []
