@@ -266,9 +266,6 @@ class Strategy:
     def problems(self, model: "ModelSpec", devices: int | None = None) -> list[str]:
         """Every violation, each with its fix (empty when the strategy is valid)."""
         out: list[str] = []
-        if self.schedule == "dualpipev" and self.sp and self.cp > 1:   # its lowering deadlocks (issue #18)
-            out.append("dualpipev with both sp and cp > 1 is not supported yet (its Program deadlocks); drop sp or "
-                       "cp, or use 1f1b, interleaved-1f1b or zb-h1")
         tp = self.tp
         for name, n in (("attention heads", model.heads), ("KV heads", model.kv_heads),
                         ("FFN size", model.ffn), ("vocabulary", model.vocab)):

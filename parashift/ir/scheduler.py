@@ -89,6 +89,47 @@ def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None) -
     return sorted(sends, key=lambda s: (t_send[s], c["stage"][s], c["slot"][s]))
 
 
+def _slot_rank(g: Graph, stage: np.ndarray, streams: Sequence[str]) -> np.ndarray:
+    """Per stage, one order of its compute and comm nodes: slot order where that already respects
+    every data edge between them, else the slot-priority topological order (a directive may anchor
+    a node at a slot before a producer it waits on: taken literally, the two streams' orders would
+    wait on each other)."""
+    import heapq
+    c = g.cols
+    n = len(g)
+    nodes = [i for i in range(n) if streams[i] != "p2p"]
+    nodes.sort(key=lambda i: (stage[i], c["slot"][i], STREAMS.index(streams[i]), i))
+    rank = np.full(n, -1, np.int64)
+    rank[nodes] = np.arange(len(nodes))
+    src = np.asarray(g.src, np.int64)
+    dst = np.asarray(g.dst, np.int64)
+    ok = (rank[src] >= 0) & (rank[dst] >= 0) & (stage[src] == stage[dst])
+    back = ok & (rank[src] > rank[dst])
+    if not back.any():
+        return rank
+    su, du = src[ok], dst[ok]
+    succ: dict[int, list[int]] = {}
+    indeg = np.zeros(n, np.int64)
+    for u, v in zip(su.tolist(), du.tolist()):
+        succ.setdefault(u, []).append(v)
+    np.add.at(indeg, du, 1)
+    heap = [(int(rank[i]), i) for i in nodes if indeg[i] == 0]
+    heapq.heapify(heap)
+    k = 0
+    out = np.full(n, -1, np.int64)
+    while heap:
+        _, u = heapq.heappop(heap)
+        out[u] = k
+        k += 1
+        for v in succ.get(u, ()):
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                heapq.heappush(heap, (int(rank[v]), v))
+    if k != len(nodes):
+        raise ProgramError("the distributed graph has a cycle; a directive added an edge that points backwards")
+    return out
+
+
 def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, int]] = (),
           meta: Mapping[str, Any] | None = None, step_time: "Callable[[Action], float] | None" = None) -> Program:
     """One RankProgram per pipeline stage, shared by all ranks of that stage (``step_time``: see
@@ -117,13 +158,14 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     per: dict[tuple[int, str], list[int]] = {}
     for i in range(n):
         per.setdefault((c["stage"][i], streams[i]), []).append(i)
+    rank = _slot_rank(g, stage, streams)
     index = np.zeros(n, np.int64)
     seq: dict[tuple[int, str], list[int]] = {}
     for key, nodes in per.items():
         if key[1] == "p2p":
             nodes.sort(key=lambda i: p2p_rank[i])
         else:
-            nodes.sort(key=lambda i: c["slot"][i])
+            nodes.sort(key=lambda i: rank[i])
         index[nodes] = np.arange(len(nodes))
         seq[key] = nodes
     # ---- ids: per stage, in (slot, stream) order -------------------------------------------------
