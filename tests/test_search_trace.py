@@ -201,3 +201,21 @@ def test_hot_switch_cost_simulates_the_placement_a_live_job_uses():
     kept = search.HotSwitchCost("llama2-7b", "a800-1x8")(src, dst)
     assert kept.method == given_.method == "simulated switch program"
     assert kept.bytes_moved < 0.6 * given_.bytes_moved and kept.seconds < given_.seconds
+
+
+def test_a_trace_too_long_to_plan_is_refused_before_any_search():
+    from parashift.errors import LimitError
+    n = search.MAX_PATH_STEPS // 25 + 2          # segments x (4 candidates + 1)^2 just over the limit
+    t = np.arange(n + 1, dtype=float)
+    trace = pd.DataFrame({"time": t, "devices": np.where(np.arange(n + 1) % 2, 16, 12)})
+    calls = []
+
+    def never(*a, **k):
+        calls.append(a)
+        raise AssertionError("searched before refusing")
+
+    with pytest.raises(LimitError, match="over the limit of 50,000,000"):
+        search.plan_trace(trace, "llama2-13b", "a800-2x8", global_batch=48, seq_len=4096, evaluate=never)
+    assert not calls
+    w = search.plan_work(n, 2, 4)
+    assert w["path_steps"] == n * 25 > search.MAX_PATH_STEPS

@@ -1,18 +1,25 @@
-"""The job's TCPStore, bound to loopback and namespaced by a per-job secret; workers that die with their launcher.
+"""The job's TCPStore, bound to loopback and sealed by a per-job secret; workers that die with their launcher.
 
 :func:`serve` binds a listening socket to ``127.0.0.1`` (or to the address the user asks for with
 ``PARASHIFT_STORE_HOST``) and hands it to ``TCPStore(master_listen_fd=...)``, so the store never
-listens on other interfaces. Every key of the job lives under ``parashift/<secret>/``, a prefix
-derived from 16 random bytes made for the job; the secret reaches the workers through the
-process-start pipe (never argv, never logged), so a client that does not hold it cannot name,
-read or overwrite the job's keys. :func:`die_with_parent` makes a process receive SIGKILL when its
-parent dies (Linux ``PR_SET_PDEATHSIG``), the first link of the chain launcher -> forkserver ->
-worker that leaves no orphan when the launcher is killed.
+listens on other interfaces. The job talks to it only through :func:`sealed`, a view keyed by 16
+random bytes made for the job (the secret reaches the workers through the process-start pipe or a
+0600 file, never argv, never logged): key names are stored as HMAC-SHA256(secret, name), values
+are encrypted (a BLAKE2b keystream) and authenticated (HMAC-SHA256). A client without the secret
+sees only opaque names (``list_keys``) and ciphertext; a value it writes or alters is detected when
+a member reads it (:class:`~parashift.errors.RuntimeFailure` naming the key), never trusted.
+Counters (``add``) are plain integers by the store's nature: their names are sealed, their values
+are not. :func:`die_with_parent` makes a process receive SIGKILL when its parent dies (Linux
+``PR_SET_PDEATHSIG``), the first link of the chain launcher -> forkserver -> worker that leaves no
+orphan when the launcher is killed.
 """
 from __future__ import annotations
 
 import ctypes
 import datetime
+import functools
+import hashlib
+import hmac
 import os
 import secrets
 import signal
@@ -23,7 +30,7 @@ from typing import Any
 
 from ..errors import RuntimeFailure
 
-__all__ = ["JobStore", "serve", "connect", "namespace", "die_with_parent", "HOST_ENV"]
+__all__ = ["JobStore", "serve", "connect", "sealed", "namespace", "die_with_parent", "HOST_ENV"]
 
 #: environment variable naming the address the store listens on (default loopback)
 HOST_ENV = "PARASHIFT_STORE_HOST"
@@ -31,8 +38,97 @@ _PR_SET_PDEATHSIG = 1
 
 
 def namespace(secret: str) -> str:
-    """The key prefix of the job holding ``secret``."""
-    return f"parashift/{secret}"
+    """The public key prefix of the job holding ``secret`` (names below it are sealed)."""
+    return "parashift/" + hashlib.sha256(b"parashift-job:" + secret.encode()).hexdigest()[:16]
+
+
+_NONCE, _MAC = 16, 32
+
+
+@functools.lru_cache(maxsize=None)
+def _sealed_class() -> type:
+    import torch.distributed as dist
+
+    class SealedStore(dist.Store):
+        """A view of ``inner`` whose key names and values only holders of ``secret`` can read or forge."""
+
+        def __init__(self, inner: Any, secret: str):
+            super().__init__()
+            self.inner = inner
+            self._key = hashlib.sha256(b"parashift-seal:" + secret.encode()).digest()
+            self._prefix = namespace(secret) + "/"
+
+        def name(self, key: str) -> str:
+            return self._prefix + hmac.new(self._key, key.encode(), "sha256").hexdigest()
+
+        def _stream(self, nonce: bytes, n: int) -> int:
+            blocks = (n + 63) // 64
+            ks = b"".join(hashlib.blake2b(nonce + i.to_bytes(8, "little"), key=self._key).digest()
+                          for i in range(blocks))
+            return int.from_bytes(ks[:n], "little")
+
+        def seal(self, key: str, value: bytes) -> bytes:
+            nonce = os.urandom(_NONCE)
+            ct = (int.from_bytes(value, "little") ^ self._stream(nonce, len(value))).to_bytes(len(value), "little")
+            return nonce + hmac.new(self._key, key.encode() + nonce + ct, "sha256").digest() + ct
+
+        def open(self, key: str, blob: bytes) -> bytes:
+            nonce, mac, ct = blob[:_NONCE], blob[_NONCE:_NONCE + _MAC], blob[_NONCE + _MAC:]
+            want = hmac.new(self._key, key.encode() + nonce + ct, "sha256").digest()
+            if len(blob) < _NONCE + _MAC or not hmac.compare_digest(mac, want):
+                raise RuntimeFailure(f"the job's store holds a value for {key!r} that no member of the job "
+                                     f"wrote (it fails the job's seal): another process on this machine wrote "
+                                     f"to the job's store; stop it and restart the job")
+            return (int.from_bytes(ct, "little") ^ self._stream(nonce, len(ct))).to_bytes(len(ct), "little")
+
+        def set(self, key: str, value: Any) -> None:
+            self.inner.set(self.name(key), self.seal(key, value.encode() if isinstance(value, str) else bytes(value)))
+
+        def get(self, key: str) -> bytes:
+            return self.open(key, bytes(self.inner.get(self.name(key))))
+
+        def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+            exp = expected.encode() if isinstance(expected, str) else bytes(expected)
+            des = desired.encode() if isinstance(desired, str) else bytes(desired)
+            k = self.name(key)
+            if self.inner.check([k]):
+                raw = bytes(self.inner.get(k))
+                if self.open(key, raw) != exp:
+                    return self.open(key, raw)
+                old = raw
+            elif exp:
+                return exp              # as TCPStore: a missing key with a non-empty expectation
+            else:
+                old = b""
+            new = self.seal(key, des)
+            got = bytes(self.inner.compare_set(k, old, new))
+            return des if got == new else self.open(key, got)
+
+        def add(self, key: str, amount: int) -> int:
+            return self.inner.add(self.name(key), amount)
+
+        def check(self, keys: list[str]) -> bool:
+            return self.inner.check([self.name(k) for k in keys])
+
+        def wait(self, keys: list[str], timeout: Any = None) -> None:
+            names = [self.name(k) for k in keys]
+            return self.inner.wait(names) if timeout is None else self.inner.wait(names, timeout)
+
+        def delete_key(self, key: str) -> bool:
+            return self.inner.delete_key(self.name(key))
+
+        def num_keys(self) -> int:
+            return self.inner.num_keys()
+
+        def set_timeout(self, timeout: Any) -> None:
+            self.inner.set_timeout(timeout)
+
+    return SealedStore
+
+
+def sealed(inner: Any, secret: str) -> Any:
+    """``inner`` seen through the job's seal (see the module docstring); a ``torch.distributed.Store``."""
+    return _sealed_class()(inner, secret)
 
 
 @dataclass
@@ -40,7 +136,7 @@ class JobStore:
     """The launcher's side: the raw server store, the job's namespaced view, where to reach it."""
 
     server: Any
-    store: Any        # PrefixStore(namespace(secret), server): use this one
+    store: Any        # sealed(server, secret): use this one
     host: str
     port: int
     secret: str
@@ -74,14 +170,14 @@ def serve(timeout: float, host: str | None = None, port: int = 0, secret: str | 
                            wait_for_workers=False, master_listen_fd=sock.fileno())
     sock.detach()   # the store owns the listening socket now (it closes it when it goes)
     secret = secret or secrets.token_hex(16)
-    return JobStore(server, dist.PrefixStore(namespace(secret), server), host, port, secret)
+    return JobStore(server, sealed(server, secret), host, port, secret)
 
 
 def connect(host: str, port: int, secret: str, timeout: float) -> Any:
-    """A worker's view of the job's store: a client, namespaced by the job's secret."""
+    """A worker's view of the job's store: a client, sealed by the job's secret."""
     import torch.distributed as dist
     client = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout))
-    return dist.PrefixStore(namespace(secret), client)
+    return sealed(client, secret)
 
 
 def die_with_parent(expected_parent: int | None = None) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from ..cluster import Cluster, get as get_cluster
-from ..errors import StrategyError, TraceFormatError
+from ..errors import LimitError, StrategyError, TraceFormatError
 from ..models import ModelSpec, get as get_model
 from ..strategy import Strategy
 from .evaluate import CachedEvaluator, Evaluator, SimEvaluator
@@ -34,7 +34,19 @@ from .space import make_space
 from .switch_cost import HotSwitchCost, RestartCost, SwitchCost
 from .tune import tune
 
-__all__ = ["plan_trace", "TracePlan", "trace_segments", "POLICIES"]
+__all__ = ["plan_trace", "TracePlan", "trace_segments", "plan_work", "POLICIES", "MAX_PATH_STEPS"]
+
+#: the most label steps (segments x (candidates + 1)^2) one switch-aware path may take (about a minute here)
+MAX_PATH_STEPS = 50_000_000
+
+
+def plan_work(segments: int, counts: int, max_candidates: int) -> dict:
+    """What planning a trace of ``segments`` constant-count segments and ``counts`` distinct device
+    counts costs: searches (one per count), path steps of the switch-aware dynamic program, and a
+    bound on the memory its labels take."""
+    steps = int(segments) * (int(max_candidates) + 1) ** 2
+    return {"segments": int(segments), "device_counts": int(counts), "searches": int(counts),
+            "path_steps": steps, "path_bytes": int(segments) * (int(max_candidates) + 1) * 240}
 
 POLICIES = ("checkpoint-restart", "hot-switch", "switch-aware")
 SwitchFn = Callable[[Strategy, Strategy], SwitchCost]
@@ -221,6 +233,13 @@ def plan_trace(trace: pd.DataFrame, model: "str | ModelSpec", cluster: "str | Cl
     ev = CachedEvaluator(evaluate or SimEvaluator(m, c, global_batch=global_batch, seq_len=seq_len,
                                                   cost_model=cost_model))
     counts = sorted({int(n) for n in seg["devices"] if n > 0})
+    work = plan_work(len(seg), len(counts), max_candidates)
+    if work["path_steps"] > MAX_PATH_STEPS:
+        raise LimitError(f"the trace has {len(seg):,} segments of constant device count: planning its path takes "
+                         f"{work['path_steps']:,} steps, over the limit of {MAX_PATH_STEPS:,}; plan a window of it "
+                         f"(--from/--to, or parashift.traces.window) or lower --max-candidates")
+    say(f"{len(seg):,} segments, {len(counts)} device counts: {len(counts)} searches and {work['path_steps']:,} "
+        f"path steps (about {work['path_bytes'] / 2**20:.0f} MiB)")
     tops: dict[int, list[Candidate]] = {}
     for i, w in enumerate(counts):   # progress: count done and time left (from the mean so far)
         spent = time.perf_counter() - t0

@@ -79,23 +79,32 @@ def _outside_address() -> str | None:
     return None if ip.startswith("127.") else ip
 
 
-def test_store_is_loopback_only_and_secret_namespaced():
+def test_store_is_loopback_only_and_sealed_by_the_job_secret():
     import torch.distributed as dist
 
+    from parashift.errors import RuntimeFailure
     from parashift.exec.jobstore import connect, serve
     job = serve(5.0)
-    job.store.set("verdict", "ok")
+    job.store.set("verdict", "ok-" + job.secret[:4])
     ip = _outside_address()
     if ip is not None:      # another interface of this machine: nothing listens there
         with pytest.raises(OSError):
             socket.create_connection((ip, job.port), timeout=2).close()
     other = dist.TCPStore("127.0.0.1", job.port, None, False, timeout=datetime.timedelta(seconds=2))
-    assert not other.check(["verdict"]) and not other.check(["job/verdict"])      # cannot read without the secret
-    other.set("verdict", "forged")                                                 # nor write the job's keys
-    wrong = connect("127.0.0.1", job.port, "0" * 32, 2.0)
+    names = other.list_keys()
+    assert names and not any("verdict" in k or job.secret in k for k in names)    # names are opaque
+    raw = b"".join(bytes(other.get(k)) for k in names)
+    assert b"ok-" not in raw and job.secret.encode() not in raw                    # values are ciphertext
+    assert not other.check(["verdict"])
+    for k in names:                                                                # a forged value is refused
+        other.set(k, b"forged")
+    with pytest.raises(RuntimeFailure, match="no member of the job wrote"):
+        connect(*job.client_args(), 2.0).get("verdict")
+    wrong = connect("127.0.0.1", job.port, "0" * 32, 2.0)                          # a wrong secret names other keys
     wrong.set("verdict", "forged")
-    assert job.store.get("verdict") == b"ok"
+    job.store.set("verdict", "ok")
     assert connect(*job.client_args(), 2.0).get("verdict") == b"ok"               # a member with the secret can
+    assert wrong.get("verdict") == b"forged" and job.store.get("verdict") == b"ok"
 
 
 def test_two_searches_create_one_fresh_sqlite_study_at_once(tmp_path):
