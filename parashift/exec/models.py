@@ -39,10 +39,15 @@ NORM_EPS = 1e-5
 
 def check_supported(spec: ModelSpec, strategy: "Strategy | None" = None) -> None:
     """Raise StrategyError when ``spec`` (or ``strategy``) uses a feature the runtime's torch model does
-    not implement: context parallelism is planned, simulated and searched, not run."""
+    not implement (context parallelism runs without recomputation and with schedules whose
+    backward is not split; the others are planned, simulated and searched, not run)."""
     if strategy is not None and strategy.cp > 1:
-        raise StrategyError(f"the runtime does not execute cp={strategy.cp} (context parallelism) yet; simulate or "
-                            f"search that strategy (parashift simulate / search), and run it with cp=1")
+        from ..ir.schedules import get_schedule
+        if strategy.recompute != "none" or get_schedule(strategy.schedule).split_backward:
+            raise StrategyError(f"the runtime executes cp={strategy.cp} (context parallelism) without recompute and "
+                                f"with gpipe, 1f1b or interleaved-1f1b, not with recompute={strategy.recompute}, "
+                                f"schedule={strategy.schedule}; simulate or search that strategy, or run it with "
+                                f"recompute=none and one of those schedules")
     bad = []
     if spec.norm != "rms":
         bad.append(f"norm={spec.norm!r} (use 'rms')")

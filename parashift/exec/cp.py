@@ -1,0 +1,143 @@
+"""Context parallelism in the runtime: the sequence split over the CP ranks and the handlers of the
+Program's ``cp.*`` collectives.
+
+Slicing is load-balanced for causal attention (as Megatron-LM does): the sequence is cut into
+``2*cp`` equal chunks and CP rank ``r`` holds chunks ``r`` and ``2*cp-1-r``, so every rank has the
+same number of unmasked query-key pairs. Tokens, targets and rope angles are those of the rank's
+global positions; the loss is the rank's token losses over the global batch's token count, so the
+DP x CP gradient all-reduce (or ZeRO reduce-scatter) sums to the single-process gradient.
+
+What each instruction does (the Program's ``Shard("cp")``; the bytes are the ones it prices):
+
+* attention ``fwd`` compute: norm, QKV projection and rope on the local tokens; its K/V are posted
+  for ``cp.<attn>.fwd.kv``, the K/V all-gather on the comm stream, which waits for them. When it
+  lands, the core attention over every rank's K/V (causal mask by global position) and the output
+  projection finish the region; the Program's consumers (TP/SP reduction, next region) wait for
+  the gather.
+* attention ``bwd`` compute: the output projection's backward. ``cp.<attn>.bwd.kv`` gathers the K/V
+  again (they were not kept); once both are there the core attention's backward gives dq and the
+  gradients of every rank's K/V, which ``cp.<attn>.bwd.dkv`` reduce-scatters to their owners; its
+  completion runs rope's and the QKV projection's backward and hands the input gradient to the TP
+  reduction or the norm's backward.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import RuntimeFailure
+from ..ir.tags import CPTag
+from .comm import Flight, all_gather_flat, reduce_scatter_flat
+from .regions import KINDS, Rec, cp_attn_bwd_core, cp_attn_bwd_out, cp_attn_bwd_qkv, cp_attn_core, cp_attn_pre
+
+if TYPE_CHECKING:
+    from .interpreter import Prepared
+
+__all__ = ["cp_positions", "cp_mask", "CPHandlers"]
+
+
+def cp_positions(seq: int, cp: int, rank: int) -> torch.Tensor:
+    """Global positions of the tokens CP rank ``rank`` holds (chunks ``rank`` and ``2cp-1-rank`` of ``2cp``)."""
+    if seq % (2 * cp):
+        raise ValueError(f"seq_len={seq} is not a multiple of 2*cp={2 * cp}")
+    n = seq // (2 * cp)
+    a, b = rank, 2 * cp - 1 - rank
+    return torch.cat([torch.arange(a * n, (a + 1) * n), torch.arange(b * n, (b + 1) * n)])
+
+
+def cp_mask(seq: int, cp: int, rank: int) -> torch.Tensor:
+    """Boolean mask ``[seq/cp, seq]``: local query i may attend to gathered key j (keys in CP rank
+    order, each rank's in its local order) iff j's global position is not after i's."""
+    q = cp_positions(seq, cp, rank)
+    k = torch.cat([cp_positions(seq, cp, j) for j in range(cp)])
+    return k.unsqueeze(0) <= q.unsqueeze(1)
+
+
+class CPHandlers:
+    """Interpreter methods for context parallelism (mixed into the Interpreter; state lives in
+    ``self.st.cp``: ``("kv"|"bkv"|"dkv"|"wait", chunk, mb, region) -> value``)."""
+
+    def _cp_setup(self, seq: int) -> None:
+        """This rank's positions, rope tables and attention mask for a global sequence of ``seq``."""
+        cp, r = self.strategy.cp, self.coords["cp"]
+        self.cp_pos = cp_positions(seq, cp, r).to(self.device)
+        self.ctx.rope = tuple(t[self.cp_pos] for t in self.ctx.rope)
+        self.ctx.cp, self.ctx.cp_mask = cp, cp_mask(seq, cp, r).to(self.device)
+
+    def _cp_take(self, rows: torch.Tensor) -> torch.Tensor:
+        """This rank's sequence positions of ``[b, seq]`` tokens or targets."""
+        return rows[:, self.cp_pos] if self.strategy.cp > 1 else rows
+
+    def _cp_ready(self, p: "Prepared") -> bool:
+        """Whether a ``cp.*`` collective's input exists yet (it is made inside a compute instruction;
+        the backward's K/V gather sends the K/V kept since the forward)."""
+        t = p.tag
+        if t.part == "kv" and t.phase != "fwd":
+            return True
+        return (t.part, p.ins.chunk, t.mb, t.region) in self.st.cp
+
+    def _cp_fwd(self, c: int, mb: int, rec: Rec, env: dict, grad: bool) -> None:
+        """Attention forward up to its K/V (the gather's completion finishes it)."""
+        kv = cp_attn_pre(self.ctx, rec, env, grad)
+        rec.t["kv_local"] = kv
+        self.st.cp[("kv", c, mb, rec.region)] = kv
+
+    def _cp_bwd(self, c: int, mb: int, rec: Rec, full: bool) -> None:
+        """Attention backward up to the core (which waits for the re-gathered K/V)."""
+        cp_attn_bwd_out(self.ctx, rec, self.st.g(c, mb))
+        rec.t["_drop"] = full
+        self.st.open_bwd[c] = self.st.open_bwd.get(c, 0) + 1     # the DP sync waits for the qkv weight grads
+        key = (c, mb, rec.region)
+        kv = self.st.cp.pop(("bkv",) + key, None)
+        if kv is None:
+            self.st.cp[("wait",) + key] = rec
+        else:
+            self._cp_bwd_core(key, rec, kv)
+
+    def _cp_bwd_core(self, key: tuple, rec: Rec, kv: torch.Tensor) -> None:
+        self.st.cp[("dkv",) + key] = cp_attn_bwd_core(self.ctx, rec, kv)
+
+    def _cp_comm(self, p: "Prepared") -> Flight:
+        ins, tag, g, cp = p.ins, p.tag, p.group, self.strategy.cp
+        assert isinstance(tag, CPTag)
+        c, mb = ins.chunk, tag.mb
+        key = (c, mb, tag.region)
+        if tag.part == "kv":
+            rec = self.st.recs[(c, mb)][tag.region]
+            mine = self.st.cp.pop(("kv",) + key) if tag.phase == "fwd" else rec.t["kv_local"]
+            full = mine.new_empty((cp * mine.shape[0],) + tuple(mine.shape[1:]))
+            work = all_gather_flat(full, mine, group=g, async_op=True)
+            kv_all = full.view((cp,) + tuple(mine.shape))
+
+            def then_kv() -> None:
+                if tag.phase == "fwd":
+                    cp_attn_core(self.ctx, rec, kv_all, rec.built)
+                    if not self._needs_tp("fwd", rec.kind):
+                        self._fwd_done(c, mb, rec)
+                    return
+                waiting = self.st.cp.pop(("wait",) + key, None)
+                if waiting is None:
+                    self.st.cp[("bkv",) + key] = kv_all
+                else:
+                    self._cp_bwd_core(key, waiting, kv_all)
+            return Flight(ins, ins.stream, [work], then=then_kv, keep=mine)
+        if tag.part != "dkv":
+            raise RuntimeFailure(f"unknown CP exchange {tag.part!r} in {ins}")
+        rec = self.st.recs[(c, mb)][tag.region]
+        inp = self.st.cp.pop(("dkv",) + key).contiguous()
+        out = inp.new_empty(tuple(inp.shape[1:]))
+        work = reduce_scatter_flat(out.view(-1), inp.view(-1), group=g, async_op=True)
+
+        def then_dkv() -> None:
+            cp_attn_bwd_qkv(self.ctx, rec, out)
+            full = rec.t.pop("_drop")
+            if full:
+                self._sp_defer(c, mb, rec)
+                KINDS[rec.kind].bwd_weight(self.ctx, rec)
+            if self._needs_tp("bwd", rec.kind):       # the open count now stands for the TP reduction
+                rec.t["_drop"] = full
+            else:
+                self.st.open_bwd[c] -= 1
+                self._bwd_done(c, mb, rec, drop=full)
+        return Flight(ins, ins.stream, [work], then=then_dkv, keep=inp)
