@@ -7,16 +7,17 @@ same number of unmasked query-key pairs. Tokens, targets and rope angles are tho
 global positions; the loss is the rank's token losses over the global batch's token count, so the
 DP x CP gradient all-reduce (or ZeRO reduce-scatter) sums to the single-process gradient.
 
-What each instruction does (the Program's ``Shard("cp")``; the bytes are the ones it prices):
+What each instruction does (the Program's ``Shard("cp")`` orders them as TransformerEngine's
+``cp_comm_type="all_gather"`` runs them; the bytes are the ones it prices):
 
-* attention ``fwd`` compute: norm, QKV projection and rope on the local tokens; its K/V are posted
-  for ``cp.<attn>.fwd.kv``, the K/V all-gather on the comm stream, which waits for them. When it
-  lands, the core attention over every rank's K/V (causal mask by global position) and the output
-  projection finish the region; the Program's consumers (TP/SP reduction, next region) wait for
-  the gather.
-* attention ``bwd`` compute: the output projection's backward. ``cp.<attn>.bwd.kv`` gathers the K/V
-  again (they were not kept); once both are there the core attention's backward gives dq and the
-  gradients of every rank's K/V, which ``cp.<attn>.bwd.dkv`` reduce-scatters to their owners; its
+* attention ``fwd`` compute: norm, QKV projection and rope on the local tokens, whose K/V
+  ``cp.<attn>.fwd.kv`` (next on the comm stream, after the compute) all-gathers. Its completion
+  runs the core attention over every rank's K/V (causal mask by global position) and the output
+  projection, as the TP/SP reductions' completions finish their regions; the Program's consumers
+  wait for the gather. (A profile therefore books the core attention to the gather.)
+* ``cp.<attn>.bwd.kv`` gathers the K/V again (the forward does not keep them) before the attention
+  ``bwd`` compute: the output projection's backward and the core attention's backward (dq and the
+  gradients of every rank's K/V). ``cp.<attn>.bwd.dkv`` reduce-scatters those to their owners; its
   completion runs rope's and the QKV projection's backward and hands the input gradient to the TP
   reduction or the norm's backward.
 """
@@ -55,8 +56,9 @@ def cp_mask(seq: int, cp: int, rank: int) -> torch.Tensor:
 
 
 class CPHandlers:
-    """Interpreter methods for context parallelism (mixed into the Interpreter; state lives in
-    ``self.st.cp``: ``("kv"|"bkv"|"dkv"|"wait", chunk, mb, region) -> value``)."""
+    """Interpreter methods for context parallelism (mixed into the Interpreter; the step's state lives
+    in ``self.st.cp``: ``("kv"|"bkv"|"dkv", chunk, mb, region) -> tensor``, the local K/V to gather,
+    the K/V gathered for a backward and the K/V gradients to scatter)."""
 
     def _cp_setup(self, seq: int) -> None:
         """This rank's positions, rope tables and attention mask for a global sequence of ``seq``."""
@@ -69,14 +71,6 @@ class CPHandlers:
         """This rank's sequence positions of ``[b, seq]`` tokens or targets."""
         return rows[:, self.cp_pos] if self.strategy.cp > 1 else rows
 
-    def _cp_ready(self, p: "Prepared") -> bool:
-        """Whether a ``cp.*`` collective's input exists yet (it is made inside a compute instruction;
-        the backward's K/V gather sends the K/V kept since the forward)."""
-        t = p.tag
-        if t.part == "kv" and t.phase != "fwd":
-            return True
-        return (t.part, p.ins.chunk, t.mb, t.region) in self.st.cp
-
     def _cp_fwd(self, c: int, mb: int, rec: Rec, env: dict, grad: bool) -> None:
         """Attention forward up to its K/V (the gather's completion finishes it)."""
         kv = cp_attn_pre(self.ctx, rec, env, grad)
@@ -84,19 +78,15 @@ class CPHandlers:
         self.st.cp[("kv", c, mb, rec.region)] = kv
 
     def _cp_bwd(self, c: int, mb: int, rec: Rec, full: bool) -> None:
-        """Attention backward up to the core (which waits for the re-gathered K/V)."""
+        """Attention backward up to the K/V gradients (the reduce-scatter's completion finishes it)."""
         cp_attn_bwd_out(self.ctx, rec, self.st.g(c, mb))
         rec.t["_drop"] = full
         self.st.open_bwd[c] = self.st.open_bwd.get(c, 0) + 1     # the DP sync waits for the qkv weight grads
-        key = (c, mb, rec.region)
-        kv = self.st.cp.pop(("bkv",) + key, None)
+        kv = self.st.cp.pop(("bkv", c, mb, rec.region), None)
         if kv is None:
-            self.st.cp[("wait",) + key] = rec
-        else:
-            self._cp_bwd_core(key, rec, kv)
-
-    def _cp_bwd_core(self, key: tuple, rec: Rec, kv: torch.Tensor) -> None:
-        self.st.cp[("dkv",) + key] = cp_attn_bwd_core(self.ctx, rec, kv)
+            raise RuntimeFailure(f"the backward of {rec.region} (chunk {c}, micro-batch {mb}) ran before its "
+                                 f"cp K/V all-gather landed; rebuild the Program with parashift.ir.compile")
+        self.st.cp[("dkv", c, mb, rec.region)] = cp_attn_bwd_core(self.ctx, rec, kv)
 
     def _cp_comm(self, p: "Prepared") -> Flight:
         ins, tag, g, cp = p.ins, p.tag, p.group, self.strategy.cp
@@ -116,11 +106,7 @@ class CPHandlers:
                     if not self._needs_tp("fwd", rec.kind):
                         self._fwd_done(c, mb, rec)
                     return
-                waiting = self.st.cp.pop(("wait",) + key, None)
-                if waiting is None:
-                    self.st.cp[("bkv",) + key] = kv_all
-                else:
-                    self._cp_bwd_core(key, waiting, kv_all)
+                self.st.cp[("bkv",) + key] = kv_all
             return Flight(ins, ins.stream, [work], then=then_kv, keep=mine)
         if tag.part != "dkv":
             raise RuntimeFailure(f"unknown CP exchange {tag.part!r} in {ins}")

@@ -295,8 +295,7 @@ class Interpreter(CPHandlers):
                         ptr[s] += 1
                         progressed = True
                         continue
-                    if not all(done[d] for d in p.deps) or (p.sync_chunk >= 0 and self.st.open_bwd.get(p.sync_chunk)) \
-                            or (p.kind == _CPK and not self._cp_ready(p)):
+                    if not all(done[d] for d in p.deps) or (p.sync_chunk >= 0 and self.st.open_bwd.get(p.sync_chunk)):
                         continue
                     ptr[s] += 1
                     progressed = True
