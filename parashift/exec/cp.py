@@ -73,9 +73,7 @@ class CPHandlers:
 
     def _cp_fwd(self, c: int, mb: int, rec: Rec, env: dict, grad: bool) -> None:
         """Attention forward up to its K/V (the gather's completion finishes it)."""
-        kv = cp_attn_pre(self.ctx, rec, env, grad)
-        rec.t["kv_local"] = kv
-        self.st.cp[("kv", c, mb, rec.region)] = kv
+        self.st.cp[("kv", c, mb, rec.region)] = cp_attn_pre(self.ctx, rec, env, grad)
 
     def _cp_bwd(self, c: int, mb: int, rec: Rec, full: bool) -> None:
         """Attention backward up to the K/V gradients (the reduce-scatter's completion finishes it)."""
@@ -88,6 +86,11 @@ class CPHandlers:
                                  f"cp K/V all-gather landed; rebuild the Program with parashift.ir.compile")
         self.st.cp[("dkv", c, mb, rec.region)] = cp_attn_bwd_core(self.ctx, rec, kv)
 
+    def _cp_recompute(self, rec: Rec, saved: dict) -> None:
+        """A recompute of the attention rebuilds its QKV graph from the saved input (the core is
+        re-run by the backward anyway)."""
+        cp_attn_pre(self.ctx, rec, saved, True)
+
     def _cp_comm(self, p: "Prepared") -> Flight:
         ins, tag, g, cp = p.ins, p.tag, p.group, self.strategy.cp
         assert isinstance(tag, CPTag)
@@ -95,14 +98,14 @@ class CPHandlers:
         key = (c, mb, tag.region)
         if tag.part == "kv":
             rec = self.st.recs[(c, mb)][tag.region]
-            mine = self.st.cp.pop(("kv",) + key) if tag.phase == "fwd" else rec.t["kv_local"]
+            mine = self.st.cp.pop(("kv",) + key) if tag.phase == "fwd" else rec.saved["kv_local"]
             full = mine.new_empty((cp * mine.shape[0],) + tuple(mine.shape[1:]))
             work = all_gather_flat(full, mine, group=g, async_op=True)
             kv_all = full.view((cp,) + tuple(mine.shape))
 
             def then_kv() -> None:
                 if tag.phase == "fwd":
-                    cp_attn_core(self.ctx, rec, kv_all, rec.built)
+                    cp_attn_core(self.ctx, rec, kv_all)
                     if not self._needs_tp("fwd", rec.kind):
                         self._fwd_done(c, mb, rec)
                     return

@@ -523,7 +523,10 @@ class Interpreter(CPHandlers):
         if self.ctx.chain and "h" in carry:
             tmp["h"] = carry["h"]
         with torch.enable_grad():
-            KINDS[rec.kind].fwd(self.ctx, rec, tmp, True)
+            if rec.kind == "attn" and self.strategy.cp > 1:
+                self._cp_recompute(rec, tmp)
+            else:
+                KINDS[rec.kind].fwd(self.ctx, rec, tmp, True)
             if self.ctx.chain and rec.kind in ("attn", "mlp"):
                 carry["h"] = rec.t["h_out"] = rec.t["h"] + rec.t["out"]
         rec.pending = None

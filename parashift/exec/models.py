@@ -38,16 +38,8 @@ NORM_EPS = 1e-5
 
 
 def check_supported(spec: ModelSpec, strategy: "Strategy | None" = None) -> None:
-    """Raise StrategyError when ``spec`` (or ``strategy``) uses a feature the runtime's torch model does
-    not implement (context parallelism runs without recomputation and with schedules whose
-    backward is not split; the others are planned, simulated and searched, not run)."""
-    if strategy is not None and strategy.cp > 1:
-        from ..ir.schedules import get_schedule
-        if strategy.recompute != "none" or get_schedule(strategy.schedule).split_backward:
-            raise StrategyError(f"the runtime executes cp={strategy.cp} (context parallelism) without recompute and "
-                                f"with gpipe, 1f1b or interleaved-1f1b, not with recompute={strategy.recompute}, "
-                                f"schedule={strategy.schedule}; simulate or search that strategy, or run it with "
-                                f"recompute=none and one of those schedules")
+    """Raise StrategyError when ``spec`` uses a feature the runtime's torch model does not implement
+    (``strategy``: checked by the strategy itself)."""
     bad = []
     if spec.norm != "rms":
         bad.append(f"norm={spec.norm!r} (use 'rms')")
@@ -103,6 +95,10 @@ class Tape:
         y = x * w
         self.uses.append(_Use((name, None), "scale", x, y))
         return y
+
+    def record(self, x: torch.Tensor, name: str, index: int | None = None) -> None:
+        """A linear use computed outside the tape (its output gradient is supplied to :meth:`weight_grads`)."""
+        self.uses.append(_Use((name, index), "lin", x, torch.empty(0, requires_grad=True)))
 
     def outputs(self) -> list[torch.Tensor]:
         """Tensors whose gradients the backward must capture (those that are part of the graph)."""

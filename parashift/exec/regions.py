@@ -200,8 +200,8 @@ def _block_bwd_done(c: RegionCtx, rec: Rec, genv: dict) -> None:
 # all-gather, their gradients returned to the owners by its cp.*.dkv reduce-scatter)
 # ---------------------------------------------------------------------------------------------
 def cp_attn_pre(c: RegionCtx, rec: Rec, env: dict, grad: bool) -> torch.Tensor:
-    """Norm, QKV projection and rope on this rank's tokens; returns its K/V ``[2, b, groups, n, d]``
-    for the all-gather (q, k, v stay in the graph for the backward)."""
+    """Norm, QKV projection and rope on this rank's tokens (the graph the backward and a recompute
+    need); returns its K/V ``[2, b, groups, n, d]`` for the all-gathers, kept in ``saved``."""
     s, p = c.spec, rec.region
     h = env["h"]
     rec.saved.update(h=h)
@@ -216,7 +216,8 @@ def cp_attn_pre(c: RegionCtx, rec: Rec, env: dict, grad: bool) -> torch.Tensor:
     cos, sin = c.rope[0][:n], c.rope[1][:n]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     rec.t.update(z_leaf=z, q=q, k=k, v=v)
-    return torch.stack([k.detach(), v.detach()])
+    rec.saved["kv_local"] = torch.stack([k.detach(), v.detach()])
+    return rec.saved["kv_local"]
 
 
 def _cp_core(c: RegionCtx, q: torch.Tensor, kv_all: torch.Tensor) -> torch.Tensor:
@@ -230,32 +231,32 @@ def _cp_core(c: RegionCtx, q: torch.Tensor, kv_all: torch.Tensor) -> torch.Tenso
     return o.transpose(1, 2).reshape(b, n, -1)
 
 
-def cp_attn_core(c: RegionCtx, rec: Rec, kv_all: torch.Tensor, grad: bool) -> None:
+def cp_attn_core(c: RegionCtx, rec: Rec, kv_all: torch.Tensor) -> None:
     """Core attention over the gathered K/V and the output projection; leaves the (TP-partial)
-    output in ``pending``. The gathered K/V are not kept: the backward gathers them again."""
+    output in ``pending``. Neither the gathered K/V nor the attention output are kept: the backward
+    gathers the K/V again and re-runs the core (as flash attention's backward does)."""
     with torch.no_grad():
         o = _cp_core(c, rec.t["q"].detach(), kv_all)
-    o_leaf = o.requires_grad_(grad)
-    out = rec.tape.linear(o_leaf, c.param(f"{rec.region}.out.weight"), f"{rec.region}.out.weight")
-    rec.t.update(o_leaf=o_leaf, out=out)
-    rec.pending = out.detach().clone() if c.tp > 1 else out.detach()
+        rec.pending = torch.matmul(o, c.param(f"{rec.region}.out.weight").t())
 
 
 def cp_attn_bwd_out(c: RegionCtx, rec: Rec, genv: dict) -> None:
-    """Backward of the output projection: the gradient at the attention output, kept for the core."""
+    """Backward of the output projection to the attention output (its weight gradient waits for
+    the core's re-run output)."""
     dh = genv.pop("h")
-    (do,) = torch.autograd.grad([rec.t.pop("out")], [rec.t.pop("o_leaf")], [dh])
-    rec.t.update(dh_out=dh, do=do, dy_out=dh)     # the projection's output gradient is dh itself
+    rec.t.update(dh_out=dh, dy_out=dh, do=torch.matmul(dh, c.param(f"{rec.region}.out.weight")))
 
 
 def cp_attn_bwd_core(c: RegionCtx, rec: Rec, kv_all: torch.Tensor) -> torch.Tensor:
-    """Backward of the core attention on the re-gathered K/V: keeps dq, returns the gradients of every
-    rank's K/V ``[cp, 2, b, groups, n, d]`` for the reduce-scatter to their owners."""
+    """Backward of the core attention on the re-gathered K/V: keeps dq and records the output
+    projection's input; returns the gradients of every rank's K/V ``[cp, 2, b, groups, n, d]`` for
+    the reduce-scatter to their owners."""
     q = rec.t["q"].detach().requires_grad_(True)
     kv = kv_all.detach().requires_grad_(True)
     with torch.enable_grad():
         o = _cp_core(c, q, kv)
     dq, dkv = torch.autograd.grad([o], [q, kv], [rec.t.pop("do")])
+    rec.tape.record(o.detach(), f"{rec.region}.out.weight")
     rec.t["dq"] = dq
     return dkv
 
@@ -263,7 +264,7 @@ def cp_attn_bwd_core(c: RegionCtx, rec: Rec, kv_all: torch.Tensor) -> torch.Tens
 def cp_attn_bwd_qkv(c: RegionCtx, rec: Rec, dkv: torch.Tensor) -> None:
     """Backward of rope and the QKV projection from dq and this rank's summed K/V gradients
     ``[2, b, groups, n, d]``; leaves the (TP-partial) input gradient at ``z`` in ``pending`` and the
-    projections' output gradients in ``dys`` (tape order)."""
+    projections' output gradients in ``dys`` (tape order: qkv, out)."""
     t = rec.t
     outs = [t.pop("q"), t.pop("k"), t.pop("v")]
     grads = torch.autograd.grad(outs, [t["z_leaf"], rec.tape.uses[0].y], [t.pop("dq"), dkv[0], dkv[1]])

@@ -353,11 +353,14 @@ class Shard:
         the order TransformerEngine's ``cp_comm_type="all_gather"`` runs them (and the runtime does):
         forward, the K/V all-gather follows the attention node (whose QKV projection makes K/V) and
         the next node waits for it; backward, the K/V all-gather precedes the attention node and
-        the K/V-gradient reduce-scatter follows it. The exchanges are exposed, as they are there."""
+        the K/V-gradient reduce-scatter follows it (a split backward's weight half waits for it too).
+        The exchanges are exposed, as they are there."""
         c = out.cols
         n = len(out)
         after: list[tuple[int, int]] = []
         before: list[tuple[int, int]] = []
+        weight = {(c["region"][i], c["mb"][i]): i for i in range(n)
+                  if c["op"][i] == "compute" and c["phase"][i] == "bwd_weight" and c["kind"][i] == "attn"}
         for i in range(n):
             if c["op"][i] != "compute" or c["phase"][i] == "optim":
                 continue
@@ -373,9 +376,11 @@ class Shard:
                 after.append((i, kv))
                 continue
             before.append((i, kv))
-            after.append((i, _comm(out, i, op="reduce_scatter", tag=str(T.CPTag(reg, ph, "dkv", mb)), group="cp",
-                                   nbytes=self.nbytes * self.ways, stream="comm", dpos=0.5,
-                                   key=str(T.StepKey("cp_dkv")))))
+            rs = _comm(out, i, op="reduce_scatter", tag=str(T.CPTag(reg, ph, "dkv", mb)), group="cp",
+                       nbytes=self.nbytes * self.ways, stream="comm", dpos=0.5, key=str(T.StepKey("cp_dkv")))
+            after.append((i, rs))
+            if (reg, mb) in weight:          # the QKV weight gradient needs the K/V gradients it returns
+                out.edge(rs, weight[(reg, mb)], SAVED)
         out.insert_after(after)
         _insert_before(out, before)
         return out
