@@ -10,16 +10,19 @@ DP x CP gradient all-reduce (or ZeRO reduce-scatter) sums to the single-process 
 What each instruction does (the Program's ``Shard("cp")`` orders them as TransformerEngine's
 ``cp_comm_type="all_gather"`` runs them; the bytes are the ones it prices):
 
-* attention ``fwd`` compute: norm, QKV projection and rope on the local tokens, whose K/V
-  ``cp.<attn>.fwd.kv`` (next on the comm stream, after the compute) all-gathers. Its completion
-  runs the core attention over every rank's K/V (causal mask by global position) and the output
-  projection, as the TP/SP reductions' completions finish their regions; the Program's consumers
-  wait for the gather. (A profile therefore books the core attention to the gather.)
-* ``cp.<attn>.bwd.kv`` gathers the K/V again (the forward does not keep them) before the attention
-  ``bwd`` compute: the output projection's backward and the core attention's backward (dq and the
-  gradients of every rank's K/V). ``cp.<attn>.bwd.dkv`` reduce-scatters those to their owners; its
-  completion runs rope's and the QKV projection's backward and hands the input gradient to the TP
-  reduction or the norm's backward.
+* attention ``fwd`` compute: norm, QKV projection and rope on the local tokens; their K/V (kept
+  until the backward) are what ``cp.<attn>.fwd.kv``, next on the comm stream, all-gathers. Its
+  completion runs the core attention over every rank's K/V (causal mask by global position) and
+  the output projection, as the TP/SP reductions' completions finish their regions; the Program's
+  consumers wait for the gather. (A profile therefore books the core attention to the gather.)
+* ``cp.<attn>.bwd.kv`` gathers the K/V again before the attention ``bwd`` compute: the output
+  projection's backward, then the core attention re-run and its backward (dq and the gradients of
+  every rank's K/V; the re-run output also gives the output projection's weight gradient).
+  ``cp.<attn>.bwd.dkv`` reduce-scatters those to their owners; its completion runs rope's and the
+  QKV projection's backward and hands the input gradient to the TP reduction or the norm's
+  backward. A split backward's weight half waits for that scatter (the Program says so).
+* a ``recompute`` of the attention rebuilds its QKV graph from the saved input; the core is re-run
+  by the backward in any case.
 """
 from __future__ import annotations
 

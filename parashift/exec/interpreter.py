@@ -21,7 +21,9 @@ grammar is :mod:`parashift.ir.tags`, the conventions :mod:`parashift.ir.conventi
 numbers come from :mod:`parashift.exec.regions` and the state store. Sequence parallelism runs each TP
 reduction as the Program's reduce-scatter along the sequence (the residual add on this rank's rows)
 and all-gather; the column-parallel GEMMs keep their input's rows only, re-gathered on the comm
-stream for their weight gradients (a gradient whose input has not landed waits for it). A failing instruction raises RuntimeFailure naming the rank, stream, instruction
+stream for their weight gradients (a gradient whose input has not landed waits for it). Context
+parallelism (:mod:`parashift.exec.cp`) runs attention around the Program's K/V all-gathers and
+K/V-gradient reduce-scatters. A failing instruction raises RuntimeFailure naming the rank, stream, instruction
 and its neighbours.
 """
 from __future__ import annotations
