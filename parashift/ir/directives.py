@@ -388,13 +388,8 @@ class Shard:
 
 def _insert_before(g: Graph, items: list[tuple[int, int]]) -> None:
     """For each (u, c): reroute u's DATA in-edges through c (old sources -> c -> u)."""
-    if not items:
-        return
-    via = {u: c for u, c in items}
-    for e in range(len(g.src)):
-        v = g.dst[e]
-        if g.ekind[e] == DATA and v in via:
-            g.dst[e] = via[v]
+    via = dict(items)
+    g.dst = [via[v] if k == DATA and v in via else v for v, k in zip(g.dst, g.ekind)]
     for u, c in items:
         g.edge(c, u, DATA)
 
