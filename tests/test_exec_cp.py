@@ -117,6 +117,22 @@ def test_simulator_and_runtime_order_the_exchanges_alike() -> None:
     _cp_order(measured[measured["device"] == 0], prog, 0)
 
 
+@pytest.mark.slow
+def test_live_switches_into_and_out_of_cp_are_bit_exact_and_train_like_one_process() -> None:
+    """The runtime's ZeRO shards over dp x cp are the VPS layout's: hot switches between cp and
+    plain layouts leave exactly a fresh job's state, and the losses stay the single-process ones."""
+    from parashift.exec.reference import reference_train
+    from parashift.exec.switch import run_live
+    from test_switch_live import GPT, check_switches
+    chain = [(1, "dp=4,zero=1", None), (2, "cp=4,zero=2", None), (3, "dp=2,cp=2,zero=3", None)]
+    res = run_live(GPT, "dp=2,cp=2,zero=1", steps=5, switches=chain, export=True, timeout=240, switch_timeout=30,
+                   big_piece=4096, optim=OPT)
+    assert [sw.get("aborted") for sw in res.switches] == [None] * len(chain)
+    assert check_switches(GPT, res) == len(chain)
+    ref = reference_train(GPT, 5, 8, GPT.seq_len, optim=OPT)[0]
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(res.losses, ref)), (res.losses, ref)
+
+
 def test_sequence_not_divisible_by_2cp_is_refused_in_one_line() -> None:
     with pytest.raises(StrategyError, match="2\\*cp") as e:
         run("tiny-gpt", "cp=3", steps=1, global_batch=GB, seq_len=SEQ, optim=OPT, timeout=60)
