@@ -8,6 +8,7 @@ import pytest
 
 from parashift import Strategy, models, vps
 from parashift.ir import compile
+from parashift.ir.tags import parse_tag
 from parashift.sim import simulate
 
 SPEC = models.get("tiny-gpt")
@@ -89,3 +90,41 @@ def test_dualpipev_with_both_sp_and_cp_lowers_to_a_program_that_runs():
     prog = compile(spec, "tp=2,pp=2,vpp=2,schedule=dualpipev,cp=2,sp", global_batch=8, validate=True)
     r = _sim.simulate(prog, "a100-1x8", model=spec)
     assert 0 < r.step_time < float("inf")
+
+
+@pytest.mark.parametrize("strategy", ["cp=2", "tp=2,sp,cp=2,pp=2,schedule=zb-h1"])
+def test_kv_exchanges_sit_where_their_data_exists(strategy):
+    """Forward K/V gather after the attention compute that makes K/V; backward gather before the
+    attention backward; K/V-grad scatter after it and before a split backward's weight half."""
+    prog = compile(SPEC, strategy, global_batch=GB, seq_len=SEQ, validate=True)
+    for rp in prog.ranks.values():
+        order = {i.id: (s, k) for s, ins in rp.streams.items() for k, i in enumerate(ins)}
+        by_id = {i.id: i for i in rp.instrs()}
+
+        def before(a, b):      # a completes before b starts (same stream order or a dependency chain)
+            todo, seen = [b], set()
+            while todo:
+                x = todo.pop()
+                if x == a:
+                    return True
+                if x in seen:
+                    continue
+                seen.add(x)
+                s, k = order[x]
+                todo += list(by_id[x].deps) + ([rp.streams[s][k - 1].id] if k else [])
+            return False
+        comp = {(i.region, i.phase, i.microbatch): i.id for i in rp.instrs() if i.op == "compute"}
+        n = 0
+        for i in rp.instrs():
+            if not (i.tag or "").startswith("cp."):
+                continue
+            t = parse_tag(i.tag)
+            a = comp[(t.region, t.phase, t.mb)]
+            if t.phase == "fwd" or t.part == "dkv":
+                assert before(a, i.id), i
+            else:
+                assert before(i.id, a), i
+            if t.part == "dkv" and (t.region, "bwd_weight", t.mb) in comp:
+                assert before(i.id, comp[(t.region, "bwd_weight", t.mb)]), i
+            n += 1
+        assert n

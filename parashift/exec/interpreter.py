@@ -21,7 +21,9 @@ grammar is :mod:`parashift.ir.tags`, the conventions :mod:`parashift.ir.conventi
 numbers come from :mod:`parashift.exec.regions` and the state store. Sequence parallelism runs each TP
 reduction as the Program's reduce-scatter along the sequence (the residual add on this rank's rows)
 and all-gather; the column-parallel GEMMs keep their input's rows only, re-gathered on the comm
-stream for their weight gradients (a gradient whose input has not landed waits for it). A failing instruction raises RuntimeFailure naming the rank, stream, instruction
+stream for their weight gradients (a gradient whose input has not landed waits for it). Context
+parallelism (:mod:`parashift.exec.cp`) runs attention around the Program's K/V all-gathers and
+K/V-gradient reduce-scatters. A failing instruction raises RuntimeFailure naming the rank, stream, instruction
 and its neighbours.
 """
 from __future__ import annotations
@@ -38,9 +40,10 @@ import torch.distributed as dist
 
 from ..errors import RuntimeFailure
 from ..ir.program import Instr, Program
-from ..ir.tags import EPTag, P2PTag, Payload, SPTag, StepTag, Sync, SyncTag, TPTag, Z3Tag, parse_tag
+from ..ir.tags import CPTag, EPTag, P2PTag, Payload, SPTag, StepTag, Sync, SyncTag, TPTag, Z3Tag, parse_tag
 from ..models import ModelSpec
 from .comm import Flight, Poller, a2a, all_gather, all_gather_flat, reduce_scatter, reduce_scatter_flat
+from .cp import CPHandlers
 from .profiler import tensor_bytes
 from .reference import OptimConfig, microbatch_rows
 from .regions import KINDS, Rec, RegionCtx, atomic_regions, head_logit_grad, region_kind
@@ -99,6 +102,7 @@ class StepState:
     sp_x: dict = field(default_factory=dict)       # (chunk, mb, region) -> (use index, this rank's rows of its input)
     sp_dy: dict = field(default_factory=dict)      # (chunk, mb, region) -> (param key, output grad) awaiting the re-gather
     sp_full: dict = field(default_factory=dict)    # (chunk, mb, region) -> re-gathered input awaiting its recompute
+    cp: dict = field(default_factory=dict)         # context parallelism's mailboxes (see exec.cp)
     loss: float = 0.0
 
     def e(self, c: int, mb: int) -> dict:
@@ -108,7 +112,7 @@ class StepState:
         return self.genv.setdefault((c, mb), {})
 
 
-_COMPUTE, _SEND, _RECV, _TPK, _EPK, _DPK, _Z3K, _SPK = range(8)
+_COMPUTE, _SEND, _RECV, _TPK, _EPK, _DPK, _Z3K, _SPK, _CPK = range(9)
 
 
 @dataclass(eq=False)
@@ -131,7 +135,7 @@ class Prepared:
     watched: bool = True             # something depends on its completion (a send nobody waits for is reaped at the end)
 
 
-class Interpreter:
+class Interpreter(CPHandlers):
     """Executes one rank's RankProgram for one training step at a time.
 
     Everything that does not change between steps (parsed tags, peers, process groups, recv
@@ -165,14 +169,17 @@ class Interpreter:
         """The preset model's region context (subclasses running other models override it)."""
         from .models import rope_tables
         spec, s, device = self.spec, self.strategy, self.device
-        self.seq = int(self.program.meta["seq_len"])
+        seq = int(self.program.meta["seq_len"])
+        self.seq = seq // s.cp          # tokens of a sequence this rank holds
         self.atoms = chunk_atoms(spec, s)
         self.rc = {(i.chunk, i.microbatch, a) for i in self.rp.instrs() if i.phase == "recompute"
                    for a in atomic_regions(i.region, spec)}
-        self.ctx = RegionCtx(spec, s.tp, self.coords["tp"], s.ep, self.coords["ep"], 1.0 / (self.gb * self.seq),
+        self.ctx = RegionCtx(spec, s.tp, self.coords["tp"], s.ep, self.coords["ep"], 1.0 / (self.gb * seq),
                              self.store.param, self.store.grad,
-                             tuple(t.to(_DT[spec.dtype]) for t in rope_tables(self.seq, spec.head_dim, device=device)),
-                             chain=s.tp == 1 and not spec.is_moe)
+                             tuple(t.to(_DT[spec.dtype]) for t in rope_tables(seq, spec.head_dim, device=device)),
+                             chain=s.tp == 1 and not spec.is_moe and s.cp == 1)
+        if s.cp > 1:
+            self._cp_setup(seq)
 
     # ---- load time ----------------------------------------------------------------------------------
     def _prepare(self) -> None:
@@ -236,6 +243,8 @@ class Interpreter:
             return _DPK
         if isinstance(tag, Z3Tag) and ins.op == "all_gather":
             return _Z3K
+        if isinstance(tag, CPTag) and ins.op == ("all_gather" if tag.part == "kv" else "reduce_scatter"):
+            return _CPK
         raise RuntimeFailure(f"the runtime does not know what {ins.op} with tag {ins.tag!r} carries "
                              f"(instruction {ins}); rebuild the Program with parashift.ir.compile")
 
@@ -448,21 +457,25 @@ class Interpreter:
         if first:
             if c == 0:
                 rows = microbatch_rows(self.gb, self.strategy.dp, self.coords["dp"], self.strategy.mbs, mb)
-                env["tokens"] = self.tokens[rows].to(self.device)
+                env["tokens"] = self._cp_take(self.tokens[rows]).to(self.device)
             else:
                 env["h"] = st.act.pop((c - 1, mb))
         if atom == "head":
             rows = microbatch_rows(self.gb, self.strategy.dp, self.coords["dp"], self.strategy.mbs, mb)
-            env["targets"] = self.targets[rows].to(self.device)
+            env["targets"] = self._cp_take(self.targets[rows]).to(self.device)
         kind, layer = region_kind(atom)
         rec = Rec(atom, kind, layer)
         st.recs.setdefault((c, mb), {})[atom] = rec
         graph = (c, mb, atom) not in self.rc
+        cp_attn = kind == "attn" and self.strategy.cp > 1     # finished when its K/V gather lands
         with torch.set_grad_enabled(graph):
-            KINDS[kind].fwd(self.ctx, rec, env, graph)
+            if cp_attn:
+                self._cp_fwd(c, mb, rec, env, graph)
+            else:
+                KINDS[kind].fwd(self.ctx, rec, env, graph)
         rec.built = graph
         self._sp_keep_rows(c, mb, rec)
-        if not self._needs_tp("fwd", kind):
+        if not cp_attn and not self._needs_tp("fwd", kind):
             self._fwd_done(c, mb, rec)
 
     def _needs_tp(self, phase: str, kind: str) -> bool:
@@ -512,7 +525,10 @@ class Interpreter:
         if self.ctx.chain and "h" in carry:
             tmp["h"] = carry["h"]
         with torch.enable_grad():
-            KINDS[rec.kind].fwd(self.ctx, rec, tmp, True)
+            if rec.kind == "attn" and self.strategy.cp > 1:
+                self._cp_recompute(rec, tmp)
+            else:
+                KINDS[rec.kind].fwd(self.ctx, rec, tmp, True)
             if self.ctx.chain and rec.kind in ("attn", "mlp"):
                 carry["h"] = rec.t["h_out"] = rec.t["h"] + rec.t["out"]
         rec.pending = None
@@ -530,6 +546,9 @@ class Interpreter:
             raise RuntimeError(f"backward of {atom} (chunk {c}, micro-batch {mb}) has no graph: "
                                f"its forward ran without one and no recompute instruction rebuilt it")
         kd = KINDS[rec.kind]
+        if rec.kind == "attn" and self.strategy.cp > 1:   # finished when its K/V gradients are scattered
+            self._cp_bwd(c, mb, rec, full)
+            return
         kd.bwd_input(self.ctx, rec, genv)
         if full:
             self._sp_defer(c, mb, rec)
@@ -616,6 +635,8 @@ class Interpreter:
             return self._dp(p, tag.axis.value, tag.what.value, tag.chunk)
         if k == _SPK:
             return self._sp(p, tag)
+        if k == _CPK:
+            return self._cp_comm(p)
         return self._z3(p, "eparam" if tag.expert else "param", tag.chunk, tag.phase, tag.mb)
 
     def _post_recv(self, p: Prepared) -> Flight:

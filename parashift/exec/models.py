@@ -38,11 +38,8 @@ NORM_EPS = 1e-5
 
 
 def check_supported(spec: ModelSpec, strategy: "Strategy | None" = None) -> None:
-    """Raise StrategyError when ``spec`` (or ``strategy``) uses a feature the runtime's torch model does
-    not implement: context parallelism is planned, simulated and searched, not run."""
-    if strategy is not None and strategy.cp > 1:
-        raise StrategyError(f"the runtime does not execute cp={strategy.cp} (context parallelism) yet; simulate or "
-                            f"search that strategy (parashift simulate / search), and run it with cp=1")
+    """Raise StrategyError when ``spec`` uses a feature the runtime's torch model does not implement
+    (``strategy``: checked by the strategy itself)."""
     bad = []
     if spec.norm != "rms":
         bad.append(f"norm={spec.norm!r} (use 'rms')")
@@ -98,6 +95,10 @@ class Tape:
         y = x * w
         self.uses.append(_Use((name, None), "scale", x, y))
         return y
+
+    def record(self, x: torch.Tensor, name: str, index: int | None = None) -> None:
+        """A linear use computed outside the tape (its output gradient is supplied to :meth:`weight_grads`)."""
+        self.uses.append(_Use((name, index), "lin", x, torch.empty(0, requires_grad=True)))
 
     def outputs(self) -> list[torch.Tensor]:
         """Tensors whose gradients the backward must capture (those that are part of the graph)."""

@@ -25,7 +25,8 @@ import torch
 from ..models import ModelSpec
 from .models import Tape, apply_rope, rms_norm, swiglu
 
-__all__ = ["RegionCtx", "Rec", "KINDS", "atomic_regions", "region_kind", "head_logit_grad"]
+__all__ = ["RegionCtx", "Rec", "KINDS", "atomic_regions", "region_kind", "head_logit_grad", "cp_attn_pre",
+           "cp_attn_core", "cp_attn_bwd_out", "cp_attn_bwd_core", "cp_attn_bwd_qkv"]
 
 
 @dataclass
@@ -42,6 +43,8 @@ class RegionCtx:
     grad: Callable[[str], torch.Tensor]                 # local gradient accumulator of a parameter
     rope: tuple[torch.Tensor, torch.Tensor] | None = None
     chain: bool = False     # tp == 1 dense: regions of one instruction share one autograd graph
+    cp: int = 1
+    cp_mask: torch.Tensor | None = None   # [local queries, cp * local keys]: key position <= query position
 
     def leaf(self, h: torch.Tensor, grad: bool) -> torch.Tensor:
         """The region's input: kept attached in chain mode, else a fresh leaf."""
@@ -190,6 +193,84 @@ def _norm_bwd(c: RegionCtx, rec: Rec, dz: torch.Tensor) -> torch.Tensor:
 def _block_bwd_done(c: RegionCtx, rec: Rec, genv: dict) -> None:
     genv["h"] = rec.t.pop("dh_out") + _norm_bwd(c, rec, rec.pending)
     rec.pending = None
+
+
+# ---------------------------------------------------------------------------------------------
+# context parallelism: attention over the K/V of every CP rank (gathered by the Program's cp.*.kv
+# all-gather, their gradients returned to the owners by its cp.*.dkv reduce-scatter)
+# ---------------------------------------------------------------------------------------------
+def cp_attn_pre(c: RegionCtx, rec: Rec, env: dict, grad: bool) -> torch.Tensor:
+    """Norm, QKV projection and rope on this rank's tokens (the graph the backward and a recompute
+    need); returns its K/V ``[2, b, groups, n, d]`` for the all-gathers, kept in ``saved``."""
+    s, p = c.spec, rec.region
+    h = env["h"]
+    rec.saved.update(h=h)
+    z = _norm(c, rec, h, f"{p}.norm.weight", grad)
+    b, n, _ = z.shape
+    d, r = s.head_dim, s.heads // s.kv_heads
+    groups = s.kv_heads // c.tp
+    qkv = rec.tape.linear(z, c.param(f"{p}.qkv.weight"), f"{p}.qkv.weight").view(b, n, groups, r + 2, d)
+    q = qkv[:, :, :, :r].reshape(b, n, groups * r, d).transpose(1, 2)
+    k = qkv[:, :, :, r].transpose(1, 2)
+    v = qkv[:, :, :, r + 1].transpose(1, 2)
+    cos, sin = c.rope[0][:n], c.rope[1][:n]
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    rec.t.update(z_leaf=z, q=q, k=k, v=v)
+    rec.saved["kv_local"] = torch.stack([k.detach(), v.detach()])
+    return rec.saved["kv_local"]
+
+
+def _cp_core(c: RegionCtx, q: torch.Tensor, kv_all: torch.Tensor) -> torch.Tensor:
+    """Attention of local queries ``q [b, heads, n, d]`` over every rank's keys and values
+    (``kv_all [cp, 2, b, groups, n, d]``, CP rank order) with the causal mask of global positions."""
+    r = c.spec.heads // c.spec.kv_heads
+    cp, _, b, g, n, d = kv_all.shape
+    k = kv_all[:, 0].permute(1, 2, 0, 3, 4).reshape(b, g, cp * n, d).repeat_interleave(r, dim=1)
+    v = kv_all[:, 1].permute(1, 2, 0, 3, 4).reshape(b, g, cp * n, d).repeat_interleave(r, dim=1)
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=c.cp_mask)
+    return o.transpose(1, 2).reshape(b, n, -1)
+
+
+def cp_attn_core(c: RegionCtx, rec: Rec, kv_all: torch.Tensor) -> None:
+    """Core attention over the gathered K/V and the output projection; leaves the (TP-partial)
+    output in ``pending``. Neither the gathered K/V nor the attention output are kept: the backward
+    gathers the K/V again and re-runs the core (as flash attention's backward does)."""
+    with torch.no_grad():
+        o = _cp_core(c, rec.t["q"].detach(), kv_all)
+        rec.pending = torch.matmul(o, c.param(f"{rec.region}.out.weight").t())
+
+
+def cp_attn_bwd_out(c: RegionCtx, rec: Rec, genv: dict) -> None:
+    """Backward of the output projection to the attention output (its weight gradient waits for
+    the core's re-run output)."""
+    dh = genv.pop("h")
+    rec.t.update(dh_out=dh, dy_out=dh, do=torch.matmul(dh, c.param(f"{rec.region}.out.weight")))
+
+
+def cp_attn_bwd_core(c: RegionCtx, rec: Rec, kv_all: torch.Tensor) -> torch.Tensor:
+    """Backward of the core attention on the re-gathered K/V: keeps dq and records the output
+    projection's input; returns the gradients of every rank's K/V ``[cp, 2, b, groups, n, d]`` for
+    the reduce-scatter to their owners."""
+    q = rec.t["q"].detach().requires_grad_(True)
+    kv = kv_all.detach().requires_grad_(True)
+    with torch.enable_grad():
+        o = _cp_core(c, q, kv)
+    dq, dkv = torch.autograd.grad([o], [q, kv], [rec.t.pop("do")])
+    rec.tape.record(o.detach(), f"{rec.region}.out.weight")
+    rec.t["dq"] = dq
+    return dkv
+
+
+def cp_attn_bwd_qkv(c: RegionCtx, rec: Rec, dkv: torch.Tensor) -> None:
+    """Backward of rope and the QKV projection from dq and this rank's summed K/V gradients
+    ``[2, b, groups, n, d]``; leaves the (TP-partial) input gradient at ``z`` in ``pending`` and the
+    projections' output gradients in ``dys`` (tape order: qkv, out)."""
+    t = rec.t
+    outs = [t.pop("q"), t.pop("k"), t.pop("v")]
+    grads = torch.autograd.grad(outs, [t["z_leaf"], rec.tape.uses[0].y], [t.pop("dq"), dkv[0], dkv[1]])
+    rec.dys = [grads[1], t.pop("dy_out")]
+    rec.pending = grads[0]
+    del t["z_leaf"]
 
 
 # ---------------------------------------------------------------------------------------------

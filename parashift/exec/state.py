@@ -2,7 +2,7 @@
 
 Each (chunk, dense|expert) group of tensors this rank holds is one flat buffer: the local
 (TP/EP-sharded) boxes concatenated in model order, padded to a multiple of the DP group size
-(``dp`` for dense tensors, ``edp`` for experts). ZeRO-k shards those flat buffers evenly over
+(``dp x cp`` for dense tensors, ``edp`` for experts). ZeRO-k shards those flat buffers evenly over
 the group: stage 1 the optimizer states (and master), 2 also gradients, 3 also parameters.
 The model's parameters are views into the store.
 """
@@ -267,7 +267,10 @@ class StateStore:
         for fam in ("dense", "expert"):
             ps = [p for p in pieces if p.group == fam]
             if ps:
-                n, idx = (strategy.dp, c["dp"]) if fam == "dense" else (strategy.edp, c["edp"])
+                # ZeRO shards over the ranks that reduce the family's gradients: dp x cp (cp fastest,
+                # as parashift.vps.layout), experts over edp (ep > 1 needs cp == 1)
+                n, idx = (strategy.dpcp, c["dpcp"]) if fam == "dense" else \
+                    (strategy.dpcp // strategy.ep, c["dpcp"] // strategy.ep)
                 self.buffers[fam] = Buffer(fam, ps, n, idx, strategy.zero, dtype, device, self.mem, alloc)
         self.pieces = {p.name: p for p in pieces}
         if init:

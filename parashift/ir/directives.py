@@ -244,8 +244,7 @@ class Shard:
     of the CP group: forward an all-gather, backward an all-gather of K/V and a reduce-scatter of their
     gradients. Each rank moves ``(ways - 1)`` blocks per pass, the bytes the p2p ring of ring attention
     moves (this is Megatron/TransformerEngine's ``cp_comm_type="all_gather"``, as Llama 3 trained);
-    the gathers run on the comm stream alongside the attention compute and the next block waits for
-    both, as ring attention overlaps its exchanges with compute."""
+    the exchanges sit on the comm stream between the attention's parts, exposed (see ``_ring``)."""
 
     axis: str
     ways: int
@@ -350,11 +349,18 @@ class Shard:
         return out
 
     def _ring(self, out: Graph) -> Graph:
-        """Context parallelism: FLOPs over ``ways`` ranks, K/V exchanges around attention."""
+        """Context parallelism: FLOPs over ``ways`` ranks and the K/V exchanges of each attention, in
+        the order TransformerEngine's ``cp_comm_type="all_gather"`` runs them (and the runtime does):
+        forward, the K/V all-gather follows the attention node (whose QKV projection makes K/V) and
+        the next node waits for it; backward, the K/V all-gather precedes the attention node and
+        the K/V-gradient reduce-scatter follows it (a split backward's weight half waits for it too).
+        The exchanges are exposed, as they are there."""
         c = out.cols
         n = len(out)
-        nbrs = _neighbours(out)
         after: list[tuple[int, int]] = []
+        before: list[tuple[int, int]] = []
+        weight = {(c["region"][i], c["mb"][i]): i for i in range(n)
+                  if c["op"][i] == "compute" and c["phase"][i] == "bwd_weight" and c["kind"][i] == "attn"}
         for i in range(n):
             if c["op"][i] != "compute" or c["phase"][i] == "optim":
                 continue
@@ -364,14 +370,28 @@ class Shard:
                 continue
             reg, mb = c["region"][i], c["mb"][i]
             kv = _comm(out, i, op="all_gather", tag=str(T.CPTag(reg, ph, "kv", mb)), group="cp",
-                       nbytes=self.nbytes * self.ways, stream="comm", dpos=-0.3, key=str(T.StepKey("cp_kv")))
-            _alongside(out, nbrs, i, kv)     # starts with the attention region, not after it
-            if ph != "fwd":                  # K/V gradients go back to their owners
-                after.append((i, _comm(out, i, op="reduce_scatter", tag=str(T.CPTag(reg, ph, "dkv", mb)), group="cp",
-                                       nbytes=self.nbytes * self.ways, stream="comm", dpos=0.5,
-                                       key=str(T.StepKey("cp_dkv")))))
+                       nbytes=self.nbytes * self.ways, stream="comm", dpos=0.3 if ph == "fwd" else -0.3,
+                       key=str(T.StepKey("cp_kv")))
+            if ph == "fwd":
+                after.append((i, kv))
+                continue
+            before.append((i, kv))
+            rs = _comm(out, i, op="reduce_scatter", tag=str(T.CPTag(reg, ph, "dkv", mb)), group="cp",
+                       nbytes=self.nbytes * self.ways, stream="comm", dpos=0.5, key=str(T.StepKey("cp_dkv")))
+            after.append((i, rs))
+            if (reg, mb) in weight:          # the QKV weight gradient needs the K/V gradients it returns
+                out.edge(rs, weight[(reg, mb)], SAVED)
         out.insert_after(after)
+        _insert_before(out, before)
         return out
+
+
+def _insert_before(g: Graph, items: list[tuple[int, int]]) -> None:
+    """For each (u, c): reroute u's DATA in-edges through c (old sources -> c -> u)."""
+    via = dict(items)
+    g.dst = [via[v] if k == DATA and v in via else v for v, k in zip(g.dst, g.ekind)]
+    for u, c in items:
+        g.edge(c, u, DATA)
 
 
 @dataclass(frozen=True)
