@@ -1,0 +1,312 @@
+"""Directives as the user's programming interface: what runs where, and when, on a traced model.
+
+A user writes a list of directives about *regions* (the names given with ``parashift.region``);
+:func:`resolve` turns it, with a base :class:`~parashift.strategy.Strategy`, into what
+:func:`~parashift.ir.compile_graph.compile_graph` builds the Program from:
+
+- :class:`Place` maps regions to chunks and chunks to pipeline stages (``stages=(0, 1, 1, 0)``: a V);
+- :class:`Replicate` / :class:`Shard` say how regions train over the ``dp`` axis: replicated
+  (gradients all-reduced) or ZeRO-sharded at ``level`` 1, 2 or 3, over ``ways`` ranks;
+- ``Split(microbatches=m, backward=True)`` (:class:`~parashift.ir.directives.Split`): m micro-batches,
+  backward split into input- and weight-gradient halves;
+- ``Order({stage: "0F0 0F1 0B0 ..."})`` (:class:`~parashift.ir.ordering.Order`): each stage's order;
+- ``Recompute("full")``: re-run forwards before their backward;
+- ``Stream(name, ops=..., tag_prefix=...)``: move collectives to a stream of their own (its own
+  communicator in the runtime, its own lane in the simulator and the timeline).
+
+A Strategy is sugar for such a list: :func:`strategy_directives` prints what it expands to, and
+compiling that list gives the strategy's own Program. Region patterns are a region name, a dotted
+prefix (``"layers.1"`` covers ``"layers.1.attn"``), a layer range ``"layers.0-3"`` or ``"*"``; where
+several match, the most specific wins. Pure planning code: no torch.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+from ..errors import ProgramError, StrategyError
+from ..strategy import Strategy
+from .actions import format_order
+from .directives import Recompute, Split
+from .ordering import Order, Stream
+
+__all__ = ["Place", "Replicate", "Shard", "Split", "Order", "Stream", "Recompute", "Resolved", "resolve",
+           "strategy_directives", "matches", "format_directives", "parse_directives"]
+
+_RANGE = re.compile(r"^(?P<pre>.*?)(?P<a>\d+)-(?P<b>\d+)(?P<post>(\..*)?)$")
+_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+
+
+def _expand(pattern: str) -> list[str]:
+    m = _RANGE.match(pattern)
+    if not m or int(m["b"]) < int(m["a"]):
+        return [pattern]
+    return [f"{m['pre']}{k}{m['post']}" for k in range(int(m["a"]), int(m["b"]) + 1)]
+
+
+def matches(pattern: str, region: str) -> int:
+    """How specifically ``pattern`` covers ``region``: 0 no match, 1 ``"*"``, else 2 + dotted depth."""
+    if pattern == "*":
+        return 1
+    for p in _expand(pattern):
+        if region == p or region.startswith(p + "."):
+            return 2 + p.count(".") + (region == p)
+    return 0
+
+
+def _regions_of(spec: "str | Sequence[str]") -> tuple[str, ...]:
+    return (spec,) if isinstance(spec, str) else tuple(spec)
+
+
+def _best(patterns: Iterable[str], region: str) -> "str | None":
+    scored = [(matches(p, region), p) for p in patterns]
+    scored = [x for x in scored if x[0]]
+    return max(scored)[1] if scored else None
+
+
+@dataclass(frozen=True)
+class Place:
+    """``regions``: region pattern -> chunk (or one chunk per region, in model order); ``stages``:
+    pipeline stage of every chunk (default chunk c on stage c; ``(0, 1, 1, 0)`` is a V)."""
+
+    regions: "Mapping[str, int] | tuple[int, ...]"
+    stages: "tuple[int, ...] | None" = None
+
+    def __post_init__(self) -> None:
+        r = self.regions
+        object.__setattr__(self, "regions", tuple(int(x) for x in r) if not isinstance(r, Mapping)
+                           else tuple((str(k), int(v)) for k, v in r.items()))
+        if self.stages is not None:
+            object.__setattr__(self, "stages", tuple(int(x) for x in self.stages))
+
+    def chunk_of(self, names: Sequence[str]) -> dict[str, int]:
+        """Chunk of every region in ``names`` (model order); raises naming an unplaced region."""
+        if self.regions and isinstance(self.regions[0], int):
+            if len(self.regions) != len(names):
+                raise ProgramError(f"{self} lists {len(self.regions)} chunks but the model has {len(names)} regions "
+                                   f"({', '.join(names)}); give one chunk per region or map region names")
+            return dict(zip(names, self.regions))
+        table = dict(self.regions)
+        out = {}
+        for n in names:
+            p = _best(table, n)
+            if p is None:
+                raise ProgramError(f"{self} places no chunk for region {n!r}; add an entry for it (e.g. "
+                                   f"'{n}': 0) or a '*' entry")
+            out[n] = table[p]
+        return out
+
+    def chunk_stages(self, chunks: int) -> tuple[int, ...]:
+        cs = self.stages if self.stages is not None else tuple(range(chunks))
+        if len(cs) != chunks:
+            raise ProgramError(f"{self} places regions on {chunks} chunks but stages= lists {len(cs)}; give "
+                               f"one stage per chunk")
+        return cs
+
+    def __str__(self) -> str:
+        if self.regions and isinstance(self.regions[0], int):
+            body = repr(tuple(self.regions))
+        else:
+            body = "{" + ", ".join(f"{k!r}: {v}" for k, v in self.regions) + "}"
+        return f"Place({body}" + (f", stages={self.stages}" if self.stages is not None else "") + ")"
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Train ``regions`` replicated over ``over`` (gradients all-reduced); ``ways``: the axis size
+    (None: the base strategy's)."""
+
+    regions: "str | tuple[str, ...]" = "*"
+    over: str = "dp"
+    ways: "int | None" = None
+
+    level = 0
+
+    def __str__(self) -> str:
+        return f"Replicate({self.regions!r}, over={self.over!r}" + (f", ways={self.ways}" if self.ways else "") + ")"
+
+
+@dataclass(frozen=True)
+class Shard:
+    """ZeRO-shard ``regions`` over ``over`` at ``level`` (1: optimizer states, 2: + gradients,
+    3: + parameters, gathered before each use)."""
+
+    regions: "str | tuple[str, ...]" = "*"
+    level: int = 1
+    over: str = "dp"
+    ways: "int | None" = None
+
+    def __str__(self) -> str:
+        return (f"Shard({self.regions!r}, level={self.level}, over={self.over!r}"
+                + (f", ways={self.ways}" if self.ways else "") + ")")
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A directive list resolved against a model's regions and a base strategy."""
+
+    strategy: Strategy
+    microbatches: int
+    region_chunk: "dict[str, int] | None" = None     # None: the strategy's own placement
+    chunk_stages: "tuple[int, ...] | None" = None
+    split_backward: bool = False
+    order: "Order | None" = None
+    streams: tuple[Stream, ...] = ()
+
+
+def _fmt(d: Any) -> str:
+    if isinstance(d, Split):
+        parts = ([f"microbatches={d.microbatches}"] if d.microbatches is not None else []) + \
+                (["backward=True"] if d.backward else [])
+        return f"Split({', '.join(parts)})"
+    if isinstance(d, Order):
+        return "Order({" + ", ".join(f"{st}: {format_order(o)!r}" for st, o in sorted(d.steps().items())) + "})"
+    if isinstance(d, Stream):
+        return f"Stream({d.stream!r}, ops={tuple(d.ops)!r}" + (f", tag_prefix={d.tag_prefix!r}" if d.tag_prefix else "") + ")"
+    if isinstance(d, Recompute):
+        return f"Recompute({d.mode!r})"
+    return str(d)
+
+
+def format_directives(ds: Sequence[Any]) -> str:
+    """One directive per line, as Python a user can paste back (see :func:`parse_directives`)."""
+    return "\n".join(_fmt(d) for d in ds)
+
+
+def parse_directives(text: str) -> list:
+    """Directives from Python source: a list expression, or statements that bind ``directives``.
+
+    The names of this module (Place, Replicate, Shard, Split, Order, Stream, Recompute) are in scope."""
+    ns: dict[str, Any] = {k: globals()[k] for k in ("Place", "Replicate", "Shard", "Split", "Order", "Stream",
+                                                    "Recompute")}
+    try:
+        try:
+            value = eval(compile(text, "<directives>", "eval"), ns)   # noqa: S307 - the user's own program
+        except SyntaxError:
+            exec(compile(text, "<directives>", "exec"), ns)           # noqa: S102
+            value = ns.get("directives")
+    except Exception as e:  # noqa: BLE001 - reported as the user's directive error
+        raise ProgramError(f"cannot read the directives: {type(e).__name__}: {e}; write a Python list such as "
+                           f"[Place({{'embed': 0, 'layers.0-1': 0, 'layers.2-3': 1, 'head': 1}}), "
+                           f"Split(microbatches=4)]") from e
+    if isinstance(value, (Place, Replicate, Shard, Split, Order, Stream, Recompute)):
+        value = [value]
+    if not isinstance(value, (list, tuple)):
+        raise ProgramError("the directives file must be a list expression or bind `directives = [...]`")
+    return list(value)
+
+
+def resolve(directives: Sequence[Any], base: Strategy, regions: Sequence[str], *, global_batch: int,
+            param_regions: "Sequence[str] | None" = None) -> Resolved:
+    """Resolve ``directives`` for a model with ``regions`` (model order) under ``base``.
+
+    Raises ProgramError naming the directive and the region when the list cannot describe one job."""
+    s = base
+    places = [d for d in directives if isinstance(d, Place)]
+    splits = [d for d in directives if isinstance(d, Split)]
+    orders = [d for d in directives if isinstance(d, Order)]
+    syncs = [d for d in directives if isinstance(d, (Replicate, Shard))]
+    recs = [d for d in directives if isinstance(d, Recompute)]
+    streams = tuple(d for d in directives if isinstance(d, Stream))
+    known = (Place, Split, Order, Replicate, Shard, Recompute, Stream)
+    for d in directives:
+        if not isinstance(d, known):
+            raise ProgramError(f"{d!r} is not a directive a user model takes; use "
+                               f"{', '.join(k.__name__ for k in known)} (parashift.directives)")
+    for kind, lst in (("Place", places), ("Order", orders), ("Recompute", recs)):
+        if len(lst) > 1:
+            raise ProgramError(f"{len(lst)} {kind} directives; give one ({', '.join(map(_fmt, lst))})")
+    # ---- over dp: Replicate / Shard -------------------------------------------------------------------
+    if syncs:
+        for d in syncs:
+            if d.over != "dp":
+                raise ProgramError(f"{_fmt(d)}: a user model's regions replicate or shard over 'dp' only (tp, ep "
+                                   f"and cp need a preset model that says how a region shards)")
+            if isinstance(d, Shard) and d.level not in (1, 2, 3):
+                raise ProgramError(f"{_fmt(d)}: level must be 1, 2 or 3 (ZeRO stage); use Replicate for none")
+        ways = {d.ways for d in syncs if d.ways is not None}
+        if len(ways) > 1:
+            raise ProgramError(f"{', '.join(map(_fmt, syncs))} give dp sizes {sorted(ways)}; one job has one dp size")
+        level_of: dict[str, tuple[int, Any]] = {}
+        for r in (param_regions if param_regions is not None else regions):
+            best = max(((matches(p, r), d) for d in syncs for p in _regions_of(d.regions)),
+                       key=lambda x: x[0], default=(0, None))
+            if not best[0]:
+                raise ProgramError(f"region {r!r} is neither replicated nor sharded by "
+                                   f"{', '.join(map(_fmt, syncs))}; cover it (e.g. Replicate('*'))")
+            level_of[r] = (best[1].level, best[1])
+        levels = {lv for lv, _ in level_of.values()}
+        if len(levels) > 1:
+            by = {}
+            for r, (lv, d) in level_of.items():
+                by.setdefault(lv, (r, d))
+            (r1, d1), (r2, d2) = list(by.values())[:2]
+            raise ProgramError(f"region {r1!r} trains at ZeRO level {d1.level} ({_fmt(d1)}) but region {r2!r} at "
+                               f"{d2.level} ({_fmt(d2)}); the runtime keeps one ZeRO level per job: give every "
+                               f"region the same level")
+        s = s.replace(zero=levels.pop() if levels else 0, **({"dp": ways.pop()} if ways else {}))
+    # ---- Split -------------------------------------------------------------------------------------------
+    split_bw = any(d.backward for d in splits)
+    mbs_counts = {d.microbatches for d in splits if d.microbatches is not None}
+    if len(mbs_counts) > 1:
+        raise ProgramError(f"Split gives {sorted(mbs_counts)} micro-batches; give one count")
+    if mbs_counts:
+        m = mbs_counts.pop()
+        if m < 1 or global_batch % (s.dp * m):
+            raise ProgramError(f"Split(microbatches={m}): the global batch {global_batch} does not divide into "
+                               f"dp={s.dp} x {m} micro-batches; pick m dividing {global_batch // max(s.dp, 1)}")
+        s = s.replace(mbs=global_batch // (s.dp * m))
+    m = s.num_microbatches(global_batch)
+    if recs:
+        s = s.replace(recompute=recs[0].mode)
+    # ---- Place -------------------------------------------------------------------------------------------
+    region_chunk = chunk_stages = None
+    if places:
+        p = places[0]
+        region_chunk = p.chunk_of(regions)
+        chunks = max(region_chunk.values()) + 1
+        used = sorted(set(region_chunk.values()))
+        if used != list(range(chunks)):
+            missing = sorted(set(range(chunks)) - set(used))
+            raise ProgramError(f"{p}: chunks {missing} hold no region; number chunks 0..n-1 in model order")
+        chunk_stages = p.chunk_stages(chunks)
+        pp = max(chunk_stages) + 1
+        if sorted(set(chunk_stages)) != list(range(pp)):
+            raise ProgramError(f"{p}: stages {sorted(set(chunk_stages))} leave a stage without a chunk; use "
+                               f"stages 0..{pp - 1}")
+        vpp = chunks // pp if chunks % pp == 0 else 1
+        sched = s.schedule
+        from .schedules import get_schedule
+        if get_schedule(sched).chunks not in (None, vpp) or (get_schedule(sched).chunks is None and vpp < 2):
+            sched = "interleaved-1f1b" if vpp > 1 else "1f1b"
+        s = s.replace(pp=pp, vpp=vpp, schedule=sched)
+    return Resolved(s, m, region_chunk, chunk_stages, split_bw, orders[0] if orders else None, streams)
+
+
+def strategy_directives(strategy: "str | Strategy", *, layers: int, global_batch: int,
+                        embed: bool = True, head: bool = True) -> list:
+    """The directive list ``strategy`` expands to for a model of ``layers`` layers named
+    ``layers.{i}`` (plus ``embed`` and ``head``): compiling it gives the strategy's Program."""
+    from .schedules import schedule_order, split_backward
+    s = Strategy.parse(strategy)
+    m = s.num_microbatches(global_batch)
+    lc = [int(x) for x in s.layer_stages(layers)]
+    table: dict[str, int] = {}
+    if embed:
+        table["embed"] = 0
+    start = 0
+    for k in range(1, layers + 1):
+        if k == layers or lc[k] != lc[start]:
+            table[f"layers.{start}" if k - start == 1 else f"layers.{start}-{k - 1}"] = lc[start]
+            start = k
+    if head:
+        table["head"] = s.stages - 1
+    out: list = [Place(table, stages=tuple(int(s.chunk_rank_stage(c)) for c in range(s.stages)))]
+    out.append(Split(microbatches=m, backward=split_backward(s.schedule)))
+    out.append(Replicate("*", over="dp", ways=s.dp) if s.zero == 0 else Shard("*", level=s.zero, over="dp",
+                                                                                ways=s.dp))
+    if s.recompute != "none":
+        out.append(Recompute(s.recompute))
+    out.append(schedule_order(s, m))
+    return out
