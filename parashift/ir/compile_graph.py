@@ -23,7 +23,7 @@ from .graph import Graph
 from .memory import OPTIM_FLOPS_PER_ELEMENT
 from .program import Program
 from .scheduler import lower
-from .placement import placed, placement_meta, placement_order
+from .placement import placed, placement_order
 from .schedules import get_schedule, schedule_order, split_backward
 from .user_directives import format_directives, resolve
 
@@ -95,8 +95,10 @@ def compile_graph(graph: Graph, strategy: "str | Strategy" = "dp=1", *, global_b
         chunk_stage = tuple(int(s.chunk_rank_stage(ch)) for ch in range(s.stages))
         run = s
     else:
-        g, layer_chunk = _place_regions(g, res.region_chunk, model_order, directives)
-        c = g.cols
+        layer_chunk = _by_layer(g, res.region_chunk, len(res.chunk_stages))
+        if layer_chunk is None:
+            g, layer_chunk = _place_regions(g, res.region_chunk, model_order, directives)
+            c = g.cols
         chunk_stage = tuple(res.chunk_stages)
         run = placed(s, layer_chunk, chunk_stage)
     chunks = len(chunk_stage)
@@ -132,15 +134,29 @@ def compile_graph(graph: Graph, strategy: "str | Strategy" = "dp=1", *, global_b
     meta = {"model": name, "strategy": str(s), "schedule": s.schedule, "global_batch": int(global_batch),
             "seq_len": None, "microbatches": m, "mbs": s.mbs, "kind": "train_step", "regions": region_chunk,
             "chunk_stages": list(chunk_stage)}
-    pm = placement_meta(run)
-    if pm:
-        meta["placement"] = pm
     if directives:
         meta["directives"] = format_directives(list(directives))
     prog = lower(dist, run, static_memory=mem, meta=meta)
     if validate:
         prog.validate()
     return prog
+
+
+def _by_layer(g: Graph, region_chunk: dict[str, int], chunks: int) -> "tuple[int, ...] | None":
+    """The layer -> chunk map of a region placement that keeps layers whole (embedding in chunk 0,
+    head in the last; every layer on one chunk, in order), else None."""
+    c = g.cols
+    of: dict[int, set] = {}
+    for i in range(len(g)):
+        ch, kind = region_chunk[c["region"][i]], c["kind"][i]
+        if (kind == "embed" and ch != 0) or (kind == "head" and ch != chunks - 1):
+            return None
+        if kind not in ("embed", "head"):
+            of.setdefault(c["layer"][i], set()).add(ch)
+    if sorted(of) != list(range(len(of))) or any(len(v) != 1 for v in of.values()):
+        return None
+    out = tuple(next(iter(of[k])) for k in range(len(of)))
+    return out if all(b >= a for a, b in zip(out, out[1:])) else None
 
 
 def _place_regions(g: Graph, region_chunk: dict[str, int], model_order: list[int],

@@ -22,6 +22,7 @@ from ..errors import ProgramError
 from ..strategy import Strategy
 from .actions import Action
 from .graph import Graph
+from .placement import graph_placement, placement_meta
 from .program import Instr, Program, RankProgram
 
 __all__ = ["lower", "pair_order"]
@@ -143,6 +144,7 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     c = g.cols
     n = len(g)
     pp = strategy.pp
+    strategy = graph_placement(g, strategy)       # a custom Place: the runtime follows the graph's placement
     stage = np.asarray(c["stage"], np.int64)
     if n and (stage.min() < 0 or stage.max() >= pp):
         raise ProgramError("every node needs a pipeline stage in [0, pp); apply Place first")
@@ -259,4 +261,7 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
         progs.append(RankProgram(out, mem))
     ranks_stage = np.arange(strategy.world) // (strategy.world // strategy.pp)
     ranks = {int(r): progs[int(st)] for r, st in enumerate(ranks_stage)}
-    return Program(ranks, strategy, dict(meta or {}))
+    meta = dict(meta or {})
+    if placement_meta(strategy):
+        meta["placement"] = placement_meta(strategy)
+    return Program(ranks, strategy, meta)

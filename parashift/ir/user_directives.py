@@ -175,26 +175,34 @@ def format_directives(ds: Sequence[Any]) -> str:
 
 
 def parse_directives(text: str) -> list:
-    """Directives from Python source: a list expression, or statements that bind ``directives``.
+    """Directives from Python source: one directive expression per line (what
+    :func:`format_directives` prints), a list expression, or statements that bind ``directives``.
 
     The names of this module (Place, Replicate, Shard, Split, Order, Stream, Recompute) are in scope."""
+    import ast
     ns: dict[str, Any] = {k: globals()[k] for k in ("Place", "Replicate", "Shard", "Split", "Order", "Stream",
                                                     "Recompute")}
+    out: list = []
     try:
-        try:
-            value = eval(compile(text, "<directives>", "eval"), ns)   # noqa: S307 - the user's own program
-        except SyntaxError:
-            exec(compile(text, "<directives>", "exec"), ns)           # noqa: S102
-            value = ns.get("directives")
+        tree = ast.parse(text, "<directives>")
+        if all(isinstance(st, ast.Expr) for st in tree.body):
+            for st in tree.body:
+                v = eval(compile(ast.Expression(st.value), "<directives>", "eval"), ns)  # noqa: S307 - user's own
+                out += list(v) if isinstance(v, (list, tuple)) else [v]
+        else:
+            exec(compile(tree, "<directives>", "exec"), ns)           # noqa: S102 - the user's own program
+            if not isinstance(ns.get("directives"), (list, tuple)):
+                raise ValueError("the file binds no list called `directives`")
+            out = list(ns["directives"])
     except Exception as e:  # noqa: BLE001 - reported as the user's directive error
-        raise ProgramError(f"cannot read the directives: {type(e).__name__}: {e}; write a Python list such as "
-                           f"[Place({{'embed': 0, 'layers.0-1': 0, 'layers.2-3': 1, 'head': 1}}), "
-                           f"Split(microbatches=4)]") from e
-    if isinstance(value, (Place, Replicate, Shard, Split, Order, Stream, Recompute)):
-        value = [value]
-    if not isinstance(value, (list, tuple)):
-        raise ProgramError("the directives file must be a list expression or bind `directives = [...]`")
-    return list(value)
+        raise ProgramError(f"cannot read the directives: {type(e).__name__}: {e}; write one directive per line "
+                           f"or `directives = [...]`, e.g. Place({{'embed': 0, 'layers.0-1': 0, 'layers.2-3': 1, "
+                           f"'head': 1}})") from e
+    bad = [x for x in out if not isinstance(x, (Place, Replicate, Shard, Split, Order, Stream, Recompute))]
+    if bad:
+        raise ProgramError(f"{bad[0]!r} is not a directive; use Place, Replicate, Shard, Split, Order, Stream, "
+                           f"Recompute")
+    return out
 
 
 def resolve(directives: Sequence[Any], base: Strategy, regions: Sequence[str], *, global_batch: int,
@@ -214,6 +222,14 @@ def resolve(directives: Sequence[Any], base: Strategy, regions: Sequence[str], *
         if not isinstance(d, known):
             raise ProgramError(f"{d!r} is not a directive a user model takes; use "
                                f"{', '.join(k.__name__ for k in known)} (parashift.directives)")
+    for d in streams:
+        if not isinstance(d.stream, str) or not d.stream.isidentifier() or d.stream == "p2p":
+            raise ProgramError(f"{_fmt(d)}: a stream name is an identifier other than 'p2p' (e.g. 'grads')")
+        bad = [op for op in d.ops if op not in _COLLECTIVES]
+        if not d.ops or bad:
+            raise ProgramError(f"{_fmt(d)}: a user Stream moves collectives ({', '.join(_COLLECTIVES)}); "
+                               f"{', '.join(bad) or 'no ops'} cannot move (compute runs one action at a time on "
+                               f"'compute', send/recv pair up on 'p2p')")
     for kind, lst in (("Place", places), ("Order", orders), ("Recompute", recs)):
         if len(lst) > 1:
             raise ProgramError(f"{len(lst)} {kind} directives; give one ({', '.join(map(_fmt, lst))})")
@@ -276,12 +292,28 @@ def resolve(directives: Sequence[Any], base: Strategy, regions: Sequence[str], *
             raise ProgramError(f"{p}: stages {sorted(set(chunk_stages))} leave a stage without a chunk; use "
                                f"stages 0..{pp - 1}")
         vpp = chunks // pp if chunks % pp == 0 else 1
-        sched = s.schedule
+        vshape = vpp == 2 and chunk_stages == tuple(c if c < pp else 2 * pp - 1 - c for c in range(chunks))
+        s = s.replace(pp=pp, vpp=vpp, schedule=_label(s.schedule, vpp, vshape, split_bw))
+    elif split_bw:
         from .schedules import get_schedule
-        if get_schedule(sched).chunks not in (None, vpp) or (get_schedule(sched).chunks is None and vpp < 2):
-            sched = "interleaved-1f1b" if vpp > 1 else "1f1b"
-        s = s.replace(pp=pp, vpp=vpp, schedule=sched)
+        sch = get_schedule(s.schedule)
+        s = s.replace(schedule=_label(s.schedule, s.vpp, sch.vshape, True))
     return Resolved(s, m, region_chunk, chunk_stages, split_bw, orders[0] if orders else None, streams)
+
+
+def _label(base: str, vpp: int, vshape: bool, split: bool) -> str:
+    """The registered schedule whose placement and backward match (``base`` when it does): the label
+    a Program compiled from directives carries (its order is the directives' own)."""
+    from .schedules import get_schedule, schedule_names
+    names = [base] + [n for n in schedule_names() if n != base]
+    for n in names:
+        sch = get_schedule(n)
+        if sch.vpp_problems(vpp) or sch.vshape != vshape or (split and not sch.split_backward):
+            continue
+        if n != base and sch.split_backward != split:
+            continue
+        return n
+    return "interleaved-1f1b" if vpp > 1 else "1f1b"
 
 
 def strategy_directives(strategy: "str | Strategy", *, layers: int, global_batch: int,

@@ -1,0 +1,126 @@
+"""Directives as the user's programming interface: Place (uneven, V), Replicate, Shard, Split,
+Order, Stream and Recompute on a user's annotated torch model, alone and combined, train equal to a
+single-process AdamW run; a Strategy expands to a directive list that compiles to its own Program;
+errors name the region and the directive; user-named streams are real in Program, simulator and runtime."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from parashift import directives as d
+from parashift.errors import ProgramError
+from parashift.exec.user_model import compile_user_model, run_user_model
+from parashift.ir.annotate import trace
+from parashift.ir.compile_graph import compile_graph
+from parashift.ir.placement import PlacedStrategy
+
+from test_exec_user_model import EXAMPLE, GB, OPT, batches, lm_loss, reference, tiny_lm
+
+STEPS = 2
+UNEVEN = d.Place({"embed": 0, "layers.0": 0, "layers.1-3": 1, "head": 1})           # layers -> stages 0,1,1,1
+V = d.Place({"embed": 0, "layers.0": 0, "layers.1": 1, "layers.2": 2, "layers.3": 3, "head": 3},
+            stages=(0, 1, 1, 0))
+# a V with split backward whose weight-grads are all deferred to the end of the step (written by hand)
+V_DEFER_W = d.Order({0: "0F0 0F1 3F0 3I0 3F1 3I1 0I0 0I1 3W0 3W1 0W0 0W1",
+                     1: "1F0 2F0 1F1 2F1 2I0 1I0 2I1 1I1 2W0 1W0 2W1 1W1"})
+GPIPE_4 = d.Order({0: "0F0 0F1 0F2 0F3 0B0 0B1 0B2 0B3", 1: "1F0 1F1 1F2 1F3 1B0 1B1 1B2 1B3"})
+GRADS = d.Stream("grads", ops=("all_reduce", "reduce_scatter"))
+
+_REF: dict = {}
+
+
+def _check(strategy: str, directives: list) -> object:
+    if "ref" not in _REF:
+        _REF["ref"] = reference(tiny_lm, STEPS)
+    ref_losses, ref_params = _REF["ref"]
+    r = run_user_model(tiny_lm, strategy, directives=directives, example_input=EXAMPLE, data=batches,
+                       loss_fn=lm_loss, steps=STEPS, global_batch=GB, params=True, optim=OPT, timeout=120)
+    assert len(r.to_frame()) == sum(len(r.program.ranks[k]) for k in range(r.nprocs))   # every instruction ran
+    for got, want in zip(r.losses, ref_losses):
+        assert abs(got - want) <= 1e-5 * abs(want), (directives, r.losses, ref_losses)
+    for n, want in ref_params.items():
+        torch.testing.assert_close(r.params[n], want, rtol=1e-5, atol=1e-5, msg=f"{directives}: {n}")
+    return r
+
+
+def test_custom_place_that_used_to_crash_runs():
+    r = _check("dp=1", [UNEVEN])
+    assert isinstance(r.program.strategy, PlacedStrategy) and r.program.strategy.chunk_stages == (0, 1)
+    assert r.program.meta["regions"]["layers.0.mlp"] == 0 and r.program.meta["regions"]["layers.1.attn"] == 1
+
+
+def test_combined_v_place_zero2_split_backward_deferred_w_and_a_user_stream():
+    r = _check("dp=1", [V, d.Shard(level=2, ways=2), d.Split(microbatches=2, backward=True), V_DEFER_W, GRADS])
+    assert r.program.world == 4 and r.program.strategy.zero == 2
+    assert "grads" in r.program.ranks[0].streams
+    assert all(i.op == "reduce_scatter" for i in r.program.ranks[0].streams["grads"])
+    assert "grads" in set(r.to_frame()["stream"])                 # measured on its own lane
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy,directives", [
+    ("dp=1", [V]),
+    ("dp=1", [d.Replicate("*", over="dp", ways=2)]),
+    ("dp=1", [d.Shard("*", level=3, ways=2)]),
+    ("dp=2", [d.Split(microbatches=2)]),
+    ("pp=2", [d.Split(backward=True)]),
+    ("pp=2,mbs=2", [GPIPE_4]),
+    ("dp=2", [GRADS]),
+    ("pp=2", [d.Recompute("full")]),
+    ("dp=1", [UNEVEN, d.Replicate(ways=2), d.Split(microbatches=4), d.Recompute("full"), GPIPE_4, GRADS]),
+])
+def test_every_directive_alone_and_combined_matches_single_process(strategy, directives):
+    _check(strategy, directives)
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return trace(tiny_lm(), EXAMPLE)
+
+
+@pytest.mark.parametrize("strategy", ["dp=2,pp=2,zero=1", "pp=2,vpp=2,schedule=interleaved-1f1b",
+                                      "pp=2,schedule=zb-h1", "dp=2,recompute=full", "pp=2,vpp=2,schedule=dualpipev"])
+def test_a_strategy_expands_to_directives_that_compile_to_its_program(graph, strategy):
+    ds = d.strategy_directives(strategy, layers=4, global_batch=GB)
+    text = d.format_directives(ds)
+    assert text.splitlines()[0].startswith("Place(")
+    assert d.format_directives(d.parse_directives(text)) == text          # printable, and read back
+    want = compile_graph(graph, strategy, global_batch=GB)
+    got = compile_graph(graph, "dp=1", global_batch=GB, directives=d.parse_directives(text))
+    assert str(got.strategy) == str(want.strategy) and type(got.strategy) is type(want.strategy)
+
+    def key(p):
+        return {r: {s: [(i.op, i.phase, i.chunk, i.microbatch, i.tag, i.deps) for i in ins]
+                    for s, ins in p.ranks[r].streams.items()} for r in p.ranks}
+    assert key(got) == key(want)
+
+
+def test_errors_name_the_region_and_the_directive(graph):
+    with pytest.raises(ProgramError, match=r"Place\(.*'layers.3.attn'"):
+        compile_graph(graph, global_batch=GB, directives=[d.Place({"embed": 0, "layers.0-2": 0, "head": 1})])
+    with pytest.raises(ProgramError, match=r"sends data backwards: region 'layers.0.mlp' \(chunk 1\)"):
+        compile_graph(graph, global_batch=GB, directives=[d.Place({"*": 0, "layers.0": 1})])
+    with pytest.raises(ProgramError, match=r"region 'embed' trains at ZeRO level 3 .*region 'layers.0.attn' at 1"):
+        compile_graph(graph, "dp=2", global_batch=GB, directives=[d.Shard("embed", level=3), d.Shard("layers", level=1),
+                                                                  d.Replicate("head")])
+    with pytest.raises(ProgramError, match=r"region 'head' is neither replicated nor sharded"):
+        compile_graph(graph, "dp=2", global_batch=GB, directives=[d.Replicate(("embed", "layers"))])
+    with pytest.raises(ProgramError, match=r"Replicate\('\*', over='tp'\)"):
+        compile_graph(graph, global_batch=GB, directives=[d.Replicate(over="tp")])
+    with pytest.raises(ProgramError, match=r"Stream\('mine'.*collectives"):
+        compile_graph(graph, global_batch=GB, directives=[d.Stream("mine", ops=("compute",))])
+    with pytest.raises(ProgramError, match=r"Split\(microbatches=3\)"):
+        compile_graph(graph, global_batch=GB, directives=[d.Split(microbatches=3)])
+    with pytest.raises(ProgramError, match="cannot read the directives"):
+        d.parse_directives("[Place(]")
+
+
+def test_user_streams_appear_in_the_program_and_the_simulated_timeline():
+    from parashift.sim import simulate
+    program, _ = compile_user_model(tiny_lm, "dp=2", example_input=EXAMPLE, global_batch=GB,
+                                    directives=[d.Stream("grads", ops=("all_reduce",))])
+    program.validate()
+    assert [i.op for i in program.ranks[0].streams["grads"]] == ["all_reduce"]
+    assert not any(i.op == "all_reduce" for i in program.ranks[0].streams.get("comm", ()))
+    tl = simulate(program, "cpu-local").timeline
+    assert "grads" in set(tl["stream"])
