@@ -124,3 +124,103 @@ def test_user_streams_appear_in_the_program_and_the_simulated_timeline():
     assert not any(i.op == "all_reduce" for i in program.ranks[0].streams.get("comm", ()))
     tl = simulate(program, "cpu-local").timeline
     assert "grads" in set(tl["stream"])
+
+
+def test_schedule_cli_prints_the_directives_a_strategy_expands_to(capsys):
+    import json
+
+    from parashift.cli import main
+    assert main(["schedule", "--model", "tiny-gpt", "--strategy", "dp=2,pp=2,zero=1", "--global-batch", "8",
+                 "--directives", "--json"]) == 0
+    lines = json.loads(capsys.readouterr().out)["directives"]
+    assert lines == ["Place({'embed': 0, 'layers.0-1': 0, 'layers.2-3': 1, 'head': 1}, stages=(0, 1))",
+                     "Split(microbatches=4)", "Shard('*', level=1, over='dp', ways=2)",
+                     "Order({0: '0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3', 1: '1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3'})"]
+    assert main(["run", "--model", "tiny-gpt", "--directives", "Split(microbatches=2)", "--steps", "1"]) != 0
+    assert "--directives programs a user model" in capsys.readouterr().err
+
+
+_MODULE = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from parashift.exec import UserModel
+from parashift.ir.annotate import annotate
+
+
+def make():
+    return nn.Sequential(annotate(nn.Linear(4, 16), "embed"),
+                         *[annotate(nn.Sequential(nn.Linear(16, 16), nn.Tanh()), f"layers.{i}") for i in range(4)],
+                         annotate(nn.Linear(16, 2), "head"))
+
+
+def data(step):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(8, 4, generator=g)
+    return x, torch.stack([x.sum(1), x[:, 0] * x[:, 1]], 1)
+
+
+job = UserModel(make, torch.zeros(1, 4), data, F.mse_loss, name="mlp")
+'''
+
+
+def test_run_cli_takes_a_directives_file_and_runs_the_program_it_simulated(tmp_path, monkeypatch, capsys):
+    import json
+    import sys
+
+    import torch.nn.functional as F
+
+    from parashift.cli import main
+    (tmp_path / "dirmlp.py").write_text(_MODULE)
+    (tmp_path / "plan.py").write_text("directives = [\n    Place({'embed': 0, 'layers.0': 0, '*': 1}),\n"
+                                      "    Shard(level=2, ways=2),\n    Split(microbatches=2),\n"
+                                      "    Stream('grads', ops=('reduce_scatter',)),\n]\n")
+    monkeypatch.chdir(tmp_path)
+    try:
+        assert main(["run", "--model", "dirmlp:job", "--directives", "plan.py", "--steps", "2", "--json"]) == 0
+        res = json.loads(capsys.readouterr().out)
+        assert res["nprocs"] == 4 and res["streams"] == ["comm", "compute", "grads", "p2p"]
+        assert res["directives"][0] == "Place({'embed': 0, 'layers.0': 0, '*': 1})"
+        assert res["simulated_step_seconds"] > 0
+        import dirmlp
+        torch.manual_seed(0)
+        model = dirmlp.make()
+        opt = torch.optim.AdamW(model.parameters(), lr=OPT.lr, betas=(OPT.beta1, OPT.beta2), eps=OPT.eps,
+                                weight_decay=OPT.weight_decay, foreach=False)
+        for step, got in enumerate(res["losses"]):
+            x, y = dirmlp.data(step)
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            assert abs(got - loss.item()) <= 1e-5 * loss.item()
+        assert main(["run", "--model", "dirmlp:job", "--directives", "Place({'embed': 1, '*': 0})"]) != 0
+        err = capsys.readouterr().err
+        assert "region 'layers.0'" in err and "Place(" in err and "Traceback" not in err
+    finally:
+        sys.modules.pop("dirmlp", None)
+        if str(tmp_path) in sys.path:
+            sys.path.remove(str(tmp_path))
+
+
+def test_a_preset_with_a_custom_place_runs_like_one_process():
+    """The crash of #21: tiny-gpt with layers placed 0,1,1,1 used to fail with KeyError (0, 0)."""
+    import sys
+
+    import parashift as ps
+    from parashift.ir.compile import _base, directives
+    from parashift.ir.memory import static_memory
+    D = sys.modules["parashift.ir.directives"]
+    spec, s = ps.models.get("tiny-gpt"), ps.Strategy.parse("pp=2")
+    ds = [D.Place((0, 1, 1, 1), x.chunk_stage, x.act_bytes, x.optim) if isinstance(x, D.Place) else x
+          for x in directives(spec, s, global_batch=4, seq_len=spec.seq_len)]
+    meta = {"model": spec.name, "strategy": str(s), "schedule": s.schedule, "global_batch": 4,
+            "seq_len": spec.seq_len, "microbatches": 4, "mbs": 1, "kind": "train_step"}
+    prog = ps.ir.lower(D.apply_all(_base(spec, s, spec.seq_len), ds), s, static_memory=static_memory(spec, s),
+                       meta=meta)
+    prog = ps.ir.Program.from_json(prog.to_json())
+    assert prog.strategy.chunk_starts == (0, 1) and list(prog.strategy.layer_stages(4)) == [0, 1, 1, 1]
+    got = ps.exec.run_program(prog, steps=2)
+    want = ps.exec.run("tiny-gpt", "dp=1", steps=2, global_batch=4)
+    assert got.losses == pytest.approx(want.losses, rel=1e-5)

@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-gpt", help="model preset (default tiny-gpt), or MODULE:NAME of a "
                                                        "parashift.exec.UserModel (your annotated torch model)")
     p.add_argument("--strategy", default="dp=1,tp=1,pp=1", help="e.g. 'dp=2,pp=2,schedule=1f1b'")
+    p.add_argument("--directives", metavar="FILE|TEXT", help="with --model MODULE:NAME: directives refining the strategy, "
+                   "a Python file or inline text, e.g. \"Place({'embed': 0, 'layers.0': 0, '*': 1}); Split(microbatches=4)\"")
     p.add_argument("--nprocs", type=arg_int(1, MAX_LOCAL_PROCS), help="processes to start (default: the strategy's world size)")
     p.add_argument("--steps", type=arg_int(1, 1_000_000), default=5, help="training steps (default 5)")
     add_batch_options(p, live=True)
@@ -60,6 +62,9 @@ def run(args: argparse.Namespace) -> dict:
     if is_user_model(args.model):
         from .run_user import run_cli as run_user_cli
         return run_user_cli(args)
+    if args.directives:
+        raise StrategyError("--directives programs a user model (--model MODULE:NAME of a parashift.exec.UserModel); "
+                            "for a preset, describe the job with --strategy")
     if getattr(args, "rollout", None):
         from .run_rl import run_cli as run_rl_cli
         return run_rl_cli(args)
@@ -147,6 +152,10 @@ def render(result: dict, args: argparse.Namespace) -> None:
         p, m = result["predicted_step_seconds"], result["measured_step_seconds"]
         print(f"  predicted     {p * 1e3:.1f} ms per step ({result['predicted_cluster']}), measured {m * 1e3:.1f} ms "
               f"(median after the first step): {m / p:.2f}x the prediction")
+    if result.get("simulated_step_seconds") is not None:
+        print(f"  simulated     {result['simulated_step_seconds'] * 1e3:.1f} ms per step (cpu-local, same Program)")
+    for line in result.get("directives", []):
+        print(f"  directive     {line}")
     for w in result.get("warnings", []):
         print(f"  warning: {w}")
     if result.get("timeline"):

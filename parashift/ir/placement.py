@@ -136,6 +136,7 @@ def graph_placement(g: Any, s: Strategy) -> Strategy:
     for ch in reversed(range(chunks)):      # a chunk with no body layer starts where the next one does
         starts[ch] = nxt if starts[ch] is None else starts[ch]
         nxt = starts[ch]
+    starts[0] = 0                           # chunk 0 holds the embedding and the layers before chunk 1's
     cs = tuple(stage[ch] for ch in range(chunks))
     if sorted(set(cs)) != list(range(s.pp)) or any(b < a for a, b in zip(starts, starts[1:])):
         return s

@@ -317,9 +317,10 @@ def _label(base: str, vpp: int, vshape: bool, split: bool) -> str:
 
 
 def strategy_directives(strategy: "str | Strategy", *, layers: int, global_batch: int,
-                        embed: bool = True, head: bool = True) -> list:
+                        embed: bool = True, head: bool = True, order: "Order | None" = None) -> list:
     """The directive list ``strategy`` expands to for a model of ``layers`` layers named
-    ``layers.{i}`` (plus ``embed`` and ``head``): compiling it gives the strategy's Program."""
+    ``layers.{i}`` (plus ``embed`` and ``head``): compiling it gives the strategy's Program.
+    ``order``: the schedule's Order when it was planned with durations (default: unit costs)."""
     from .schedules import schedule_order, split_backward
     s = Strategy.parse(strategy)
     m = s.num_microbatches(global_batch)
@@ -340,5 +341,5 @@ def strategy_directives(strategy: "str | Strategy", *, layers: int, global_batch
                                                                                 ways=s.dp))
     if s.recompute != "none":
         out.append(Recompute(s.recompute))
-    out.append(schedule_order(s, m))
+    out.append(order if order is not None else schedule_order(s, m))
     return out
