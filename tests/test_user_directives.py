@@ -224,3 +224,15 @@ def test_a_preset_with_a_custom_place_runs_like_one_process():
     got = ps.exec.run_program(prog, steps=2)
     want = ps.exec.run("tiny-gpt", "dp=1", steps=2, global_batch=4)
     assert got.losses == pytest.approx(want.losses, rel=1e-5)
+
+
+@pytest.mark.gpu
+def test_user_streams_on_their_own_cuda_streams_match_single_process():
+    """On NCCL a user-named stream runs on a CUDA stream of its own (parashift.exec.lanes)."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (NCCL runs one rank per GPU)")
+    ref_losses, _ = reference(tiny_lm, STEPS)
+    r = run_user_model(tiny_lm, "dp=2", directives=[GRADS, d.Shard(level=2)], example_input=EXAMPLE, data=batches,
+                       loss_fn=lm_loss, steps=STEPS, global_batch=GB, optim=OPT, backend="nccl", timeout=300)
+    assert r.losses == pytest.approx(ref_losses, rel=1e-4)
+    assert "grads" in set(r.to_frame()["stream"])
