@@ -95,12 +95,18 @@ def _factory(model_or_builder: Any) -> Callable[[], torch.nn.Module]:
     return model_or_builder
 
 
-def compile_user_model(model_or_builder: Any, strategy: "str | Strategy" = "dp=1", *, example_input: Any,
+def compile_user_model(model_or_builder: Any, strategy: "str | Strategy" = "dp=1", *, example_input: Any = None,
                        global_batch: int, name: str = "custom", seed: int = 0, directives: Sequence = (),
                        order: Any = None) -> tuple[Program, UserPlan]:
     """Trace the model and compile its training step under ``strategy`` refined by ``directives``
     (:mod:`parashift.directives`; ``order``: an Order, its text per stage, or ``(strategy, m) -> Order``):
-    (Program, UserPlan). The Program is what the simulator and the runtime both take."""
+    (Program, UserPlan). The Program is what the simulator and the runtime both take. A
+    :class:`UserModel` brings its example input."""
+    if isinstance(model_or_builder, UserModel) and example_input is None:
+        example_input = model_or_builder.example_input
+    if example_input is None:
+        raise StrategyError("compile_user_model needs example_input= (one batch, batch dimension first) or a "
+                            "parashift.exec.UserModel that brings it")
     from ..ir.annotate import trace
     from ..ir.compile_graph import compile_graph
     from ..ir.ordering import Order
@@ -111,6 +117,9 @@ def compile_user_model(model_or_builder: Any, strategy: "str | Strategy" = "dp=1
                             f"regions say how they shard: use tp=1, ep=1")
     if isinstance(order, Mapping):
         order = Order(order)
+    if isinstance(model_or_builder, UserModel):
+        name = model_or_builder.name if name == "custom" else name
+        model_or_builder = model_or_builder.factory
     torch.manual_seed(seed)
     model = _factory(model_or_builder)()
     # trace one micro-batch: Split/Replicate directives may change mbs, so resolve them first
@@ -257,9 +266,24 @@ class UserRuntime(Runtime):
         self.steps_done = 0
 
 
-def _user_job(ctx: RankContext, program_json: dict, plan: UserPlan, factory: Callable, data: Callable,
-              loss_fn: Callable, steps: int, opts: dict) -> dict:
+def _pack(objs: tuple) -> tuple[list[str], bytes]:
+    """The user's callables pickled with the launcher's import path: a worker process imports their
+    modules (one written next to a notebook, the current directory) wherever it was started."""
+    import pickle
+    return [os.path.abspath(p) if p else os.getcwd() for p in sys.path], pickle.dumps(objs)
+
+
+def _unpack(packed: tuple[list[str], bytes]) -> tuple:
+    import pickle
+    paths, blob = packed
+    sys.path.extend(p for p in paths if p not in sys.path)
+    return pickle.loads(blob)
+
+
+def _user_job(ctx: RankContext, program_json: dict, plan: UserPlan, packed: tuple[list[str], bytes], steps: int,
+              opts: dict) -> dict:
     """What every rank runs under :func:`run_user_model`."""
+    factory, data, loss_fn = _unpack(packed)
     torch.manual_seed(opts["seed"])
     model = factory()
     program = Program.from_json(program_json)
@@ -309,7 +333,8 @@ def run_user_model(model_or_builder: Any, strategy: "str | Strategy" = "dp=1", *
                                        name=name, seed=seed, directives=directives, order=order)
     opts = {"seed": seed, "optim": optim.__dict__, "params": params, "profile": profile, "timeout": timeout,
             "progress": progress is not None}
-    outs = launch_local(_user_job, program.world, args=(program.to_json(), plan, factory, data, loss_fn, steps, opts),
+    outs = launch_local(_user_job, program.world, args=(program.to_json(), plan, _pack((factory, data, loss_fn)), steps,
+                                                       opts),
                         timeout=timeout, backend=backend,
                         on_report=StepProgress(program.world, progress) if progress else None, gather=True)
     outs = [o for o in outs if o is not None]
