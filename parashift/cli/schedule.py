@@ -75,10 +75,10 @@ def render(result: dict, args: argparse.Namespace) -> None:
     print(f"compile {result['compile_seconds']:.3f} s, validate {result['validate_seconds']:.3f} s")
     orders = result["order"]
     if "directives" in result:
-        print("directives:")
+        print("directives (what the strategy expands to):")
         for line in result["directives"]:
             print(f"  {line}" if len(line) <= 2000 else f"  {line[:2000]} ...")
-    elif sum(len(v) for v in orders.values()) <= 2000:
+    if sum(len(v) for v in orders.values()) <= 2000:
         for st, text in orders.items():
             print(f"stage {st}: {text}")
     for k in ("out", "plot"):
