@@ -136,8 +136,8 @@ def test_schedule_cli_prints_the_directives_a_strategy_expands_to(capsys):
     assert lines == ["Place({'embed': 0, 'layers.0-1': 0, 'layers.2-3': 1, 'head': 1}, stages=(0, 1))",
                      "Split(microbatches=4)", "Shard('*', level=1, over='dp', ways=2)",
                      "Order({0: '0F0 0F1 0B0 0F2 0B1 0F3 0B2 0B3', 1: '1F0 1B0 1F1 1B1 1F2 1B2 1F3 1B3'})"]
-    assert main(["run", "--model", "tiny-gpt", "--directives", "Split(microbatches=2)", "--steps", "1"]) != 0
-    assert "--directives programs a user model" in capsys.readouterr().err
+    assert main(["run", "--model", "tiny-gpt", "--directives", "Split(microbatches=2)", "--switch-at", "1:dp=2"]) != 0
+    assert "--directives refines --model/--strategy for one run" in capsys.readouterr().err
 
 
 _MODULE = '''
@@ -236,3 +236,50 @@ def test_user_streams_on_their_own_cuda_streams_match_single_process():
                        loss_fn=lm_loss, steps=STEPS, global_batch=GB, optim=OPT, backend="nccl", timeout=300)
     assert r.losses == pytest.approx(ref_losses, rel=1e-4)
     assert "grads" in set(r.to_frame()["stream"])
+
+
+PRESET_CASES = [("tiny-gpt", "dp=2,pp=2,zero=1"), ("tiny-gpt", "pp=2,vpp=2,schedule=dualpipev"),
+                ("tiny-gpt", "tp=2,sp,pp=2,schedule=zb-h1"), ("tiny-gpt", "dp=2,pp=2,cp=2,recompute=full"),
+                ("tiny-moe", "dp=2,ep=2,pp=2,zero=2"), ("llama2-7b", "dp=2,tp=2,pp=4,vpp=2")]
+
+
+@pytest.mark.parametrize("model,strategy", PRESET_CASES)
+def test_a_preset_strategy_is_sugar_for_its_directive_list(model, strategy):
+    """Printed, read back and compiled on the preset, the list gives the strategy's own Program."""
+    import parashift as ps
+    from parashift.ir.compile import planning_costs
+    from parashift.ir.schedules import schedule_order
+    spec, s = ps.models.get(model), ps.Strategy.parse(strategy)
+    want = ps.ir.compile(spec, s, global_batch=16, seq_len=64)
+    order = schedule_order(s, want.meta["microbatches"], planning_costs(spec, s, 64))
+    text = d.format_directives(d.strategy_directives(s, layers=spec.layers, global_batch=16, order=order))
+    got = ps.ir.compile(spec, "dp=1", global_batch=16, seq_len=64, directives=d.parse_directives(text))
+
+    def key(p):
+        return {r: {st: [(i.op, i.phase, i.chunk, i.microbatch, i.tag, i.deps, i.nbytes, i.flops) for i in ins]
+                    for st, ins in p.ranks[r].streams.items()} for r in p.ranks}
+    assert str(got.strategy) == str(want.strategy) and key(got) == key(want)
+
+
+def test_preset_directive_errors_name_the_layer_and_the_axis():
+    import parashift as ps
+    with pytest.raises(ProgramError, match=r"layer 1 on chunks \[0, 1\]"):
+        ps.ir.compile("tiny-gpt", "dp=1", global_batch=4, directives=[d.Place({"*": 0, "layers.1.mlp": 1, "layers.2-3": 1,
+                                                                       "head": 1})])
+    with pytest.raises(ProgramError, match=r"Shard\('layers', over='tp', ways=2\) leaves region 'embed' out"):
+        ps.ir.compile("tiny-gpt", "dp=1", global_batch=4, directives=[d.Shard("layers", over="tp", ways=2)])
+
+
+def test_run_cli_programs_a_preset_with_directives(capsys):
+    import json
+
+    import parashift as ps
+    from parashift.cli import main
+    text = ("Place({'embed': 0, 'layers.0': 0, '*': 1}); Shard(level=2, ways=2); "
+            "Split(microbatches=2, backward=True); Stream('grads', ops=('reduce_scatter', 'all_gather'))")
+    assert main(["run", "--model", "tiny-gpt", "--global-batch", "8", "--steps", "2", "--directives", text,
+                 "--json", "--force"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["nprocs"] == 4 and res["streams"] == ["compute", "grads", "p2p"]     # every dp collective moved
+    want = ps.exec.run("tiny-gpt", "dp=1", steps=2, global_batch=8)
+    assert res["losses"] == pytest.approx(want.losses, rel=1e-5)

@@ -11,8 +11,10 @@ A user writes a list of directives about *regions* (the names given with ``paras
   backward split into input- and weight-gradient halves;
 - ``Order({stage: "0F0 0F1 0B0 ..."})`` (:class:`~parashift.ir.ordering.Order`): each stage's order;
 - ``Recompute("full")``: re-run forwards before their backward;
-- ``Stream(name, ops=..., tag_prefix=...)``: move collectives to a stream of their own (its own
-  communicator in the runtime, its own lane in the simulator and the timeline).
+- ``Stream(name, ops=..., tag_prefix=...)``: move the matching collectives of the ``comm`` stream
+  (gradient syncs, ZeRO gathers; tags such as ``dp.grad.c0``) to a stream of their own (its own
+  communicator in the runtime, its own CUDA stream under NCCL, its own lane in the simulator and the
+  timeline).
 
 A Strategy is sugar for such a list: :func:`strategy_directives` prints what it expands to, and
 compiling that list gives the strategy's own Program. Region patterns are a region name, a dotted
@@ -138,8 +140,24 @@ class Shard:
     ways: "int | None" = None
 
     def __str__(self) -> str:
-        return (f"Shard({self.regions!r}, level={self.level}, over={self.over!r}"
-                + (f", ways={self.ways}" if self.ways else "") + ")")
+        level = f", level={self.level}" if self.over == "dp" else ""
+        return f"Shard({self.regions!r}{level}, over={self.over!r}" + (f", ways={self.ways}" if self.ways else "") + ")"
+
+
+@dataclass(frozen=True)
+class OffComm:
+    """A user ``Stream`` as compiled: it moves the matching collectives of the ``comm`` stream (gradient
+    syncs, ZeRO gathers); collectives a compute step waits on in line (TP, EP) stay where they are."""
+
+    stream: Stream
+
+    def apply(self, g: Any) -> Any:
+        out = g.copy()
+        c, d = out.cols, self.stream
+        for i in range(len(out)):
+            if c["stream"][i] == "comm" and c["op"][i] in d.ops and (c["tag"][i] or "").startswith(d.tag_prefix):
+                c["stream"][i] = d.stream
+        return out
 
 
 @dataclass(frozen=True)
@@ -152,7 +170,7 @@ class Resolved:
     chunk_stages: "tuple[int, ...] | None" = None
     split_backward: bool = False
     order: "Order | None" = None
-    streams: tuple[Stream, ...] = ()
+    streams: tuple[OffComm, ...] = ()
 
 
 def _fmt(d: Any) -> str:
@@ -205,9 +223,14 @@ def parse_directives(text: str) -> list:
     return out
 
 
+#: axes a preset model's regions shard over besides dp (the model says how); "sp": tp with sequence parallelism
+PRESET_AXES = ("tp", "sp", "cp", "ep")
+
+
 def resolve(directives: Sequence[Any], base: Strategy, regions: Sequence[str], *, global_batch: int,
-            param_regions: "Sequence[str] | None" = None) -> Resolved:
-    """Resolve ``directives`` for a model with ``regions`` (model order) under ``base``.
+            param_regions: "Sequence[str] | None" = None, axes: Sequence[str] = ()) -> Resolved:
+    """Resolve ``directives`` for a model with ``regions`` (model order) under ``base``; ``axes``: the
+    axes besides ``dp`` that Shard may use (a preset's: :data:`PRESET_AXES`, model-wide).
 
     Raises ProgramError naming the directive and the region when the list cannot describe one job."""
     s = base
@@ -233,12 +256,24 @@ def resolve(directives: Sequence[Any], base: Strategy, regions: Sequence[str], *
     for kind, lst in (("Place", places), ("Order", orders), ("Recompute", recs)):
         if len(lst) > 1:
             raise ProgramError(f"{len(lst)} {kind} directives; give one ({', '.join(map(_fmt, lst))})")
+    # ---- model-wide axes of a preset: Shard('*', over='tp', ways=2) ------------------------------------------
+    axis_sizes: dict[str, Any] = {}
+    for d in [x for x in syncs if x.over != "dp"]:
+        if d.over not in axes or not isinstance(d, Shard):
+            raise ProgramError(f"{_fmt(d)}: a user model's regions replicate or shard over 'dp' only (tp, ep "
+                               f"and cp need a preset model that says how a region shards)" if not axes else
+                               f"{_fmt(d)}: use Shard over one of dp, {', '.join(axes)}")
+        missed = [r for r in regions if not any(matches(p, r) for p in _regions_of(d.regions))]
+        if missed:
+            raise ProgramError(f"{_fmt(d)} leaves region {missed[0]!r} out; a preset shards every region over "
+                               f"{d.over} alike: use Shard('*', over={d.over!r}, ways=...)")
+        if not d.ways or d.ways < 1:
+            raise ProgramError(f"{_fmt(d)}: give ways= (the size of the {d.over} group)")
+        axis_sizes.update({"tp": d.ways, "sp": True} if d.over == "sp" else {d.over: d.ways})
+    syncs = [x for x in syncs if x.over == "dp"]
     # ---- over dp: Replicate / Shard -------------------------------------------------------------------
     if syncs:
         for d in syncs:
-            if d.over != "dp":
-                raise ProgramError(f"{_fmt(d)}: a user model's regions replicate or shard over 'dp' only (tp, ep "
-                                   f"and cp need a preset model that says how a region shards)")
             if isinstance(d, Shard) and d.level not in (1, 2, 3):
                 raise ProgramError(f"{_fmt(d)}: level must be 1, 2 or 3 (ZeRO stage); use Replicate for none")
         ways = {d.ways for d in syncs if d.ways is not None}
@@ -262,6 +297,8 @@ def resolve(directives: Sequence[Any], base: Strategy, regions: Sequence[str], *
                                f"{d2.level} ({_fmt(d2)}); the runtime keeps one ZeRO level per job: give every "
                                f"region the same level")
         s = s.replace(zero=levels.pop() if levels else 0, **({"dp": ways.pop()} if ways else {}))
+    if axis_sizes:
+        s = s.replace(**axis_sizes)
     # ---- Split -------------------------------------------------------------------------------------------
     split_bw = any(d.backward for d in splits)
     mbs_counts = {d.microbatches for d in splits if d.microbatches is not None}
@@ -298,7 +335,8 @@ def resolve(directives: Sequence[Any], base: Strategy, regions: Sequence[str], *
         from .schedules import get_schedule
         sch = get_schedule(s.schedule)
         s = s.replace(schedule=_label(s.schedule, s.vpp, sch.vshape, True))
-    return Resolved(s, m, region_chunk, chunk_stages, split_bw, orders[0] if orders else None, streams)
+    return Resolved(s, m, region_chunk, chunk_stages, split_bw, orders[0] if orders else None,
+                    tuple(OffComm(x) for x in streams))
 
 
 def _label(base: str, vpp: int, vshape: bool, split: bool) -> str:
@@ -339,6 +377,9 @@ def strategy_directives(strategy: "str | Strategy", *, layers: int, global_batch
     out.append(Split(microbatches=m, backward=split_backward(s.schedule)))
     out.append(Replicate("*", over="dp", ways=s.dp) if s.zero == 0 else Shard("*", level=s.zero, over="dp",
                                                                                 ways=s.dp))
+    for axis, ways in (("sp" if s.sp else "tp", s.tp), ("cp", s.cp), ("ep", s.ep)):
+        if ways > 1:
+            out.append(Shard("*", over=axis, ways=ways))
     if s.recompute != "none":
         out.append(Recompute(s.recompute))
     out.append(order if order is not None else schedule_order(s, m))
