@@ -17,7 +17,7 @@ from ..strategy import Strategy
 from .memory import static_memory
 from .model_graph import model_graph
 from .ordering import Order
-from .placement import PlacedStrategy, placed, placement_order
+from .placement import PlacedStrategy, base_strategy, placed, placement_order
 from .program import Program
 from .scheduler import lower
 from .user_directives import PRESET_AXES, format_directives, resolve
@@ -59,7 +59,8 @@ def compile_preset(model: "str | _models.ModelSpec", strategy: "str | Strategy",
         place = next(d for d in directives if type(d).__name__ == "Place")
         lc = _layer_chunks(names, res.region_chunk, spec.layers, len(res.chunk_stages), place)
         s = placed(s, lc, res.chunk_stages)
-    s.validate(spec)
+    # a placement of its own is not its schedule label's: only the label's generic rules apply
+    (base_strategy(s).replace(vpp=1, schedule="1f1b") if isinstance(s, PlacedStrategy) else s).validate(spec)
     seq = spec.seq_len if seq_len is None else seq_len
     m = s.num_microbatches(global_batch)
     order = res.order

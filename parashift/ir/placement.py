@@ -62,6 +62,11 @@ class PlacedStrategy(Strategy):
         out = np.asarray(self.chunk_stages, dtype=np.int64)[np.asarray(chunk)]
         return int(out) if np.ndim(out) == 0 else out
 
+    def num_microbatches(self, global_batch: int) -> int:
+        """As the plain strategy's, without its schedule label's micro-batch rules (the order is the
+        placement's own, not that schedule's recipe)."""
+        return base_strategy(self).replace(vpp=1, schedule="1f1b").num_microbatches(global_batch)
+
     def __str__(self) -> str:
         return str(base_strategy(self))
 
