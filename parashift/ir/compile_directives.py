@@ -16,10 +16,12 @@ from ..errors import ProgramError
 from ..strategy import Strategy
 from .memory import static_memory
 from .model_graph import model_graph
+from .directives import Split
 from .ordering import Order
 from .placement import PlacedStrategy, base_strategy, placed, placement_order
 from .program import Program
 from .scheduler import lower
+from .schedules import split_backward
 from .user_directives import PRESET_AXES, format_directives, resolve
 
 __all__ = ["compile_preset"]
@@ -63,11 +65,14 @@ def compile_preset(model: "str | _models.ModelSpec", strategy: "str | Strategy",
     (base_strategy(s).replace(vpp=1, schedule="1f1b") if isinstance(s, PlacedStrategy) else s).validate(spec)
     seq = spec.seq_len if seq_len is None else seq_len
     m = s.num_microbatches(global_batch)
+    own = split_backward(s.schedule)
+    split = res.split_backward or own
     order = res.order
-    if order is None and isinstance(s, PlacedStrategy):
-        from .schedules import split_backward
-        order = Order(placement_order(s.chunk_stages, m, res.split_backward or split_backward(s.schedule)))
+    if order is None and (isinstance(s, PlacedStrategy) or split != own):   # no recipe fits: list-schedule it
+        order = Order(placement_order([int(s.chunk_rank_stage(c)) for c in range(s.stages)], m, split))
     steps = recipe(spec, s, global_batch=global_batch, seq_len=seq, order=order, costs=costs)
+    if split and not own:
+        steps.insert(1, Split(backward=True))
     at = next(i for i, d in enumerate(steps) if isinstance(d, Order))
     steps[at:at] = list(res.streams)                         # user streams, before the order (as compile's own)
     g = apply_all(_base(spec, s, seq), steps)
