@@ -16,8 +16,10 @@ training step (``parashift.ir.compile_graph``), and executes that Program on loc
 * ``factory``, ``data`` and ``loss_fn`` are sent to the ranks: module-level functions (or other
   picklable callables).
 
-Tensor and expert parallelism need to know how a region shards, which only the preset models
-describe: ``tp``/``ep`` > 1 raise StrategyError. With pp*vpp > 1 the model must be an
+``directives=[...]`` (``parashift.directives``: Place, Replicate, Shard, Split, Order, Stream,
+Recompute) refine the strategy; the one compiled Program is what runs and what ``result.program``
+hands to the simulator. Tensor and expert parallelism need to know how a region shards, which only
+the preset models describe: ``tp``/``ep`` > 1 raise StrategyError. With pp*vpp > 1 the model must be an
 ``nn.Sequential`` whose children hold whole regions (see :mod:`parashift.exec.user_plan`).
 """
 from __future__ import annotations

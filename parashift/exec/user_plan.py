@@ -1,11 +1,12 @@
 """How a user model annotated with ``parashift.region`` maps onto a compiled Program's chunks.
 
 A Program compiled from a traced model (``parashift.ir.annotate.trace`` + ``compile_graph``) places
-regions on pipeline chunks by layer. To execute a chunk, the runtime needs a forward that is a
+regions on pipeline chunks (by layer, or as a ``Place`` directive says; ``meta["regions"]``). To execute a chunk, the runtime needs a forward that is a
 function of the previous chunk's output alone, so with more than one chunk (pp * vpp > 1) the model
 must be a ``torch.nn.Sequential`` whose every child's regions fall in one chunk (each chunk is a
 contiguous run of children, as in ``torch.distributed.pipelining``). With one chunk (DP and ZeRO)
-any annotated model runs: the whole module is the chunk.
+any annotated model runs: the whole module is the chunk. Chunks sit on stages as the Program's
+``meta["chunk_stages"]`` says (uneven splits and V shapes included).
 
 :func:`plan_user_model` finds, on meta tensors, which child runs which region, each child's chunk,
 the activation shape crossing every chunk boundary, and the parameter inventory as a ModelSpec

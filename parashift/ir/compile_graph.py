@@ -8,7 +8,11 @@ assumed to train in their traced dtype with fp32 AdamW moments (no master copy w
 
 Regions map to pipeline chunks by layer: regions named ``layers.{i}.*`` (or tagged ``layer=i``) form
 layer i; ``embed`` regions go to the first chunk and ``head`` regions to the last; without layer
-names every other region is its own layer, in order.
+names every other region is its own layer, in order. A ``Place`` directive (``directives=``, see
+:mod:`parashift.ir.user_directives`) maps regions to chunks and stages instead; where it splits a
+layer, every region becomes its own layer (in chunk, then model order) and the Program's strategy
+carries the placement (:class:`~parashift.ir.placement.PlacedStrategy`). ``meta["regions"]`` records
+every region's chunk, which the runtime cuts the model by.
 """
 from __future__ import annotations
 
