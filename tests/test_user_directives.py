@@ -14,7 +14,7 @@ from parashift.ir.annotate import trace
 from parashift.ir.compile_graph import compile_graph
 from parashift.ir.placement import PlacedStrategy
 
-from test_exec_user_model import EXAMPLE, GB, OPT, batches, lm_loss, reference, tiny_lm
+from test_exec_user_model import _CLI_MODULE, EXAMPLE, GB, OPT, batches, check_mlp_losses, lm_loss, reference, tiny_lm
 
 STEPS = 2
 UNEVEN = d.Place({"embed": 0, "layers.0": 0, "layers.1-3": 1, "head": 1})           # layers -> stages 0,1,1,1
@@ -140,39 +140,14 @@ def test_schedule_cli_prints_the_directives_a_strategy_expands_to(capsys):
     assert "--directives refines --model/--strategy for one run" in capsys.readouterr().err
 
 
-_MODULE = '''
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-
-from parashift.exec import UserModel
-from parashift.ir.annotate import annotate
-
-
-def make():
-    return nn.Sequential(annotate(nn.Linear(4, 16), "embed"),
-                         *[annotate(nn.Sequential(nn.Linear(16, 16), nn.Tanh()), f"layers.{i}") for i in range(4)],
-                         annotate(nn.Linear(16, 2), "head"))
-
-
-def data(step):
-    g = torch.Generator().manual_seed(step)
-    x = torch.randn(8, 4, generator=g)
-    return x, torch.stack([x.sum(1), x[:, 0] * x[:, 1]], 1)
-
-
-job = UserModel(make, torch.zeros(1, 4), data, F.mse_loss, name="mlp")
-'''
 
 
 def test_run_cli_takes_a_directives_file_and_runs_the_program_it_simulated(tmp_path, monkeypatch, capsys):
     import json
     import sys
 
-    import torch.nn.functional as F
-
     from parashift.cli import main
-    (tmp_path / "dirmlp.py").write_text(_MODULE)
+    (tmp_path / "dirmlp.py").write_text(_CLI_MODULE)
     (tmp_path / "plan.py").write_text("directives = [\n    Place({'embed': 0, 'layers.0': 0, '*': 1}),\n"
                                       "    Shard(level=2, ways=2),\n    Split(microbatches=2),\n"
                                       "    Stream('grads', ops=('reduce_scatter',)),\n]\n")
@@ -184,17 +159,7 @@ def test_run_cli_takes_a_directives_file_and_runs_the_program_it_simulated(tmp_p
         assert res["directives"][0] == "Place({'embed': 0, 'layers.0': 0, '*': 1})"
         assert res["simulated_step_seconds"] > 0
         import dirmlp
-        torch.manual_seed(0)
-        model = dirmlp.make()
-        opt = torch.optim.AdamW(model.parameters(), lr=OPT.lr, betas=(OPT.beta1, OPT.beta2), eps=OPT.eps,
-                                weight_decay=OPT.weight_decay, foreach=False)
-        for step, got in enumerate(res["losses"]):
-            x, y = dirmlp.data(step)
-            opt.zero_grad()
-            loss = F.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            assert abs(got - loss.item()) <= 1e-5 * loss.item()
+        check_mlp_losses(dirmlp, res["losses"])
         assert main(["run", "--model", "dirmlp:job", "--directives", "Place({'embed': 1, '*': 0})"]) != 0
         err = capsys.readouterr().err
         assert "region 'layers.0'" in err and "Place(" in err and "Traceback" not in err
