@@ -111,6 +111,10 @@ def test_errors_name_the_region_and_the_directive(graph):
         compile_graph(graph, global_batch=GB, directives=[d.Stream("mine", ops=("compute",))])
     with pytest.raises(ProgramError, match=r"Split\(microbatches=3\)"):
         compile_graph(graph, global_batch=GB, directives=[d.Split(microbatches=3)])
+    with pytest.raises(ProgramError, match=r"entry 'layer.0' matches no region; the regions are embed, layers.0.attn"):
+        compile_graph(graph, global_batch=GB, directives=[d.Place({"*": 0, "layer.0": 1})])
+    with pytest.raises(ProgramError, match=r"Shard\('blocks', level=2.*'blocks' matches no region"):
+        compile_graph(graph, "dp=2", global_batch=GB, directives=[d.Replicate(), d.Shard("blocks", level=2)])
     with pytest.raises(ProgramError, match="cannot read the directives"):
         d.parse_directives("[Place(]")
 

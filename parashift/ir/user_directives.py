@@ -90,6 +90,10 @@ class Place:
                                    f"({', '.join(names)}); give one chunk per region or map region names")
             return dict(zip(names, self.regions))
         table = dict(self.regions)
+        dead = [p for p in table if not any(matches(p, n) for n in names)]
+        if dead:
+            raise ProgramError(f"{self}: entry {dead[0]!r} matches no region; the regions are "
+                               f"{', '.join(names[:12])}{' ...' if len(names) > 12 else ''}")
         out = {}
         for n in names:
             p = _best(table, n)
@@ -279,6 +283,11 @@ def resolve(directives: Sequence[Any], base: Strategy, regions: Sequence[str], *
         ways = {d.ways for d in syncs if d.ways is not None}
         if len(ways) > 1:
             raise ProgramError(f"{', '.join(map(_fmt, syncs))} give dp sizes {sorted(ways)}; one job has one dp size")
+        for d in syncs:
+            dead = [p for p in _regions_of(d.regions) if not any(matches(p, r) for r in regions)]
+            if dead and regions:
+                raise ProgramError(f"{_fmt(d)}: {dead[0]!r} matches no region; the regions are "
+                                   f"{', '.join(list(regions)[:12])}{' ...' if len(regions) > 12 else ''}")
         level_of: dict[str, tuple[int, Any]] = {}
         for r in (param_regions if param_regions is not None else regions):
             best = max(((matches(p, r), d) for d in syncs for p in _regions_of(d.regions)),
