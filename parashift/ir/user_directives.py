@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from ..errors import ProgramError, StrategyError
+from ..errors import ProgramError
 from ..strategy import Strategy
 from .actions import format_order
 from .directives import Recompute, Split
@@ -237,19 +237,50 @@ def resolve(directives: Sequence[Any], base: Strategy, regions: Sequence[str], *
     axes besides ``dp`` that Shard may use (a preset's: :data:`PRESET_AXES`, model-wide).
 
     Raises ProgramError naming the directive and the region when the list cannot describe one job."""
-    s = base
-    places = [d for d in directives if isinstance(d, Place)]
-    splits = [d for d in directives if isinstance(d, Split)]
-    orders = [d for d in directives if isinstance(d, Order)]
-    syncs = [d for d in directives if isinstance(d, (Replicate, Shard))]
-    recs = [d for d in directives if isinstance(d, Recompute)]
-    streams = tuple(d for d in directives if isinstance(d, Stream))
+    of = _by_kind(directives)
+    syncs = of[Replicate] + of[Shard]
+    s = base.replace(**_dp_sizes([d for d in syncs if d.over == "dp"], regions, param_regions))
+    axis = _axis_sizes([d for d in syncs if d.over != "dp"], regions, axes)
+    if axis:
+        s = s.replace(**axis)
+    splits = of[Split]
+    split_bw = any(d.backward for d in splits)
+    counts = {d.microbatches for d in splits if d.microbatches is not None}
+    if len(counts) > 1:
+        raise ProgramError(f"Split gives {sorted(counts)} micro-batches; give one count")
+    if counts:
+        m = counts.pop()
+        if m < 1 or global_batch % (s.dp * m):
+            raise ProgramError(f"Split(microbatches={m}): the global batch {global_batch} does not divide into "
+                               f"dp={s.dp} x {m} micro-batches; pick m dividing {global_batch // max(s.dp, 1)}")
+        s = s.replace(mbs=global_batch // (s.dp * m))
+    m = s.num_microbatches(global_batch)
+    if of[Recompute]:
+        s = s.replace(recompute=of[Recompute][0].mode)
+    region_chunk = chunk_stages = None
+    if of[Place]:
+        region_chunk, chunk_stages = _placement(of[Place][0], regions)
+        chunks, pp = len(chunk_stages), max(chunk_stages) + 1
+        vpp = chunks // pp if chunks % pp == 0 else 1
+        vshape = vpp == 2 and chunk_stages == tuple(c if c < pp else 2 * pp - 1 - c for c in range(chunks))
+        s = s.replace(pp=pp, vpp=vpp, schedule=_label(s.schedule, vpp, vshape, split_bw))
+    elif split_bw:
+        from .schedules import get_schedule
+        s = s.replace(schedule=_label(s.schedule, s.vpp, get_schedule(s.schedule).vshape, True))
+    return Resolved(s, m, region_chunk, chunk_stages, split_bw, of[Order][0] if of[Order] else None,
+                    tuple(OffComm(x) for x in of[Stream]))
+
+
+def _by_kind(directives: Sequence[Any]) -> dict[type, list]:
+    """The directives by class, checked one by one (unknown ones, bad streams, doubled ones)."""
     known = (Place, Split, Order, Replicate, Shard, Recompute, Stream)
+    of: dict[type, list] = {k: [] for k in known}
     for d in directives:
         if not isinstance(d, known):
             raise ProgramError(f"{d!r} is not a directive a user model takes; use "
                                f"{', '.join(k.__name__ for k in known)} (parashift.directives)")
-    for d in streams:
+        of[type(d)].append(d)
+    for d in of[Stream]:
         if not isinstance(d.stream, str) or not d.stream.isidentifier() or d.stream == "p2p":
             raise ProgramError(f"{_fmt(d)}: a stream name is an identifier other than 'p2p' (e.g. 'grads')")
         bad = [op for op in d.ops if op not in _COLLECTIVES]
@@ -257,12 +288,24 @@ def resolve(directives: Sequence[Any], base: Strategy, regions: Sequence[str], *
             raise ProgramError(f"{_fmt(d)}: a user Stream moves collectives ({', '.join(_COLLECTIVES)}); "
                                f"{', '.join(bad) or 'no ops'} cannot move (compute runs one action at a time on "
                                f"'compute', send/recv pair up on 'p2p')")
-    for kind, lst in (("Place", places), ("Order", orders), ("Recompute", recs)):
-        if len(lst) > 1:
-            raise ProgramError(f"{len(lst)} {kind} directives; give one ({', '.join(map(_fmt, lst))})")
-    # ---- model-wide axes of a preset: Shard('*', over='tp', ways=2) ------------------------------------------
-    axis_sizes: dict[str, Any] = {}
-    for d in [x for x in syncs if x.over != "dp"]:
+    for kind in (Place, Order, Recompute):
+        if len(of[kind]) > 1:
+            raise ProgramError(f"{len(of[kind])} {kind.__name__} directives; give one "
+                               f"({', '.join(map(_fmt, of[kind]))})")
+    return of
+
+
+def _unmatched(d: Any, patterns: Sequence[str], regions: Sequence[str]) -> None:
+    dead = [p for p in patterns if not any(matches(p, r) for r in regions)]
+    if dead and regions:
+        raise ProgramError(f"{d}: {dead[0]!r} matches no region; the regions are "
+                           f"{', '.join(list(regions)[:12])}{' ...' if len(regions) > 12 else ''}")
+
+
+def _axis_sizes(syncs: list, regions: Sequence[str], axes: Sequence[str]) -> dict[str, Any]:
+    """Model-wide sizes a preset's ``Shard('*', over='tp', ways=2)`` set."""
+    out: dict[str, Any] = {}
+    for d in syncs:
         if d.over not in axes or not isinstance(d, Shard):
             raise ProgramError(f"{_fmt(d)}: a user model's regions replicate or shard over 'dp' only (tp, ep "
                                f"and cp need a preset model that says how a region shards)" if not axes else
@@ -273,79 +316,51 @@ def resolve(directives: Sequence[Any], base: Strategy, regions: Sequence[str], *
                                f"{d.over} alike: use Shard('*', over={d.over!r}, ways=...)")
         if not d.ways or d.ways < 1:
             raise ProgramError(f"{_fmt(d)}: give ways= (the size of the {d.over} group)")
-        axis_sizes.update({"tp": d.ways, "sp": True} if d.over == "sp" else {d.over: d.ways})
-    syncs = [x for x in syncs if x.over == "dp"]
-    # ---- over dp: Replicate / Shard -------------------------------------------------------------------
-    if syncs:
-        for d in syncs:
-            if isinstance(d, Shard) and d.level not in (1, 2, 3):
-                raise ProgramError(f"{_fmt(d)}: level must be 1, 2 or 3 (ZeRO stage); use Replicate for none")
-        ways = {d.ways for d in syncs if d.ways is not None}
-        if len(ways) > 1:
-            raise ProgramError(f"{', '.join(map(_fmt, syncs))} give dp sizes {sorted(ways)}; one job has one dp size")
-        for d in syncs:
-            dead = [p for p in _regions_of(d.regions) if not any(matches(p, r) for r in regions)]
-            if dead and regions:
-                raise ProgramError(f"{_fmt(d)}: {dead[0]!r} matches no region; the regions are "
-                                   f"{', '.join(list(regions)[:12])}{' ...' if len(regions) > 12 else ''}")
-        level_of: dict[str, tuple[int, Any]] = {}
-        for r in (param_regions if param_regions is not None else regions):
-            best = max(((matches(p, r), d) for d in syncs for p in _regions_of(d.regions)),
-                       key=lambda x: x[0], default=(0, None))
-            if not best[0]:
-                raise ProgramError(f"region {r!r} is neither replicated nor sharded by "
-                                   f"{', '.join(map(_fmt, syncs))}; cover it (e.g. Replicate('*'))")
-            level_of[r] = (best[1].level, best[1])
-        levels = {lv for lv, _ in level_of.values()}
-        if len(levels) > 1:
-            by = {}
-            for r, (lv, d) in level_of.items():
-                by.setdefault(lv, (r, d))
-            (r1, d1), (r2, d2) = list(by.values())[:2]
-            raise ProgramError(f"region {r1!r} trains at ZeRO level {d1.level} ({_fmt(d1)}) but region {r2!r} at "
-                               f"{d2.level} ({_fmt(d2)}); the runtime keeps one ZeRO level per job: give every "
-                               f"region the same level")
-        s = s.replace(zero=levels.pop() if levels else 0, **({"dp": ways.pop()} if ways else {}))
-    if axis_sizes:
-        s = s.replace(**axis_sizes)
-    # ---- Split -------------------------------------------------------------------------------------------
-    split_bw = any(d.backward for d in splits)
-    mbs_counts = {d.microbatches for d in splits if d.microbatches is not None}
-    if len(mbs_counts) > 1:
-        raise ProgramError(f"Split gives {sorted(mbs_counts)} micro-batches; give one count")
-    if mbs_counts:
-        m = mbs_counts.pop()
-        if m < 1 or global_batch % (s.dp * m):
-            raise ProgramError(f"Split(microbatches={m}): the global batch {global_batch} does not divide into "
-                               f"dp={s.dp} x {m} micro-batches; pick m dividing {global_batch // max(s.dp, 1)}")
-        s = s.replace(mbs=global_batch // (s.dp * m))
-    m = s.num_microbatches(global_batch)
-    if recs:
-        s = s.replace(recompute=recs[0].mode)
-    # ---- Place -------------------------------------------------------------------------------------------
-    region_chunk = chunk_stages = None
-    if places:
-        p = places[0]
-        region_chunk = p.chunk_of(regions)
-        chunks = max(region_chunk.values()) + 1
-        used = sorted(set(region_chunk.values()))
-        if used != list(range(chunks)):
-            missing = sorted(set(range(chunks)) - set(used))
-            raise ProgramError(f"{p}: chunks {missing} hold no region; number chunks 0..n-1 in model order")
-        chunk_stages = p.chunk_stages(chunks)
-        pp = max(chunk_stages) + 1
-        if sorted(set(chunk_stages)) != list(range(pp)):
-            raise ProgramError(f"{p}: stages {sorted(set(chunk_stages))} leave a stage without a chunk; use "
-                               f"stages 0..{pp - 1}")
-        vpp = chunks // pp if chunks % pp == 0 else 1
-        vshape = vpp == 2 and chunk_stages == tuple(c if c < pp else 2 * pp - 1 - c for c in range(chunks))
-        s = s.replace(pp=pp, vpp=vpp, schedule=_label(s.schedule, vpp, vshape, split_bw))
-    elif split_bw:
-        from .schedules import get_schedule
-        sch = get_schedule(s.schedule)
-        s = s.replace(schedule=_label(s.schedule, s.vpp, sch.vshape, True))
-    return Resolved(s, m, region_chunk, chunk_stages, split_bw, orders[0] if orders else None,
-                    tuple(OffComm(x) for x in streams))
+        out.update({"tp": d.ways, "sp": True} if d.over == "sp" else {d.over: d.ways})
+    return out
+
+
+def _dp_sizes(syncs: list, regions: Sequence[str], param_regions: "Sequence[str] | None") -> dict[str, int]:
+    """dp and the ZeRO level that Replicate/Shard over dp set (every region with parameters covered,
+    the most specific pattern deciding; one level per job)."""
+    if not syncs:
+        return {}
+    for d in syncs:
+        if isinstance(d, Shard) and d.level not in (1, 2, 3):
+            raise ProgramError(f"{_fmt(d)}: level must be 1, 2 or 3 (ZeRO stage); use Replicate for none")
+        _unmatched(_fmt(d), _regions_of(d.regions), regions)
+    ways = {d.ways for d in syncs if d.ways is not None}
+    if len(ways) > 1:
+        raise ProgramError(f"{', '.join(map(_fmt, syncs))} give dp sizes {sorted(ways)}; one job has one dp size")
+    first: dict[int, tuple[str, Any]] = {}          # level -> (first region at it, its directive)
+    for r in (param_regions if param_regions is not None else regions):
+        score, d = max(((matches(p, r), d) for d in syncs for p in _regions_of(d.regions)), key=lambda x: x[0],
+                       default=(0, None))
+        if not score:
+            raise ProgramError(f"region {r!r} is neither replicated nor sharded by "
+                               f"{', '.join(map(_fmt, syncs))}; cover it (e.g. Replicate('*'))")
+        first.setdefault(d.level, (r, d))
+    if len(first) > 1:
+        (r1, d1), (r2, d2) = list(first.values())[:2]
+        raise ProgramError(f"region {r1!r} trains at ZeRO level {d1.level} ({_fmt(d1)}) but region {r2!r} at "
+                           f"{d2.level} ({_fmt(d2)}); the runtime keeps one ZeRO level per job: give every "
+                           f"region the same level")
+    return {"zero": next(iter(first), 0), **({"dp": ways.pop()} if ways else {})}
+
+
+def _placement(p: Place, regions: Sequence[str]) -> tuple[dict[str, int], tuple[int, ...]]:
+    """Every region's chunk and every chunk's stage, checked (chunks 0..n-1 used, stages 0..pp-1 used)."""
+    region_chunk = p.chunk_of(regions)
+    chunks = max(region_chunk.values()) + 1
+    missing = sorted(set(range(chunks)) - set(region_chunk.values()))
+    if missing:
+        raise ProgramError(f"{p}: chunks {missing} hold no region; number chunks 0..n-1 in model order")
+    chunk_stages = p.chunk_stages(chunks)
+    pp = max(chunk_stages) + 1
+    if sorted(set(chunk_stages)) != list(range(pp)):
+        raise ProgramError(f"{p}: stages {sorted(set(chunk_stages))} leave a stage without a chunk; use "
+                           f"stages 0..{pp - 1}")
+    return region_chunk, tuple(chunk_stages)
 
 
 def _label(base: str, vpp: int, vshape: bool, split: bool) -> str:
