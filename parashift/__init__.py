@@ -22,7 +22,8 @@ __all__ = [
     "RuntimeFailure", "SwitchAborted", "region",
 ]
 
-_LAZY = {"vps", "ir", "sim", "search", "exec", "replay", "traces", "calibrate", "demo", "explore", "plots"}
+_LAZY = {"vps", "ir", "sim", "search", "exec", "replay", "traces", "calibrate", "demo", "explore", "plots",
+         "directives"}
 
 
 def __getattr__(name: str):

@@ -196,6 +196,21 @@ job = UserModel(make, torch.zeros(1, 4), data, F.mse_loss, name="mlp")
 '''
 
 
+def check_mlp_losses(module, losses: list[float]) -> None:
+    """``losses`` equal a single-process AdamW run of ``module.make()`` on ``module.data`` (MSE)."""
+    torch.manual_seed(0)
+    model = module.make()
+    opt = torch.optim.AdamW(model.parameters(), lr=OPT.lr, betas=(OPT.beta1, OPT.beta2), eps=OPT.eps,
+                            weight_decay=OPT.weight_decay, foreach=False)
+    for step, got in enumerate(losses):
+        x, y = module.data(step)
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        assert abs(got - loss.item()) <= 1e-5 * loss.item()
+
+
 def test_cli_runs_a_user_model_by_module_name(tmp_path):
     import json
     import subprocess
@@ -210,17 +225,7 @@ def test_cli_runs_a_user_model_by_module_name(tmp_path):
     sys.path.insert(0, str(tmp_path))
     try:
         import mymlp
-        torch.manual_seed(0)
-        model = mymlp.make()
-        opt = torch.optim.AdamW(model.parameters(), lr=OPT.lr, betas=(OPT.beta1, OPT.beta2), eps=OPT.eps,
-                                weight_decay=OPT.weight_decay, foreach=False)
-        for step, got in enumerate(res["losses"]):
-            x, y = mymlp.data(step)
-            opt.zero_grad()
-            loss = F.mse_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            assert abs(got - loss.item()) <= 1e-5 * loss.item()
+        check_mlp_losses(mymlp, res["losses"])
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("mymlp", None)

@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-gpt", help="model preset (default tiny-gpt), or MODULE:NAME of a "
                                                        "parashift.exec.UserModel (your annotated torch model)")
     p.add_argument("--strategy", default="dp=1,tp=1,pp=1", help="e.g. 'dp=2,pp=2,schedule=1f1b'")
+    p.add_argument("--directives", metavar="FILE|TEXT", help="directives refining --strategy (parashift.directives), "
+                   "a Python file or inline text, e.g. \"Place({'embed': 0, 'layers.0': 0, '*': 1}); Split(microbatches=4)\"")
     p.add_argument("--nprocs", type=arg_int(1, MAX_LOCAL_PROCS), help="processes to start (default: the strategy's world size)")
     p.add_argument("--steps", type=arg_int(1, 1_000_000), default=5, help="training steps (default 5)")
     add_batch_options(p, live=True)
@@ -60,6 +62,9 @@ def run(args: argparse.Namespace) -> dict:
     if is_user_model(args.model):
         from .run_user import run_cli as run_user_cli
         return run_user_cli(args)
+    if args.directives and (args.plan or args.switch_at or args.live or getattr(args, "rollout", None)):
+        raise StrategyError("--directives refines --model/--strategy for one run; drop the plan file, --switch-at, "
+                            "--live and --rollout")
     if getattr(args, "rollout", None):
         from .run_rl import run_cli as run_rl_cli
         return run_rl_cli(args)
@@ -78,6 +83,12 @@ def run(args: argparse.Namespace) -> dict:
     if args.plan:
         from .inputs import load_plan as load_checked_plan
         program = load_checked_plan(args.plan)
+    elif args.directives:
+        from ..ir.compile import compile as ir_compile
+        from .run_user import read_directives
+        spec = models.get(args.model)
+        program = ir_compile(spec.name, args.strategy, global_batch=args.global_batch,
+                             seq_len=args.seq_len or spec.seq_len, directives=read_directives(args.directives))
     else:
         spec = models.get(args.model)
         program = compile_program(spec.name, args.strategy, global_batch=args.global_batch,
@@ -101,6 +112,9 @@ def run(args: argparse.Namespace) -> dict:
     if args.trace and not (under_torchrun() and int(os.environ["RANK"]) != 0):
         res.to_chrome_trace(args.trace)
     out = res.to_json()
+    if args.directives:
+        out["directives"] = program.meta["directives"].splitlines()
+        out["streams"] = sorted({s for rp in program.ranks.values() for s in rp.streams})
     if args.trace:
         out["timeline"] = args.trace
     if pred is not None:
@@ -147,6 +161,10 @@ def render(result: dict, args: argparse.Namespace) -> None:
         p, m = result["predicted_step_seconds"], result["measured_step_seconds"]
         print(f"  predicted     {p * 1e3:.1f} ms per step ({result['predicted_cluster']}), measured {m * 1e3:.1f} ms "
               f"(median after the first step): {m / p:.2f}x the prediction")
+    if result.get("simulated_step_seconds") is not None:
+        print(f"  simulated     {result['simulated_step_seconds'] * 1e3:.1f} ms per step (cpu-local, same Program)")
+    for line in result.get("directives", []):
+        print(f"  directive     {line}")
     for w in result.get("warnings", []):
         print(f"  warning: {w}")
     if result.get("timeline"):

@@ -8,9 +8,8 @@ import argparse
 import sys
 
 from ..errors import StrategyError
-from ..strategy import Strategy
 
-__all__ = ["is_user_model", "run_cli"]
+__all__ = ["is_user_model", "run_cli", "read_directives"]
 
 
 def is_user_model(ref: str) -> bool:
@@ -18,10 +17,26 @@ def is_user_model(ref: str) -> bool:
     return ":" in ref
 
 
+def read_directives(value: "str | None") -> list:
+    """Directives from ``--directives``: a Python file (when the path exists) or inline text."""
+    import os
+    from ..ir.user_directives import parse_directives
+    if not value:
+        return []
+    if os.path.isfile(value):
+        with open(value) as f:
+            return parse_directives(f.read())
+    if value.endswith(".py"):
+        raise StrategyError(f"--directives file {value!r} does not exist; give a path or the directives inline")
+    return parse_directives(value)
+
+
 def run_cli(args: argparse.Namespace) -> dict:
-    """``parashift run --model MODULE:NAME --strategy S --steps K [--global-batch B] [--trace F]``."""
+    """``parashift run --model MODULE:NAME --strategy S [--directives FILE|TEXT] --steps K [--global-batch B]
+    [--trace F]``: compile, simulate (cpu-local) and run the same Program."""
     from ..exec import OptimConfig
-    from ..exec.user_model import load_user_model, run_user_model
+    from ..exec.user_model import compile_user_model, load_user_model, run_user_model
+    from ..sim import simulate
     um = load_user_model(args.model)
     if args.switch_at:
         raise StrategyError("--switch-at hot-switches preset models only (tiny-gpt, tiny-moe); drop it to train "
@@ -31,22 +46,30 @@ def run_cli(args: argparse.Namespace) -> dict:
                             "(the example input fixes the shapes)")
     if args.steps < 1:
         raise StrategyError(f"--steps {args.steps} must be at least 1")
-    world = Strategy.parse(args.strategy).world
-    if args.nprocs is not None and args.nprocs != world:
-        raise StrategyError(f"strategy {args.strategy} needs {world} processes, not --nprocs {args.nprocs}; "
-                            f"drop --nprocs or change the strategy")
+    directives = read_directives(getattr(args, "directives", None))
+    program, _ = compile_user_model(um.factory, args.strategy, example_input=um.example_input,
+                                    global_batch=args.global_batch, name=um.name, directives=directives)
+    if args.nprocs is not None and args.nprocs != program.world:
+        raise StrategyError(f"strategy {args.strategy}{' with the directives' if directives else ''} needs "
+                            f"{program.world} processes, not --nprocs {args.nprocs}; drop --nprocs or change them")
+    sim = simulate(program, "cpu-local")
 
     def progress(step: int, loss: float, seconds: float) -> None:
         if not args.json:
             print(f"step {step + 1}/{args.steps}  loss {loss:.6f}  {seconds * 1e3:.1f} ms", file=sys.stderr,
                   flush=True)
 
-    res = run_user_model(um.factory, args.strategy, example_input=um.example_input, data=um.data,
-                         loss_fn=um.loss_fn, steps=args.steps, global_batch=args.global_batch, name=um.name,
-                         optim=OptimConfig(lr=args.lr), timeout=args.timeout, progress=progress)
+    res = run_user_model(um.factory, args.strategy, directives=directives, example_input=um.example_input,
+                         data=um.data, loss_fn=um.loss_fn, steps=args.steps, global_batch=args.global_batch,
+                         name=um.name, optim=OptimConfig(lr=args.lr), timeout=args.timeout, progress=progress)
     if args.trace:
         res.to_chrome_trace(args.trace)
     out = res.to_json()
+    out["simulated_step_seconds"] = float(sim.step_time)
+    if directives:
+        from ..ir.user_directives import format_directives
+        out["directives"] = format_directives(directives).splitlines()
+        out["streams"] = sorted({s for rp in res.program.ranks.values() for s in rp.streams})
     if args.trace:
         out["timeline"] = args.trace
     return out

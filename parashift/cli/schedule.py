@@ -17,6 +17,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=arg_int(1, MAX_SEQ_LEN), default=None, help="tokens per sequence (default: the model's)")
     p.add_argument("--plot", metavar="PNG", help="draw the per-stage order (stage x slot) to this file")
     p.add_argument("--out", metavar="JSON", help="save the Program to this file")
+    p.add_argument("--directives", action="store_true",
+                   help="also print the directive list the strategy expands to (Place, Split, Replicate/Shard, "
+                        "Recompute, Order: what `parashift run --model MODULE:NAME --directives` takes)")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -45,6 +48,16 @@ def run(args: argparse.Namespace) -> dict:
         "compile_seconds": round(t1 - t0, 4), "validate_seconds": round(t2 - t1, 4),
         "order": {str(st): " ".join(map(str, a)) for st, a in orders.items()},
     }
+    if args.directives:
+        from .. import models
+        from ..ir.compile import planning_costs
+        from ..ir.schedules import schedule_order
+        from ..ir.user_directives import format_directives, strategy_directives
+        spec = models.get(args.model)
+        order = schedule_order(s, prog.meta["microbatches"],
+                               planning_costs(spec, s, args.seq_len or spec.seq_len))   # the order compile used
+        out["directives"] = format_directives(strategy_directives(s, layers=spec.layers, global_batch=args.global_batch,
+                                                                  order=order)).splitlines()
     if args.out:
         prog.save(args.out)
         out["out"] = args.out
@@ -61,6 +74,10 @@ def render(result: dict, args: argparse.Namespace) -> None:
     print("instructions: " + ", ".join(f"{k}={v}" for k, v in result["instructions"].items()))
     print(f"compile {result['compile_seconds']:.3f} s, validate {result['validate_seconds']:.3f} s")
     orders = result["order"]
+    if "directives" in result:
+        print("directives (what the strategy expands to):")
+        for line in result["directives"]:
+            print(f"  {line}" if len(line) <= 2000 else f"  {line[:2000]} ...")
     if sum(len(v) for v in orders.values()) <= 2000:
         for st, text in orders.items():
             print(f"stage {st}: {text}")

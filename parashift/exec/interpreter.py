@@ -164,6 +164,8 @@ class Interpreter(CPHandlers):
         self.nccl = worlds.backend == "nccl"
         self.pool: ThreadPoolExecutor | None = None     # waits on gloo send/recv (they cannot be polled)
         self._prepare()
+        from .lanes import install
+        self.lanes = install(self)      # user-named streams: their own CUDA streams on GPUs (None on CPU)
 
     def _init_model(self) -> None:
         """The preset model's region context (subclasses running other models override it)."""

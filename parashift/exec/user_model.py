@@ -16,8 +16,10 @@ training step (``parashift.ir.compile_graph``), and executes that Program on loc
 * ``factory``, ``data`` and ``loss_fn`` are sent to the ranks: module-level functions (or other
   picklable callables).
 
-Tensor and expert parallelism need to know how a region shards, which only the preset models
-describe: ``tp``/``ep`` > 1 raise StrategyError. With pp*vpp > 1 the model must be an
+``directives=[...]`` (``parashift.directives``: Place, Replicate, Shard, Split, Order, Stream,
+Recompute) refine the strategy; the one compiled Program is what runs and what ``result.program``
+hands to the simulator. Tensor and expert parallelism need to know how a region shards, which only
+the preset models describe: ``tp``/``ep`` > 1 raise StrategyError. With pp*vpp > 1 the model must be an
 ``nn.Sequential`` whose children hold whole regions (see :mod:`parashift.exec.user_plan`).
 """
 from __future__ import annotations
@@ -26,7 +28,7 @@ import importlib
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch.func import functional_call
@@ -76,21 +78,60 @@ def load_user_model(ref: str) -> UserModel:
     return obj
 
 
-def compile_user_model(factory: Callable[[], torch.nn.Module], strategy: "str | Strategy", *, example_input: Any,
-                       global_batch: int, name: str = "custom", seed: int = 0) -> tuple[Program, UserPlan]:
-    """Trace ``factory()`` and compile its training step under ``strategy``: (Program, UserPlan)."""
+class _Fixed:
+    """A factory returning copies of one module (picklable when the module is)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def __call__(self) -> torch.nn.Module:
+        import copy
+        return copy.deepcopy(self.module)
+
+
+def _factory(model_or_builder: Any) -> Callable[[], torch.nn.Module]:
+    if isinstance(model_or_builder, torch.nn.Module):
+        return _Fixed(model_or_builder)
+    if not callable(model_or_builder):
+        raise StrategyError(f"{model_or_builder!r} is neither a torch.nn.Module nor a function building one")
+    return model_or_builder
+
+
+def compile_user_model(model_or_builder: Any, strategy: "str | Strategy" = "dp=1", *, example_input: Any = None,
+                       global_batch: int, name: str = "custom", seed: int = 0, directives: Sequence = (),
+                       order: Any = None) -> tuple[Program, UserPlan]:
+    """Trace the model and compile its training step under ``strategy`` refined by ``directives``
+    (:mod:`parashift.directives`; ``order``: an Order, its text per stage, or ``(strategy, m) -> Order``):
+    (Program, UserPlan). The Program is what the simulator and the runtime both take. A
+    :class:`UserModel` brings its example input."""
+    if isinstance(model_or_builder, UserModel) and example_input is None:
+        example_input = model_or_builder.example_input
+    if example_input is None:
+        raise StrategyError("compile_user_model needs example_input= (one batch, batch dimension first) or a "
+                            "parashift.exec.UserModel that brings it")
     from ..ir.annotate import trace
     from ..ir.compile_graph import compile_graph
+    from ..ir.ordering import Order
     s = Strategy.parse(strategy)
     if s.tp > 1 or s.ep > 1:
         raise StrategyError(f"a user model runs with dp, pp, vpp, zero, any schedule and recompute; tp={s.tp}, "
                             f"ep={s.ep} need a preset model (tiny-gpt, tiny-moe, parashift.models.gpt/moe) whose "
                             f"regions say how they shard: use tp=1, ep=1")
+    if isinstance(order, Mapping):
+        order = Order(order)
+    if isinstance(model_or_builder, UserModel):
+        name = model_or_builder.name if name == "custom" else name
+        model_or_builder = model_or_builder.factory
     torch.manual_seed(seed)
-    model = factory()
-    graph = trace(model, microbatch_input(example_input, s.mbs))
-    program = compile_graph(graph, s, global_batch=global_batch, name=name)
-    return program, plan_user_model(model, graph, s, example_input, name=name)
+    model = _factory(model_or_builder)()
+    # trace one micro-batch: Split/Replicate directives may change mbs, so resolve them first
+    from ..ir.user_directives import resolve
+    rows = resolve([d for d in directives if type(d).__name__ in ("Split", "Replicate", "Shard")], s, [],
+                   global_batch=global_batch, param_regions=[]).strategy.mbs if directives else s.mbs
+    graph = trace(model, microbatch_input(example_input, rows))
+    program = compile_graph(graph, s, global_batch=global_batch, name=name, directives=tuple(directives),
+                            order=order)
+    return program, plan_user_model(model, program, example_input, name=name)
 
 
 class UserInterpreter(Interpreter):
@@ -214,7 +255,7 @@ class UserRuntime(Runtime):
         self.program, self.ctx, self.spec = program, ctx, plan.spec
         self.worlds = Worlds(ctx.rank, ctx.world, ctx.backend)
         self.worlds.prepare(export_keys(program) | world_keys(program))
-        self.store = StateStore(plan.spec, program.strategy, ctx.rank, ctx.device, init=False)
+        self.store = StateStore(plan.spec, plan.strategy, ctx.rank, ctx.device, init=False)
         values = {n: p.detach().float().cpu() for n, p in model.named_parameters()}
         for b in self.store.buffers.values():
             b.load(values)
@@ -227,9 +268,24 @@ class UserRuntime(Runtime):
         self.steps_done = 0
 
 
-def _user_job(ctx: RankContext, program_json: dict, plan: UserPlan, factory: Callable, data: Callable,
-              loss_fn: Callable, steps: int, opts: dict) -> dict:
+def _pack(objs: tuple) -> tuple[list[str], bytes]:
+    """The user's callables pickled with the launcher's import path: a worker process imports their
+    modules (one written next to a notebook, the current directory) wherever it was started."""
+    import pickle
+    return [os.path.abspath(p) if p else os.getcwd() for p in sys.path], pickle.dumps(objs)
+
+
+def _unpack(packed: tuple[list[str], bytes]) -> tuple:
+    import pickle
+    paths, blob = packed
+    sys.path.extend(p for p in paths if p not in sys.path)
+    return pickle.loads(blob)
+
+
+def _user_job(ctx: RankContext, program_json: dict, plan: UserPlan, packed: tuple[list[str], bytes], steps: int,
+              opts: dict) -> dict:
     """What every rank runs under :func:`run_user_model`."""
+    factory, data, loss_fn = _unpack(packed)
     torch.manual_seed(opts["seed"])
     model = factory()
     program = Program.from_json(program_json)
@@ -249,21 +305,38 @@ def _user_job(ctx: RankContext, program_json: dict, plan: UserPlan, factory: Cal
     return out
 
 
-def run_user_model(factory: Callable[[], torch.nn.Module], strategy: "str | Strategy", *, example_input: Any,
-                   data: Callable[[int], tuple[Any, Any]], loss_fn: Callable, steps: int = 1,
-                   global_batch: int = 8, name: str = "custom", seed: int = 0, optim: OptimConfig = OptimConfig(),
-                   params: bool = False, profile: bool = True, timeout: float = 300.0, backend: str | None = None,
+def run_user_model(model_or_builder: Any, strategy: "str | Strategy" = "dp=1", *, directives: Sequence = (),
+                   order: Any = None, example_input: Any = None, data: Callable[[int], tuple[Any, Any]] | None = None,
+                   loss_fn: Callable | None = None, steps: int = 1, global_batch: int = 8, name: str = "custom",
+                   seed: int = 0, optim: OptimConfig = OptimConfig(), params: bool = False, profile: bool = True,
+                   timeout: float = 300.0, backend: str | None = None,
                    progress: Callable[[int, float, float], None] | None = None) -> RunResult:
-    """Train ``factory()`` under ``strategy`` for ``steps`` steps on local processes (module docstring).
+    """Train a user model for ``steps`` steps on local processes (module docstring).
 
-    Returns a RunResult: per-step global-batch losses, step times, peak memory per rank, the
-    measured timeline and, with ``params=True``, the final parameters by ``named_parameters`` name.
+    ``model_or_builder``: a :class:`UserModel` (which brings its example input, data and loss), a
+    function building the module, or the module itself. ``strategy`` refined by ``directives``
+    (``parashift.directives``: Place, Replicate, Shard, Split, Order, Stream, Recompute) and
+    ``order`` is compiled once (:func:`compile_user_model`); that Program is what runs, and
+    ``result.program`` is what ``parashift.sim.simulate`` takes. Returns a RunResult: per-step
+    global-batch losses, step times, peak memory per rank, the measured timeline and, with
+    ``params=True``, the final parameters by ``named_parameters`` name.
     """
+    if isinstance(model_or_builder, UserModel):
+        um = model_or_builder
+        example_input = um.example_input if example_input is None else example_input
+        data, loss_fn = data or um.data, loss_fn or um.loss_fn
+        name = um.name if name == "custom" else name
+        model_or_builder = um.factory
+    if example_input is None or data is None or loss_fn is None:
+        raise StrategyError("run_user_model needs example_input=, data= and loss_fn= (or a parashift.exec.UserModel "
+                            "that brings them)")
+    factory = _factory(model_or_builder)
     program, plan = compile_user_model(factory, strategy, example_input=example_input, global_batch=global_batch,
-                                       name=name, seed=seed)
+                                       name=name, seed=seed, directives=directives, order=order)
     opts = {"seed": seed, "optim": optim.__dict__, "params": params, "profile": profile, "timeout": timeout,
             "progress": progress is not None}
-    outs = launch_local(_user_job, program.world, args=(program.to_json(), plan, factory, data, loss_fn, steps, opts),
+    outs = launch_local(_user_job, program.world, args=(program.to_json(), plan, _pack((factory, data, loss_fn)), steps,
+                                                       opts),
                         timeout=timeout, backend=backend,
                         on_report=StepProgress(program.world, progress) if progress else None, gather=True)
     outs = [o for o in outs if o is not None]

@@ -1,11 +1,12 @@
 """How a user model annotated with ``parashift.region`` maps onto a compiled Program's chunks.
 
 A Program compiled from a traced model (``parashift.ir.annotate.trace`` + ``compile_graph``) places
-regions on pipeline chunks by layer. To execute a chunk, the runtime needs a forward that is a
+regions on pipeline chunks (by layer, or as a ``Place`` directive says; ``meta["regions"]``). To execute a chunk, the runtime needs a forward that is a
 function of the previous chunk's output alone, so with more than one chunk (pp * vpp > 1) the model
 must be a ``torch.nn.Sequential`` whose every child's regions fall in one chunk (each chunk is a
 contiguous run of children, as in ``torch.distributed.pipelining``). With one chunk (DP and ZeRO)
-any annotated model runs: the whole module is the chunk.
+any annotated model runs: the whole module is the chunk. Chunks sit on stages as the Program's
+``meta["chunk_stages"]`` says (uneven splits and V shapes included).
 
 :func:`plan_user_model` finds, on meta tensors, which child runs which region, each child's chunk,
 the activation shape crossing every chunk boundary, and the parameter inventory as a ModelSpec
@@ -18,13 +19,12 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..errors import StrategyError
 from ..ir.annotate import _ACTIVE as _RECORDER
-from ..ir.compile_graph import _layers
-from ..ir.graph import Graph
+from ..ir.placement import placed
+from ..ir.program import Program
 from ..models import ModelSpec, TensorSpec
 from ..strategy import Strategy
 
@@ -40,13 +40,16 @@ class UserPlan:
     ``children``: per chunk, the top-level child indices it runs (``((-1,),)``: the whole module,
     one chunk). ``params``: per chunk, ``(full name, child index, name inside the child)`` of every
     parameter use (tied parameters appear once per local name). ``boundary``: per chunk, the shape
-    (micro-batch rows first) and dtype name of the tensor it hands to the next chunk.
+    (micro-batch rows first) and dtype name of the tensor it hands to the next chunk. ``strategy``:
+    the Program's strategy with the placement of ``spec`` (layer i of ``spec`` is chunk i), which
+    the state store shards parameters by.
     """
 
     spec: ModelSpec
     children: tuple[tuple[int, ...], ...]
     params: tuple[tuple[tuple[str, int, str], ...], ...]
     boundary: tuple[tuple[tuple[int, ...], str], ...]
+    strategy: Strategy
 
     @property
     def chunks(self) -> int:
@@ -84,19 +87,8 @@ def rows_of(value: Any, rows: slice) -> Any:
     return tuple(rows_of(v, rows) for v in value)
 
 
-def _region_chunks(graph: Graph, s: Strategy) -> tuple[dict[str, int], int]:
-    """Chunk of every traced region, exactly as ``compile_graph`` places them, and the layer count."""
-    g = _layers(graph)
-    kinds, layer = g.col("kind"), g.col("layer")
-    n = max(layer) if "head" in kinds else max(layer) + 1
-    lc = s.layer_stages(max(n, 1))
-    chunks = {name: 0 if k < 0 else s.stages - 1 if k >= len(lc) else int(lc[k])
-              for name, k in zip(g.col("region"), layer)}
-    return chunks, n
-
-
 def _spec(model: torch.nn.Module, name: str, s: Strategy, child_chunk: list[int],
-          layers: int) -> tuple[ModelSpec, list[list[tuple[str, int, str]]]]:
+          chunks: int) -> tuple[ModelSpec, list[list[tuple[str, int, str]]]]:
     """The parameter inventory (one dense TensorSpec per parameter, chunk order) and per-chunk uses."""
     params = dict(model.named_parameters())
     ident = {id(p): n for n, p in params.items()}
@@ -108,10 +100,9 @@ def _spec(model: torch.nn.Module, name: str, s: Strategy, child_chunk: list[int]
     if len(dtypes) > 1 or not dtypes <= set(_DTYPES):
         raise StrategyError(f"the model's parameters have dtypes {sorted(map(str, dtypes))}; the runtime needs one "
                             f"of fp32/bf16/fp16 for all of them (call model.to(dtype) in the factory)")
-    first_layer = np.searchsorted(s.layer_stages(max(layers, 1)), np.arange(s.stages))
-    uses: list[list[tuple[str, int, str]]] = [[] for _ in range(s.stages)]
+    uses: list[list[tuple[str, int, str]]] = [[] for _ in range(chunks)]
     owner: dict[str, int] = {}
-    if s.stages == 1:
+    if chunks == 1:
         uses[0] = [(n, -1, n) for n in params]
         owner = {n: 0 for n in params}
     else:
@@ -129,25 +120,28 @@ def _spec(model: torch.nn.Module, name: str, s: Strategy, child_chunk: list[int]
                                 f"inside one of its blocks")
     names = sorted(params, key=lambda n: owner[n])          # stable: module order within a chunk
     dt = _DTYPES[next(iter(dtypes))] if dtypes else "fp32"
-    tensors = tuple(TensorSpec(n, tuple(params[n].shape), int(first_layer[owner[n]]), "custom", dtype=dt)
-                    for n in names)
-    spec = ModelSpec(name=name, layers=max(layers, 1), hidden=0, heads=1, kv_heads=1, head_dim=1, ffn=0, vocab=0,
+    tensors = tuple(TensorSpec(n, tuple(params[n].shape), owner[n], "custom", dtype=dt) for n in names)
+    spec = ModelSpec(name=name, layers=chunks, hidden=0, heads=1, kv_heads=1, head_dim=1, ffn=0, vocab=0,
                      seq_len=0, dtype=dt, tensors=tensors)
     return spec, uses
 
 
-def plan_user_model(model: torch.nn.Module, graph: Graph, strategy: "str | Strategy", example_input: Any, *,
+def plan_user_model(model: torch.nn.Module, program: Program, example_input: Any, *,
                     name: str = "custom") -> UserPlan:
-    """Map ``model`` (traced into ``graph``) onto the chunks of ``strategy``; raises StrategyError with
-    the fix when a chunk's forward cannot be cut out of the model (see module docstring)."""
-    s = Strategy.parse(strategy)
-    region_chunk, n_layers = _region_chunks(graph, s)
-    if s.stages == 1:
-        spec, uses = _spec(model, name, s, [0], n_layers)
-        return UserPlan(spec, ((-1,),), (tuple(uses[0]),), ())
+    """Map ``model`` onto the chunks of ``program`` (compiled from its trace by ``compile_graph``, whose
+    ``meta["regions"]`` gives every region's chunk); raises StrategyError with the fix when a chunk's
+    forward cannot be cut out of the model (see module docstring)."""
+    s = program.strategy
+    region_chunk = dict(program.meta["regions"])
+    chunk_stages = tuple(program.meta["chunk_stages"])
+    chunks = len(chunk_stages)
+    run = placed(s, range(chunks), chunk_stages) if chunks > 1 else s
+    if chunks == 1:
+        spec, uses = _spec(model, name, s, [0], 1)
+        return UserPlan(spec, ((-1,),), (tuple(uses[0]),), (), run)
     if not isinstance(model, torch.nn.Sequential) or type(model).forward is not torch.nn.Sequential.forward:
-        raise StrategyError(f"pp*vpp={s.stages} needs the model to be a torch.nn.Sequential of annotated blocks "
-                            f"(each pipeline chunk runs a contiguous run of its children); got "
+        raise StrategyError(f"{chunks} pipeline chunks need the model to be a torch.nn.Sequential of annotated "
+                            f"blocks (each pipeline chunk runs a contiguous run of its children); got "
                             f"{type(model).__name__}: wrap the blocks in nn.Sequential, or use pp=1 (dp/zero)")
     m = copy.deepcopy(model).to("meta")
     log, outs = _RegionLog(), {}
@@ -173,9 +167,10 @@ def plan_user_model(model: torch.nn.Module, graph: Graph, strategy: "str | Strat
         child_chunks[i].add(c)
     split = [i for i, cs in enumerate(child_chunks) if len(cs) > 1]
     if split:
+        inside = ", ".join(r for r in region_chunk if log.where.get(r) == split[0])
         raise StrategyError(f"child {split[0]} of the Sequential holds regions of chunks "
-                            f"{sorted(child_chunks[split[0]])}; a pipeline cut must fall between children: "
-                            f"split that block into several children, or lower pp*vpp")
+                            f"{sorted(child_chunks[split[0]])} ({inside}); a pipeline cut must fall between "
+                            f"children: split that block into several children, or place its regions on one chunk")
     known = [next(iter(cs)) if cs else None for cs in child_chunks]
     prev = next((c for c in known if c is not None), 0)
     chunk_of_child = []
@@ -185,16 +180,16 @@ def plan_user_model(model: torch.nn.Module, graph: Graph, strategy: "str | Strat
     if any(b < a for a, b in zip(chunk_of_child, chunk_of_child[1:])):
         raise StrategyError(f"the Sequential's children run chunks in the order {chunk_of_child}; regions must be "
                             f"named/layered in model order so each chunk is a contiguous run of children")
-    children = tuple(tuple(i for i, c in enumerate(chunk_of_child) if c == ch) for ch in range(s.stages))
+    children = tuple(tuple(i for i, c in enumerate(chunk_of_child) if c == ch) for ch in range(chunks))
     empty = [ch for ch, kids_ in enumerate(children) if not kids_]
     if empty:
         raise StrategyError(f"pipeline chunks {empty} run no child; lower pp*vpp or annotate more blocks")
     boundary = []
-    for ch in range(s.stages - 1):
+    for ch in range(chunks - 1):
         out = outs.get(children[ch][-1])
         if not isinstance(out, torch.Tensor):
             raise StrategyError(f"chunk {ch} ends with child {children[ch][-1]}, which returns "
                                 f"{type(out).__name__}; a pipeline boundary must carry one tensor")
         boundary.append((tuple(out.shape), str(out.dtype).replace("torch.", "")))
-    spec, uses = _spec(model, name, s, chunk_of_child, n_layers)
-    return UserPlan(spec, children, tuple(tuple(u) for u in uses), tuple(boundary))
+    spec, uses = _spec(model, name, s, chunk_of_child, chunks)
+    return UserPlan(spec, children, tuple(tuple(u) for u in uses), tuple(boundary), run)

@@ -122,7 +122,7 @@ def _base(spec: ModelSpec, s: Strategy, seq_len: int) -> Graph:
 
 def compile(model: "str | ModelSpec | Graph", strategy: "str | Strategy", *, global_batch: int, seq_len: int | None = None,
             order: "Order | Callable[[Strategy, int], Order] | None" = None, validate: bool = False,
-            costs: "ScheduleCosts | Cluster | str | None" = None) -> Program:
+            costs: "ScheduleCosts | Cluster | str | None" = None, directives: "tuple | list" = ()) -> Program:
     """Compile one training step of ``model`` under ``strategy`` into a Program.
 
     ``model``: a preset name, a ModelSpec, or a traced region Graph (``annotate.trace``; see
@@ -133,10 +133,19 @@ def compile(model: "str | ModelSpec | Graph", strategy: "str | Strategy", *, glo
     ``costs``: the F/I/W durations zb-h1 and dualpipev are planned with (a
     :class:`~parashift.ir.schedules.ScheduleCosts`), or a cluster (name or Cluster) to estimate them
     for; None estimates them for :data:`~parashift.ir.costs.REFERENCE_CLUSTER`.
+    ``directives``: the user's directives refining ``strategy`` (``parashift.directives``; see
+    :mod:`parashift.ir.compile_directives`).
     """
     if isinstance(model, Graph):
         from .compile_graph import compile_graph
-        return compile_graph(model, strategy, global_batch=global_batch, order=order, validate=validate)
+        return compile_graph(model, strategy, global_batch=global_batch, order=order, validate=validate,
+                             directives=directives)
+    if directives:
+        from .compile_directives import compile_preset
+        if order is not None:
+            raise StrategyError("give the order as an Order directive in directives=, not also order=")
+        return compile_preset(model, strategy, directives, global_batch=global_batch, seq_len=seq_len, costs=costs,
+                              validate=validate)
     spec, s = _resolve(model, strategy)
     s.validate(spec)
     seq = spec.seq_len if seq_len is None else seq_len

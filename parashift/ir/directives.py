@@ -179,11 +179,15 @@ class Place:
     vshape: bool = False
 
     def _peer(self, cu: int, cv: int) -> str:
-        """Symbolic peer for data moving from chunk cu to the adjacent chunk cv."""
+        """Symbolic peer for data moving from chunk cu to the adjacent chunk cv (a custom placement
+        that skips stages: ``pp+k``, k the stage distance)."""
         up = not self.vshape or (min(cu, cv) // self.pp) % 2 == 0
         if cv < cu:
             up = not up
-        return "pp+1" if up else "pp-1"
+        su, sv = self.chunk_stage[cu], self.chunk_stage[cv]
+        if (su + (1 if up else -1)) % self.pp == sv:
+            return "pp+1" if up else "pp-1"
+        return f"pp+{sv - su}" if sv > su else f"pp-{su - sv}"
 
     @property
     def pp(self) -> int:
@@ -213,7 +217,7 @@ class Place:
             tag = str(T.P2PTag(T.Payload.ACT, cu, mb) if fwd else T.P2PTag(T.Payload.GRAD, cv, mb))
             peer = self._peer(cu, cv)
             s = _comm(out, u, op="send", tag=tag, peer=peer, nbytes=self.act_bytes, stream="p2p", dpos=0.75)
-            r = _comm(out, v, op="recv", tag=tag, peer="pp-1" if peer == "pp+1" else "pp+1",
+            r = _comm(out, v, op="recv", tag=tag, peer=peer.replace("+", "-") if "+" in peer else peer.replace("-", "+"),
                       nbytes=self.act_bytes, stream="p2p", dpos=-0.75)
             out.dst[e] = s
             out.edge(s, r, DATA)

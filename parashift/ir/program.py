@@ -294,7 +294,8 @@ class Program:
         progs = [RankProgram.from_json(p) for p in obj["programs"]]
         ranks = {int(r): progs[i] for r, i in obj["ranks"].items()}
         strat = Strategy.parse(obj["strategy"]) if obj.get("strategy") else None
-        return cls(ranks, strat, obj.get("meta", {}))
+        from .placement import placed_from_meta   # a Place directive's explicit placement
+        return cls(ranks, placed_from_meta(strat, obj.get("meta", {})), obj.get("meta", {}))
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:

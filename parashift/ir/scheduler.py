@@ -22,11 +22,17 @@ from ..errors import ProgramError
 from ..strategy import Strategy
 from .actions import Action
 from .graph import Graph
+from .placement import graph_placement, placement_meta
 from .program import Instr, Program, RankProgram
 
 __all__ = ["lower", "pair_order"]
 
 STREAMS = ("compute", "comm", "p2p")
+
+
+def stream_names(streams: Sequence[str]) -> tuple[str, ...]:
+    """The built-in streams, then the user-named ones a ``Stream`` directive created (sorted)."""
+    return STREAMS + tuple(sorted({str(s) for s in streams} - set(STREAMS)))
 
 
 def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None) -> list[int]:
@@ -98,7 +104,8 @@ def _slot_rank(g: Graph, stage: np.ndarray, streams: Sequence[str]) -> np.ndarra
     c = g.cols
     n = len(g)
     nodes = [i for i in range(n) if streams[i] != "p2p"]
-    nodes.sort(key=lambda i: (stage[i], c["slot"][i], STREAMS.index(streams[i]), i))
+    names = stream_names(streams)
+    nodes.sort(key=lambda i: (stage[i], c["slot"][i], names.index(streams[i]), i))
     rank = np.full(n, -1, np.int64)
     rank[nodes] = np.arange(len(nodes))
     src = np.asarray(g.src, np.int64)
@@ -137,6 +144,7 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     c = g.cols
     n = len(g)
     pp = strategy.pp
+    strategy = graph_placement(g, strategy)       # a custom Place: the runtime follows the graph's placement
     stage = np.asarray(c["stage"], np.int64)
     if n and (stage.min() < 0 or stage.max() >= pp):
         raise ProgramError("every node needs a pipeline stage in [0, pp); apply Place first")
@@ -146,9 +154,11 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
                            f"covering stage {c['stage'][missing[0]]}")
     # ---- per-stream positions -----------------------------------------------------------------
     streams = c["stream"]
-    unknown = {s for s in streams if s not in STREAMS}
+    unknown = {s for s in streams if not isinstance(s, str) or not s.isidentifier()}
     if unknown:
-        raise ProgramError(f"unknown streams {sorted(map(str, unknown))}; use {', '.join(STREAMS)}")
+        raise ProgramError(f"stream names {sorted(map(str, unknown))} are not identifiers; name a Stream "
+                           f"like 'grads' or 'zero_gather'")
+    names = stream_names(streams)
     sends = pair_order(g, step_time)
     recv_of = {u: v for u, v in zip(g.src, g.dst) if c["op"][u] == "send" and c["op"][v] == "recv"}
     p2p_rank = {}
@@ -171,14 +181,14 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     # ---- ids: per stage, in (slot, stream) order -------------------------------------------------
     ids = np.zeros(n, np.int64)
     for st in range(pp):
-        nodes = [i for s in STREAMS for i in seq.get((st, s), [])]
+        nodes = [i for s in names for i in seq.get((st, s), [])]
         keyed = sorted(nodes, key=lambda i: (c["slot"][i] if c["slot"][i] is not None else (0, 0.0),
-                                              STREAMS.index(streams[i]), index[i]))
+                                              names.index(streams[i]), index[i]))
         ids[keyed] = np.arange(len(keyed))
     # ---- deps ------------------------------------------------------------------------------------
     src = np.asarray(g.src, np.int64)
     dst = np.asarray(g.dst, np.int64)
-    sid = np.fromiter((STREAMS.index(s) for s in streams), np.int64, n)
+    sid = np.fromiter((names.index(s) for s in streams), np.int64, n)
     cross_stage = stage[src] != stage[dst]
     if cross_stage.any():
         bad = [(int(u), int(v)) for u, v in zip(src[cross_stage], dst[cross_stage])
@@ -222,7 +232,7 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     progs: list[RankProgram] = []
     for st in range(pp):
         out: dict[str, tuple[Instr, ...]] = {}
-        for s in STREAMS:
+        for s in names:
             nodes = seq.get((st, s))
             if not nodes:
                 continue
@@ -251,4 +261,7 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
         progs.append(RankProgram(out, mem))
     ranks_stage = np.arange(strategy.world) // (strategy.world // strategy.pp)
     ranks = {int(r): progs[int(st)] for r, st in enumerate(ranks_stage)}
-    return Program(ranks, strategy, dict(meta or {}))
+    meta = dict(meta or {})
+    if placement_meta(strategy):
+        meta["placement"] = placement_meta(strategy)
+    return Program(ranks, strategy, meta)

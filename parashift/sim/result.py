@@ -65,7 +65,7 @@ class SimResult:
         world = sum(len(m) for m in fo.members.values())
         bubble = (sum((1.0 - busy[r] / step) * len(m) for r, m in fo.members.items()) / world) if step > 0 else 0.0
         meta = program.meta
-        tokens = float(meta.get("global_batch", 0)) * float(meta.get("seq_len", 0))
+        tokens = float(meta.get("global_batch") or 0) * float(meta.get("seq_len") or 0)   # user models: no seq_len
         tps = tokens / step if step > 0 and tokens else float("nan")
         mfu = model_flops / (step * world * cluster.gpu.peak_flops) if step > 0 else float("nan")
         peak = {raw.devices[m]: int(round(raw.peak[r])) for r, ms in fo.members.items() for m in ms}
