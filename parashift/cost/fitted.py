@@ -25,17 +25,17 @@ KNOBS = ("gemm_efficiency", "gemm_k_half", "layer_floor", "bwd_floor", "microbat
 
 # BEGIN FITTED (python benchmarks/vtrain_bench.py --fit)
 A100_VTRAIN: dict[str, float] = {
-    "gemm_efficiency": 0.9041756922005068,
-    "gemm_k_half": 137.36138169329465,
-    "layer_floor": 0.0010680164423829772,
-    "bwd_floor": 0.6998779225234312,
-    "microbatch_floor": 0.0034566831347968016,
-    "attention_score_bytes": 11.947078640217542,
-    "elementwise_bytes": 0.878763641992657,
-    "optim_overhead": 5.6759179966766233e-11,
-    "intra_latency": 1.1148964409816728e-05,
-    "p2p_overhead": 0.0016405721360241595,
-    "comm_overhead": 1.6888113587824964e-11,
+    "gemm_efficiency": 0.9024979665196567,
+    "gemm_k_half": 141.84662854040295,
+    "layer_floor": 0.0010490897620814123,
+    "bwd_floor": 0.7225126864607013,
+    "microbatch_floor": 0.0030816315929117818,
+    "attention_score_bytes": 12.088418098115625,
+    "elementwise_bytes": 0.8445121387285415,
+    "optim_overhead": 1.25e-10,
+    "intra_latency": 9.890550504984007e-06,
+    "p2p_overhead": 0.002642846164167358,
+    "comm_overhead": 1.25e-10,
 }
 # END FITTED
 
