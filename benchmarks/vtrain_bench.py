@@ -2,8 +2,8 @@
 
 Data: traces/vtrain-a100 (MIT; GPT models on one node of 8 A100s, Megatron-DeepSpeed, 1F1B,
 full recomputation, vocabulary 50257 padded to 128*tp). Every configuration is compiled and
-simulated on the ``a100-1x8`` preset. The cost model is the A100 default with nine knobs
-(``NAMES``) calibrated by ``--fit`` on a fixed random half of the rows (seed 0) and saved next to
+simulated on the ``a100-1x8`` preset. The cost model is the A100 default with the knobs
+(``NAMES``, all but ``FROZEN``) calibrated by ``--fit`` on a fixed random half of the rows (seed 0) and saved next to
 this script (``vtrain_a100_cost.json``); the MAPE reported is on the other half only, overall and
 per (tp, dp, pp) layout, next to the uncalibrated datasheet defaults. The published simulator
 built on these data reports 8.37%.
