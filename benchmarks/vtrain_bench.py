@@ -2,8 +2,8 @@
 
 Data: traces/vtrain-a100 (MIT; GPT models on one node of 8 A100s, Megatron-DeepSpeed, 1F1B,
 full recomputation, vocabulary 50257 padded to 128*tp). Every configuration is compiled and
-simulated on the ``a100-1x8`` preset. The cost model is the A100 default with nine knobs
-(``NAMES``) calibrated by ``--fit`` on a fixed random half of the rows (seed 0) and saved next to
+simulated on the ``a100-1x8`` preset. The cost model is the A100 default with the knobs
+(``NAMES``, all but ``FROZEN``) calibrated by ``--fit`` on a fixed random half of the rows (seed 0) and saved next to
 this script (``vtrain_a100_cost.json``); the MAPE reported is on the other half only, overall and
 per (tp, dp, pp) layout, next to the uncalibrated datasheet defaults. The published simulator
 built on these data reports 8.37%.
@@ -37,6 +37,11 @@ def split(n: int) -> tuple[np.ndarray, np.ndarray]:
 
 #: The knobs fitted on the fit half (see parashift.cost.fitted).
 NAMES = KNOBS
+#: Knobs held at their START value: the per-send pipeline overhead is not identified by one node's
+#: 1F1B runs (the held-out error moves 0.1 point between 1.6 and 2.6 ms per send), and the values a
+#: free fit drifts to (2.6-3.3 ms a send, tens of times NVLink's transfer time) would make deeper
+#: interleaving lose on uniform stages, against what multi-node Megatron runs measure.
+FROZEN = ("p2p_overhead",)
 
 
 def theta_of(cm: CostModel) -> np.ndarray:
@@ -73,8 +78,10 @@ def fit(programs: dict, measured: np.ndarray, rows: np.ndarray, base: CostModel,
     lam = 1e-2
     r0 = predict(programs, rows, with_params(base, theta)) / y - 1
     for it in range(iters):
-        J = np.empty((len(rows), len(theta)))
+        J = np.zeros((len(rows), len(theta)))
         for j in range(len(theta)):
+            if NAMES[j] in FROZEN:
+                continue
             t = theta.copy()
             t[j] *= 1.02
             J[:, j] = (predict(programs, rows, with_params(base, t)) / y - 1 - r0) / (t[j] - theta[j])
@@ -96,7 +103,7 @@ def fit(programs: dict, measured: np.ndarray, rows: np.ndarray, base: CostModel,
 
 FITTED = Path(__file__).with_name("vtrain_a100_cost.json")
 #: Where the fit starts (an earlier fit's values, in NAMES order).
-START = np.array([0.8351, 44.88, 0.001017, 0.6531, 0.003236, 13.16, 0.4611, 0.0001839, 5.983e-06, 0.0009163, 6.2e-05])
+START = np.array([0.9025, 141.8, 0.001049, 0.7225, 0.003082, 12.09, 0.8445, 1e-06, 9.891e-06, 0.001641, 1e-06])
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ __all__ = ["Strategy", "SCHEDULES", "RECOMPUTE"]
 
 RECOMPUTE = ("none", "selective", "full")
 _INT_FIELDS = ("dp", "tp", "pp", "ep", "zero", "vpp", "mbs", "cp")
-_BOOL_FIELDS = ("sp",)
+_BOOL_FIELDS = ("sp", "overlap_grad")
 _KEYS = _INT_FIELDS + _BOOL_FIELDS + ("schedule", "recompute")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -42,6 +42,9 @@ class Strategy:
     TP group; needs tp > 1). ``cp``: context parallelism, each of ``cp`` ranks holds ``seq/cp``
     tokens of every sequence and attention passes K/V around the CP ring; parameters are
     replicated over CP and gradients are reduced (and ZeRO-sharded) over the ``dp x cp`` ranks.
+    ``overlap_grad``: each chunk's gradient reduction starts as soon as that chunk's backward is done,
+    overlapping the stage's remaining backward (Megatron's ``--overlap-grad-reduce``; a chunk is the
+    bucket); off (the default, as Megatron's): every reduction waits for the stage's whole backward.
     """
 
     dp: int = 1
@@ -55,11 +58,14 @@ class Strategy:
     recompute: str = "none"
     cp: int = 1
     sp: bool = False
+    overlap_grad: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.sp, (bool, np.bool_)):
-            raise StrategyError(f"sp={self.sp!r} must be a boolean; write 'sp' or 'sp=1' to turn it on")
-        object.__setattr__(self, "sp", bool(self.sp))
+        for name in _BOOL_FIELDS:
+            v = getattr(self, name)
+            if not isinstance(v, (bool, np.bool_)):
+                raise StrategyError(f"{name}={v!r} must be a boolean; write '{name}' or '{name}=1' to turn it on")
+            object.__setattr__(self, name, bool(v))
         for name in _INT_FIELDS:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
@@ -95,8 +101,8 @@ class Strategy:
         for part in str(text).replace(" ", "").split(","):
             if not part:
                 continue
-            if part == "sp":
-                part = "sp=1"
+            if part in _BOOL_FIELDS:
+                part += "=1"
             if "=" not in part:
                 raise StrategyError(f"strategy item {part!r} is not key=value; write e.g. 'dp=4,tp=2'")
             key, val = part.split("=", 1)
@@ -127,7 +133,7 @@ class Strategy:
                 continue
             v = getattr(self, f.name)
             if v != getattr(default, f.name):
-                parts.append("sp" if f.name == "sp" else f"{f.name}={v}")
+                parts.append(f.name if f.name in _BOOL_FIELDS else f"{f.name}={v}")
         return ",".join(parts)
 
     def replace(self, **changes: object) -> "Strategy":

@@ -78,26 +78,54 @@ def test_fixed_chunk_counts_come_from_the_record():
 UNI = models.gpt(16, 4096, 32, vocab=128, seq_len=2048, name="uniform", pad_vocab=128)
 
 
-# Known gap (issue #18): since the shape-aware cost model merged, every schedule's simulated bubble
-# sits about 0.03 of the busy time above its formula (1F1B and GPipe stay inside the tolerance, the
-# smaller interleaved, ZB-H1 and DualPipeV bubbles do not). strict: these fail once it is fixed.
-_GAP = pytest.mark.xfail(strict=True, reason="simulated bubble ~0.03 above the published formula (#18)")
+def _pipeline_bubble(r) -> float:
+    """Mean over stages of idle over busy time inside the pipeline (first model compute to last), the
+    formulas' definition: the optimizer step after the flush is neither busy nor idle pipeline time."""
+    spans = [(a, b) for _, s, ins, a, b in r.raw.records if s == "compute" and ins.phase != "optim"]
+    span = max(b for _, b in spans) - min(a for a, _ in spans)
+    busy: dict[int, float] = {}
+    for rep, s, ins, a, b in r.raw.records:
+        if s == "compute" and ins.phase != "optim":
+            busy[rep] = busy.get(rep, 0.0) + b - a
+    return sum((span - b) / b for b in busy.values()) / len(busy)
+
+
+def _free_transfers(cm: CostModel) -> CostModel:
+    """The formulas' assumption: pipeline sends cost nothing (the A100 preset's fitted per-send overhead
+    of ~1.6 ms, Megatron's host synchronisation after each batched send/recv, is what lifted every
+    simulated bubble ~0.03 above its formula)."""
+    return dataclasses.replace(cm, p2p_overhead=0.0, comm_overhead=0.0, step_p2p_posted=True,
+                               latency={k: 0.0 for k in cm.latency}, bandwidth={k: 1e18 for k in cm.bandwidth})
 
 
 @pytest.mark.parametrize("strategy,m", [
-    ("pp=4", 8), ("pp=4,schedule=gpipe", 8), *[pytest.param(s, m, marks=_GAP) for s, m in (
-        ("pp=4,vpp=2", 8), ("pp=4,vpp=4", 16), ("pp=2,vpp=4", 8), ("pp=4,schedule=zb-h1", 8),
-        ("pp=2,schedule=zb-h1", 8), ("pp=4,vpp=2,schedule=dualpipev", 8), ("pp=2,vpp=2,schedule=dualpipev", 8))],
-])
+    ("pp=4", 8), ("pp=4,schedule=gpipe", 8), ("pp=4,vpp=2", 8), ("pp=4,vpp=4", 16), ("pp=2,vpp=4", 8),
+    ("pp=4,schedule=zb-h1", 8), ("pp=2,schedule=zb-h1", 8), ("pp=4,vpp=2,schedule=dualpipev", 8),
+    ("pp=2,vpp=2,schedule=dualpipev", 8)])
 def test_simulated_bubble_follows_the_published_formula(strategy, m):
     """Idle over busy time of a stage: (p-1)/m (1F1B, GPipe), (p-1)/(v m) (interleaved),
-    (p-1)(F+I-W)/(m(F+I+W)) (ZB-H1), (p-1)(F&B+B-3W)/(2m(F+I+W)) (DualPipeV, F&B = F+I)."""
+    (p-1)(F+I-W)/(m(F+I+W)) (ZB-H1), (p-1)(F&B+B-3W)/(2m(F+I+W)) (DualPipeV, F&B = F+I), on uniform
+    stages (no embedding or head: a vocabulary of 128) with free transfers, as the formulas assume."""
     s = Strategy.parse(strategy)
-    cost = dataclasses.replace(CostModel.for_cluster(cluster.get("a100-1x8")), step_p2p_posted=True)
+    cost = _free_transfers(CostModel.for_cluster(cluster.get("a100-1x8")))
     r = simulate(compile(UNI, s, global_batch=m, seq_len=2048), "a100-1x8", cost)
-    got = r.bubble_fraction / (1 - r.bubble_fraction)
     want = S.get_schedule(s.schedule).bubble(s.pp, m, s.vpp, 1.0, 1.0, 1.0)
-    assert got == pytest.approx(want, rel=0.15, abs=0.003)
+    assert _pipeline_bubble(r) == pytest.approx(want, rel=0.05, abs=0.002)
+
+
+def test_pipeline_send_costs_add_to_the_formula_bubble():
+    """With the preset's per-send cost the sends on the critical path idle the stages: in 1F1B the bubble
+    exceeds the formula by at least the 2(p-1) sends of warm-up and cool-down and at most one round trip
+    per micro-batch on top, over a stage's busy time."""
+    cm = CostModel.for_cluster(cluster.get("a100-1x8"))
+    free = _free_transfers(cm)
+    paid = dataclasses.replace(free, p2p_overhead=cm.p2p_overhead)
+    prog = compile(UNI, "pp=4", global_batch=8, seq_len=2048)
+    r0, r1 = simulate(prog, "a100-1x8", free), simulate(prog, "a100-1x8", paid)
+    b0, b1 = _pipeline_bubble(r0), _pipeline_bubble(r1)
+    busy = sum(b - a for rep, s, ins, a, b in r0.raw.records if rep == 0 and s == "compute" and ins.phase != "optim")
+    assert b0 == pytest.approx(3 / 8, rel=0.05)
+    assert 2 * 3 * cm.p2p_overhead / busy < b1 - b0 < 2 * (3 + 8) * cm.p2p_overhead / busy
 
 
 def test_deeper_interleaving_raises_throughput_on_uniform_stages():

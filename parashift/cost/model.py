@@ -81,6 +81,10 @@ class CostModel:
     per TP rank, then an all-gather inside the receiving node (Megatron's scatter/gather); False:
     every TP rank sends the whole activation. ``step_p2p_posted``: like ``p2p_posted`` for training
     steps only (a switch Program's rounds still run one transfer at a time per stream).
+    ``recompute_tp_comm``: a ``recompute`` of an attention or MLP region under TP (shape model) also
+    pays the region's forward TP collective inside the node (all-reduce; with ``sp`` reduce-scatter
+    plus all-gather), as Megatron-LM's checkpointed forward re-runs its row-parallel reduction on the
+    compute stream; False: the recompute re-runs only the kernels.
     Switches: ``switch_overhead`` seconds a hot switch pays on top of its Program (allocating the
     new layout's buffers, starting the transfer), added by ``simulate_switch``.
     ``p2p_posted``: a stream posts each send/recv and goes on without waiting for it (a runtime
@@ -128,6 +132,7 @@ class CostModel:
     sms: int = 108
     pp_scatter_gather: bool = True
     step_p2p_posted: bool = False
+    recompute_tp_comm: bool = True
 
     def __post_init__(self) -> None:
         if self.compute_model not in ("shape", "flops"):
@@ -230,7 +235,10 @@ class CostModel:
         if work is not None and self.compute_model == "shape":
             t_shape = self._shape_time(units, phase, work)
             if t_shape is not None:
-                return self._with_floor(t_shape, units, phase)
+                t = self._with_floor(t_shape, units, phase)
+                if phase == "recompute" and self.recompute_tp_comm and work.tp > 1:
+                    t += self._recompute_comm(units, work)
+                return t
         eff = self.efficiency.get(phase, 1.0)
         kinds = [k for k, n in units if n]
         if len(kinds) == 1:
@@ -267,6 +275,17 @@ class CostModel:
                 return None
             total += t * n
         return total
+
+    def _recompute_comm(self, units: tuple, work: "Workload") -> float:
+        """Seconds of the forward TP collectives a recompute of ``units`` re-runs (one per attention
+        or MLP region, over ``work.tp`` ranks of one node, on the compute stream)."""
+        n = sum(c for k, c in units if k in ("attn", "mlp")) + 2 * sum(c for k, c in units if k == "layer")
+        if not n:
+            return 0.0
+        nbytes = work.mbs * work.seq_len / work.cp * work.model.hidden * work.model.dtype_bytes
+        topo = (work.tp, 1, work.tp, False)
+        ops = ("reduce_scatter", "all_gather") if work.sp else ("all_reduce",)
+        return n * sum(self.op_time(op, self.collective_phases(op, nbytes, topo)) for op in ops)
 
     def _with_floor(self, t: float, units: tuple, phase: str) -> float:
         floor = sum(self.region_floor.get(k, 0.0) * n for k, n in units) * self.phase_floor.get(phase, 1.0)

@@ -93,7 +93,7 @@ def directives(model: "str | ModelSpec", strategy: "str | Strategy", *, global_b
     out.append(Replicate(s.dpcp, s.zero, tuple(int(x) * pb for x in (cp.dense if s.ep > 1 else cp.total())),
                          tuple(int(x) * pb for x in (cp.expert if s.ep > 1 else cp.expert * 0)),
                          tuple(int(x) * gb for x in grad_dense), tuple(int(x) * gb for x in cp.expert),
-                         ep=s.ep, tied_bytes=cp.tied * gb, axis=s.grad_axis))
+                         ep=s.ep, tied_bytes=cp.tied * gb, axis=s.grad_axis, overlap=s.overlap_grad))
     if sched.hides_ep_comm and s.ep > 1:
         out.append(Stream("comm", ops=("all_to_all",), tag_prefix="ep."))
     out.append(order if order is not None else schedule_order(s, m, planning_costs(spec, s, seq_len, costs)))

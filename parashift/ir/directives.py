@@ -454,6 +454,8 @@ class Replicate:
     gradients sync over ``edp`` when ``ep > 1``; dense gradients over ``axis`` (``dp``, or ``dpcp``: the
     data-parallel group with context parallelism, as Megatron reduces them). ``tied_bytes``: the tied word embedding's grad bytes
     (0: untied), all-reduced over the ``embed`` group when embedding and head sit on different stages.
+    ``overlap``: a chunk's gradient sync waits only for that chunk's backward (it overlaps the stage's
+    other chunks); False: for the whole backward of its stage (Megatron without ``--overlap-grad-reduce``).
     """
 
     ways: int
@@ -465,6 +467,7 @@ class Replicate:
     ep: int = 1
     tied_bytes: int = 0
     axis: str = "dp"
+    overlap: bool = True
 
     def apply(self, g: Graph) -> Graph:
         out = g.copy()
@@ -519,9 +522,13 @@ class Replicate:
                 continue
             keep_s.append(u), keep_d.append(v), keep_k.append(k)
         out.src, out.dst, out.ekind = keep_s, keep_d, keep_k
+        bwd_of_stage: dict[int, list[int]] = {}
+        for ch, nodes in bwd_of_chunk.items():
+            bwd_of_stage.setdefault(stage_of[ch], []).extend(nodes)
         for ch, nodes in sync_nodes.items():
+            waits = bwd_of_chunk[ch] if self.overlap else bwd_of_stage[stage_of[ch]]
             for s in nodes:
-                for i in bwd_of_chunk[ch]:
+                for i in waits:
                     out.edge(i, s, SAVED)
                 out.edge(s, optim[stage_of[ch]], SAVED)
         # tied embedding: all-reduce between the first and the last stage, at the end of the comm stream
