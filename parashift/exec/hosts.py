@@ -268,10 +268,8 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
         if not dead:
             raise
         what = "; ".join(f"host {h} (devices {d})" for h, d in dead)
-        raise RuntimeFailure(f"{what} stopped beating (killed, or cut off from {host}:{port}); the job cannot go on "
-                             f"without it (recovery from replicas needs a layout that holds every piece on each "
-                             f"device: dp only, zero=0; snapshots are not built yet). First error: "
-                             f"{str(e).splitlines()[0][:200]}") from None
+        raise RuntimeFailure(f"{what} stopped beating (killed, or cut off from {host}:{port}); the job could not "
+                             f"go on without it: {str(e).splitlines()[0][:400]}") from None
     placed = {1: list(range(nprocs))}
     hosts = int(store.add("hosts/count", 0))   # every host that came, in time or late
     for h in range(2, hosts + 1):          # the agents' reports (their processes have finished training)
@@ -302,14 +300,22 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
     by_step = {g.step: c for g, c in zip(gens[1:], causes)}
     for sw in switches:
         sw["cause"] = by_step[sw["step"]]
+    ran = 0                                     # the generation each recovery started from
     for g, c in zip(range(1, len(gens)), causes):
-        if c == "failure":
-            got = [eval_pair(store.get(f"hosts/recovered/{g}/{d}")) for d in gens[g].devices]
-            switches.append({"step": gens[g].step, "src": str(gens[g - 1].strategy), "dst": str(gens[g].strategy),
-                             "src_devices": list(gens[g - 1].devices), "dst_devices": list(gens[g].devices),
-                             "cause": "failure", "recovered_from": "replicas", "steps_lost": 0,
-                             "seconds": max(s for s, _ in got), "pause_seconds": max(s for s, _ in got)})
-    switches.sort(key=lambda sw: sw["step"])
+        if c != "failure":
+            if any(sw["step"] == gens[g].step and sw["dst"] == str(gens[g].strategy) for sw in switches):
+                ran = g
+            continue
+        plan = pickle.loads(store.get(f"hosts/plan/{g}"))
+        got = [eval_pair(store.get(f"hosts/recovered/{g}/{d}")) for d in gens[g].devices]
+        src = gens[ran]
+        switches.append({"step": plan["step"], "src": str(src.strategy), "dst": str(gens[g].strategy),
+                         "src_devices": list(src.devices), "dst_devices": list(gens[g].devices),
+                         "cause": "failure", "lost_devices": plan["lost"], "failed_at": plan["failed_at"],
+                         "recovered_from": plan["kind"], "steps_lost": plan["steps_lost"],
+                         "seconds": max(s for s, _ in got), "pause_seconds": max(s for s, _ in got)})
+        ran = g
+    switches.sort(key=lambda sw: (sw.get("failed_at", sw["step"]), sw["step"]))
     return LiveResult(losses, switches, reports, gens), placed
 
 

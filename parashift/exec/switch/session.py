@@ -79,6 +79,8 @@ class LiveOptions:
     cost_model: Any = None
     faults: "SwitchFaults | None" = None
     on_step: Any = None      # called as on_step(session, step) at every step boundary (multi-host jobs)
+    snapshot_every: int = 0  # multi-host jobs: a DCP snapshot every this many steps (0: none; :mod:`..snapshot`)
+    snapshot_dir: str = ""   # where snapshots go (a directory every host reaches)
 
 
 @dataclass(frozen=True)
