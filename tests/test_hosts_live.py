@@ -136,6 +136,8 @@ def test_a_killed_host(strategy, extra, path, capsys, tmp_path):
         got = json.loads(out)
         (sw,) = got["switches"]
         assert sw["cause"] == "failure" and sw["recovered_from"] == path and sw["lost_devices"] == [2, 3]
+        said = {r["host"]: r for r in got["survivability"]}          # what the first host said at the start
+        assert said[2]["recovers_from"] == path and said[2]["layout"] == sw["dst"] and said[1]["recovers_from"] == "none"
         assert sw["dst_devices"] == [0, 1] and sw["failed_at"] >= 4
         if path == "replicas":
             assert sw["steps_lost"] == 0 and sw["step"] == sw["failed_at"]
@@ -203,7 +205,7 @@ def test_memory_plan_keeps_each_survivors_shard(tp, pp, dp, zero, lost, batch):
     """Against brute force: the widest dp whose every cell (tp, pp position) has that many surviving
     copies; each new rank sits on a survivor of its own cell; None when a cell is gone or under ZeRO."""
     from parashift import models
-    from parashift.exec.recover import memory_plan
+    from parashift.exec.recover import memory_plan, uncovered
     from parashift.strategy import Strategy
     spec = models.get("tiny-gpt")
     cur = Strategy(dp=dp, tp=tp, pp=pp, zero=zero)
@@ -224,10 +226,66 @@ def test_memory_plan_keeps_each_survivors_shard(tp, pp, dp, zero, lost, batch):
         except StrategyError:
             return False
         return batch % (d * cur.mbs) == 0
-    want = None if zero else max((d for d in range(1, min(copies.values()) + 1) if fits(d)), default=None)
+    lost_ranks = [r for r, d in enumerate(devices) if d not in survivors]
+    missing = uncovered(spec, cur, lost_ranks)
+    # the VPS layout's own coverage: every piece survives exactly when every cell does and ZeRO lost nothing
+    assert (not missing) == (min(copies.values()) > 0 and (not zero or not lost_ranks))
+    want = None if missing else max((d for d in range(1, min(copies.values()) + 1) if fits(d)), default=None)
     assert (got[0].dp if got is not None else None) == want
     if got is not None:
         new, devs = got
         assert len(set(devs)) == new.world and set(devs) <= set(survivors)
         for r, d in enumerate(devs):
             assert cell(new, r) == cell(cur, devices.index(d))
+
+
+def test_survivability_says_which_host_losses_the_layout_survives():
+    from parashift import models
+    from parashift.exec.recover import survivability
+    from parashift.strategy import Strategy
+    spec = models.get("tiny-gpt")
+    hosts = {1: [0, 1], 2: [2, 3]}
+    got = {st: survivability(spec, Strategy.parse(st), hosts, 8, snapshots=snap).set_index("host")
+           for st, snap in [("dp=4", False), ("dp=2,tp=2", False), ("dp=4,zero=1", True), ("dp=2,pp=2", False)]}
+    assert list(got["dp=4"]["recovers_from"]) == ["none", "replicas"]          # host 1 serves the store
+    assert got["dp=2,tp=2"].loc[2, "layout"] == "dp=1,tp=2,pp=1"
+    assert got["dp=4,zero=1"].loc[2, ["recovers_from", "missing"]].tolist() == ["snapshot", "exp_avg, exp_avg_sq"]
+    assert got["dp=2,pp=2"].loc[2, ["recovers_from", "missing"]].tolist() == ["none", "exp_avg, exp_avg_sq, param"]
+
+
+def test_a_host_killed_mid_switch(capsys):
+    """Hosts 1 and 2 (two processes each) train dp=4; host 3 joins and the job starts switching to dp=6
+    (no notice: the communicators are built in the switch's pause); host 2 is killed as the switch
+    begins. The monitor declares it lost, the switch aborts with the old layout's state whole, and the
+    survivors recover from their replicas (dp=2 on host 1); host 3's processes leave unused. The losses
+    equal the static job's; every remaining host exits 0; nothing is left running."""
+    port = _free_port()
+    env = dict(os.environ, **{SECRET_ENV: SECRET}, PYTHONUNBUFFERED="1")
+    at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", "150", "--nprocs", "2"]
+    job = ["--model", "tiny-gpt", "--strategy", "dp=4", "--steps", "16", "--global-batch", "12", "--live"]
+    first = _host(["run", *job, *at, "--switch-notice", "0", "--json"], env)
+    time.sleep(0.5)
+    second = _host(["join", *at], env)
+    from parashift.exec.jobstore import connect
+    store = connect("127.0.0.1", port, SECRET, 60)
+    deadline = time.monotonic() + 90
+    while not store.check(["hosts/devices_of/2"]):
+        assert time.monotonic() < deadline and second.poll() is None and first.poll() is None, "host 2 never came"
+        time.sleep(0.02)
+    third = _host(["join", *at], env)                 # beyond the first world: grown into at step 2
+    while not store.check(["sw1/notice"]):            # device 0 announced the switch that brings host 3 in
+        assert time.monotonic() < deadline and third.poll() is None and first.poll() is None, "no switch"
+        time.sleep(0.005)
+    os.killpg(second.pid, signal.SIGKILL)
+    second.wait()
+    (rc1, out1, err1), (rc3, _, err3) = _finish([first, third], 150)
+    assert rc1 == 0 and rc3 == 0, (err1 + err3)[-3000:]
+    got = json.loads(out1)
+    join, fail = got["switches"]
+    assert join["cause"] == "join" and "aborted" in join and join["dst"] == "dp=6,tp=1,pp=1"
+    assert fail["cause"] == "failure" and fail["recovered_from"] == "replicas" and fail["step"] == join["step"]
+    assert fail["src"] == "dp=4,tp=1,pp=1" and fail["dst_devices"] == [0, 1] and fail["lost_devices"] == [2, 3]
+    assert main(["run", *job, "--json"]) == 0
+    ref = json.loads(capsys.readouterr().out)
+    assert len(got["losses"]) == 16 and got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+    assert all(_gone(p.pid) for p in (first, second, third)), "processes left behind"

@@ -36,7 +36,7 @@ from typing import Any
 
 from ..errors import RuntimeFailure
 
-__all__ = ["guard", "replicated", "memory_plan", "survivability", "FAULT_KEY"]
+__all__ = ["guard", "after_switch", "replicated", "uncovered", "memory_plan", "survivability", "FAULT_KEY"]
 
 #: store counter bumped by every process whose step failed
 FAULT_KEY = "hosts/fault"
@@ -54,6 +54,25 @@ def _cell(strategy: Any, rank: int) -> tuple[int, int, int]:
     return int(c["tp"]), int(c["cp"]), int(c["pp"])
 
 
+def uncovered(spec: Any, strategy: Any, lost_ranks: "list[int] | set[int]") -> dict[str, int]:
+    """State kind (gradients aside) -> elements that no rank outside ``lost_ranks`` holds, from the VPS layout (empty: every
+    piece of the state has a surviving copy). Boxes of one tensor and kind in a layout are equal (replicas)
+    or disjoint, so the distinct boxes of the survivors measure what they cover."""
+    import numpy as np
+    from ..vps.boxes import volume
+    from ..vps.layout import layout
+    lay = layout(spec, strategy)
+    reg = lay.regions(kinds=[k for k in lay.kinds if k != "grad"])     # gradients are empty between steps
+    alive = ~np.isin(reg.rank, np.asarray(sorted(lost_ranks), dtype=np.int64))
+
+    def per_kind(m) -> np.ndarray:
+        rows = np.unique(np.column_stack([reg.tensor[m], reg.kind[m], reg.lo[m], reg.hi[m]]), axis=0)
+        nd = reg.lo.shape[1]
+        return np.bincount(rows[:, 1], weights=volume(rows[:, 2:2 + nd], rows[:, 2 + nd:]), minlength=len(lay.kinds))
+    miss = per_kind(np.ones(len(reg.rank), dtype=bool)) - per_kind(alive)
+    return {lay.kinds[k]: int(v) for k, v in enumerate(miss) if v > 0}
+
+
 def memory_plan(spec: Any, strategy: Any, devices: tuple[int, ...], survivors: list[int], global_batch: int,
                 prefer: dict[int, int] | None = None) -> tuple[Any, tuple[int, ...]] | None:
     """The layout the ``survivors`` can carry on from their own memory: ``strategy`` with the widest dp
@@ -62,8 +81,11 @@ def memory_plan(spec: Any, strategy: Any, devices: tuple[int, ...], survivors: l
     no surviving copy, or the layout shards state across dp (ZeRO > 0, expert parallelism).
     ``prefer``: device -> priority (higher first) among a cell's copies."""
     from .hosts import fit_strategy
-    if strategy.zero or strategy.ep > 1:
+    if strategy.ep > 1 or uncovered(spec, strategy, [r for r, d in enumerate(devices) if d not in survivors]):
         return None
+    if strategy.zero and len(survivors) < len(devices):   # covered with a loss: ZeRO shards are held once
+        raise RuntimeFailure(f"the VPS layout of {strategy} keeps a copy of every piece, but its ZeRO shards "
+                             f"are held once; recovery from memory does not know this layout")
     cells: dict[tuple[int, int, int], list[int]] = {}
     for r, d in enumerate(devices):
         if d in survivors:
@@ -81,23 +103,25 @@ def memory_plan(spec: Any, strategy: Any, devices: tuple[int, ...], survivors: l
 
 def survivability(spec: Any, strategy: Any, hosts: dict[int, list[int]], global_batch: int,
                   snapshots: bool) -> "Any":
-    """Which single-host losses the layout survives, and how: a DataFrame with one row per host
-    (``host``, ``devices``, ``recovers_from``: ``replicas`` / ``snapshot`` / ``none``, ``layout``:
-    the strategy it goes on with). Losing host 1 (it serves the store) always ends the job."""
+    """Which single-host losses the layout (rank i on device i) survives, and how: a DataFrame with one
+    row per host: ``host``, ``devices``, ``recovers_from`` (``replicas``, ``snapshot`` or ``none``),
+    ``layout`` (the strategy the job goes on with), ``missing`` (the state kinds left without a copy).
+    Losing host 1 (it serves the store) always ends the job."""
     import pandas as pd
     from .hosts import fit_strategy
     devices = tuple(range(strategy.world))
     rows = []
     for h, devs in sorted(hosts.items()):
         left = [d for d in devices if d not in devs]
+        missing = ", ".join(sorted(uncovered(spec, strategy, [d for d in devs if d < strategy.world])))
         got = memory_plan(spec, strategy, devices, left, global_batch) if h != 1 else None
         if got is not None:
-            rows.append((h, list(devs), "replicas", str(got[0])))
+            rows.append((h, list(devs), "replicas", str(got[0]), missing))
             continue
         st = fit_strategy(spec, strategy, len(left), global_batch) if h != 1 else None
         rows.append((h, list(devs), "snapshot" if snapshots and st is not None else "none",
-                     str(st) if st is not None and snapshots else ""))
-    return pd.DataFrame(rows, columns=["host", "devices", "recovers_from", "layout"])
+                     str(st) if st is not None and snapshots else "", missing))
+    return pd.DataFrame(rows, columns=["host", "devices", "recovers_from", "layout", "missing"])
 
 
 # ---- the guard ----------------------------------------------------------------------------------------
@@ -142,11 +166,11 @@ def guard(session: Any) -> None:
     rt = session.runtime
     if rt is None or getattr(rt, "_hosts_guarded", False):
         return
-    store = session.ctx.store
+    store = session.side_store()
     watch = getattr(session, "_fault_watch", None)
     if watch is None:
         watch = session._fault_watch = _Watch(store)
-    base = int(store.add(FAULT_KEY, 0))
+    base = rt._fault_base = int(store.add(FAULT_KEY, 0))
     watch.count = base
     interrupted = lambda: watch.count > base  # noqa: E731
     interp = rt.interp
@@ -175,6 +199,18 @@ def guard(session: Any) -> None:
         return loss, extra
     rt.step = step
     rt._hosts_guarded = True
+
+
+def after_switch(session: Any, err: Exception) -> bool:
+    """``LiveOptions.recover``: a switch aborted because a peer failed (the old layout's state is whole on
+    every survivor): run the recovery round from the old layout. True when this process trains on."""
+    if session.runtime is None:
+        return False
+    if not session._fault_watch.count > getattr(session.runtime, "_fault_base", -1):
+        session.side_store().add(FAULT_KEY, 1)
+    _recover(session, err)
+    guard(session)
+    return True
 
 
 def _snapshotter(session: Any) -> Any:
@@ -212,7 +248,7 @@ def _wait(store: Any, key: str, timeout: float, what: str, err: Exception) -> by
 def _recover(session: Any, err: Exception) -> None:
     """One recovery round (see the module docstring); leaves ``session.runtime`` on the new layout
     (None when this device is not in it) or raises RuntimeFailure."""
-    store, gens, rt = session.ctx.store, session.gens, session.runtime
+    store, gens, rt = session.side_store(), session.gens, session.runtime
     t0 = time.time()
     k = rt.steps_done
     snap = _snapshotter(session)
@@ -247,6 +283,9 @@ def _recover(session: Any, err: Exception) -> None:
         session.runtime, session.gen = None, g
         store.set(f"hosts/recovered/{g}/{session.device}", repr((time.time() - t0, k)))
         return
+    # an aborted switch's preparation may still block in a rendezvous on the job's store connection:
+    # the new layout's worlds (and every later call) go through a fresh one
+    session.ctx.store = session.manager.store = store.clone()
     session.runtime, session.gen = _rebuild(session, g, rt, plan), g
     store.set(f"hosts/recovered/{g}/{session.device}", repr((time.time() - t0, k)))
 
@@ -254,7 +293,7 @@ def _recover(session: Any, err: Exception) -> None:
 def _declare(session: Any, err: Exception) -> int:
     """Device 0: name the lost hosts (``hosts/lost/<g>``: their devices, or why the job ends) and open round ``g``."""
     from .hosts import _silent_hosts
-    store, gens = session.ctx.store, session.gens
+    store, gens = session.side_store(), session.gens
     dead = _silent_hosts(store)
     g = len(gens)
     while store.check([f"hosts/gen/{g}"]):
@@ -265,6 +304,7 @@ def _declare(session: Any, err: Exception) -> int:
             a, b = (int(x) for x in devs.split("-"))
             gone += range(a, b + 1)
             store.set(f"hosts/dead/{h}", "1")
+            store.set(f"hosts/handled/{h}", str(g))      # a later failure is not blamed on this host again
         lost: Any = sorted(gone)
     else:
         lost = (f"a step failed and no host stopped beating (not a lost host): {type(err).__name__}: "
@@ -279,7 +319,7 @@ def _plan(session: Any, g: int, gone: list[int], err: Exception) -> None:
     from .hosts import fit_strategy
     from .snapshot import latest
     from .switch.session import Generation
-    store, cur, o = session.ctx.store, session.gens[session.gen], session.opts
+    store, cur, o = session.side_store(), session.gens[session.gen], session.opts
     survivors = [d for d in cur.devices if d not in gone]
     reports = {d: pickle.loads(_wait(store, f"hosts/state/{g}/{d}", session.timeout, f"device {d}'s report", err))
                for d in survivors}
