@@ -253,7 +253,10 @@ def _recover(session: Any, err: Exception) -> None:
     k = rt.steps_done
     snap = _snapshotter(session)
     if snap is not None:
-        snap.finish(store, session.device, wait=True)     # a snapshot written before the loss counts
+        try:
+            snap.finish(wait=True)     # a snapshot being written when the host was lost still counts
+        except RuntimeFailure:
+            pass                       # a failed write is not recorded: an older snapshot is used
     if session.device == 0:
         g = _declare(session, err)
     else:

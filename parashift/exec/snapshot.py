@@ -3,7 +3,7 @@
 Every ``every`` steps each process hands a copy of its flat state buffers (:data:`.switch.stores.STATE_KINDS`
 of every family) to ``dcp.async_save`` (one checkpoint per rank, ``<dir>/step<s>/rank<r>``, no
 collective: a snapshot never waits for a peer that may be gone) and training goes on while a
-thread writes it. Once written, the process records ``hosts/snap/<s>/<device>`` (its strategy, rank
+thread writes it. Once written, the writer records ``hosts/snap/<s>/<device>`` (its strategy, rank
 and optimizer step) in the job's store; a snapshot is whole when every rank of its strategy has
 recorded it (:func:`latest`). Restoring (:func:`restore`) reads every rank's checkpoint of the
 snapshot with ``dcp.load``, assembles the global state and cuts the new layout's shard out of it
@@ -40,25 +40,26 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled", categ
 
 
 class Snapshotter:
-    """One process's snapshots: ``maybe(store, state, strategy, rank, device, steps_done)`` after each step."""
+    """One process's snapshots: ``maybe(kv, state, strategy, rank, device, steps_done)`` after each step."""
 
     def __init__(self, root: str, every: int) -> None:
         self.root, self.every = root, int(every)
-        self.pending: tuple[int, Future, tuple] | None = None
+        self.pending: tuple[int, Future] | None = None
         self.kept: list[int] = []
 
     def maybe(self, kv: Any, state: Any, strategy: Any, rank: int, device: int, steps_done: int) -> bool:
-        """Start a snapshot of ``state`` when ``steps_done`` is a multiple of ``every`` (the previous
-        one is finished first); returns whether one was started."""
-        self.finish(kv, device)
-        if self.every <= 0 or steps_done % self.every:
+        """Start a snapshot of ``state`` when ``steps_done`` is a multiple of ``every`` (after the previous
+        one is on disk); returns whether one was started. It is recorded in ``kv`` as soon as it is written."""
+        due = self.every > 0 and steps_done % self.every == 0
+        self.finish(wait=due)
+        if not due:
             return False
         from .switch.stores import STATE_KINDS
         import torch.distributed.checkpoint as dcp
         arrays = {}
-        steps = set()
+        opt = 0
         for fam, b in state.buffers.items():
-            steps.add(int(b.step))
+            opt = max(opt, int(b.step))
             for kind in STATE_KINDS:
                 t = getattr(b, kind)
                 if t is not None:
@@ -66,15 +67,29 @@ class Snapshotter:
         path = _path(self.root, steps_done, rank)
         os.makedirs(path, exist_ok=True)
         fut = dcp.async_save(arrays, checkpoint_id=path, no_dist=True)
-        meta = (str(strategy), rank, max(steps) if steps else 0)
-        self.pending = (steps_done, fut, meta)
+        meta = pickle.dumps((str(strategy), rank, opt))
+
+        def written(f: Future) -> None:        # the writer thread: record it, drop this rank's oldest
+            if f.exception() is not None:
+                return
+            kv.set(f"hosts/snap/{steps_done}/{device}", meta)
+            self.kept.append(steps_done)
+            while len(self.kept) > KEEP:
+                old = _path(self.root, self.kept.pop(0), rank)
+                shutil.rmtree(old, ignore_errors=True)
+                try:
+                    os.rmdir(os.path.dirname(old))           # the last rank out removes the step
+                except OSError:
+                    pass
+        fut.add_done_callback(written)
+        self.pending = (steps_done, fut)
         return True
 
-    def finish(self, kv: Any, device: int, wait: bool = False) -> None:
-        """Record the pending snapshot in the store once it is on disk (``wait``: block until it is)."""
+    def finish(self, wait: bool = False) -> None:
+        """Raise if the pending snapshot failed (``wait``: block until it is written)."""
         if self.pending is None:
             return
-        s, fut, meta = self.pending
+        s, fut = self.pending
         if not wait and not fut.done():
             return
         self.pending = None
@@ -83,15 +98,6 @@ class Snapshotter:
         except Exception as e:  # noqa: BLE001 - a snapshot that failed is not recorded
             raise RuntimeFailure(f"writing the snapshot of step {s} to {self.root} failed ({type(e).__name__}: "
                                  f"{e}); check that --snapshot-dir is writable on every host") from e
-        kv.set(f"hosts/snap/{s}/{device}", pickle.dumps(meta))
-        self.kept.append(s)
-        while len(self.kept) > KEEP:
-            old = self.kept.pop(0)
-            shutil.rmtree(_path(self.root, old, meta[1]), ignore_errors=True)
-            try:
-                os.rmdir(os.path.dirname(_path(self.root, old, meta[1])))     # the last rank out removes the step
-            except OSError:
-                pass
 
 
 def latest(kv: Any, devices: int, every: int, before: int) -> tuple[int, str, int] | None:
