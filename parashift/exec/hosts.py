@@ -18,11 +18,20 @@ ahead; every process appends it to its schedule at its next step boundary, so th
 in the background during the notice and the switch happens between iterations; the joining
 agent starts its processes for that generation.
 
+A host lost without notice: the first host's monitor (:func:`_monitor`) declares an agent whose
+heartbeat stood still lost; the survivors recover (:mod:`.recover`) from their copies or from a
+snapshot (:mod:`.snapshot`). The first host serves the store and holds device 0, which runs every
+recovery: losing it ends the job.
+
 Store keys (under the job's secret): ``hosts/devices`` (devices registered), ``hosts/count``
 (hosts), ``hosts/config`` (pickled settings), ``hosts/gen/<g>`` (generations after the first, with
 their cause), ``hosts/leave/<h>`` (a SIGTERM notice), ``hosts/beat/<h>`` (heartbeat counters),
-``hosts/devices_of/<h>``, ``hosts/dead/<h>``, ``hosts/loss/<step>/<device>`` (loss shares, see
-:mod:`.recover`), ``hosts/report/<h>``, ``hosts/failed/<h>``.
+``hosts/devices_of/<h>``, ``hosts/dead/<h>`` and ``dead/<device>`` (declared lost),
+``hosts/handled/<h>`` (taken out by recovery round ``g``), ``hosts/report/<h>``, ``hosts/failed/<h>``,
+``hosts/done``; written by :mod:`.recover`: ``hosts/loss/<step>/<device>`` (loss shares),
+``hosts/fault`` (failed steps), ``hosts/recovery`` (the open round), ``hosts/lost/<g>``,
+``hosts/state/<g>/<device>``, ``hosts/plan/<g>``, ``hosts/recovered/<g>/<device>``; by
+:mod:`.snapshot`: ``hosts/snap/<step>/<device>``.
 """
 from __future__ import annotations
 
@@ -274,7 +283,8 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
         reports = launch_elastic(_live_worker, _local_members(range(nprocs)), args=(spec, gens, steps, opts),
                                  timeout=timeout, job=job)
     except RuntimeFailure as e:
-        dead = _silent_hosts(store)
+        dead = [(h, store.get(f"hosts/devices_of/{h}").decode()) for h in range(2, int(store.add("hosts/count", 0)) + 1)
+                if store.check([f"hosts/dead/{h}"])] or _silent_hosts(store)      # declared lost, or silent now
         if not dead:
             raise
         what = "; ".join(f"host {h} (devices {d})" for h, d in dead)
