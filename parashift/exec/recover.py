@@ -153,10 +153,12 @@ def _barrier(worlds: Any, interrupted) -> None:
     if worlds.world < 2:
         return
     work = dist.barrier(group=worlds.get(range(worlds.world)), async_op=True)
+    nap = 5e-5
     while not work.is_completed():
         if interrupted():
             raise RuntimeFailure("interrupted: a peer reported a failed step (a host of the job was lost)")
-        time.sleep(2e-4)
+        time.sleep(nap)
+        nap = min(nap * 2, 2e-3)
     work.wait()
 
 
