@@ -172,6 +172,8 @@ def test_cli_errors(capsys):
     assert "add --live" in capsys.readouterr().err
     assert main(["join", "--nprocs", "1"]) != 0
     assert "--endpoint" in capsys.readouterr().err
+    assert main(["run", "--live", "--strategy", "dp=2", "--snapshot-every", "2"]) != 0
+    assert "add --endpoint" in capsys.readouterr().err
 
 
 @settings(max_examples=40, deadline=None)
