@@ -343,3 +343,38 @@ def test_snapshot_restores_any_layout(tmp_path):
         for k in want:
             np.testing.assert_array_equal(got[k], want[k], err_msg=f"{dst}: {k}")
     assert {b.step for b in restore(str(tmp_path), spec, str(src), 4, Strategy.parse("dp=1"), 0, 4).buffers.values()} == {4}
+
+
+@pytest.mark.slow
+def test_a_survivor_the_smaller_layout_leaves_out(capsys):
+    """Hosts of 1, 2 and 1 processes train dp=4 (global batch 8); host 3 is killed. Three devices
+    survive but dp=3 does not divide the batch: the job goes on as dp=2 on devices 0-1, device 2
+    (on host 2) stops training, and host 2's agent still exits 0."""
+    port = _free_port()
+    env = dict(os.environ, **{SECRET_ENV: SECRET}, PYTHONUNBUFFERED="1")
+    at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", "150"]
+    job = ["--model", "tiny-gpt", "--strategy", "dp=4", "--steps", "16", "--live"]
+    first = _host(["run", *job, *at, "--nprocs", "1", "--json"], env)
+    time.sleep(0.5)
+    second = _host(["join", *at, "--nprocs", "2"], env)
+    from parashift.exec.jobstore import connect
+    store = connect("127.0.0.1", port, SECRET, 60)
+    deadline = time.monotonic() + 90
+    while not store.check(["hosts/devices_of/2"]):
+        assert time.monotonic() < deadline and second.poll() is None, "host 2 never came"
+        time.sleep(0.02)
+    third = _host(["join", *at, "--nprocs", "1"], env)
+    while not store.check(["hosts/loss/4/3"]):
+        assert time.monotonic() < deadline and third.poll() is None and first.poll() is None, "never trained"
+        time.sleep(0.02)
+    os.killpg(third.pid, signal.SIGKILL)
+    third.wait()
+    (rc1, out1, err1), (rc2, _, err2) = _finish([first, second], 150)
+    assert rc1 == 0 and rc2 == 0, (err1 + err2)[-3000:]
+    got = json.loads(out1)
+    (sw,) = got["switches"]
+    assert sw["recovered_from"] == "replicas" and sw["dst"] == "dp=2,tp=1,pp=1" and sw["dst_devices"] == [0, 1]
+    assert main(["run", *job, "--json"]) == 0
+    ref = json.loads(capsys.readouterr().out)
+    assert len(got["losses"]) == 16 and got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+    assert all(_gone(p.pid) for p in (first, second, third)), "processes left behind"
