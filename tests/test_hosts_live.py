@@ -378,3 +378,26 @@ def test_a_survivor_the_smaller_layout_leaves_out(capsys):
     ref = json.loads(capsys.readouterr().out)
     assert len(got["losses"]) == 16 and got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
     assert all(_gone(p.pid) for p in (first, second, third)), "processes left behind"
+
+
+@pytest.mark.slow
+def test_node_level_replay(capsys):
+    """A trace of 2 nodes: a node is added, one is preempted with a notice, one without; each node is a
+    host (an agent in a process group of its own). The job grows, shrinks by a switch and recovers
+    from replicas; its losses equal the static job's; the preempted-with-notice agent exits 0."""
+    import numpy as np
+    from parashift.replay.hosts import replay_hosts
+    from parashift.traces.schema import events_frame, finish
+    ev = finish(events_frame(np.array([2.0, 8.0, 14.0]), np.array([1, -1, -1]), np.array([3, 2, 1]),
+                             np.array([np.nan, 30.0, np.nan])), source="test", fmt="test", initial=2, duration=20.0)
+    got = replay_hosts(ev, steps=160, seconds_per_step=1.0, global_batch=12, timeout=300)
+    job = got["job"]
+    assert [a["event"] for a in got["applied"]] == ["add", "preempt", "preempt"]
+    assert [a.get("signal") for a in got["applied"]] == [None, "SIGTERM", "SIGKILL"]
+    assert job["strategies"] == ["dp=2,tp=1,pp=1", "dp=3,tp=1,pp=1", "dp=2,tp=1,pp=1", "dp=1,tp=1,pp=1"]
+    assert [s["cause"] for s in job["switches"]] == ["join", "notice", "failure"]
+    assert got["exit_codes"][1] == 0 and got["exit_codes"][3] == 0 and got["exit_codes"][2] == -signal.SIGKILL
+    assert main(["run", "--model", "tiny-gpt", "--strategy", "dp=2", "--steps", "160", "--global-batch", "12",
+                 "--live", "--json"]) == 0
+    ref = json.loads(capsys.readouterr().out)
+    assert len(job["losses"]) == 160 and job["losses"] == pytest.approx(ref["losses"], abs=1e-5)
