@@ -42,6 +42,14 @@ def _gone(pgid: int, within: float = 10.0) -> bool:
     return False
 
 
+def _await_key(store, key: str, procs: list[subprocess.Popen], what: str, within: float = 90.0) -> None:
+    """Poll the job's store for ``key`` while every process in ``procs`` runs."""
+    deadline = time.monotonic() + within
+    while not store.check([key]):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), what
+        time.sleep(0.005)
+
+
 def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
     """Wait for every host; on timeout kill their process groups (the test then fails)."""
     out = []
@@ -120,10 +128,7 @@ def test_a_killed_host(strategy, extra, path, capsys, tmp_path):
     agent = _host(["join", *at], env)
     from parashift.exec.jobstore import connect
     store = connect("127.0.0.1", port, SECRET, 60)
-    deadline = time.monotonic() + 90
-    while not store.check(["hosts/loss/4/2"]):          # host 2's device 2 is in its 5th step
-        assert time.monotonic() < deadline and agent.poll() is None and first.poll() is None, "never trained"
-        time.sleep(0.02)
+    _await_key(store, "hosts/loss/4/2", [first, agent], "never trained")      # host 2's device 2 in its 5th step
     t0 = time.monotonic()
     os.killpg(agent.pid, signal.SIGKILL)
     agent.wait()
@@ -270,14 +275,10 @@ def test_a_host_killed_mid_switch(capsys):
     second = _host(["join", *at], env)
     from parashift.exec.jobstore import connect
     store = connect("127.0.0.1", port, SECRET, 60)
-    deadline = time.monotonic() + 90
-    while not store.check(["hosts/devices_of/2"]):
-        assert time.monotonic() < deadline and second.poll() is None and first.poll() is None, "host 2 never came"
-        time.sleep(0.02)
+    _await_key(store, "hosts/devices_of/2", [first, second], "host 2 never came")
     third = _host(["join", *at], env)                 # beyond the first world: grown into at step 2
-    while not store.check(["sw1/notice"]):            # device 0 announced the switch that brings host 3 in
-        assert time.monotonic() < deadline and third.poll() is None and first.poll() is None, "no switch"
-        time.sleep(0.005)
+    # device 0 announced the switch that brings host 3 in
+    _await_key(store, "sw1/notice", [first, second, third], "no switch")
     os.killpg(second.pid, signal.SIGKILL)
     second.wait()
     (rc1, out1, err1), (rc3, _, err3) = _finish([first, third], 150)
@@ -359,14 +360,9 @@ def test_a_survivor_the_smaller_layout_leaves_out(capsys):
     second = _host(["join", *at, "--nprocs", "2"], env)
     from parashift.exec.jobstore import connect
     store = connect("127.0.0.1", port, SECRET, 60)
-    deadline = time.monotonic() + 90
-    while not store.check(["hosts/devices_of/2"]):
-        assert time.monotonic() < deadline and second.poll() is None, "host 2 never came"
-        time.sleep(0.02)
+    _await_key(store, "hosts/devices_of/2", [first, second], "host 2 never came")
     third = _host(["join", *at, "--nprocs", "1"], env)
-    while not store.check(["hosts/loss/4/3"]):
-        assert time.monotonic() < deadline and third.poll() is None and first.poll() is None, "never trained"
-        time.sleep(0.02)
+    _await_key(store, "hosts/loss/4/3", [first, second, third], "never trained")
     os.killpg(third.pid, signal.SIGKILL)
     third.wait()
     (rc1, out1, err1), (rc2, _, err2) = _finish([first, second], 150)
