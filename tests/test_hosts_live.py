@@ -42,6 +42,14 @@ def _gone(pgid: int, within: float = 10.0) -> bool:
     return False
 
 
+def _await_key(store, key: str, procs: list[subprocess.Popen], what: str, within: float = 90.0) -> None:
+    """Poll the job's store for ``key`` while every process in ``procs`` runs."""
+    deadline = time.monotonic() + within
+    while not store.check([key]):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), what
+        time.sleep(0.005)
+
+
 def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
     """Wait for every host; on timeout kill their process groups (the test then fails)."""
     out = []
@@ -94,43 +102,55 @@ def test_two_hosts_train_a_third_joins_one_leaves_with_notice(capsys):
     assert all(_gone(p.pid) for p in (first, second, third)), "processes left behind"
 
 
-# dp=4 (recovery from replicas) is slow-only: under load a surviving local process can fail its
-# all-reduce before device 0 starts the recovery, and the launcher then ends the job (a race, #20)
-@pytest.mark.parametrize("strategy", [pytest.param("dp=4", marks=pytest.mark.slow), "dp=2,tp=2"])
-def test_a_killed_host(strategy, capsys):
-    """SIGKILL of an agent's whole process group mid-run. dp=4 (every device holds every piece): the
-    survivors notice within seconds, device 0 names the silent host by its heartbeat, and the job
-    goes on as dp=2 from the replicas, its losses equal to the static job. dp=2,tp=2 (no replica of
-    the lost pieces): the job ends non-zero naming the host. Nothing is left either way."""
+# (strategy, extra options, how the job goes on after host 2 (devices 2-3) is killed)
+KILLED = [
+    pytest.param("dp=4", [], "replicas", id="dp=4"),                    # every device holds everything
+    pytest.param("dp=2,tp=2", [], "replicas", marks=pytest.mark.slow, id="dp=2,tp=2"),   # a whole tp=2 replica survives
+    pytest.param("dp=4,zero=1", ["--snapshot-every", "2"], "snapshot", id="dp=4,zero=1"),   # host 2's optimizer shards
+    pytest.param("dp=2,pp=2", [], "end", marks=pytest.mark.slow, id="dp=2,pp=2"),   # last stage lost, no snapshot
+]
+
+
+@pytest.mark.parametrize("strategy,extra,path", KILLED)
+def test_a_killed_host(strategy, extra, path, capsys, tmp_path):
+    """SIGKILL of an agent's whole process group mid-run (2 hosts x 2 processes). The survivors stop
+    within seconds (the first failed step interrupts the others' waits), device 0 names the silent
+    host by its heartbeat, and the job goes on on devices 0-1: from the survivors' own copies when
+    every cell of the layout survives, else from the newest DCP snapshot (the steps since are re-run
+    and reported lost); with neither it ends non-zero naming the host. The losses equal the static
+    job's on every step; nothing is left running."""
     port = _free_port()
     env = dict(os.environ, **{SECRET_ENV: SECRET}, PYTHONUNBUFFERED="1")
     at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", "150", "--nprocs", "2"]
-    job = ["--model", "tiny-gpt", "--strategy", strategy, "--steps", "40", "--live"]
-    first = _host(["run", *job, *at, "--json"], env)
+    job = ["--model", "tiny-gpt", "--strategy", strategy, "--steps", "20", "--live"]
+    first = _host(["run", *job, *at, *extra, "--snapshot-dir", str(tmp_path), "--json"], env)
     time.sleep(0.5)
     agent = _host(["join", *at], env)
     from parashift.exec.jobstore import connect
     store = connect("127.0.0.1", port, SECRET, 60)
-    deadline = time.monotonic() + 90
-    while not store.check(["hosts/loss/3/2"]):          # host 2's device 2 has trained 4 steps
-        assert time.monotonic() < deadline and agent.poll() is None and first.poll() is None, "never trained"
-        time.sleep(0.05)
+    _await_key(store, "hosts/loss/4/2", [first, agent], "never trained")      # host 2's device 2 in its 5th step
     t0 = time.monotonic()
     os.killpg(agent.pid, signal.SIGKILL)
     agent.wait()
     ((rc, out, err),) = _finish([first], 120)
     assert time.monotonic() - t0 < 90
-    if strategy == "dp=4":
+    if path == "end":
+        assert rc == 1 and "host 2 (devices 2-3) stopped beating" in err and "--snapshot-every" in err, err[-2000:]
+    else:
         assert rc == 0, err[-2000:]
         got = json.loads(out)
         (sw,) = got["switches"]
-        assert sw["cause"] == "failure" and sw["recovered_from"] == "replicas" and sw["steps_lost"] == 0
-        assert sw["dst_devices"] == [0, 1] and sw["step"] >= 4
+        assert sw["cause"] == "failure" and sw["recovered_from"] == path and sw["lost_devices"] == [2, 3]
+        said = {r["host"]: r for r in got["survivability"]}          # what the first host said at the start
+        assert said[2]["recovers_from"] == path and said[2]["layout"] == sw["dst"] and said[1]["recovers_from"] == "none"
+        assert sw["dst_devices"] == [0, 1] and sw["failed_at"] >= 4
+        if path == "replicas":
+            assert sw["steps_lost"] == 0 and sw["step"] == sw["failed_at"]
+        else:               # the newest whole snapshot: a multiple of 2 (the newest may be unfinished)
+            assert sw["step"] % 2 == 0 and sw["steps_lost"] == sw["failed_at"] - sw["step"] <= 3
         assert main(["run", *job, "--json"]) == 0
         ref = json.loads(capsys.readouterr().out)
-        assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5) and len(got["losses"]) == 40
-    else:
-        assert rc == 1 and "host 2 (devices 2-3) stopped beating" in err and "snapshots are not built" in err
+        assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5) and len(got["losses"]) == 20
     assert _gone(first.pid) and _gone(agent.pid), "processes left behind"
 
 
@@ -157,6 +177,8 @@ def test_cli_errors(capsys):
     assert "add --live" in capsys.readouterr().err
     assert main(["join", "--nprocs", "1"]) != 0
     assert "--endpoint" in capsys.readouterr().err
+    assert main(["run", "--live", "--strategy", "dp=2", "--snapshot-every", "2"]) != 0
+    assert "add --endpoint" in capsys.readouterr().err
 
 
 @settings(max_examples=40, deadline=None)
@@ -181,3 +203,197 @@ def test_grow_strategy_is_the_widest_dp_that_fits(tp, pp, dp, extra, batch):
     assert (got.dp if got is not None else None) == want
     if got is not None:
         assert (got.tp, got.pp) == (tp, pp) and got.world <= devices
+
+
+@settings(max_examples=60, deadline=None)
+@given(tp=st.sampled_from([1, 2]), pp=st.sampled_from([1, 2]), dp=st.integers(1, 4), zero=st.sampled_from([0, 0, 1]),
+       lost=st.sets(st.integers(0, 15)), batch=st.sampled_from([8, 12]))
+def test_memory_plan_keeps_each_survivors_shard(tp, pp, dp, zero, lost, batch):
+    """Against brute force: the widest dp whose every cell (tp, pp position) has that many surviving
+    copies; each new rank sits on a survivor of its own cell; None when a cell is gone or under ZeRO."""
+    from parashift import models
+    from parashift.exec.recover import memory_plan, uncovered
+    from parashift.strategy import Strategy
+    spec = models.get("tiny-gpt")
+    cur = Strategy(dp=dp, tp=tp, pp=pp, zero=zero)
+    try:
+        cur.validate(spec)
+    except StrategyError:
+        return
+    devices = tuple(range(100, 100 + cur.world))          # device ids need not be ranks
+    survivors = [d for r, d in enumerate(devices) if r not in lost]
+    got = memory_plan(spec, cur, devices, survivors, batch)
+    cell = lambda s, r: (s.coords(r)["tp"], s.coords(r)["pp"])  # noqa: E731
+    copies = {c: sum(1 for r, d in enumerate(devices) if d in survivors and cell(cur, r) == c)
+              for c in {cell(cur, r) for r in range(cur.world)}}
+
+    def fits(d):
+        try:
+            cur.replace(dp=d).validate(spec)
+        except StrategyError:
+            return False
+        return batch % (d * cur.mbs) == 0
+    lost_ranks = [r for r, d in enumerate(devices) if d not in survivors]
+    missing = uncovered(spec, cur, lost_ranks)
+    # the VPS layout's own coverage: every piece survives exactly when every cell does and ZeRO lost nothing
+    assert (not missing) == (min(copies.values()) > 0 and (not zero or not lost_ranks))
+    want = None if missing else max((d for d in range(1, min(copies.values()) + 1) if fits(d)), default=None)
+    assert (got[0].dp if got is not None else None) == want
+    if got is not None:
+        new, devs = got
+        assert len(set(devs)) == new.world and set(devs) <= set(survivors)
+        for r, d in enumerate(devs):
+            assert cell(new, r) == cell(cur, devices.index(d))
+
+
+def test_survivability_says_which_host_losses_the_layout_survives():
+    from parashift import models
+    from parashift.exec.recover import survivability
+    from parashift.strategy import Strategy
+    spec = models.get("tiny-gpt")
+    hosts = {1: [0, 1], 2: [2, 3]}
+    got = {st: survivability(spec, Strategy.parse(st), hosts, 8, snapshots=snap).set_index("host")
+           for st, snap in [("dp=4", False), ("dp=2,tp=2", False), ("dp=4,zero=1", True), ("dp=2,pp=2", False)]}
+    assert list(got["dp=4"]["recovers_from"]) == ["none", "replicas"]          # host 1 serves the store
+    assert got["dp=2,tp=2"].loc[2, "layout"] == "dp=1,tp=2,pp=1"
+    assert got["dp=4,zero=1"].loc[2, ["recovers_from", "missing"]].tolist() == ["snapshot", "exp_avg, exp_avg_sq"]
+    assert got["dp=2,pp=2"].loc[2, ["recovers_from", "missing"]].tolist() == ["none", "exp_avg, exp_avg_sq, param"]
+
+
+def test_a_host_killed_mid_switch(capsys):
+    """Hosts 1 and 2 (two processes each) train dp=4; host 3 joins and the job starts switching to dp=6
+    (no notice: the communicators are built in the switch's pause); host 2 is killed as the switch
+    begins. The monitor declares it lost, the switch aborts with the old layout's state whole, and the
+    survivors recover from their replicas (dp=2 on host 1); host 3's processes leave unused. The losses
+    equal the static job's; every remaining host exits 0; nothing is left running."""
+    port = _free_port()
+    env = dict(os.environ, **{SECRET_ENV: SECRET}, PYTHONUNBUFFERED="1")
+    at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", "150", "--nprocs", "2"]
+    job = ["--model", "tiny-gpt", "--strategy", "dp=4", "--steps", "16", "--global-batch", "12", "--live"]
+    first = _host(["run", *job, *at, "--switch-notice", "0", "--json"], env)
+    time.sleep(0.5)
+    second = _host(["join", *at], env)
+    from parashift.exec.jobstore import connect
+    store = connect("127.0.0.1", port, SECRET, 60)
+    _await_key(store, "hosts/devices_of/2", [first, second], "host 2 never came")
+    third = _host(["join", *at], env)                 # beyond the first world: grown into at step 2
+    # device 0 announced the switch that brings host 3 in
+    _await_key(store, "sw1/notice", [first, second, third], "no switch")
+    os.killpg(second.pid, signal.SIGKILL)
+    second.wait()
+    (rc1, out1, err1), (rc3, _, err3) = _finish([first, third], 150)
+    assert rc1 == 0 and rc3 == 0, (err1 + err3)[-3000:]
+    got = json.loads(out1)
+    join, fail = got["switches"]
+    assert join["cause"] == "join" and "aborted" in join and join["dst"] == "dp=6,tp=1,pp=1"
+    assert fail["cause"] == "failure" and fail["recovered_from"] == "replicas" and fail["step"] == join["step"]
+    assert fail["src"] == "dp=4,tp=1,pp=1" and fail["dst_devices"] == [0, 1] and fail["lost_devices"] == [2, 3]
+    assert main(["run", *job, "--json"]) == 0
+    ref = json.loads(capsys.readouterr().out)
+    assert len(got["losses"]) == 16 and got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+    assert all(_gone(p.pid) for p in (first, second, third)), "processes left behind"
+
+
+class _KV:
+    """The store calls snapshots make (set/get/check), in memory."""
+
+    def __init__(self) -> None:
+        self.d: dict[str, bytes] = {}
+
+    def set(self, k, v):
+        self.d[k] = v if isinstance(v, bytes) else str(v).encode()
+
+    def get(self, k):
+        return self.d[k]
+
+    def check(self, keys):
+        return all(k in self.d for k in keys)
+
+
+def test_snapshot_restores_any_layout(tmp_path):
+    """DCP snapshots of every rank of dp=2,zero=1 (optimizer states sharded) restore into other layouts
+    exactly: the same global state, the optimizer step kept; a snapshot a rank never finished is not
+    whole, so the newest whole one is chosen."""
+    import numpy as np
+    import torch
+    from parashift import models
+    from parashift.exec.snapshot import Snapshotter, latest, restore
+    from parashift.exec.state import StateStore
+    from parashift.exec.switch.stores import full_from_arrays, store_arrays
+    from parashift.strategy import Strategy
+    spec, src = models.get("tiny-gpt"), Strategy.parse("dp=2,zero=1")
+    kv = _KV()
+    stores = [StateStore(spec, src, r, torch.device("cpu"), seed=0) for r in range(2)]
+    for r, s in enumerate(stores):
+        for b in s.buffers.values():
+            b.step = 4
+            b.exp_avg.normal_(generator=torch.Generator().manual_seed(r))    # sharded: differs per rank
+        snap = Snapshotter(str(tmp_path), every=2)
+        assert not snap.maybe(kv, s, src, r, r, 3) and snap.maybe(kv, s, src, r, r, 4)
+        snap.finish(wait=True)
+        if r == 0:                                  # a later snapshot only rank 0 finished
+            assert snap.maybe(kv, s, src, r, r, 6)
+            snap.finish(wait=True)
+    assert latest(kv, 2, 2, 7) == (4, str(src), 4)
+    want = full_from_arrays(spec, src, {r: store_arrays(s) for r, s in enumerate(stores)})
+    for dst in ("dp=1", "tp=2", "dp=2"):
+        st = Strategy.parse(dst)
+        got = full_from_arrays(spec, st, {r: store_arrays(restore(str(tmp_path), spec, str(src), 4, st, r, 4))
+                                          for r in range(st.world)})
+        assert got.keys() == want.keys()
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=f"{dst}: {k}")
+    assert {b.step for b in restore(str(tmp_path), spec, str(src), 4, Strategy.parse("dp=1"), 0, 4).buffers.values()} == {4}
+
+
+@pytest.mark.slow
+def test_a_survivor_the_smaller_layout_leaves_out(capsys):
+    """Hosts of 1, 2 and 1 processes train dp=4 (global batch 8); host 3 is killed. Three devices
+    survive but dp=3 does not divide the batch: the job goes on as dp=2 on devices 0-1, device 2
+    (on host 2) stops training, and host 2's agent still exits 0."""
+    port = _free_port()
+    env = dict(os.environ, **{SECRET_ENV: SECRET}, PYTHONUNBUFFERED="1")
+    at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", "150"]
+    job = ["--model", "tiny-gpt", "--strategy", "dp=4", "--steps", "16", "--live"]
+    first = _host(["run", *job, *at, "--nprocs", "1", "--json"], env)
+    time.sleep(0.5)
+    second = _host(["join", *at, "--nprocs", "2"], env)
+    from parashift.exec.jobstore import connect
+    store = connect("127.0.0.1", port, SECRET, 60)
+    _await_key(store, "hosts/devices_of/2", [first, second], "host 2 never came")
+    third = _host(["join", *at, "--nprocs", "1"], env)
+    _await_key(store, "hosts/loss/4/3", [first, second, third], "never trained")
+    os.killpg(third.pid, signal.SIGKILL)
+    third.wait()
+    (rc1, out1, err1), (rc2, _, err2) = _finish([first, second], 150)
+    assert rc1 == 0 and rc2 == 0, (err1 + err2)[-3000:]
+    got = json.loads(out1)
+    (sw,) = got["switches"]
+    assert sw["recovered_from"] == "replicas" and sw["dst"] == "dp=2,tp=1,pp=1" and sw["dst_devices"] == [0, 1]
+    assert main(["run", *job, "--json"]) == 0
+    ref = json.loads(capsys.readouterr().out)
+    assert len(got["losses"]) == 16 and got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+    assert all(_gone(p.pid) for p in (first, second, third)), "processes left behind"
+
+
+@pytest.mark.slow
+def test_node_level_replay(capsys):
+    """A trace of 2 nodes: a node is added, one is preempted with a notice, one without; each node is a
+    host (an agent in a process group of its own). The job grows, shrinks by a switch and recovers
+    from replicas; its losses equal the static job's; the preempted-with-notice agent exits 0."""
+    import numpy as np
+    from parashift.replay.hosts import replay_hosts
+    from parashift.traces.schema import events_frame, finish
+    ev = finish(events_frame(np.array([2.0, 8.0, 14.0]), np.array([1, -1, -1]), np.array([3, 2, 1]),
+                             np.array([np.nan, 30.0, np.nan])), source="test", fmt="test", initial=2, duration=20.0)
+    got = replay_hosts(ev, steps=160, seconds_per_step=1.0, global_batch=12, timeout=300)
+    job = got["job"]
+    assert [a["event"] for a in got["applied"]] == ["add", "preempt", "preempt"]
+    assert [a.get("signal") for a in got["applied"]] == [None, "SIGTERM", "SIGKILL"]
+    assert job["strategies"] == ["dp=2,tp=1,pp=1", "dp=3,tp=1,pp=1", "dp=2,tp=1,pp=1", "dp=1,tp=1,pp=1"]
+    assert [s["cause"] for s in job["switches"]] == ["join", "notice", "failure"]
+    assert got["exit_codes"][1] == 0 and got["exit_codes"][3] == 0 and got["exit_codes"][2] == -signal.SIGKILL
+    assert main(["run", "--model", "tiny-gpt", "--strategy", "dp=2", "--steps", "160", "--global-batch", "12",
+                 "--live", "--json"]) == 0
+    ref = json.loads(capsys.readouterr().out)
+    assert len(job["losses"]) == 160 and job["losses"] == pytest.approx(ref["losses"], abs=1e-5)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from ..errors import StrategyError
 from ..validate import arg_int
@@ -21,6 +22,12 @@ def add_host_arguments(p: argparse.ArgumentParser, first: bool = True) -> None:
         p.add_argument("--on-join", choices=("grow", "ignore"), default="grow",
                        help="when a host joins the running job: grow (default: switch to a strategy with a wider dp "
                             "that uses its devices, a few steps later) or ignore (refuse it)")
+        p.add_argument("--snapshot-every", type=arg_int(0, 1_000_000), default=0, metavar="STEPS",
+                       help="multi-host live job: write a DCP snapshot every STEPS steps in the background; a host "
+                            "lost without a surviving copy of its state restores from the newest (default 0: none)")
+        p.add_argument("--snapshot-dir", default="parashift-snapshots", metavar="DIR",
+                       help="where snapshots go: a directory every host reaches at the same path (a shared "
+                            "filesystem; default ./parashift-snapshots)")
 
 
 def run_cli(args: argparse.Namespace) -> dict:
@@ -43,7 +50,8 @@ def run_cli(args: argparse.Namespace) -> dict:
                          secret=read_secret(args.secret_file, create=True), timeout=args.timeout,
                          quiet=bool(args.json), global_batch=args.global_batch, seq_len=args.seq_len,
                          optim=OptimConfig(lr=args.lr), notice=args.switch_notice, memory_budget=budget,
-                         placement=args.switch_placement, on_join=args.on_join)
+                         placement=args.switch_placement, on_join=args.on_join,
+                         snapshot_every=args.snapshot_every, snapshot_dir=os.path.abspath(args.snapshot_dir))
     out = {"model": models.get(args.model).name, "strategy": str(s0), "nprocs": s0.world, "endpoint": args.endpoint,
            "schedule": None, **res.to_json(), "step_times": step_times(res), "switches": res.switches,
            "hosts": {str(h): devs for h, devs in placed.items()}}

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..errors import RuntimeFailure
 from ..ir.program import Instr
 
 __all__ = ["Flight", "Poller", "a2a", "all_gather", "reduce_scatter", "all_gather_flat", "reduce_scatter_flat"]
@@ -47,7 +48,8 @@ class Poller:
     """
 
     def __init__(self, gloo: bool, pool: ThreadPoolExecutor | None = None, wait_only: bool = False,
-                 eager: bool = True) -> None:
+                 eager: bool = True, interrupt: Callable[[], bool] | None = None) -> None:
+        self.interrupt = interrupt     # polled while waiting: true raises RuntimeFailure (a lost host, :mod:`.recover`)
         self.flights: list[Flight] = []
         self.gloo = gloo
         self.wait_only = wait_only     # backends whose works never report completion by polling (fake)
@@ -106,7 +108,7 @@ class Poller:
         ``root`` (the one flight every blocked stream waits for) or on the only flight, else on
         whichever finishes first."""
         fl = root if root is not None else self.flights[0] if len(self.flights) == 1 else None
-        if fl is not None and self.gloo and fl.finished is None:
+        if fl is not None and self.gloo and fl.finished is None and self.interrupt is None:
             try:
                 for w in fl.works:
                     w.wait(datetime.timedelta(seconds=timeout))
@@ -117,18 +119,21 @@ class Poller:
             fl.finished = True           # waited once: a gloo p2p work must not be waited on again
             return [self._finish(fl)]
         for f in self.flights:           # whichever finishes first: helpers watch the p2p nobody watched yet
-            if f.finished is None and self._needs_helper(f):
-                self._watch(f)
+            if f.finished is None and (self._needs_helper(f) or self.interrupt is not None):
+                self._watch(f)           # (interruptible: every flight, so that this thread only polls the flag)
         end = time.monotonic() + timeout
         nap = 5e-5
         while True:
             got = self.ready()
             if got or time.monotonic() >= end:
                 return got
+            if self.interrupt is not None and self.interrupt():
+                raise RuntimeFailure("interrupted: a peer reported a failed step (a host of the job was lost)")
             watched = all(f.finished is not None for f in self.flights)   # nothing to poll: sleep until notified
             with self.cond:
                 if not any(f.finished for f in self.flights if f.finished is not None):
-                    self.cond.wait(max(end - time.monotonic(), 0.0) if watched else nap)
+                    left = max(end - time.monotonic(), 0.0)
+                    self.cond.wait((min(left, 0.05) if self.interrupt is not None else left) if watched else nap)
             nap = min(nap * 2, 1e-3)
 
     def close(self) -> None:

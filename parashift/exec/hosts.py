@@ -18,11 +18,20 @@ ahead; every process appends it to its schedule at its next step boundary, so th
 in the background during the notice and the switch happens between iterations; the joining
 agent starts its processes for that generation.
 
+A host lost without notice: the first host's monitor (:func:`_monitor`) declares an agent whose
+heartbeat stood still lost; the survivors recover (:mod:`.recover`) from their copies or from a
+snapshot (:mod:`.snapshot`). The first host serves the store and holds device 0, which runs every
+recovery: losing it ends the job.
+
 Store keys (under the job's secret): ``hosts/devices`` (devices registered), ``hosts/count``
 (hosts), ``hosts/config`` (pickled settings), ``hosts/gen/<g>`` (generations after the first, with
 their cause), ``hosts/leave/<h>`` (a SIGTERM notice), ``hosts/beat/<h>`` (heartbeat counters),
-``hosts/devices_of/<h>``, ``hosts/dead/<h>``, ``hosts/loss/<step>/<device>`` (loss shares, see
-:mod:`.recover`), ``hosts/report/<h>``, ``hosts/failed/<h>``.
+``hosts/devices_of/<h>``, ``hosts/dead/<h>`` and ``dead/<device>`` (declared lost),
+``hosts/handled/<h>`` (taken out by recovery round ``g``), ``hosts/report/<h>``, ``hosts/failed/<h>``,
+``hosts/done``; written by :mod:`.recover`: ``hosts/loss/<step>/<device>`` (loss shares),
+``hosts/fault`` (failed steps), ``hosts/recovery`` (the open round), ``hosts/lost/<g>``,
+``hosts/state/<g>/<device>``, ``hosts/plan/<g>``, ``hosts/recovered/<g>/<device>``; by
+:mod:`.snapshot`: ``hosts/snap/<step>/<device>``.
 """
 from __future__ import annotations
 
@@ -244,7 +253,8 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
     seq_len = live.pop("seq_len", None) or spec.seq_len
     if on_join not in ("grow", "ignore"):
         raise StrategyError(f"--on-join {on_join!r}: use grow (switch to a wider strategy) or ignore")
-    opts = LiveOptions(seq_len=seq_len, on_step=_Follow(on_join, steps), **live)
+    from .recover import after_switch
+    opts = LiveOptions(seq_len=seq_len, on_step=_Follow(on_join, steps), recover=after_switch, **live)
     job = serve(timeout, host, port, secret)
     store = job.store
     store.add("hosts/count", 1)
@@ -260,18 +270,26 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
         time.sleep(0.05)
     store.set("hosts/config", pickle.dumps(_Config(spec, gens, steps, opts, world, on_join)))
     _say(quiet, f"{int(store.add('hosts/count', 0))} hosts, {world} devices: training {spec.name} under {gens[0].strategy}")
+    surv = _survivability(store, spec, gens[0].strategy, nprocs, opts, timeout)
+    for row in surv:
+        _say(quiet, f"  if host {row['host']} (devices {row['devices'][0]}-{row['devices'][-1]}) is lost without notice: "
+                    + {"replicas": f"the job goes on from the survivors' copies as {row['layout']}",
+                       "snapshot": f"the job restores the newest snapshot as {row['layout']} (the steps since are lost)",
+                       "none": "the job ends" + (" (it serves the store)" if row["host"] == 1 else
+                                                 f" ({row['missing']} have no other copy; add --snapshot-every N)")
+                       }[row["recovers_from"]])
+    _monitor(store)
     try:
         reports = launch_elastic(_live_worker, _local_members(range(nprocs)), args=(spec, gens, steps, opts),
                                  timeout=timeout, job=job)
     except RuntimeFailure as e:
-        dead = _silent_hosts(store)
+        dead = [(h, store.get(f"hosts/devices_of/{h}").decode()) for h in range(2, int(store.add("hosts/count", 0)) + 1)
+                if store.check([f"hosts/dead/{h}"])] or _silent_hosts(store)      # declared lost, or silent now
         if not dead:
             raise
         what = "; ".join(f"host {h} (devices {d})" for h, d in dead)
-        raise RuntimeFailure(f"{what} stopped beating (killed, or cut off from {host}:{port}); the job cannot go on "
-                             f"without it (recovery from replicas needs a layout that holds every piece on each "
-                             f"device: dp only, zero=0; snapshots are not built yet). First error: "
-                             f"{str(e).splitlines()[0][:200]}") from None
+        raise RuntimeFailure(f"{what} stopped beating (killed, or cut off from {host}:{port}); the job could not "
+                             f"go on without it: {str(e).splitlines()[0][:400]}") from None
     placed = {1: list(range(nprocs))}
     hosts = int(store.add("hosts/count", 0))   # every host that came, in time or late
     for h in range(2, hosts + 1):          # the agents' reports (their processes have finished training)
@@ -298,19 +316,38 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
     if len(losses) < steps:
         raise RuntimeFailure(f"the multi-host job stopped after {len(losses)} of {steps} steps"
                              + (f": {errors[0]}" if errors else ""))
-    switches = _summarize(gens, reports)
-    by_step = {g.step: c for g, c in zip(gens[1:], causes)}
-    for sw in switches:
-        sw["cause"] = by_step[sw["step"]]
+    switches: list[dict] = []
+    ran = 0                                     # the generation each recovery started from
     for g, c in zip(range(1, len(gens)), causes):
-        if c == "failure":
-            got = [eval_pair(store.get(f"hosts/recovered/{g}/{d}")) for d in gens[g].devices]
-            switches.append({"step": gens[g].step, "src": str(gens[g - 1].strategy), "dst": str(gens[g].strategy),
-                             "src_devices": list(gens[g - 1].devices), "dst_devices": list(gens[g].devices),
-                             "cause": "failure", "recovered_from": "replicas", "steps_lost": 0,
-                             "seconds": max(s for s, _ in got), "pause_seconds": max(s for s, _ in got)})
-    switches.sort(key=lambda sw: sw["step"])
-    return LiveResult(losses, switches, reports, gens), placed
+        if c != "failure":                      # a planned switch (join, notice): its processes' records
+            for sw in _summarize([gens[g - 1], gens[g]], reports):
+                switches.append(dict(sw, cause=c))
+                ran = g if "aborted" not in sw else ran
+            continue
+        plan = pickle.loads(store.get(f"hosts/plan/{g}"))
+        got = [eval_pair(store.get(f"hosts/recovered/{g}/{d}")) for d in gens[g].devices]
+        src = gens[ran]
+        switches.append({"step": plan["step"], "src": str(src.strategy), "dst": str(gens[g].strategy),
+                         "src_devices": list(src.devices), "dst_devices": list(gens[g].devices),
+                         "cause": "failure", "lost_devices": plan["lost"], "failed_at": plan["failed_at"],
+                         "recovered_from": plan["kind"], "steps_lost": plan["steps_lost"],
+                         "seconds": max(s for s, _ in got), "pause_seconds": max(s for s, _ in got)})
+        ran = g
+    switches.sort(key=lambda sw: (sw.get("failed_at", sw["step"]), sw["step"]))
+    return LiveResult(losses, switches, reports, gens, survivability=surv), placed
+
+
+def _survivability(store: Any, spec: Any, strategy: Any, nprocs: int, opts: Any, timeout: float) -> list[dict]:
+    """:func:`.recover.survivability` of the first world's hosts, as records."""
+    from .recover import survivability
+    hosts = {1: list(range(nprocs))}
+    for h in range(2, int(store.add("hosts/count", 0)) + 1):
+        _wait_key(store, f"hosts/devices_of/{h}", timeout, f"host {h}'s devices")
+        a, b = (int(x) for x in store.get(f"hosts/devices_of/{h}").decode().split("-"))
+        if b < strategy.world:
+            hosts[h] = list(range(a, b + 1))
+    df = survivability(spec, strategy, hosts, opts.global_batch, snapshots=bool(opts.snapshot_every))
+    return df.to_dict("records")
 
 
 #: seconds between an agent's heartbeats (a counter in the store: no clock is compared across hosts)
@@ -332,14 +369,54 @@ def _beat(host: str, port: int, secret: str, h: int) -> None:
     threading.Thread(target=loop, name="parashift-heartbeat", daemon=True).start()
 
 
+#: missed heartbeats after which the first host's monitor declares a host lost on its own
+MONITOR_BEATS = 8
+
+
 def _silent_hosts(store: Any, wait: float = 4 * BEAT_SECONDS) -> list[tuple[int, str]]:
-    """Agents whose heartbeat did not move for ``wait`` seconds, with their devices (the first host's check
-    after a failure: tells a dead host from a failing process)."""
-    hosts = range(2, int(store.add("hosts/count", 0)) + 1)
-    before = {h: store.add(f"hosts/beat/{h}", 0) for h in hosts}
-    time.sleep(wait)
-    return [(h, store.get(f"hosts/devices_of/{h}").decode()) for h in hosts
-            if store.add(f"hosts/beat/{h}", 0) == before[h] and not store.check([f"hosts/report/{h}"])]
+    """Agents declared lost by the monitor, else those whose heartbeat did not move for ``wait`` seconds
+    (a recovery's lost hosts aside), with their devices (device 0's check after a failed step: tells a dead host from a failing process)."""
+    hosts = [h for h in range(2, int(store.add("hosts/count", 0)) + 1)
+             if not store.check([f"hosts/handled/{h}"])]            # lost hosts a recovery already took out
+    marked = [h for h in hosts if store.check([f"hosts/dead/{h}"])]
+    if not marked:
+        before = {h: store.add(f"hosts/beat/{h}", 0) for h in hosts}
+        time.sleep(wait)
+        marked = [h for h in hosts if store.add(f"hosts/beat/{h}", 0) == before[h]
+                  and not store.check([f"hosts/report/{h}"])]
+    return [(h, store.get(f"hosts/devices_of/{h}").decode()) for h in marked]
+
+
+def _monitor(store: Any) -> None:
+    """A daemon thread of the first host: an agent whose heartbeat stood still for :data:`MONITOR_BEATS`
+    beats (and that has not reported or failed) is declared lost: ``hosts/dead/<h>``, ``dead/<device>`` for
+    its devices (a switch in progress aborts, :mod:`.switch.protocol`) and a bump of
+    :data:`.recover.FAULT_KEY` (training steps stop waiting for it and recover)."""
+    import threading
+    from .recover import FAULT_KEY
+
+    def loop() -> None:
+        seen: dict[int, tuple[int, int]] = {}        # host -> (last count, beats it stood still)
+        try:
+            while not store.check(["hosts/done"]):
+                time.sleep(BEAT_SECONDS)
+                for h in range(2, int(store.add("hosts/count", 0)) + 1):
+                    if any(store.check([f"hosts/{k}/{h}"]) for k in ("dead", "report", "failed")) or \
+                            not store.check([f"hosts/devices_of/{h}"]):
+                        continue
+                    n = int(store.add(f"hosts/beat/{h}", 0))
+                    last, still = seen.get(h, (n, -1))
+                    still = still + 1 if n == last else 0
+                    seen[h] = (n, still)
+                    if still >= MONITOR_BEATS:
+                        a, b = (int(x) for x in store.get(f"hosts/devices_of/{h}").decode().split("-"))
+                        for d in range(a, b + 1):
+                            store.set(f"dead/{d}", f"host {h}")
+                        store.set(f"hosts/dead/{h}", "1")
+                        store.add(FAULT_KEY, 1)
+        except Exception:  # noqa: BLE001 - the store is gone: the job is over
+            return
+    threading.Thread(target=loop, name="parashift-monitor", daemon=True).start()
 
 
 def _leave_on_sigterm(host: str, port: int, secret: str, h: int, devices: range, quiet: bool) -> None:

@@ -104,6 +104,7 @@ class StepState:
     sp_full: dict = field(default_factory=dict)    # (chunk, mb, region) -> re-gathered input awaiting its recompute
     cp: dict = field(default_factory=dict)         # context parallelism's mailboxes (see exec.cp)
     loss: float = 0.0
+    heads: int = 0                                 # head forwards done (the loss share is whole at n_heads)
 
     def e(self, c: int, mb: int) -> dict:
         return self.env.setdefault((c, mb), {})
@@ -166,6 +167,12 @@ class Interpreter(CPHandlers):
         self._prepare()
         from .lanes import install
         self.lanes = install(self)      # user-named streams: their own CUDA streams on GPUs (None on CPU)
+        self.n_heads = sum(1 for q in self.seqs for p in q if p.kind == _COMPUTE and p.ins.phase == "fwd"
+                           and "head" in p.atoms)
+        #: multi-host jobs (:mod:`.recover`): ``on_loss(share)`` once the step's loss share is whole (before
+        #: any gradient leaves this rank); ``interrupt()`` true ends a blocked wait (a peer's host was lost)
+        self.on_loss: Callable[[float], None] | None = None
+        self.interrupt: Callable[[], bool] | None = None
 
     def _init_model(self) -> None:
         """The preset model's region context (subclasses running other models override it)."""
@@ -265,7 +272,7 @@ class Interpreter(CPHandlers):
         if self.pool is None and not self.nccl:
             self.pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="parashift-p2p")
         poller = Poller(gloo=not self.nccl, pool=self.pool, wait_only=self.worlds.backend == "fake",
-                        eager=not fast)
+                        eager=not fast, interrupt=self.interrupt)
         left = self.n
         loose: list = []                  # sends nothing waits for: a helper waits, the step's end reaps
         early = bytearray(self.n)         # receives posted at the start of the step
@@ -501,6 +508,9 @@ class Interpreter(CPHandlers):
                 self.st.loss += float(env.pop("loss"))
             else:
                 env.pop("loss")
+            self.st.heads += 1
+            if self.on_loss is not None and self.st.heads == self.n_heads:
+                self.on_loss(self.st.loss)
         if not rec.built and rec.kind != "embed":
             rec.t.clear()
             rec.tape.clear()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -79,6 +80,9 @@ class LiveOptions:
     cost_model: Any = None
     faults: "SwitchFaults | None" = None
     on_step: Any = None      # called as on_step(session, step) at every step boundary (multi-host jobs)
+    snapshot_every: int = 0  # multi-host jobs: a DCP snapshot every this many steps (0: none; :mod:`..snapshot`)
+    snapshot_dir: str = ""   # where snapshots go (a directory every host reaches)
+    recover: Any = None      # recover(session, SwitchAborted) -> bool after a peer failed mid-switch (multi-host)
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,14 @@ class LiveSession:
         self.records: list[SwitchRecord] = []
         self.rows: list[tuple] = []            # (stream, op, start, end, step)
         self.exports: dict[str, Any] = {}
+
+    def side_store(self) -> Any:
+        """A second connection to the job's store, for short calls that must not queue behind a
+        blocking one of the background preparation (a world's rendezvous holds ``ctx.store``)."""
+        side = getattr(self, "_side", None)
+        if side is None:
+            side = self._side = self.ctx.store.clone()
+        return side
 
     # ---- background preparation ---------------------------------------------------------------------
     def announce(self, g: int) -> None:
@@ -231,7 +243,18 @@ class LiveSession:
         self.announce(g)
         fut, _ = self.pending.pop(g)
         try:
-            prep: Prepared = fut.result(timeout=self.timeout)
+            end = time.monotonic() + self.timeout
+            while True:                  # the preparation, as soon as it is done; a participant marked dead ends the wait
+                try:
+                    prep: Prepared = fut.result(timeout=min(0.05, max(end - time.monotonic(), 0.0)))
+                    break
+                except FutureTimeout:
+                    if time.monotonic() >= end:
+                        raise
+                gone = [d for d in _participants(self.gens, g) if self.side_store().check([f"dead/{d}"])]
+                if gone:
+                    raise SwitchAborted(f"switch at step {rec.step} aborted before moving anything: devices "
+                                        f"{gone} were lost", "peer lost", peer_failed=True)
         except Exception as e:  # noqa: BLE001 - no world: nothing moved yet
             rec.aborted = f"preparation failed: {type(e).__name__}: {e}"
             # a refused plan (memory budget): train on in the old layout; anything else: a peer is gone
@@ -335,6 +358,8 @@ class LiveSession:
                     try:
                         self.switch_to(self.gens[nxt].strategy, self.gens[nxt].devices)
                     except SwitchAborted as e:
+                        if e.peer_failed and self.opts.recover is not None and self.opts.recover(self, e):
+                            continue           # recovered from the old layout (a lost host, :mod:`..recover`)
                         if e.peer_failed:
                             error = str(e)
                             break
@@ -400,6 +425,7 @@ class LiveResult:
     switches: list[dict]
     reports: dict[str, Any] = field(repr=False)
     generations: list[Generation] = field(repr=False)
+    survivability: list[dict] = field(default_factory=list, repr=False)   # multi-host jobs (:mod:`..recover`)
 
     def timeline(self):
         """Training steps and switch phases of every process: ``device, stream, op, step, start, end``
@@ -430,9 +456,12 @@ class LiveResult:
         write_chrome_trace(df, path)
 
     def to_json(self) -> dict:
-        return {"losses": self.losses, "switches": self.switches,
-                "devices": [list(g.devices) for g in self.generations],
-                "strategies": [str(g.strategy) for g in self.generations]}
+        out = {"losses": self.losses, "switches": self.switches,
+               "devices": [list(g.devices) for g in self.generations],
+               "strategies": [str(g.strategy) for g in self.generations]}
+        if self.survivability:
+            out["survivability"] = self.survivability
+        return out
 
 
 def _summarize(gens: list[Generation], reports: dict[str, Any]) -> list[dict]:

@@ -1,0 +1,121 @@
+"""A host lost without notice, on loopback: SIGKILL to training again, next to a cold start (one JSON object).
+
+Two "hosts" (process groups of their own, two processes each) run a live tiny-gpt job through the
+CLI (``parashift run --live --endpoint`` and ``parashift join``); after the job's 5th step, host 2's
+process group gets SIGKILL. Per case, the medians of ``--repeats`` runs:
+
+- ``replicas`` (``dp=4``): the survivors go on from their own copies;
+- ``snapshot`` (``dp=4,zero=1 --snapshot-every 2``): host 2 held optimizer shards alone; the
+  survivors restore the newest DCP snapshot;
+
+``kill_to_training_s``: from the SIGKILL until device 0 stores its loss share of step S + 1, S being
+the first step the new layout (re-)runs (so S has completed); ``recovery_s``: the job's own
+``seconds`` of the recovery (the decision, state and world; the heartbeat window included);
+``steps_lost``. ``cold_start_s``: the same job started from nothing until device 0 stores its share
+of step 1 (step 0 completed; processes, imports, store, worlds): what any restart costs before it
+even reads a checkpoint; the ratio
+``cold_start_s / kill_to_training_s`` is the peer comparison. Wall times on a shared machine are
+noisy: read the medians side by side.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+SECRET = "hosts-bench-secret-0123456789"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(args: list[str], env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "parashift", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
+
+
+def _until(store, key: str, procs: list, limit: float = 120.0) -> float:
+    end = time.monotonic() + limit
+    while not store.check([key]):
+        if time.monotonic() > end or any(p.poll() is not None for p in procs):
+            raise SystemExit(f"hosts_recovery_bench: {key} never came")
+        time.sleep(0.002)
+    return time.monotonic()
+
+
+def one(strategy: str, extra: list[str], kill: bool) -> dict:
+    from parashift.exec.jobstore import connect
+    port = _port()
+    env = dict(os.environ, PARASHIFT_JOB_SECRET=SECRET)
+    at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", "150", "--nprocs", "2"]
+    job = ["--model", "tiny-gpt", "--strategy", strategy, "--steps", "20", "--live"]
+    with tempfile.TemporaryDirectory() as snaps:
+        t0 = time.monotonic()
+        first = _start(["run", *job, *at, *extra, "--snapshot-dir", snaps, "--json"], env)
+        time.sleep(0.3)
+        agent = _start(["join", *at], env)
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    store = connect("127.0.0.1", port, SECRET, 60)
+                    break
+                except Exception:  # noqa: BLE001 - the store is not up yet
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+            if not kill:
+                return {"cold_start_s": _until(store, "hosts/loss/1/0", [first, agent]) - t0}
+            _until(store, "hosts/loss/4/2", [first, agent])
+            tk = time.monotonic()
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+            g = None
+            while g is None:
+                if store.check(["hosts/recovery"]) and store.check([f"hosts/plan/{int(store.get('hosts/recovery'))}"]):
+                    g = int(store.get("hosts/recovery"))
+                time.sleep(0.002)
+            import pickle
+            plan = pickle.loads(store.get(f"hosts/plan/{g}"))
+            back = _until(store, f"hosts/loss/{plan['step'] + 1}/0", [first])
+            out, _ = first.communicate(timeout=150)
+            (sw,) = [s for s in json.loads(out)["switches"] if s["cause"] == "failure"]
+            return {"kill_to_training_s": back - tk, "recovery_s": sw["seconds"], "steps_lost": sw["steps_lost"],
+                    "recovered_from": sw["recovered_from"]}
+        finally:
+            for p in (first, agent):
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args()
+    cases = {"replicas": ("dp=4", []), "snapshot": ("dp=4,zero=1", ["--snapshot-every", "2"])}
+    out: dict = {"repeats": a.repeats}
+    for name, (st, extra) in cases.items():
+        runs = [one(st, extra, kill=True) for _ in range(a.repeats)]
+        out[name] = {"strategy": st, "recovered_from": sorted({r["recovered_from"] for r in runs}),
+                     **{k: statistics.median(r[k] for r in runs) for k in ("kill_to_training_s", "recovery_s",
+                                                                            "steps_lost")}}
+        print(f"{name}: {out[name]}", file=sys.stderr, flush=True)
+    out["cold_start_s"] = statistics.median(one("dp=4", [], kill=False)["cold_start_s"] for _ in range(a.repeats))
+    for name in cases:
+        out[name]["cold_start_over_recovery"] = round(out["cold_start_s"] / out[name]["kill_to_training_s"], 2)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Periodic snapshots of a multi-host live job, written with torch.distributed.checkpoint (DCP).
+
+Every ``every`` steps each process hands a copy of its flat state buffers (:data:`.switch.stores.STATE_KINDS`
+of every family) to ``dcp.async_save`` (one checkpoint per rank, ``<dir>/step<s>/rank<r>``, no
+collective: a snapshot never waits for a peer that may be gone) and training goes on while a
+thread writes it. Once written, the writer records ``hosts/snap/<s>/<device>`` (its strategy, rank
+and optimizer step) in the job's store; a snapshot is whole when every rank of its strategy has
+recorded it (:func:`latest`). Restoring (:func:`restore`) reads every rank's checkpoint of the
+snapshot with ``dcp.load``, assembles the global state and cuts the new layout's shard out of it
+(:func:`.switch.stores.store_from_full`): any layout restores from any other.
+
+The directory must be one that every host reaches (a shared filesystem on a real cluster; on
+loopback any local directory). Each process keeps its last :data:`KEEP` snapshots.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import warnings
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from ..errors import RuntimeFailure
+
+__all__ = ["Snapshotter", "latest", "restore", "KEEP"]
+
+#: snapshots each process keeps on disk (the newest may be incomplete when a host is lost)
+KEEP = 3
+
+
+def _path(root: str, step: int, rank: int) -> str:
+    return os.path.join(root, f"step{step}", f"rank{rank}")
+
+
+# DCP warns that it saves and loads without a process group: each rank's checkpoint is its own, on purpose
+warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+
+
+class Snapshotter:
+    """One process's snapshots: ``maybe(kv, state, strategy, rank, device, steps_done)`` after each step."""
+
+    def __init__(self, root: str, every: int) -> None:
+        self.root, self.every = root, int(every)
+        self.pending: tuple[int, Future] | None = None
+        self.kept: list[int] = []
+
+    def maybe(self, kv: Any, state: Any, strategy: Any, rank: int, device: int, steps_done: int) -> bool:
+        """Start a snapshot of ``state`` when ``steps_done`` is a multiple of ``every`` (after the previous
+        one is on disk); returns whether one was started. It is recorded in ``kv`` as soon as it is written."""
+        due = self.every > 0 and steps_done % self.every == 0
+        self.finish(wait=due)
+        if not due:
+            return False
+        from .switch.stores import STATE_KINDS
+        import torch.distributed.checkpoint as dcp
+        arrays = {}
+        opt = 0
+        for fam, b in state.buffers.items():
+            opt = max(opt, int(b.step))
+            for kind in STATE_KINDS:
+                t = getattr(b, kind)
+                if t is not None:
+                    arrays[f"{fam}.{kind}"] = t.detach().clone()      # the state of this step, not of later ones
+        path = _path(self.root, steps_done, rank)
+        os.makedirs(path, exist_ok=True)
+        fut = dcp.async_save(arrays, checkpoint_id=path, no_dist=True)
+        meta = pickle.dumps((str(strategy), rank, opt))
+
+        def written(f: Future) -> None:        # the writer thread: record it, drop this rank's oldest
+            if f.exception() is not None:
+                return
+            kv.set(f"hosts/snap/{steps_done}/{device}", meta)
+            self.kept.append(steps_done)
+            while len(self.kept) > KEEP:
+                old = _path(self.root, self.kept.pop(0), rank)
+                shutil.rmtree(old, ignore_errors=True)
+                try:
+                    os.rmdir(os.path.dirname(old))           # the last rank out removes the step
+                except OSError:
+                    pass
+        fut.add_done_callback(written)
+        self.pending = (steps_done, fut)
+        return True
+
+    def finish(self, wait: bool = False) -> None:
+        """Raise if the pending snapshot failed (``wait``: block until it is written)."""
+        if self.pending is None:
+            return
+        s, fut = self.pending
+        if not wait and not fut.done():
+            return
+        self.pending = None
+        try:
+            fut.result()
+        except Exception as e:  # noqa: BLE001 - a snapshot that failed is not recorded
+            raise RuntimeFailure(f"writing the snapshot of step {s} to {self.root} failed ({type(e).__name__}: "
+                                 f"{e}); check that --snapshot-dir is writable on every host") from e
+
+
+def latest(kv: Any, devices: int, every: int, before: int) -> tuple[int, str, int] | None:
+    """The newest whole snapshot at or before step ``before``: (step, strategy, optimizer step), or None.
+    ``devices``: device ids ever registered (0..devices-1)."""
+    from ..strategy import Strategy
+    if every <= 0:
+        return None
+    for s in range(before - before % every, 0, -every):
+        got = [pickle.loads(kv.get(k)) for k in (f"hosts/snap/{s}/{d}" for d in range(devices)) if kv.check([k])]
+        by: dict[str, dict[int, int]] = {}
+        for st, rank, opt in got:
+            by.setdefault(st, {})[rank] = opt
+        for st, ranks in by.items():
+            if len(ranks) == Strategy.parse(st).world:
+                return s, st, max(ranks.values())
+    return None
+
+
+def restore(root: str, spec: Any, snap_strategy: str, step: int, strategy: Any, rank: int, opt_step: int) -> Any:
+    """Rank ``rank`` of ``strategy``'s StateStore from the snapshot of step ``step`` (taken under ``snap_strategy``)."""
+    import torch.distributed.checkpoint as dcp
+    from ..strategy import Strategy
+    from .state import StateStore
+    from .switch.stores import STATE_KINDS, full_from_arrays, store_from_full
+    src = Strategy.parse(snap_strategy)
+    arrays: dict[int, dict] = {}
+    for r in range(src.world):
+        skel = StateStore(spec, src, r, torch.device("cpu"), init=False)
+        want = {f"{fam}.{k}": getattr(b, k) for fam, b in skel.buffers.items() for k in STATE_KINDS
+                if getattr(b, k) is not None}
+        path = _path(root, step, r)
+        if not os.path.isdir(path):
+            raise RuntimeFailure(f"the snapshot of step {step} has no files for rank {r} at {path}; every host must "
+                                 f"write snapshots where the others can read them (a shared --snapshot-dir)")
+        dcp.load(want, checkpoint_id=path, no_dist=True)
+        out: dict[str, dict] = {}
+        for key, t in want.items():
+            fam, k = key.rsplit(".", 1)
+            out.setdefault(fam, {})[k] = t.numpy()
+        arrays[r] = out
+    return store_from_full(spec, strategy, rank, full_from_arrays(spec, src, arrays), opt_step=opt_step)

@@ -1,0 +1,208 @@
+"""Node-level replay: a preemption trace's node events played on a live multi-host job on this machine.
+
+Every node of the trace is a host with ``devices_per_node`` processes: the first node runs the job's
+first host (``parashift run --live --endpoint``), every other node an agent (``parashift join``) in a
+process group of its own, on loopback. The trace's clock maps onto the job's steps (``seconds_per_step``
+trace seconds a step, the job's progress read from its store). At an event's step the driver applies it:
+
+- ``add``: starts ``count`` agents; the job grows onto them at a step boundary (``--on-join grow``);
+- ``preempt`` with a notice: SIGTERM to ``count`` agents (the newest first): the job switches away
+  from their devices and they exit 0;
+- ``preempt`` without a notice (NaN or 0): SIGKILL of their process groups: the job recovers from the
+  survivors' copies or its snapshot, or ends.
+
+An event is applied at its step or once the previous one has taken effect (the job uses the added
+hosts' devices, or no longer uses the removed ones), whichever is later, so a slow agent start does
+not pile events up; each applied event reports the step it was applied at. The first node serves
+the store and is never preempted: an event that would need it is cut to the agents there are.
+"""
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import RuntimeFailure, StrategyError
+
+__all__ = ["replay_hosts"]
+
+
+@dataclass
+class _Agent:
+    node: int
+    proc: subprocess.Popen
+    host: int = 0                 # the job's host number (order of arrival)
+    devices: tuple[int, ...] = ()
+    signalled: str = ""
+
+
+@dataclass
+class _Job:
+    store: Any
+    first: subprocess.Popen
+    agents: list[_Agent] = field(default_factory=list)
+    step: int = -1                # the newest step device 0 stored a loss share of
+
+    def progress(self) -> int:
+        while self.store.check([f"hosts/loss/{self.step + 1}/0"]):
+            self.step += 1
+        return self.step
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gens(store: Any) -> list:
+    out, g = [], 1
+    while store.check([f"hosts/gen/{g}"]):
+        out.append(pickle.loads(store.get(f"hosts/gen/{g}"))[0])
+        g += 1
+    return out
+
+
+def replay_hosts(trace: Any, *, model: str = "tiny-gpt", devices_per_node: int = 1, steps: int,
+                 seconds_per_step: float, global_batch: int = 12, notice_steps: int = 1, snapshot_every: int = 0,
+                 snapshot_dir: str | None = None, timeout: float = 300.0, secret: str | None = None) -> dict:
+    """Play ``trace`` (a normalized events DataFrame, :mod:`parashift.traces`) on a live multi-host job of
+    ``model`` trained dp-only for ``steps`` steps. Returns ``{"job": the first host's JSON, "applied":
+    [one record per applied event], "exit_codes": {node: exit code}}``."""
+    import json
+    import secrets as _secrets
+    from ..exec.hosts import SECRET_ENV
+    from ..exec.jobstore import connect
+    from ..traces.schema import initial_of
+    if seconds_per_step <= 0 or steps < 1 or devices_per_node < 1:
+        raise StrategyError("replay_hosts needs seconds_per_step > 0, steps >= 1 and devices_per_node >= 1")
+    nodes = initial_of(trace)
+    if nodes < 1:
+        raise StrategyError("the trace starts with no node: a node-level replay needs the first host from the start")
+    secret = secret or _secrets.token_hex(16)
+    env = dict(os.environ, **{SECRET_ENV: secret}, PYTHONUNBUFFERED="1")
+    port = _port()
+    at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", str(timeout), "--nprocs", str(devices_per_node)]
+    cmd = [sys.executable, "-m", "parashift"]
+    run = ["run", "--model", model, "--strategy", f"dp={nodes * devices_per_node}", "--steps", str(steps),
+           "--global-batch", str(global_batch), "--live", "--switch-notice", str(notice_steps), "--json"]
+    if snapshot_every:
+        run += ["--snapshot-every", str(snapshot_every), "--snapshot-dir", snapshot_dir or "parashift-snapshots"]
+    log = tempfile.TemporaryFile("w+")             # the first host's messages (read when it fails)
+    first = subprocess.Popen([*cmd, *run, *at], stdout=subprocess.PIPE, stderr=log, text=True,
+                             env=env, start_new_session=True)
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            store = connect("127.0.0.1", port, secret, 30.0)
+            break
+        except Exception:  # noqa: BLE001 - not serving yet
+            if first.poll() is not None or time.monotonic() > end:
+                raise RuntimeFailure(f"the first host did not start: {_tail(log)}") from None
+            time.sleep(0.1)
+    job = _Job(store, first)
+
+    def start(node: int) -> _Agent:
+        n = int(store.add("hosts/count", 0))
+        a = _Agent(node, subprocess.Popen([*cmd, "join", *at], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          env=env, start_new_session=True))
+        while int(store.add("hosts/count", 0)) == n or not store.check([f"hosts/devices_of/{n + 1}"]):
+            if a.proc.poll() is not None or time.monotonic() > end:
+                raise RuntimeFailure(f"node {node}'s agent did not join (exit code {a.proc.poll()})")
+            time.sleep(0.02)
+        a.host = n + 1
+        lo, hi = (int(x) for x in store.get(f"hosts/devices_of/{a.host}").decode().split("-"))
+        a.devices = tuple(range(lo, hi + 1))
+        job.agents.append(a)
+        return a
+
+    def took_effect(pending: list[tuple[str, _Agent]]) -> bool:
+        """The job trained a step in a layout that uses the added agents' devices / not the removed ones'."""
+        gens, done = _gens(store), job.progress()
+        for kind, a in pending:
+            if kind == "add" and not any(set(a.devices) <= set(g.devices) and done > g.step for g in gens):
+                if not store.check([f"hosts/report/{a.host}"]):       # (an agent the job never used reports)
+                    return False
+            if kind == "preempt" and not (gens and not set(a.devices) & set(gens[-1].devices)
+                                          and done > gens[-1].step):
+                return False
+        return True
+
+    applied: list[dict] = []
+    try:
+        for node in range(2, nodes + 1):
+            start(node)
+        pending: list[tuple[str, _Agent]] = []
+        next_node = nodes + 1
+        for row in trace.itertuples(index=False):
+            due = math.ceil(float(row.time) / seconds_per_step)
+            while job.first.poll() is None and (job.progress() < due or not took_effect(pending)):
+                if time.monotonic() > end:
+                    raise RuntimeFailure(f"the replay did not reach the event at t={row.time:g}s within {timeout:.0f} s")
+                time.sleep(0.02)
+            if job.first.poll() is not None:
+                break
+            pending = []
+            rec = {"time": float(row.time), "event": row.event, "count": int(row.count), "step": job.progress()}
+            if row.event == "add":
+                try:
+                    got = [start(next_node + i) for i in range(int(row.count))]
+                except Exception:  # noqa: BLE001 - the store went away: the job ended before the event
+                    if job.first.poll() is None and not _ended(job.first):
+                        raise
+                    break
+                next_node += len(got)
+                pending = [("add", a) for a in got]
+                rec["nodes"] = [a.node for a in got]
+            else:
+                live = [a for a in job.agents if not a.signalled and a.proc.poll() is None]
+                victims = live[::-1][:int(row.count)]
+                sig = "SIGTERM" if isinstance(row.notice, float) and row.notice > 0 else "SIGKILL"
+                for a in victims:
+                    if sig == "SIGTERM":
+                        a.proc.send_signal(signal.SIGTERM)
+                    else:
+                        os.killpg(a.proc.pid, signal.SIGKILL)
+                    a.signalled = sig
+                pending = [("preempt", a) for a in victims]
+                rec.update(nodes=[a.node for a in victims], signal=sig, cut=int(row.count) - len(victims))
+            applied.append(rec)
+        out, _ = first.communicate(timeout=max(end - time.monotonic(), 1.0))
+        codes = {1: first.returncode}
+        for a in job.agents:
+            try:
+                a.proc.communicate(timeout=max(end - time.monotonic(), 1.0))
+            except subprocess.TimeoutExpired:
+                pass
+            codes[a.node] = a.proc.returncode if a.proc.returncode is not None else "running"
+        if first.returncode != 0:
+            raise RuntimeFailure(f"the replayed job failed: {_tail(log)}")
+        return {"job": json.loads(out), "applied": applied, "exit_codes": codes}
+    finally:
+        for p in [first] + [a.proc for a in job.agents]:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        log.close()
+
+
+def _ended(p: subprocess.Popen, within: float = 5.0) -> bool:
+    try:
+        p.wait(within)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
+
+
+def _tail(log: Any) -> str:
+    log.seek(0)
+    lines = [x for x in log.read().splitlines() if x.strip()]
+    return lines[-1][:500] if lines else "(no message)"
