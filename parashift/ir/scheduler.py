@@ -89,16 +89,24 @@ def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None) -
     return sorted(sends, key=lambda s: (t_send[s], c["stage"][s], c["slot"][s]))
 
 
-def _slot_rank(g: Graph, stage: np.ndarray, streams: Sequence[str]) -> np.ndarray:
+def _slot_keys(c: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Each node's slot as two arrays (step position, position in the step); (0, 0.0) without one."""
+    slots = c["slot"]
+    k = np.fromiter((0 if sl is None else sl[0] for sl in slots), np.int64, len(slots))
+    p = np.fromiter((0.0 if sl is None else sl[1] for sl in slots), np.float64, len(slots))
+    return k, p
+
+
+def _slot_rank(g: Graph, stage: np.ndarray, sid: np.ndarray, slot_k: np.ndarray, slot_p: np.ndarray) -> np.ndarray:
     """Per stage, one order of its compute and comm nodes: slot order where that already respects
     every data edge between them, else the slot-priority topological order (a directive may anchor
     a node at a slot before a producer it waits on: taken literally, the two streams' orders would
     wait on each other)."""
     import heapq
-    c = g.cols
     n = len(g)
-    nodes = [i for i in range(n) if streams[i] != "p2p"]
-    nodes.sort(key=lambda i: (stage[i], c["slot"][i], STREAMS.index(streams[i]), i))
+    idx = np.flatnonzero(sid != _P2P)
+    o = np.lexsort((idx, sid[idx], slot_p[idx], slot_k[idx], stage[idx]))
+    nodes = idx[o]
     rank = np.full(n, -1, np.int64)
     rank[nodes] = np.arange(len(nodes))
     src = np.asarray(g.src, np.int64)
@@ -113,7 +121,7 @@ def _slot_rank(g: Graph, stage: np.ndarray, streams: Sequence[str]) -> np.ndarra
     for u, v in zip(su.tolist(), du.tolist()):
         succ.setdefault(u, []).append(v)
     np.add.at(indeg, du, 1)
-    heap = [(int(rank[i]), i) for i in nodes if indeg[i] == 0]
+    heap = [(int(rank[i]), i) for i in nodes.tolist() if indeg[i] == 0]
     heapq.heapify(heap)
     k = 0
     out = np.full(n, -1, np.int64)
@@ -130,6 +138,25 @@ def _slot_rank(g: Graph, stage: np.ndarray, streams: Sequence[str]) -> np.ndarra
     return out
 
 
+_SID = {s: k for k, s in enumerate(STREAMS)}
+_P2P = _SID["p2p"]
+
+
+def _within(order: np.ndarray, *group_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For nodes sorted by ``order`` (grouped by ``group_keys``): each one's position in its group,
+    and the group boundaries (start offsets into ``order``, plus the end)."""
+    m = len(order)
+    brk = np.zeros(m, bool)
+    if m:
+        brk[0] = True
+        for k in group_keys:
+            ks = k[order]
+            brk[1:] |= ks[1:] != ks[:-1]
+    starts = np.flatnonzero(brk)
+    pos = np.arange(m) - np.repeat(starts, np.diff(np.append(starts, m)))
+    return pos, np.append(starts, m)
+
+
 def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, int]] = (),
           meta: Mapping[str, Any] | None = None, step_time: "Callable[[Action], float] | None" = None) -> Program:
     """One RankProgram per pipeline stage, shared by all ranks of that stage (``step_time``: see
@@ -140,45 +167,43 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     stage = np.asarray(c["stage"], np.int64)
     if n and (stage.min() < 0 or stage.max() >= pp):
         raise ProgramError("every node needs a pipeline stage in [0, pp); apply Place first")
-    missing = [i for i in range(n) if c["slot"][i] is None and c["op"][i] not in ("send", "recv")]
+    ops = c["op"]
+    missing = [i for i, (sl, op) in enumerate(zip(c["slot"], ops)) if sl is None and op not in ("send", "recv")]
     if missing:
         raise ProgramError(f"{len(missing)} nodes have no order (e.g. {g.node(missing[0])}); apply an Order "
                            f"covering stage {c['stage'][missing[0]]}")
     # ---- per-stream positions -----------------------------------------------------------------
     streams = c["stream"]
-    unknown = {s for s in streams if s not in STREAMS}
+    unknown = {s for s in streams if s not in _SID}
     if unknown:
         raise ProgramError(f"unknown streams {sorted(map(str, unknown))}; use {', '.join(STREAMS)}")
+    sid = np.fromiter((_SID[s] for s in streams), np.int64, n)
+    slot_k, slot_p = _slot_keys(c)
     sends = pair_order(g, step_time)
-    recv_of = {u: v for u, v in zip(g.src, g.dst) if c["op"][u] == "send" and c["op"][v] == "recv"}
-    p2p_rank = {}
-    for k, s in enumerate(sends):
-        p2p_rank[s] = (k, 0.0)
-        p2p_rank[recv_of[s]] = (k, 0.0)
-    per: dict[tuple[int, str], list[int]] = {}
-    for i in range(n):
-        per.setdefault((c["stage"][i], streams[i]), []).append(i)
-    rank = _slot_rank(g, stage, streams)
-    index = np.zeros(n, np.int64)
-    seq: dict[tuple[int, str], list[int]] = {}
-    for key, nodes in per.items():
-        if key[1] == "p2p":
-            nodes.sort(key=lambda i: p2p_rank[i])
-        else:
-            nodes.sort(key=lambda i: rank[i])
-        index[nodes] = np.arange(len(nodes))
-        seq[key] = nodes
-    # ---- ids: per stage, in (slot, stream) order -------------------------------------------------
-    ids = np.zeros(n, np.int64)
-    for st in range(pp):
-        nodes = [i for s in STREAMS for i in seq.get((st, s), [])]
-        keyed = sorted(nodes, key=lambda i: (c["slot"][i] if c["slot"][i] is not None else (0, 0.0),
-                                              STREAMS.index(streams[i]), index[i]))
-        ids[keyed] = np.arange(len(keyed))
-    # ---- deps ------------------------------------------------------------------------------------
     src = np.asarray(g.src, np.int64)
     dst = np.asarray(g.dst, np.int64)
-    sid = np.fromiter((STREAMS.index(s) for s in streams), np.int64, n)
+    is_send = np.fromiter((o == "send" for o in ops), bool, n)
+    is_recv = np.fromiter((o == "recv" for o in ops), bool, n)
+    sr = is_send[src] & is_recv[dst] if len(src) else np.zeros(0, bool)
+    recv_of = dict(zip(src[sr].tolist(), dst[sr].tolist()))
+    key = _slot_rank(g, stage, sid, slot_k, slot_p)      # compute/comm: slot-priority order
+    p2p = sid == _P2P
+    key[p2p] = -1
+    ks = np.asarray(sends, np.int64)
+    key[ks] = np.arange(len(ks))
+    key[np.asarray([recv_of[s] for s in sends], np.int64)] = np.arange(len(ks))
+    if (key[p2p] < 0).any():
+        i = int(np.flatnonzero(p2p & (key < 0))[0])
+        raise ProgramError(f"{g.node(i)} is on the p2p stream but is not a send/recv pair; apply Place")
+    seq_order = np.lexsort((key, sid, stage))               # grouped by (stage, stream), in stream order
+    pos, bounds = _within(seq_order, stage, sid)
+    index = np.zeros(n, np.int64)
+    index[seq_order] = pos
+    # ---- ids: per stage, in (slot, stream) order -------------------------------------------------
+    id_order = np.lexsort((index, sid, slot_p, slot_k, stage))
+    ids = np.zeros(n, np.int64)
+    ids[id_order] = _within(id_order, stage)[0]
+    # ---- deps ------------------------------------------------------------------------------------
     cross_stage = stage[src] != stage[dst]
     if cross_stage.any():
         bad = [(int(u), int(v)) for u, v in zip(src[cross_stage], dst[cross_stage])
@@ -195,60 +220,87 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
         u, v = int(s2[back][0]), int(d2[back][0])
         raise ProgramError(f"stream order contradicts a dependency: {g.node(u)} must precede {g.node(v)}")
     s3, d3 = s2[~in_stream], d2[~in_stream]
-    deps: dict[int, dict[int, int]] = {}
-    for u, v in zip(s3.tolist(), d3.tolist()):
-        dv = deps.setdefault(v, {})
-        su = sid[u]
-        if su not in dv or index[u] > index[dv[su]]:
-            dv[su] = u
+    # per (consumer, producing stream) only the latest producer
+    o = np.lexsort((-index[s3], sid[s3], d3))
+    s3, d3 = s3[o], d3[o]
+    first = np.ones(len(o), bool)
+    first[1:] = (d3[1:] != d3[:-1]) | (sid[s3][1:] != sid[s3][:-1])
+    dv, du = d3[first], ids[s3[first]]
+    o = np.lexsort((du, dv))
+    deps: dict[int, list[int]] = {}
+    for v, u in zip(dv[o].tolist(), du[o].tolist()):
+        lst = deps.get(v)
+        if lst is None:
+            deps[v] = [u]
+        else:
+            lst.append(u)
     # ---- activation buffers -------------------------------------------------------------------------
-    act_first: dict[tuple[int, int], int] = {}
-    act_bytes: dict[tuple[int, int], int] = {}
-    act_last: dict[tuple[int, int], int] = {}
-    for i in range(n):
-        a = c["action"][i]
-        if c["op"][i] != "compute" or not isinstance(a, Action):
-            continue
-        key = (a.chunk, a.mb)
-        if a.type == "F":
-            act_bytes[key] = act_bytes.get(key, 0) + int(c["act"][i])
-            if key not in act_first or index[i] < index[act_first[key]]:
-                act_first[key] = i
-        elif key not in act_last or index[i] > index[act_last[key]]:
-            act_last[key] = i
-    alloc_extra = {i: (f"act.c{k[0]}.m{k[1]}", act_bytes[k]) for k, i in act_first.items() if act_bytes[k]}
-    free_extra = {i: f"act.c{k[0]}.m{k[1]}" for k, i in act_last.items() if act_bytes.get(k)}
+    alloc_extra, free_extra = _act_buffers(c, index)
     # ---- instructions -------------------------------------------------------------------------------
+    ids_l = ids.tolist()
+    order_l = seq_order.tolist()
+    b = bounds.tolist()
+    stage_l = stage[seq_order[bounds[:-1]]].tolist() if n else []
+    sid_l = sid[seq_order[bounds[:-1]]].tolist() if n else []
+    per_stage: list[dict[str, tuple[Instr, ...]]] = [{} for _ in range(pp)]
+    phase, region, chunk, mbs, flops, nbytes = c["phase"], c["region"], c["chunk"], c["mb"], c["flops"], c["nbytes"]
+    peer, group, tag, okey, alloc_c, free_c = c["peer"], c["group"], c["tag"], c["key"], c["alloc"], c["free"]
+    empty: tuple = ()
+    for gi in range(len(b) - 1):
+        st, s = stage_l[gi], STREAMS[sid_l[gi]]
+        lst = []
+        for i in order_l[b[gi]:b[gi + 1]]:
+            op = ops[i]
+            dv_ = deps.get(i)
+            alloc = alloc_c[i]
+            ax = alloc_extra.get(i)
+            if ax is not None:
+                alloc = (ax,) + tuple(alloc)
+            free = free_c[i]
+            fx = free_extra.get(i)
+            if fx is not None:
+                free = tuple(free) + (fx,)
+            mb = mbs[i]
+            ch = chunk[i]
+            comp = op == "compute"
+            # positional: the frozen dataclass's own __init__ is the fastest way to build one (and
+            # keeps the instances' compact shared-key dicts)
+            obj = Instr(ids_l[i], op, s, tuple(dv_) if dv_ else empty, phase[i], st if comp else None,
+                        ch if ch >= 0 else None, mb if mb >= 0 else None, region[i] if comp else None,
+                        float(flops[i]), int(nbytes[i]), peer[i], group[i], None, tag[i], okey[i],
+                        tuple(alloc), tuple(free))
+            lst.append(obj)
+        per_stage[st][s] = tuple(lst)
     progs: list[RankProgram] = []
     for st in range(pp):
-        out: dict[str, tuple[Instr, ...]] = {}
-        for s in STREAMS:
-            nodes = seq.get((st, s))
-            if not nodes:
-                continue
-            lst = []
-            for i in nodes:
-                op = c["op"][i]
-                dv = deps.get(i)
-                alloc = c["alloc"][i]
-                if i in alloc_extra:
-                    alloc = (alloc_extra[i],) + tuple(alloc)
-                free = c["free"][i]
-                if i in free_extra:
-                    free = tuple(free) + (free_extra[i],)
-                mb = c["mb"][i]
-                ch = c["chunk"][i]
-                lst.append(Instr.make(
-                    id=int(ids[i]), op=op, stream=s,
-                    deps=tuple(sorted(int(ids[u]) for u in dv.values())) if dv else (),
-                    phase=c["phase"][i], stage=st if op == "compute" else None,
-                    chunk=ch if ch >= 0 else None, microbatch=mb if mb >= 0 else None,
-                    region=c["region"][i] if op == "compute" else None, flops=float(c["flops"][i]),
-                    nbytes=int(c["nbytes"][i]), peer=c["peer"][i], group=c["group"][i], root=None,
-                    tag=c["tag"][i], key=c["key"][i], alloc=tuple(alloc), free=tuple(free)))
-            out[s] = tuple(lst)
         mem = dict(static_memory[st]) if st < len(static_memory) else {}
-        progs.append(RankProgram(out, mem))
+        progs.append(RankProgram(per_stage[st], mem))
     ranks_stage = np.arange(strategy.world) // (strategy.world // strategy.pp)
     ranks = {int(r): progs[int(st)] for r, st in enumerate(ranks_stage)}
     return Program(ranks, strategy, dict(meta or {}))
+
+
+def _act_buffers(c: dict, index: np.ndarray) -> tuple[dict[int, tuple[str, int]], dict[int, str]]:
+    """Activation buffers ``act.c{chunk}.m{mb}``: allocated by the chunk's first forward instruction
+    (in stream order), freed by its last backward one; node -> (name, bytes) and node -> name."""
+    act_first: dict[tuple[int, int], int] = {}
+    act_bytes: dict[tuple[int, int], int] = {}
+    act_last: dict[tuple[int, int], int] = {}
+    ix = index.tolist()
+    acts = c["act"]
+    for i, (op, a) in enumerate(zip(c["op"], c["action"])):
+        if op != "compute" or not isinstance(a, Action):
+            continue
+        key = (a.chunk, a.mb)
+        if a.type == "F":
+            act_bytes[key] = act_bytes.get(key, 0) + int(acts[i])
+            j = act_first.get(key)
+            if j is None or ix[i] < ix[j]:
+                act_first[key] = i
+        else:
+            j = act_last.get(key)
+            if j is None or ix[i] > ix[j]:
+                act_last[key] = i
+    alloc_extra = {i: (f"act.c{k[0]}.m{k[1]}", act_bytes[k]) for k, i in act_first.items() if act_bytes[k]}
+    free_extra = {i: f"act.c{k[0]}.m{k[1]}" for k, i in act_last.items() if act_bytes.get(k)}
+    return alloc_extra, free_extra
