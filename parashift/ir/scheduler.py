@@ -35,58 +35,86 @@ def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None) -
     a schedule was planned with, which also count the TP communication on the compute stream."""
     c = g.cols
     n = len(g)
+    stage_l = c["stage"]
+    slot_k, _ = _slot_keys(c)
+    acts = c["action"]
+    timed = np.fromiter((sl is not None and isinstance(a, Action) for sl, a in zip(c["slot"], acts)), bool, n)
+    ti = np.flatnonzero(timed)
+    st_t = np.asarray(stage_l, np.int64)[ti] if n else np.zeros(0, np.int64)
+    k_t = slot_k[ti]
     steps: dict[int, dict[int, float]] = {}          # stage -> step -> duration
-    timed: set = set()                               # (stage, action) already counted
-    for i in range(n):
-        sl = c["slot"][i]
-        if sl is None or not isinstance(c["action"][i], Action):
-            continue
-        st = c["stage"][i]
-        d = steps.setdefault(st, {})
-        if step_time is None:
-            d[sl[0]] = d.get(sl[0], 0.0) + (c["flops"][i] if c["op"][i] == "compute" else 0.0)
-        elif (st, c["action"][i]) not in timed:
-            timed.add((st, c["action"][i]))
-            d[sl[0]] = d.get(sl[0], 0.0) + float(step_time(c["action"][i]))
+    if step_time is None:
+        flops = np.fromiter((f if o == "compute" else 0.0 for o, f in zip(c["op"], c["flops"])), np.float64, n)[ti]
+        # the steps in first-seen order, their FLOPs summed in node order (as a running sum would)
+        keys = st_t * (int(k_t.max()) + 1 if len(k_t) else 1) + k_t
+        uk, first, inv = np.unique(keys, return_index=True, return_inverse=True)
+        tot = np.zeros(len(uk))
+        np.add.at(tot, inv, flops)
+        for j in np.argsort(first, kind="stable").tolist():
+            steps.setdefault(int(st_t[first[j]]), {})[int(k_t[first[j]])] = float(tot[j])
+    else:
+        k_of = dict(zip(zip(st_t.tolist(), (acts[i] for i in ti.tolist())), k_t.tolist()))
+        for st, a in k_of:                            # each (stage, action) once, in first-seen order
+            d = steps.setdefault(st, {})
+            k = k_of[(st, a)]
+            d[k] = d.get(k, 0.0) + float(step_time(a))
     scale = max((v for d in steps.values() for v in d.values()), default=1.0) or 1.0
-    recv_of: dict[int, int] = {}
-    for u, v in zip(g.src, g.dst):
-        if c["op"][u] == "send" and c["op"][v] == "recv":
-            recv_of[u] = v
-    sends = [i for i in range(n) if c["op"][i] == "send" and c["stream"][i] == "p2p"]   # pipeline hand-offs
-    recv_of = {u: v for u, v in recv_of.items() if c["stream"][u] == "p2p"}
+    ops, streams = c["op"], c["stream"]
+    src = np.asarray(g.src, np.int64)
+    dst = np.asarray(g.dst, np.int64)
+    is_send = np.fromiter((o == "send" for o in ops), bool, n)
+    is_recv = np.fromiter((o == "recv" for o in ops), bool, n)
+    on_p2p = np.fromiter((x == "p2p" for x in streams), bool, n)
+    sr = is_send[src] & is_recv[dst] if len(src) else np.zeros(0, bool)
+    recv_of = dict(zip(src[sr].tolist(), dst[sr].tolist()))
+    sends = np.flatnonzero(is_send & on_p2p).tolist()   # pipeline hand-offs
+    recv_of = {u: v for u, v in recv_of.items() if on_p2p[u]}
     if len(recv_of) != len(sends):
         raise ProgramError("a send node has no recv node; apply Place to add send/recv pairs")
     needs: dict[tuple[int, int], list[int]] = {}     # (stage, step) -> sends whose recv it consumes
     out_of: dict[tuple[int, int], list[int]] = {}    # (stage, step) -> sends it produces
+    kl = slot_k.tolist()
     for s in sends:
         r = recv_of[s]
-        needs.setdefault((c["stage"][r], c["slot"][r][0]), []).append(s)
-        out_of.setdefault((c["stage"][s], c["slot"][s][0]), []).append(s)
+        needs.setdefault((stage_l[r], kl[r]), []).append(s)
+        out_of.setdefault((stage_l[s], kl[s]), []).append(s)
     order = {st: sorted(d) for st, d in steps.items()}
     ptr = dict.fromkeys(order, 0)
     free = dict.fromkeys(order, 0.0)
     t_send: dict[int, float] = {}
     progress = True
+    nothing: list[int] = []
     while progress:
         progress = False
         for st, ks in order.items():
-            while ptr[st] < len(ks):
-                k = ks[ptr[st]]
-                ins = needs.get((st, k), [])
-                if any(s not in t_send for s in ins):
-                    break
-                start = max([free[st]] + [t_send[s] for s in ins])
-                free[st] = start + steps[st][k] / scale + 1e-6
-                for s in out_of.get((st, k), []):
-                    t_send[s] = free[st]
-                ptr[st] += 1
+            p, f, d = ptr[st], free[st], steps[st]
+            while p < len(ks):
+                k = ks[p]
+                ins = needs.get((st, k), nothing)
+                if ins:
+                    if any(s not in t_send for s in ins):
+                        break
+                    start = max([f] + [t_send[s] for s in ins])
+                else:
+                    start = f
+                f = start + d[k] / scale + 1e-6
+                for s in out_of.get((st, k), nothing):
+                    t_send[s] = f
+                p += 1
                 progress = True
+            ptr[st], free[st] = p, f
     stuck = [st for st, ks in order.items() if ptr[st] < len(ks)]
     if stuck:
         raise ProgramError(f"the step orders of stages {stuck} wait on each other (no stage can run its next "
                            f"step); fix the Order")
-    return sorted(sends, key=lambda s: (t_send[s], c["stage"][s], c["slot"][s]))
+    if not sends:
+        return []
+    sa = np.asarray(sends, np.int64)
+    _, slot_p = _slot_keys({"slot": [c["slot"][s] for s in sends]})
+    slot_ks = np.fromiter((c["slot"][s][0] for s in sends), np.int64, len(sends))
+    o = np.lexsort((slot_p, slot_ks, np.asarray(stage_l, np.int64)[sa], np.fromiter((t_send[s] for s in sends),
+                                                                                     np.float64, len(sends))))
+    return sa[o].tolist()
 
 
 def _slot_keys(c: dict) -> tuple[np.ndarray, np.ndarray]:
