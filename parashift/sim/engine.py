@@ -14,6 +14,7 @@ Memory: static state plus alloc/free, tracked per device.
 from __future__ import annotations
 
 import gc
+import heapq
 import time
 from typing import Mapping, Sequence
 
@@ -124,7 +125,7 @@ class Engine:
         self.bufs: dict[int, dict[str, float]] = {}
         self.act_cur: dict[int, float] = {}
         self.progress: dict[tuple[int, str], list[int]] = {}  # instructions done per stream
-        self.pending: dict[tuple[int, int], str] = {}  # posted send/recv not yet complete
+        self.pending: dict[tuple[int, int], tuple] = {}  # posted send/recv not yet complete: (rank, stream, instr)
         for r in fo.reps:
             rp = self.program.ranks[r]
             ids = {i.id for i in rp.instrs()}
@@ -150,16 +151,10 @@ class Engine:
                 self.progress[(r, s)] = [0]
                 if instrs:
                     env.process(self._stream(r, s, instrs, base, shared))
-        n = 0
         gc_was_on = gc.isenabled()
         gc.disable()  # the run allocates many short-lived events and no cycles worth collecting
         try:
-            step = env.step
-            while True:
-                step()
-                n += 1
-        except simpy.core.EmptySchedule:
-            pass
+            n = self._loop(env)
         finally:
             if gc_was_on:
                 gc.enable()
@@ -168,13 +163,32 @@ class Engine:
         raw.sim_seconds = time.perf_counter() - t0
         return raw
 
+    @staticmethod
+    def _loop(env: simpy.Environment) -> int:
+        """``env.step()`` until no event is left (simpy's step, inlined: one call per event saved);
+        returns the number of events processed."""
+        queue = env._queue
+        pop = heapq.heappop
+        n = 0
+        while queue:
+            env._now, _, _, event = pop(queue)
+            n += 1
+            callbacks, event.callbacks = event.callbacks, None
+            for callback in callbacks:
+                callback(event)
+            if not event._ok and not hasattr(event, "_defused"):
+                exc = type(event._value)(*event._value.args)
+                exc.__cause__ = event._value
+                raise exc
+        return n
+
     def _check_finished(self) -> None:
         stuck = []
         for (r, s), (k,) in self.progress.items():
             instrs = self.program.ranks[r].streams[s]
             if k < len(instrs):
                 stuck.append(f"rank {r} stream {s} at [{instrs[k]}]")
-        stuck += list(self.pending.values())
+        stuck += [f"rank {r} stream {s} at [{ins}] (posted)" for r, s, ins in self.pending.values()]
         if stuck:
             raise DeadlockError(f"simulation stopped with {len(stuck)} streams blocked: " + "; ".join(stuck[:8])
                                 + ("" if len(stuck) <= 8 else " ...") + "; check the program with Program.validate()")
@@ -194,7 +208,7 @@ class Engine:
         for k, ins in enumerate(instrs):
             for d in ins.deps:
                 ev = done[d]
-                if not ev.processed:
+                if ev.callbacks is not None:   # not processed yet
                     yield ev
             start = env.now
             if ins.alloc:
@@ -208,8 +222,8 @@ class Engine:
                 ev = self.net.flow(cres, dt) if shared_compute else env.timeout(dt)
             elif op == "send" or op == "recv":
                 ev = self._p2p(r, ins)
-                if posted and not ev.processed:   # posted: the stream moves on, completion comes later
-                    self.pending[(r, ins.id)] = f"rank {r} stream {s} at [{ins}] (posted)"
+                if posted and ev.callbacks is not None:   # posted: the stream moves on, completion comes later
+                    self.pending[(r, ins.id)] = (r, s, ins)
                     ev.callbacks.append(lambda _e, ins=ins, start=start: self._posted_done(r, s, ins, start))
                     cell[0] = k + 1
                     continue
@@ -217,7 +231,7 @@ class Engine:
                 ev = self._copy(r, ins)
             else:
                 ev = self._collective(r, ins)
-            if not ev.processed:
+            if ev.callbacks is not None:
                 yield ev
             rec.append((r, s, ins, start, env.now))
             if ins.free:
