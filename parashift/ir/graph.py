@@ -45,6 +45,8 @@ NODE_FIELDS: dict[str, Any] = {
     "slot": None,         # (action position on its stage, pos) once ordered; None before Order
     "shape": None,        # output shape (single-device graphs)
 }
+_FIELD_SET = frozenset(NODE_FIELDS)
+_DEFAULTS = tuple(NODE_FIELDS.items())
 
 
 @dataclass(frozen=True)
@@ -85,12 +87,13 @@ class Graph:
 
     def add(self, **attrs: Any) -> int:
         """Append a node; unspecified attributes take their defaults. Returns its index."""
-        for k in attrs:
-            if k not in NODE_FIELDS:
-                raise ProgramError(f"unknown node attribute {k!r}; known: {', '.join(NODE_FIELDS)}")
-        for k, d in NODE_FIELDS.items():
-            self.cols[k].append(attrs.get(k, d))
-        return len(self.cols["op"]) - 1
+        if not attrs.keys() <= _FIELD_SET:
+            k = next(k for k in attrs if k not in NODE_FIELDS)
+            raise ProgramError(f"unknown node attribute {k!r}; known: {', '.join(NODE_FIELDS)}")
+        cols, get = self.cols, attrs.get
+        for k, d in _DEFAULTS:
+            cols[k].append(get(k, d))
+        return len(cols["op"]) - 1
 
     def extend(self, n: int, **cols: Any) -> range:
         """Append ``n`` nodes at once: each keyword is a list of n values or one value for all."""

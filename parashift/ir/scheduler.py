@@ -29,14 +29,15 @@ __all__ = ["lower", "pair_order"]
 STREAMS = ("compute", "comm", "p2p")
 
 
-def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None) -> list[int]:
+def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None, *,
+               _slots: "tuple[np.ndarray, np.ndarray] | None" = None) -> list[int]:
     """Send nodes in the global order their pairs complete (see module docstring). ``step_time``
     (optional) gives each action's duration for the replay instead of its FLOPs, e.g. the durations
     a schedule was planned with, which also count the TP communication on the compute stream."""
     c = g.cols
     n = len(g)
     stage_l = c["stage"]
-    slot_k, _ = _slot_keys(c)
+    slot_k, slot_p_all = _slot_keys(c) if _slots is None else _slots
     acts = c["action"]
     timed = np.fromiter((sl is not None and isinstance(a, Action) for sl, a in zip(c["slot"], acts)), bool, n)
     ti = np.flatnonzero(timed)
@@ -110,10 +111,8 @@ def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None) -
     if not sends:
         return []
     sa = np.asarray(sends, np.int64)
-    _, slot_p = _slot_keys({"slot": [c["slot"][s] for s in sends]})
-    slot_ks = np.fromiter((c["slot"][s][0] for s in sends), np.int64, len(sends))
-    o = np.lexsort((slot_p, slot_ks, np.asarray(stage_l, np.int64)[sa], np.fromiter((t_send[s] for s in sends),
-                                                                                     np.float64, len(sends))))
+    t = np.fromiter((t_send[s] for s in sends), np.float64, len(sends))
+    o = np.lexsort((slot_p_all[sa], slot_k[sa], np.asarray(stage_l, np.int64)[sa], t))
     return sa[o].tolist()
 
 
@@ -207,7 +206,7 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
         raise ProgramError(f"unknown streams {sorted(map(str, unknown))}; use {', '.join(STREAMS)}")
     sid = np.fromiter((_SID[s] for s in streams), np.int64, n)
     slot_k, slot_p = _slot_keys(c)
-    sends = pair_order(g, step_time)
+    sends = pair_order(g, step_time, _slots=(slot_k, slot_p))
     src = np.asarray(g.src, np.int64)
     dst = np.asarray(g.dst, np.int64)
     is_send = np.fromiter((o == "send" for o in ops), bool, n)
