@@ -13,7 +13,6 @@ Memory: static state plus alloc/free, tracked per device.
 """
 from __future__ import annotations
 
-import gc
 import heapq
 import time
 from typing import Mapping, Sequence
@@ -23,6 +22,7 @@ import simpy
 
 from ..cluster import Cluster
 from ..errors import DeadlockError, DeviceListError, ProgramError
+from ..ir.graph import paused_gc
 from ..ir.program import Instr, Program
 from ..cost import CostModel, Phase, Workload, link_class, topology
 from .fluid import FluidNetwork
@@ -98,6 +98,10 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------
     def run(self) -> RawRun:
+        with paused_gc():  # many short-lived events and no cycles worth collecting
+            return self._run()
+
+    def _run(self) -> RawRun:
         t0 = time.perf_counter()
         raw = RawRun()
         raw.devices = self.devices
@@ -151,14 +155,7 @@ class Engine:
                 self.progress[(r, s)] = [0]
                 if instrs:
                     env.process(self._stream(r, s, instrs, base, shared))
-        gc_was_on = gc.isenabled()
-        gc.disable()  # the run allocates many short-lived events and no cycles worth collecting
-        try:
-            n = self._loop(env)
-        finally:
-            if gc_was_on:
-                gc.enable()
-        raw.events = n
+        raw.events = self._loop(env)
         self._check_finished()
         raw.sim_seconds = time.perf_counter() - t0
         return raw
