@@ -118,6 +118,8 @@ class Engine:
         self.p2p: dict[tuple, list] = {}
         self.coll: dict[tuple, list] = {}
         self.phase_cache: dict[tuple, tuple[Phase, ...]] = {}
+        self.coll_cache: dict[tuple, tuple] = {}   # (rank, group, op, bytes) -> (member reps, phases)
+        self.op_consts: dict[str, tuple[float, float]] = {}   # op -> (fixed overhead, bandwidth factor)
         self.p2p_cache: dict[tuple, tuple[Phase, ...]] = {}
         st = self.program.strategy
         self.tp_step = st is not None and self.program.meta.get("kind") == "train_step"
@@ -207,7 +209,7 @@ class Engine:
                 ev = done[d]
                 if ev.callbacks is not None:   # not processed yet
                     yield ev
-            start = env.now
+            start = env._now
             if ins.alloc:
                 self._alloc(r, ins)
             op = ins.op
@@ -230,7 +232,7 @@ class Engine:
                 ev = self._collective(r, ins)
             if ev.callbacks is not None:
                 yield ev
-            rec.append((r, s, ins, start, env.now))
+            rec.append((r, s, ins, start, env._now))
             if ins.free:
                 self._free(r, ins)
             cell[0] = k + 1
@@ -282,8 +284,10 @@ class Engine:
         """Run ``phases`` of ``op`` in order; each phase is one flow per (device, peer device) in
         ``link_ends``; the operation's fixed overhead is paid with the first latency."""
         env, net, cost = self.env, self.net, self.cost
-        overhead = cost.op_overhead(op)
-        factor = cost.comm_op_bw.get(op, 1.0)
+        consts = self.op_consts.get(op)
+        if consts is None:
+            consts = self.op_consts[op] = (cost.op_overhead(op), cost.comm_op_bw.get(op, 1.0))
+        overhead, factor = consts
         if len(phases) == 1 and len(link_ends) == 1 and len(waiters) == 1:  # the common case, no closures
             ph = phases[0]
             links = _links(ph.link, *link_ends[0])
@@ -382,14 +386,23 @@ class Engine:
 
     def _collective(self, r: int, ins: Instr) -> simpy.Event:
         fo = self.folding
-        gk = (r, ins.group)
-        cached = self.group_reps.get(gk)
-        if cached is None:
-            members = fo.groups[gk]
-            reps = tuple(sorted({fo.rep_of[m] for m in members}))
-            topo = topology(self.cluster, [self.devices[m] for m in members])
-            cached = self.group_reps[gk] = (reps, topo)
-        reps, topo = cached
+        ck = (r, ins.group, ins.op, ins.nbytes)
+        hit = self.coll_cache.get(ck)
+        if hit is None:
+            gk = (r, ins.group)
+            cached = self.group_reps.get(gk)
+            if cached is None:
+                members = fo.groups[gk]
+                reps = tuple(sorted({fo.rep_of[m] for m in members}))
+                topo = topology(self.cluster, [self.devices[m] for m in members])
+                cached = self.group_reps[gk] = (reps, topo)
+            reps, topo = cached
+            pk = (ins.op, ins.nbytes, topo)
+            phases = self.phase_cache.get(pk)
+            if phases is None:
+                phases = self.phase_cache[pk] = self.cost.collective_phases(ins.op, ins.nbytes, topo)
+            hit = self.coll_cache[ck] = (reps, phases)
+        reps, phases = hit
         ev = self.env.event()
         if reps == (r,):  # every member is folded into this rank: no one to wait for
             arrived = [(r, ev, ins)]
@@ -397,10 +410,6 @@ class Engine:
             arrived = self._arrive(r, ins, ev, reps)
             if arrived is None:
                 return ev
-        pk = (ins.op, ins.nbytes, topo)
-        phases = self.phase_cache.get(pk)
-        if phases is None:
-            phases = self.phase_cache[pk] = self.cost.collective_phases(ins.op, ins.nbytes, topo)
         lb = self.raw.link_bytes
         members = fo.members
         for ph in phases:
