@@ -16,7 +16,7 @@ from ..cluster import Cluster
 from ..models import ModelSpec
 from ..strategy import Strategy
 from .directives import Fuse, Order, Place, Recompute, Replicate, Shard, Split, Stream, apply_all
-from .graph import Graph
+from .graph import Graph, paused_gc
 from .memory import (OPTIM_FLOPS_PER_ELEMENT, chunk_params, optimizer_elements, recompute_bytes, region_activation,
                      static_memory)
 from .model_graph import core_attention_flops, model_graph
@@ -146,6 +146,14 @@ def compile(model: "str | ModelSpec | Graph", strategy: "str | Strategy", *, glo
             raise StrategyError("give the order as an Order directive in directives=, not also order=")
         return compile_preset(model, strategy, directives, global_batch=global_batch, seq_len=seq_len, costs=costs,
                               validate=validate)
+    with paused_gc():
+        return _compile(model, strategy, global_batch=global_batch, seq_len=seq_len, order=order, validate=validate,
+                        costs=costs)
+
+
+def _compile(model: "str | ModelSpec", strategy: "str | Strategy", *, global_batch: int, seq_len: int | None,
+             order: "Order | Callable[[Strategy, int], Order] | None", validate: bool,
+             costs: "ScheduleCosts | Cluster | str | None") -> Program:
     spec, s = _resolve(model, strategy)
     s.validate(spec)
     seq = spec.seq_len if seq_len is None else seq_len

@@ -57,11 +57,20 @@ class Order:
     def apply(self, g: Graph) -> Graph:
         out = g.copy()
         c = out.cols
+        n = len(out)
         steps = self.steps()
+        acts_col, stage_col = c["action"], c["stage"]
+        amap: dict[Action, int] = {}
+        aid = np.fromiter((amap.setdefault(a, len(amap)) if isinstance(a, Action) else -1 for a in acts_col),
+                          np.int64, n)
+        alist = list(amap)
+        stage = np.asarray(stage_col, np.int64)
+        has = aid >= 0
+        na = max(len(alist), 1)
+        pairs = np.unique(stage[has] * na + aid[has])
         have: dict[int, set] = {}
-        for st, a in zip(c["stage"], c["action"]):
-            if isinstance(a, Action):
-                have.setdefault(st, set()).add(a)
+        for st, j in zip((pairs // na).tolist(), (pairs % na).tolist()):
+            have.setdefault(st, set()).add(alist[j])
         position: dict[Action, int] = {}
         for st, ss in steps.items():
             listed = [a for step in ss for a in step]
@@ -78,61 +87,110 @@ class Order:
             for k, step in enumerate(ss):
                 for a in step:
                     position[a] = k
-        self._check_acyclic(out, steps)
+        if not self._acyclic(out, steps, aid, amap):
+            self._check_acyclic(out, steps)      # names the cycle
         last_bwd: dict[int, int] = {}
         for a, k in position.items():
             if a.type != "F":
                 last_bwd[a.chunk] = max(last_bwd.get(a.chunk, -1), k)
         big = 1 << 40
+        pos_col = c["pos"]
         # overlapped steps: spread each action's nodes evenly over [0, 1) so their regions interleave
         overlapped = {a for ss in steps.values() for step in ss if len(step) > 1 for a in step}
         spread: dict[int, float] = {}
         if overlapped:
             members: dict[Action, list[int]] = {}
-            for i in range(len(out)):
-                if c["action"][i] in overlapped and c["pos"][i] >= 0:
-                    members.setdefault(c["action"][i], []).append(i)
+            for i in range(n):
+                if acts_col[i] in overlapped and pos_col[i] >= 0:
+                    members.setdefault(acts_col[i], []).append(i)
             for nodes in members.values():
-                nodes.sort(key=lambda i: c["pos"][i])
+                nodes.sort(key=lambda i: pos_col[i])
                 for r, i in enumerate(nodes):
                     spread[i] = r / len(nodes)
-        first_compute: dict[tuple[int, int], tuple[float, int]] = {}
-        last_compute: dict[tuple[int, int], tuple[float, int]] = {}
-        for i in range(len(out)):
-            a = c["action"][i]
-            st = c["stage"][i]
-            if st not in steps:
-                continue
-            if isinstance(a, Action):
-                k = position[a]
-                pos = spread.get(i, c["pos"][i])
-                c["slot"][i] = (k, pos)
-                if c["stream"][i] == "compute":
-                    key = (st, k)
-                    if key not in first_compute or pos < first_compute[key][0]:
-                        first_compute[key] = (pos, i)
-                    if key not in last_compute or pos > last_compute[key][0]:
-                        last_compute[key] = (pos, i)
-            elif a is None:
+        in_order = np.isin(stage, np.fromiter(steps, np.int64, len(steps)))
+        kpos = np.full(len(alist) + 1, -1, np.int64)     # step position of each action (-1: none)
+        kpos[:len(alist)] = [position.get(a, -1) for a in alist]
+        kk = kpos[aid]
+        kl = kk.tolist()
+        act_nodes = np.flatnonzero(in_order & has)
+        slot = c["slot"]
+        for i in act_nodes.tolist():
+            slot[i] = (kl[i], pos_col[i])
+        for i, p in spread.items():
+            if in_order[i]:
+                slot[i] = (kl[i], p)
+        for i in np.flatnonzero(in_order & ~has).tolist():
+            a = acts_col[i]
+            if a is None:
                 raise ProgramError(f"node {out.node(i)} belongs to no action; place the graph first")
             elif a[0] == AFTER:  # behind the gather for the next step, so it overlaps that step
-                c["slot"][i] = (last_bwd[a[1]] + 1, -0.5)
+                slot[i] = (last_bwd[a[1]] + 1, -0.5)
             elif a[0] == END:
-                c["slot"][i] = (big, float(a[1]))
+                slot[i] = (big, float(a[1]))
             elif a[0] == OPTIM:
-                c["slot"][i] = (big + 1, 0.0)
+                slot[i] = (big + 1, 0.0)
             elif a[0] == POST:
-                c["slot"][i] = (big + 2, float(a[1]))
-        for (st, k), (_, i) in first_compute.items():
+                slot[i] = (big + 2, float(a[1]))
+        # per (stage, step): its compute-stream node first and last in position (ties: lowest index),
+        # keyed in the order each (stage, step) first shows such a node
+        comp = act_nodes[np.fromiter((c["stream"][i] == "compute" for i in act_nodes.tolist()), bool,
+                                     len(act_nodes))]
+        first_compute: dict[tuple[int, int], int] = {}
+        last_compute: dict[tuple[int, int], int] = {}
+        if len(comp):
+            pv = np.fromiter((slot[i][1] for i in comp.tolist()), np.float64, len(comp))
+            gk = stage[comp] * (int(kk[comp].max()) + 2) + kk[comp]
+            _, seen = np.unique(gk, return_index=True)
+            keyed = np.argsort(seen, kind="stable").tolist()
+            for sign, table in ((1.0, first_compute), (-1.0, last_compute)):
+                o = np.lexsort((comp, sign * pv, gk))
+                lead = np.ones(len(o), bool)
+                lead[1:] = gk[o][1:] != gk[o][:-1]
+                best = comp[o][lead].tolist()
+                for j in keyed:
+                    i = best[j]
+                    table[(stage_col[i], kl[i])] = i
+        for (st, k), i in first_compute.items():
             if (st, k - 1) in last_compute:
-                out.edge(last_compute[(st, k - 1)][1], i, ORDER)
+                out.edge(last_compute[(st, k - 1)], i, ORDER)
         # ZeRO-3 prefetch depth 1: the gather for step k waits for step k-1 to start
-        for i in range(len(out)):
-            if c["op"][i] == "all_gather" and isinstance(c["action"][i], Action) and c["stage"][i] in steps:
-                k = c["slot"][i][0]
-                if (c["stage"][i], k - 1) in first_compute:
-                    out.edge(first_compute[(c["stage"][i], k - 1)][1], i, ORDER)
+        gathers = np.flatnonzero(in_order & has & np.fromiter((o == "all_gather" for o in c["op"]), bool, n))
+        for i in gathers.tolist():
+            k = slot[i][0]
+            if (stage_col[i], k - 1) in first_compute:
+                out.edge(first_compute[(stage_col[i], k - 1)], i, ORDER)
         return out
+
+    @staticmethod
+    def _acyclic(g: Graph, steps: dict[int, list[Step]], aid: np.ndarray, amap: dict) -> bool:
+        """Whether the action graph (data edges between actions plus each stage's order) is acyclic
+        (Kahn's algorithm; :meth:`_check_acyclic` finds and names a cycle)."""
+        s, d = g.edges((DATA, SAVED))
+        su, du = aid[s], aid[d]
+        m = (su >= 0) & (du >= 0) & (su != du)
+        na = len(amap)
+        su, du = su[m], du[m]
+        extra = [(amap[a], amap[b]) for ss in steps.values() for prev, nxt in zip(ss, ss[1:])
+                 for a in prev for b in nxt if a in amap and b in amap]
+        if extra:
+            e = np.asarray(extra, np.int64)
+            su, du = np.concatenate([su, e[:, 0]]), np.concatenate([du, e[:, 1]])
+        key = np.unique(su * na + du)
+        su, du = key // max(na, 1), key % max(na, 1)
+        indeg = np.bincount(du, minlength=na).tolist()
+        start = np.searchsorted(su, np.arange(na + 1)).tolist()
+        succ = du.tolist()
+        stack = [v for v in range(na) if indeg[v] == 0]
+        done = 0
+        while stack:
+            u = stack.pop()
+            done += 1
+            for j in range(start[u], start[u + 1]):
+                v = succ[j]
+                indeg[v] -= 1
+                if indeg[v] == 0:
+                    stack.append(v)
+        return done == na
 
     @staticmethod
     def _check_acyclic(g: Graph, steps: dict[int, list[Step]]) -> None:

@@ -35,77 +35,111 @@ def stream_names(streams: Sequence[str]) -> tuple[str, ...]:
     return STREAMS + tuple(sorted({str(s) for s in streams} - set(STREAMS)))
 
 
-def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None) -> list[int]:
+def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None, *,
+               _slots: "tuple[np.ndarray, np.ndarray] | None" = None) -> list[int]:
     """Send nodes in the global order their pairs complete (see module docstring). ``step_time``
     (optional) gives each action's duration for the replay instead of its FLOPs, e.g. the durations
     a schedule was planned with, which also count the TP communication on the compute stream."""
     c = g.cols
     n = len(g)
+    stage_l = c["stage"]
+    slot_k, slot_p_all = _slot_keys(c) if _slots is None else _slots
+    acts = c["action"]
+    timed = np.fromiter((sl is not None and isinstance(a, Action) for sl, a in zip(c["slot"], acts)), bool, n)
+    ti = np.flatnonzero(timed)
+    st_t = np.asarray(stage_l, np.int64)[ti] if n else np.zeros(0, np.int64)
+    k_t = slot_k[ti]
     steps: dict[int, dict[int, float]] = {}          # stage -> step -> duration
-    timed: set = set()                               # (stage, action) already counted
-    for i in range(n):
-        sl = c["slot"][i]
-        if sl is None or not isinstance(c["action"][i], Action):
-            continue
-        st = c["stage"][i]
-        d = steps.setdefault(st, {})
-        if step_time is None:
-            d[sl[0]] = d.get(sl[0], 0.0) + (c["flops"][i] if c["op"][i] == "compute" else 0.0)
-        elif (st, c["action"][i]) not in timed:
-            timed.add((st, c["action"][i]))
-            d[sl[0]] = d.get(sl[0], 0.0) + float(step_time(c["action"][i]))
+    if step_time is None:
+        flops = np.fromiter((f if o == "compute" else 0.0 for o, f in zip(c["op"], c["flops"])), np.float64, n)[ti]
+        # the steps in first-seen order, their FLOPs summed in node order (as a running sum would)
+        keys = st_t * (int(k_t.max()) + 1 if len(k_t) else 1) + k_t
+        uk, first, inv = np.unique(keys, return_index=True, return_inverse=True)
+        tot = np.zeros(len(uk))
+        np.add.at(tot, inv, flops)
+        for j in np.argsort(first, kind="stable").tolist():
+            steps.setdefault(int(st_t[first[j]]), {})[int(k_t[first[j]])] = float(tot[j])
+    else:
+        k_of = dict(zip(zip(st_t.tolist(), (acts[i] for i in ti.tolist())), k_t.tolist()))
+        for st, a in k_of:                            # each (stage, action) once, in first-seen order
+            d = steps.setdefault(st, {})
+            k = k_of[(st, a)]
+            d[k] = d.get(k, 0.0) + float(step_time(a))
     scale = max((v for d in steps.values() for v in d.values()), default=1.0) or 1.0
-    recv_of: dict[int, int] = {}
-    for u, v in zip(g.src, g.dst):
-        if c["op"][u] == "send" and c["op"][v] == "recv":
-            recv_of[u] = v
-    sends = [i for i in range(n) if c["op"][i] == "send" and c["stream"][i] == "p2p"]   # pipeline hand-offs
-    recv_of = {u: v for u, v in recv_of.items() if c["stream"][u] == "p2p"}
+    ops, streams = c["op"], c["stream"]
+    src = np.asarray(g.src, np.int64)
+    dst = np.asarray(g.dst, np.int64)
+    is_send = np.fromiter((o == "send" for o in ops), bool, n)
+    is_recv = np.fromiter((o == "recv" for o in ops), bool, n)
+    on_p2p = np.fromiter((x == "p2p" for x in streams), bool, n)
+    sr = is_send[src] & is_recv[dst] if len(src) else np.zeros(0, bool)
+    recv_of = dict(zip(src[sr].tolist(), dst[sr].tolist()))
+    sends = np.flatnonzero(is_send & on_p2p).tolist()   # pipeline hand-offs
+    recv_of = {u: v for u, v in recv_of.items() if on_p2p[u]}
     if len(recv_of) != len(sends):
         raise ProgramError("a send node has no recv node; apply Place to add send/recv pairs")
     needs: dict[tuple[int, int], list[int]] = {}     # (stage, step) -> sends whose recv it consumes
     out_of: dict[tuple[int, int], list[int]] = {}    # (stage, step) -> sends it produces
+    kl = slot_k.tolist()
     for s in sends:
         r = recv_of[s]
-        needs.setdefault((c["stage"][r], c["slot"][r][0]), []).append(s)
-        out_of.setdefault((c["stage"][s], c["slot"][s][0]), []).append(s)
+        needs.setdefault((stage_l[r], kl[r]), []).append(s)
+        out_of.setdefault((stage_l[s], kl[s]), []).append(s)
     order = {st: sorted(d) for st, d in steps.items()}
     ptr = dict.fromkeys(order, 0)
     free = dict.fromkeys(order, 0.0)
     t_send: dict[int, float] = {}
     progress = True
+    nothing: list[int] = []
     while progress:
         progress = False
         for st, ks in order.items():
-            while ptr[st] < len(ks):
-                k = ks[ptr[st]]
-                ins = needs.get((st, k), [])
-                if any(s not in t_send for s in ins):
-                    break
-                start = max([free[st]] + [t_send[s] for s in ins])
-                free[st] = start + steps[st][k] / scale + 1e-6
-                for s in out_of.get((st, k), []):
-                    t_send[s] = free[st]
-                ptr[st] += 1
+            p, f, d = ptr[st], free[st], steps[st]
+            while p < len(ks):
+                k = ks[p]
+                ins = needs.get((st, k), nothing)
+                if ins:
+                    if any(s not in t_send for s in ins):
+                        break
+                    start = max([f] + [t_send[s] for s in ins])
+                else:
+                    start = f
+                f = start + d[k] / scale + 1e-6
+                for s in out_of.get((st, k), nothing):
+                    t_send[s] = f
+                p += 1
                 progress = True
+            ptr[st], free[st] = p, f
     stuck = [st for st, ks in order.items() if ptr[st] < len(ks)]
     if stuck:
         raise ProgramError(f"the step orders of stages {stuck} wait on each other (no stage can run its next "
                            f"step); fix the Order")
-    return sorted(sends, key=lambda s: (t_send[s], c["stage"][s], c["slot"][s]))
+    if not sends:
+        return []
+    sa = np.asarray(sends, np.int64)
+    t = np.fromiter((t_send[s] for s in sends), np.float64, len(sends))
+    o = np.lexsort((slot_p_all[sa], slot_k[sa], np.asarray(stage_l, np.int64)[sa], t))
+    return sa[o].tolist()
 
 
-def _slot_rank(g: Graph, stage: np.ndarray, streams: Sequence[str]) -> np.ndarray:
+def _slot_keys(c: dict) -> tuple[np.ndarray, np.ndarray]:
+    """Each node's slot as two arrays (step position, position in the step); (0, 0.0) without one."""
+    slots = c["slot"]
+    k = np.fromiter((0 if sl is None else sl[0] for sl in slots), np.int64, len(slots))
+    p = np.fromiter((0.0 if sl is None else sl[1] for sl in slots), np.float64, len(slots))
+    return k, p
+
+
+def _slot_rank(g: Graph, stage: np.ndarray, sid: np.ndarray, slot_k: np.ndarray, slot_p: np.ndarray) -> np.ndarray:
     """Per stage, one order of its compute and comm nodes: slot order where that already respects
     every data edge between them, else the slot-priority topological order (a directive may anchor
     a node at a slot before a producer it waits on: taken literally, the two streams' orders would
     wait on each other)."""
     import heapq
-    c = g.cols
     n = len(g)
-    nodes = [i for i in range(n) if streams[i] != "p2p"]
-    names = stream_names(streams)
-    nodes.sort(key=lambda i: (stage[i], c["slot"][i], names.index(streams[i]), i))
+    idx = np.flatnonzero(sid != _P2P)
+    o = np.lexsort((idx, sid[idx], slot_p[idx], slot_k[idx], stage[idx]))
+    nodes = idx[o]
     rank = np.full(n, -1, np.int64)
     rank[nodes] = np.arange(len(nodes))
     src = np.asarray(g.src, np.int64)
@@ -120,7 +154,7 @@ def _slot_rank(g: Graph, stage: np.ndarray, streams: Sequence[str]) -> np.ndarra
     for u, v in zip(su.tolist(), du.tolist()):
         succ.setdefault(u, []).append(v)
     np.add.at(indeg, du, 1)
-    heap = [(int(rank[i]), i) for i in nodes if indeg[i] == 0]
+    heap = [(int(rank[i]), i) for i in nodes.tolist() if indeg[i] == 0]
     heapq.heapify(heap)
     k = 0
     out = np.full(n, -1, np.int64)
@@ -137,6 +171,25 @@ def _slot_rank(g: Graph, stage: np.ndarray, streams: Sequence[str]) -> np.ndarra
     return out
 
 
+_SID = {s: k for k, s in enumerate(STREAMS)}
+_P2P = _SID["p2p"]
+
+
+def _within(order: np.ndarray, *group_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For nodes sorted by ``order`` (grouped by ``group_keys``): each one's position in its group,
+    and the group boundaries (start offsets into ``order``, plus the end)."""
+    m = len(order)
+    brk = np.zeros(m, bool)
+    if m:
+        brk[0] = True
+        for k in group_keys:
+            ks = k[order]
+            brk[1:] |= ks[1:] != ks[:-1]
+    starts = np.flatnonzero(brk)
+    pos = np.arange(m) - np.repeat(starts, np.diff(np.append(starts, m)))
+    return pos, np.append(starts, m)
+
+
 def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, int]] = (),
           meta: Mapping[str, Any] | None = None, step_time: "Callable[[Action], float] | None" = None) -> Program:
     """One RankProgram per pipeline stage, shared by all ranks of that stage (``step_time``: see
@@ -148,47 +201,46 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     stage = np.asarray(c["stage"], np.int64)
     if n and (stage.min() < 0 or stage.max() >= pp):
         raise ProgramError("every node needs a pipeline stage in [0, pp); apply Place first")
-    missing = [i for i in range(n) if c["slot"][i] is None and c["op"][i] not in ("send", "recv")]
+    ops = c["op"]
+    missing = [i for i, (sl, op) in enumerate(zip(c["slot"], ops)) if sl is None and op not in ("send", "recv")]
     if missing:
         raise ProgramError(f"{len(missing)} nodes have no order (e.g. {g.node(missing[0])}); apply an Order "
                            f"covering stage {c['stage'][missing[0]]}")
     # ---- per-stream positions -----------------------------------------------------------------
     streams = c["stream"]
-    unknown = {s for s in streams if not isinstance(s, str) or not s.isidentifier()}
+    unknown = {s for s in set(streams) if not isinstance(s, str) or not s.isidentifier()}
     if unknown:
         raise ProgramError(f"stream names {sorted(map(str, unknown))} are not identifiers; name a Stream "
                            f"like 'grads' or 'zero_gather'")
     names = stream_names(streams)
-    sends = pair_order(g, step_time)
-    recv_of = {u: v for u, v in zip(g.src, g.dst) if c["op"][u] == "send" and c["op"][v] == "recv"}
-    p2p_rank = {}
-    for k, s in enumerate(sends):
-        p2p_rank[s] = (k, 0.0)
-        p2p_rank[recv_of[s]] = (k, 0.0)
-    per: dict[tuple[int, str], list[int]] = {}
-    for i in range(n):
-        per.setdefault((c["stage"][i], streams[i]), []).append(i)
-    rank = _slot_rank(g, stage, streams)
-    index = np.zeros(n, np.int64)
-    seq: dict[tuple[int, str], list[int]] = {}
-    for key, nodes in per.items():
-        if key[1] == "p2p":
-            nodes.sort(key=lambda i: p2p_rank[i])
-        else:
-            nodes.sort(key=lambda i: rank[i])
-        index[nodes] = np.arange(len(nodes))
-        seq[key] = nodes
-    # ---- ids: per stage, in (slot, stream) order -------------------------------------------------
-    ids = np.zeros(n, np.int64)
-    for st in range(pp):
-        nodes = [i for s in names for i in seq.get((st, s), [])]
-        keyed = sorted(nodes, key=lambda i: (c["slot"][i] if c["slot"][i] is not None else (0, 0.0),
-                                              names.index(streams[i]), index[i]))
-        ids[keyed] = np.arange(len(keyed))
-    # ---- deps ------------------------------------------------------------------------------------
+    sid_of = {s: k for k, s in enumerate(names)}
+    sid = np.fromiter((sid_of[s] for s in streams), np.int64, n)
+    slot_k, slot_p = _slot_keys(c)
+    sends = pair_order(g, step_time, _slots=(slot_k, slot_p))
     src = np.asarray(g.src, np.int64)
     dst = np.asarray(g.dst, np.int64)
-    sid = np.fromiter((names.index(s) for s in streams), np.int64, n)
+    is_send = np.fromiter((o == "send" for o in ops), bool, n)
+    is_recv = np.fromiter((o == "recv" for o in ops), bool, n)
+    sr = is_send[src] & is_recv[dst] if len(src) else np.zeros(0, bool)
+    recv_of = dict(zip(src[sr].tolist(), dst[sr].tolist()))
+    key = _slot_rank(g, stage, sid, slot_k, slot_p)      # compute/comm: slot-priority order
+    p2p = sid == _P2P
+    key[p2p] = -1
+    ks = np.asarray(sends, np.int64)
+    key[ks] = np.arange(len(ks))
+    key[np.asarray([recv_of[s] for s in sends], np.int64)] = np.arange(len(ks))
+    if (key[p2p] < 0).any():
+        i = int(np.flatnonzero(p2p & (key < 0))[0])
+        raise ProgramError(f"{g.node(i)} is on the p2p stream but is not a send/recv pair; apply Place")
+    seq_order = np.lexsort((key, sid, stage))               # grouped by (stage, stream), in stream order
+    pos, bounds = _within(seq_order, stage, sid)
+    index = np.zeros(n, np.int64)
+    index[seq_order] = pos
+    # ---- ids: per stage, in (slot, stream) order -------------------------------------------------
+    id_order = np.lexsort((index, sid, slot_p, slot_k, stage))
+    ids = np.zeros(n, np.int64)
+    ids[id_order] = _within(id_order, stage)[0]
+    # ---- deps ------------------------------------------------------------------------------------
     cross_stage = stage[src] != stage[dst]
     if cross_stage.any():
         bad = [(int(u), int(v)) for u, v in zip(src[cross_stage], dst[cross_stage])
@@ -205,63 +257,90 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
         u, v = int(s2[back][0]), int(d2[back][0])
         raise ProgramError(f"stream order contradicts a dependency: {g.node(u)} must precede {g.node(v)}")
     s3, d3 = s2[~in_stream], d2[~in_stream]
-    deps: dict[int, dict[int, int]] = {}
-    for u, v in zip(s3.tolist(), d3.tolist()):
-        dv = deps.setdefault(v, {})
-        su = sid[u]
-        if su not in dv or index[u] > index[dv[su]]:
-            dv[su] = u
+    # per (consumer, producing stream) only the latest producer
+    o = np.lexsort((-index[s3], sid[s3], d3))
+    s3, d3 = s3[o], d3[o]
+    first = np.ones(len(o), bool)
+    first[1:] = (d3[1:] != d3[:-1]) | (sid[s3][1:] != sid[s3][:-1])
+    dv, du = d3[first], ids[s3[first]]
+    o = np.lexsort((du, dv))
+    deps: dict[int, list[int]] = {}
+    for v, u in zip(dv[o].tolist(), du[o].tolist()):
+        lst = deps.get(v)
+        if lst is None:
+            deps[v] = [u]
+        else:
+            lst.append(u)
     # ---- activation buffers -------------------------------------------------------------------------
-    act_first: dict[tuple[int, int], int] = {}
-    act_bytes: dict[tuple[int, int], int] = {}
-    act_last: dict[tuple[int, int], int] = {}
-    for i in range(n):
-        a = c["action"][i]
-        if c["op"][i] != "compute" or not isinstance(a, Action):
-            continue
-        key = (a.chunk, a.mb)
-        if a.type == "F":
-            act_bytes[key] = act_bytes.get(key, 0) + int(c["act"][i])
-            if key not in act_first or index[i] < index[act_first[key]]:
-                act_first[key] = i
-        elif key not in act_last or index[i] > index[act_last[key]]:
-            act_last[key] = i
-    alloc_extra = {i: (f"act.c{k[0]}.m{k[1]}", act_bytes[k]) for k, i in act_first.items() if act_bytes[k]}
-    free_extra = {i: f"act.c{k[0]}.m{k[1]}" for k, i in act_last.items() if act_bytes.get(k)}
+    alloc_extra, free_extra = _act_buffers(c, index)
     # ---- instructions -------------------------------------------------------------------------------
+    ids_l = ids.tolist()
+    order_l = seq_order.tolist()
+    b = bounds.tolist()
+    stage_l = stage[seq_order[bounds[:-1]]].tolist() if n else []
+    sid_l = sid[seq_order[bounds[:-1]]].tolist() if n else []
+    per_stage: list[dict[str, tuple[Instr, ...]]] = [{} for _ in range(pp)]
+    phase, region, chunk, mbs, flops, nbytes = c["phase"], c["region"], c["chunk"], c["mb"], c["flops"], c["nbytes"]
+    peer, group, tag, okey, alloc_c, free_c = c["peer"], c["group"], c["tag"], c["key"], c["alloc"], c["free"]
+    empty: tuple = ()
+    for gi in range(len(b) - 1):
+        st, s = stage_l[gi], names[sid_l[gi]]
+        lst = []
+        for i in order_l[b[gi]:b[gi + 1]]:
+            op = ops[i]
+            dv_ = deps.get(i)
+            alloc = alloc_c[i]
+            ax = alloc_extra.get(i)
+            if ax is not None:
+                alloc = (ax,) + tuple(alloc)
+            free = free_c[i]
+            fx = free_extra.get(i)
+            if fx is not None:
+                free = tuple(free) + (fx,)
+            mb = mbs[i]
+            ch = chunk[i]
+            comp = op == "compute"
+            # positional: the frozen dataclass's own __init__ is the fastest way to build one (and
+            # keeps the instances' compact shared-key dicts)
+            obj = Instr(ids_l[i], op, s, tuple(dv_) if dv_ else empty, phase[i], st if comp else None,
+                        ch if ch >= 0 else None, mb if mb >= 0 else None, region[i] if comp else None,
+                        float(flops[i]), int(nbytes[i]), peer[i], group[i], None, tag[i], okey[i],
+                        tuple(alloc), tuple(free))
+            lst.append(obj)
+        per_stage[st][s] = tuple(lst)
     progs: list[RankProgram] = []
     for st in range(pp):
-        out: dict[str, tuple[Instr, ...]] = {}
-        for s in names:
-            nodes = seq.get((st, s))
-            if not nodes:
-                continue
-            lst = []
-            for i in nodes:
-                op = c["op"][i]
-                dv = deps.get(i)
-                alloc = c["alloc"][i]
-                if i in alloc_extra:
-                    alloc = (alloc_extra[i],) + tuple(alloc)
-                free = c["free"][i]
-                if i in free_extra:
-                    free = tuple(free) + (free_extra[i],)
-                mb = c["mb"][i]
-                ch = c["chunk"][i]
-                lst.append(Instr.make(
-                    id=int(ids[i]), op=op, stream=s,
-                    deps=tuple(sorted(int(ids[u]) for u in dv.values())) if dv else (),
-                    phase=c["phase"][i], stage=st if op == "compute" else None,
-                    chunk=ch if ch >= 0 else None, microbatch=mb if mb >= 0 else None,
-                    region=c["region"][i] if op == "compute" else None, flops=float(c["flops"][i]),
-                    nbytes=int(c["nbytes"][i]), peer=c["peer"][i], group=c["group"][i], root=None,
-                    tag=c["tag"][i], key=c["key"][i], alloc=tuple(alloc), free=tuple(free)))
-            out[s] = tuple(lst)
         mem = dict(static_memory[st]) if st < len(static_memory) else {}
-        progs.append(RankProgram(out, mem))
+        progs.append(RankProgram(per_stage[st], mem))
     ranks_stage = np.arange(strategy.world) // (strategy.world // strategy.pp)
     ranks = {int(r): progs[int(st)] for r, st in enumerate(ranks_stage)}
     meta = dict(meta or {})
     if placement_meta(strategy):
         meta["placement"] = placement_meta(strategy)
     return Program(ranks, strategy, meta)
+
+
+def _act_buffers(c: dict, index: np.ndarray) -> tuple[dict[int, tuple[str, int]], dict[int, str]]:
+    """Activation buffers ``act.c{chunk}.m{mb}``: allocated by the chunk's first forward instruction
+    (in stream order), freed by its last backward one; node -> (name, bytes) and node -> name."""
+    act_first: dict[tuple[int, int], int] = {}
+    act_bytes: dict[tuple[int, int], int] = {}
+    act_last: dict[tuple[int, int], int] = {}
+    ix = index.tolist()
+    acts = c["act"]
+    for i, (op, a) in enumerate(zip(c["op"], c["action"])):
+        if op != "compute" or not isinstance(a, Action):
+            continue
+        key = (a.chunk, a.mb)
+        if a.type == "F":
+            act_bytes[key] = act_bytes.get(key, 0) + int(acts[i])
+            j = act_first.get(key)
+            if j is None or ix[i] < ix[j]:
+                act_first[key] = i
+        else:
+            j = act_last.get(key)
+            if j is None or ix[i] > ix[j]:
+                act_last[key] = i
+    alloc_extra = {i: (f"act.c{k[0]}.m{k[1]}", act_bytes[k]) for k, i in act_first.items() if act_bytes[k]}
+    free_extra = {i: f"act.c{k[0]}.m{k[1]}" for k, i in act_last.items() if act_bytes.get(k)}
+    return alloc_extra, free_extra

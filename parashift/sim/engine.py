@@ -13,7 +13,7 @@ Memory: static state plus alloc/free, tracked per device.
 """
 from __future__ import annotations
 
-import gc
+import heapq
 import time
 from typing import Mapping, Sequence
 
@@ -22,6 +22,7 @@ import simpy
 
 from ..cluster import Cluster
 from ..errors import DeadlockError, DeviceListError, ProgramError
+from ..ir.graph import paused_gc
 from ..ir.program import Instr, Program
 from ..cost import CostModel, Phase, Workload, link_class, topology
 from .fluid import FluidNetwork
@@ -97,6 +98,10 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------
     def run(self) -> RawRun:
+        with paused_gc():  # many short-lived events and no cycles worth collecting
+            return self._run()
+
+    def _run(self) -> RawRun:
         t0 = time.perf_counter()
         raw = RawRun()
         raw.devices = self.devices
@@ -113,6 +118,8 @@ class Engine:
         self.p2p: dict[tuple, list] = {}
         self.coll: dict[tuple, list] = {}
         self.phase_cache: dict[tuple, tuple[Phase, ...]] = {}
+        self.coll_cache: dict[tuple, tuple] = {}   # (rank, group, op, bytes) -> (member reps, phases)
+        self.op_consts: dict[str, tuple[float, float]] = {}   # op -> (fixed overhead, bandwidth factor)
         self.p2p_cache: dict[tuple, tuple[Phase, ...]] = {}
         st = self.program.strategy
         self.tp_step = st is not None and self.program.meta.get("kind") == "train_step"
@@ -124,7 +131,7 @@ class Engine:
         self.bufs: dict[int, dict[str, float]] = {}
         self.act_cur: dict[int, float] = {}
         self.progress: dict[tuple[int, str], list[int]] = {}  # instructions done per stream
-        self.pending: dict[tuple[int, int], str] = {}  # posted send/recv not yet complete
+        self.pending: dict[tuple[int, int], tuple] = {}  # posted send/recv not yet complete: (rank, stream, instr)
         for r in fo.reps:
             rp = self.program.ranks[r]
             ids = {i.id for i in rp.instrs()}
@@ -150,23 +157,29 @@ class Engine:
                 self.progress[(r, s)] = [0]
                 if instrs:
                     env.process(self._stream(r, s, instrs, base, shared))
-        n = 0
-        gc_was_on = gc.isenabled()
-        gc.disable()  # the run allocates many short-lived events and no cycles worth collecting
-        try:
-            step = env.step
-            while True:
-                step()
-                n += 1
-        except simpy.core.EmptySchedule:
-            pass
-        finally:
-            if gc_was_on:
-                gc.enable()
-        raw.events = n
+        raw.events = self._loop(env)
         self._check_finished()
         raw.sim_seconds = time.perf_counter() - t0
         return raw
+
+    @staticmethod
+    def _loop(env: simpy.Environment) -> int:
+        """``env.step()`` until no event is left (simpy's step, inlined: one call per event saved);
+        returns the number of events processed."""
+        queue = env._queue
+        pop = heapq.heappop
+        n = 0
+        while queue:
+            env._now, _, _, event = pop(queue)
+            n += 1
+            callbacks, event.callbacks = event.callbacks, None
+            for callback in callbacks:
+                callback(event)
+            if not event._ok and not hasattr(event, "_defused"):
+                exc = type(event._value)(*event._value.args)
+                exc.__cause__ = event._value
+                raise exc
+        return n
 
     def _check_finished(self) -> None:
         stuck = []
@@ -174,7 +187,7 @@ class Engine:
             instrs = self.program.ranks[r].streams[s]
             if k < len(instrs):
                 stuck.append(f"rank {r} stream {s} at [{instrs[k]}]")
-        stuck += list(self.pending.values())
+        stuck += [f"rank {r} stream {s} at [{ins}] (posted)" for r, s, ins in self.pending.values()]
         if stuck:
             raise DeadlockError(f"simulation stopped with {len(stuck)} streams blocked: " + "; ".join(stuck[:8])
                                 + ("" if len(stuck) <= 8 else " ...") + "; check the program with Program.validate()")
@@ -194,9 +207,9 @@ class Engine:
         for k, ins in enumerate(instrs):
             for d in ins.deps:
                 ev = done[d]
-                if not ev.processed:
+                if ev.callbacks is not None:   # not processed yet
                     yield ev
-            start = env.now
+            start = env._now
             if ins.alloc:
                 self._alloc(r, ins)
             op = ins.op
@@ -208,8 +221,8 @@ class Engine:
                 ev = self.net.flow(cres, dt) if shared_compute else env.timeout(dt)
             elif op == "send" or op == "recv":
                 ev = self._p2p(r, ins)
-                if posted and not ev.processed:   # posted: the stream moves on, completion comes later
-                    self.pending[(r, ins.id)] = f"rank {r} stream {s} at [{ins}] (posted)"
+                if posted and ev.callbacks is not None:   # posted: the stream moves on, completion comes later
+                    self.pending[(r, ins.id)] = (r, s, ins)
                     ev.callbacks.append(lambda _e, ins=ins, start=start: self._posted_done(r, s, ins, start))
                     cell[0] = k + 1
                     continue
@@ -217,9 +230,9 @@ class Engine:
                 ev = self._copy(r, ins)
             else:
                 ev = self._collective(r, ins)
-            if not ev.processed:
+            if ev.callbacks is not None:
                 yield ev
-            rec.append((r, s, ins, start, env.now))
+            rec.append((r, s, ins, start, env._now))
             if ins.free:
                 self._free(r, ins)
             cell[0] = k + 1
@@ -271,8 +284,10 @@ class Engine:
         """Run ``phases`` of ``op`` in order; each phase is one flow per (device, peer device) in
         ``link_ends``; the operation's fixed overhead is paid with the first latency."""
         env, net, cost = self.env, self.net, self.cost
-        overhead = cost.op_overhead(op)
-        factor = cost.comm_op_bw.get(op, 1.0)
+        consts = self.op_consts.get(op)
+        if consts is None:
+            consts = self.op_consts[op] = (cost.op_overhead(op), cost.comm_op_bw.get(op, 1.0))
+        overhead, factor = consts
         if len(phases) == 1 and len(link_ends) == 1 and len(waiters) == 1:  # the common case, no closures
             ph = phases[0]
             links = _links(ph.link, *link_ends[0])
@@ -371,14 +386,23 @@ class Engine:
 
     def _collective(self, r: int, ins: Instr) -> simpy.Event:
         fo = self.folding
-        gk = (r, ins.group)
-        cached = self.group_reps.get(gk)
-        if cached is None:
-            members = fo.groups[gk]
-            reps = tuple(sorted({fo.rep_of[m] for m in members}))
-            topo = topology(self.cluster, [self.devices[m] for m in members])
-            cached = self.group_reps[gk] = (reps, topo)
-        reps, topo = cached
+        ck = (r, ins.group, ins.op, ins.nbytes)
+        hit = self.coll_cache.get(ck)
+        if hit is None:
+            gk = (r, ins.group)
+            cached = self.group_reps.get(gk)
+            if cached is None:
+                members = fo.groups[gk]
+                reps = tuple(sorted({fo.rep_of[m] for m in members}))
+                topo = topology(self.cluster, [self.devices[m] for m in members])
+                cached = self.group_reps[gk] = (reps, topo)
+            reps, topo = cached
+            pk = (ins.op, ins.nbytes, topo)
+            phases = self.phase_cache.get(pk)
+            if phases is None:
+                phases = self.phase_cache[pk] = self.cost.collective_phases(ins.op, ins.nbytes, topo)
+            hit = self.coll_cache[ck] = (reps, phases)
+        reps, phases = hit
         ev = self.env.event()
         if reps == (r,):  # every member is folded into this rank: no one to wait for
             arrived = [(r, ev, ins)]
@@ -386,10 +410,6 @@ class Engine:
             arrived = self._arrive(r, ins, ev, reps)
             if arrived is None:
                 return ev
-        pk = (ins.op, ins.nbytes, topo)
-        phases = self.phase_cache.get(pk)
-        if phases is None:
-            phases = self.phase_cache[pk] = self.cost.collective_phases(ins.op, ins.nbytes, topo)
         lb = self.raw.link_bytes
         members = fo.members
         for ph in phases:

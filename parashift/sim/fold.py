@@ -34,12 +34,13 @@ class Folding:
 
 
 def _refs(prog) -> tuple[tuple, tuple]:
-    groups, peers = set(), set()
-    for ins in prog.instrs():
-        if ins.group is not None:
-            groups.add(ins.group)
-        if ins.peer is not None:
-            peers.add(ins.peer)
+    groups: set = set()
+    peers: set = set()
+    for instrs in prog.streams.values():
+        groups.update({ins.group for ins in instrs})
+        peers.update({ins.peer for ins in instrs})
+    groups.discard(None)
+    peers.discard(None)
     key = lambda x: (isinstance(x, tuple), str(x))  # noqa: E731
     return tuple(sorted(groups, key=key)), tuple(sorted(peers, key=key))
 
@@ -48,13 +49,15 @@ def fold(program: Program, devices: Mapping[int, int], cluster, enabled: bool = 
     """Partition ``program``'s ranks into equitable classes (one class per rank when disabled)."""
     ranks = sorted(program.ranks)
     refs_by_prog: dict[int, tuple[tuple, tuple]] = {}
+    ranks_of: dict[int, list[int]] = {}
     groups: dict[tuple[int, object], tuple[int, ...]] = {}
     peers: dict[tuple[int, object], int] = {}
     for r in ranks:
         p = program.ranks[r]
         if id(p) not in refs_by_prog:
             refs_by_prog[id(p)] = _refs(p)
-        gnames, pnames = refs_by_prog[id(p)]
+        ranks_of.setdefault(id(p), []).append(r)
+        gnames = refs_by_prog[id(p)][0]
         for g in gnames:
             if (r, g) not in groups:
                 members = program.resolve_group(r, Instr(0, "all_reduce", group=g))
@@ -63,8 +66,15 @@ def fold(program: Program, devices: Mapping[int, int], cluster, enabled: bool = 
                 else:  # an axis partitions the ranks: every member has the same group
                     for m in members:
                         groups[(m, g)] = members
-        for q in pnames:
-            peers[(r, q)] = program.resolve_peer(r, Instr(0, "send", peer=q))
+    st = program.strategy
+    for pid, rs in ranks_of.items():
+        for q in refs_by_prog[pid][1]:
+            if st is not None and isinstance(q, str) and q.startswith(("pp", "cp")):
+                # symbolic: every rank of the class at once (as Program.resolve_peer does one by one)
+                peers.update(zip(((r, q) for r in rs), (int(x) for x in st.peer(np.asarray(rs), q))))
+            else:
+                for r in rs:
+                    peers[(r, q)] = program.resolve_peer(r, Instr(0, "send", peer=q))
     if not enabled or len(set(devices.values())) != len(devices):
         return Folding({r: r for r in ranks}, {r: (r,) for r in ranks}, groups, peers)
 

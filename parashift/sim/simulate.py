@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ..cluster import Cluster, get as get_cluster
 from ..errors import ProgramError
+from ..ir.graph import paused_gc
 from ..ir.program import Program
 from ..cost import CostModel
 from .engine import Engine
@@ -36,8 +37,9 @@ def simulate(program: Program, cluster: "Cluster | str", cost_model: CostModel |
     cluster = get_cluster(cluster)
     cost = cost_model if cost_model is not None else CostModel.for_cluster(cluster)
     scores = _scores_per_layer(program, model) if cost.attention_score_bytes else 0.0
-    raw = Engine(program, cluster, cost, devices, fold, scores, _workload(program, model)).run()
-    return SimResult.from_raw(program, cluster, cost, raw)
+    with paused_gc():   # millions of short-lived acyclic objects: collecting would only rescan the heap
+        raw = Engine(program, cluster, cost, devices, fold, scores, _workload(program, model)).run()
+        return SimResult.from_raw(program, cluster, cost, raw)
 
 
 def _workload(program: Program, model: "ModelSpec | None") -> "Workload | None":
