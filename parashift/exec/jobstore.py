@@ -55,6 +55,7 @@ def _sealed_class() -> type:
         def __init__(self, inner: Any, secret: str):
             super().__init__()
             self.inner = inner
+            self._secret = secret
             self._key = hashlib.sha256(b"parashift-seal:" + secret.encode()).digest()
             self._prefix = namespace(secret) + "/"
 
@@ -122,6 +123,10 @@ def _sealed_class() -> type:
 
         def set_timeout(self, timeout: Any) -> None:
             self.inner.set_timeout(timeout)
+
+        def clone(self) -> "SealedStore":
+            """A second connection to the same store, sealed alike (for a thread of its own)."""
+            return SealedStore(self.inner.clone(), self._secret)
 
     return SealedStore
 
