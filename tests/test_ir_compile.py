@@ -116,20 +116,46 @@ def test_fused_regions_without_tp():
     assert r0 == {"embed+layers.0-1"} and r1 == {"layers.2-3+head"}
 
 
+def _ancestors(rp, iid: int) -> set[int]:
+    """Instructions ``iid`` waits for: its deps and its stream predecessors, transitively."""
+    before = {i.id: [p.id for p in seq[:k][-1:]] + list(i.deps) for seq in rp.streams.values()
+              for k, i in enumerate(seq)}
+    out, todo = set(), [iid]
+    while todo:
+        for d in before[todo.pop()]:
+            if d not in out:
+                out.add(d)
+                todo.append(d)
+    return out
+
+
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_zero_stages(zero):
     prog = compile("tiny-gpt", f"dp=2,pp=2,zero={zero}", global_batch=8, seq_len=SEQ).validate()
     ins = list(prog.ranks[0].instrs())
     ops = Counter((i.op, (i.tag or "").split(".")[0] + "." + (i.tag or ".").split(".")[1]) for i in ins
                   if i.stream == "comm")
+    m = 4   # micro-batches per DP rank
     if zero == 0:
         assert ops == {("all_reduce", "dp.grad"): 1}
-    elif zero in (1, 2):
+    elif zero == 1:
         assert ops == {("reduce_scatter", "dp.grad"): 1, ("all_gather", "dp.param"): 1}
+    elif zero == 2:
+        assert ops == {("reduce_scatter", "dp.grad"): m, ("all_gather", "dp.param"): 1}
     else:
-        assert ops == {("reduce_scatter", "dp.grad"): 1, ("all_gather", "z3.param"): 8}
+        assert ops == {("reduce_scatter", "dp.grad"): m, ("all_gather", "z3.param"): 2 * m}
         gathers = [i for i in ins if i.op == "all_gather"]
         assert all(i.alloc and i.alloc[0][0].startswith("z3.c0.") for i in gathers)
+    if zero >= 2:   # each micro-batch's gradient: allocated by its backward, freed by its reduce-scatter
+        rs = sorted((i for i in ins if i.op == "reduce_scatter"), key=lambda i: i.microbatch)
+        assert [i.tag for i in rs] == [f"dp.grad.c0.m{k}" for k in range(m)]
+        assert [i.free for i in rs] == [(f"zg.c0.m{k}",) for k in range(m)]
+        bwd = {i.microbatch: i for i in ins if i.phase == "bwd" and i.op == "compute"}
+        grad_bytes = static_memory(models.get("tiny-gpt"), Strategy(dp=2, pp=2))[0]["grad"]
+        for k in range(m):
+            assert (f"zg.c0.m{k}", grad_bytes) in bwd[k].alloc, bwd[k]
+            if k:       # one gradient buffer at a time: the next backward waits for the reduce-scatter
+                assert rs[k - 1].id in _ancestors(prog.ranks[0], bwd[k].id)
     mem = prog.ranks[0].static_memory
     full = static_memory(models.get("tiny-gpt"), Strategy(dp=2, pp=2))[0]
     assert mem["optim"] == (full["optim"] // 2 if zero >= 1 else full["optim"])

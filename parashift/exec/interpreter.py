@@ -45,6 +45,7 @@ from .profiler import tensor_bytes
 from .reference import OptimConfig, microbatch_rows
 from .regions import KINDS, Rec, RegionCtx, atomic_regions, head_logit_grad, region_kind
 from .state import _DT, StateStore
+from .zero import alloc_grads, reduce_scatter_microbatch
 
 __all__ = ["Interpreter", "Prepared", "StepState", "chunk_atoms", "group_keys"]
 
@@ -419,6 +420,10 @@ class Interpreter:
             return
         c, mb = ins.chunk, ins.microbatch
         atoms = atomic_regions(ins.region, self.spec)
+        if self.strategy.zero >= 2:        # ZeRO-2/3: this micro-batch's chunk-sized gradient buffer
+            self.store.grad_mb[c] = mb
+            if ins.alloc:
+                alloc_grads(self.store, tuple(n for n, _ in ins.alloc if n.startswith("zg")))
         if self.strategy.zero == 3:
             self.store.active[c] = f"z3.c{c}.{'fwd' if ph == 'fwd' else 'bwd'}.m{mb}"
         if ph == "fwd":
@@ -582,6 +587,7 @@ class Interpreter:
 
     def _bwd_done(self, c: int, mb: int, rec: Rec, drop: bool) -> None:
         genv = self.st.g(c, mb)
+        self.store.grad_mb[c] = mb
         KINDS[rec.kind].bwd_done(self.ctx, rec, genv)
         if self.atoms[c][0] == rec.region and c > 0:
             self.st.gout[(c - 1, mb)] = genv.pop("h")
@@ -704,6 +710,7 @@ class Interpreter:
                 x = full.transpose(0, 1)
                 if key in self.st.sp_dy:
                     name, dy = self.st.sp_dy.pop(key)
+                    self.store.grad_mb[c] = mb
                     self.ctx.acc(*name).addmm_(dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
                 else:
                     rec = self.st.recs.get((c, mb), {}).get(tag.region)
@@ -788,7 +795,8 @@ class Interpreter:
                 a, e = b.ranges[c]
                 works.append(dist.all_reduce(b.grad_buffer()[a:e], group=g, async_op=True))
             elif what == "grad":
-                w, then, k = reduce_scatter(b, c, g)
+                mb = p.tag.mb
+                w, then, k = reduce_scatter(b, c, g) if mb is None else reduce_scatter_microbatch(b, c, mb, g)
                 works.append(w)
                 thens.append(then)
                 keep.append(k)

@@ -5,6 +5,11 @@ Each (chunk, dense|expert) group of tensors this rank holds is one flat buffer: 
 (``dp`` for dense tensors, ``edp`` for experts). ZeRO-k shards those flat buffers evenly over
 the group: stage 1 the optimizer states (and master), 2 also gradients, 3 also parameters.
 The model's parameters are views into the store.
+
+ZeRO-2/3 with DP peers keep no full-size gradient buffer for the step: each micro-batch's
+gradients of a chunk go to a buffer of the chunk's size (``zg.c<c>.m<mb>`` in the Program),
+allocated when the Program says (the micro-batch's first backward instruction) and released
+once its reduce-scatter has added it into the gradient shard, which lives for the whole step.
 """
 from __future__ import annotations
 
@@ -85,12 +90,18 @@ class MemoryTracker:
         self.live: dict[str, int] = {}
         self.current = 0
         self.peak = 0
+        self.at_peak: dict[str, int] = {}    # bytes by kind (the name's prefix) when the peak was reached
 
     def alloc(self, name: str, nbytes: int) -> None:
         self.free(name)
         self.live[name] = int(nbytes)
         self.current += int(nbytes)
-        self.peak = max(self.peak, self.current)
+        if self.current > self.peak:
+            self.peak = self.current
+            self.at_peak = {}
+            for k, v in self.live.items():
+                kind = k.split(":", 1)[0]
+                self.at_peak[kind] = self.at_peak.get(kind, 0) + v
 
     def free(self, name: str) -> None:
         self.current -= self.live.pop(name, 0)
@@ -125,6 +136,8 @@ class Buffer:
         self.exp_avg_sq = zeros(osz, torch.float32, device)
         self.grad: torch.Tensor | None = None          # full local accumulation buffer
         self.grad_shard: torch.Tensor | None = None    # reduce-scattered shard (zero >= 1)
+        self.per_mb = zero >= 2 and n > 1                # gradients reduce-scattered per micro-batch
+        self.mb_grads: dict[tuple[int, int], torch.Tensor] = {}   # (chunk, mb) -> chunk-sized gradient
         self.step = 0
         self.name = family
         mem.alloc(f"param:{family}", self.param.numel() * self.param.element_size())
@@ -132,6 +145,8 @@ class Buffer:
             t = getattr(self, k)
             if t is not None:
                 mem.alloc(f"{k}:{family}", t.numel() * t.element_size())
+        if self.per_mb:
+            self.grad_shard_buffer()
 
     # ---- parameters ---------------------------------------------------------------------------
     def load(self, values: dict[str, torch.Tensor]) -> None:
@@ -210,6 +225,31 @@ class Buffer:
             self.mem.alloc(f"grad_shard:{self.family}", self.q * self.grad_shard.element_size())
         return self.grad_shard
 
+    def chunk_span(self, chunk: int) -> tuple[int, int]:
+        """Buffer range [a, b) of chunk's elements (the padding included when it spans the buffer)."""
+        a, b = self.ranges[chunk]
+        return (a, self.padded) if a == 0 and b == self.numel else (a, b)
+
+    def alloc_mb_grad(self, chunk: int, mb: int) -> None:
+        """ZeRO-2/3: a zeroed chunk-sized gradient for micro-batch ``mb`` (the Program's ``zg`` buffer)."""
+        if (chunk, mb) in self.mb_grads:
+            raise RuntimeError(f"gradient buffer of chunk {chunk} micro-batch {mb} ({self.family}) allocated twice")
+        a, b = self.chunk_span(chunk)
+        t = torch.zeros(b - a, dtype=self.dtype, device=self.device)
+        self.mb_grads[(chunk, mb)] = t
+        self.mem.alloc(f"zg.c{chunk}.m{mb}:{self.family}", t.numel() * t.element_size())
+
+    def mb_grad(self, chunk: int, mb: int | None) -> torch.Tensor:
+        t = self.mb_grads.get((chunk, mb)) if mb is not None else None
+        if t is None:
+            raise RuntimeError(f"gradients of chunk {chunk} micro-batch {mb} ({self.family}) are written but their "
+                               f"buffer is not allocated: the Program's backward must allocate zg.c{chunk}.m{mb}")
+        return t
+
+    def free_mb_grad(self, chunk: int, mb: int) -> None:
+        if self.mb_grads.pop((chunk, mb), None) is not None:
+            self.mem.free(f"zg.c{chunk}.m{mb}:{self.family}")
+
     # ---- optimizer ----------------------------------------------------------------------------
     def optimizer_step(self, cfg: OptimConfig) -> None:
         """AdamW on this rank's optimizer shard, then write the new values into the parameters."""
@@ -228,6 +268,11 @@ class Buffer:
         self.zero_grad()
 
     def zero_grad(self) -> None:
+        for chunk, mb in list(self.mb_grads):
+            self.free_mb_grad(chunk, mb)
+        if self.per_mb:
+            self.grad_shard_buffer().zero_()
+            return
         if self.grad is not None:
             if self.zero >= 2:
                 self.grad = None
@@ -277,6 +322,7 @@ class StateStore:
         self._views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._grad_views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.active: dict[int, str] = {}     # ZeRO-3: chunk -> gathered copy the running compute uses
+        self.grad_mb: dict[int, int] = {}    # ZeRO-2/3: chunk -> micro-batch whose gradients are being written
 
     def families(self, axis: str) -> list[Buffer]:
         """Buffers a DP-axis collective covers: "dp" -> dense (and experts when ep == 1), "edp" -> experts."""
@@ -312,10 +358,15 @@ class StateStore:
         """Local gradient accumulator of a parameter (a view into the flat gradient buffer)."""
         hit = self._grad_views.get(name)
         p = self.pieces[name]
-        g = self.buffers[p.group].grad_buffer()
+        b = self.buffers[p.group]
+        if b.per_mb:
+            g = b.mb_grad(p.chunk, self.grad_mb.get(p.chunk))
+            base = b.chunk_span(p.chunk)[0]
+        else:
+            g, base = b.grad_buffer(), 0
         if hit is not None and hit[0] is g:
             return hit[1]
-        v = g[p.start:p.start + p.numel].view(p.sizes)
+        v = g[p.start - base:p.start - base + p.numel].view(p.sizes)
         self._grad_views[name] = (g, v)
         return v
 

@@ -430,6 +430,13 @@ class Replicate:
     gradients sync over ``edp`` when ``ep > 1``; dense gradients over ``axis`` (``dp``, or ``dpcp``: the
     data-parallel group with context parallelism, as Megatron reduces them). ``tied_bytes``: the tied word embedding's grad bytes
     (0: untied), all-reduced over the ``embed`` group when embedding and head sit on different stages.
+
+    ZeRO-2/3 (``zero >= 2``) reduce-scatter each micro-batch's gradients of a chunk into the owner's
+    shard right after that micro-batch's backward (``dp.grad.c<c>.m<mb>``): the chunk's full-size
+    gradient (buffer ``zg.c<c>.m<mb>``) lives from its first backward node until the reduce-scatter
+    completes, and only the shard lives for the whole step; without split backwards the next
+    micro-batch's backward of the chunk waits for that reduce-scatter (one such buffer at a time). With a tied embedding split across
+    stages the chunks sync once per step, as with ZeRO-1, so the embedding all-reduce sees whole gradients.
     """
 
     ways: int
@@ -469,16 +476,15 @@ class Replicate:
         if len(stage_of) != chunks:
             raise ProgramError("Replicate needs a placed graph (apply Place first)")
         edp = self.ways // self.ep
+        last = chunks - 1
+        tied = bool(self.tied_bytes) and stage_of[0] != stage_of[last]
         sync_nodes: dict[int, list[int]] = {}
-        for ch in range(chunks):
+        if self.zero >= 2 and not tied:
+            self._per_microbatch(out, stage_of, optim, bwd_of_chunk, first_of_action, last_of_action, edp)
+        for ch in (range(0) if self.zero >= 2 and not tied else range(chunks)):
             st = stage_of[ch]
             anchor = (AFTER, ch)
-            specs = []
-            if self.ways > 1:
-                specs.append((self.axis, self.grad_dense[ch], "dense"))
-            if self.ep > 1 and edp > 1 and self.grad_expert[ch]:
-                specs.append(("edp", self.grad_expert[ch], "expert"))
-            for grp, nb, what in specs:
+            for grp, nb, what in self._specs(ch, edp):
                 s = out.add(op="all_reduce" if self.zero == 0 else "reduce_scatter", group=grp, chunk=ch,
                             stage=st, tag=str(T.SyncTag(T.Axis("edp" if what == "expert" else "dp"), T.Sync.GRAD, ch)),
                             key=str(T.StepKey("grad", ch, what)), nbytes=int(nb),
@@ -501,8 +507,7 @@ class Replicate:
                     out.edge(i, s, SAVED)
                 out.edge(s, optim[stage_of[ch]], SAVED)
         # tied embedding: all-reduce between the first and the last stage, at the end of the comm stream
-        last = chunks - 1
-        if self.tied_bytes and stage_of[0] != stage_of[last]:
+        if tied:
             for ch, kind in ((0, "embed"), (last, "head")):
                 st = stage_of[ch]
                 t = out.add(op="all_reduce", group="embed", chunk=ch, stage=st, tag=str(T.EmbedTag()),
@@ -551,6 +556,51 @@ class Replicate:
                         out.edge(n, u, SAVED)
                     c["free"][end] = c["free"][end] + (name,)
         return out
+
+    def _specs(self, ch: int, edp: int) -> list[tuple[str, int, str]]:
+        """(group, gradient bytes, family) of chunk ``ch``'s gradient syncs."""
+        specs = []
+        if self.ways > 1:
+            specs.append((self.axis, self.grad_dense[ch], "dense"))
+        if self.ep > 1 and edp > 1 and self.grad_expert[ch]:
+            specs.append(("edp", self.grad_expert[ch], "expert"))
+        return specs
+
+    def _per_microbatch(self, out: Graph, stage_of: dict[int, int], optim: dict[int, int],
+                        bwd_of_chunk: dict[int, list[int]], first_of_action: dict, last_of_action: dict,
+                        edp: int) -> None:
+        """ZeRO-2/3: one reduce-scatter per (chunk, micro-batch) after its backward, each into the
+        shard, with the full-size gradient buffer allocated at the backward's first node."""
+        c = out.cols
+        for ch, nodes in bwd_of_chunk.items():
+            specs = self._specs(ch, edp)
+            if not specs:
+                continue
+            by_mb: dict[int, list[int]] = {}
+            for i in nodes:
+                by_mb.setdefault(c["mb"][i], []).append(i)
+            prev: list[int] = []
+            for mb, users in sorted(by_mb.items()):
+                acts = {c["action"][i] for i in users if isinstance(c["action"][i], Action)}
+                starts = [first_of_action[a] for a in acts if a.type in ("B", "I")] or users
+                ends = [last_of_action[a] for a in acts if a.type in ("B", "W")] or users
+                first = min(starts, key=lambda i: c["pos"][i])
+                end = max(ends, key=lambda i: c["pos"][i])
+                if all(a.type == "B" for a in acts):   # one gradient buffer of the chunk at a time
+                    for s in prev:
+                        out.edge(s, first, SAVED)
+                prev = []
+                for grp, nb, what in specs:
+                    name = str(T.StepBuffer("zge" if what == "expert" else "zg", mb, chunk=ch))
+                    c["alloc"][first] = c["alloc"][first] + ((name, int(nb)),)
+                    s = out.add(op="reduce_scatter", group=grp, chunk=ch, stage=stage_of[ch], mb=mb,
+                                tag=str(T.SyncTag(T.Axis("edp" if what == "expert" else "dp"), T.Sync.GRAD, ch, mb)),
+                                key=str(T.StepKey("grad", ch, what)), nbytes=int(nb), stream="comm",
+                                action=c["action"][end], pos=float(c["pos"][end]) + 0.5, free=(name,))
+                    for i in users:
+                        out.edge(i, s, SAVED)
+                    out.edge(s, optim[stage_of[ch]], SAVED)
+                    prev.append(s)
 
 
 def apply_all(g: Graph, directives: Sequence) -> Graph:
