@@ -41,11 +41,10 @@ from ..ir.program import Instr, Program
 from ..ir.tags import EPTag, P2PTag, Payload, SPTag, StepTag, Sync, SyncTag, TPTag, Z3Tag, parse_tag
 from ..models import ModelSpec
 from .comm import Flight, Poller, a2a, all_gather, all_gather_flat, reduce_scatter, reduce_scatter_flat
-from .profiler import tensor_bytes
 from .reference import OptimConfig, microbatch_rows
 from .regions import KINDS, Rec, RegionCtx, atomic_regions, head_logit_grad, region_kind
 from .state import _DT, StateStore
-from .zero import alloc_grads, reduce_scatter_microbatch
+from .zero import LiveTensors, alloc_grads, reduce_scatter_microbatch
 
 __all__ = ["Interpreter", "Prepared", "StepState", "chunk_atoms", "group_keys"]
 
@@ -154,6 +153,7 @@ class Interpreter:
         self.coords = self.strategy.coords(rank)
         self.gb = int(program.meta["global_batch"])
         self.st = StepState()
+        self.live = LiveTensors()
         self._init_model()
         self.streams = sorted(self.rp.streams, key=lambda n: (n not in _P2P_ORDER, _P2P_ORDER.index(n)
                                                               if n in _P2P_ORDER else 0, n))
@@ -244,6 +244,7 @@ class Interpreter:
     def run_step(self, step: int) -> float:
         """Execute the program once; returns this rank's share of the step's loss."""
         self.st = StepState()
+        self.live = LiveTensors()
         self.tokens, self.targets = self.batch(step)
         seqs, nstreams = self.seqs, len(self.seqs)
         done = bytearray(self.n)
@@ -500,9 +501,10 @@ class Interpreter:
         self._account(c, mb, rec)
 
     def _account(self, c: int, mb: int, rec: Rec) -> None:
-        """Track the bytes one region keeps for its backward (activations, stashed gradients)."""
+        """Track the bytes the live regions keep for their backward (activations, stashed
+        gradients), each tensor once however many regions hold it."""
         uses = [(u.x, u.y) for u in rec.tape.uses] + [(u.x, u.y) for u in rec.tape_a.uses]
-        self.store.mem.alloc(f"act:{c}:{mb}:{rec.region}", tensor_bytes([rec.t, rec.saved, uses, rec.dys or []]))
+        self.store.mem.alloc("act", self.live.hold((c, mb, rec.region), [rec.t, rec.saved, uses, rec.dys or []]))
 
     def _recompute(self, c: int, mb: int, atom: str, carry: dict) -> None:
         """Rebuild one region's graph from its saved inputs (chain mode: from the previous
@@ -598,7 +600,7 @@ class Interpreter:
         recs = self.st.recs[(c, mb)]
         rec = recs.pop(atom)
         rec.drop()
-        self.store.mem.free(f"act:{c}:{mb}:{atom}")
+        self.store.mem.alloc("act", self.live.release((c, mb, atom)))
         if not recs:
             del self.st.recs[(c, mb)]
             self.st.env.pop((c, mb), None)

@@ -48,3 +48,43 @@ def alloc_grads(store: StateStore, names: tuple[str, ...]) -> None:
         for b in store.families("edp" if buf.kind == "zge" else "dp"):
             if b.per_mb and buf.chunk in b.ranges:
                 b.alloc_mb_grad(buf.chunk, buf.mb)
+
+
+class LiveTensors:
+    """Activation bytes one rank holds: the distinct tensors (by data pointer) that the live
+    regions keep for their backward, each counted once however many regions share it (a block's
+    output is the next block's input)."""
+
+    def __init__(self) -> None:
+        self.count: dict[int, list[int]] = {}          # data pointer -> [bytes, regions holding it]
+        self.held: dict[tuple, list[int]] = {}         # region key -> its data pointers
+        self.total = 0
+
+    def hold(self, key: tuple, objs: list) -> int:
+        """(Re)account what region ``key`` keeps; returns the rank's total."""
+        self.release(key)
+        ptrs, stack = {}, list(objs)
+        while stack:
+            o = stack.pop()
+            if isinstance(o, torch.Tensor):
+                ptrs.setdefault(o.data_ptr(), o.numel() * o.element_size())
+            elif isinstance(o, dict):
+                stack.extend(o.values())
+            elif isinstance(o, (list, tuple)):
+                stack.extend(o)
+        for p, n in ptrs.items():
+            cell = self.count.setdefault(p, [n, 0])
+            if cell[1] == 0:
+                self.total += cell[0]
+            cell[1] += 1
+        self.held[key] = list(ptrs)
+        return self.total
+
+    def release(self, key: tuple) -> int:
+        for p in self.held.pop(key, ()):
+            cell = self.count[p]
+            cell[1] -= 1
+            if cell[1] == 0:
+                self.total -= cell[0]
+                del self.count[p]
+        return self.total
