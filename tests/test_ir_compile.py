@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from parashift import Strategy, models
 from parashift.errors import StrategyError, UnknownPresetError
 from parashift.ir import Program, compile
-from parashift.ir.memory import static_memory
+from parashift.ir.memory import region_grad_bytes, static_memory
 from parashift.ir.model_graph import model_graph
 
 SEQ = 16
@@ -136,26 +136,30 @@ def test_zero_stages(zero):
     ops = Counter((i.op, (i.tag or "").split(".")[0] + "." + (i.tag or ".").split(".")[1]) for i in ins
                   if i.stream == "comm")
     m = 4   # micro-batches per DP rank
+    regions = ["embed", "layers.0.attn", "layers.0.mlp", "layers.1.attn", "layers.1.mlp"]   # stage 0's buckets
     if zero == 0:
         assert ops == {("all_reduce", "dp.grad"): 1}
     elif zero == 1:
         assert ops == {("reduce_scatter", "dp.grad"): 1, ("all_gather", "dp.param"): 1}
     elif zero == 2:
-        assert ops == {("reduce_scatter", "dp.grad"): m, ("all_gather", "dp.param"): 1}
+        assert ops == {("reduce_scatter", "dp.grad"): m * len(regions), ("all_gather", "dp.param"): 1}
     else:
-        assert ops == {("reduce_scatter", "dp.grad"): m, ("all_gather", "z3.param"): 2 * m}
+        assert ops == {("reduce_scatter", "dp.grad"): m * len(regions), ("all_gather", "z3.param"): 2 * m}
         gathers = [i for i in ins if i.op == "all_gather"]
         assert all(i.alloc and i.alloc[0][0].startswith("z3.c0.") for i in gathers)
-    if zero >= 2:   # each micro-batch's gradient: allocated by its backward, freed by its reduce-scatter
-        rs = sorted((i for i in ins if i.op == "reduce_scatter"), key=lambda i: i.microbatch)
-        assert [i.tag for i in rs] == [f"dp.grad.c0.m{k}" for k in range(m)]
-        assert [i.free for i in rs] == [(f"zg.c0.m{k}",) for k in range(m)]
-        bwd = {i.microbatch: i for i in ins if i.phase == "bwd" and i.op == "compute"}
-        grad_bytes = static_memory(models.get("tiny-gpt"), Strategy(dp=2, pp=2))[0]["grad"]
-        for k in range(m):
-            assert (f"zg.c0.m{k}", grad_bytes) in bwd[k].alloc, bwd[k]
-            if k:       # one gradient buffer at a time: the next backward waits for the reduce-scatter
-                assert rs[k - 1].id in _ancestors(prog.ranks[0], bwd[k].id)
+    if zero >= 2:   # each region's gradient per micro-batch: allocated by its backward, freed by its reduce-scatter
+        spec, s = models.get("tiny-gpt"), Strategy(dp=2, pp=2)
+        grads = dict(region_grad_bytes(spec, s))
+        assert sum(grads[r] for r in regions) == static_memory(spec, s)[0]["grad"]
+        rs = {i.tag: i for i in ins if i.op == "reduce_scatter"}
+        assert set(rs) == {f"dp.grad.c0.m{k}.{r}" for k in range(m) for r in regions}
+        bwd = {(i.microbatch, i.region): i for i in ins if i.phase == "bwd" and i.op == "compute"}
+        for (k, r), node in bwd.items():
+            assert node.alloc == ((f"zg.c0.m{k}.{r}", grads[r]),)
+            assert rs[f"dp.grad.c0.m{k}.{r}"].free == (f"zg.c0.m{k}.{r}",)
+        order = [i for i in ins if i.phase == "bwd" and i.op == "compute"]
+        for a, b in zip(order, order[1:]):    # one bucket at a time: a backward waits for the previous reduce-scatter
+            assert rs[f"dp.grad.c0.m{a.microbatch}.{a.region}"].id in _ancestors(prog.ranks[0], b.id)
     mem = prog.ranks[0].static_memory
     full = static_memory(models.get("tiny-gpt"), Strategy(dp=2, pp=2))[0]
     assert mem["optim"] == (full["optim"] // 2 if zero >= 1 else full["optim"])

@@ -173,7 +173,7 @@ class Interpreter:
         self.ctx = RegionCtx(spec, s.tp, self.coords["tp"], s.ep, self.coords["ep"], 1.0 / (self.gb * self.seq),
                              self.store.param, self.store.grad,
                              tuple(t.to(_DT[spec.dtype]) for t in rope_tables(self.seq, spec.head_dim, device=device)),
-                             chain=s.tp == 1 and not spec.is_moe)
+                             chain=s.tp == 1 and not spec.is_moe and s.zero < 2)   # ZeRO-2/3: unfused region buckets
 
     # ---- load time ----------------------------------------------------------------------------------
     def _prepare(self) -> None:
@@ -798,7 +798,8 @@ class Interpreter:
                 works.append(dist.all_reduce(b.grad_buffer()[a:e], group=g, async_op=True))
             elif what == "grad":
                 mb = p.tag.mb
-                w, then, k = reduce_scatter(b, c, g) if mb is None else reduce_scatter_microbatch(b, c, mb, g)
+                w, then, k = reduce_scatter(b, c, g) if mb is None else \
+                    reduce_scatter_microbatch(b, c, mb, p.tag.region, g)
                 works.append(w)
                 thens.append(then)
                 keep.append(k)

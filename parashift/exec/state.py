@@ -7,9 +7,9 @@ the group: stage 1 the optimizer states (and master), 2 also gradients, 3 also p
 The model's parameters are views into the store.
 
 ZeRO-2/3 with DP peers keep no full-size gradient buffer for the step: each micro-batch's
-gradients of a chunk go to a buffer of the chunk's size (``zg.c<c>.m<mb>`` in the Program),
-allocated when the Program says (the micro-batch's first backward instruction) and released
-once its reduce-scatter has added it into the gradient shard, which lives for the whole step.
+gradients go to buckets (one region's parameters, or a whole chunk's: ``zg.c<c>.m<mb>[.<region>]``
+in the Program), allocated when the Program says (the bucket's first backward instruction) and
+released once its reduce-scatter has added it into the gradient shard, which lives for the step.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ir.memory import grad_bucket
 from ..models import ModelSpec
 from ..strategy import Strategy
 from .models import init_tensor
@@ -137,7 +138,8 @@ class Buffer:
         self.grad: torch.Tensor | None = None          # full local accumulation buffer
         self.grad_shard: torch.Tensor | None = None    # reduce-scattered shard (zero >= 1)
         self.per_mb = zero >= 2 and n > 1                # gradients reduce-scattered per micro-batch
-        self.mb_grads: dict[tuple[int, int], torch.Tensor] = {}   # (chunk, mb) -> chunk-sized gradient
+        self.mb_grads: dict[tuple[int, int], dict[str | None, tuple[int, torch.Tensor]]] = {}
+        #   (chunk, mb) -> bucket (region, None: the chunk) -> (buffer offset, gradient)
         self.step = 0
         self.name = family
         mem.alloc(f"param:{family}", self.param.numel() * self.param.element_size())
@@ -203,11 +205,10 @@ class Buffer:
         self.copies.clear()
 
     # ---- per-chunk shard geometry -------------------------------------------------------------
-    def segments(self, chunk: int) -> tuple[list[tuple[int, int]], int]:
-        """Per DP member i: the part of chunk's range inside shard i (buffer coords), and the max length."""
-        a, b = self.ranges[chunk]
-        if a == 0 and b == self.numel:
-            b = self.padded
+    def segments(self, chunk: int, span: tuple[int, int] | None = None) -> tuple[list[tuple[int, int]], int]:
+        """Per DP member i: the part of chunk's range (or of buffer range ``span``) inside shard i
+        (buffer coords), and the max length."""
+        a, b = span if span is not None else self.chunk_span(chunk)
         segs = [(max(a, i * self.q), min(b, (i + 1) * self.q)) for i in range(self.n)]
         segs = [(lo, max(lo, hi)) for lo, hi in segs]
         return segs, max(hi - lo for lo, hi in segs)
@@ -230,25 +231,46 @@ class Buffer:
         a, b = self.ranges[chunk]
         return (a, self.padded) if a == 0 and b == self.numel else (a, b)
 
-    def alloc_mb_grad(self, chunk: int, mb: int) -> None:
-        """ZeRO-2/3: a zeroed chunk-sized gradient for micro-batch ``mb`` (the Program's ``zg`` buffer)."""
-        if (chunk, mb) in self.mb_grads:
-            raise RuntimeError(f"gradient buffer of chunk {chunk} micro-batch {mb} ({self.family}) allocated twice")
-        a, b = self.chunk_span(chunk)
+    def bucket_span(self, chunk: int, region: str | None) -> tuple[int, int]:
+        """Buffer range [a, b) of a gradient bucket: the region's pieces of ``chunk`` (None: the chunk)."""
+        if region is None:
+            return self.chunk_span(chunk)
+        ps = [p for p in self.pieces if p.chunk == chunk and grad_bucket(p.name) == region]
+        if not ps:
+            raise RuntimeError(f"gradient bucket {region!r} has no parameters in chunk {chunk} ({self.family})")
+        return min(p.start for p in ps), max(p.start + p.numel for p in ps)
+
+    def alloc_mb_grad(self, chunk: int, mb: int, region: str | None = None) -> None:
+        """ZeRO-2/3: a zeroed gradient bucket for micro-batch ``mb`` (the Program's ``zg`` buffer)."""
+        buckets = self.mb_grads.setdefault((chunk, mb), {})
+        if region in buckets:
+            raise RuntimeError(f"gradient bucket {region or 'chunk'} of chunk {chunk} micro-batch {mb} "
+                               f"({self.family}) allocated twice")
+        a, b = self.bucket_span(chunk, region)
         t = torch.zeros(b - a, dtype=self.dtype, device=self.device)
-        self.mb_grads[(chunk, mb)] = t
-        self.mem.alloc(f"zg.c{chunk}.m{mb}:{self.family}", t.numel() * t.element_size())
+        buckets[region] = (a, t)
+        self.mem.alloc(self._zg(chunk, mb, region), t.numel() * t.element_size())
 
-    def mb_grad(self, chunk: int, mb: int | None) -> torch.Tensor:
-        t = self.mb_grads.get((chunk, mb)) if mb is not None else None
-        if t is None:
-            raise RuntimeError(f"gradients of chunk {chunk} micro-batch {mb} ({self.family}) are written but their "
-                               f"buffer is not allocated: the Program's backward must allocate zg.c{chunk}.m{mb}")
-        return t
+    def _zg(self, chunk: int, mb: int, region: str | None) -> str:
+        return f"zg.c{chunk}.m{mb}{'' if region is None else '.' + region}:{self.family}"
 
-    def free_mb_grad(self, chunk: int, mb: int) -> None:
-        if self.mb_grads.pop((chunk, mb), None) is not None:
-            self.mem.free(f"zg.c{chunk}.m{mb}:{self.family}")
+    def mb_grad(self, chunk: int, mb: int | None, start: int) -> tuple[torch.Tensor, int]:
+        """(gradient bucket, its buffer offset) holding buffer element ``start`` of micro-batch ``mb``."""
+        for a, t in self.mb_grads.get((chunk, mb), {}).values():
+            if a <= start < a + t.numel():
+                return t, a
+        raise RuntimeError(f"gradients of chunk {chunk} micro-batch {mb} ({self.family}) are written but their "
+                           f"bucket is not allocated: the Program's backward must allocate zg.c{chunk}.m{mb}[.<region>]")
+
+    def bucket(self, chunk: int, mb: int, region: str | None) -> tuple[int, torch.Tensor]:
+        return self.mb_grads[(chunk, mb)][region]
+
+    def free_mb_grad(self, chunk: int, mb: int, region: str | None = None) -> None:
+        buckets = self.mb_grads.get((chunk, mb), {})
+        if buckets.pop(region, None) is not None:
+            self.mem.free(self._zg(chunk, mb, region))
+        if not buckets:
+            self.mb_grads.pop((chunk, mb), None)
 
     # ---- optimizer ----------------------------------------------------------------------------
     def optimizer_step(self, cfg: OptimConfig) -> None:
@@ -268,8 +290,9 @@ class Buffer:
         self.zero_grad()
 
     def zero_grad(self) -> None:
-        for chunk, mb in list(self.mb_grads):
-            self.free_mb_grad(chunk, mb)
+        for (chunk, mb), buckets in list(self.mb_grads.items()):
+            for region in list(buckets):
+                self.free_mb_grad(chunk, mb, region)
         if self.per_mb:
             self.grad_shard_buffer().zero_()
             return
@@ -360,8 +383,7 @@ class StateStore:
         p = self.pieces[name]
         b = self.buffers[p.group]
         if b.per_mb:
-            g = b.mb_grad(p.chunk, self.grad_mb.get(p.chunk))
-            base = b.chunk_span(p.chunk)[0]
+            g, base = b.mb_grad(p.chunk, self.grad_mb.get(p.chunk), p.start)
         else:
             g, base = b.grad_buffer(), 0
         if hit is not None and hit[0] is g:

@@ -1,9 +1,10 @@
 """ZeRO-2/3 gradient handling under pipelining: one micro-batch's reduce-scatter into the shard.
 
-The Program allocates a chunk-sized gradient per (chunk, micro-batch) at its first backward
-instruction (buffer ``zg.c<c>.m<mb>``) and reduce-scatters it right after its last one
-(tag ``dp.grad.c<c>.m<mb>``); :func:`reduce_scatter_microbatch` issues that collective, adds this
-rank's part into the gradient shard when it lands and releases the chunk-sized buffer.
+The Program allocates each micro-batch's gradient bucket (one region's parameters, or a chunk's)
+at its first backward instruction (buffer ``zg.c<c>.m<mb>[.<region>]``) and reduce-scatters it right
+after its last one (tag ``dp.grad.c<c>.m<mb>[.<region>]``); :func:`reduce_scatter_microbatch`
+issues that collective, adds this rank's part into the gradient shard when it lands and releases
+the bucket.
 """
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ from .state import Buffer, StateStore
 __all__ = ["reduce_scatter_microbatch", "alloc_grads"]
 
 
-def reduce_scatter_microbatch(b: Buffer, chunk: int, mb: int, group) -> tuple[Any, Callable[[], None], Any]:
-    """(work, then, keep): reduce-scatter micro-batch ``mb``'s gradient of ``chunk`` over the DP
-    group; ``then`` accumulates this rank's segment into ``b.grad_shard`` and frees the buffer."""
-    grad, shard = b.mb_grad(chunk, mb), b.grad_shard_buffer()
-    a = b.chunk_span(chunk)[0]
-    segs, L = b.segments(chunk)
+def reduce_scatter_microbatch(b: Buffer, chunk: int, mb: int, region: str | None, group
+                              ) -> tuple[Any, Callable[[], None], Any]:
+    """(work, then, keep): reduce-scatter micro-batch ``mb``'s gradient bucket ``region`` (None: the
+    chunk's) over the DP group; ``then`` adds this rank's segment into ``b.grad_shard`` and frees the bucket."""
+    (a, grad), shard = b.bucket(chunk, mb, region), b.grad_shard_buffer()
+    segs, L = b.segments(chunk, (a, a + grad.numel()))
     if all(hi - lo == b.q for lo, hi in segs):        # the chunk spans the buffer: shards line up
         inp = grad
     else:
@@ -36,7 +37,7 @@ def reduce_scatter_microbatch(b: Buffer, chunk: int, mb: int, group) -> tuple[An
 
     def then() -> None:
         shard[lo - b.lo:hi - b.lo] += out[:hi - lo]
-        b.free_mb_grad(chunk, mb)
+        b.free_mb_grad(chunk, mb, region)
     return work, then, (inp, out)
 
 
@@ -47,7 +48,7 @@ def alloc_grads(store: StateStore, names: tuple[str, ...]) -> None:
         buf = StepBuffer.parse(name)
         for b in store.families("edp" if buf.kind == "zge" else "dp"):
             if b.per_mb and buf.chunk in b.ranges:
-                b.alloc_mb_grad(buf.chunk, buf.mb)
+                b.alloc_mb_grad(buf.chunk, buf.mb, buf.region)
 
 
 class LiveTensors:

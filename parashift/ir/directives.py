@@ -448,6 +448,7 @@ class Replicate:
     ep: int = 1
     tied_bytes: int = 0
     axis: str = "dp"
+    buckets: tuple[tuple[str, int], ...] = ()     # ZeRO-2/3: (atomic region, gradient bytes) of a dense model
 
     def apply(self, g: Graph) -> Graph:
         out = g.copy()
@@ -569,33 +570,46 @@ class Replicate:
     def _per_microbatch(self, out: Graph, stage_of: dict[int, int], optim: dict[int, int],
                         bwd_of_chunk: dict[int, list[int]], first_of_action: dict, last_of_action: dict,
                         edp: int) -> None:
-        """ZeRO-2/3: one reduce-scatter per (chunk, micro-batch) after its backward, each into the
-        shard, with the full-size gradient buffer allocated at the backward's first node."""
+        """ZeRO-2/3: one reduce-scatter per gradient bucket and micro-batch into the shard, right
+        after the bucket's last backward node, its buffer allocated at its first backward node.
+
+        A bucket is one region's gradients (``buckets``, on an unfused graph) or else the chunk's.
+        Without split backwards a bucket's backward waits for the previous bucket's reduce-scatter of
+        the chunk, so one bucket buffer per chunk is live at a time."""
         c = out.cols
+        sizes = dict(self.buckets)
         for ch, nodes in bwd_of_chunk.items():
             specs = self._specs(ch, edp)
             if not specs:
                 continue
-            by_mb: dict[int, list[int]] = {}
+            region_wise = bool(sizes) and all(c["region"][i] in sizes for i in nodes)
+            groups: dict[tuple[int, str | None], list[int]] = {}
             for i in nodes:
-                by_mb.setdefault(c["mb"][i], []).append(i)
+                groups.setdefault((c["mb"][i], c["region"][i] if region_wise else None), []).append(i)
             prev: list[int] = []
-            for mb, users in sorted(by_mb.items()):
+            for (mb, region), users in sorted(groups.items(), key=lambda kv: (kv[0][0], min(c["pos"][i] for i in kv[1]))):
                 acts = {c["action"][i] for i in users if isinstance(c["action"][i], Action)}
-                starts = [first_of_action[a] for a in acts if a.type in ("B", "I")] or users
-                ends = [last_of_action[a] for a in acts if a.type in ("B", "W")] or users
-                first = min(starts, key=lambda i: c["pos"][i])
-                end = max(ends, key=lambda i: c["pos"][i])
-                if all(a.type == "B" for a in acts):   # one gradient buffer of the chunk at a time
+                if region_wise:
+                    first = min(users, key=lambda i: (c["phase"][i] == "bwd_weight", c["pos"][i]))
+                    end = max(users, key=lambda i: (c["phase"][i] != "bwd_input", c["pos"][i]))
+                else:
+                    starts = [first_of_action[a] for a in acts if a.type in ("B", "I")] or users
+                    ends = [last_of_action[a] for a in acts if a.type in ("B", "W")] or users
+                    first = min(starts, key=lambda i: c["pos"][i])
+                    end = max(ends, key=lambda i: c["pos"][i])
+                if all(a.type == "B" for a in acts):   # one bucket buffer of the chunk at a time
                     for s in prev:
                         out.edge(s, first, SAVED)
                 prev = []
                 for grp, nb, what in specs:
-                    name = str(T.StepBuffer("zge" if what == "expert" else "zg", mb, chunk=ch))
-                    c["alloc"][first] = c["alloc"][first] + ((name, int(nb)),)
+                    expert = what == "expert"
+                    name = str(T.StepBuffer("zge" if expert else "zg", mb, chunk=ch, region=region))
+                    nbytes = int(sizes[region]) if region is not None else int(nb)
+                    c["alloc"][first] = c["alloc"][first] + ((name, nbytes),)
+                    axis = T.Axis("edp" if expert else "dp")
                     s = out.add(op="reduce_scatter", group=grp, chunk=ch, stage=stage_of[ch], mb=mb,
-                                tag=str(T.SyncTag(T.Axis("edp" if what == "expert" else "dp"), T.Sync.GRAD, ch, mb)),
-                                key=str(T.StepKey("grad", ch, what)), nbytes=int(nb), stream="comm",
+                                tag=str(T.SyncTag(axis, T.Sync.GRAD, ch, mb, region)),
+                                key=str(T.StepKey("grad", ch, what)), nbytes=nbytes, stream="comm",
                                 action=c["action"][end], pos=float(c["pos"][end]) + 0.5, free=(name,))
                     for i in users:
                         out.edge(i, s, SAVED)

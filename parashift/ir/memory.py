@@ -31,7 +31,7 @@ from ..states import zero_shards
 from ..strategy import Strategy
 
 __all__ = ["ChunkParams", "chunk_params", "static_memory", "optimizer_elements", "region_activation",
-           "recompute_bytes", "OPTIM_FLOPS_PER_ELEMENT"]
+           "recompute_bytes", "region_grad_bytes", "grad_bucket", "OPTIM_FLOPS_PER_ELEMENT"]
 
 OPTIM_FLOPS_PER_ELEMENT = 10.0
 
@@ -73,6 +73,28 @@ def chunk_params(model: ModelSpec, strategy: Strategy) -> ChunkParams:
         for c in chunks:
             (expert if t.ep_dim is not None else dense)[c] += n
     return ChunkParams(dense, expert, tied)
+
+
+def grad_bucket(tensor: str) -> str:
+    """The atomic region (gradient bucket) a dense model's tensor belongs to: ``layers.3.mlp.fc1.weight``
+    -> ``layers.3.mlp``, ``embed.word`` -> ``embed``, ``head.out`` -> ``head``."""
+    parts = tensor.split(".")
+    return ".".join(parts[:3]) if parts[0] == "layers" else parts[0]
+
+
+def region_grad_bytes(model: ModelSpec, strategy: Strategy) -> tuple[tuple[str, int], ...]:
+    """Per atomic region of a dense model (``embed``, ``layers.<l>.attn``, ``layers.<l>.mlp``,
+    ``head``): the gradient bytes of its parameters on one rank (TP shard), in model order. These are
+    the ZeRO-2/3 gradient buckets; empty for MoE models (their gradients move per chunk)."""
+    if model.is_moe:
+        return ()
+    gb = model.kind_bytes("grad")
+    out: dict[str, int] = {}
+    for t in model.tensors:
+        region = grad_bucket(t.name)
+        n = t.numel // strategy.tp if t.tp_dim is not None else t.numel
+        out[region] = out.get(region, 0) + n * gb
+    return tuple(out.items())
 
 
 def _shard(n: int, ways: int) -> int:

@@ -11,8 +11,8 @@ TPTag         ``tp.{region}.{phase}.m{mb}``          TP reduction after a region
                                                      ``bwd``, ``bwd_input``)
 EPTag         ``ep.layers.{l}.moe.{which}.{ph}.m{mb}``  MoE ``dispatch`` / ``combine`` all-to-all
 SyncTag       ``{dp|edp}.{grad|param}.c{chunk}``     DP gradient sync / ZeRO-1/2 param gather
-              ``{dp|edp}.grad.c{chunk}.m{mb}``       ZeRO-2/3: one micro-batch's gradient
-                                                     reduce-scatter
+              ``{dp|edp}.grad.c{chunk}.m{mb}[.{region}]``  ZeRO-2/3: one micro-batch's gradient
+                                                     reduce-scatter (of one region's bucket)
 Z3Tag         ``z3.{param|eparam}.c{c}.{ph}.m{mb}``  ZeRO-3 parameter gather before an action
 EmbedTag      ``embed.grad``                         tied-embedding gradient all-reduce
 SPTag         ``sp.{region}.{ph}.{rs|ag|input}.m{mb}``  sequence-parallel reduce-scatter / all-gather
@@ -23,7 +23,7 @@ CPTag         ``cp.{region}.{ph}.{kv|dkv}.m{mb}``    context-parallel K/V gather
 Payload keys ``grad:c{chunk}:{dense|expert}``, ``param:c{chunk}:{dense|expert}``,
 ``grad:embed``, ``ce_stats`` and the sp/cp payloads ``sp_scatter``, ``sp_gather``, ``sp_input``,
 ``cp_kv``, ``cp_dkv`` (:class:`StepKey`) and buffer names ``act.c{c}.m{mb}``,
-``rc.{region}.m{mb}``, ``z3.c{c}.{ph}.m{mb}``, ``z3e.c{c}.{ph}.m{mb}``, ``zg.c{c}.m{mb}``,
+``rc.{region}.m{mb}``, ``z3.c{c}.{ph}.m{mb}``, ``z3e.c{c}.{ph}.m{mb}``, ``zg.c{c}.m{mb}[.{region}]``,
 ``zge.c{c}.m{mb}`` (:class:`StepBuffer`).
 
 Switch Programs (:mod:`parashift.vps.transition`): transfer tags ``s{stage}:{src}>{dst}[:{n}]``
@@ -169,18 +169,25 @@ class EPTag:
 @dataclass(frozen=True)
 class SyncTag:
     """A chunk's DP gradient sync (``grad``) or ZeRO-1/2 parameter gather (``param``); ``mb``: the
-    micro-batch whose gradients a ZeRO-2/3 reduce-scatter moves (None: the whole step's)."""
+    micro-batch whose gradients a ZeRO-2/3 reduce-scatter moves (None: the whole step's), ``region``
+    the region whose gradient bucket it moves (None: the whole chunk's)."""
     axis: Axis
     what: Sync
     chunk: int
     mb: int | None = None
+    region: str | None = None
 
     def __post_init__(self) -> None:
         if self.mb is not None and self.what is not Sync.GRAD:
             raise ProgramError(f"only a gradient sync names a micro-batch: {self!r}")
+        if self.region is not None:
+            if self.mb is None:
+                raise ProgramError(f"a gradient bucket sync names its micro-batch: {self!r}")
+            _check_name(self.region, "region")
 
     def __str__(self) -> str:
-        return f"{self.axis.value}.{self.what.value}.c{self.chunk}" + ("" if self.mb is None else f".m{self.mb}")
+        return (f"{self.axis.value}.{self.what.value}.c{self.chunk}" + ("" if self.mb is None else f".m{self.mb}")
+                + ("" if self.region is None else f".{self.region}"))
 
 
 @dataclass(frozen=True)
@@ -283,12 +290,13 @@ def parse_tag(text: str) -> StepTag:
         return EPTag(_int(text, parts[1], "", what), _enum(A2A, parts[3], text, what),
                      _phase(parts[4], EP_PHASES, text, what), _int(text, parts[5], "m", what))
     if head in ("dp", "edp"):
-        what = "DP tag dp|edp.grad|param.c<chunk>[.m<mb>]"
-        parts = rest.split(".")
-        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[0] != "grad"):
+        what = "DP tag dp|edp.grad|param.c<chunk>[.m<mb>[.<region>]]"
+        parts = rest.split(".", 3)
+        if len(parts) < 2 or (len(parts) > 2 and parts[0] != "grad") or (len(parts) == 4 and not parts[3]):
             raise _bad(text, what)
-        mb = _int(text, parts[2], "m", what) if len(parts) == 3 else None
-        return SyncTag(Axis(head), _enum(Sync, parts[0], text, what), _int(text, parts[1], "c", what), mb)
+        mb = _int(text, parts[2], "m", what) if len(parts) > 2 else None
+        return SyncTag(Axis(head), _enum(Sync, parts[0], text, what), _int(text, parts[1], "c", what), mb,
+                       parts[3] if len(parts) == 4 else None)
     if head == "z3":
         what = "ZeRO-3 tag z3.param|eparam.c<chunk>.<phase>.m<mb>"
         parts = rest.split(".")
@@ -350,20 +358,20 @@ class StepBuffer:
     phase: str | None = None
 
     def __post_init__(self) -> None:
-        ok = ((self.kind in ("act", "zg", "zge") and self.chunk is not None and self.region is None
-               and self.phase is None)
+        ok = ((self.kind in ("act", "zg", "zge") and self.chunk is not None and self.phase is None
+               and (self.region is None or self.kind == "zg"))
               or (self.kind == "rc" and self.region is not None and self.chunk is None and self.phase is None)
               or (self.kind in ("z3", "z3e") and self.chunk is not None and self.phase in Z3_PHASES
                   and self.region is None))
         if not ok:
-            raise ProgramError(f"buffer {self!r} is none of act|zg|zge.c<c>.m<mb>, rc.<region>.m<mb>, "
+            raise ProgramError(f"buffer {self!r} is none of act|zg|zge.c<c>.m<mb>, zg.c<c>.m<mb>.<region>, rc.<region>.m<mb>, "
                                f"z3|z3e.c<c>.<fwd|bwd>.m<mb>")
         if self.region is not None:
             _check_name(self.region, "region")
 
     def __str__(self) -> str:
         if self.kind in ("act", "zg", "zge"):
-            return f"{self.kind}.c{self.chunk}.m{self.mb}"
+            return f"{self.kind}.c{self.chunk}.m{self.mb}" + ("" if self.region is None else f".{self.region}")
         if self.kind == "rc":
             return f"rc.{self.region}.m{self.mb}"
         return f"{self.kind}.c{self.chunk}.{self.phase}.m{self.mb}"
@@ -380,6 +388,9 @@ class StepBuffer:
         parts = rest.split(".")
         if head in ("act", "zg", "zge") and len(parts) == 2:
             return cls(head, _int(text, parts[1], "m", what), chunk=_int(text, parts[0], "c", what))
+        if head == "zg" and len(parts) > 2:
+            return cls(head, _int(text, parts[1], "m", what), chunk=_int(text, parts[0], "c", what),
+                       region=".".join(parts[2:]))
         if head in ("z3", "z3e") and len(parts) == 3:
             return cls(head, _int(text, parts[2], "m", what), chunk=_int(text, parts[0], "c", what),
                        phase=_phase(parts[1], Z3_PHASES, text, what))
