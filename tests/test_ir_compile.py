@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from parashift import Strategy, models
 from parashift.errors import StrategyError, UnknownPresetError
 from parashift.ir import Program, compile
-from parashift.ir.memory import region_grad_bytes, static_memory
+from parashift.ir.memory import region_state_bytes, static_memory
 from parashift.ir.model_graph import model_graph
 
 SEQ = 16
@@ -144,12 +144,13 @@ def test_zero_stages(zero):
     elif zero == 2:
         assert ops == {("reduce_scatter", "dp.grad"): m * len(regions), ("all_gather", "dp.param"): 1}
     else:
-        assert ops == {("reduce_scatter", "dp.grad"): m * len(regions), ("all_gather", "z3.param"): 2 * m}
-        gathers = [i for i in ins if i.op == "all_gather"]
-        assert all(i.alloc and i.alloc[0][0].startswith("z3.c0.") for i in gathers)
+        assert ops == {("reduce_scatter", "dp.grad"): m * len(regions), ("all_gather", "z3.param"): 2 * m * len(regions)}
+        gathers = [i for i in ins if i.op == "all_gather"]     # per region, before its forward and its backward
+        assert {i.alloc[0][0] for i in gathers} == {f"z3.c0.{ph}.m{k}.{r}" for ph in ("fwd", "bwd")
+                                                    for k in range(m) for r in regions}
     if zero >= 2:   # each region's gradient per micro-batch: allocated by its backward, freed by its reduce-scatter
         spec, s = models.get("tiny-gpt"), Strategy(dp=2, pp=2)
-        grads = dict(region_grad_bytes(spec, s))
+        grads = {r: g for r, _, g in region_state_bytes(spec, s)}
         assert sum(grads[r] for r in regions) == static_memory(spec, s)[0]["grad"]
         rs = {i.tag: i for i in ins if i.op == "reduce_scatter"}
         assert set(rs) == {f"dp.grad.c0.m{k}.{r}" for k in range(m) for r in regions}

@@ -9,7 +9,7 @@ from parashift.errors import ProgramError
 from parashift.ir import DATA, SAVED, Graph, model_graph
 from parashift.ir.compile import directives, distributed_graph
 from parashift.ir.directives import Fuse, Order, Place, Replicate, Shard, Split, Stream
-from parashift.ir.memory import region_grad_bytes
+from parashift.ir.memory import region_state_bytes
 
 SPEC = models.get("tiny-gpt")
 R = 1 + 2 * SPEC.layers + 1  # embed, attn/mlp per layer, head
@@ -119,10 +119,12 @@ def test_replicate_adds_grad_sync_and_zero3_gathers():
         if isinstance(d, Replicate):
             break
     ops = list(zip(g.col("op"), g.col("tag")))
-    regions = [r for r, _ in region_grad_bytes(SPEC, s)]
+    regions = [r for r, _, _ in region_state_bytes(SPEC, s)]
     rs = sorted(t for o, t in ops if o == "reduce_scatter")     # one per region's bucket and micro-batch
     assert rs == sorted(f"dp.grad.c0.m{m}.{r}" for m in (0, 1) for r in regions)
-    assert sum(1 for o, t in ops if o == "all_gather" and t.startswith("z3.param")) == 2 * 2  # fwd+bwd per mb
+    gathers = [t for o, t in ops if o == "all_gather" and t.startswith("z3.param")]   # per region: fwd+bwd per mb
+    assert sorted(gathers) == sorted(f"z3.param.c0.{ph}.m{m}.{r}" for ph in ("fwd", "bwd") for m in (0, 1)
+                                     for r in regions)
     assert g.is_acyclic()
 
 

@@ -425,8 +425,10 @@ class Interpreter:
             self.store.grad_mb[c] = mb
             if ins.alloc:
                 alloc_grads(self.store, tuple(n for n, _ in ins.alloc if n.startswith("zg")))
-        if self.strategy.zero == 3:
-            self.store.active[c] = f"z3.c{c}.{'fwd' if ph == 'fwd' else 'bwd'}.m{mb}"
+        if self.strategy.zero == 3:         # the gathered copy this compute uses: its region's, else its chunk's
+            name = f"z3.c{c}.{'fwd' if ph == 'fwd' else 'bwd'}.m{mb}"
+            own = f"{name}.{ins.region}"
+            self.store.active[c] = own if any(b.has_copy(c, own) for b in self.store.buffers.values()) else name
         if ph == "fwd":
             for a in atoms:
                 self._fwd(c, mb, a, ins.region)
@@ -815,14 +817,16 @@ class Interpreter:
 
     def _z3(self, p: Prepared, what: str, c: int, phase: str, mb: int) -> Flight:
         ins, stream, g = p.ins, p.ins.stream, p.group
-        name = f"z3.c{c}.{phase}.m{mb}"
+        region = p.tag.region
+        name = f"z3.c{c}.{phase}.m{mb}" + ("" if region is None else f".{region}")
         fams = self.store.families("edp" if what == "eparam" else "dp")
         works, thens, keep = [], [], []
         for b in fams:
             if c not in b.ranges:
                 continue
-            copy = b.new_copy(c, name)
-            w, then, k = all_gather(b, c, g, copy, b.param, base=b.ranges[c][0])
+            copy = b.new_copy(c, name, region)
+            w, then, k = all_gather(b, c, g, copy, b.param, base=b.bucket_span(c, region)[0],
+                                    span=None if region is None else b.bucket_span(c, region))
             works.append(w)
             thens.append(then)
             keep.append(k)

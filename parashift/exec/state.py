@@ -130,7 +130,7 @@ class Buffer:
             a, b = self.ranges.get(p.chunk, (p.start, p.start))
             self.ranges[p.chunk] = (min(a, p.start), max(b, p.start + p.numel))
         self.param = zeros(self.padded if zero < 3 else self.q, dtype, device)
-        self.copies: dict[int, list[tuple[str, torch.Tensor]]] = {}   # zero 3: chunk -> gathered copies
+        self.copies: dict[int, list[tuple[str, torch.Tensor, int]]] = {}   # zero 3: chunk -> (name, copy, offset)
         osz = self.q if zero >= 1 else self.padded
         self.master = None if dtype == torch.float32 else zeros(osz, torch.float32, device)
         self.exp_avg = zeros(osz, torch.float32, device)
@@ -175,32 +175,34 @@ class Buffer:
         if not copies:
             return None
         if name is not None:
-            for n, t in copies:
+            for n, t, base in copies:
                 if n == name:
-                    return t, self.ranges[chunk][0]
+                    return t, base
             return None
-        return copies[-1][1], self.ranges[chunk][0]
+        return copies[-1][1], copies[-1][2]
 
-    def new_copy(self, chunk: int, name: str) -> torch.Tensor:
-        """Allocate a gathered copy of chunk's parameters (zero 3), released by :meth:`release`."""
-        a, b = self.ranges[chunk]
-        if a == 0 and b == self.numel:
-            b = self.padded
+    def has_copy(self, chunk: int, name: str) -> bool:
+        return any(n == name for n, _, _ in self.copies.get(chunk, ()))
+
+    def new_copy(self, chunk: int, name: str, region: str | None = None) -> torch.Tensor:
+        """Allocate a gathered copy of chunk's parameters (``region``: only that region's; zero 3),
+        released by :meth:`release`."""
+        a, b = self.bucket_span(chunk, region)
         t = torch.empty(b - a, dtype=self.dtype, device=self.device)
-        self.copies.setdefault(chunk, []).append((name, t))
+        self.copies.setdefault(chunk, []).append((name, t, a))
         self.mem.alloc(f"{name}:{self.family}", t.numel() * t.element_size())
         return t
 
     def release(self, name: str) -> None:
         for chunk, copies in self.copies.items():
-            keep = [(n, t) for n, t in copies if n != name]
+            keep = [x for x in copies if x[0] != name]
             if len(keep) != len(copies):
                 self.mem.free(f"{name}:{self.family}")
             self.copies[chunk] = keep
 
     def release_all(self) -> None:
         for copies in self.copies.values():
-            for n, _ in copies:
+            for n, _, _ in copies:
                 self.mem.free(f"{n}:{self.family}")
         self.copies.clear()
 

@@ -448,7 +448,7 @@ class Replicate:
     ep: int = 1
     tied_bytes: int = 0
     axis: str = "dp"
-    buckets: tuple[tuple[str, int], ...] = ()     # ZeRO-2/3: (atomic region, gradient bytes) of a dense model
+    buckets: tuple[tuple[str, int, int], ...] = ()   # ZeRO-2/3: (atomic region, param bytes, grad bytes), dense
 
     def apply(self, g: Graph) -> Graph:
         out = g.copy()
@@ -532,7 +532,7 @@ class Replicate:
                                     key=str(T.StepKey("param", ch, "dense" if grp == self.axis else "expert")),
                                     nbytes=int(nb), stream="comm", action=(POST, ch))
                         out.edge(optim[stage_of[ch]], a, SAVED)
-        elif self.zero == 3:
+        elif self.zero == 3 and not self._region_gathers(out):
             for a, first in first_of_action.items():
                 if a.type == "W":
                     continue
@@ -558,6 +558,49 @@ class Replicate:
                     c["free"][end] = c["free"][end] + (name,)
         return out
 
+    def _region_gathers(self, out: Graph) -> bool:
+        """ZeRO-3 on an unfused dense graph: gather each region's parameters right before its nodes
+        of an action and free them after its last one (an input-gradient action's copy serves the
+        region's weight-gradient nodes too); a region's gather waits until the region two before it in
+        the action has run (prefetch depth one). False (nothing added) where regions are not atomic."""
+        c = out.cols
+        psize = {r: p for r, p, _ in self.buckets}
+        if not psize or self.ways <= 1 or any(self.expert_bytes):
+            return False
+        nodes: dict[Action, list[int]] = {}
+        for i in range(len(out)):
+            a = c["action"][i]
+            if c["op"][i] == "compute" and isinstance(a, Action):
+                if c["region"][i] not in psize:
+                    return False
+                nodes.setdefault(a, []).append(i)
+        for a, ids in nodes.items():
+            if a.type == "W":
+                continue
+            ph = "fwd" if a.type == "F" else "bwd"
+            own: dict[str, list[int]] = {}
+            for i in sorted(ids, key=lambda i: c["pos"][i]):
+                own.setdefault(c["region"][i], []).append(i)
+            later: dict[str, list[int]] = {}
+            if a.type == "I":
+                for i in nodes.get(Action(a.chunk, "W", a.mb), []):
+                    later.setdefault(c["region"][i], []).append(i)
+            regions = list(own)
+            for j, r in enumerate(regions):
+                users = own[r] + later.get(r, [])
+                end = max(later[r], key=lambda i: c["pos"][i]) if r in later else own[r][-1]
+                name = str(T.StepBuffer("z3", a.mb, chunk=a.chunk, phase=ph, region=r))
+                n = out.add(op="all_gather", group=self.axis, chunk=a.chunk, stage=c["stage"][own[r][0]],
+                            phase=ph, mb=a.mb, tag=str(T.Z3Tag(False, a.chunk, ph, a.mb, r)), nbytes=int(psize[r]),
+                            key=str(T.StepKey("param", a.chunk, "dense")), stream="comm", action=a,
+                            pos=float(c["pos"][own[r][0]]) - 0.5, alloc=((name, int(psize[r])),))
+                for u in users:
+                    out.edge(n, u, SAVED)
+                if j >= 2:
+                    out.edge(own[regions[j - 2]][-1], n, SAVED)
+                c["free"][end] = c["free"][end] + (name,)
+        return True
+
     def _specs(self, ch: int, edp: int) -> list[tuple[str, int, str]]:
         """(group, gradient bytes, family) of chunk ``ch``'s gradient syncs."""
         specs = []
@@ -577,7 +620,7 @@ class Replicate:
         Without split backwards a bucket's backward waits for the previous bucket's reduce-scatter of
         the chunk, so one bucket buffer per chunk is live at a time."""
         c = out.cols
-        sizes = dict(self.buckets)
+        sizes = {r: g for r, _, g in self.buckets}
         for ch, nodes in bwd_of_chunk.items():
             specs = self._specs(ch, edp)
             if not specs:

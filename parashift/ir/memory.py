@@ -31,7 +31,7 @@ from ..states import zero_shards
 from ..strategy import Strategy
 
 __all__ = ["ChunkParams", "chunk_params", "static_memory", "optimizer_elements", "region_activation",
-           "recompute_bytes", "region_grad_bytes", "grad_bucket", "OPTIM_FLOPS_PER_ELEMENT"]
+           "recompute_bytes", "region_state_bytes", "grad_bucket", "OPTIM_FLOPS_PER_ELEMENT"]
 
 OPTIM_FLOPS_PER_ELEMENT = 10.0
 
@@ -82,19 +82,19 @@ def grad_bucket(tensor: str) -> str:
     return ".".join(parts[:3]) if parts[0] == "layers" else parts[0]
 
 
-def region_grad_bytes(model: ModelSpec, strategy: Strategy) -> tuple[tuple[str, int], ...]:
+def region_state_bytes(model: ModelSpec, strategy: Strategy) -> tuple[tuple[str, int, int], ...]:
     """Per atomic region of a dense model (``embed``, ``layers.<l>.attn``, ``layers.<l>.mlp``,
-    ``head``): the gradient bytes of its parameters on one rank (TP shard), in model order. These are
-    the ZeRO-2/3 gradient buckets; empty for MoE models (their gradients move per chunk)."""
+    ``head``): (region, parameter bytes, gradient bytes) of its parameters on one rank (TP shard), in
+    model order: the ZeRO-2/3 gradient buckets and ZeRO-3 gather units. Empty for MoE models (their
+    parameters and gradients move per chunk)."""
     if model.is_moe:
         return ()
-    gb = model.kind_bytes("grad")
+    pb, gb = model.kind_bytes("param"), model.kind_bytes("grad")
     out: dict[str, int] = {}
     for t in model.tensors:
         region = grad_bucket(t.name)
-        n = t.numel // strategy.tp if t.tp_dim is not None else t.numel
-        out[region] = out.get(region, 0) + n * gb
-    return tuple(out.items())
+        out[region] = out.get(region, 0) + (t.numel // strategy.tp if t.tp_dim is not None else t.numel)
+    return tuple((r, n * pb, n * gb) for r, n in out.items())
 
 
 def _shard(n: int, ways: int) -> int:

@@ -13,7 +13,8 @@ EPTag         ``ep.layers.{l}.moe.{which}.{ph}.m{mb}``  MoE ``dispatch`` / ``com
 SyncTag       ``{dp|edp}.{grad|param}.c{chunk}``     DP gradient sync / ZeRO-1/2 param gather
               ``{dp|edp}.grad.c{chunk}.m{mb}[.{region}]``  ZeRO-2/3: one micro-batch's gradient
                                                      reduce-scatter (of one region's bucket)
-Z3Tag         ``z3.{param|eparam}.c{c}.{ph}.m{mb}``  ZeRO-3 parameter gather before an action
+Z3Tag         ``z3.{param|eparam}.c{c}.{ph}.m{mb}[.{region}]``  ZeRO-3 parameter gather before an
+                                                     action (of one region's parameters)
 EmbedTag      ``embed.grad``                         tied-embedding gradient all-reduce
 SPTag         ``sp.{region}.{ph}.{rs|ag|input}.m{mb}``  sequence-parallel reduce-scatter / all-gather
                                                      / backward input re-gather around a region
@@ -23,7 +24,7 @@ CPTag         ``cp.{region}.{ph}.{kv|dkv}.m{mb}``    context-parallel K/V gather
 Payload keys ``grad:c{chunk}:{dense|expert}``, ``param:c{chunk}:{dense|expert}``,
 ``grad:embed``, ``ce_stats`` and the sp/cp payloads ``sp_scatter``, ``sp_gather``, ``sp_input``,
 ``cp_kv``, ``cp_dkv`` (:class:`StepKey`) and buffer names ``act.c{c}.m{mb}``,
-``rc.{region}.m{mb}``, ``z3.c{c}.{ph}.m{mb}``, ``z3e.c{c}.{ph}.m{mb}``, ``zg.c{c}.m{mb}[.{region}]``,
+``rc.{region}.m{mb}``, ``z3.c{c}.{ph}.m{mb}[.{region}]``, ``z3e.c{c}.{ph}.m{mb}``, ``zg.c{c}.m{mb}[.{region}]``,
 ``zge.c{c}.m{mb}`` (:class:`StepBuffer`).
 
 Switch Programs (:mod:`parashift.vps.transition`): transfer tags ``s{stage}:{src}>{dst}[:{n}]``
@@ -192,23 +193,31 @@ class SyncTag:
 
 @dataclass(frozen=True)
 class Z3Tag:
-    """A ZeRO-3 gather of ``chunk``'s parameters (``expert``: its expert parameters) before an action."""
+    """A ZeRO-3 gather of ``chunk``'s parameters (``expert``: its expert parameters; ``region``: only
+    that region's) before an action."""
     expert: bool
     chunk: int
     phase: str
     mb: int
+    region: str | None = None
 
     def __post_init__(self) -> None:
         if self.phase not in Z3_PHASES:
             raise ProgramError(f"ZeRO-3 tag phase {self.phase!r} is not one of {Z3_PHASES}")
+        if self.region is not None:
+            if self.expert:
+                raise ProgramError(f"expert parameters are gathered per chunk, not per region: {self!r}")
+            _check_name(self.region, "region")
 
     def __str__(self) -> str:
-        return f"z3.{'eparam' if self.expert else 'param'}.c{self.chunk}.{self.phase}.m{self.mb}"
+        return (f"z3.{'eparam' if self.expert else 'param'}.c{self.chunk}.{self.phase}.m{self.mb}"
+                + ("" if self.region is None else f".{self.region}"))
 
     @property
     def buffer(self) -> "StepBuffer":
         """The buffer the gather fills."""
-        return StepBuffer("z3e" if self.expert else "z3", chunk=self.chunk, phase=self.phase, mb=self.mb)
+        return StepBuffer("z3e" if self.expert else "z3", chunk=self.chunk, phase=self.phase, mb=self.mb,
+                          region=self.region)
 
 
 @dataclass(frozen=True)
@@ -298,12 +307,13 @@ def parse_tag(text: str) -> StepTag:
         return SyncTag(Axis(head), _enum(Sync, parts[0], text, what), _int(text, parts[1], "c", what), mb,
                        parts[3] if len(parts) == 4 else None)
     if head == "z3":
-        what = "ZeRO-3 tag z3.param|eparam.c<chunk>.<phase>.m<mb>"
-        parts = rest.split(".")
-        if len(parts) != 4 or parts[0] not in ("param", "eparam"):
+        what = "ZeRO-3 tag z3.param|eparam.c<chunk>.<phase>.m<mb>[.<region>]"
+        parts = rest.split(".", 4)
+        if len(parts) < 4 or parts[0] not in ("param", "eparam") or (len(parts) == 5 and not parts[4]):
             raise _bad(text, what)
         return Z3Tag(parts[0] == "eparam", _int(text, parts[1], "c", what),
-                     _phase(parts[2], Z3_PHASES, text, what), _int(text, parts[3], "m", what))
+                     _phase(parts[2], Z3_PHASES, text, what), _int(text, parts[3], "m", what),
+                     parts[4] if len(parts) == 5 else None)
     if text == "embed.grad":
         return EmbedTag()
     raise _bad(text, "training-step tag")
@@ -362,7 +372,7 @@ class StepBuffer:
                and (self.region is None or self.kind == "zg"))
               or (self.kind == "rc" and self.region is not None and self.chunk is None and self.phase is None)
               or (self.kind in ("z3", "z3e") and self.chunk is not None and self.phase in Z3_PHASES
-                  and self.region is None))
+                  and (self.region is None or self.kind == "z3")))
         if not ok:
             raise ProgramError(f"buffer {self!r} is none of act|zg|zge.c<c>.m<mb>, zg.c<c>.m<mb>.<region>, rc.<region>.m<mb>, "
                                f"z3|z3e.c<c>.<fwd|bwd>.m<mb>")
@@ -374,7 +384,7 @@ class StepBuffer:
             return f"{self.kind}.c{self.chunk}.m{self.mb}" + ("" if self.region is None else f".{self.region}")
         if self.kind == "rc":
             return f"rc.{self.region}.m{self.mb}"
-        return f"{self.kind}.c{self.chunk}.{self.phase}.m{self.mb}"
+        return f"{self.kind}.c{self.chunk}.{self.phase}.m{self.mb}" + ("" if self.region is None else f".{self.region}")
 
     @classmethod
     def parse(cls, text: str) -> "StepBuffer":
@@ -391,9 +401,10 @@ class StepBuffer:
         if head == "zg" and len(parts) > 2:
             return cls(head, _int(text, parts[1], "m", what), chunk=_int(text, parts[0], "c", what),
                        region=".".join(parts[2:]))
-        if head in ("z3", "z3e") and len(parts) == 3:
+        if head in ("z3", "z3e") and len(parts) >= 3 and (len(parts) == 3 or head == "z3"):
             return cls(head, _int(text, parts[2], "m", what), chunk=_int(text, parts[0], "c", what),
-                       phase=_phase(parts[1], Z3_PHASES, text, what))
+                       phase=_phase(parts[1], Z3_PHASES, text, what),
+                       region=".".join(parts[3:]) if len(parts) > 3 else None)
         raise _bad(text, what)
 
 
