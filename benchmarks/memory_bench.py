@@ -71,8 +71,8 @@ def table(cases: list[tuple[str, str]], model: str) -> pd.DataFrame:
     return df
 
 
-def largest_simulated(model: str, cluster: str, base: str, budget: int, mbs_max: int = 64) -> dict:
-    """Largest micro-batch size (powers of two) whose simulated peak fits ``budget`` bytes."""
+def largest_simulated(model: str, cluster: str, base: str, budget: int, mbs_max: int = 16) -> dict:
+    """Largest micro-batch size whose simulated peak fits ``budget`` bytes."""
     best, peaks = 0, {}
     mbs = 1
     while mbs <= mbs_max:
@@ -83,7 +83,7 @@ def largest_simulated(model: str, cluster: str, base: str, budget: int, mbs_max:
         if peak > budget:
             break
         best = mbs
-        mbs *= 2
+        mbs += 1
     return {"largest_mbs": best, "peak_gib_by_mbs": peaks}
 
 
@@ -109,7 +109,7 @@ def largest_measured(base: str, budget: int, mbs_max: int = 8) -> dict:
             out["largest_mbs_simulated"] = mbs
         if r["max_measured_mib"] * MIB > budget and r["max_simulated_mib"] * MIB > budget:
             break
-        mbs *= 2
+        mbs += 1
     return out
 
 

@@ -377,6 +377,8 @@ class Interpreter:
         t0 = time.perf_counter() if self.record is not None else 0.0
         try:
             if p.kind == _COMPUTE:
+                if self.strategy.zero >= 2 and ins.phase != "optim":
+                    self._grad_buckets(ins)
                 self._compute(ins)
                 if p.z3_free:
                     self._release(p)
@@ -408,6 +410,13 @@ class Interpreter:
         if self.record is not None:
             self.record(fl.instr, fl.stream, fl.t0, time.perf_counter())
 
+    def _grad_buckets(self, ins: Instr) -> None:
+        """ZeRO-2/3: allocate the gradient buckets the instruction allocates and route its gradient
+        writes to its micro-batch's buckets."""
+        self.store.grad_mb[ins.chunk] = ins.microbatch
+        if ins.alloc:
+            alloc_grads(self.store, tuple(n for n, _ in ins.alloc if n.startswith("zg")))
+
     def _release(self, p: Prepared) -> None:
         for name in p.z3_free:
             self.store.release(name)
@@ -421,10 +430,6 @@ class Interpreter:
             return
         c, mb = ins.chunk, ins.microbatch
         atoms = atomic_regions(ins.region, self.spec)
-        if self.strategy.zero >= 2:        # ZeRO-2/3: this micro-batch's chunk-sized gradient buffer
-            self.store.grad_mb[c] = mb
-            if ins.alloc:
-                alloc_grads(self.store, tuple(n for n, _ in ins.alloc if n.startswith("zg")))
         if self.strategy.zero == 3:         # the gathered copy this compute uses: its region's, else its chunk's
             name = f"z3.c{c}.{'fwd' if ph == 'fwd' else 'bwd'}.m{mb}"
             own = f"{name}.{ins.region}"
