@@ -91,18 +91,12 @@ class MemoryTracker:
         self.live: dict[str, int] = {}
         self.current = 0
         self.peak = 0
-        self.at_peak: dict[str, int] = {}    # bytes by kind (the name's prefix) when the peak was reached
 
     def alloc(self, name: str, nbytes: int) -> None:
         self.free(name)
         self.live[name] = int(nbytes)
         self.current += int(nbytes)
-        if self.current > self.peak:
-            self.peak = self.current
-            self.at_peak = {}
-            for k, v in self.live.items():
-                kind = k.split(":", 1)[0]
-                self.at_peak[kind] = self.at_peak.get(kind, 0) + v
+        self.peak = max(self.peak, self.current)
 
     def free(self, name: str) -> None:
         self.current -= self.live.pop(name, 0)
