@@ -449,6 +449,7 @@ class Replicate:
     tied_bytes: int = 0
     axis: str = "dp"
     buckets: tuple[tuple[str, int, int], ...] = ()   # ZeRO-2/3: (atomic region, param bytes, grad bytes), dense
+    prefetch: int = 1     # ZeRO-3 per-region gathers issued ahead of the running region (0: none)
 
     def apply(self, g: Graph) -> Graph:
         out = g.copy()
@@ -561,8 +562,8 @@ class Replicate:
     def _region_gathers(self, out: Graph) -> bool:
         """ZeRO-3 on an unfused dense graph: gather each region's parameters right before its nodes
         of an action and free them after its last one (an input-gradient action's copy serves the
-        region's weight-gradient nodes too); a region's gather waits until the region two before it in
-        the action has run (prefetch depth one). False (nothing added) where regions are not atomic."""
+        region's weight-gradient nodes too); the j-th region's gather waits until region
+        ``j - 1 - prefetch`` of the action has run. False (nothing added) where regions are not atomic."""
         c = out.cols
         psize = {r: p for r, p, _ in self.buckets}
         if not psize or self.ways <= 1 or any(self.expert_bytes):
@@ -596,8 +597,8 @@ class Replicate:
                             pos=float(c["pos"][own[r][0]]) - 0.5, alloc=((name, int(psize[r])),))
                 for u in users:
                     out.edge(n, u, SAVED)
-                if j >= 2:
-                    out.edge(own[regions[j - 2]][-1], n, SAVED)
+                if j - 1 - self.prefetch >= 0:
+                    out.edge(own[regions[j - 1 - self.prefetch]][-1], n, SAVED)
                 c["free"][end] = c["free"][end] + (name,)
         return True
 
