@@ -4,6 +4,9 @@ Static memory is derived from the tensor inventory: TP shards along ``tp_dim``, 
 ZeRO shards each stage's flat buffer over the ``dp x cp`` ranks (experts: ``dp / ep``), padded to a
 multiple of the group size, exactly as :mod:`parashift.vps.layout` lays the buffers out (a test
 checks both agree; neither imports the other: the state kinds live in :mod:`parashift.states`).
+What ZeRO-2/3 hold beyond their shards during a step (a micro-batch's gradient bucket until its
+reduce-scatter, ZeRO-3's gathered region parameters) are Program buffers sized by
+:func:`region_state_bytes`.
 
 Activation bytes follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", section 4), per layer for 16-bit activations (scaled by ``dtype_bytes / 2``),
