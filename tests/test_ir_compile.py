@@ -159,7 +159,7 @@ def test_zero_stages(zero):
             assert node.alloc == ((f"zg.c0.m{k}.{r}", grads[r]),)
             assert rs[f"dp.grad.c0.m{k}.{r}"].free == (f"zg.c0.m{k}.{r}",)
         order = [i for i in ins if i.phase == "bwd" and i.op == "compute"]
-        for a, b in zip(order, order[1:]):    # one bucket at a time: a backward waits for the previous reduce-scatter
+        for a, b in zip(order, order[2:]):    # two buckets live: a backward waits for the reduce-scatter two before
             assert rs[f"dp.grad.c0.m{a.microbatch}.{a.region}"].id in _ancestors(prog.ranks[0], b.id)
     mem = prog.ranks[0].static_memory
     full = static_memory(models.get("tiny-gpt"), Strategy(dp=2, pp=2))[0]

@@ -45,8 +45,8 @@ Communication instructions and tags (tags are unique per (sender, receiver)/grou
                    graph is not fused and each region is a bucket, "dp.grad.c{c}.m{mb}.{region}" after the
                    region's last backward node, freeing "zg.c{c}.m{mb}.{region}" (its grad bytes) that the
                    region's first backward node allocs; MoE: one bucket per chunk ("dp.grad.c{c}.m{mb}",
-                   "zg.c{c}.m{mb}" / "zge.c{c}.m{mb}"). Without split backwards each bucket's backward
-                   waits for the chunk's previous reduce-scatter.
+                   "zg.c{c}.m{mb}" / "zge.c{c}.m{mb}"). Without split backwards a bucket's backward
+                   waits for the reduce-scatter of the chunk's bucket two before it (two live).
   tied embedding   all_reduce over "embed", tag "embed.grad", before the optimizer
   optimizer        one compute instruction phase "optim" per rank after all grad syncs
   ZeRO 1/2 params  after optim: all_gather over "dp"/"edp" per chunk, tag "dp.param.c{chunk}"
