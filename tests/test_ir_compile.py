@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from parashift import Strategy, models
 from parashift.errors import StrategyError, UnknownPresetError
 from parashift.ir import Program, compile
-from parashift.ir.memory import static_memory
+from parashift.ir.memory import region_state_bytes, static_memory
 from parashift.ir.model_graph import model_graph
 
 SEQ = 16
@@ -116,20 +116,51 @@ def test_fused_regions_without_tp():
     assert r0 == {"embed+layers.0-1"} and r1 == {"layers.2-3+head"}
 
 
+def _ancestors(rp, iid: int) -> set[int]:
+    """Instructions ``iid`` waits for: its deps and its stream predecessors, transitively."""
+    before = {i.id: [p.id for p in seq[:k][-1:]] + list(i.deps) for seq in rp.streams.values()
+              for k, i in enumerate(seq)}
+    out, todo = set(), [iid]
+    while todo:
+        for d in before[todo.pop()]:
+            if d not in out:
+                out.add(d)
+                todo.append(d)
+    return out
+
+
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_zero_stages(zero):
     prog = compile("tiny-gpt", f"dp=2,pp=2,zero={zero}", global_batch=8, seq_len=SEQ).validate()
     ins = list(prog.ranks[0].instrs())
     ops = Counter((i.op, (i.tag or "").split(".")[0] + "." + (i.tag or ".").split(".")[1]) for i in ins
                   if i.stream == "comm")
+    m = 4   # micro-batches per DP rank
+    regions = ["embed", "layers.0.attn", "layers.0.mlp", "layers.1.attn", "layers.1.mlp"]   # stage 0's buckets
     if zero == 0:
         assert ops == {("all_reduce", "dp.grad"): 1}
-    elif zero in (1, 2):
+    elif zero == 1:
         assert ops == {("reduce_scatter", "dp.grad"): 1, ("all_gather", "dp.param"): 1}
+    elif zero == 2:
+        assert ops == {("reduce_scatter", "dp.grad"): m * len(regions), ("all_gather", "dp.param"): 1}
     else:
-        assert ops == {("reduce_scatter", "dp.grad"): 1, ("all_gather", "z3.param"): 8}
-        gathers = [i for i in ins if i.op == "all_gather"]
-        assert all(i.alloc and i.alloc[0][0].startswith("z3.c0.") for i in gathers)
+        assert ops == {("reduce_scatter", "dp.grad"): m * len(regions), ("all_gather", "z3.param"): 2 * m * len(regions)}
+        gathers = [i for i in ins if i.op == "all_gather"]     # per region, before its forward and its backward
+        assert {i.alloc[0][0] for i in gathers} == {f"z3.c0.{ph}.m{k}.{r}" for ph in ("fwd", "bwd")
+                                                    for k in range(m) for r in regions}
+    if zero >= 2:   # each region's gradient per micro-batch: allocated by its backward, freed by its reduce-scatter
+        spec, s = models.get("tiny-gpt"), Strategy(dp=2, pp=2)
+        grads = {r: g for r, _, g in region_state_bytes(spec, s)}
+        assert sum(grads[r] for r in regions) == static_memory(spec, s)[0]["grad"]
+        rs = {i.tag: i for i in ins if i.op == "reduce_scatter"}
+        assert set(rs) == {f"dp.grad.c0.m{k}.{r}" for k in range(m) for r in regions}
+        bwd = {(i.microbatch, i.region): i for i in ins if i.phase == "bwd" and i.op == "compute"}
+        for (k, r), node in bwd.items():
+            assert node.alloc == ((f"zg.c0.m{k}.{r}", grads[r]),)
+            assert rs[f"dp.grad.c0.m{k}.{r}"].free == (f"zg.c0.m{k}.{r}",)
+        order = [i for i in ins if i.phase == "bwd" and i.op == "compute"]
+        for a, b in zip(order, order[2:]):    # two buckets live: a backward waits for the reduce-scatter two before
+            assert rs[f"dp.grad.c0.m{a.microbatch}.{a.region}"].id in _ancestors(prog.ranks[0], b.id)
     mem = prog.ranks[0].static_memory
     full = static_memory(models.get("tiny-gpt"), Strategy(dp=2, pp=2))[0]
     assert mem["optim"] == (full["optim"] // 2 if zero >= 1 else full["optim"])

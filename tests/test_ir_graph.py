@@ -1,6 +1,8 @@
 """The training DAG and each directive as a pure graph rewrite."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -9,6 +11,7 @@ from parashift.errors import ProgramError
 from parashift.ir import DATA, SAVED, Graph, model_graph
 from parashift.ir.compile import directives, distributed_graph
 from parashift.ir.directives import Fuse, Order, Place, Replicate, Shard, Split, Stream
+from parashift.ir.memory import region_state_bytes
 
 SPEC = models.get("tiny-gpt")
 R = 1 + 2 * SPEC.layers + 1  # embed, attn/mlp per layer, head
@@ -118,9 +121,34 @@ def test_replicate_adds_grad_sync_and_zero3_gathers():
         if isinstance(d, Replicate):
             break
     ops = list(zip(g.col("op"), g.col("tag")))
-    assert ("reduce_scatter", "dp.grad.c0") in ops
-    assert sum(1 for o, t in ops if o == "all_gather" and t.startswith("z3.param")) == 2 * 2  # fwd+bwd per mb
+    regions = [r for r, _, _ in region_state_bytes(SPEC, s)]
+    rs = sorted(t for o, t in ops if o == "reduce_scatter")     # one per region's bucket and micro-batch
+    assert rs == sorted(f"dp.grad.c0.m{m}.{r}" for m in (0, 1) for r in regions)
+    gathers = [t for o, t in ops if o == "all_gather" and t.startswith("z3.param")]   # per region: fwd+bwd per mb
+    assert sorted(gathers) == sorted(f"z3.param.c0.{ph}.m{m}.{r}" for ph in ("fwd", "bwd") for m in (0, 1)
+                                     for r in regions)
     assert g.is_acyclic()
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_zero3_region_gathers_prefetch(prefetch):
+    """ZeRO-3 on an unfused dense graph: a region's gather of an action waits for the region
+    ``1 + prefetch`` places before it, so at most ``1 + prefetch`` region copies are gathered ahead."""
+    s = Strategy(dp=2, zero=3)
+    g = model_graph(SPEC, seq_len=16)
+    for d in directives(SPEC, s, global_batch=4, seq_len=16):
+        g = (dataclasses.replace(d, prefetch=prefetch) if isinstance(d, Replicate) else d).apply(g)
+        if isinstance(d, Replicate):
+            break
+    c = g.cols
+    fwd = sorted((i for i in range(len(g)) if c["op"][i] == "compute" and c["phase"][i] == "fwd" and c["mb"][i] == 0),
+                 key=lambda i: c["pos"][i])
+    gather = {c["tag"][i].split(".", 5)[-1]: i for i in range(len(g))
+              if c["op"][i] == "all_gather" and c["tag"][i].startswith("z3.param.c0.fwd.m0.")}
+    waits = {(u, v) for u, v in zip(g.src, g.dst)}
+    for j, i in enumerate(fwd):
+        before = {fwd[k] for k in range(j) if (fwd[k], gather[c["region"][i]]) in waits}
+        assert before == ({fwd[j - 1 - prefetch]} if j - 1 - prefetch >= 0 else set()), (prefetch, c["region"][i])
 
 
 def test_stream_and_fuse():

@@ -96,3 +96,17 @@ def _stage0_activations(strategy: str, m: int) -> float:
 def test_first_stage_in_flight_activations(strategy, m, layers_held):
     per_layer = layer(UNI, mbs=1, seq=256)
     assert _stage0_activations(strategy, m) == pytest.approx(layers_held * per_layer, rel=1e-6)
+
+
+def test_zero_stages_lower_the_simulated_peak_of_a_7b_pipeline():
+    """llama2-7b, dp=8, pp=4: ZeRO-2's per-region gradient buckets and ZeRO-3's per-region gathers
+    lower every stage's peak below ZeRO-1's, so under a 40 GiB budget ZeRO-3 fits micro-batches of 2
+    where ZeRO-1 fits 1."""
+    def peak(zero: int, mbs: int) -> float:
+        prog = compile("llama2-7b", f"dp=8,pp=4,zero={zero},mbs={mbs}", global_batch=64 * mbs, seq_len=4096)
+        return simulate(prog, "a100-4x8").peak_memory_max
+
+    budget = 40 * 2**30
+    p1, p2, p3 = (peak(z, 1) for z in (1, 2, 3))
+    assert p3 < p2 < p1
+    assert peak(1, 2) > budget >= peak(3, 2)

@@ -19,7 +19,10 @@ step_tags = st.one_of(
     st.builds(T.TPTag, names, st.sampled_from(T.TP_PHASES), ints),
     st.builds(T.EPTag, ints, st.sampled_from(T.A2A), st.sampled_from(T.EP_PHASES), ints),
     st.builds(T.SyncTag, st.sampled_from(T.Axis), st.sampled_from(T.Sync), ints),
+    st.builds(lambda a, c, m: T.SyncTag(a, T.Sync.GRAD, c, m), st.sampled_from(T.Axis), ints, ints),
+    st.builds(lambda a, c, m, r: T.SyncTag(a, T.Sync.GRAD, c, m, r), st.sampled_from(T.Axis), ints, ints, names),
     st.builds(T.Z3Tag, st.booleans(), ints, st.sampled_from(T.Z3_PHASES), ints),
+    st.builds(lambda c, p, m, r: T.Z3Tag(False, c, p, m, r), ints, st.sampled_from(T.Z3_PHASES), ints, names),
     st.just(T.EmbedTag()),
     st.builds(T.SPTag, names, st.sampled_from(T.TP_PHASES), st.sampled_from(T.SP_HOPS), ints),
     st.builds(T.CPTag, names, st.sampled_from(T.TP_PHASES), st.sampled_from(T.CP_PARTS), ints))
@@ -45,7 +48,10 @@ def test_step_keys_round_trip(key) -> None:
 
 @settings(max_examples=200, deadline=None)
 @given(st.one_of(
-    st.builds(lambda c, m: T.StepBuffer("act", m, chunk=c), ints, ints),
+    st.builds(lambda k, c, m: T.StepBuffer(k, m, chunk=c), st.sampled_from(["act", "zg", "zge"]), ints, ints),
+    st.builds(lambda c, m, r: T.StepBuffer("zg", m, chunk=c, region=r), ints, ints, names),
+    st.builds(lambda c, p, m, r: T.StepBuffer("z3", m, chunk=c, phase=p, region=r), ints,
+              st.sampled_from(T.Z3_PHASES), ints, names),
     st.builds(lambda r, m: T.StepBuffer("rc", m, region=r), names, ints),
     st.builds(lambda k, c, p, m: T.StepBuffer(k, m, chunk=c, phase=p), st.sampled_from(["z3", "z3e"]), ints,
               st.sampled_from(T.Z3_PHASES), ints)))

@@ -177,14 +177,14 @@ def reduce_scatter(b, chunk: int, group) -> tuple[Any, Callable[[], None], Any]:
     return work, then, inp
 
 
-def all_gather(b, chunk: int, group, dest: torch.Tensor, src: torch.Tensor, base: int
-               ) -> tuple[Any, Callable[[], None], Any]:
-    """All-gather chunk's parameter range of ``b`` from the members' shards.
+def all_gather(b, chunk: int, group, dest: torch.Tensor, src: torch.Tensor, base: int,
+               span: tuple[int, int] | None = None) -> tuple[Any, Callable[[], None], Any]:
+    """All-gather chunk's parameter range of ``b`` (or buffer range ``span``) from the members' shards.
 
     ``src``: this rank's shard (buffer coordinates ``[b.lo, b.hi)``); ``dest[x - base]`` receives
     buffer element ``x`` of the chunk's range.
     """
-    segs, L = b.segments(chunk)
+    segs, L = b.segments(chunk, span)
     mine = src
     if all(hi - lo == b.q for lo, hi in segs) and base == 0 and dest.numel() >= b.padded:
         inp = mine.clone()

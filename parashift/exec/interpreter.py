@@ -44,10 +44,10 @@ from ..ir.tags import CPTag, EPTag, P2PTag, Payload, SPTag, StepTag, Sync, SyncT
 from ..models import ModelSpec
 from .comm import Flight, Poller, a2a, all_gather, all_gather_flat, reduce_scatter, reduce_scatter_flat
 from .cp import CPHandlers
-from .profiler import tensor_bytes
 from .reference import OptimConfig, microbatch_rows
 from .regions import KINDS, Rec, RegionCtx, atomic_regions, head_logit_grad, region_kind
 from .state import _DT, StateStore
+from .zero import LiveTensors, alloc_grads, reduce_scatter_microbatch
 
 __all__ = ["Interpreter", "Prepared", "StepState", "chunk_atoms", "group_keys"]
 
@@ -158,6 +158,7 @@ class Interpreter(CPHandlers):
         self.coords = self.strategy.coords(rank)
         self.gb = int(program.meta["global_batch"])
         self.st = StepState()
+        self.live = LiveTensors()
         self._init_model()
         self.streams = sorted(self.rp.streams, key=lambda n: (n not in _P2P_ORDER, _P2P_ORDER.index(n)
                                                               if n in _P2P_ORDER else 0, n))
@@ -186,7 +187,7 @@ class Interpreter(CPHandlers):
         self.ctx = RegionCtx(spec, s.tp, self.coords["tp"], s.ep, self.coords["ep"], 1.0 / (self.gb * seq),
                              self.store.param, self.store.grad,
                              tuple(t.to(_DT[spec.dtype]) for t in rope_tables(seq, spec.head_dim, device=device)),
-                             chain=s.tp == 1 and not spec.is_moe and s.cp == 1)
+                             chain=s.tp == 1 and not spec.is_moe and s.cp == 1 and s.zero < 2)   # ZeRO-2/3: unfused region buckets
         if s.cp > 1:
             self._cp_setup(seq)
 
@@ -261,6 +262,7 @@ class Interpreter(CPHandlers):
     def run_step(self, step: int) -> float:
         """Execute the program once; returns this rank's share of the step's loss."""
         self.st = StepState()
+        self.live = LiveTensors()
         self.tokens, self.targets = self.batch(step)
         seqs, nstreams = self.seqs, len(self.seqs)
         done = bytearray(self.n)
@@ -393,6 +395,8 @@ class Interpreter(CPHandlers):
         t0 = time.perf_counter() if self.record is not None else 0.0
         try:
             if p.kind == _COMPUTE:
+                if self.strategy.zero >= 2 and ins.phase != "optim":
+                    self._grad_buckets(ins)
                 self._compute(ins)
                 if p.z3_free:
                     self._release(p)
@@ -424,6 +428,13 @@ class Interpreter(CPHandlers):
         if self.record is not None:
             self.record(fl.instr, fl.stream, fl.t0, time.perf_counter())
 
+    def _grad_buckets(self, ins: Instr) -> None:
+        """ZeRO-2/3: allocate the gradient buckets the instruction allocates and route its gradient
+        writes to its micro-batch's buckets."""
+        self.store.grad_mb[ins.chunk] = ins.microbatch
+        if ins.alloc:
+            alloc_grads(self.store, tuple(n for n, _ in ins.alloc if n.startswith("zg")))
+
     def _release(self, p: Prepared) -> None:
         for name in p.z3_free:
             self.store.release(name)
@@ -437,8 +448,10 @@ class Interpreter(CPHandlers):
             return
         c, mb = ins.chunk, ins.microbatch
         atoms = atomic_regions(ins.region, self.spec)
-        if self.strategy.zero == 3:
-            self.store.active[c] = f"z3.c{c}.{'fwd' if ph == 'fwd' else 'bwd'}.m{mb}"
+        if self.strategy.zero == 3:         # the gathered copy this compute uses: its region's, else its chunk's
+            name = f"z3.c{c}.{'fwd' if ph == 'fwd' else 'bwd'}.m{mb}"
+            own = f"{name}.{ins.region}"
+            self.store.active[c] = own if any(b.has_copy(c, own) for b in self.store.buffers.values()) else name
         if ph == "fwd":
             for a in atoms:
                 self._fwd(c, mb, a, ins.region)
@@ -520,9 +533,10 @@ class Interpreter(CPHandlers):
         self._account(c, mb, rec)
 
     def _account(self, c: int, mb: int, rec: Rec) -> None:
-        """Track the bytes one region keeps for its backward (activations, stashed gradients)."""
+        """Track the bytes the live regions keep for their backward (activations, stashed
+        gradients), each tensor once however many regions hold it."""
         uses = [(u.x, u.y) for u in rec.tape.uses] + [(u.x, u.y) for u in rec.tape_a.uses]
-        self.store.mem.alloc(f"act:{c}:{mb}:{rec.region}", tensor_bytes([rec.t, rec.saved, uses, rec.dys or []]))
+        self.store.mem.alloc("act", self.live.hold((c, mb, rec.region), [rec.t, rec.saved, uses, rec.dys or []]))
 
     def _recompute(self, c: int, mb: int, atom: str, carry: dict) -> None:
         """Rebuild one region's graph from its saved inputs (chain mode: from the previous
@@ -613,6 +627,7 @@ class Interpreter(CPHandlers):
 
     def _bwd_done(self, c: int, mb: int, rec: Rec, drop: bool) -> None:
         genv = self.st.g(c, mb)
+        self.store.grad_mb[c] = mb
         KINDS[rec.kind].bwd_done(self.ctx, rec, genv)
         if self.atoms[c][0] == rec.region and c > 0:
             self.st.gout[(c - 1, mb)] = genv.pop("h")
@@ -623,7 +638,7 @@ class Interpreter(CPHandlers):
         recs = self.st.recs[(c, mb)]
         rec = recs.pop(atom)
         rec.drop()
-        self.store.mem.free(f"act:{c}:{mb}:{atom}")
+        self.store.mem.alloc("act", self.live.release((c, mb, atom)))
         if not recs:
             del self.st.recs[(c, mb)]
             self.st.env.pop((c, mb), None)
@@ -737,6 +752,7 @@ class Interpreter(CPHandlers):
                 x = full.transpose(0, 1)
                 if key in self.st.sp_dy:
                     name, dy = self.st.sp_dy.pop(key)
+                    self.store.grad_mb[c] = mb
                     self.ctx.acc(*name).addmm_(dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
                 else:
                     rec = self.st.recs.get((c, mb), {}).get(tag.region)
@@ -821,7 +837,9 @@ class Interpreter(CPHandlers):
                 a, e = b.ranges[c]
                 works.append(dist.all_reduce(b.grad_buffer()[a:e], group=g, async_op=True))
             elif what == "grad":
-                w, then, k = reduce_scatter(b, c, g)
+                mb = p.tag.mb
+                w, then, k = reduce_scatter(b, c, g) if mb is None else \
+                    reduce_scatter_microbatch(b, c, mb, p.tag.region, g)
                 works.append(w)
                 thens.append(then)
                 keep.append(k)
@@ -837,14 +855,16 @@ class Interpreter(CPHandlers):
 
     def _z3(self, p: Prepared, what: str, c: int, phase: str, mb: int) -> Flight:
         ins, stream, g = p.ins, p.ins.stream, p.group
-        name = f"z3.c{c}.{phase}.m{mb}"
+        region = p.tag.region
+        name = f"z3.c{c}.{phase}.m{mb}" + ("" if region is None else f".{region}")
         fams = self.store.families("edp" if what == "eparam" else "dp")
         works, thens, keep = [], [], []
         for b in fams:
             if c not in b.ranges:
                 continue
-            copy = b.new_copy(c, name)
-            w, then, k = all_gather(b, c, g, copy, b.param, base=b.ranges[c][0])
+            copy = b.new_copy(c, name, region)
+            w, then, k = all_gather(b, c, g, copy, b.param, base=b.bucket_span(c, region)[0],
+                                    span=None if region is None else b.bucket_span(c, region))
             works.append(w)
             thens.append(then)
             keep.append(k)

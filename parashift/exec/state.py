@@ -5,6 +5,11 @@ Each (chunk, dense|expert) group of tensors this rank holds is one flat buffer: 
 (``dp x cp`` for dense tensors, ``edp`` for experts). ZeRO-k shards those flat buffers evenly over
 the group: stage 1 the optimizer states (and master), 2 also gradients, 3 also parameters.
 The model's parameters are views into the store.
+
+ZeRO-2/3 with DP peers keep no full-size gradient buffer for the step: each micro-batch's
+gradients go to buckets (one region's parameters, or a whole chunk's: ``zg.c<c>.m<mb>[.<region>]``
+in the Program), allocated when the Program says (the bucket's first backward instruction) and
+released once its reduce-scatter has added it into the gradient shard, which lives for the step.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ir.memory import grad_bucket
 from ..models import ModelSpec
 from ..strategy import Strategy
 from .models import init_tensor
@@ -118,13 +124,16 @@ class Buffer:
             a, b = self.ranges.get(p.chunk, (p.start, p.start))
             self.ranges[p.chunk] = (min(a, p.start), max(b, p.start + p.numel))
         self.param = zeros(self.padded if zero < 3 else self.q, dtype, device)
-        self.copies: dict[int, list[tuple[str, torch.Tensor]]] = {}   # zero 3: chunk -> gathered copies
+        self.copies: dict[int, list[tuple[str, torch.Tensor, int]]] = {}   # zero 3: chunk -> (name, copy, offset)
         osz = self.q if zero >= 1 else self.padded
         self.master = None if dtype == torch.float32 else zeros(osz, torch.float32, device)
         self.exp_avg = zeros(osz, torch.float32, device)
         self.exp_avg_sq = zeros(osz, torch.float32, device)
         self.grad: torch.Tensor | None = None          # full local accumulation buffer
         self.grad_shard: torch.Tensor | None = None    # reduce-scattered shard (zero >= 1)
+        self.per_mb = zero >= 2 and n > 1                # gradients reduce-scattered per micro-batch
+        self.mb_grads: dict[tuple[int, int], dict[str | None, tuple[int, torch.Tensor]]] = {}
+        #   (chunk, mb) -> bucket (region, None: the chunk) -> (buffer offset, gradient)
         self.step = 0
         self.name = family
         mem.alloc(f"param:{family}", self.param.numel() * self.param.element_size())
@@ -132,6 +141,8 @@ class Buffer:
             t = getattr(self, k)
             if t is not None:
                 mem.alloc(f"{k}:{family}", t.numel() * t.element_size())
+        if self.per_mb:
+            self.grad_shard_buffer()
 
     # ---- parameters ---------------------------------------------------------------------------
     def load(self, values: dict[str, torch.Tensor]) -> None:
@@ -158,41 +169,42 @@ class Buffer:
         if not copies:
             return None
         if name is not None:
-            for n, t in copies:
+            for n, t, base in copies:
                 if n == name:
-                    return t, self.ranges[chunk][0]
+                    return t, base
             return None
-        return copies[-1][1], self.ranges[chunk][0]
+        return copies[-1][1], copies[-1][2]
 
-    def new_copy(self, chunk: int, name: str) -> torch.Tensor:
-        """Allocate a gathered copy of chunk's parameters (zero 3), released by :meth:`release`."""
-        a, b = self.ranges[chunk]
-        if a == 0 and b == self.numel:
-            b = self.padded
+    def has_copy(self, chunk: int, name: str) -> bool:
+        return any(n == name for n, _, _ in self.copies.get(chunk, ()))
+
+    def new_copy(self, chunk: int, name: str, region: str | None = None) -> torch.Tensor:
+        """Allocate a gathered copy of chunk's parameters (``region``: only that region's; zero 3),
+        released by :meth:`release`."""
+        a, b = self.bucket_span(chunk, region)
         t = torch.empty(b - a, dtype=self.dtype, device=self.device)
-        self.copies.setdefault(chunk, []).append((name, t))
+        self.copies.setdefault(chunk, []).append((name, t, a))
         self.mem.alloc(f"{name}:{self.family}", t.numel() * t.element_size())
         return t
 
     def release(self, name: str) -> None:
         for chunk, copies in self.copies.items():
-            keep = [(n, t) for n, t in copies if n != name]
+            keep = [x for x in copies if x[0] != name]
             if len(keep) != len(copies):
                 self.mem.free(f"{name}:{self.family}")
             self.copies[chunk] = keep
 
     def release_all(self) -> None:
         for copies in self.copies.values():
-            for n, _ in copies:
+            for n, _, _ in copies:
                 self.mem.free(f"{n}:{self.family}")
         self.copies.clear()
 
     # ---- per-chunk shard geometry -------------------------------------------------------------
-    def segments(self, chunk: int) -> tuple[list[tuple[int, int]], int]:
-        """Per DP member i: the part of chunk's range inside shard i (buffer coords), and the max length."""
-        a, b = self.ranges[chunk]
-        if a == 0 and b == self.numel:
-            b = self.padded
+    def segments(self, chunk: int, span: tuple[int, int] | None = None) -> tuple[list[tuple[int, int]], int]:
+        """Per DP member i: the part of chunk's range (or of buffer range ``span``) inside shard i
+        (buffer coords), and the max length."""
+        a, b = span if span is not None else self.chunk_span(chunk)
         segs = [(max(a, i * self.q), min(b, (i + 1) * self.q)) for i in range(self.n)]
         segs = [(lo, max(lo, hi)) for lo, hi in segs]
         return segs, max(hi - lo for lo, hi in segs)
@@ -209,6 +221,52 @@ class Buffer:
             self.grad_shard = torch.zeros(self.q, dtype=self.dtype, device=self.device)
             self.mem.alloc(f"grad_shard:{self.family}", self.q * self.grad_shard.element_size())
         return self.grad_shard
+
+    def chunk_span(self, chunk: int) -> tuple[int, int]:
+        """Buffer range [a, b) of chunk's elements (the padding included when it spans the buffer)."""
+        a, b = self.ranges[chunk]
+        return (a, self.padded) if a == 0 and b == self.numel else (a, b)
+
+    def bucket_span(self, chunk: int, region: str | None) -> tuple[int, int]:
+        """Buffer range [a, b) of a gradient bucket: the region's pieces of ``chunk`` (None: the chunk)."""
+        if region is None:
+            return self.chunk_span(chunk)
+        ps = [p for p in self.pieces if p.chunk == chunk and grad_bucket(p.name) == region]
+        if not ps:
+            raise RuntimeError(f"gradient bucket {region!r} has no parameters in chunk {chunk} ({self.family})")
+        return min(p.start for p in ps), max(p.start + p.numel for p in ps)
+
+    def alloc_mb_grad(self, chunk: int, mb: int, region: str | None = None) -> None:
+        """ZeRO-2/3: a zeroed gradient bucket for micro-batch ``mb`` (the Program's ``zg`` buffer)."""
+        buckets = self.mb_grads.setdefault((chunk, mb), {})
+        if region in buckets:
+            raise RuntimeError(f"gradient bucket {region or 'chunk'} of chunk {chunk} micro-batch {mb} "
+                               f"({self.family}) allocated twice")
+        a, b = self.bucket_span(chunk, region)
+        t = torch.zeros(b - a, dtype=self.dtype, device=self.device)
+        buckets[region] = (a, t)
+        self.mem.alloc(self._zg(chunk, mb, region), t.numel() * t.element_size())
+
+    def _zg(self, chunk: int, mb: int, region: str | None) -> str:
+        return f"zg.c{chunk}.m{mb}{'' if region is None else '.' + region}:{self.family}"
+
+    def mb_grad(self, chunk: int, mb: int | None, start: int) -> tuple[torch.Tensor, int]:
+        """(gradient bucket, its buffer offset) holding buffer element ``start`` of micro-batch ``mb``."""
+        for a, t in self.mb_grads.get((chunk, mb), {}).values():
+            if a <= start < a + t.numel():
+                return t, a
+        raise RuntimeError(f"gradients of chunk {chunk} micro-batch {mb} ({self.family}) are written but their "
+                           f"bucket is not allocated: the Program's backward must allocate zg.c{chunk}.m{mb}[.<region>]")
+
+    def bucket(self, chunk: int, mb: int, region: str | None) -> tuple[int, torch.Tensor]:
+        return self.mb_grads[(chunk, mb)][region]
+
+    def free_mb_grad(self, chunk: int, mb: int, region: str | None = None) -> None:
+        buckets = self.mb_grads.get((chunk, mb), {})
+        if buckets.pop(region, None) is not None:
+            self.mem.free(self._zg(chunk, mb, region))
+        if not buckets:
+            self.mb_grads.pop((chunk, mb), None)
 
     # ---- optimizer ----------------------------------------------------------------------------
     def optimizer_step(self, cfg: OptimConfig) -> None:
@@ -228,6 +286,12 @@ class Buffer:
         self.zero_grad()
 
     def zero_grad(self) -> None:
+        for (chunk, mb), buckets in list(self.mb_grads.items()):
+            for region in list(buckets):
+                self.free_mb_grad(chunk, mb, region)
+        if self.per_mb:
+            self.grad_shard_buffer().zero_()
+            return
         if self.grad is not None:
             if self.zero >= 2:
                 self.grad = None
@@ -280,6 +344,7 @@ class StateStore:
         self._views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._grad_views: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.active: dict[int, str] = {}     # ZeRO-3: chunk -> gathered copy the running compute uses
+        self.grad_mb: dict[int, int] = {}    # ZeRO-2/3: chunk -> micro-batch whose gradients are being written
 
     def families(self, axis: str) -> list[Buffer]:
         """Buffers a DP-axis collective covers: "dp" -> dense (and experts when ep == 1), "edp" -> experts."""
@@ -315,10 +380,14 @@ class StateStore:
         """Local gradient accumulator of a parameter (a view into the flat gradient buffer)."""
         hit = self._grad_views.get(name)
         p = self.pieces[name]
-        g = self.buffers[p.group].grad_buffer()
+        b = self.buffers[p.group]
+        if b.per_mb:
+            g, base = b.mb_grad(p.chunk, self.grad_mb.get(p.chunk), p.start)
+        else:
+            g, base = b.grad_buffer(), 0
         if hit is not None and hit[0] is g:
             return hit[1]
-        v = g[p.start:p.start + p.numel].view(p.sizes)
+        v = g[p.start - base:p.start - base + p.numel].view(p.sizes)
         self._grad_views[name] = (g, v)
         return v
 

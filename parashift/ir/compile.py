@@ -18,7 +18,7 @@ from ..strategy import Strategy
 from .directives import Fuse, Order, Place, Recompute, Replicate, Shard, Split, Stream, apply_all
 from .graph import Graph, paused_gc
 from .memory import (OPTIM_FLOPS_PER_ELEMENT, chunk_params, optimizer_elements, recompute_bytes, region_activation,
-                     static_memory)
+                     region_state_bytes, static_memory)
 from .model_graph import core_attention_flops, model_graph
 from .program import Program
 from .scheduler import lower
@@ -93,11 +93,12 @@ def directives(model: "str | ModelSpec", strategy: "str | Strategy", *, global_b
     out.append(Replicate(s.dpcp, s.zero, tuple(int(x) * pb for x in (cp.dense if s.ep > 1 else cp.total())),
                          tuple(int(x) * pb for x in (cp.expert if s.ep > 1 else cp.expert * 0)),
                          tuple(int(x) * gb for x in grad_dense), tuple(int(x) * gb for x in cp.expert),
-                         ep=s.ep, tied_bytes=cp.tied * gb, axis=s.grad_axis, overlap=s.overlap_grad))
+                         ep=s.ep, tied_bytes=cp.tied * gb, axis=s.grad_axis, overlap=s.overlap_grad,
+                         buckets=region_state_bytes(spec, s) if s.zero >= 2 else ()))
     if sched.hides_ep_comm and s.ep > 1:
         out.append(Stream("comm", ops=("all_to_all",), tag_prefix="ep."))
     out.append(order if order is not None else schedule_order(s, m, planning_costs(spec, s, seq_len, costs)))
-    if s.tp == 1 and s.ep == 1 and s.cp == 1:
+    if s.tp == 1 and s.ep == 1 and s.cp == 1 and not (s.zero >= 2 and not spec.is_moe):   # ZeRO-2/3: region buckets
         out.append(Fuse())
     return out
 

@@ -41,11 +41,18 @@ Communication instructions and tags (tags are unique per (sender, receiver)/grou
   DP grad sync     after the chunk's last backward: zero 0 -> all_reduce over "dp" (dense grads of the chunk)
                    and "edp" (expert grads); zero >= 1 -> reduce_scatter over "dp"/"edp"; tag
                    "dp.grad.c{chunk}" / "edp.grad.c{chunk}", key "grad:c{chunk}:dense" / "grad:c{chunk}:expert"
+  ZeRO 2/3 grads   per micro-batch and bucket instead (no tied embedding across stages): a dense model's
+                   graph is not fused and each region is a bucket, "dp.grad.c{c}.m{mb}.{region}" after the
+                   region's last backward node, freeing "zg.c{c}.m{mb}.{region}" (its grad bytes) that the
+                   region's first backward node allocs; MoE: one bucket per chunk ("dp.grad.c{c}.m{mb}",
+                   "zg.c{c}.m{mb}" / "zge.c{c}.m{mb}"). Without split backwards a bucket's backward
+                   waits for the reduce-scatter of the chunk's bucket two before it (two live).
   tied embedding   all_reduce over "embed", tag "embed.grad", before the optimizer
   optimizer        one compute instruction phase "optim" per rank after all grad syncs
   ZeRO 1/2 params  after optim: all_gather over "dp"/"edp" per chunk, tag "dp.param.c{chunk}"
   ZeRO 3 params    before each chunk's fwd (and bwd) per micro-batch: all_gather "dp"/"edp",
-                   tag "z3.param.c{chunk}.{phase}.m{mb}", freed after use (alloc/free a buffer)
+                   tag "z3.param.c{chunk}.{phase}.m{mb}", freed after use (alloc/free a buffer);
+                   dense models gather per region: "z3.param.c{c}.{phase}.m{mb}.{region}"
 Memory: `RankProgram.static_memory` = {"param", "grad", "master", "optim"} bytes this rank holds under
 the layout (ZeRO-aware; use parashift.vps.layout when available). Activations: each fwd allocs
 "act.c{chunk}.m{mb}" (bytes per recompute mode) and the matching bwd (or bwd_weight) frees it; comm
@@ -110,6 +117,10 @@ ZeRO-3: one all_gather per (chunk, mb, action) before its first compute: F -> "z
   over "edp" when ep > 1 and dp/ep > 1, which allocs its own buffer "z3e.c{c}.{fwd|bwd}.m{mb}"). It allocs "z3.c{c}.{fwd|bwd}.m{mb}" (the chunk's params on this rank before ZeRO), freed by
   the action's last compute (for split backward: the last bwd_weight). Prefetch depth 1: the gather of
   a stage's action k depends on the first compute of its action k-1. No param all-gather after optim.
+  Dense models (unfused under ZeRO-3): one gather per (action, region), "z3.param.c{c}.{ph}.m{mb}.{region}"
+  allocating "z3.c{c}.{ph}.m{mb}.{region}" (the region's param bytes) before the region's first node and
+  freed by its last (an I action's region copy by the region's W node); the gather of the action's j-th
+  region waits for its (j-2)-th region's last node.
 Optimizer: flops = 10 per element of this rank's optimizer shard, nbytes = bytes of its states touched.
 Compute nbytes: an estimate of memory traffic (region params on this rank + activations in/out).
 Activations: the first fwd instruction of (chunk, mb) allocs "act.c{chunk}.m{mb}" (Megatron formula per

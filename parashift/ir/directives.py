@@ -456,6 +456,13 @@ class Replicate:
     (0: untied), all-reduced over the ``embed`` group when embedding and head sit on different stages.
     ``overlap``: a chunk's gradient sync waits only for that chunk's backward (it overlaps the stage's
     other chunks); False: for the whole backward of its stage (Megatron without ``--overlap-grad-reduce``).
+
+    ZeRO-2/3 (``zero >= 2``) reduce-scatter each micro-batch's gradients of a chunk into the owner's
+    shard right after that micro-batch's backward (``dp.grad.c<c>.m<mb>``): the chunk's full-size
+    gradient (buffer ``zg.c<c>.m<mb>``) lives from its first backward node until the reduce-scatter
+    completes, and only the shard lives for the whole step (on dense models per region bucket, see
+    ``buckets``; without split backwards at most ``in_flight`` buckets of a chunk are live). With a tied embedding split across
+    stages the chunks sync once per step, as with ZeRO-1, so the embedding all-reduce sees whole gradients.
     """
 
     ways: int
@@ -468,6 +475,9 @@ class Replicate:
     tied_bytes: int = 0
     axis: str = "dp"
     overlap: bool = True
+    buckets: tuple[tuple[str, int, int], ...] = ()   # ZeRO-2/3: (atomic region, param bytes, grad bytes), dense
+    prefetch: int = 1     # ZeRO-3 per-region gathers issued ahead of the running region (0: none)
+    in_flight: int = 2    # ZeRO-2/3: gradient buckets of a chunk live at once (reduce-scatters overlap the backward)
 
     def apply(self, g: Graph) -> Graph:
         out = g.copy()
@@ -496,16 +506,15 @@ class Replicate:
         if len(stage_of) != chunks:
             raise ProgramError("Replicate needs a placed graph (apply Place first)")
         edp = self.ways // self.ep
+        last = chunks - 1
+        tied = bool(self.tied_bytes) and stage_of[0] != stage_of[last]
         sync_nodes: dict[int, list[int]] = {}
-        for ch in range(chunks):
+        if self.zero >= 2 and not tied:
+            self._per_microbatch(out, stage_of, optim, bwd_of_chunk, first_of_action, last_of_action, edp)
+        for ch in (range(0) if self.zero >= 2 and not tied else range(chunks)):
             st = stage_of[ch]
             anchor = (AFTER, ch)
-            specs = []
-            if self.ways > 1:
-                specs.append((self.axis, self.grad_dense[ch], "dense"))
-            if self.ep > 1 and edp > 1 and self.grad_expert[ch]:
-                specs.append(("edp", self.grad_expert[ch], "expert"))
-            for grp, nb, what in specs:
+            for grp, nb, what in self._specs(ch, edp):
                 s = out.add(op="all_reduce" if self.zero == 0 else "reduce_scatter", group=grp, chunk=ch,
                             stage=st, tag=str(T.SyncTag(T.Axis("edp" if what == "expert" else "dp"), T.Sync.GRAD, ch)),
                             key=str(T.StepKey("grad", ch, what)), nbytes=int(nb),
@@ -532,8 +541,7 @@ class Replicate:
                     out.edge(i, s, SAVED)
                 out.edge(s, optim[stage_of[ch]], SAVED)
         # tied embedding: all-reduce between the first and the last stage, at the end of the comm stream
-        last = chunks - 1
-        if self.tied_bytes and stage_of[0] != stage_of[last]:
+        if tied:
             for ch, kind in ((0, "embed"), (last, "head")):
                 st = stage_of[ch]
                 t = out.add(op="all_reduce", group="embed", chunk=ch, stage=st, tag=str(T.EmbedTag()),
@@ -557,7 +565,7 @@ class Replicate:
                                     key=str(T.StepKey("param", ch, "dense" if grp == self.axis else "expert")),
                                     nbytes=int(nb), stream="comm", action=(POST, ch))
                         out.edge(optim[stage_of[ch]], a, SAVED)
-        elif self.zero == 3:
+        elif self.zero == 3 and not self._region_gathers(out):
             for a, first in first_of_action.items():
                 if a.type == "W":
                     continue
@@ -582,6 +590,107 @@ class Replicate:
                         out.edge(n, u, SAVED)
                     c["free"][end] = c["free"][end] + (name,)
         return out
+
+    def _region_gathers(self, out: Graph) -> bool:
+        """ZeRO-3 on an unfused dense graph: gather each region's parameters right before its nodes
+        of an action and free them after its last one (an input-gradient action's copy serves the
+        region's weight-gradient nodes too); the j-th region's gather waits until region
+        ``j - 1 - prefetch`` of the action has run. False (nothing added) where regions are not atomic."""
+        c = out.cols
+        psize = {r: p for r, p, _ in self.buckets}
+        if not psize or self.ways <= 1 or any(self.expert_bytes):
+            return False
+        nodes: dict[Action, list[int]] = {}
+        for i in range(len(out)):
+            a = c["action"][i]
+            if c["op"][i] == "compute" and isinstance(a, Action):
+                if c["region"][i] not in psize:
+                    return False
+                nodes.setdefault(a, []).append(i)
+        for a, ids in nodes.items():
+            if a.type == "W":
+                continue
+            ph = "fwd" if a.type == "F" else "bwd"
+            own: dict[str, list[int]] = {}
+            for i in sorted(ids, key=lambda i: c["pos"][i]):
+                own.setdefault(c["region"][i], []).append(i)
+            later: dict[str, list[int]] = {}
+            if a.type == "I":
+                for i in nodes.get(Action(a.chunk, "W", a.mb), []):
+                    later.setdefault(c["region"][i], []).append(i)
+            regions = list(own)
+            for j, r in enumerate(regions):
+                users = own[r] + later.get(r, [])
+                end = max(later[r], key=lambda i: c["pos"][i]) if r in later else own[r][-1]
+                name = str(T.StepBuffer("z3", a.mb, chunk=a.chunk, phase=ph, region=r))
+                n = out.add(op="all_gather", group=self.axis, chunk=a.chunk, stage=c["stage"][own[r][0]],
+                            phase=ph, mb=a.mb, tag=str(T.Z3Tag(False, a.chunk, ph, a.mb, r)), nbytes=int(psize[r]),
+                            key=str(T.StepKey("param", a.chunk, "dense")), stream="comm", action=a,
+                            pos=float(c["pos"][own[r][0]]) - 0.5, alloc=((name, int(psize[r])),))
+                for u in users:
+                    out.edge(n, u, SAVED)
+                if j - 1 - self.prefetch >= 0:
+                    out.edge(own[regions[j - 1 - self.prefetch]][-1], n, SAVED)
+                c["free"][end] = c["free"][end] + (name,)
+        return True
+
+    def _specs(self, ch: int, edp: int) -> list[tuple[str, int, str]]:
+        """(group, gradient bytes, family) of chunk ``ch``'s gradient syncs."""
+        specs = []
+        if self.ways > 1:
+            specs.append((self.axis, self.grad_dense[ch], "dense"))
+        if self.ep > 1 and edp > 1 and self.grad_expert[ch]:
+            specs.append(("edp", self.grad_expert[ch], "expert"))
+        return specs
+
+    def _per_microbatch(self, out: Graph, stage_of: dict[int, int], optim: dict[int, int],
+                        bwd_of_chunk: dict[int, list[int]], first_of_action: dict, last_of_action: dict,
+                        edp: int) -> None:
+        """ZeRO-2/3: one reduce-scatter per gradient bucket and micro-batch into the shard, right
+        after the bucket's last backward node, its buffer allocated at its first backward node.
+
+        A bucket is one region's gradients (``buckets``, on an unfused graph) or else the chunk's.
+        Without split backwards a bucket's backward waits for the reduce-scatter of the chunk's bucket
+        ``in_flight`` before it, so at most ``in_flight`` bucket buffers per chunk are live."""
+        c = out.cols
+        sizes = {r: g for r, _, g in self.buckets}
+        for ch, nodes in bwd_of_chunk.items():
+            specs = self._specs(ch, edp)
+            if not specs:
+                continue
+            region_wise = bool(sizes) and all(c["region"][i] in sizes for i in nodes)
+            groups: dict[tuple[int, str | None], list[int]] = {}
+            for i in nodes:
+                groups.setdefault((c["mb"][i], c["region"][i] if region_wise else None), []).append(i)
+            prev: list[list[int]] = []     # reduce-scatters of the previous buckets, latest last
+            for (mb, region), users in sorted(groups.items(), key=lambda kv: (kv[0][0], min(c["pos"][i] for i in kv[1]))):
+                acts = {c["action"][i] for i in users if isinstance(c["action"][i], Action)}
+                if region_wise:
+                    first = min(users, key=lambda i: (c["phase"][i] == "bwd_weight", c["pos"][i]))
+                    end = max(users, key=lambda i: (c["phase"][i] != "bwd_input", c["pos"][i]))
+                else:
+                    starts = [first_of_action[a] for a in acts if a.type in ("B", "I")] or users
+                    ends = [last_of_action[a] for a in acts if a.type in ("B", "W")] or users
+                    first = min(starts, key=lambda i: c["pos"][i])
+                    end = max(ends, key=lambda i: c["pos"][i])
+                if all(a.type == "B" for a in acts) and len(prev) >= self.in_flight:   # bounded live buckets
+                    for s in prev[-self.in_flight]:
+                        out.edge(s, first, SAVED)
+                prev.append([])
+                for grp, nb, what in specs:
+                    expert = what == "expert"
+                    name = str(T.StepBuffer("zge" if expert else "zg", mb, chunk=ch, region=region))
+                    nbytes = int(sizes[region]) if region is not None else int(nb)
+                    c["alloc"][first] = c["alloc"][first] + ((name, nbytes),)
+                    axis = T.Axis("edp" if expert else "dp")
+                    s = out.add(op="reduce_scatter", group=grp, chunk=ch, stage=stage_of[ch], mb=mb,
+                                tag=str(T.SyncTag(axis, T.Sync.GRAD, ch, mb, region)),
+                                key=str(T.StepKey("grad", ch, what)), nbytes=nbytes, stream="comm",
+                                action=c["action"][end], pos=float(c["pos"][end]) + 0.5, free=(name,))
+                    for i in users:
+                        out.edge(i, s, SAVED)
+                    out.edge(s, optim[stage_of[ch]], SAVED)
+                    prev[-1].append(s)
 
 
 def apply_all(g: Graph, directives: Sequence) -> Graph:

@@ -4,6 +4,9 @@ Static memory is derived from the tensor inventory: TP shards along ``tp_dim``, 
 ZeRO shards each stage's flat buffer over the ``dp x cp`` ranks (experts: ``dp / ep``), padded to a
 multiple of the group size, exactly as :mod:`parashift.vps.layout` lays the buffers out (a test
 checks both agree; neither imports the other: the state kinds live in :mod:`parashift.states`).
+What ZeRO-2/3 hold beyond their shards during a step (a micro-batch's gradient bucket until its
+reduce-scatter, ZeRO-3's gathered region parameters) are Program buffers sized by
+:func:`region_state_bytes`.
 
 Activation bytes follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models", section 4), per layer for 16-bit activations (scaled by ``dtype_bytes / 2``),
@@ -31,7 +34,7 @@ from ..states import zero_shards
 from ..strategy import Strategy
 
 __all__ = ["ChunkParams", "chunk_params", "static_memory", "optimizer_elements", "region_activation",
-           "recompute_bytes", "OPTIM_FLOPS_PER_ELEMENT"]
+           "recompute_bytes", "region_state_bytes", "grad_bucket", "OPTIM_FLOPS_PER_ELEMENT"]
 
 OPTIM_FLOPS_PER_ELEMENT = 10.0
 
@@ -73,6 +76,28 @@ def chunk_params(model: ModelSpec, strategy: Strategy) -> ChunkParams:
         for c in chunks:
             (expert if t.ep_dim is not None else dense)[c] += n
     return ChunkParams(dense, expert, tied)
+
+
+def grad_bucket(tensor: str) -> str:
+    """The atomic region (gradient bucket) a dense model's tensor belongs to: ``layers.3.mlp.fc1.weight``
+    -> ``layers.3.mlp``, ``embed.word`` -> ``embed``, ``head.out`` -> ``head``."""
+    parts = tensor.split(".")
+    return ".".join(parts[:3]) if parts[0] == "layers" else parts[0]
+
+
+def region_state_bytes(model: ModelSpec, strategy: Strategy) -> tuple[tuple[str, int, int], ...]:
+    """Per atomic region of a dense model (``embed``, ``layers.<l>.attn``, ``layers.<l>.mlp``,
+    ``head``): (region, parameter bytes, gradient bytes) of its parameters on one rank (TP shard), in
+    model order: the ZeRO-2/3 gradient buckets and ZeRO-3 gather units. Empty for MoE models (their
+    parameters and gradients move per chunk)."""
+    if model.is_moe:
+        return ()
+    pb, gb = model.kind_bytes("param"), model.kind_bytes("grad")
+    out: dict[str, int] = {}
+    for t in model.tensors:
+        region = grad_bucket(t.name)
+        out[region] = out.get(region, 0) + (t.numel // strategy.tp if t.tp_dim is not None else t.numel)
+    return tuple((r, n * pb, n * gb) for r, n in out.items())
 
 
 def _shard(n: int, ways: int) -> int:

@@ -11,7 +11,10 @@ TPTag         ``tp.{region}.{phase}.m{mb}``          TP reduction after a region
                                                      ``bwd``, ``bwd_input``)
 EPTag         ``ep.layers.{l}.moe.{which}.{ph}.m{mb}``  MoE ``dispatch`` / ``combine`` all-to-all
 SyncTag       ``{dp|edp}.{grad|param}.c{chunk}``     DP gradient sync / ZeRO-1/2 param gather
-Z3Tag         ``z3.{param|eparam}.c{c}.{ph}.m{mb}``  ZeRO-3 parameter gather before an action
+              ``{dp|edp}.grad.c{chunk}.m{mb}[.{region}]``  ZeRO-2/3: one micro-batch's gradient
+                                                     reduce-scatter (of one region's bucket)
+Z3Tag         ``z3.{param|eparam}.c{c}.{ph}.m{mb}[.{region}]``  ZeRO-3 parameter gather before an
+                                                     action (of one region's parameters)
 EmbedTag      ``embed.grad``                         tied-embedding gradient all-reduce
 SPTag         ``sp.{region}.{ph}.{rs|ag|input}.m{mb}``  sequence-parallel reduce-scatter / all-gather
                                                      / backward input re-gather around a region
@@ -21,7 +24,8 @@ CPTag         ``cp.{region}.{ph}.{kv|dkv}.m{mb}``    context-parallel K/V gather
 Payload keys ``grad:c{chunk}:{dense|expert}``, ``param:c{chunk}:{dense|expert}``,
 ``grad:embed``, ``ce_stats`` and the sp/cp payloads ``sp_scatter``, ``sp_gather``, ``sp_input``,
 ``cp_kv``, ``cp_dkv`` (:class:`StepKey`) and buffer names ``act.c{c}.m{mb}``,
-``rc.{region}.m{mb}``, ``z3.c{c}.{ph}.m{mb}``, ``z3e.c{c}.{ph}.m{mb}`` (:class:`StepBuffer`).
+``rc.{region}.m{mb}``, ``z3.c{c}.{ph}.m{mb}[.{region}]``, ``z3e.c{c}.{ph}.m{mb}``, ``zg.c{c}.m{mb}[.{region}]``,
+``zge.c{c}.m{mb}`` (:class:`StepBuffer`).
 
 Switch Programs (:mod:`parashift.vps.transition`): transfer tags ``s{stage}:{src}>{dst}[:{n}]``
 (point-to-point), ``b{stage}:{src}>{d1},{d2}`` (broadcast), ``{s|g}{stage}:{root}:{m1},{m2}``
@@ -165,34 +169,55 @@ class EPTag:
 
 @dataclass(frozen=True)
 class SyncTag:
-    """A chunk's DP gradient sync (``grad``) or ZeRO-1/2 parameter gather (``param``)."""
+    """A chunk's DP gradient sync (``grad``) or ZeRO-1/2 parameter gather (``param``); ``mb``: the
+    micro-batch whose gradients a ZeRO-2/3 reduce-scatter moves (None: the whole step's), ``region``
+    the region whose gradient bucket it moves (None: the whole chunk's)."""
     axis: Axis
     what: Sync
     chunk: int
+    mb: int | None = None
+    region: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mb is not None and self.what is not Sync.GRAD:
+            raise ProgramError(f"only a gradient sync names a micro-batch: {self!r}")
+        if self.region is not None:
+            if self.mb is None:
+                raise ProgramError(f"a gradient bucket sync names its micro-batch: {self!r}")
+            _check_name(self.region, "region")
 
     def __str__(self) -> str:
-        return f"{self.axis.value}.{self.what.value}.c{self.chunk}"
+        return (f"{self.axis.value}.{self.what.value}.c{self.chunk}" + ("" if self.mb is None else f".m{self.mb}")
+                + ("" if self.region is None else f".{self.region}"))
 
 
 @dataclass(frozen=True)
 class Z3Tag:
-    """A ZeRO-3 gather of ``chunk``'s parameters (``expert``: its expert parameters) before an action."""
+    """A ZeRO-3 gather of ``chunk``'s parameters (``expert``: its expert parameters; ``region``: only
+    that region's) before an action."""
     expert: bool
     chunk: int
     phase: str
     mb: int
+    region: str | None = None
 
     def __post_init__(self) -> None:
         if self.phase not in Z3_PHASES:
             raise ProgramError(f"ZeRO-3 tag phase {self.phase!r} is not one of {Z3_PHASES}")
+        if self.region is not None:
+            if self.expert:
+                raise ProgramError(f"expert parameters are gathered per chunk, not per region: {self!r}")
+            _check_name(self.region, "region")
 
     def __str__(self) -> str:
-        return f"z3.{'eparam' if self.expert else 'param'}.c{self.chunk}.{self.phase}.m{self.mb}"
+        return (f"z3.{'eparam' if self.expert else 'param'}.c{self.chunk}.{self.phase}.m{self.mb}"
+                + ("" if self.region is None else f".{self.region}"))
 
     @property
     def buffer(self) -> "StepBuffer":
         """The buffer the gather fills."""
-        return StepBuffer("z3e" if self.expert else "z3", chunk=self.chunk, phase=self.phase, mb=self.mb)
+        return StepBuffer("z3e" if self.expert else "z3", chunk=self.chunk, phase=self.phase, mb=self.mb,
+                          region=self.region)
 
 
 @dataclass(frozen=True)
@@ -274,18 +299,21 @@ def parse_tag(text: str) -> StepTag:
         return EPTag(_int(text, parts[1], "", what), _enum(A2A, parts[3], text, what),
                      _phase(parts[4], EP_PHASES, text, what), _int(text, parts[5], "m", what))
     if head in ("dp", "edp"):
-        what = "DP tag dp|edp.grad|param.c<chunk>"
-        parts = rest.split(".")
-        if len(parts) != 2:
+        what = "DP tag dp|edp.grad|param.c<chunk>[.m<mb>[.<region>]]"
+        parts = rest.split(".", 3)
+        if len(parts) < 2 or (len(parts) > 2 and parts[0] != "grad") or (len(parts) == 4 and not parts[3]):
             raise _bad(text, what)
-        return SyncTag(Axis(head), _enum(Sync, parts[0], text, what), _int(text, parts[1], "c", what))
+        mb = _int(text, parts[2], "m", what) if len(parts) > 2 else None
+        return SyncTag(Axis(head), _enum(Sync, parts[0], text, what), _int(text, parts[1], "c", what), mb,
+                       parts[3] if len(parts) == 4 else None)
     if head == "z3":
-        what = "ZeRO-3 tag z3.param|eparam.c<chunk>.<phase>.m<mb>"
-        parts = rest.split(".")
-        if len(parts) != 4 or parts[0] not in ("param", "eparam"):
+        what = "ZeRO-3 tag z3.param|eparam.c<chunk>.<phase>.m<mb>[.<region>]"
+        parts = rest.split(".", 4)
+        if len(parts) < 4 or parts[0] not in ("param", "eparam") or (len(parts) == 5 and not parts[4]):
             raise _bad(text, what)
         return Z3Tag(parts[0] == "eparam", _int(text, parts[1], "c", what),
-                     _phase(parts[2], Z3_PHASES, text, what), _int(text, parts[3], "m", what))
+                     _phase(parts[2], Z3_PHASES, text, what), _int(text, parts[3], "m", what),
+                     parts[4] if len(parts) == 5 else None)
     if text == "embed.grad":
         return EmbedTag()
     raise _bad(text, "training-step tag")
@@ -331,7 +359,8 @@ class StepKey:
 @dataclass(frozen=True)
 class StepBuffer:
     """A training-step buffer: ``act`` (a chunk's activations of a micro-batch), ``rc`` (a region's
-    recomputed activations), ``z3`` / ``z3e`` (a ZeRO-3 gathered dense / expert parameter copy)."""
+    recomputed activations), ``z3`` / ``z3e`` (a ZeRO-3 gathered dense / expert parameter copy),
+    ``zg`` / ``zge`` (ZeRO-2/3: a chunk's full-size dense / expert gradient of one micro-batch)."""
     kind: str
     mb: int
     chunk: int | None = None
@@ -339,22 +368,23 @@ class StepBuffer:
     phase: str | None = None
 
     def __post_init__(self) -> None:
-        ok = ((self.kind == "act" and self.chunk is not None and self.region is None and self.phase is None)
+        ok = ((self.kind in ("act", "zg", "zge") and self.chunk is not None and self.phase is None
+               and (self.region is None or self.kind == "zg"))
               or (self.kind == "rc" and self.region is not None and self.chunk is None and self.phase is None)
               or (self.kind in ("z3", "z3e") and self.chunk is not None and self.phase in Z3_PHASES
-                  and self.region is None))
+                  and (self.region is None or self.kind == "z3")))
         if not ok:
-            raise ProgramError(f"buffer {self!r} is none of act.c<c>.m<mb>, rc.<region>.m<mb>, "
+            raise ProgramError(f"buffer {self!r} is none of act|zg|zge.c<c>.m<mb>, zg.c<c>.m<mb>.<region>, rc.<region>.m<mb>, "
                                f"z3|z3e.c<c>.<fwd|bwd>.m<mb>")
         if self.region is not None:
             _check_name(self.region, "region")
 
     def __str__(self) -> str:
-        if self.kind == "act":
-            return f"act.c{self.chunk}.m{self.mb}"
+        if self.kind in ("act", "zg", "zge"):
+            return f"{self.kind}.c{self.chunk}.m{self.mb}" + ("" if self.region is None else f".{self.region}")
         if self.kind == "rc":
             return f"rc.{self.region}.m{self.mb}"
-        return f"{self.kind}.c{self.chunk}.{self.phase}.m{self.mb}"
+        return f"{self.kind}.c{self.chunk}.{self.phase}.m{self.mb}" + ("" if self.region is None else f".{self.region}")
 
     @classmethod
     def parse(cls, text: str) -> "StepBuffer":
@@ -366,11 +396,15 @@ class StepBuffer:
                 raise _bad(text, what)
             return cls("rc", _int(text, m, "m", what), region=region)
         parts = rest.split(".")
-        if head == "act" and len(parts) == 2:
-            return cls("act", _int(text, parts[1], "m", what), chunk=_int(text, parts[0], "c", what))
-        if head in ("z3", "z3e") and len(parts) == 3:
+        if head in ("act", "zg", "zge") and len(parts) == 2:
+            return cls(head, _int(text, parts[1], "m", what), chunk=_int(text, parts[0], "c", what))
+        if head == "zg" and len(parts) > 2:
+            return cls(head, _int(text, parts[1], "m", what), chunk=_int(text, parts[0], "c", what),
+                       region=".".join(parts[2:]))
+        if head in ("z3", "z3e") and len(parts) >= 3 and (len(parts) == 3 or head == "z3"):
             return cls(head, _int(text, parts[2], "m", what), chunk=_int(text, parts[0], "c", what),
-                       phase=_phase(parts[1], Z3_PHASES, text, what))
+                       phase=_phase(parts[1], Z3_PHASES, text, what),
+                       region=".".join(parts[3:]) if len(parts) > 3 else None)
         raise _bad(text, what)
 
 
