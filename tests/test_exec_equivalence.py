@@ -113,3 +113,18 @@ def test_cp_is_refused_in_one_line() -> None:
     """Context parallelism is planned and simulated, not run: the runtime says so before starting."""
     with pytest.raises(StrategyError, match="cp=2"):
         run("tiny-gpt", "cp=2", steps=1, global_batch=GB, seq_len=SEQ, optim=OPT, timeout=60)
+
+
+RECOMPUTE = [
+    ("tiny-gpt", "dp=2,pp=2,schedule=zb-h1,recompute=selective"),
+    ("tiny-gpt", "pp=2,vpp=2,schedule=dualpipev,recompute=selective"),
+    ("tiny-gpt", "pp=2,schedule=zb-h1,recompute=full"),
+    ("tiny-gpt", "pp=2,vpp=2,schedule=dualpipev,recompute=full"),
+]
+
+
+@pytest.mark.parametrize("model,strategy", RECOMPUTE, ids=[f"{m}:{s}" for m, s in RECOMPUTE])
+def test_recompute_with_split_backward(model: str, strategy: str) -> None:
+    """Recomputation under split-backward schedules (tp = 1: regions share one autograd graph, which a
+    recompute of part of a stage breaks into pieces) trains like one process."""
+    check(model, strategy)

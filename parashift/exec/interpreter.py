@@ -541,8 +541,11 @@ class Interpreter:
             self.st.open_bwd[c] = self.st.open_bwd.get(c, 0) + 1
 
     def _bwd_chain(self, c: int, mb: int, atoms: list[str], full: bool) -> None:
-        """Backward of an instruction's regions through their one shared graph (tp == 1, dense):
-        one autograd call yields the input gradient and every parameter use's output gradient."""
+        """Backward of an instruction's regions through their shared graph (tp == 1, dense): one
+        autograd call per connected piece yields its input gradient and every parameter use's
+        output gradient. A region whose input is not the previous region's output (a recompute
+        rebuilt the regions before it, or it ran without a graph) starts a new piece; the pieces
+        run last to first, each one's input gradient feeding the piece before."""
         st = self.st
         recs = [st.recs[(c, mb)][a] for a in atoms]
         for rec in recs:
@@ -556,20 +559,32 @@ class Interpreter:
             out, gout = logits, head_logit_grad(self.ctx, last)
         else:
             out, gout = last.t["h_out"], st.gout.pop((c, mb))
-        body = [r for r in recs if r.kind != "embed"]
-        first = body[0].t["h"] if body else None
-        ins: list[torch.Tensor] = [first] if first is not None and first.grad_fn is None else []
-        spans = []
-        for r in body:
-            a, b = r.tape_a.outputs(), [t for t in r.tape.outputs() if t is not logits]
-            spans.append((r, len(ins), len(a), len(b)))
-            ins += a + b
-        grads = torch.autograd.grad([out], ins, [gout], allow_unused=True)
-        pos = {id(t): k for k, t in enumerate(ins)}
-        for r, _, na, nb in spans:
-            r.t["dys_a"] = [grads[pos[id(t)]] for t in r.tape_a.outputs()]
-            r.dys = [gout if t is logits else grads[pos[id(t)]] for t in r.tape.outputs()]
-        dh = grads[0] if first is not None and first.grad_fn is None else None
+        pieces: list[list[Rec]] = []
+        for r in recs:
+            if r.kind == "embed":
+                continue
+            if pieces and r.t["h"] is pieces[-1][-1].t.get("h_out"):
+                pieces[-1].append(r)
+            else:
+                pieces.append([r])
+        dh = None
+        for k in range(len(pieces) - 1, -1, -1):
+            first = pieces[k][0].t["h"]
+            ins: list[torch.Tensor] = [first] if first.requires_grad and (k > 0 or first.grad_fn is None) else []
+            lead = len(ins)
+            for r in pieces[k]:
+                ins += r.tape_a.outputs() + [t for t in r.tape.outputs() if t is not logits]
+            grads = torch.autograd.grad([out], ins, [gout], allow_unused=True)
+            pos = {id(t): j for j, t in enumerate(ins)}
+            for r in pieces[k]:
+                r.t["dys_a"] = [grads[pos[id(t)]] for t in r.tape_a.outputs()]
+                r.dys = [gout if t is logits else grads[pos[id(t)]] for t in r.tape.outputs()]
+            dh = grads[0] if lead else None
+            if k > 0:
+                if dh is None:
+                    raise RuntimeError(f"backward of {pieces[k][0].region} (chunk {c}, micro-batch {mb}): its input "
+                                       f"is not connected to the regions before it, so no gradient reaches them")
+                out, gout = pieces[k - 1][-1].t["h_out"], dh
         if recs[0].kind == "embed":
             recs[0].dys = [dh]
         elif c > 0:
