@@ -12,7 +12,7 @@ never mismatches between ranks.
 
 With profiling off on gloo (``record`` None) a step takes a faster path with the same results:
 every receive without deps is posted when the step starts (each into a buffer allocated once),
-sends nothing depends on are waited on by helper threads and reaped at the step's end, and when
+sends nothing depends on are waited on at the step's end, and when
 every blocked stream waits on one transfer the loop waits on that handle directly. Nothing is
 timed or synchronized then.
 
@@ -26,6 +26,7 @@ and its neighbours.
 """
 from __future__ import annotations
 
+import datetime
 import math
 import time
 import zlib
@@ -51,11 +52,11 @@ __all__ = ["Interpreter", "Prepared", "StepState", "chunk_atoms", "group_keys"]
 _P2P_ORDER = ("p2p", "comm")   # streams issued before compute, so communication starts early
 
 
-def _drain(fl: Flight) -> BaseException | None:
-    """Wait (on a helper thread) for a send nothing depends on; its error, if any."""
+def _drain(fl: Flight, timeout: datetime.timedelta) -> BaseException | None:
+    """Wait for a send nothing depends on (at the step's end); its error, if any."""
     try:
         for w in fl.works:
-            w.wait()
+            w.wait(timeout)
     except BaseException as e:  # noqa: BLE001 - reported when the step reaps its sends
         return e
     return None
@@ -256,7 +257,7 @@ class Interpreter:
         poller = Poller(gloo=not self.nccl, pool=self.pool, wait_only=self.worlds.backend == "fake",
                         eager=not fast)
         left = self.n
-        loose: list = []                  # sends nothing waits for: a helper waits, the step's end reaps
+        loose: list[Flight] = []          # sends nothing waits for: waited on at the step's end
         early = bytearray(self.n)         # receives posted at the start of the step
 
         def finish(items: list) -> None:
@@ -301,7 +302,7 @@ class Interpreter:
                         done[p.idx] = 1
                         left -= 1
                     elif fast and not p.watched:
-                        loose.append(poller.pool.submit(_drain, fl))
+                        loose.append(fl)
                         done[p.idx] = 1
                         left -= 1
                     else:
@@ -319,8 +320,9 @@ class Interpreter:
                                              f"{ {self.streams[s]: str(f.instr) for s, f in enumerate(busy) if f} }; "
                                              f"next: {heads}")
                     finish(got)
-            for fut in loose:
-                err = fut.result(timeout=self.timeout)
+            limit = datetime.timedelta(seconds=self.timeout)
+            for fl in loose:
+                err = _drain(fl, limit)
                 if err is not None:
                     raise RuntimeFailure(f"rank {self.rank}: a send failed: {type(err).__name__}: {err}")
         finally:
