@@ -154,6 +154,9 @@ class Interpreter:
         self.coords = self.strategy.coords(rank)
         self.gb = int(program.meta["global_batch"])
         self.st = StepState()
+        self._step, self._data = 0, None
+        self._kinds: dict[str, tuple[str, int]] = {}           # atomic region -> (kind, layer)
+        self._act_bytes: dict[tuple[str, bool, bool], int] = {}  # what a dense region keeps, by (region, built, recomputed)
         self._init_model()
         self.streams = sorted(self.rp.streams, key=lambda n: (n not in _P2P_ORDER, _P2P_ORDER.index(n)
                                                               if n in _P2P_ORDER else 0, n))
@@ -174,6 +177,20 @@ class Interpreter:
                              self.store.param, self.store.grad,
                              tuple(t.to(_DT[spec.dtype]) for t in rope_tables(self.seq, spec.head_dim, device=device)),
                              chain=s.tp == 1 and not spec.is_moe)
+
+    @property
+    def tokens(self) -> Any:
+        """This step's global batch of input tokens (made on first use: middle stages never need it)."""
+        if self._data is None:
+            self._data = self.batch(self._step)
+        return self._data[0]
+
+    @property
+    def targets(self) -> Any:
+        """This step's global batch of target tokens (made on first use)."""
+        if self._data is None:
+            self._data = self.batch(self._step)
+        return self._data[1]
 
     # ---- load time ----------------------------------------------------------------------------------
     def _prepare(self) -> None:
@@ -212,6 +229,7 @@ class Interpreter:
                 p.z3_free = tuple(name for name in ins.free if name.startswith("z3."))
                 seq.append(p)
             self.seqs.append(seq)
+        self.regions = {p.ins.id: p.atoms for seq in self.seqs for p in seq if p.atoms}   # compute id -> atoms
         self.stream_of = [0] * self.n
         for seq in self.seqs:
             for p in seq:
@@ -244,12 +262,13 @@ class Interpreter:
     def run_step(self, step: int) -> float:
         """Execute the program once; returns this rank's share of the step's loss."""
         self.st = StepState()
-        self.tokens, self.targets = self.batch(step)
+        self._step, self._data = step, None
         seqs, nstreams = self.seqs, len(self.seqs)
         done = bytearray(self.n)
         ptr = [0] * nstreams
         ends = [len(q) for q in seqs]
         busy: list[Flight | None] = [None] * nstreams
+        nbusy = 0                                        # streams whose head is in flight
         inflight: dict[int, Flight] = {}
         fast = self.record is None and not self.nccl     # profiling off (gloo): post receives early, reap sends late
         if self.pool is None and not self.nccl:
@@ -261,7 +280,7 @@ class Interpreter:
         early = bytearray(self.n)         # receives posted at the start of the step
 
         def finish(items: list) -> None:
-            nonlocal left
+            nonlocal left, nbusy
             for fl, err in items:
                 self._complete(fl, err)
                 p = fl.prep
@@ -269,6 +288,7 @@ class Interpreter:
                 inflight.pop(p.idx, None)
                 if busy[p.stream] is fl:
                     busy[p.stream] = None
+                    nbusy -= 1
                 left -= 1
         try:
             if fast:
@@ -308,9 +328,10 @@ class Interpreter:
                     else:
                         if p.kind not in (_SEND, _RECV):   # p2p is posted in order, never waited on in line
                             busy[s] = fl
+                            nbusy += 1
                         inflight[p.idx] = fl
                         poller.submit(fl)
-                    if any(b is not None for b in busy):
+                    if nbusy:
                         finish(poller.ready())
                 if left and not progressed:
                     got = poller.wait(self.timeout, self._root(ptr, busy, inflight, done) if fast else None)
@@ -420,7 +441,7 @@ class Interpreter:
                 b.optimizer_step(self.optim)
             return
         c, mb = ins.chunk, ins.microbatch
-        atoms = atomic_regions(ins.region, self.spec)
+        atoms = self.regions.get(ins.id) or atomic_regions(ins.region, self.spec)
         if self.strategy.zero == 3:
             self.store.active[c] = f"z3.c{c}.{'fwd' if ph == 'fwd' else 'bwd'}.m{mb}"
         if ph == "fwd":
@@ -456,8 +477,11 @@ class Interpreter:
         if atom == "head":
             rows = microbatch_rows(self.gb, self.strategy.dp, self.coords["dp"], self.strategy.mbs, mb)
             env["targets"] = self.targets[rows].to(self.device)
-        kind, layer = region_kind(atom)
-        rec = Rec(atom, kind, layer)
+        kl = self._kinds.get(atom)
+        if kl is None:
+            kl = self._kinds[atom] = region_kind(atom)
+        rec = Rec(atom, *kl)
+        kind = kl[0]
         st.recs.setdefault((c, mb), {})[atom] = rec
         graph = (c, mb, atom) not in self.rc
         with torch.set_grad_enabled(graph):
@@ -496,10 +520,17 @@ class Interpreter:
             self.st.act[(c, mb)] = env.pop("h").detach()
         self._account(c, mb, rec)
 
-    def _account(self, c: int, mb: int, rec: Rec) -> None:
-        """Track the bytes one region keeps for its backward (activations, stashed gradients)."""
-        uses = [(u.x, u.y) for u in rec.tape.uses] + [(u.x, u.y) for u in rec.tape_a.uses]
-        self.store.mem.alloc(f"act:{c}:{mb}:{rec.region}", tensor_bytes([rec.t, rec.saved, uses, rec.dys or []]))
+    def _account(self, c: int, mb: int, rec: Rec, recomputed: bool = False) -> None:
+        """Track the bytes one region keeps for its backward (activations, stashed gradients); a dense
+        region keeps the same every micro-batch and step, so its count is taken once."""
+        key = (rec.region, rec.built, recomputed)
+        n = self._act_bytes.get(key)
+        if n is None:
+            uses = [(u.x, u.y) for u in rec.tape.uses] + [(u.x, u.y) for u in rec.tape_a.uses]
+            n = tensor_bytes([rec.t, rec.saved, uses, rec.dys or []])
+            if not rec.kind.startswith("moe"):       # MoE routing sizes change with the data
+                self._act_bytes[key] = n
+        self.store.mem.alloc(f"act:{c}:{mb}:{rec.region}", n)
 
     def _recompute(self, c: int, mb: int, atom: str, carry: dict) -> None:
         """Rebuild one region's graph from its saved inputs (chain mode: from the previous
@@ -520,7 +551,7 @@ class Interpreter:
         rec.pending = None
         rec.built = True
         self._sp_keep_rows(c, mb, rec)
-        self._account(c, mb, rec)
+        self._account(c, mb, rec, recomputed=True)
 
     def _bwd(self, c: int, mb: int, atom: str, full: bool) -> None:
         st = self.st
