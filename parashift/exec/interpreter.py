@@ -12,9 +12,17 @@ never mismatches between ranks.
 
 With profiling off on gloo (``record`` None) a step takes a faster path with the same results:
 every receive without deps is posted when the step starts (each into a buffer allocated once),
-sends nothing depends on are waited on at the step's end, and when
-every blocked stream waits on one transfer the loop waits on that handle directly. Nothing is
-timed or synchronized then.
+sends nothing depends on are waited on at the step's end (no helper thread), and when every
+blocked stream waits on one transfer the loop waits on that handle directly (helper threads watch
+transfers only when several could unblock work). Nothing is timed or synchronized then.
+
+Structure: :meth:`Interpreter._prepare` turns each instruction into a :class:`Prepared` once (its
+kind, parsed tag, peer, group, gloo tag, recv buffer, dense dependency indices, regions); the step
+loop (:meth:`Interpreter.run_step`) walks the streams' prepared lists with flat done flags, hands
+compute to :meth:`_compute` (dispatch on phase) and communication to :meth:`_comm` (dispatch on
+kind: one small method per payload, ``_tp``, ``_sp``, ``_ep``, ``_dp``, ``_z3``), and finishes
+transfers through their ``then`` callbacks. New instruction kinds add a kind in :meth:`_kind_of`
+and a method called from :meth:`_comm`.
 
 What each instruction does is decided by its op, phase, region and tag, parsed once at load (the
 grammar is :mod:`parashift.ir.tags`, the conventions :mod:`parashift.ir.conventions`); the
@@ -178,19 +186,19 @@ class Interpreter:
                              tuple(t.to(_DT[spec.dtype]) for t in rope_tables(self.seq, spec.head_dim, device=device)),
                              chain=s.tp == 1 and not spec.is_moe)
 
-    @property
-    def tokens(self) -> Any:
-        """This step's global batch of input tokens (made on first use: middle stages never need it)."""
+    def _step_batch(self) -> tuple[Any, Any]:
+        """This step's (tokens, targets), made on first use: middle stages never need them."""
         if self._data is None:
             self._data = self.batch(self._step)
-        return self._data[0]
+        return self._data
+
+    @property
+    def tokens(self) -> Any:
+        return self._step_batch()[0]
 
     @property
     def targets(self) -> Any:
-        """This step's global batch of target tokens (made on first use)."""
-        if self._data is None:
-            self._data = self.batch(self._step)
-        return self._data[1]
+        return self._step_batch()[1]
 
     # ---- load time ----------------------------------------------------------------------------------
     def _prepare(self) -> None:
