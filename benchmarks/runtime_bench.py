@@ -3,10 +3,12 @@
 Two sizes (``--size``): ``small`` is tiny-gpt deepened to 8 layers (hidden 64, sequence 32,
 vocabulary 256), ``medium`` 8 blocks of hidden 256, sequence 128, vocabulary 1024; both run 4
 gloo processes (4 pipeline stages, one thread each), 8 micro-batches of one sequence, AdamW step
-included on both sides. For each schedule (gpipe, 1f1b, interleaved-1f1b, dualpipev against
+included on both sides. Both runtimes live in the same 4 processes and their steps alternate (the
+order flips every step), so load that comes and goes on a shared machine hits both alike
+(``--separate``: one launch per side instead). For each schedule (gpipe, 1f1b, interleaved-1f1b, dualpipev against
 torch's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleDualPipeV): the median step
 time (over ``--steps`` after ``--warmup``) of each side per launch, the median over ``--repeats``
-launches (the two sides alternate, so load drifts hit both), ``ratio`` = parashift / torch
+launches, ``ratio`` = parashift / torch
 (< 1: parashift faster), and ``max_ratio`` over schedules. ``reference_s``: one process training
 the whole model on the same micro-batches (the pipeline's own efficiency is reference_s / step).
 ``breakdown``: where one rank's step time goes, per side, from ``cProfile`` over a separate
@@ -125,6 +127,40 @@ def _torch_setup(ctx, size: str, schedule: str):
     return torch_step
 
 
+def _max_time(dt: float) -> float:
+    """The slowest rank's time of one step (every rank calls this once per step)."""
+    t = torch.tensor([dt])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _paired_job(ctx, program_json: dict, size: str, schedule: str, steps: int) -> tuple[list[float], list[float]]:
+    """Both runtimes in the same processes, their steps alternating (the order flips every step), so
+    load that comes and goes on a shared machine hits both sides alike; (parashift, torch) step times."""
+    from parashift.exec.runtime import Runtime
+    from parashift.ir.program import Program
+    rt = Runtime(Program.from_json(program_json), ctx, model=bench_model(size), timeout=600, profile=False)
+    torch_step = _torch_setup(ctx, size, schedule)
+
+    def ours() -> float:
+        return rt.step()[1]          # after a barrier, like the torch side
+
+    def theirs(step: int) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        torch_step(step)
+        return time.perf_counter() - t0
+    a, b = [], []
+    for step in range(steps):
+        if step % 2 == 0:
+            a.append(_max_time(ours()))
+            b.append(_max_time(theirs(step)))
+        else:
+            b.append(_max_time(theirs(step)))
+            a.append(_max_time(ours()))
+    return a, b
+
+
 def _torch_job(ctx, size: str, schedule: str, steps: int) -> list[float]:
     torch_step = _torch_setup(ctx, size, schedule)
     times = []
@@ -132,9 +168,7 @@ def _torch_job(ctx, size: str, schedule: str, steps: int) -> list[float]:
         dist.barrier()
         t0 = time.perf_counter()
         torch_step(step)
-        t = torch.tensor([time.perf_counter() - t0])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times.append(float(t))
+        times.append(_max_time(time.perf_counter() - t0))
     return times
 
 
@@ -258,6 +292,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3, help="launches per side; the median of their medians")
+    ap.add_argument("--separate", action="store_true",
+                    help="time each side in its own launches (default: both in one launch, steps alternating)")
     ap.add_argument("--breakdown-steps", type=int, default=3, help="profiled steps per side (0: no breakdown)")
     args = ap.parse_args()
     scheds = [x for x in args.schedules.split(",") if x]
@@ -270,7 +306,8 @@ def main() -> None:
     z = SIZES[args.size]
     out: dict = {"size": args.size, "model": {"layers": spec.layers, **z}, "stages": PP, "processes": PP,
                  "microbatches": MICRO, "backend": "gloo", "threads": 1, "steps": args.steps, "warmup": args.warmup,
-                 "repeats": args.repeats, "torch": torch.__version__, "schedules": {}}
+                 "repeats": args.repeats,
+                 "pairing": "separate launches" if args.separate else "one launch, steps alternating", "torch": torch.__version__, "schedules": {}}
     out["reference_s"] = reference_step(spec, args.steps, args.warmup)
     print(f"[{args.size}] one-process reference step {out['reference_s'] * 1e3:.1f} ms", file=sys.stderr)
     from torch.distributed import pipelining
@@ -282,13 +319,18 @@ def main() -> None:
         program = compile_program(spec, f"pp={PP},vpp={vpp},schedule={schedule}", global_batch=MICRO,
                                   seq_len=spec.seq_len)
         ours, theirs, ours_min, theirs_min = [], [], [], []
-        for _ in range(args.repeats):           # alternate the two sides so load drifts hit both
-            res = run_program(program, steps=args.steps, profile=False, model=spec, timeout=600)
-            ours.append(median_after_warmup(res.step_times, args.warmup))
-            ours_min.append(min(res.step_times[args.warmup:]))
-            t = launch_local(_torch_job, PP, args=(args.size, schedule, args.steps), timeout=600)[0]
-            theirs.append(median_after_warmup(t, args.warmup))
-            theirs_min.append(min(t[args.warmup:]))
+        for _ in range(args.repeats):
+            if args.separate:                   # one launch per side, the sides alternating
+                res = run_program(program, steps=args.steps, profile=False, model=spec, timeout=600)
+                mine = res.step_times
+                other = launch_local(_torch_job, PP, args=(args.size, schedule, args.steps), timeout=600)[0]
+            else:                               # one launch, the sides' steps alternating
+                mine, other = launch_local(_paired_job, PP, args=(program.to_json(), args.size, schedule,
+                                                                  args.steps), timeout=600)[0]
+            ours.append(median_after_warmup(mine, args.warmup))
+            ours_min.append(min(mine[args.warmup:]))
+            theirs.append(median_after_warmup(other, args.warmup))
+            theirs_min.append(min(other[args.warmup:]))
         a, b = statistics.median(ours), statistics.median(theirs)
         amin, bmin = min(ours_min), min(theirs_min)
         row = {"parashift_s": a, "torch_s": b, "torch_schedule": cls_name, "ratio": a / b,

@@ -108,3 +108,18 @@ def test_bf16_model_keeps_fp32_master_weights() -> None:
     res = run(spec, "dp=2,pp=2,zero=1", steps=3, global_batch=4, seq_len=16, optim=OPT, timeout=120)
     assert all(abs(a - b) < 2e-2 * abs(b) for a, b in zip(res.losses, ref)), (res.losses, ref)
 
+
+
+RECOMPUTE = [
+    ("tiny-gpt", "dp=2,pp=2,schedule=zb-h1,recompute=selective"),
+    ("tiny-gpt", "pp=2,vpp=2,schedule=dualpipev,recompute=selective"),
+    ("tiny-gpt", "pp=2,schedule=zb-h1,recompute=full"),
+    ("tiny-gpt", "pp=2,vpp=2,schedule=dualpipev,recompute=full"),
+]
+
+
+@pytest.mark.parametrize("model,strategy", RECOMPUTE, ids=[f"{m}:{s}" for m, s in RECOMPUTE])
+def test_recompute_with_split_backward(model: str, strategy: str) -> None:
+    """Recomputation under split-backward schedules (tp = 1: regions share one autograd graph, which a
+    recompute of part of a stage breaks into pieces) trains like one process."""
+    check(model, strategy)

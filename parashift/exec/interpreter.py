@@ -12,9 +12,17 @@ never mismatches between ranks.
 
 With profiling off on gloo (``record`` None) a step takes a faster path with the same results:
 every receive without deps is posted when the step starts (each into a buffer allocated once),
-sends nothing depends on are waited on by helper threads and reaped at the step's end, and when
-every blocked stream waits on one transfer the loop waits on that handle directly. Nothing is
-timed or synchronized then.
+sends nothing depends on are waited on at the step's end (no helper thread), and when every
+blocked stream waits on one transfer the loop waits on that handle directly (helper threads watch
+transfers only when several could unblock work). Nothing is timed or synchronized then.
+
+Structure: :meth:`Interpreter._prepare` turns each instruction into a :class:`Prepared` once (its
+kind, parsed tag, peer, group, gloo tag, recv buffer, dense dependency indices, regions); the step
+loop (:meth:`Interpreter.run_step`) walks the streams' prepared lists with flat done flags, hands
+compute to :meth:`_compute` (dispatch on phase) and communication to :meth:`_comm` (dispatch on
+kind: one small method per payload, ``_tp``, ``_sp``, ``_ep``, ``_dp``, ``_z3``), and finishes
+transfers through their ``then`` callbacks. New instruction kinds add a kind in :meth:`_kind_of`
+and a method called from :meth:`_comm`.
 
 What each instruction does is decided by its op, phase, region and tag, parsed once at load (the
 grammar is :mod:`parashift.ir.tags`, the conventions :mod:`parashift.ir.conventions`); the
@@ -28,6 +36,7 @@ and its neighbours.
 """
 from __future__ import annotations
 
+import datetime
 import math
 import time
 import zlib
@@ -54,11 +63,11 @@ __all__ = ["Interpreter", "Prepared", "StepState", "chunk_atoms", "group_keys"]
 _P2P_ORDER = ("p2p", "comm")   # streams issued before compute, so communication starts early
 
 
-def _drain(fl: Flight) -> BaseException | None:
-    """Wait (on a helper thread) for a send nothing depends on; its error, if any."""
+def _drain(fl: Flight, timeout: datetime.timedelta) -> BaseException | None:
+    """Wait for a send nothing depends on (at the step's end); its error, if any."""
     try:
         for w in fl.works:
-            w.wait()
+            w.wait(timeout)
     except BaseException as e:  # noqa: BLE001 - reported when the step reaps its sends
         return e
     return None
@@ -159,6 +168,8 @@ class Interpreter(CPHandlers):
         self.gb = int(program.meta["global_batch"])
         self.st = StepState()
         self.live = LiveTensors()
+        self._step, self._data = 0, None
+        self._kinds: dict[str, tuple[str, int]] = {}           # atomic region -> (kind, layer)
         self._init_model()
         self.streams = sorted(self.rp.streams, key=lambda n: (n not in _P2P_ORDER, _P2P_ORDER.index(n)
                                                               if n in _P2P_ORDER else 0, n))
@@ -190,6 +201,20 @@ class Interpreter(CPHandlers):
                              chain=s.tp == 1 and not spec.is_moe and s.cp == 1 and s.zero < 2)   # ZeRO-2/3: unfused region buckets
         if s.cp > 1:
             self._cp_setup(seq)
+
+    def _step_batch(self) -> tuple[Any, Any]:
+        """This step's (tokens, targets), made on first use: middle stages never need them."""
+        if self._data is None:
+            self._data = self.batch(self._step)
+        return self._data
+
+    @property
+    def tokens(self) -> Any:
+        return self._step_batch()[0]
+
+    @property
+    def targets(self) -> Any:
+        return self._step_batch()[1]
 
     # ---- load time ----------------------------------------------------------------------------------
     def _prepare(self) -> None:
@@ -228,6 +253,7 @@ class Interpreter(CPHandlers):
                 p.z3_free = tuple(name for name in ins.free if name.startswith("z3."))
                 seq.append(p)
             self.seqs.append(seq)
+        self.regions = {p.ins.id: p.atoms for seq in self.seqs for p in seq if p.atoms}   # compute id -> atoms
         self.stream_of = [0] * self.n
         for seq in self.seqs:
             for p in seq:
@@ -263,12 +289,13 @@ class Interpreter(CPHandlers):
         """Execute the program once; returns this rank's share of the step's loss."""
         self.st = StepState()
         self.live = LiveTensors()
-        self.tokens, self.targets = self.batch(step)
+        self._step, self._data = step, None
         seqs, nstreams = self.seqs, len(self.seqs)
         done = bytearray(self.n)
         ptr = [0] * nstreams
         ends = [len(q) for q in seqs]
         busy: list[Flight | None] = [None] * nstreams
+        nbusy = 0                                        # streams whose head is in flight
         inflight: dict[int, Flight] = {}
         fast = self.record is None and not self.nccl     # profiling off (gloo): post receives early, reap sends late
         if self.pool is None and not self.nccl:
@@ -276,11 +303,11 @@ class Interpreter(CPHandlers):
         poller = Poller(gloo=not self.nccl, pool=self.pool, wait_only=self.worlds.backend == "fake",
                         eager=not fast, interrupt=self.interrupt)
         left = self.n
-        loose: list = []                  # sends nothing waits for: a helper waits, the step's end reaps
+        loose: list[Flight] = []          # sends nothing waits for: waited on at the step's end
         early = bytearray(self.n)         # receives posted at the start of the step
 
         def finish(items: list) -> None:
-            nonlocal left
+            nonlocal left, nbusy
             for fl, err in items:
                 self._complete(fl, err)
                 p = fl.prep
@@ -288,6 +315,7 @@ class Interpreter(CPHandlers):
                 inflight.pop(p.idx, None)
                 if busy[p.stream] is fl:
                     busy[p.stream] = None
+                    nbusy -= 1
                 left -= 1
         try:
             if fast:
@@ -321,15 +349,16 @@ class Interpreter(CPHandlers):
                         done[p.idx] = 1
                         left -= 1
                     elif fast and not p.watched:
-                        loose.append(poller.pool.submit(_drain, fl))
+                        loose.append(fl)
                         done[p.idx] = 1
                         left -= 1
                     else:
                         if p.kind not in (_SEND, _RECV):   # p2p is posted in order, never waited on in line
                             busy[s] = fl
+                            nbusy += 1
                         inflight[p.idx] = fl
                         poller.submit(fl)
-                    if any(b is not None for b in busy):
+                    if nbusy:
                         finish(poller.ready())
                 if left and not progressed:
                     got = poller.wait(self.timeout, self._root(ptr, busy, inflight, done) if fast else None)
@@ -339,8 +368,9 @@ class Interpreter(CPHandlers):
                                              f"{ {self.streams[s]: str(f.instr) for s, f in enumerate(busy) if f} }; "
                                              f"next: {heads}")
                     finish(got)
-            for fut in loose:
-                err = fut.result(timeout=self.timeout)
+            limit = datetime.timedelta(seconds=self.timeout)
+            for fl in loose:
+                err = _drain(fl, limit)
                 if err is not None:
                     raise RuntimeFailure(f"rank {self.rank}: a send failed: {type(err).__name__}: {err}")
         finally:
@@ -447,7 +477,7 @@ class Interpreter(CPHandlers):
                 b.optimizer_step(self.optim)
             return
         c, mb = ins.chunk, ins.microbatch
-        atoms = atomic_regions(ins.region, self.spec)
+        atoms = self.regions.get(ins.id) or atomic_regions(ins.region, self.spec)
         if self.strategy.zero == 3:         # the gathered copy this compute uses: its region's, else its chunk's
             name = f"z3.c{c}.{'fwd' if ph == 'fwd' else 'bwd'}.m{mb}"
             own = f"{name}.{ins.region}"
@@ -485,8 +515,11 @@ class Interpreter(CPHandlers):
         if atom == "head":
             rows = microbatch_rows(self.gb, self.strategy.dp, self.coords["dp"], self.strategy.mbs, mb)
             env["targets"] = self._cp_take(self.targets[rows]).to(self.device)
-        kind, layer = region_kind(atom)
-        rec = Rec(atom, kind, layer)
+        kl = self._kinds.get(atom)
+        if kl is None:
+            kl = self._kinds[atom] = region_kind(atom)
+        rec = Rec(atom, *kl)
+        kind = kl[0]
         st.recs.setdefault((c, mb), {})[atom] = rec
         graph = (c, mb, atom) not in self.rc
         cp_attn = kind == "attn" and self.strategy.cp > 1     # finished when its K/V gather lands
@@ -532,7 +565,7 @@ class Interpreter(CPHandlers):
             self.st.act[(c, mb)] = env.pop("h").detach()
         self._account(c, mb, rec)
 
-    def _account(self, c: int, mb: int, rec: Rec) -> None:
+    def _account(self, c: int, mb: int, rec: Rec, recomputed: bool = False) -> None:
         """Track the bytes the live regions keep for their backward (activations, stashed
         gradients), each tensor once however many regions hold it."""
         uses = [(u.x, u.y) for u in rec.tape.uses] + [(u.x, u.y) for u in rec.tape_a.uses]
@@ -560,7 +593,7 @@ class Interpreter(CPHandlers):
         rec.pending = None
         rec.built = True
         self._sp_keep_rows(c, mb, rec)
-        self._account(c, mb, rec)
+        self._account(c, mb, rec, recomputed=True)
 
     def _bwd(self, c: int, mb: int, atom: str, full: bool) -> None:
         st = self.st
@@ -586,8 +619,11 @@ class Interpreter(CPHandlers):
             self.st.open_bwd[c] = self.st.open_bwd.get(c, 0) + 1
 
     def _bwd_chain(self, c: int, mb: int, atoms: list[str], full: bool) -> None:
-        """Backward of an instruction's regions through their one shared graph (tp == 1, dense):
-        one autograd call yields the input gradient and every parameter use's output gradient."""
+        """Backward of an instruction's regions through their shared graph (tp == 1, dense): one
+        autograd call per connected piece yields its input gradient and every parameter use's
+        output gradient. A region whose input is not the previous region's output (a recompute
+        rebuilt the regions before it, or it ran without a graph) starts a new piece; the pieces
+        run last to first, each one's input gradient feeding the piece before."""
         st = self.st
         recs = [st.recs[(c, mb)][a] for a in atoms]
         for rec in recs:
@@ -601,20 +637,32 @@ class Interpreter(CPHandlers):
             out, gout = logits, head_logit_grad(self.ctx, last)
         else:
             out, gout = last.t["h_out"], st.gout.pop((c, mb))
-        body = [r for r in recs if r.kind != "embed"]
-        first = body[0].t["h"] if body else None
-        ins: list[torch.Tensor] = [first] if first is not None and first.grad_fn is None else []
-        spans = []
-        for r in body:
-            a, b = r.tape_a.outputs(), [t for t in r.tape.outputs() if t is not logits]
-            spans.append((r, len(ins), len(a), len(b)))
-            ins += a + b
-        grads = torch.autograd.grad([out], ins, [gout], allow_unused=True)
-        pos = {id(t): k for k, t in enumerate(ins)}
-        for r, _, na, nb in spans:
-            r.t["dys_a"] = [grads[pos[id(t)]] for t in r.tape_a.outputs()]
-            r.dys = [gout if t is logits else grads[pos[id(t)]] for t in r.tape.outputs()]
-        dh = grads[0] if first is not None and first.grad_fn is None else None
+        pieces: list[list[Rec]] = []
+        for r in recs:
+            if r.kind == "embed":
+                continue
+            if pieces and r.t["h"] is pieces[-1][-1].t.get("h_out"):
+                pieces[-1].append(r)
+            else:
+                pieces.append([r])
+        dh = None
+        for k in range(len(pieces) - 1, -1, -1):
+            first = pieces[k][0].t["h"]
+            ins: list[torch.Tensor] = [first] if first.requires_grad and (k > 0 or first.grad_fn is None) else []
+            lead = len(ins)
+            for r in pieces[k]:
+                ins += r.tape_a.outputs() + [t for t in r.tape.outputs() if t is not logits]
+            grads = torch.autograd.grad([out], ins, [gout], allow_unused=True)
+            pos = {id(t): j for j, t in enumerate(ins)}
+            for r in pieces[k]:
+                r.t["dys_a"] = [grads[pos[id(t)]] for t in r.tape_a.outputs()]
+                r.dys = [gout if t is logits else grads[pos[id(t)]] for t in r.tape.outputs()]
+            dh = grads[0] if lead else None
+            if k > 0:
+                if dh is None:
+                    raise RuntimeError(f"backward of {pieces[k][0].region} (chunk {c}, micro-batch {mb}): its input "
+                                       f"is not connected to the regions before it, so no gradient reaches them")
+                out, gout = pieces[k - 1][-1].t["h_out"], dh
         if recs[0].kind == "embed":
             recs[0].dys = [dh]
         elif c > 0:
