@@ -76,3 +76,30 @@ def test_overlap_grad_is_a_strategy_key_that_round_trips():
     assert not Strategy.parse("dp=4,overlap_grad=0").overlap_grad
     with pytest.raises(Exception, match="overlap_grad"):
         Strategy(overlap_grad="yes")  # type: ignore[arg-type]
+
+
+def test_gradient_accumulation_streams_the_gradients_once_per_later_microbatch():
+    """Every micro-batch but the first adds its weight gradients into the step's (PyTorch's
+    AccumulateGrad; Megatron-LM's local DDP): 3 x dtype bytes per parameter through HBM."""
+    s = Strategy.parse("mbs=1")
+    prog = compile(SPEC, s, global_batch=4, seq_len=1024)
+    work = Workload.of(SPEC, s, 1024)
+    cm = CostModel.for_cluster(A100)
+    hbm = cm.hbm_bw * cm.memory_efficiency
+    h, f = SPEC.hidden, SPEC.ffn
+    mlp_mats = 3 if SPEC.gated else 2                                     # gate, up, down
+    per_layer = (4 * h * h + mlp_mats * h * f) * 3 * SPEC.dtype_bytes / hbm   # qkv + out, the MLP
+    assert work.grad_accum(cm, "layer") == pytest.approx(per_layer, rel=1e-9)
+    whole = SPEC.layers * per_layer + work.grad_accum(cm, "embed") + work.grad_accum(cm, "head")
+    assert work.grad_accum(cm, "head") == pytest.approx(SPEC.vocab * h * 3 * SPEC.dtype_bytes / hbm, rel=1e-9)
+    bwd = [i for i in prog.ranks[0].instrs() if i.op == "compute" and i.phase == "bwd"]   # one chunk each
+    by_mb = {i.microbatch: cm.compute_time(i, work=work) for i in bwd}
+    assert sorted(by_mb) == [0, 1, 2, 3]
+    for mb in (1, 2, 3):
+        assert by_mb[mb] == pytest.approx(by_mb[0] + whole, rel=1e-9)
+    off = cm.replace(grad_accum_traffic=0.0)
+    assert off.compute_time(bwd[1], work=work) == pytest.approx(by_mb[0], rel=1e-9)
+    # one device, no overlap: the step grows by three micro-batches' accumulation of the whole model
+    t_on = simulate(prog, A100, cm, model=SPEC).step_time
+    t_off = simulate(prog, A100, off, model=SPEC).step_time
+    assert t_on - t_off == pytest.approx(3 * whole, rel=1e-6)

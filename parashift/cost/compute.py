@@ -123,6 +123,19 @@ class Workload:
         rest = dgrad + core[1] + 2.0 * ew
         return rest if phase == "bwd_input" else rest + wgrad
 
+    def grad_accum(self, cm: "CostModel", kind: str) -> float:
+        """Seconds of adding one micro-batch's weight gradients of a ``kind`` region into the step's
+        gradient buffer (``grad_accum_traffic`` x dtype bytes per parameter on this rank, through HBM)."""
+        if kind == "layer":
+            return self.grad_accum(cm, "attn") + self.grad_accum(cm, "mlp")
+        md, tp = self.model, self.tp
+        if kind == "mlp" and md.is_moe:
+            return 0.0
+        h, q, kv = md.hidden, md.heads * md.head_dim, md.kv_heads * md.head_dim
+        params = {"attn": h * (q + 2 * kv) + q * h, "mlp": (3 if md.gated else 2) * h * md.ffn,
+                  "head": md.vocab * h, "embed": md.vocab * h}.get(kind, 0) / tp
+        return params * cm.grad_accum_traffic * md.dtype_bytes / (cm.hbm_bw * cm.memory_efficiency)
+
     def _dt(self, cm: "CostModel") -> tuple[int, float]:
         db = self.model.dtype_bytes
         return db, (cm.peak_flops if db == 2 else cm.peak_flops / 2)

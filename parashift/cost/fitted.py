@@ -27,17 +27,17 @@ KNOBS = ("gemm_efficiency", "gemm_k_half", "layer_floor", "bwd_floor", "microbat
 
 # BEGIN FITTED (python benchmarks/vtrain_bench.py --fit)
 A100_VTRAIN: dict[str, float] = {
-    "gemm_efficiency": 0.8967797411593801,
-    "gemm_k_half": 157.7384182946448,
-    "layer_floor": 0.0010462592746258933,
-    "bwd_floor": 0.7371169625150767,
-    "microbatch_floor": 0.0032297135064932483,
-    "attention_score_bytes": 11.95186531394867,
-    "elementwise_bytes": 0.8850827497591822,
-    "optim_overhead": 8.92373453227443e-07,
-    "intra_latency": 9.509986630362067e-06,
+    "gemm_efficiency": 0.9100874169986828,
+    "gemm_k_half": 140.56539851837212,
+    "layer_floor": 0.0010430043405016652,
+    "bwd_floor": 0.7245279340236235,
+    "microbatch_floor": 0.003044315580783773,
+    "attention_score_bytes": 12.081397963233456,
+    "elementwise_bytes": 0.8514876804818459,
+    "optim_overhead": 1.1114621909204682e-10,
+    "intra_latency": 9.888342439823057e-06,
     "p2p_overhead": 0.001641,
-    "comm_overhead": 1.25e-10,
+    "comm_overhead": 8.319066725134941e-09,
 }
 # END FITTED
 

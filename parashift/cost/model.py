@@ -85,6 +85,11 @@ class CostModel:
     pays the region's forward TP collective inside the node (all-reduce; with ``sp`` reduce-scatter
     plus all-gather), as Megatron-LM's checkpointed forward re-runs its row-parallel reduction on the
     compute stream; False: the recompute re-runs only the kernels.
+    ``grad_accum_traffic``: under the shape model, the weight-gradient backward of every micro-batch
+    but the first (index 0) also streams ``grad_accum_traffic`` x dtype bytes per parameter of the
+    region on this rank through HBM: its gradient is added into the one the earlier micro-batches
+    left (read both, write the sum: 3), as PyTorch's ``AccumulateGrad`` does (Megatron-LM's local DDP
+    of 2021 included); 0 models an add fused into the weight-gradient GEMM.
     Switches: ``switch_overhead`` seconds a hot switch pays on top of its Program (allocating the
     new layout's buffers, starting the transfer), added by ``simulate_switch``.
     ``p2p_posted``: a stream posts each send/recv and goes on without waiting for it (a runtime
@@ -133,15 +138,17 @@ class CostModel:
     pp_scatter_gather: bool = True
     step_p2p_posted: bool = False
     recompute_tp_comm: bool = True
+    grad_accum_traffic: float = 3.0
 
     def __post_init__(self) -> None:
         if self.compute_model not in ("shape", "flops"):
             raise CostModelError(f"compute_model {self.compute_model!r} must be shape (kernel shapes) or flops "
                                  f"(FLOPs at efficiency[phase]); fix the cost model file")
         if not (self.gemm_efficiency > 0 and self.flash_efficiency > 0) or self.gemm_tile_m < 1 \
-                or self.gemm_tile_n < 1 or self.sms < 1 or self.gemm_k_half < 0 or self.elementwise_bytes < 0:
+                or self.gemm_tile_n < 1 or self.sms < 1 or self.gemm_k_half < 0 or self.elementwise_bytes < 0 \
+                or self.grad_accum_traffic < 0:
             raise CostModelError("gemm_efficiency and flash_efficiency must be positive, tiles and sms >= 1, "
-                                 "gemm_k_half and elementwise_bytes >= 0; fix the cost model file")
+                                 "gemm_k_half, elementwise_bytes and grad_accum_traffic >= 0; fix the cost model file")
         if self.algorithm not in ALGORITHMS:
             raise CostModelError(f"unknown collective algorithm {self.algorithm!r}; use one of {', '.join(ALGORITHMS)}")
         for name in ("bandwidth", "link_efficiency", "latency"):
@@ -238,6 +245,8 @@ class CostModel:
                 t = self._with_floor(t_shape, units, phase)
                 if phase == "recompute" and self.recompute_tp_comm and work.tp > 1:
                     t += self._recompute_comm(units, work)
+                if phase in ("bwd", "bwd_weight") and instr.microbatch and self.grad_accum_traffic:
+                    t += sum(work.grad_accum(self, k) * n for k, n in units if n)
                 return t
         eff = self.efficiency.get(phase, 1.0)
         kinds = [k for k, n in units if n]

@@ -214,7 +214,7 @@ class Engine:
                 self._alloc(r, ins)
             op = ins.op
             if op == "compute":
-                key = (ins.phase, ins.region, ins.flops, ins.nbytes, static_bytes)
+                key = (ins.phase, ins.region, ins.flops, ins.nbytes, static_bytes, not ins.microbatch)
                 dt = ctime.get(key)
                 if dt is None:
                     dt = ctime[key] = self.cost.compute_time(ins, static_bytes, self.scores, self.workload)
