@@ -39,6 +39,8 @@ def test_switch_memory_budget_stages_the_switch_and_frees_old_state(capsys):
     (w,), (s,) = whole["switches"], staged["switches"]
     assert (w["stages"], w["released_bytes"]) == (1, 0)
     assert s["stages"] > 1 and s["released_bytes"] > 0 and s["peak_bytes"] < w["peak_bytes"]
+    assert w["fits"] and w["budget_auto"] and w["memory_budget"] is None and w["planned_peak_bytes"] > 0
+    assert not s["budget_auto"] and s["memory_budget"] == int(1.6 * 2**20)
 
 
 def test_bad_switch_at_is_a_one_line_error():

@@ -70,15 +70,33 @@ def run(args: argparse.Namespace) -> dict:
            "src_devices": format_devices(plan.src_devices), "dst_devices": format_devices(plan.dst_devices)}
     if problem:
         out["problem"] = problem
-    if args.program or args.simulate or args.memory_budget:
-        out.update(_lower(plan, args))
+    from ..vps.transition import check_fit
+    budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+    fit = check_fit(plan, device_memory(plan.cluster), budget)
+    out.update({"fits": fit["fits"], "peak_bytes": fit["peak_bytes"], "peak_device": fit["peak_device"],
+                "device_memory": fit["device_memory"], "memory_budget": fit["memory_budget"],
+                "budget_auto": fit["budget_auto"]})
+    if not fit["fits"]:
+        out["fit_problem"] = fit["problem"]
+    # no --switch-memory-budget: staged under the device's memory when one stage does not fit it
+    auto = fit["memory_budget"] if fit["budget_auto"] and fit["stages"] else None
+    if args.program or args.simulate or args.memory_budget or auto is not None:
+        out.update(_lower(plan, args, budget if budget is not None else auto))
     return out
 
 
-def _lower(plan, args: argparse.Namespace) -> dict:
+def device_memory(cluster) -> int:
+    """Bytes of memory one device of ``cluster`` has: its GPU memory, or on this machine's worker
+    processes (cpu) the memory still available shared among one node's processes."""
+    if cluster.gpu.name == "cpu":
+        from .limits import available_memory
+        return available_memory() // cluster.per_node
+    return int(cluster.memory)
+
+
+def _lower(plan, args: argparse.Namespace, budget) -> dict:
     from ..vps import transition
     off = {k.strip(): False for k in args.off.split(",") if k.strip()}
-    budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     prog = transition.lower(plan, plan.cluster, memory_budget=budget, **off)
     prog.validate()
     meta = prog.meta
@@ -115,9 +133,13 @@ def render(r: dict, args: argparse.Namespace) -> None:
         f"NOT verified: {r.get('problem')}"
     print(f"  {status}")
     print(f"  planned in {r['plan_seconds']:.3f} s, verified in {r['verify_seconds']:.3f} s")
+    how = "" if r["memory_budget"] is None else \
+        f", staged under {_bytes(r['memory_budget'])}" + (" (automatic)" if r["budget_auto"] else "")
+    print(f"  switch peak     {_bytes(r['peak_bytes'])} on device {r['peak_device']} of "
+          f"{_bytes(r['device_memory'])}{how}: " + ("fits" if r["fits"] else f"DOES NOT FIT: {r['fit_problem']}"))
     if "stages" in r:
         coll = ", ".join(f"{v} {k}" for k, v in r["collectives"].items() if v) or "no collectives"
-        budget = f" under a budget of {_bytes(r['memory_budget'])}" if r.get("memory_budget") else ""
+        budget = f" under a budget of {_bytes(r['memory_budget'])}" if r.get("memory_budget") is not None else ""
         print(f"  switch program  {r['stages']} stage(s){budget}, {r['switch_messages']} messages, {coll}, "
               f"{r['instructions']} instructions (lowered in {r['lower_seconds']:.3f} s)")
     if "program" in r:

@@ -39,6 +39,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also replay the same switches by DCP save, process restart and load")
     add_cost_model(p, "calibrated cost model JSON for the strategy search")
     p.add_argument("--timeout", type=arg_float(0, 7 * 86400, lo_open=True), default=900.0, help="seconds before a job is stopped (default 900)")
+    p.add_argument("--hosts", action="store_true",
+                   help="node-level replay: one agent per trace node on loopback (a process group of its own, "
+                        "`parashift join`), SIGTERM for a preemption with notice, SIGKILL for one without, a new "
+                        "agent for an addition; the job trains dp-only for --max-steps steps")
+    p.add_argument("--seconds-per-step", type=arg_float(0, 1e9, lo_open=True),
+                   help="with --hosts: trace seconds per training step (default: the window over --max-steps)")
+    p.add_argument("--snapshot-every", type=arg_int(0, 1_000_000), default=0,
+                   help="with --hosts: DCP snapshot every N steps (the restore point of a loss without replicas)")
     p.add_argument("--plot", help="write availability, switches and the loss curves (PNG)")
     p.add_argument("--table", help="write the per-event table as CSV")
 
@@ -50,6 +58,8 @@ def run(args: argparse.Namespace) -> dict:
         from ..errors import TraceFormatError
         raise TraceFormatError(f"--to {args.stop:g} must be after --from {args.start:g}")
     trace = str(resolve_trace(args.trace))
+    if args.hosts:
+        return _run_hosts(trace, args)
     cost = load_cost_model(args.cost_model)
     spec = models.get(args.model)
     check_memory(spec, args.global_batch, args.seq_len or spec.seq_len)
@@ -72,11 +82,60 @@ def run(args: argparse.Namespace) -> dict:
     return out
 
 
+def _run_hosts(trace: str, args: argparse.Namespace) -> dict:
+    """``--hosts``: :func:`parashift.replay.hosts.replay_hosts` on the trace's window."""
+    import tempfile
+    from .. import traces
+    from ..errors import StrategyError
+    from ..replay.hosts import replay_hosts
+    for opt, bad in (("--baseline", args.baseline), ("--plot", args.plot), ("--table", args.table),
+                     ("--cost-model", args.cost_model)):
+        if bad:
+            raise StrategyError(f"{opt} is not available with --hosts (a node-level replay); drop one of them")
+    df = traces.load(trace, notice=args.notice)        # no notice given: preemptions without one are SIGKILLs
+    df = traces.window(df, args.start or 0.0, args.stop)
+    if args.max_events is not None:
+        df = df.iloc[:args.max_events]
+    dpn = args.devices_per_node or 1
+    if dpn != int(dpn):
+        raise StrategyError(f"--devices-per-node {dpn:g} must be a whole number with --hosts (processes per agent)")
+    steps = args.max_steps
+    sps = args.seconds_per_step or max(float(df.attrs["duration"]), 1e-9) / steps
+    if not args.json:
+        print(f"replay: {len(df)} event(s), one agent per node ({int(dpn)} process(es) each), {steps} steps of "
+              f"{sps:g} trace seconds", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="parashift-snap-") as snap:
+        got = replay_hosts(df, model=args.model, devices_per_node=int(dpn), steps=steps, seconds_per_step=sps,
+                           global_batch=args.global_batch, snapshot_every=args.snapshot_every,
+                           snapshot_dir=snap, timeout=args.timeout)
+    job = got["job"]
+    return {"trace": args.trace, "model": args.model, "hosts": True, "seconds_per_step": sps, "steps": steps,
+            "devices_per_node": int(dpn), "applied": got["applied"],
+            "exit_codes": {str(k): v for k, v in got["exit_codes"].items()},
+            "losses": job["losses"], "strategies": job["strategies"], "devices": job.get("devices"),
+            "switches": job["switches"]}
+
+
+def _render_hosts(result: dict) -> None:
+    print(f"{result['model']} replaying {result['trace']} node by node: {len(result['losses'])} steps of "
+          f"{result['seconds_per_step']:g} trace seconds, {result['devices_per_node']} process(es) a node")
+    for a in result["applied"]:
+        print(f"  t={a['time']:8.1f}  step {a['step']:>5}  {a['event']:>7} node(s) "
+              f"{','.join(map(str, a.get('nodes', [])))}" + (f"  {a['signal']}" if a.get("signal") else ""))
+    for s in result["switches"]:
+        how = f" from {s['recovered_from']}" if s.get("recovered_from") else ""
+        print(f"  step {s['step']:>5}: {s['src']} -> {s['dst']}  ({s.get('cause', '?')}{how})")
+    print(f"  loss {result['losses'][0]:.6f} -> {result['losses'][-1]:.6f}; agents' exit codes "
+          + ", ".join(f"node {k}: {v}" for k, v in result["exit_codes"].items()))
+
+
 def _ms(v) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v * 1e3:.0f}"
 
 
 def render(result: dict, args: argparse.Namespace) -> None:
+    if result.get("hosts"):
+        return _render_hosts(result)
     wall = result.get("wall_seconds")
     print(f"{result['model']} replaying {result['trace']} ({result['policy']}, x{result['time_scale']:g}, "
           f"{result['devices_per_node']:g} devices/node): {result['steps']} steps in "

@@ -58,7 +58,8 @@ def run_cli(args) -> dict:
            "switches": [{k: s[k] for k in ("step", "src", "dst", "seconds", "pause_seconds", "plan_seconds",
                                            "world_seconds", "transfer_seconds", "verify_seconds",
                                            "rebuild_seconds", "bytes_moved", "peak_bytes", "stages",
-                                           "released_bytes", "src_devices", "dst_devices")}
+                                           "released_bytes", "src_devices", "dst_devices", "fits",
+                                           "planned_peak_bytes", "device_memory", "memory_budget", "budget_auto")}
                         | ({"aborted": s["aborted"]} if s.get("aborted") else {}) for s in res.switches]}
     if aborted:   # a rolled-back switch ends the schedule: the later switches are reported, not dropped
         done, first = {s["step"] for s in res.switches}, min(s["step"] for s in aborted)
@@ -91,7 +92,9 @@ def render_cli(result: dict) -> None:
               f"rebuild {s['rebuild_seconds'] * 1e3:.0f})  "
               f"{s['bytes_moved'] / 2**20:.1f} MiB moved, peak {s['peak_bytes'] / 2**20:.1f} MiB/process"
               + (f", {s['stages']} stages freeing {s['released_bytes'] / 2**20:.1f} MiB of old state"
-                 if s["stages"] > 1 else "") + tag)
+                 if s["stages"] > 1 else "")
+              + ("" if s["fits"] else f"  DOES NOT FIT: planned peak {s['planned_peak_bytes'] / 2**20:.1f} MiB of "
+                                      f"{s['device_memory'] / 2**20:.1f} MiB/process") + tag)
     for s in result.get("skipped_switches", []):
         print(f"  step {s['step']:>4}: -> {s['dst']}  SKIPPED: {s['reason']}")
 

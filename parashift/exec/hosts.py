@@ -320,7 +320,7 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
     ran = 0                                     # the generation each recovery started from
     for g, c in zip(range(1, len(gens)), causes):
         if c != "failure":                      # a planned switch (join, notice): its processes' records
-            for sw in _summarize([gens[g - 1], gens[g]], reports):
+            for sw in _summarize([gens[g - 1], gens[g]], reports, spec, opts.memory_budget):
                 switches.append(dict(sw, cause=c))
                 ran = g if "aborted" not in sw else ran
             continue

@@ -177,9 +177,11 @@ class LiveSession:
 
         def work() -> None:
             try:
+                budget = o.memory_budget if o.memory_budget is not None else \
+                    switch_fit(self.spec, src, dst)["memory_budget"]     # automatic: under the process's memory
                 prep = prepare(self.manager, self.spec, src.strategy, dst.strategy, src.devices, dst.devices,
                                _keys(self.gens, g), self.device, global_batch=o.global_batch, seq_len=o.seq_len,
-                               memory_budget=o.memory_budget, cost_model=o.cost_model)
+                               memory_budget=budget, cost_model=o.cost_model)
                 if self.device in dst.devices:     # the destination store, faulted in while training goes on
                     t0 = time.time()            # (a staged switch's fills stage by stage: lazily allocated)
                     prep.new_store = StateStore(self.spec, dst.strategy, dst.devices.index(self.device),
@@ -464,7 +466,20 @@ class LiveResult:
         return out
 
 
-def _summarize(gens: list[Generation], reports: dict[str, Any]) -> list[dict]:
+def switch_fit(spec: models.ModelSpec, src: Generation, dst: Generation, memory_budget=None) -> dict:
+    """Whether the switch from ``src`` to ``dst`` fits each process's memory (this machine's available
+    memory shared among the switch's processes) and its staging budget: ``memory_budget`` when
+    given, else chosen under that memory when one stage does not fit (see :func:`.live_fit`)."""
+    from ...cli.limits import available_memory
+    from ...vps.transition import live_fit
+    n = len(set(src.devices) | set(dst.devices))
+    return live_fit(spec, src.strategy, dst.strategy, src.devices, dst.devices, available_memory() // n, memory_budget)
+
+
+def _summarize(gens: list[Generation], reports: dict[str, Any], spec: "models.ModelSpec | None" = None,
+               memory_budget=None) -> list[dict]:
+    """One entry a switch that ran; with ``spec``, its planned fit too (``fits``, ``planned_peak_bytes``,
+    ``device_memory``, ``memory_budget``, ``budget_auto``)."""
     out = []
     for g in range(1, len(gens)):
         recs = [sw for r in reports.values() if r for sw in r["switches"] if sw["step"] == gens[g].step]
@@ -479,6 +494,11 @@ def _summarize(gens: list[Generation], reports: dict[str, Any]) -> list[dict]:
                   "alloc_seconds", "peak_bytes", "staging_peak_bytes", "released_bytes", "stages"):
             entry[k] = max(r[k] for r in recs)      # the slowest process's phase; the largest high-water mark
         entry["bytes_moved"] = sum(r["bytes_sent"] for r in recs)
+        if spec is not None:
+            fit = switch_fit(spec, gens[g - 1], gens[g], memory_budget)
+            entry.update({"fits": fit["fits"], "planned_peak_bytes": fit["peak_bytes"],
+                          "device_memory": fit["device_memory"], "memory_budget": fit["memory_budget"],
+                          "budget_auto": fit["budget_auto"]})
         if aborted:
             entry["aborted"] = aborted
         out.append(entry)
@@ -528,7 +548,7 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
         if not shares:
             break
         losses.append(float(sum(shares)))
-    return LiveResult(losses, _summarize(gens, reports), reports, gens)
+    return LiveResult(losses, _summarize(gens, reports, spec, memory_budget), reports, gens)
 
 
 def step_times(result: LiveResult) -> list[float]:

@@ -9,16 +9,16 @@ metadata (one codec), :data:`OPS` what each transfer op means, and :func:`plan_l
 :func:`place` plan a live job's switch.
 """
 from ...collectives import COLLECTIVE_OPS, OPS, Op
-from .live import SwitchPlanned, live_cluster, place, plan_live_switch
+from .live import SwitchPlanned, live_cluster, live_fit, place, plan_live_switch
 from .lower import Options, lower
 from .meta import PieceTable, SwitchMeta, parse_switch_name, switch_name
 from .order import collective_order, p2p_order, round_matchings, rounds
 from .sources import link_loads, select_sources
-from .staging import Buffers, Staging, assign_stages, budget_array, state_buffers
+from .staging import Buffers, Staging, assign_stages, budget_array, check_fit, stage_peaks, state_buffers
 from .transfers import ALIGN, Transfer, Transfers, build_transfers
 
-__all__ = ["lower", "Options", "select_sources", "link_loads", "assign_stages", "state_buffers", "budget_array",
+__all__ = ["lower", "Options", "select_sources", "link_loads", "assign_stages", "state_buffers", "budget_array", "check_fit", "stage_peaks",
            "Buffers", "Staging", "build_transfers", "Transfer", "Transfers", "ALIGN", "p2p_order",
            "collective_order", "round_matchings", "rounds", "SwitchMeta", "PieceTable", "switch_name",
-           "parse_switch_name", "OPS", "Op", "COLLECTIVE_OPS", "plan_live_switch", "place", "SwitchPlanned",
+           "parse_switch_name", "OPS", "Op", "COLLECTIVE_OPS", "plan_live_switch", "live_fit", "place", "SwitchPlanned",
            "live_cluster"]

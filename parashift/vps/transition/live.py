@@ -19,7 +19,7 @@ from ...strategy import Strategy
 from ..plan import plan_switch
 from ...collectives import COLLECTIVE_OPS
 from .lower import lower
-from .staging import budget_array, state_buffers
+from .staging import budget_array, check_fit, state_buffers
 
 __all__ = ["SwitchPlanned", "plan_live_switch", "place", "live_cluster"]
 
@@ -68,6 +68,20 @@ def plan_live_switch(spec: ModelSpec, src: "Strategy | str", dst: "Strategy | st
     prog = lower(plan, clus, memory_budget=memory_budget, staged=staged, **options)
     return SwitchPlanned(prog, Strategy.parse(src), Strategy.parse(dst), tuple(src_devices), tuple(dst_devices),
                          time.perf_counter() - t0, staged)
+
+
+def live_fit(spec: ModelSpec, src: "Strategy | str", dst: "Strategy | str", src_devices: tuple[int, ...],
+             dst_devices: tuple[int, ...], device_memory: float, memory_budget=None) -> dict:
+    """:func:`.check_fit` of a live switch: whether its peak fits ``device_memory`` bytes a process,
+    and the staging budget to use (``memory_budget`` when given, else the device's memory when
+    one stage does not fit it; ``memory_budget`` None in the result: one stage)."""
+    devs = sorted(set(src_devices) | set(dst_devices))
+    plan = plan_switch(spec, src, dst, cluster=live_cluster(devs), src_devices=list(src_devices),
+                       dst_devices=list(dst_devices))
+    fit = check_fit(plan, device_memory, memory_budget)
+    if fit["budget_auto"] and not fit["stages"]:
+        fit["memory_budget"] = None      # no staging fits: planned in one stage, flagged not fitting
+    return fit
 
 
 def place(spec: ModelSpec, src: Strategy, dst: Strategy, src_devices: tuple[int, ...],

@@ -20,7 +20,7 @@ from ...errors import MemoryBudgetError
 from ..plan import SwitchPlan
 from .transfers import ALIGN
 
-__all__ = ["Buffers", "Staging", "state_buffers", "assign_stages", "budget_array"]
+__all__ = ["Buffers", "Staging", "state_buffers", "assign_stages", "budget_array", "stage_peaks", "check_fit"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -182,3 +182,50 @@ def assign_stages(plan: SwitchPlan, budget: np.ndarray | None, buffers: Buffers 
     piece_task = plan.tensor * 8 + plan.kind
     lookup = np.array([task_stage.get(int(t), 0) for t in range(int(piece_task.max(initial=0)) + 1)])
     return Staging(lookup[piece_task] if len(plan) else np.zeros(0, dtype=np.int64), task_stage, stage + 1, buf)
+
+
+def stage_peaks(st: Staging) -> np.ndarray:
+    """Per-device peak bytes of ``st``'s switch as :func:`assign_stages` counts them: the state left
+    by the earlier stages plus everything a stage allocates (new buffers, staging), all live at once."""
+    buf = st.buffers
+    n_dev = int(max(buf.dev.max(initial=0), 0)) + 1
+    alloc = (np.where(buf.reused, 0, buf.new) + buf.sent + buf.received).astype(float)
+    free = (np.where(buf.reused, 0, buf.old) + buf.sent + buf.received).astype(float)
+    stage = np.array([st.task_stage.get(int(t), 0) for t in buf.task], dtype=np.int64)
+    cur = np.bincount(buf.dev, weights=buf.old, minlength=n_dev).astype(float)
+    peak = cur.copy()
+    for k in range(st.stages):
+        m = stage == k
+        peak = np.maximum(peak, cur + np.bincount(buf.dev[m], weights=alloc[m], minlength=n_dev))
+        cur += np.bincount(buf.dev[m], weights=alloc[m] - free[m], minlength=n_dev)
+    return peak
+
+
+def check_fit(plan: SwitchPlan, device_memory: float, budget=None) -> dict:
+    """Whether ``plan``'s switch fits ``device_memory`` bytes per device: staged under ``budget``
+    when given, else in one stage when that fits and otherwise staged under ``device_memory``.
+
+    Returns ``fits``, ``peak_bytes`` (the largest per-device peak; the one-stage peak when no
+    staging fits), ``peak_device``, ``device_memory``, ``memory_budget`` (the staging budget used,
+    None for one stage), ``budget_auto``, ``stages`` and, when it does not fit, ``problem``.
+    """
+    buf = state_buffers(plan)
+    one = stage_peaks(assign_stages(plan, None, buf))
+    auto = budget is None
+    use = None if auto and float(one.max(initial=0)) <= device_memory else (device_memory if auto else budget)
+    shown = None if use is None else int(use) if np.ndim(use) == 0 and not isinstance(use, dict) else "per-device"
+    out = {"device_memory": int(device_memory), "memory_budget": shown, "budget_auto": auto}
+    try:
+        st = assign_stages(plan, budget_array(use, len(one)), buf)
+    except MemoryBudgetError as e:
+        d = int(np.argmax(one))
+        return {**out, "fits": False, "peak_bytes": int(one[d]), "peak_device": d, "stages": None,
+                "problem": str(e)}
+    peak = stage_peaks(st)
+    d = int(np.argmax(peak))
+    fits = bool(peak[d] <= device_memory)
+    res = {**out, "fits": fits, "peak_bytes": int(peak[d]), "peak_device": d, "stages": st.stages}
+    if not fits:
+        res["problem"] = (f"the switch needs {_size(peak[d])} on device {d}, {_size(peak[d] - device_memory)} more "
+                          f"than its {_size(device_memory)} of memory; lower or drop --switch-memory-budget")
+    return res
