@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(VENV)/bin/parashift demo --out demo-out
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=20
 
 clean:
 	rm -rf $(VENV) demo-out
