@@ -26,7 +26,7 @@ def assert_close(strategy: str, measured: list[int], predicted: list[float]) -> 
         assert abs(p - m) <= 0.10 * m, (strategy, rank, p, m)
 
 
-@pytest.mark.parametrize("strategy", ["pp=2", "tp=2,recompute=selective",
+@pytest.mark.parametrize("strategy", ["pp=2", "tp=2,recompute=selective", "dp=2,pp=4,zero=1", "pp=2,schedule=gpipe",
                                       pytest.param("dp=2", marks=pytest.mark.slow),
                                       pytest.param("tp=2", marks=pytest.mark.slow),
                                       pytest.param("dp=2,pp=4,zero=2", marks=pytest.mark.slow),

@@ -23,9 +23,9 @@ from typing import Any, Callable
 import torch
 
 from ..models import ModelSpec
-from .models import Tape, apply_rope, rms_norm, swiglu
+from .models import Tape, apply_rope, swiglu
 
-__all__ = ["RegionCtx", "Rec", "KINDS", "atomic_regions", "region_kind", "head_logit_grad", "cp_attn_pre",
+__all__ = ["RegionCtx", "Rec", "KINDS", "chain_residual", "atomic_regions", "region_kind", "head_logit_grad", "cp_attn_pre",
            "cp_attn_core", "cp_attn_bwd_out", "cp_attn_bwd_core", "cp_attn_bwd_qkv"]
 
 
@@ -149,7 +149,7 @@ def _mlp_body(c: RegionCtx, tape: Tape, z: torch.Tensor, p: str) -> torch.Tensor
 def _norm(c: RegionCtx, rec: Rec, h: torch.Tensor, name: str, grad: bool) -> torch.Tensor:
     """Graph A of a block: h (leaf) -> z = rms(h) * w; returns a fresh leaf for z."""
     h_leaf = c.leaf(h, grad)
-    z = rec.tape_a.scale(rms_norm(h_leaf), c.param(name), name)
+    z = rec.tape_a.norm(h_leaf, c.param(name), name)
     rec.t.update(h=h_leaf, z=z)
     return z if c.chain else z.detach().requires_grad_(grad)
 
@@ -165,9 +165,20 @@ def _block_fwd(c: RegionCtx, rec: Rec, env: dict, grad: bool) -> None:
     rec.pending = out.detach().clone() if c.tp > 1 else out.detach()
 
 
+def chain_residual(rec: Rec) -> torch.Tensor:
+    """Chain mode: the block's attached output ``h + out``. The row-parallel output ``out`` is then
+    no longer needed (the residual add saves nothing for its backward; the weight gradient needs
+    only ``out``'s gradient, which autograd captures through its graph node), so its storage is
+    released, as Megatron releases a stage's output tensor once it is sent."""
+    out = rec.t["out"]
+    rec.t["h_out"] = rec.t["h"] + out
+    out.data = torch.empty(0, dtype=out.dtype, device=out.device)
+    return rec.t["h_out"]
+
+
 def _block_fwd_done(c: RegionCtx, rec: Rec, env: dict) -> None:
     if c.chain and "out" in rec.t:
-        env["h"] = rec.t["h_out"] = rec.t["h"] + rec.t["out"]
+        env["h"] = chain_residual(rec)
     else:
         env["h"] = rec.t["h"].detach() + rec.pending
     rec.pending = None
