@@ -170,10 +170,21 @@ def chain_residual(rec: Rec) -> torch.Tensor:
     no longer needed (the residual add saves nothing for its backward; the weight gradient needs
     only ``out``'s gradient, which autograd captures through its graph node), so its storage is
     released, as Megatron releases a stage's output tensor once it is sent."""
-    out = rec.t["out"]
-    rec.t["h_out"] = rec.t["h"] + out
-    out.data = torch.empty(0, dtype=out.dtype, device=out.device)
+    rec.t["h_out"] = rec.t["h"] + rec.t["out"]
+    _release(rec.t["out"])
     return rec.t["h_out"]
+
+
+def _release(t: torch.Tensor) -> None:
+    """Free a graph tensor's storage, keeping its autograd node (a backward root or capture point)."""
+    t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+
+
+def _grad_from(root: torch.Tensor, ins: list[torch.Tensor], g: torch.Tensor) -> tuple:
+    """Gradients of ``ins`` from ``root`` (possibly released) given its gradient ``g``; the engine
+    checks ``g`` against the shape the root's node recorded, as ``torch.autograd.grad`` cannot."""
+    return torch.autograd.Variable._execution_engine.run_backward(
+        (root,), (g,), False, False, tuple(ins), True, False)
 
 
 def _block_fwd_done(c: RegionCtx, rec: Rec, env: dict) -> None:
@@ -181,13 +192,15 @@ def _block_fwd_done(c: RegionCtx, rec: Rec, env: dict) -> None:
         env["h"] = chain_residual(rec)
     else:
         env["h"] = rec.t["h"].detach() + rec.pending
+        if "out" in rec.t:          # the backward's root: only its autograd node is needed
+            _release(rec.t["out"])
     rec.pending = None
 
 
 def _block_bwd_input(c: RegionCtx, rec: Rec, genv: dict) -> None:
     dh = genv.pop("h")
     ins = [rec.t["z_leaf"]] + rec.tape.outputs()
-    grads = torch.autograd.grad([rec.t["out"]], ins, [dh], allow_unused=True)
+    grads = _grad_from(rec.t["out"], ins, dh)
     rec.t["dh_out"] = dh
     rec.dys = list(grads[1:])
     rec.pending = grads[0]
