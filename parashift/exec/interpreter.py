@@ -54,7 +54,7 @@ from ..models import ModelSpec
 from .comm import Flight, Poller, a2a, all_gather, all_gather_flat, reduce_scatter, reduce_scatter_flat
 from .cp import CPHandlers
 from .reference import OptimConfig, microbatch_rows
-from .regions import KINDS, Rec, RegionCtx, atomic_regions, head_logit_grad, region_kind
+from .regions import KINDS, Rec, RegionCtx, atomic_regions, chain_residual, head_logit_grad, region_kind
 from .state import _DT, StateStore
 from .zero import LiveTensors, alloc_grads, reduce_scatter_microbatch
 
@@ -589,7 +589,7 @@ class Interpreter(CPHandlers):
             else:
                 KINDS[rec.kind].fwd(self.ctx, rec, tmp, True)
             if self.ctx.chain and rec.kind in ("attn", "mlp"):
-                carry["h"] = rec.t["h_out"] = rec.t["h"] + rec.t["out"]
+                carry["h"] = chain_residual(rec)
         rec.pending = None
         rec.built = True
         self._sp_keep_rows(c, mb, rec)

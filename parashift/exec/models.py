@@ -75,7 +75,7 @@ def init_tensor(t: TensorSpec, layers: int, seed: int = 0) -> torch.Tensor:
 @dataclass
 class _Use:
     key: tuple[str, int | None]
-    kind: str  # "lin" | "scale"
+    kind: str  # "lin" | "scale" | "norm" (x: the norm's input; the normalized input is recomputed)
     x: torch.Tensor
     y: torch.Tensor
 
@@ -94,6 +94,13 @@ class Tape:
     def scale(self, x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
         y = x * w
         self.uses.append(_Use((name, None), "scale", x, y))
+        return y
+
+    def norm(self, h: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
+        """``rms_norm(h) * w`` keeping only ``h`` for the weight gradient (as fused norms do: the
+        normalized input is recomputed from ``h`` in the backward, not stashed)."""
+        y = rms_norm(h) * w
+        self.uses.append(_Use((name, None), "norm", h, y))
         return y
 
     def record(self, x: torch.Tensor, name: str, index: int | None = None) -> None:
@@ -116,6 +123,8 @@ class Tape:
             if u.kind == "lin":
                 g.addmm_(dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
             else:
+                if u.kind == "norm":
+                    x = rms_norm(x)
                 g.add_((dy * x).reshape(-1, dy.shape[-1]).sum(0))
 
     def clear(self) -> None:

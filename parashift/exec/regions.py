@@ -23,9 +23,9 @@ from typing import Any, Callable
 import torch
 
 from ..models import ModelSpec
-from .models import Tape, apply_rope, rms_norm, swiglu
+from .models import Tape, apply_rope, swiglu
 
-__all__ = ["RegionCtx", "Rec", "KINDS", "atomic_regions", "region_kind", "head_logit_grad", "cp_attn_pre",
+__all__ = ["RegionCtx", "Rec", "KINDS", "chain_residual", "atomic_regions", "region_kind", "head_logit_grad", "cp_attn_pre",
            "cp_attn_core", "cp_attn_bwd_out", "cp_attn_bwd_core", "cp_attn_bwd_qkv"]
 
 
@@ -149,7 +149,7 @@ def _mlp_body(c: RegionCtx, tape: Tape, z: torch.Tensor, p: str) -> torch.Tensor
 def _norm(c: RegionCtx, rec: Rec, h: torch.Tensor, name: str, grad: bool) -> torch.Tensor:
     """Graph A of a block: h (leaf) -> z = rms(h) * w; returns a fresh leaf for z."""
     h_leaf = c.leaf(h, grad)
-    z = rec.tape_a.scale(rms_norm(h_leaf), c.param(name), name)
+    z = rec.tape_a.norm(h_leaf, c.param(name), name)
     rec.t.update(h=h_leaf, z=z)
     return z if c.chain else z.detach().requires_grad_(grad)
 
@@ -165,18 +165,42 @@ def _block_fwd(c: RegionCtx, rec: Rec, env: dict, grad: bool) -> None:
     rec.pending = out.detach().clone() if c.tp > 1 else out.detach()
 
 
+def chain_residual(rec: Rec) -> torch.Tensor:
+    """Chain mode: the block's attached output ``h + out``. The row-parallel output ``out`` is then
+    no longer needed (the residual add saves nothing for its backward; the weight gradient needs
+    only ``out``'s gradient, which autograd captures through its graph node), so its storage is
+    released, as Megatron releases a stage's output tensor once it is sent."""
+    rec.t["h_out"] = rec.t["h"] + rec.t["out"]
+    _release(rec.t["out"])
+    return rec.t["h_out"]
+
+
+def _release(t: torch.Tensor) -> None:
+    """Free a graph tensor's storage, keeping its autograd node (a backward root or capture point)."""
+    t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+
+
+def _grad_from(root: torch.Tensor, ins: list[torch.Tensor], g: torch.Tensor) -> tuple:
+    """Gradients of ``ins`` from ``root`` (possibly released) given its gradient ``g``; the engine
+    checks ``g`` against the shape the root's node recorded, as ``torch.autograd.grad`` cannot."""
+    return torch.autograd.Variable._execution_engine.run_backward(
+        (root,), (g,), False, False, tuple(ins), True, False)
+
+
 def _block_fwd_done(c: RegionCtx, rec: Rec, env: dict) -> None:
     if c.chain and "out" in rec.t:
-        env["h"] = rec.t["h_out"] = rec.t["h"] + rec.t["out"]
+        env["h"] = chain_residual(rec)
     else:
         env["h"] = rec.t["h"].detach() + rec.pending
+        if "out" in rec.t:          # the backward's root: only its autograd node is needed
+            _release(rec.t["out"])
     rec.pending = None
 
 
 def _block_bwd_input(c: RegionCtx, rec: Rec, genv: dict) -> None:
     dh = genv.pop("h")
     ins = [rec.t["z_leaf"]] + rec.tape.outputs()
-    grads = torch.autograd.grad([rec.t["out"]], ins, [dh], allow_unused=True)
+    grads = _grad_from(rec.t["out"], ins, dh)
     rec.t["dh_out"] = dh
     rec.dys = list(grads[1:])
     rec.pending = grads[0]
