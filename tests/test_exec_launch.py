@@ -82,9 +82,9 @@ def test_failing_rank_ends_the_job_with_its_traceback():
 def test_timeout_stops_a_hung_job():
     pids = []
     t0 = time.monotonic()
-    with pytest.raises(RuntimeFailure, match="did not finish within 3 s"):
-        launch_local(_hang, 2, timeout=3, on_report=lambda r, p: pids.append(p[1]))
-    assert time.monotonic() - t0 < 15
+    with pytest.raises(RuntimeFailure, match="did not finish within 10 s"):   # room to start under load
+        launch_local(_hang, 2, timeout=10, on_report=lambda r, p: pids.append(p[1]))
+    assert time.monotonic() - t0 < 30
     time.sleep(0.5)
     assert pids and not any(_alive(p) for p in pids)
 
