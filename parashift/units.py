@@ -1,11 +1,12 @@
-"""Quantities people type: byte sizes."""
+"""Quantities people type (byte sizes) and the one machine quantity every layer asks for (free memory)."""
 from __future__ import annotations
 
 import math
+import os
 
 from .errors import MemoryBudgetError
 
-__all__ = ["parse_bytes"]
+__all__ = ["parse_bytes", "available_memory"]
 
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
           "TIB": 2**40}
@@ -25,3 +26,18 @@ def parse_bytes(text: str) -> int:
     if value > 2**60:
         raise MemoryBudgetError(f"memory budget {text!r} is over 1 EiB; write bytes such as 60GiB")
     return int(value)
+
+
+def available_memory() -> int:
+    """Bytes of memory this machine can still give (MemAvailable, else total physical memory)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 2**40

@@ -6,29 +6,14 @@ refused with a message naming the limit, before any process starts.
 from __future__ import annotations
 
 import argparse
-import os
 
 from ..errors import LimitError, StrategyError
+from ..units import available_memory
 
 __all__ = ["MAX_LOCAL_PROCS", "available_memory", "live_memory_estimate", "check_live", "check_memory"]
 
 #: the most local processes (ranks, or the highest device id + 1) one job may start
 MAX_LOCAL_PROCS = 256
-
-
-def available_memory() -> int:
-    """Bytes of memory this machine can still give (MemAvailable, else total physical memory)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 2**40
 
 
 def live_memory_estimate(spec, global_batch: int, seq_len: int) -> int:

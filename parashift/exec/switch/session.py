@@ -470,7 +470,7 @@ def switch_fit(spec: models.ModelSpec, src: Generation, dst: Generation, memory_
     """Whether the switch from ``src`` to ``dst`` fits each process's memory (this machine's available
     memory shared among the switch's processes) and its staging budget: ``memory_budget`` when
     given, else chosen under that memory when one stage does not fit (see :func:`.live_fit`)."""
-    from ...cli.limits import available_memory
+    from ...units import available_memory
     from ...vps.transition import live_fit
     n = len(set(src.devices) | set(dst.devices))
     return live_fit(spec, src.strategy, dst.strategy, src.devices, dst.devices, available_memory() // n, memory_budget)
