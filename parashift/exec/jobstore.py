@@ -45,6 +45,10 @@ def namespace(secret: str) -> str:
 _NONCE, _MAC = 16, 32
 
 
+def _as_bytes(value: Any) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
 @functools.lru_cache(maxsize=None)
 def _sealed_class() -> type:
     import torch.distributed as dist
@@ -83,27 +87,23 @@ def _sealed_class() -> type:
             return (int.from_bytes(ct, "little") ^ self._stream(nonce, len(ct))).to_bytes(len(ct), "little")
 
         def set(self, key: str, value: Any) -> None:
-            self.inner.set(self.name(key), self.seal(key, value.encode() if isinstance(value, str) else bytes(value)))
+            self.inner.set(self.name(key), self.seal(key, _as_bytes(value)))
 
         def get(self, key: str) -> bytes:
             return self.open(key, bytes(self.inner.get(self.name(key))))
 
         def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-            exp = expected.encode() if isinstance(expected, str) else bytes(expected)
-            des = desired.encode() if isinstance(desired, str) else bytes(desired)
-            k = self.name(key)
-            if self.inner.check([k]):
-                raw = bytes(self.inner.get(k))
-                if self.open(key, raw) != exp:
-                    return self.open(key, raw)
-                old = raw
+            exp, k = _as_bytes(expected), self.name(key)
+            old = bytes(self.inner.get(k)) if self.inner.check([k]) else b""
+            if old:
+                now = self.open(key, old)
+                if now != exp:
+                    return now
             elif exp:
                 return exp              # as TCPStore: a missing key with a non-empty expectation
-            else:
-                old = b""
-            new = self.seal(key, des)
+            new = self.seal(key, _as_bytes(desired))
             got = bytes(self.inner.compare_set(k, old, new))
-            return des if got == new else self.open(key, got)
+            return _as_bytes(desired) if got == new else self.open(key, got)
 
         def add(self, key: str, amount: int) -> int:
             return self.inner.add(self.name(key), amount)

@@ -105,6 +105,9 @@ def test_store_is_loopback_only_and_sealed_by_the_job_secret():
     job.store.set("verdict", "ok")
     assert connect(*job.client_args(), 2.0).get("verdict") == b"ok"               # a member with the secret can
     assert wrong.get("verdict") == b"forged" and job.store.get("verdict") == b"ok"
+    assert job.store.compare_set("verdict", "no", "x") == b"ok"                    # compare_set sees plaintext
+    assert job.store.compare_set("verdict", "ok", "done") == b"done" and job.store.get("verdict") == b"done"
+    assert job.store.compare_set("fresh", "", "1") == b"1" and job.store.get("fresh") == b"1"
 
 
 def test_two_searches_create_one_fresh_sqlite_study_at_once(tmp_path):
