@@ -32,8 +32,13 @@ def check(model: str, strategy: str, **kw) -> None:
     for name, ref in ref_params.items():
         got = res.params[name]
         assert not torch.isnan(got).any(), f"{strategy}: {name} was not returned by any rank"
-        err = float((got - ref).abs().max())
-        assert err <= 1e-5, f"{strategy}: final {name} differs from the reference by {err:.3g}"
+        diff = (got - ref).abs()
+        err, off = float(diff.max()), int((diff > 1e-5).sum())
+        # AdamW divides by sqrt(v): where a gradient is near zero, a last-bit difference from the
+        # summation order (dp halves vs one batch) moves that element by up to a few % of lr.
+        # A real fault moves whole tensors by ~lr; so: all within 5% of lr, 99.9% within 1e-5.
+        assert err <= 0.05 * OPT.lr, f"{strategy}: final {name} differs from the reference by {err:.3g}"
+        assert off <= diff.numel() // 1000, f"{strategy}: {off} elements of {name} differ by > 1e-5"
     assert all(m > 0 for m in res.peak_memory)
     assert len(res.step_times) == STEPS and all(t > 0 for t in res.step_times)
 
