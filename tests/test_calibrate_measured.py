@@ -8,7 +8,8 @@ import pandas as pd
 import pytest
 
 from parashift import cluster as clusters
-from parashift.calibrate import CalibrationError, fit_measured
+from parashift.calibrate import CalibrationError, fit_measured, holdout_measured
+from parashift.calibrate.measured import render_measured
 from parashift.cli import main
 from parashift.cost import CostModel
 from parashift.ir import compile as ir_compile
@@ -68,3 +69,25 @@ def test_cli_calibrate_measured_writes_a_usable_cost_model(tmp_path, capsys):
     sim = json.loads(capsys.readouterr().out)
     assert np.isclose(sim["step_time"], res["rows"][0]["predicted"], rtol=1e-6)
     assert cm.gemm_efficiency != CostModel.for_cluster(CL).gemm_efficiency
+
+
+
+def test_holdout_predicts_each_row_from_the_others(capsys, tmp_path):
+    """On a cluster that really is one cost model, a row left out is predicted by the fit on the rest."""
+    truth = CostModel.for_cluster(CL).replace(gemm_efficiency=0.55)
+    table = _table(truth).iloc[:2]
+    with pytest.raises(CalibrationError, match="at least two"):
+        holdout_measured(table.iloc[:1], CL)
+    csv = tmp_path / "runs.csv"
+    table.to_csv(csv, index=False)
+    args = ["calibrate", "--measured", str(csv), "--cluster", "a100-2x8", "--out", str(tmp_path / "c.json"),
+            "--holdout"]
+    assert main(args + ["--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    h = res["holdout"]
+    assert [r["strategy"] for r in h["rows"]] == list(table["strategy"])
+    assert all(r["held_out_ape"] < 0.05 for r in h["rows"])          # base is off by > 10% (first test)
+    render_measured(res)
+    assert "held out (each row predicted by the fit on the others)" in capsys.readouterr().out
+    assert main(["calibrate", "--holdout", "--out", str(tmp_path / "d.json")]) != 0
+    assert "--holdout applies to --measured" in capsys.readouterr().err

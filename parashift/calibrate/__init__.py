@@ -11,7 +11,7 @@ host's shared cores, to measured step times the same way. ``fit_measured`` fits 
 step times (model, strategy, global_batch, seq_len, step_seconds) of runs on the user's cluster.
 """
 from .fit import Fit, ape, fit, posts_p2p, predict_samples, spearman, step_table
-from .measured import MEASURED_COLUMNS, MeasuredFit, fit_measured, read_measured
+from .measured import MEASURED_COLUMNS, MeasuredFit, fit_measured, holdout_measured, read_measured
 from .params import Param
 from .probe import ProbeRun, probe_strategies, run_probe, run_probes
 from .programs import fit_programs, simulated_times
@@ -21,4 +21,4 @@ from .steps import StepFit, fit_steps, scaled
 __all__ = ["fit", "Fit", "extract", "align_clocks", "Samples", "CalibrationError", "Param", "ape", "spearman",
            "predict_samples", "step_table", "ProbeRun", "probe_strategies", "run_probe", "run_probes",
            "fit_programs", "simulated_times", "fit_steps", "StepFit", "scaled", "posts_p2p",
-           "fit_measured", "MeasuredFit", "read_measured", "MEASURED_COLUMNS"]
+           "fit_measured", "holdout_measured", "MeasuredFit", "read_measured", "MEASURED_COLUMNS"]

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..ir.program import Program
     from ..models import ModelSpec
 
-__all__ = ["fit_measured", "MeasuredFit", "MEASURED_COLUMNS", "STAGES", "read_measured"]
+__all__ = ["fit_measured", "holdout_measured", "MeasuredFit", "MEASURED_COLUMNS", "STAGES", "read_measured"]
 
 MEASURED_COLUMNS = ("model", "strategy", "global_batch", "seq_len", "step_seconds")
 #: The fitting stages: name -> parameters (compute terms, then each link class apart).
@@ -109,7 +109,6 @@ def fit_measured(frame: pd.DataFrame, cluster: "Cluster | str", base: CostModel 
                  progress: "Callable[[str], None] | None" = None) -> MeasuredFit:
     """Fit ``base`` (default: the cluster's preset model) to the measured step times of ``frame``
     (columns :data:`MEASURED_COLUMNS`), stage by stage (:data:`STAGES`)."""
-    from ..sim import simulate
     cl = get_cluster(cluster)
     df = _checked(frame.reset_index(drop=True))
     base = base if base is not None else CostModel.for_cluster(cl)
@@ -117,15 +116,53 @@ def fit_measured(frame: pd.DataFrame, cluster: "Cluster | str", base: CostModel 
     say(f"compiling {len(df)} measured runs")
     progs = _compile(df, cl)
     meas = df["step_seconds"].to_numpy(float)
+    predict = _predictor(progs, cl)
+    cm, rows = _fit_stages(predict, meas, base, stages or STAGES, say)
+    before, after = predict(base), predict(cm)
+    table = pd.DataFrame({"model": df["model"].astype(str), "strategy": df["strategy"].astype(str),
+                          "measured": meas, "base_predicted": before, "predicted": after,
+                          "ape": np.abs(after / meas - 1), "base_ape": np.abs(before / meas - 1)})
+    return MeasuredFit(cm, base, table, pd.DataFrame(rows, columns=["stage", "name", "base", "fitted"]))
+
+
+def holdout_measured(frame: pd.DataFrame, cluster: "Cluster | str", base: CostModel | None = None, *,
+                     stages: "dict[str, Sequence[str]] | None" = None,
+                     progress: "Callable[[str], None] | None" = None) -> pd.DataFrame:
+    """Leave one row out: each row predicted by the fit on all the others (columns model, strategy,
+    measured, held_out_predicted, held_out_ape). Needs at least two rows."""
+    cl = get_cluster(cluster)
+    df = _checked(frame.reset_index(drop=True))
+    if len(df) < 2:
+        raise CalibrationError("a held-out check needs at least two measured runs; add rows or drop --holdout")
+    base = base if base is not None else CostModel.for_cluster(cl)
+    say = progress or (lambda _m: None)
+    progs = _compile(df, cl)
+    meas = df["step_seconds"].to_numpy(float)
+    held = np.empty(len(df))
+    for k in range(len(df)):
+        say(f"held-out check: row {k + 1} of {len(df)}")
+        keep = np.arange(len(df)) != k
+        rest = [p for p, m in zip(progs, keep) if m]
+        cm, _ = _fit_stages(_predictor(rest, cl), meas[keep], base, stages or STAGES, lambda _m: None)
+        held[k] = _predictor([progs[k]], cl)(cm)[0]
+    return pd.DataFrame({"model": df["model"].astype(str), "strategy": df["strategy"].astype(str),
+                         "measured": meas, "held_out_predicted": held, "held_out_ape": np.abs(held / meas - 1)})
+
+
+def _predictor(progs: "list[tuple[Program, ModelSpec]]", cl: Cluster) -> "Callable[[CostModel], np.ndarray]":
+    from ..sim import simulate
 
     def predict(cm: CostModel) -> np.ndarray:
         return np.array([simulate(p, cl, cm, model=m).step_time for p, m in progs])
+    return predict
 
-    block = Block("measured", predict, np.arange(len(progs)), meas)
-    before = predict(base)
-    cm = base
-    rows = []
-    for stage, names in (stages or STAGES).items():
+
+def _fit_stages(predict: "Callable[[CostModel], np.ndarray]", meas: np.ndarray, base: CostModel,
+                stages: "dict[str, Sequence[str]]", say: "Callable[[str], None]") -> "tuple[CostModel, list[dict]]":
+    """The staged fit: per stage, the parameters some row informs, solved with the simulator in the loop."""
+    block = Block("measured", predict, np.arange(len(meas)), meas)
+    cm, rows = base, []
+    for stage, names in stages.items():
         cands = informed(block, cm, [Param.parse(n) for n in names])
         if not cands:
             say(f"{stage}: no row depends on {', '.join(names)}; kept")
@@ -135,11 +172,7 @@ def fit_measured(frame: pd.DataFrame, cluster: "Cluster | str", base: CostModel 
         rows += [{"stage": stage, "name": p.name, "base": get_value(base, p), "fitted": float(v)}
                  for p, v in zip(sol.params, sol.values)]
         cm = apply(cm, sol.params, sol.values)
-    after = predict(cm)
-    table = pd.DataFrame({"model": df["model"].astype(str), "strategy": df["strategy"].astype(str),
-                          "measured": meas, "base_predicted": before, "predicted": after,
-                          "ape": np.abs(after / meas - 1), "base_ape": np.abs(before / meas - 1)})
-    return MeasuredFit(cm, base, table, pd.DataFrame(rows, columns=["stage", "name", "base", "fitted"]))
+    return cm, rows
 
 
 def run_measured(args: Any, progress: "Callable[[str], None]") -> dict:
@@ -147,9 +180,16 @@ def run_measured(args: Any, progress: "Callable[[str], None]") -> dict:
     from ..cluster import get as get_cluster
     cl = get_cluster(args.cluster)
     base = CostModel.load(args.base) if args.base else None
-    f = fit_measured(read_measured(args.measured), cl, base, progress=progress)
+    frame = read_measured(args.measured)
+    f = fit_measured(frame, cl, base, progress=progress)
     f.cost_model.save(args.out)
-    return {"out": args.out, "cluster": cl.name, "measured": args.measured, **f.summary()}
+    out = {"out": args.out, "cluster": cl.name, "measured": args.measured, **f.summary(), "holdout": None}
+    if getattr(args, "holdout", False):
+        h = holdout_measured(frame, cl, base, progress=progress)
+        out["holdout"] = {"median_ape": float(h["held_out_ape"].median()),
+                          "mean_ape": float(h["held_out_ape"].mean()),
+                          "rows": h.to_dict(orient="records")}
+    return out
 
 
 def render_measured(result: dict) -> None:
@@ -165,3 +205,12 @@ def render_measured(result: dict) -> None:
     print(show.to_string(index=False))
     for name, p in result["params"].items():
         print(f"  [{p['stage']}] {name}: {p['base']:.4g} -> {p['fitted']:.4g}")
+    h = result.get("holdout")
+    if h is None:
+        print("  held-out check not run: add --holdout to predict each row from a fit on the others")
+        return
+    print(f"  held out (each row predicted by the fit on the others): median APE {h['median_ape'] * 100:.1f}%, "
+          f"mean {h['mean_ape'] * 100:.1f}%")
+    for r in h["rows"]:
+        print(f"    {r['strategy']:<28}{r['measured']:10.4f} s measured, {r['held_out_predicted']:.4f} s held-out "
+              f"({r['held_out_ape'] * 100:.1f}%)")

@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "simulating them (fits the probes closely; held-out strategies may not gain)")
     p.add_argument("--measured", metavar="CSV", help="fit a table of measured runs on --cluster instead of probing "
                    "(columns model, strategy, global_batch, seq_len, step_seconds); see parashift.calibrate.measured")
+    p.add_argument("--holdout", action="store_true", help="with --measured: also predict each row from a fit on "
+                   "the other rows (one fit per row), the check of how well the fit generalizes")
     p.add_argument("--out", required=True, help="where to write the fitted cost model (JSON)")
 
 
@@ -99,6 +101,9 @@ def run(args: argparse.Namespace) -> dict:
     from ..calibrate import CalibrationError, fit
     from ..sim import CostModel
 
+    if args.holdout and not args.measured:
+        raise CalibrationError("--holdout applies to --measured tables; probe calibration always holds each "
+                               "probe out (see its verdict)")
     if args.measured:
         from ..calibrate.measured import run_measured
         return run_measured(args, _progress)
