@@ -48,6 +48,19 @@ def test_wave_quantization_and_memory_bound_gemms():
     assert 2 * 8192**3 / big > 2 * 12288 * 4 * 12288 / t * 50   # FLOP/s of the large one >> the skinny one
 
 
+def test_large_gemms_run_at_the_sustained_ceiling_small_ones_below_it():
+    cm = A100.replace(gemm_overhead=0.0)
+    assert cm.gemm_sustained < cm.gemm_efficiency   # the A100 preset: power-limited clock below the best tile's rate
+    flops = 2 * 2048 * 12800 * 25600                 # a 1T model's MLP GEMM under TP=8: long k, many full waves
+    assert gemm_time(cm, 2048, 12800, 25600) == pytest.approx(flops / (cm.peak_flops * cm.gemm_sustained))
+    uncapped = cm.replace(gemm_sustained=1.0)
+    assert gemm_time(uncapped, 2048, 12800, 25600) < gemm_time(cm, 2048, 12800, 25600) / 1.03
+    # a small, wave-quantized GEMM is slower per FLOP than the ceiling anyway: the cap does not touch it
+    assert gemm_time(cm, 1024, 384, 1024) == gemm_time(uncapped, 1024, 384, 1024)
+    with pytest.raises(Exception, match="gemm_sustained"):
+        cm.replace(gemm_sustained=1.5)
+
+
 def test_tensor_parallel_layers_do_not_shrink_by_tp_but_sequence_parallel_helps():
     m = models.get("gpt3-175b")
     one = Workload(m, tp=1, mbs=1, seq_len=2048).time(A100, "layer", "fwd")

@@ -4,7 +4,9 @@ A GEMM ``(m, n, k)`` is cut into output tiles (the best of a few shapes up to ``
 gemm_tile_n``, as a GEMM library picks one; smaller tiles run less efficiently); the tiles run in
 waves of one tile per streaming multiprocessor, each wave as long as one tile's ``2 * tm * tn * k``
 FLOPs at the tile's efficiency of an SM's share of the peak, stretched by ``(k + gemm_k_half) / k``
-(a tile's prologue and epilogue: short reductions run below the ceiling). The GEMM is memory-bound
+(a tile's prologue and epilogue: short reductions run below the ceiling), and never faster than
+``gemm_sustained`` of the peak (the power limit: a GPU drawing its board power on dense math clocks
+below the boost clock its peak is rated at). The GEMM is memory-bound
 instead when reading its operands and writing its result through HBM takes longer
 (``(mk + kn + mn) * dtype bytes / (hbm_bw * memory_efficiency)``), and every kernel pays
 ``gemm_overhead``. So small, skinny and badly quantized GEMMs (a TP shard of 1/8, a micro-batch of
@@ -50,13 +52,14 @@ def tiles(cm: "CostModel") -> tuple[tuple[int, int, float], ...]:
 
 
 def _waves_time(cm: "CostModel", batch: float, m: float, n: float, k: float, peak: float) -> float:
-    """Compute-bound seconds of ``batch`` GEMMs ``(m, n, k)`` in one kernel, best tile of :func:`tiles`."""
+    """Compute-bound seconds of ``batch`` GEMMs ``(m, n, k)`` in one kernel, best tile of :func:`tiles`,
+    at most ``gemm_sustained`` of ``peak`` on the FLOPs it does."""
     sms = max(1, cm.sms)
     best = math.inf
     for tm, tn, eff in tiles(cm):
         waves = math.ceil(batch * math.ceil(m / tm) * math.ceil(n / tn) / sms)
         best = min(best, waves * 2.0 * tm * tn * k / (peak / sms * eff) * (k + cm.gemm_k_half) / k)
-    return best
+    return max(best, batch * 2.0 * m * n * k / (peak * cm.gemm_sustained))
 
 
 def gemm_time(cm: "CostModel", m: float, n: float, k: float, dtype_bytes: int = 2, peak: float | None = None) -> float:
