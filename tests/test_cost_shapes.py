@@ -84,6 +84,23 @@ def test_unfused_attention_pays_for_scores_flash_does_not():
     assert tu - tf == pytest.approx(scores, rel=0.5)
 
 
+def test_selective_recompute_reruns_only_the_core_attention_and_nothing_under_cp():
+    m = models.get("gpt:layers=2,hidden=4096,heads=32,seq_len=4096,flash_attention=false")
+    full = Workload(m, tp=4, mbs=1, seq_len=4096, recompute="full")
+    sel = Workload(m, tp=4, mbs=1, seq_len=4096, recompute="selective")
+    core_fwd = sel._parts(A100, "attn")[1][0]
+    assert core_fwd > 0 and sel.time(A100, "attn", "recompute") == core_fwd
+    assert sel.time(A100, "mlp", "recompute") == 0.0 and sel.time(A100, "layer", "recompute") == core_fwd
+    assert full.time(A100, "attn", "recompute") == full.time(A100, "attn", "fwd") > core_fwd
+    ins = Instr(0, "compute", phase="recompute", region="layers.0.attn", flops=1e9)
+    # no dispatch floor of the whole region and no re-run TP all-reduce: only the core's kernels
+    assert A100.compute_time(ins, work=sel) == core_fwd < A100.compute_time(ins, work=full)
+    cp = Workload(m, tp=4, mbs=1, seq_len=4096, cp=2, recompute="selective")
+    assert cp.time(A100, "attn", "recompute") == 0.0   # the CP attention backward re-runs the core itself
+    from parashift.strategy import Strategy
+    assert Workload.of(m, Strategy.parse("dp=1,tp=4,recompute=selective"), 4096).selective
+
+
 def test_phases_compose_and_moe_falls_back_to_flops():
     w = Workload(models.get("llama2-7b"), tp=2, mbs=2, seq_len=4096)
     for kind in ("attn", "mlp", "embed", "head"):

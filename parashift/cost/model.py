@@ -85,7 +85,9 @@ class CostModel:
     ``recompute_tp_comm``: a ``recompute`` of an attention or MLP region under TP (shape model) also
     pays the region's forward TP collective inside the node (all-reduce; with ``sp`` reduce-scatter
     plus all-gather), as Megatron-LM's checkpointed forward re-runs its row-parallel reduction on the
-    compute stream; False: the recompute re-runs only the kernels.
+    compute stream; False: the recompute re-runs only the kernels. A ``selective`` recompute (shape
+    model) re-runs only the core attention's kernels, without the region's floor or TP collective, and
+    nothing under context parallelism (see :class:`~parashift.cost.compute.Workload`).
     ``grad_accum_traffic``: under the shape model, the weight-gradient backward of every micro-batch
     but the first (index 0) also streams ``grad_accum_traffic`` x dtype bytes per parameter of the
     region on this rank through HBM: its gradient is added into the one the earlier micro-batches
@@ -246,6 +248,8 @@ class CostModel:
         if work is not None and self.compute_model == "shape":
             t_shape = self._shape_time(units, phase, work)
             if t_shape is not None:
+                if phase == "recompute" and work.selective:   # a few core-attention kernels: no region floor
+                    return t_shape
                 t = self._with_floor(t_shape, units, phase)
                 if phase == "recompute" and self.recompute_tp_comm and work.tp > 1:
                     t += self._recompute_comm(units, work)
