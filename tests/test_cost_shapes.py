@@ -48,6 +48,19 @@ def test_wave_quantization_and_memory_bound_gemms():
     assert 2 * 8192**3 / big > 2 * 12288 * 4 * 12288 / t * 50   # FLOP/s of the large one >> the skinny one
 
 
+def test_large_gemms_run_at_the_sustained_ceiling_small_ones_below_it():
+    cm = A100.replace(gemm_overhead=0.0)
+    assert cm.gemm_sustained < cm.gemm_efficiency   # the A100 preset: power-limited clock below the best tile's rate
+    flops = 2 * 2048 * 12800 * 25600                 # a 1T model's MLP GEMM under TP=8: long k, many full waves
+    assert gemm_time(cm, 2048, 12800, 25600) == pytest.approx(flops / (cm.peak_flops * cm.gemm_sustained))
+    uncapped = cm.replace(gemm_sustained=1.0)
+    assert gemm_time(uncapped, 2048, 12800, 25600) < gemm_time(cm, 2048, 12800, 25600) / 1.03
+    # a small, wave-quantized GEMM is slower per FLOP than the ceiling anyway: the cap does not touch it
+    assert gemm_time(cm, 1024, 384, 1024) == gemm_time(uncapped, 1024, 384, 1024)
+    with pytest.raises(Exception, match="gemm_sustained"):
+        cm.replace(gemm_sustained=1.5)
+
+
 def test_tensor_parallel_layers_do_not_shrink_by_tp_but_sequence_parallel_helps():
     m = models.get("gpt3-175b")
     one = Workload(m, tp=1, mbs=1, seq_len=2048).time(A100, "layer", "fwd")
@@ -69,6 +82,23 @@ def test_unfused_attention_pays_for_scores_flash_does_not():
     assert tu > tf
     scores = 32 * 8192**2 * 10.0 / (cm.hbm_bw * cm.memory_efficiency)
     assert tu - tf == pytest.approx(scores, rel=0.5)
+
+
+def test_selective_recompute_reruns_only_the_core_attention_and_nothing_under_cp():
+    m = models.get("gpt:layers=2,hidden=4096,heads=32,seq_len=4096,flash_attention=false")
+    full = Workload(m, tp=4, mbs=1, seq_len=4096, recompute="full")
+    sel = Workload(m, tp=4, mbs=1, seq_len=4096, recompute="selective")
+    core_fwd = sel._parts(A100, "attn")[1][0]
+    assert core_fwd > 0 and sel.time(A100, "attn", "recompute") == core_fwd
+    assert sel.time(A100, "mlp", "recompute") == 0.0 and sel.time(A100, "layer", "recompute") == core_fwd
+    assert full.time(A100, "attn", "recompute") == full.time(A100, "attn", "fwd") > core_fwd
+    ins = Instr(0, "compute", phase="recompute", region="layers.0.attn", flops=1e9)
+    # no dispatch floor of the whole region and no re-run TP all-reduce: only the core's kernels
+    assert A100.compute_time(ins, work=sel) == core_fwd < A100.compute_time(ins, work=full)
+    cp = Workload(m, tp=4, mbs=1, seq_len=4096, cp=2, recompute="selective")
+    assert cp.time(A100, "attn", "recompute") == 0.0   # the CP attention backward re-runs the core itself
+    from parashift.strategy import Strategy
+    assert Workload.of(m, Strategy.parse("dp=1,tp=4,recompute=selective"), 4096).selective
 
 
 def test_phases_compose_and_moe_falls_back_to_flops():

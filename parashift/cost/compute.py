@@ -4,7 +4,9 @@ A GEMM ``(m, n, k)`` is cut into output tiles (the best of a few shapes up to ``
 gemm_tile_n``, as a GEMM library picks one; smaller tiles run less efficiently); the tiles run in
 waves of one tile per streaming multiprocessor, each wave as long as one tile's ``2 * tm * tn * k``
 FLOPs at the tile's efficiency of an SM's share of the peak, stretched by ``(k + gemm_k_half) / k``
-(a tile's prologue and epilogue: short reductions run below the ceiling). The GEMM is memory-bound
+(a tile's prologue and epilogue: short reductions run below the ceiling), and never faster than
+``gemm_sustained`` of the peak (the power limit: a GPU drawing its board power on dense math clocks
+below the boost clock its peak is rated at). The GEMM is memory-bound
 instead when reading its operands and writing its result through HBM takes longer
 (``(mk + kn + mn) * dtype bytes / (hbm_bw * memory_efficiency)``), and every kernel pays
 ``gemm_overhead``. So small, skinny and badly quantized GEMMs (a TP shard of 1/8, a micro-batch of
@@ -50,13 +52,14 @@ def tiles(cm: "CostModel") -> tuple[tuple[int, int, float], ...]:
 
 
 def _waves_time(cm: "CostModel", batch: float, m: float, n: float, k: float, peak: float) -> float:
-    """Compute-bound seconds of ``batch`` GEMMs ``(m, n, k)`` in one kernel, best tile of :func:`tiles`."""
+    """Compute-bound seconds of ``batch`` GEMMs ``(m, n, k)`` in one kernel, best tile of :func:`tiles`,
+    at most ``gemm_sustained`` of ``peak`` on the FLOPs it does."""
     sms = max(1, cm.sms)
     best = math.inf
     for tm, tn, eff in tiles(cm):
         waves = math.ceil(batch * math.ceil(m / tm) * math.ceil(n / tn) / sms)
         best = min(best, waves * 2.0 * tm * tn * k / (peak / sms * eff) * (k + cm.gemm_k_half) / k)
-    return best
+    return max(best, batch * 2.0 * m * n * k / (peak * cm.gemm_sustained))
 
 
 def gemm_time(cm: "CostModel", m: float, n: float, k: float, dtype_bytes: int = 2, peak: float | None = None) -> float:
@@ -77,7 +80,11 @@ def _batched_gemm(cm: "CostModel", batch: float, m: float, n: float, k: float, d
 class Workload:
     """Per-region kernel times of one rank's micro-batch: ``model`` at ``mbs`` sequences of
     ``seq_len`` tokens under ``tp``-way tensor parallelism (``sp``: sequence parallelism shards the
-    norms and dropouts over the TP group; ``cp``: context parallelism splits the sequence)."""
+    norms and dropouts over the TP group; ``cp``: context parallelism splits the sequence).
+    ``recompute``: the strategy's recomputation; a ``selective`` recompute re-runs only the core
+    attention's forward (Megatron-LM's selective recomputation), and nothing under ``cp > 1``,
+    whose attention backward re-runs the core itself (TransformerEngine's context-parallel
+    attention; this runtime's too)."""
 
     model: "ModelSpec"
     tp: int
@@ -85,15 +92,21 @@ class Workload:
     seq_len: int
     sp: bool = False
     cp: int = 1
+    recompute: str = "full"
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, model: "ModelSpec", strategy: object, seq_len: int, mbs: int | None = None) -> "Workload":
-        """The workload of a strategy (duck-typed: ``tp``, ``mbs``, optional ``sp``/``cp``)."""
+        """The workload of a strategy (duck-typed: ``tp``, ``mbs``, optional ``sp``/``cp``/``recompute``)."""
         sp = getattr(strategy, "sp", False)
         return cls(model, int(getattr(strategy, "tp", 1)), int(mbs or getattr(strategy, "mbs", 1)), int(seq_len),
                    bool(sp) if not isinstance(sp, str) else sp not in ("", "0", "false", "none"),
-                   int(getattr(strategy, "cp", 1) or 1))
+                   int(getattr(strategy, "cp", 1) or 1), str(getattr(strategy, "recompute", "full") or "full"))
+
+    @property
+    def selective(self) -> bool:
+        """Whether a recompute re-runs only the core attention (see the class docstring)."""
+        return self.recompute == "selective"
 
     def time(self, cm: "CostModel", kind: str, phase: str) -> float | None:
         """Seconds of one region of ``kind`` in ``phase`` (fwd, bwd, bwd_input, bwd_weight,
@@ -114,6 +127,8 @@ class Workload:
         if kind not in KINDS or (kind == "mlp" and self.model.is_moe):
             return None
         gemms, core, ew = self._parts(cm, kind)
+        if phase == "recompute" and self.selective:
+            return core[0] if kind == "attn" and self.cp == 1 else 0.0
         if phase in ("fwd", "recompute"):
             return sum(gemm_time(cm, m, n, k, *self._dt(cm)) for m, n, k in gemms) + core[0] + ew
         dgrad = sum(gemm_time(cm, m, k, n, *self._dt(cm)) for m, n, k in gemms)

@@ -74,7 +74,8 @@ class CostModel:
     ``min(1, host_cores / n)`` of its speed (0: every device computes on its own, as GPUs do).
     Shapes (``compute_model="shape"``, the default on GPUs, when the simulator knows the model): a
     region's time comes from its kernels (:mod:`parashift.cost.compute`: GEMM tiles and waves over
-    ``sms`` SMs at ``gemm_efficiency`` of peak, memory-bound operands, ``gemm_overhead`` per kernel,
+    ``sms`` SMs at ``gemm_efficiency`` of peak, never above ``gemm_sustained`` of peak (the rate the
+    GPU holds at its power limit), memory-bound operands, ``gemm_overhead`` per kernel,
     flash or unfused attention, elementwise traffic through HBM), still at least the dispatch floor;
     ``"flops"`` (or no model known) is the FLOPs-at-efficiency rule above.
     ``pp_scatter_gather``: a pipeline send of a training step under TP moves 1/tp of the activation
@@ -84,7 +85,9 @@ class CostModel:
     ``recompute_tp_comm``: a ``recompute`` of an attention or MLP region under TP (shape model) also
     pays the region's forward TP collective inside the node (all-reduce; with ``sp`` reduce-scatter
     plus all-gather), as Megatron-LM's checkpointed forward re-runs its row-parallel reduction on the
-    compute stream; False: the recompute re-runs only the kernels.
+    compute stream; False: the recompute re-runs only the kernels. A ``selective`` recompute (shape
+    model) re-runs only the core attention's kernels, without the region's floor or TP collective, and
+    nothing under context parallelism (see :class:`~parashift.cost.compute.Workload`).
     ``grad_accum_traffic``: under the shape model, the weight-gradient backward of every micro-batch
     but the first (index 0) also streams ``grad_accum_traffic`` x dtype bytes per parameter of the
     region on this rank through HBM: its gradient is added into the one the earlier micro-batches
@@ -128,6 +131,7 @@ class CostModel:
     switch_overhead: float = 0.0
     compute_model: str = "shape"
     gemm_efficiency: float = 0.8
+    gemm_sustained: float = 1.0
     gemm_tile_m: int = 256
     gemm_tile_n: int = 128
     gemm_k_half: float = 64.0
@@ -144,10 +148,12 @@ class CostModel:
         if self.compute_model not in ("shape", "flops"):
             raise CostModelError(f"compute_model {self.compute_model!r} must be shape (kernel shapes) or flops "
                                  f"(FLOPs at efficiency[phase]); fix the cost model file")
-        if not (self.gemm_efficiency > 0 and self.flash_efficiency > 0) or self.gemm_tile_m < 1 \
+        if not (self.gemm_efficiency > 0 and self.flash_efficiency > 0 and 0 < self.gemm_sustained <= 1) \
+                or self.gemm_tile_m < 1 \
                 or self.gemm_tile_n < 1 or self.sms < 1 or self.gemm_k_half < 0 or self.elementwise_bytes < 0 \
                 or self.grad_accum_traffic < 0:
-            raise CostModelError("gemm_efficiency and flash_efficiency must be positive, tiles and sms >= 1, "
+            raise CostModelError("gemm_efficiency and flash_efficiency must be positive, gemm_sustained in (0, 1], "
+                                 "tiles and sms >= 1, "
                                  "gemm_k_half, elementwise_bytes and grad_accum_traffic >= 0; fix the cost model file")
         if self.algorithm not in ALGORITHMS:
             raise CostModelError(f"unknown collective algorithm {self.algorithm!r}; use one of {', '.join(ALGORITHMS)}")
@@ -242,6 +248,8 @@ class CostModel:
         if work is not None and self.compute_model == "shape":
             t_shape = self._shape_time(units, phase, work)
             if t_shape is not None:
+                if phase == "recompute" and work.selective:   # a few core-attention kernels: no region floor
+                    return t_shape
                 t = self._with_floor(t_shape, units, phase)
                 if phase == "recompute" and self.recompute_tp_comm and work.tp > 1:
                     t += self._recompute_comm(units, work)
@@ -271,7 +279,7 @@ class CostModel:
         """FLOP/s no compute instruction beats (for lower bounds on step time)."""
         rate = self.peak_flops * max(self.efficiency.values()) * max(self.region_efficiency.values())
         if self.compute_model == "shape":
-            rate = max(rate, self.peak_flops * max(self.gemm_efficiency, self.flash_efficiency))
+            rate = max(rate, self.peak_flops * max(min(self.gemm_efficiency, self.gemm_sustained), self.flash_efficiency))
         return rate
 
     def _shape_time(self, units: tuple, phase: str, work: "Workload") -> float | None:
@@ -461,16 +469,24 @@ def region_units(region: str | None) -> tuple[tuple[str, int], ...]:
     return tuple(out.items())
 
 
+_A100_GEMM_SUSTAINED = 271.2 / 312 * 1305 / 1410
+
 #: Per-GPU adjustments of the generic defaults (public measurements: NCCL bus bandwidth, GEMM rates).
 _GPU_TUNING: dict[str, dict] = {
     # nccl-tests all-reduce on 2-8 A100s (traces/vtrain-a100 LUT, 1 MiB-1 GiB) fit within 4% by a fixed
     # 62 us per operation, ~0 per ring step and 218 GB/s (73% of the 300 GB/s NVLink).
     # GPU runtimes (Megatron's batched isend/irecv, torch.distributed.pipelining) post their pipeline
     # sends and receives and go on computing: step_p2p_posted.
+    # GEMMs sustain at most 0.804 of the 312 TFLOP/s peak: the best-shape bf16 matmul reaches 271.2
+    # (0.869; S. Bekman, ml-engineering, "Maximum Achievable Matmul FLOPS", A100 SXM) at the 1410 MHz
+    # boost clock, and a GPU at its 400 W limit on dense math holds about 1305 MHz (the clock NVIDIA
+    # rates A100 HPL runs at): 0.869 * 1305 / 1410.
     "a100": {"link_efficiency": _d(local=0.8, intra=0.726, inter=0.9), "comm_overhead": 6.2e-5,
-             "latency": _d(local=1e-6, intra=0.0, inter=8e-6), "step_p2p_posted": True},
+             "latency": _d(local=1e-6, intra=0.0, inter=8e-6), "step_p2p_posted": True,
+             "gemm_sustained": _A100_GEMM_SUSTAINED},
     "a800": {"link_efficiency": _d(local=0.8, intra=0.726, inter=0.9), "comm_overhead": 6.2e-5,
-             "latency": _d(local=1e-6, intra=0.0, inter=8e-6), "step_p2p_posted": True},
+             "latency": _d(local=1e-6, intra=0.0, inter=8e-6), "step_p2p_posted": True,
+             "gemm_sustained": _A100_GEMM_SUSTAINED},
     "h100": {"efficiency": _d(fwd=0.55, bwd=0.55, bwd_input=0.55, bwd_weight=0.55, recompute=0.55, optim=0.55),
              "link_efficiency": _d(local=0.8, intra=0.8, inter=0.9), "step_p2p_posted": True},
     "h200": {"efficiency": _d(fwd=0.58, bwd=0.58, bwd_input=0.58, bwd_weight=0.58, recompute=0.58, optim=0.58),
