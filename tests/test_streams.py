@@ -129,8 +129,9 @@ def test_streams_order_cross_stream_work_by_events_and_wait_on_handles_once():
     s.mark("grads", "b")
     with s.enter("compute", ["a", "b"]):                   # same-stream dep a: ordered already, no wait
         pass
-    assert [e for e in rec.log if e[0] in ("wait", "wait_stream")] == [
-        ("wait_stream", "lane:grads", "current"), ("wait", "lane:grads", s._events["a"][1].id),
+    assert [e for e in rec.log if e[0] in ("wait", "wait_stream")] == [    # created after the current stream's work
+        ("wait_stream", "lane:grads", "current"), ("wait_stream", "lane:grads", "current"),
+        ("wait", "lane:grads", s._events["a"][1].id),
         ("wait", "current", s._events["b"][1].id)]
 
     class Work:

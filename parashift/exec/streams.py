@@ -151,6 +151,8 @@ class Streams:
         s = self._streams.get(name)
         if s is None:
             s = self._streams[name] = self.backend.current() if name in self.default else self.backend.stream(name)
+            if name not in self.default:     # a new stream starts after what the device queued before it existed
+                self.backend.wait_stream(s, self.backend.current())
         return s
 
     def own(self, name: str) -> bool:

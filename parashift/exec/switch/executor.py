@@ -196,6 +196,7 @@ class SwitchExecutor:
         self.streams, self.host_wire = streams, bool(host_wire)
         self._order: dict[tuple[int, int], int] | None = None
         self._cur: Any = None             # (ordered driver) the key whose work a buffer handed back waits for
+        self._on: str | None = None       # (ordered driver) the stream of the running instruction
         self.world, self.index, self.group = world, index, group
         self.meta = SwitchMeta.of(program)
         self.names, self.kinds = self.meta.tensors, self.meta.kinds
@@ -250,8 +251,9 @@ class SwitchExecutor:
             else:
                 d[k] = next(got)
 
-    def _get(self, nbytes: int, stream: str | None = None) -> torch.Tensor:
-        return self.pool.get(nbytes, stream)
+    def _get(self, nbytes: int) -> torch.Tensor:
+        """A staging buffer for the running instruction (its stream first waits for the buffer's last user)."""
+        return self.pool.get(nbytes, self._on)
 
     def _put(self, t: torch.Tensor) -> None:
         """Hand a staging buffer back; with the ordered driver, its next user first waits for the work
@@ -285,7 +287,7 @@ class SwitchExecutor:
     def _alloc(self, ins: Instr) -> None:
         for name, nb in ins.alloc:
             if parse_switch_name(name)[0] == "buf" and name not in self.bufs:
-                self.bufs[name] = self._get(nb, ins.stream)[:nb] if nb else torch.empty(0, dtype=torch.uint8,
+                self.bufs[name] = self._get(nb)[:nb] if nb else torch.empty(0, dtype=torch.uint8,
                                                                                        device=self.pool.device)
                 self.pooled.add(name)
 
@@ -367,8 +369,7 @@ class SwitchExecutor:
         return hit
 
     def _temp(self, tag: str, nbytes: int) -> torch.Tensor:
-        ins = self._comm.get(tag)
-        t = self._get(nbytes, ins.stream if ins is not None else None)
+        t = self._get(nbytes)
         self.temps.setdefault(tag, []).append(t)
         return t
 
@@ -599,7 +600,7 @@ class SwitchExecutor:
                 if ins.op == "copy":
                     ck = st.seconds["checksum"]
                     with S.enter(ins.stream, deps):
-                        self._cur = ins.id
+                        self._cur, self._on = ins.id, ins.stream
                         self._copy(ins)
                         while self.later:
                             self._run_later(self.later.popleft())
@@ -610,7 +611,7 @@ class SwitchExecutor:
                     st.rows.append((ins.stream, what, t0, t1, ins.nbytes))
                     continue
                 with S.enter(ins.stream, deps):
-                    self._cur = ins.id
+                    self._cur, self._on = ins.id, ins.stream
                     fl = self._issue(ins)
                 S.pending(ins.id, fl.works, then=lambda fl=fl: self._landed(fl))
                 st.add("issue", t0)

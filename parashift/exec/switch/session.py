@@ -181,6 +181,8 @@ class LiveSession:
 
         def work() -> None:
             try:
+                if self.torch_device.type == "cuda":      # the current device is per thread
+                    torch.cuda.set_device(self.torch_device)
                 budget = o.memory_budget if o.memory_budget is not None else \
                     switch_fit(self.spec, src, dst)["memory_budget"]     # automatic: under the process's memory
                 prep = prepare(self.manager, self.spec, src.strategy, dst.strategy, src.devices, dst.devices,
@@ -191,6 +193,8 @@ class LiveSession:
                     prep.new_store = StateStore(self.spec, dst.strategy, dst.devices.index(self.device),
                                                 self.torch_device, init=False,
                                                 alloc=lazy_alloc if prep.planned.staged else state_alloc)
+                    if self.torch_device.type == "cuda":    # zeroed before any stream of the switch writes it
+                        torch.cuda.synchronize(self.torch_device)
                     prep.alloc_seconds = time.time() - t0
                 fut.set_result(prep)
             except BaseException as e:  # noqa: BLE001 - re-raised by switch()
