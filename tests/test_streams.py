@@ -429,3 +429,42 @@ def test_host_checksums_resolve_unchanged_and_pool_fences_run_before_reuse():
     pool.put(a, fence=lambda on: waited.append(on))
     b = pool.get(64, "recv1")
     assert b.data_ptr() == a.data_ptr() and waited == ["recv1"] and pool.in_use == 64
+
+
+# ---- device placement errors (fast) and the drivers across processes (slow) -------------------------
+def test_device_jobs_say_what_this_host_cannot_run():
+    from parashift.errors import StrategyError
+    from parashift.exec.switch import generations, run_live
+    from parashift.exec.switch.check import switch_check
+    from parashift.exec.switch.session import check_gpus
+    gens = generations(GPT, "dp=2", 3, [(1, "tp=2", (2, 3))])
+    with pytest.raises(StrategyError, match=r"switch 1 runs devices \[0, 1, 2, 3\] at once, but this host has 2 GPU"):
+        check_gpus(gens, 2)
+    check_gpus(gens, 4)
+    with pytest.raises(StrategyError, match="unknown transport 'mpi'"):
+        switch_check(GPT, "dp=2", "tp=2", transport="mpi")
+    if not torch.cuda.is_available():
+        with pytest.raises(StrategyError, match="needs CUDA GPUs, and this machine has none"):
+            run_live(GPT, "dp=2", steps=2, device="cuda")
+        for t in ("nccl", "gloo-pinned"):
+            with pytest.raises(StrategyError, match="keeps the state on a GPU, and this machine has none"):
+                switch_check(GPT, "dp=2", "tp=2", transport=t)
+    with pytest.raises(StrategyError, match="unknown device 'tpu'"):
+        run_live(GPT, "dp=2", steps=2, device="tpu")
+
+
+@pytest.mark.slow
+def test_ordered_driver_across_gloo_processes_matches_the_gloo_driver():
+    from parashift.exec.switch import run_live
+    from parashift.exec.switch.check import switch_check
+    from test_switch_live import check_switches
+    for ordered in (False, True):
+        out = switch_check(GPT, "dp=2,tp=2,zero=1", "tp=4", ordered=ordered, repeats=2, timeout=60)
+        assert out["ok"] and out["ordered"] == ordered and out["bytes_moved"] > 0, out
+    chain = [(1, "tp=4", None), (2, "dp=2,pp=2", None), (3, "dp=2,zero=3", (0, 2)), (4, "dp=4,zero=1", None)]
+    res = run_live(GPT, "dp=2,tp=2,zero=1", steps=5, switches=chain, export=True, timeout=240, switch_timeout=30,
+                   big_piece=4096, ordered=True)
+    ref = run_live(GPT, "dp=2,tp=2,zero=1", steps=5, switches=chain, timeout=240, switch_timeout=30, big_piece=4096)
+    assert [s.get("aborted") for s in res.switches] == [None] * len(chain)
+    assert check_switches(GPT, res) == len(chain)
+    assert res.losses == ref.losses
