@@ -184,7 +184,7 @@ class LiveSession:
                 if self.torch_device.type == "cuda":      # the current device is per thread
                     torch.cuda.set_device(self.torch_device)
                 budget = o.memory_budget if o.memory_budget is not None else \
-                    switch_fit(self.spec, src, dst)["memory_budget"]     # automatic: under the process's memory
+                    switch_fit(self.spec, src, dst, device=o.device)["memory_budget"]   # automatic: under the process's memory
                 prep = prepare(self.manager, self.spec, src.strategy, dst.strategy, src.devices, dst.devices,
                                _keys(self.gens, g), self.device, global_batch=o.global_batch, seq_len=o.seq_len,
                                memory_budget=budget, cost_model=o.cost_model)
@@ -516,18 +516,22 @@ class LiveResult:
         return out
 
 
-def switch_fit(spec: models.ModelSpec, src: Generation, dst: Generation, memory_budget=None) -> dict:
-    """Whether the switch from ``src`` to ``dst`` fits each process's memory (this machine's available
-    memory shared among the switch's processes) and its staging budget: ``memory_budget`` when
-    given, else chosen under that memory when one stage does not fit (see :func:`.live_fit`)."""
+def switch_fit(spec: models.ModelSpec, src: Generation, dst: Generation, memory_budget=None,
+               device: str = "cpu") -> dict:
+    """Whether the switch from ``src`` to ``dst`` fits each process's memory (on CPU this machine's
+    available memory shared among the switch's processes; on ``device="cuda"`` one GPU's total
+    memory, the same figure on every participant, so that all plan alike) and its staging budget:
+    ``memory_budget`` when given, else chosen under that memory when one stage does not fit (see
+    :func:`.live_fit`)."""
     from ...units import available_memory
     from ...vps.transition import live_fit
     n = len(set(src.devices) | set(dst.devices))
-    return live_fit(spec, src.strategy, dst.strategy, src.devices, dst.devices, available_memory() // n, memory_budget)
+    mem = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else available_memory() // n
+    return live_fit(spec, src.strategy, dst.strategy, src.devices, dst.devices, mem, memory_budget)
 
 
 def _summarize(gens: list[Generation], reports: dict[str, Any], spec: "models.ModelSpec | None" = None,
-               memory_budget=None) -> list[dict]:
+               memory_budget=None, device: str = "cpu") -> list[dict]:
     """One entry a switch that ran; with ``spec``, its planned fit too (``fits``, ``planned_peak_bytes``,
     ``device_memory``, ``memory_budget``, ``budget_auto``)."""
     out = []
@@ -545,7 +549,7 @@ def _summarize(gens: list[Generation], reports: dict[str, Any], spec: "models.Mo
             entry[k] = max(r[k] for r in recs)      # the slowest process's phase; the largest high-water mark
         entry["bytes_moved"] = sum(r["bytes_sent"] for r in recs)
         if spec is not None:
-            fit = switch_fit(spec, gens[g - 1], gens[g], memory_budget)
+            fit = switch_fit(spec, gens[g - 1], gens[g], memory_budget, device)
             entry.update({"fits": fit["fits"], "planned_peak_bytes": fit["peak_bytes"],
                           "device_memory": fit["device_memory"], "memory_budget": fit["memory_budget"],
                           "budget_auto": fit["budget_auto"]})
@@ -604,7 +608,7 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
         if not shares:
             break
         losses.append(float(sum(shares)))
-    return LiveResult(losses, _summarize(gens, reports, spec, memory_budget), reports, gens)
+    return LiveResult(losses, _summarize(gens, reports, spec, memory_budget, device), reports, gens)
 
 
 def step_times(result: LiveResult) -> list[float]:
