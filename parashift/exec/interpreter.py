@@ -13,9 +13,9 @@ never mismatches between ranks.
 With profiling on, a compute instruction is timed by stamps on its stream (CUDA timing events on
 GPUs, resolved with one synchronize when the step ends; the host clock on CPU: :mod:`.streams`), a
 communication instruction from its issue to when the host saw it complete; nothing synchronizes
-the device per instruction. With profiling off on gloo (``record`` None) a step takes a faster path with the same results:
-every receive without deps is posted when the step starts (each into a buffer allocated once),
-sends nothing depends on are waited on at the step's end (no helper thread), and when every
+the device per instruction. With profiling off on gloo (``record`` None) a step takes a faster
+path with the same results: every receive without deps is posted when the step starts (each
+into a buffer allocated once), sends nothing depends on are waited on at the step's end (no helper thread), and when every
 blocked stream waits on one transfer the loop waits on that handle directly (helper threads watch
 transfers only when several could unblock work). Nothing is timed or synchronized then.
 

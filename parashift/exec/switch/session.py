@@ -184,7 +184,7 @@ class LiveSession:
                 if self.torch_device.type == "cuda":      # the current device is per thread
                     torch.cuda.set_device(self.torch_device)
                 budget = o.memory_budget if o.memory_budget is not None else \
-                    switch_fit(self.spec, src, dst, device=o.device)["memory_budget"]   # automatic: under the process's memory
+                    switch_fit(self.spec, src, dst, device=o.device)["memory_budget"]   # automatic: under its memory
                 prep = prepare(self.manager, self.spec, src.strategy, dst.strategy, src.devices, dst.devices,
                                _keys(self.gens, g), self.device, global_batch=o.global_batch, seq_len=o.seq_len,
                                memory_budget=budget, cost_model=o.cost_model)
@@ -434,9 +434,10 @@ def check_gpus(gens: list[Generation], gpus: int) -> None:
         devs = sorted(_participants(gens, g) if g else set(gens[0].devices))
         gpu = [d % max(gpus, 1) for d in devs]
         if gpus < 1 or len(set(gpu)) < len(gpu):
-            raise StrategyError(f"{'switch ' + str(g) if g else 'the first layout'} runs devices {devs} at once, but this "
-                                f"host has {gpus} GPU(s) and NCCL puts one rank per GPU; use fewer devices, or "
-                                f"device='cpu' (benchmarks/gpu_switch_check.py runs a switch of processes sharing a GPU)")
+            what = f"switch {g}" if g else "the first layout"
+            raise StrategyError(f"{what} runs devices {devs} at once, but this host has {gpus} GPU(s) and NCCL "
+                                f"puts one rank per GPU; use fewer devices, or device='cpu' "
+                                f"(benchmarks/gpu_switch_check.py runs a switch of processes sharing a GPU)")
 
 
 def _participants(gens: list[Generation], g: int) -> set[int]:

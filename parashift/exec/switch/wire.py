@@ -17,8 +17,8 @@ import torch
 
 from ...ir.program import Program
 
-__all__ = ["BIG", "CHUNK", "SLICE", "MAX_MSGS", "crc", "checksum", "checksum_device", "resolve", "fold", "parts", "slices", "reserve_waiters",
-           "submit", "timedelta"]
+__all__ = ["BIG", "CHUNK", "SLICE", "MAX_MSGS", "crc", "checksum", "checksum_device", "resolve", "fold", "parts",
+           "slices", "reserve_waiters", "submit", "timedelta"]
 
 #: Pieces of at least this many bytes travel as messages of their own (p2p transfers and broadcasts).
 BIG = 1 << 16
