@@ -31,7 +31,7 @@ class Flight:
     works: list
     then: Callable[[], Any] | None = None
     keep: Any = None           # tensors that must live until the works complete
-    t0: float = 0.0
+    t0: Any = 0.0              # profiling stamp at issue (see .streams)
     finished: bool | None = None   # set by a helper thread for works that cannot be polled
     error: BaseException | None = None
     prep: Any = None               # the interpreter's prepared instruction

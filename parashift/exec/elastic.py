@@ -82,8 +82,12 @@ class ElasticManager:
     the next ``group`` call builds a fresh one under a new prefix.
     """
 
-    def __init__(self, store: Any, me: str, timeout: float = 60.0) -> None:
-        self.store, self.me, self.timeout = store, me, timeout
+    def __init__(self, store: Any, me: str, timeout: float = 60.0, backend: str = "gloo", device: Any = None) -> None:
+        """``backend``: ``"gloo"`` (CPU tensors) or ``"nccl"`` (tensors on ``device``, this process's
+        CUDA device: NCCL puts one rank per GPU)."""
+        if backend not in ("gloo", "nccl"):
+            raise RuntimeFailure(f"unknown backend {backend!r} for a live job's groups; use 'gloo' or 'nccl'")
+        self.store, self.me, self.timeout, self.backend, self.device = store, me, timeout, backend, device
         self._groups: dict[tuple[tuple[str, ...], str], Any] = {}
         self._epoch: dict[tuple[tuple[str, ...], str], int] = {}
         self._lock = threading.Lock()
@@ -91,7 +95,7 @@ class ElasticManager:
         self.reused = 0             # cache hits
 
     def group(self, members: tuple[str, ...], channel: str = "") -> Any:
-        """The gloo communicator of ``members`` on ``channel`` (None for fewer than two members).
+        """The communicator of ``members`` on ``channel`` (None for fewer than two members).
         The switch executor drives it directly (``send``/``recv``/``broadcast`` ...)."""
         return self._get(tuple(members), channel, wrap=False)
 
@@ -117,12 +121,17 @@ class ElasticManager:
             raise RuntimeFailure(f"process {self.me} asked for group {members}, which it is not in")
         prefix = f"pg/{','.join(members)}/{channel}/{epoch}"
         store, rank, size = dist.PrefixStore(prefix, self.store), members.index(self.me), len(members)
-        pg = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=self.timeout))
+        if self.backend == "nccl":
+            pg, kind, dev = _nccl_group(store, rank, size, self.timeout, self.device), \
+                dist.ProcessGroup.BackendType.NCCL, torch.device("cuda")
+        else:
+            pg, kind, dev = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=self.timeout)), \
+                dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
         if wrap:       # as init_process_group wraps its backend (torch has no public call for this)
             backend = pg
             pg = dist.ProcessGroup(store, rank, size)
-            pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-            pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+            pg._set_default_backend(kind)
+            pg._register_backend(dev, kind, backend)
         with self._lock:
             self._groups[key] = pg
             self.created += 1
@@ -136,6 +145,19 @@ class ElasticManager:
 
     def __len__(self) -> int:
         return len(self._groups)
+
+
+def _nccl_group(store: Any, rank: int, size: int, timeout: float, device: Any) -> Any:
+    """An NCCL communicator on ``store``, connected now on ``device`` (every member calls this in
+    the same order, as for gloo), so that no transfer of a switch waits for its creation. Written
+    for GPUs; not run on the CPU-only machines the project is tested on."""
+    import torch.distributed as dist
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = datetime.timedelta(seconds=timeout)
+    pg = dist.ProcessGroupNCCL(store, rank, size, opts)
+    pg._set_sequence_number_for_group()
+    pg.eager_connect_single_device(device)
+    return pg
 
 
 # ---- launcher -------------------------------------------------------------------------------------------

@@ -10,9 +10,12 @@ depends on a send, still waits for its completion through ``deps``. Collectives 
 different streams use different communicators (the ``Worlds`` channel), so their interleaving
 never mismatches between ranks.
 
-With profiling off on gloo (``record`` None) a step takes a faster path with the same results:
-every receive without deps is posted when the step starts (each into a buffer allocated once),
-sends nothing depends on are waited on at the step's end (no helper thread), and when every
+With profiling on, a compute instruction is timed by stamps on its stream (CUDA timing events on
+GPUs, resolved with one synchronize when the step ends; the host clock on CPU: :mod:`.streams`), a
+communication instruction from its issue to when the host saw it complete; nothing synchronizes
+the device per instruction. With profiling off on gloo (``record`` None) a step takes a faster
+path with the same results: every receive without deps is posted when the step starts (each
+into a buffer allocated once), sends nothing depends on are waited on at the step's end (no helper thread), and when every
 blocked stream waits on one transfer the loop waits on that handle directly (helper threads watch
 transfers only when several could unblock work). Nothing is timed or synchronized then.
 
@@ -178,7 +181,11 @@ class Interpreter(CPHandlers):
         self.pool: ThreadPoolExecutor | None = None     # waits on gloo send/recv (they cannot be polled)
         self._prepare()
         from .lanes import install
-        self.lanes = install(self)      # user-named streams: their own CUDA streams on GPUs (None on CPU)
+        from .streams import Streams, backend_for
+        #: profiling stamps: CUDA timing events on GPUs (resolved once per step), the host clock on CPU
+        self.clock = Streams(backend_for(device), profile=record is not None)
+        self._stamps: list[tuple[Instr, str, Any, Any]] = []
+        self.lanes = install(self)      # user-named streams: CUDA streams of their own on GPUs (the CPU twin elsewhere)
         self.n_heads = sum(1 for q in self.seqs for p in q if p.kind == _COMPUTE and p.ins.phase == "fwd"
                            and "head" in p.atoms)
         #: multi-host jobs (:mod:`.recover`): ``on_loss(share)`` once the step's loss share is whole (before
@@ -290,6 +297,9 @@ class Interpreter(CPHandlers):
         self.st = StepState()
         self.live = LiveTensors()
         self._step, self._data = step, None
+        if self.record is not None:
+            self._stamps = []
+            host0 = self.clock.begin()
         seqs, nstreams = self.seqs, len(self.seqs)
         done = bytearray(self.n)
         ptr = [0] * nstreams
@@ -375,6 +385,10 @@ class Interpreter(CPHandlers):
                     raise RuntimeFailure(f"rank {self.rank}: a send failed: {type(err).__name__}: {err}")
         finally:
             poller.close()
+        if self.record is not None:     # one synchronize for the step's stamps, none per instruction
+            secs = self.clock.seconds([t for row in self._stamps for t in row[2:]])
+            for k, (ins, stream, _, _) in enumerate(self._stamps):
+                self.record(ins, stream, host0 + secs[2 * k], host0 + secs[2 * k + 1])
         self.store_release_all()
         return self.st.loss
 
@@ -422,7 +436,7 @@ class Interpreter(CPHandlers):
 
     def _issue(self, p: Prepared) -> Flight | None:
         ins = p.ins
-        t0 = time.perf_counter() if self.record is not None else 0.0
+        t0 = self.clock.stamp()
         try:
             if p.kind == _COMPUTE:
                 if self.strategy.zero >= 2 and ins.phase != "optim":
@@ -431,9 +445,7 @@ class Interpreter(CPHandlers):
                 if p.z3_free:
                     self._release(p)
                 if self.record is not None:
-                    if self.nccl:
-                        torch.cuda.synchronize()
-                    self.record(ins, ins.stream, t0, time.perf_counter())
+                    self._stamps.append((ins, ins.stream, t0, self.clock.stamp()))
                 return None
             fl = self._comm(p)
             fl.t0, fl.prep = t0, p
@@ -455,8 +467,8 @@ class Interpreter(CPHandlers):
             raise
         except Exception as e:  # noqa: BLE001
             raise self._fail(fl.instr, fl.stream, e) from e
-        if self.record is not None:
-            self.record(fl.instr, fl.stream, fl.t0, time.perf_counter())
+        if self.record is not None:     # from issue (on the issuing stream) to when the host saw it complete
+            self._stamps.append((fl.instr, fl.stream, fl.t0, time.perf_counter()))
 
     def _grad_buckets(self, ins: Instr) -> None:
         """ZeRO-2/3: allocate the gradient buckets the instruction allocates and route its gradient
@@ -725,7 +737,7 @@ class Interpreter(CPHandlers):
         def then() -> None:
             box[key] = buf
         fl = Flight(p.ins, p.ins.stream, [work], then=then, prep=p)
-        fl.t0 = time.perf_counter() if self.record is not None else 0.0
+        fl.t0 = self.clock.stamp()
         return fl
 
     def _recv_buffer(self, chunk: int) -> torch.Tensor:

@@ -46,9 +46,71 @@ from ...collectives import op as op_of
 from ..state import StateStore
 from .memory import BufferPool
 from .stores import piece_view
-from .wire import BIG, CHUNK, MAX_MSGS, SLICE, checksum, fold, parts, slices, submit, timedelta
+from .wire import (BIG, CHUNK, MAX_MSGS, SLICE, checksum, checksum_device, fold, parts, resolve, slices, submit,
+                   timedelta)
 
-__all__ = ["SwitchExecutor", "ExecStats"]
+__all__ = ["SwitchExecutor", "ExecStats", "issue_order"]
+
+
+def issue_order(program: Program) -> dict[tuple[int, int], int]:
+    """One global order of every instruction of a switch Program, the same on every participant:
+    (device, instruction id) -> position. The instructions of one transfer (its send and recv, or
+    every member's part of a collective) share a position; a position comes after its deps and, on
+    copy and collective streams, after the stream's previous instruction (point-to-point streams
+    post without waiting, so their order is their deps'). Issuing in this order is what NCCL needs:
+    each pair of devices and each communicator sees its operations in the same order on all
+    members, so no member waits on an operation another has queued behind one it waits for.
+    Raises SwitchAborted when the Program's dependencies form a cycle."""
+    import heapq
+    node_of: dict[tuple[int, int], tuple] = {}
+    first: dict[tuple, tuple[int, int, int]] = {}
+    meta = SwitchMeta.of(program)
+    tag_id = {t: i for i, t in enumerate(meta.transfers)}
+    xstage = meta.transfer_stage()
+    for d, rp in program.ranks.items():
+        for ins in rp.instrs():
+            if ins.tag is not None:
+                node, stage = ("x", ins.tag), int(xstage[tag_id[ins.tag]])
+            else:
+                what, (arg,) = parse_switch_name(ins.key)
+                node = ("c", d, ins.id)
+                stage = int(arg) if what == "keep" else int(xstage[tag_id[arg]])
+            node_of[(d, ins.id)] = node
+            key = (stage, d, ins.id)
+            if node not in first or key < first[node]:
+                first[node] = key
+    preds: dict[tuple, set] = {n: set() for n in first}
+    for d, rp in program.ranks.items():
+        for name, instrs in rp.streams.items():
+            ordered = not name.startswith(("send", "recv"))
+            prev = None
+            for ins in instrs:
+                me = node_of[(d, ins.id)]
+                for dep in ins.deps:
+                    if node_of[(d, dep)] != me:
+                        preds[me].add(node_of[(d, dep)])
+                if ordered and prev is not None and prev != me:
+                    preds[me].add(prev)
+                prev = me
+    succ: dict[tuple, list] = {n: [] for n in first}
+    for n, ps in preds.items():
+        for q in ps:
+            succ[q].append(n)
+    left = {n: len(ps) for n, ps in preds.items()}
+    heap = [(first[n], n) for n, k in left.items() if k == 0]
+    heapq.heapify(heap)
+    pos: dict[tuple, int] = {}
+    while heap:
+        _, n = heapq.heappop(heap)
+        pos[n] = len(pos)
+        for m in succ[n]:
+            left[m] -= 1
+            if left[m] == 0:
+                heapq.heappush(heap, (first[m], m))
+    if len(pos) != len(first):
+        raise SwitchAborted("the switch Program's dependencies form a cycle across devices; it cannot be issued "
+                            "in one order (the Program is invalid)")
+    return {k: pos[n] for k, n in node_of.items()}
 
 
 @dataclass
@@ -115,6 +177,12 @@ class SwitchExecutor:
     point-to-point messages travel in parts of at most this many bytes (every participant must
     use the same values). ``pool``: where staging buffers come from and go back to (its ``peak``
     becomes ``stats.staging_peak``).
+
+    ``streams`` (:class:`~parashift.exec.streams.Streams`): issue in one global order
+    (:func:`issue_order`) with every Program stream a stream of the device and deps as events, as
+    NCCL needs (see :meth:`run`); None: the gloo driver. ``host_wire``: messages must be host
+    memory (gloo moving device state): every piece of a device store travels through a staging
+    buffer of the pool (pinned host memory there), none straight from or into the state.
     """
 
     def __init__(self, program: Program, device: int, old: StateStore | None, new: StateStore | None,
@@ -122,8 +190,13 @@ class SwitchExecutor:
                  timeout: float = 60.0, pool: BufferPool | None = None,
                  on_received: Callable[[str, torch.Tensor], None] | None = None,
                  on_issue: Callable[[Instr], None] | None = None,
-                 peer_gone: Callable[[], int | None] | None = None, big: int = BIG, chunk: int = CHUNK) -> None:
+                 peer_gone: Callable[[], int | None] | None = None, big: int = BIG, chunk: int = CHUNK,
+                 streams: Any = None, host_wire: bool = False) -> None:
         self.program, self.device, self.old, self.new = program, device, old, new
+        self.streams, self.host_wire = streams, bool(host_wire)
+        self._order: dict[tuple[int, int], int] | None = None
+        self._cur: Any = None             # (ordered driver) the key whose work a buffer handed back waits for
+        self._on: str | None = None       # (ordered driver) the stream of the running instruction
         self.world, self.index, self.group = world, index, group
         self.meta = SwitchMeta.of(program)
         self.names, self.kinds = self.meta.tensors, self.meta.kinds
@@ -156,11 +229,37 @@ class SwitchExecutor:
         self._done: set[int] = set()
         self._xstage = self.meta.transfer_stage()
 
-    def _sum(self, t: torch.Tensor) -> int:
+    def _sum(self, t: torch.Tensor) -> Any:
+        """A checksum: an int for host memory, a device scalar (read at the end of the run) on a device."""
         t0 = time.perf_counter()
-        v = checksum(t)
+        v = checksum(t) if t.device.type == "cpu" else checksum_device(t)
         self.stats.add("checksum", t0)
         return v
+
+    def _resolve_sums(self) -> None:
+        """Turn pending checksums (lists of part checksums, device scalars) into ints, with one read."""
+        todo = [(d, k, v) for d in (self.stats.sent_crc, self.stats.recv_crc) for k, v in d.items()
+                if not isinstance(v, int)]
+        flat = [x for _, _, v in todo for x in (v if isinstance(v, list) else [v])]
+        got = iter(resolve(flat))
+        for d, k, v in todo:
+            if isinstance(v, list):
+                h = 0
+                for _ in v:
+                    h = fold(h, next(got))
+                d[k] = h
+            else:
+                d[k] = next(got)
+
+    def _get(self, nbytes: int) -> torch.Tensor:
+        """A staging buffer for the running instruction (its stream first waits for the buffer's last user)."""
+        return self.pool.get(nbytes, self._on)
+
+    def _put(self, t: torch.Tensor) -> None:
+        """Hand a staging buffer back; with the ordered driver, its next user first waits for the work
+        that used it last (the current instruction's)."""
+        key, streams = self._cur, self.streams
+        self.pool.put(t, None if streams is None or key is None else (lambda on: streams.wait(on or "pack", [key])))
 
     # ---- geometry ---------------------------------------------------------------------------------
     def _view(self, store: StateStore, i: int) -> torch.Tensor:
@@ -188,7 +287,8 @@ class SwitchExecutor:
     def _alloc(self, ins: Instr) -> None:
         for name, nb in ins.alloc:
             if parse_switch_name(name)[0] == "buf" and name not in self.bufs:
-                self.bufs[name] = self.pool.get(nb)[:nb] if nb else torch.empty(0, dtype=torch.uint8)
+                self.bufs[name] = self._get(nb)[:nb] if nb else torch.empty(0, dtype=torch.uint8,
+                                                                                       device=self.pool.device)
                 self.pooled.add(name)
 
     def _free(self, ins: Instr) -> None:
@@ -196,7 +296,7 @@ class SwitchExecutor:
             t = self.bufs.pop(name, None)
             if t is not None and name in self.pooled:
                 self.pooled.discard(name)
-                self.pool.put(t._base if t._base is not None else t)
+                self._put(t._base if t._base is not None else t)
 
     def _copy(self, ins: Instr) -> None:
         what, (arg,) = parse_switch_name(ins.key)
@@ -269,14 +369,19 @@ class SwitchExecutor:
         return hit
 
     def _temp(self, tag: str, nbytes: int) -> torch.Tensor:
-        t = self.pool.get(nbytes)
+        t = self._get(nbytes)
         self.temps.setdefault(tag, []).append(t)
         return t
 
     def _release(self, tag: str) -> None:
         for t in self.temps.pop(tag, []):
-            self.pool.put(t)
+            self._put(t)
         self.msgs.pop(tag, None)
+
+    def _direct(self, v: torch.Tensor) -> bool:
+        """Whether a piece's box travels straight from or into the state (contiguous, and in
+        memory the wire reaches)."""
+        return v.is_contiguous() and not (self.host_wire and v.device.type != "cpu")
 
     def _pack_p2p(self, tag: str) -> None:
         small, offs, size, big = self._split(tag)
@@ -289,7 +394,7 @@ class SwitchExecutor:
             msgs.append(buf)
         for i in big:
             v = self._view(self.old, i)
-            if v.is_contiguous():
+            if self._direct(v):
                 msgs.append(v.view(-1).view(torch.uint8))
                 self.stats.zero_copy += 1
             else:
@@ -311,7 +416,7 @@ class SwitchExecutor:
         msgs = [self._temp(ins.tag, size)] if small else []
         for i in big:
             v = self._view(self.new, i)
-            if v.is_contiguous():
+            if self._direct(v):
                 msgs.append(v.view(-1).view(torch.uint8))
                 self.stats.zero_copy += 1
             else:
@@ -339,17 +444,24 @@ class SwitchExecutor:
         in order, into the transfer's checksum; a sender's staging goes back to the pool when all
         are out."""
         pieces = parts(msgs, self.chunk)
-        acc = [0]
+        acc: list = []            # part checksums, folded in order when the run ends
 
         def part(j: int) -> None:
             if not sending and self.on_received is not None:
                 self.on_received(ins.tag, pieces[j])
-            acc[0] = fold(acc[0], self._sum(pieces[j]))
+            acc.append(self._sum(pieces[j]))
 
         def done() -> None:
-            (self.stats.sent_crc if sending else self.stats.recv_crc)[ins.tag] = acc[0]
+            (self.stats.sent_crc if sending else self.stats.recv_crc)[ins.tag] = acc
             if sending:
                 self._release(ins.tag)
+        if sending and self.streams is not None:     # ordered: summed as issued, staging handed back behind a fence
+            for j in range(len(pieces)):
+                part(j)
+            works = [post(j, m) for j, m in enumerate(pieces)]
+            self._cur = ins.id
+            done()
+            return _Flight(ins, ins.stream, works, t0)
         return _Flight(ins, ins.stream, [post(j, m) for j, m in enumerate(pieces)], t0, done, on_part=part)
 
     # ---- one handler per op --------------------------------------------------------------------------
@@ -395,7 +507,7 @@ class SwitchExecutor:
         o.rootRank = ins.group.index(ins.root)
         if self.device == ins.root:
             chunks = [buf[p * c:(p + 1) * c] for p in range(len(ins.group))]
-            return pg.scatter([torch.empty(c, dtype=torch.uint8)], [chunks], o)
+            return pg.scatter([torch.empty(c, dtype=torch.uint8, device=buf.device)], [chunks], o)
         return pg.scatter([buf], [], o)
 
     def _gather(self, ins: Instr, buf: torch.Tensor, c: int) -> Any:
@@ -403,7 +515,7 @@ class SwitchExecutor:
         o.rootRank = ins.group.index(ins.root)
         if self.device == ins.root:
             chunks = [buf[p * c:(p + 1) * c] for p in range(len(ins.group))]
-            return pg.gather([chunks], [torch.empty(c, dtype=torch.uint8)], o)
+            return pg.gather([chunks], [torch.empty(c, dtype=torch.uint8, device=buf.device)], o)
         return pg.gather([], [buf], o)
 
     def _all_gather(self, ins: Instr, buf: torch.Tensor, c: int) -> Any:
@@ -438,9 +550,12 @@ class SwitchExecutor:
         While everything issued is on the wire, the driver runs deferred work (kept pieces' copies,
         checksums of sent messages).
         """
+        if self.streams is not None:
+            return self._run_ordered(stage)
         r = self._start(stage)
         try:
             self._drive(r)
+            self._resolve_sums()
         except SwitchAborted:
             self.graveyard.append((r.busy, r.lanes, self.bufs, self.msgs, self.temps))
             raise
@@ -451,6 +566,93 @@ class SwitchExecutor:
         if self.pool is not None:
             self.stats.staging_peak = self.pool.peak
         return self.stats
+
+    def _run_ordered(self, stage: int | None) -> ExecStats:
+        """The driver for NCCL (and its CPU twin on gloo): this device's instructions (of ``stage``)
+        in the switch's global order (:func:`issue_order`), each on its Program stream after the
+        events (copies) and communication handles its deps stand for; a dependency on a
+        point-to-point instruction covers its stream's earlier ones. Nothing waits per instruction
+        on a GPU: copies are queued on the streams, sends and receives on NCCL's, and the run ends
+        with one wait for everything (polling ``peer_gone``). On CPU the same calls run in issue
+        order and a dependency on a transfer waits for it on the host."""
+        S = self.streams
+        rp = self.program.ranks.get(self.device)
+        instrs = list(rp.instrs()) if rp is not None else []
+        for ins in instrs:
+            if ins.tag is not None:
+                self._comm[ins.tag] = ins
+        if self._order is None:
+            self._order = issue_order(self.program)
+        prefix: dict[int, list[int]] = {}
+        for name, v in (rp.streams.items() if rp is not None else ()):
+            if name.startswith(("send", "recv")):
+                for k, ins in enumerate(v):
+                    prefix[ins.id] = [i.id for i in v[:k + 1]]
+        mine = sorted((i for i in instrs if stage is None or self.stage_of(i) == stage),
+                      key=lambda i: (self._order[(self.device, i.id)], i.id))
+        if self.pool is not None:
+            self.pool.reset_peak()
+        st = self.stats
+        try:
+            for ins in mine:
+                deps = [k for d in ins.deps for k in prefix.get(d, (d,))]
+                t0 = time.perf_counter()
+                if ins.op == "copy":
+                    ck = st.seconds["checksum"]
+                    with S.enter(ins.stream, deps):
+                        self._cur, self._on = ins.id, ins.stream
+                        self._copy(ins)
+                        while self.later:
+                            self._run_later(self.later.popleft())
+                    S.mark(ins.stream, ins.id)
+                    t1 = time.perf_counter()
+                    what = parse_switch_name(ins.key)[0]
+                    st.seconds[what] += t1 - t0 - (st.seconds["checksum"] - ck)
+                    st.rows.append((ins.stream, what, t0, t1, ins.nbytes))
+                    continue
+                with S.enter(ins.stream, deps):
+                    self._cur, self._on = ins.id, ins.stream
+                    fl = self._issue(ins)
+                S.pending(ins.id, fl.works, then=lambda fl=fl: self._landed(fl))
+                st.add("issue", t0)
+                if self.on_issue is not None:
+                    self.on_issue(ins)
+            t0 = time.perf_counter()
+            S.finish(poll=self._check_peers)
+            st.add("idle", t0)
+            self._resolve_sums()
+        except SwitchAborted:
+            S.forget()
+            self.graveyard.append((self.bufs, self.msgs, self.temps))
+            raise
+        except Exception as e:  # noqa: BLE001 - a peer failure surfaces as a backend error
+            S.forget()
+            self.graveyard.append((self.bufs, self.msgs, self.temps))
+            raise SwitchAborted(f"device {self.device}: a transfer failed ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''}); a peer left or failed") from e
+        if self.pool is not None:
+            st.staging_peak = self.pool.peak
+        return st
+
+    def _landed(self, fl: _Flight) -> None:
+        """(Ordered driver) a transfer's handles were waited on: its parts' checksums, then its
+        completion (what the gloo driver does as each part lands)."""
+        cur, self._cur = self._cur, fl.ins.id
+        if fl.on_part is not None:
+            for j in range(len(fl.works)):
+                fl.on_part(j)
+        if fl.then is not None:
+            fl.then()
+        self._free(fl.ins)
+        self._cur = cur
+        self.stats.rows.append((fl.stream, fl.ins.op, fl.t0, time.perf_counter(), fl.ins.nbytes))
+
+    def _check_peers(self) -> None:
+        """Raise SwitchAborted when a participant is known to be gone (polled while the run drains)."""
+        gone = self.peer_gone() if self.peer_gone is not None else None
+        if gone is not None:
+            raise SwitchAborted(f"device {self.device}: device {gone} is gone (waiting for the switch's "
+                                f"transfers to finish)")
 
     def _start(self, stage: int | None) -> "_Run":
         """This device's streams (of ``stage`` only, when given) and an empty wire."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from typing import Any
 
 import numpy as np
 import torch
@@ -87,40 +88,51 @@ def lazy_alloc(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Te
 
 
 class BufferPool:
-    """Reusable uint8 staging buffers, by size (sizes are 16-byte aligned by the planner).
+    """Reusable uint8 staging buffers, by size (sizes are 16-byte aligned by the planner), in host
+    memory (default), device memory (``device``), or pinned host memory (``pinned``: a device job
+    whose transfers go through the host).
 
     ``in_use``: bytes handed out and not yet returned; ``peak``: the most ``in_use`` ever was
-    (reset by :meth:`reset_peak`); ``held``: bytes the pool owns (in use or idle)."""
+    (reset by :meth:`reset_peak`); ``held``: bytes the pool owns (in use or idle). On a device,
+    work queued on a buffer may still run after it is handed back: ``put(t, fence)`` keeps a
+    ``fence`` with it, and ``get(n, on)`` calls ``fence(on)`` before handing the buffer out again
+    (the executor makes stream ``on`` wait for the work that last used it)."""
 
-    def __init__(self) -> None:
-        self.free: dict[int, list[torch.Tensor]] = {}
+    def __init__(self, device: "torch.device | str | None" = None, pinned: bool = False) -> None:
+        self.device = torch.device(device if device is not None else "cpu")
+        self.pinned = bool(pinned) and self.device.type == "cpu"
+        self.free: dict[int, list[tuple[torch.Tensor, Any]]] = {}
         self.allocated = 0
         self.held = 0
         self.in_use = 0
         self.peak = 0
 
-    def get(self, nbytes: int) -> torch.Tensor:
+    def get(self, nbytes: int, on: Any = None) -> torch.Tensor:
         self.in_use += nbytes
         self.peak = max(self.peak, self.in_use)
         lst = self.free.get(nbytes)
         if lst:
-            return lst.pop()
+            t, fence = lst.pop()
+            if fence is not None:
+                fence(on)
+            return t
         self.allocated += nbytes
         self.held += nbytes
-        t = torch.empty(nbytes, dtype=torch.uint8)
-        advise_huge(t)
+        t = torch.empty(nbytes, dtype=torch.uint8, device=self.device, pin_memory=self.pinned)
+        if self.device.type == "cpu" and not self.pinned:
+            advise_huge(t)
         return t
 
-    def put(self, t: torch.Tensor) -> None:
+    def put(self, t: torch.Tensor, fence: Any = None) -> None:
         self.in_use -= t.numel()
-        self.free.setdefault(t.numel(), []).append(t)
+        self.free.setdefault(t.numel(), []).append((t, fence))
 
     def reset_peak(self) -> None:
         self.peak = self.in_use
 
     def clear(self) -> None:
         """Release the idle buffers (buffers in use stay with their holders)."""
-        self.held -= sum(t.numel() for lst in self.free.values() for t in lst)
+        self.held -= sum(t.numel() for lst in self.free.values() for t, _ in lst)
         self.free.clear()
 
 

@@ -121,7 +121,7 @@ def training_worlds(manager, members: list[str], rank: int, program: Program):
     (``members``: the incarnation key of each rank). Every rank of the layout must call it."""
     from ..groups import Worlds
     from ..runtime import world_keys
-    worlds = Worlds(rank, len(members), "gloo",
+    worlds = Worlds(rank, len(members), getattr(manager, "backend", "gloo"),
                     factory=lambda ranks, channel: manager.process_group(tuple(members[r] for r in ranks), channel))
     worlds.prepare(world_keys(program))
     return worlds
@@ -176,8 +176,13 @@ class SwitchRecord:
 def execute_switch(prep: Prepared, store, prefix: str, device: int, old: StateStore | None,
                    new: StateStore | None, record: SwitchRecord, *, timeout: float = 60.0, pool: BufferPool | None = None,
                    steps_done: int | None = None, on_received: Callable | None = None,
-                   on_issue: Callable | None = None, big: int = BIG, chunk: int = CHUNK) -> dict:
+                   on_issue: Callable | None = None, big: int = BIG, chunk: int = CHUNK, streams: Any = None,
+                   host_wire: bool = False) -> dict:
     """Transfer and verify (phases 3 and 4). Returns the job meta (``steps_done``, ``opt_step``).
+
+    ``streams``/``host_wire``: how the executor drives the transfers (the NCCL driver on the
+    device's streams, or the gloo one; messages through host staging for device state on gloo),
+    see :class:`~.executor.SwitchExecutor`.
 
     A *staged* switch (``prep.planned.staged``: old + new state exceed the memory budget) runs
     stage by stage, verifies each stage, and releases the old regions the stage frees
@@ -194,7 +199,8 @@ def execute_switch(prep: Prepared, store, prefix: str, device: int, old: StateSt
     record.old_bytes, record.new_bytes = bytes_of(old), bytes_of(new)
     ex = SwitchExecutor(prep.planned.program, device, old, new, prep.world, prep.index,
                         lambda g: prep.groups[g], timeout=timeout, pool=pool, on_received=on_received, on_issue=on_issue,
-                        peer_gone=lambda: _gone(store, parts), big=big, chunk=chunk)
+                        peer_gone=lambda: _gone(store, parts), big=big, chunk=chunk, streams=streams,
+                        host_wire=host_wire)
     meta = None if old is None else {"steps_done": steps_done,
                                      "opt_step": max(b.step for b in old.buffers.values())}
     if prep.planned.staged:

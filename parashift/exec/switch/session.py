@@ -83,6 +83,8 @@ class LiveOptions:
     snapshot_every: int = 0  # multi-host jobs: a DCP snapshot every this many steps (0: none; :mod:`..snapshot`)
     snapshot_dir: str = ""   # where snapshots go (a directory every host reaches)
     recover: Any = None      # recover(session, SwitchAborted) -> bool after a peer failed mid-switch (multi-host)
+    device: str = "cpu"      # "cuda": state and training on this process's GPU, groups and transfers on NCCL
+    ordered: Any = None      # switches issued in one global order on the device's streams (None: on NCCL only)
 
 
 @dataclass(frozen=True)
@@ -148,8 +150,10 @@ class LiveSession:
         self.ctx, self.spec, self.gens, self.opts = ctx, spec, gens, opts
         self.device = ctx.device
         self.timeout = float(opts.switch_timeout)
-        self.manager = ElasticManager(ctx.store, ctx.member.key, self.timeout)
-        self.pool = BufferPool()
+        self.torch_device, self.backend = device_setup(opts.device, ctx.device)
+        self.manager = ElasticManager(ctx.store, ctx.member.key, self.timeout, self.backend, self.torch_device)
+        self.pool = BufferPool(self.torch_device)
+        self.ordered = opts.ordered if opts.ordered is not None else self.backend == "nccl"
         self.runtime = None
         self.gen = -1
         self.pending: dict[int, tuple[Future, float]] = {}
@@ -177,16 +181,20 @@ class LiveSession:
 
         def work() -> None:
             try:
+                if self.torch_device.type == "cuda":      # the current device is per thread
+                    torch.cuda.set_device(self.torch_device)
                 budget = o.memory_budget if o.memory_budget is not None else \
-                    switch_fit(self.spec, src, dst)["memory_budget"]     # automatic: under the process's memory
+                    switch_fit(self.spec, src, dst, device=o.device)["memory_budget"]   # automatic: under its memory
                 prep = prepare(self.manager, self.spec, src.strategy, dst.strategy, src.devices, dst.devices,
                                _keys(self.gens, g), self.device, global_batch=o.global_batch, seq_len=o.seq_len,
                                memory_budget=budget, cost_model=o.cost_model)
                 if self.device in dst.devices:     # the destination store, faulted in while training goes on
                     t0 = time.time()            # (a staged switch's fills stage by stage: lazily allocated)
                     prep.new_store = StateStore(self.spec, dst.strategy, dst.devices.index(self.device),
-                                                torch.device("cpu"), init=False,
+                                                self.torch_device, init=False,
                                                 alloc=lazy_alloc if prep.planned.staged else state_alloc)
+                    if self.torch_device.type == "cuda":    # zeroed before any stream of the switch writes it
+                        torch.cuda.synchronize(self.torch_device)
                     prep.alloc_seconds = time.time() - t0
                 fut.set_result(prep)
             except BaseException as e:  # noqa: BLE001 - re-raised by switch()
@@ -217,7 +225,7 @@ class LiveSession:
             meta = execute_switch(prep, self.ctx.store, f"sw{g}/", self.device, old, new, rec, timeout=self.timeout,
                                   pool=self.pool, steps_done=self.runtime.steps_done if self.runtime else None,
                                   on_received=on_received, on_issue=on_issue, big=self.opts.big_piece,
-                                  chunk=self.opts.message_part)
+                                  chunk=self.opts.message_part, streams=self._streams())
         except SwitchAborted as e:
             # the old layout's runtime, store and training world were never touched: with every
             # participant alive, training goes on in them; the switch's communicators are dropped
@@ -239,6 +247,14 @@ class LiveSession:
         rec.pause_seconds = t1 - t_pause
         self.runtime, self.gen = rt, g       # the old store is freed with the old runtime
         return rt
+
+    def _streams(self):
+        """The device's streams for an ordered switch (every Program stream but ``pack`` on a stream
+        of its own), or None for the gloo driver."""
+        if not self.ordered:
+            return None
+        from ..streams import Streams, backend_for
+        return Streams(backend_for(self.torch_device), default=("pack",))
 
     def _prepared(self, g: int, rec: SwitchRecord) -> Prepared:
         """Switch ``g``'s background preparation, once done (its timings go into ``rec``)."""
@@ -277,7 +293,7 @@ class LiveSession:
         from ..runtime import Runtime
         dst = self.gens[g]
         new_rank = dst.devices.index(self.device)
-        rctx = RankContext(new_rank, dst.strategy.world, self.ctx.backend, torch.device("cpu"), None)
+        rctx = RankContext(new_rank, dst.strategy.world, self.backend, self.torch_device, None)
         rt = Runtime(prep.program, rctx, store=new, worlds=prep.worlds, data_seed=self.opts.data_seed,
                      model=self.spec, optim=self.opts.optim, timeout=self.ctx.timeout)
         for b in new.buffers.values():
@@ -327,7 +343,7 @@ class LiveSession:
             prog = compile_program(self.spec if not _preset(self.spec) else self.spec.name, g0.strategy,
                                    global_batch=self.opts.global_batch, seq_len=self.opts.seq_len)
             worlds = training_worlds(self.manager, [f"{d}.0" for d in g0.devices], rank, prog)
-            rctx = RankContext(rank, g0.strategy.world, self.ctx.backend, torch.device("cpu"), None)
+            rctx = RankContext(rank, g0.strategy.world, self.backend, self.torch_device, None)
             self.runtime = Runtime(prog, rctx, seed=self.opts.seed, data_seed=self.opts.data_seed, model=self.spec,
                                    worlds=worlds, optim=self.opts.optim, timeout=self.ctx.timeout)
             self.gen = 0
@@ -387,6 +403,41 @@ class LiveSession:
         if error is not None and self.runtime is not None:
             out["intact"] = {"rank": self.runtime.ctx.rank, "arrays": store_arrays(self.runtime.store)}
         return out
+
+
+def device_setup(kind: str, device_id: int) -> tuple[torch.device, str]:
+    """(torch device, backend) of a live job's process: ``"cpu"``: host memory and gloo;
+    ``"cuda"``: GPU ``device_id`` modulo the GPUs this host has (made current, as NCCL needs) and
+    NCCL. Raises StrategyError for an unknown kind or when CUDA is missing."""
+    if kind == "cpu":
+        return torch.device("cpu"), "gloo"
+    i = int(device_id) % _gpus(kind)
+    torch.cuda.set_device(i)
+    return torch.device("cuda", i), "nccl"
+
+
+def _gpus(kind: str) -> int:
+    """GPUs of this host for a live job on ``kind`` (``"cuda"``); StrategyError otherwise."""
+    if kind != "cuda":
+        raise StrategyError(f"unknown device {kind!r} for a live job; use 'cpu' (gloo) or 'cuda' (NCCL)")
+    if not torch.cuda.is_available():
+        raise StrategyError("device='cuda' needs CUDA GPUs, and this machine has none; run the live job with "
+                            "device='cpu'")
+    return torch.cuda.device_count()
+
+
+def check_gpus(gens: list[Generation], gpus: int) -> None:
+    """Raise StrategyError unless every generation and every switch of a CUDA live job puts its
+    processes on distinct GPUs (device ``d`` runs on GPU ``d % gpus``): NCCL refuses two ranks of a
+    communicator on one GPU ("Duplicate GPU detected")."""
+    for g in range(len(gens)):
+        devs = sorted(_participants(gens, g) if g else set(gens[0].devices))
+        gpu = [d % max(gpus, 1) for d in devs]
+        if gpus < 1 or len(set(gpu)) < len(gpu):
+            what = f"switch {g}" if g else "the first layout"
+            raise StrategyError(f"{what} runs devices {devs} at once, but this host has {gpus} GPU(s) and NCCL "
+                                f"puts one rank per GPU; use fewer devices, or device='cpu' "
+                                f"(benchmarks/gpu_switch_check.py runs a switch of processes sharing a GPU)")
 
 
 def _participants(gens: list[Generation], g: int) -> set[int]:
@@ -466,18 +517,22 @@ class LiveResult:
         return out
 
 
-def switch_fit(spec: models.ModelSpec, src: Generation, dst: Generation, memory_budget=None) -> dict:
-    """Whether the switch from ``src`` to ``dst`` fits each process's memory (this machine's available
-    memory shared among the switch's processes) and its staging budget: ``memory_budget`` when
-    given, else chosen under that memory when one stage does not fit (see :func:`.live_fit`)."""
+def switch_fit(spec: models.ModelSpec, src: Generation, dst: Generation, memory_budget=None,
+               device: str = "cpu") -> dict:
+    """Whether the switch from ``src`` to ``dst`` fits each process's memory (on CPU this machine's
+    available memory shared among the switch's processes; on ``device="cuda"`` one GPU's total
+    memory, the same figure on every participant, so that all plan alike) and its staging budget:
+    ``memory_budget`` when given, else chosen under that memory when one stage does not fit (see
+    :func:`.live_fit`)."""
     from ...units import available_memory
     from ...vps.transition import live_fit
     n = len(set(src.devices) | set(dst.devices))
-    return live_fit(spec, src.strategy, dst.strategy, src.devices, dst.devices, available_memory() // n, memory_budget)
+    mem = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else available_memory() // n
+    return live_fit(spec, src.strategy, dst.strategy, src.devices, dst.devices, mem, memory_budget)
 
 
 def _summarize(gens: list[Generation], reports: dict[str, Any], spec: "models.ModelSpec | None" = None,
-               memory_budget=None) -> list[dict]:
+               memory_budget=None, device: str = "cpu") -> list[dict]:
     """One entry a switch that ran; with ``spec``, its planned fit too (``fits``, ``planned_peak_bytes``,
     ``device_memory``, ``memory_budget``, ``budget_auto``)."""
     out = []
@@ -495,7 +550,7 @@ def _summarize(gens: list[Generation], reports: dict[str, Any], spec: "models.Mo
             entry[k] = max(r[k] for r in recs)      # the slowest process's phase; the largest high-water mark
         entry["bytes_moved"] = sum(r["bytes_sent"] for r in recs)
         if spec is not None:
-            fit = switch_fit(spec, gens[g - 1], gens[g], memory_budget)
+            fit = switch_fit(spec, gens[g - 1], gens[g], memory_budget, device)
             entry.update({"fits": fit["fits"], "planned_peak_bytes": fit["peak_bytes"],
                           "device_memory": fit["device_memory"], "memory_budget": fit["memory_budget"],
                           "budget_auto": fit["budget_auto"]})
@@ -511,7 +566,8 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
              notice: int = 3, timeout: float = 300.0, switch_timeout: float = 60.0, memory_budget=None,
              export: bool = False, faults: "SwitchFaults | None" = None, big_piece: int = BIG,
              message_part: int = CHUNK, placement: str = "keep", cost_model: Any = None,
-             progress: Callable[[int, float], None] | None = None) -> LiveResult:
+             progress: Callable[[int, float], None] | None = None, device: str = "cpu",
+             ordered: bool | None = None) -> LiveResult:
     """Train ``model`` for ``steps`` steps, hot-switching at the scheduled steps.
 
     ``switches``: (step, strategy, devices or None). ``notice``: steps of warning before each switch
@@ -521,15 +577,20 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
     in parts of at most ``message_part`` bytes (see :mod:`.executor`). ``placement``: ``"keep"``
     orders each switch's devices (within a node) to keep the most state in place, ``"given"``
     keeps their order. ``cost_model``: what the switch lowering scores promotions with.
+    ``device``: ``"cpu"`` (gloo) or ``"cuda"`` (state and training on one GPU per process, NCCL;
+    written for GPUs, see the README for what has run). ``ordered``: issue each switch in one global
+    order on the device's streams (the NCCL driver; default on NCCL only, True runs its CPU twin).
     """
     spec = models.get(model)
     if notice < 0:
         raise StrategyError(f"notice={notice} must be a number of steps >= 0 (the warning before each switch)")
     gens = generations(spec, strategy, steps, list(switches), placement)
+    if device != "cpu":
+        check_gpus(gens, _gpus(device))
     opts = LiveOptions(global_batch=global_batch, seq_len=seq_len or spec.seq_len, seed=seed, data_seed=data_seed,
                        optim=optim, notice=notice, switch_timeout=switch_timeout, memory_budget=memory_budget,
                        export=export, progress=progress is not None, big_piece=big_piece, message_part=message_part,
-                       placement=placement, cost_model=cost_model, faults=faults)
+                       placement=placement, cost_model=cost_model, faults=faults, device=device, ordered=ordered)
     parts: dict[int, dict[str, float]] = {}
 
     def on_report(key: str, payload: tuple) -> None:
@@ -548,7 +609,7 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
         if not shares:
             break
         losses.append(float(sum(shares)))
-    return LiveResult(losses, _summarize(gens, reports, spec, memory_budget), reports, gens)
+    return LiveResult(losses, _summarize(gens, reports, spec, memory_budget, device), reports, gens)
 
 
 def step_times(result: LiveResult) -> list[float]:

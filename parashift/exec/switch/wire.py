@@ -17,8 +17,8 @@ import torch
 
 from ...ir.program import Program
 
-__all__ = ["BIG", "CHUNK", "SLICE", "MAX_MSGS", "crc", "checksum", "fold", "parts", "slices", "reserve_waiters",
-           "submit", "timedelta"]
+__all__ = ["BIG", "CHUNK", "SLICE", "MAX_MSGS", "crc", "checksum", "checksum_device", "resolve", "fold", "parts",
+           "slices", "reserve_waiters", "submit", "timedelta"]
 
 #: Pieces of at least this many bytes travel as messages of their own (p2p transfers and broadcasts).
 BIG = 1 << 16
@@ -53,6 +53,31 @@ def checksum(t: torch.Tensor) -> int:
     else:
         head = int(a[:n8].view(np.uint64).sum(dtype=np.uint64))
     return (head * 0x100000001B3 + zlib.crc32(a[n8:]) + n8) & 0xFFFFFFFFFFFFFFFF
+
+
+def checksum_device(t: torch.Tensor) -> torch.Tensor:
+    """The transfer checksum of a contiguous device tensor's bytes, as an int64 scalar on the
+    device (no host synchronization; :func:`resolve` reads many at once): the wrapping sum of its
+    8-byte words times a prime, plus its tail bytes as one zero-padded word and its length. It
+    depends only on the bytes (a misaligned tensor is summed from an aligned copy); sender and
+    receiver of a transfer use the same function (both ends of a device job are devices)."""
+    b = t.contiguous().view(-1).view(torch.uint8)
+    n = b.numel()
+    n8 = n // 8 * 8
+    if b.data_ptr() % 8:
+        b = b.clone()
+    head = b[:n8].view(torch.int64).sum() if n8 else torch.zeros((), dtype=torch.int64, device=b.device)
+    pad = torch.zeros(8, dtype=torch.uint8, device=b.device)
+    if n > n8:
+        pad[:n - n8] = b[n8:]
+    return head * 0x100000001B3 + pad.view(torch.int64)[0] * 31 + n
+
+
+def resolve(values: list) -> list[int]:
+    """Checksums as unsigned 64-bit ints: host values as they are, device scalars read with one copy."""
+    dev = [v for v in values if isinstance(v, torch.Tensor)]
+    got = iter(torch.stack(dev).cpu().tolist()) if dev else iter(())
+    return [(next(got) if isinstance(v, torch.Tensor) else v) & 0xFFFFFFFFFFFFFFFF for v in values]
 
 
 def fold(h: int, c: int) -> int:
