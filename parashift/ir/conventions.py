@@ -46,8 +46,8 @@ Communication instructions and tags (tags are unique per (sender, receiver)/grou
                    region's last backward node, freeing "zg.c{c}.m{mb}.{region}" (its grad bytes) that the
                    region's first gradient-writing node allocs (bwd; under split backwards bwd_weight: a
                    bwd_input writes no gradient); MoE: one bucket per chunk ("dp.grad.c{c}.m{mb}",
-                   "zg.c{c}.m{mb}" / "zge.c{c}.m{mb}"). Without split backwards a bucket's backward
-                   waits for the reduce-scatter of the chunk's bucket two before it (two live).
+                   "zg.c{c}.m{mb}" / "zge.c{c}.m{mb}"). The node allocating a bucket waits for the
+                   reduce-scatter of the bucket its stage allocated two before (two live per rank).
   tied embedding   all_reduce over "embed", tag "embed.grad", before the optimizer
   optimizer        one compute instruction phase "optim" per rank after all grad syncs
   ZeRO 1/2 params  after optim: all_gather over "dp"/"edp" per chunk, tag "dp.param.c{chunk}"

@@ -461,7 +461,7 @@ class Replicate:
     shard right after that micro-batch's backward (``dp.grad.c<c>.m<mb>``): the chunk's full-size
     gradient (buffer ``zg.c<c>.m<mb>``) lives from its first node that writes gradients (B, or W
     under split backwards) until the reduce-scatter completes, and only the shard lives for the whole step (on dense models per region bucket, see
-    ``buckets``; without split backwards at most ``in_flight`` buckets of a chunk are live). With a tied embedding split across
+    ``buckets``; ``Order`` bounds how many a rank holds at once). With a tied embedding split across
     stages the chunks sync once per step, as with ZeRO-1, so the embedding all-reduce sees whole gradients.
     """
 
@@ -477,7 +477,6 @@ class Replicate:
     overlap: bool = True
     buckets: tuple[tuple[str, int, int], ...] = ()   # ZeRO-2/3: (atomic region, param bytes, grad bytes), dense
     prefetch: int = 1     # ZeRO-3 per-region gathers issued ahead of the running region (0: none)
-    in_flight: int = 2    # ZeRO-2/3: gradient buckets of a chunk live at once (reduce-scatters overlap the backward)
 
     def apply(self, g: Graph) -> Graph:
         out = g.copy()
@@ -643,8 +642,8 @@ class Replicate:
         input-gradient node leaves its weight gradients' inputs for it and writes none).
 
         A bucket is one region's gradients (``buckets``, on an unfused graph) or else the chunk's.
-        Without split backwards a bucket's backward waits for the reduce-scatter of the chunk's bucket
-        ``in_flight`` before it, so at most ``in_flight`` bucket buffers per chunk are live."""
+        Once the stage's order is known, :class:`~parashift.ir.ordering.Order` bounds the buckets a
+        rank holds at once (``GRAD_BUCKETS_IN_FLIGHT``)."""
         c = out.cols
         sizes = {r: g for r, _, g in self.buckets}
         for ch, nodes in bwd_of_chunk.items():
@@ -655,7 +654,6 @@ class Replicate:
             groups: dict[tuple[int, str | None], list[int]] = {}
             for i in nodes:
                 groups.setdefault((c["mb"][i], c["region"][i] if region_wise else None), []).append(i)
-            prev: list[list[int]] = []     # reduce-scatters of the previous buckets, latest last
             for (mb, region), users in sorted(groups.items(), key=lambda kv: (kv[0][0], min(c["pos"][i] for i in kv[1]))):
                 acts = {c["action"][i] for i in users if isinstance(c["action"][i], Action)}
                 if region_wise:       # the first node that writes gradients: B, or W under split backwards
@@ -666,10 +664,6 @@ class Replicate:
                     ends = [last_of_action[a] for a in acts if a.type in ("B", "W")] or users
                     first = min(starts, key=lambda i: c["pos"][i])
                     end = max(ends, key=lambda i: c["pos"][i])
-                if all(a.type == "B" for a in acts) and len(prev) >= self.in_flight:   # bounded live buckets
-                    for s in prev[-self.in_flight]:
-                        out.edge(s, first, SAVED)
-                prev.append([])
                 for grp, nb, what in specs:
                     expert = what == "expert"
                     name = str(T.StepBuffer("zge" if expert else "zg", mb, chunk=ch, region=region))
@@ -683,7 +677,6 @@ class Replicate:
                     for i in users:
                         out.edge(i, s, SAVED)
                     out.edge(s, optim[stage_of[ch]], SAVED)
-                    prev[-1].append(s)
 
 
 def apply_all(g: Graph, directives: Sequence) -> Graph:
