@@ -54,8 +54,8 @@ from ..models import ModelSpec
 from .comm import Flight, Poller, a2a, all_gather, all_gather_flat, reduce_scatter, reduce_scatter_flat
 from .cp import CPHandlers
 from .reference import OptimConfig, microbatch_rows
-from .regions import (KINDS, CoreRecompute, Rec, RegionCtx, atomic_regions, chain_residual, finish_weights, head_logit_grad,
-                      region_kind)
+from .regions import (KINDS, CoreRecompute, Rec, RegionCtx, atomic_regions, chain_residual, finish_weights,
+                      head_logit_grad, region_kind)
 from .state import _DT, StateStore
 from .zero import LiveTensors, alloc_grads, reduce_scatter_microbatch
 

@@ -25,8 +25,9 @@ import torch
 from ..models import ModelSpec
 from .models import Tape, apply_rope, swiglu
 
-__all__ = ["RegionCtx", "Rec", "KINDS", "CoreRecompute", "chain_residual", "finish_weights", "atomic_regions", "region_kind", "head_logit_grad", "cp_attn_pre",
-           "cp_attn_core", "cp_attn_bwd_out", "cp_attn_bwd_core", "cp_attn_bwd_qkv"]
+__all__ = ["RegionCtx", "Rec", "KINDS", "CoreRecompute", "chain_residual", "finish_weights", "atomic_regions",
+           "region_kind", "head_logit_grad", "cp_attn_pre", "cp_attn_core", "cp_attn_bwd_out", "cp_attn_bwd_core",
+           "cp_attn_bwd_qkv"]
 
 
 @dataclass
@@ -165,7 +166,8 @@ class _Core(torch.autograd.Function):
         return (*torch.autograd.grad([out], list(ins), [do]), None)
 
 
-def _attn_body(c: RegionCtx, tape: Tape, z: torch.Tensor, p: str, core: "CoreRecompute | None" = None) -> torch.Tensor:
+def _attn_body(c: RegionCtx, tape: Tape, z: torch.Tensor, p: str,
+               core: "CoreRecompute | None" = None) -> torch.Tensor:
     s = c.spec
     b, n, _ = z.shape
     d, r = s.head_dim, s.heads // s.kv_heads

@@ -460,8 +460,9 @@ class Replicate:
     ZeRO-2/3 (``zero >= 2``) reduce-scatter each micro-batch's gradients of a chunk into the owner's
     shard right after that micro-batch's backward (``dp.grad.c<c>.m<mb>``): the chunk's full-size
     gradient (buffer ``zg.c<c>.m<mb>``) lives from its first node that writes gradients (B, or W
-    under split backwards) until the reduce-scatter completes, and only the shard lives for the whole step (on dense models per region bucket, see
-    ``buckets``; ``Order`` bounds how many a rank holds at once). With a tied embedding split across
+    under split backwards) until the reduce-scatter completes, and only the shard lives for the whole
+    step (on dense models per region bucket, see ``buckets``; ``Order`` bounds how many a rank holds
+    at once). With a tied embedding split across
     stages the chunks sync once per step, as with ZeRO-1, so the embedding all-reduce sees whole gradients.
     """
 
