@@ -4,7 +4,8 @@ Each case runs one training step of a tiny model on gloo (CPU, one process per r
 every rank's peak from the state store's accounting (parameters, gradients, optimizer states,
 ZeRO buffers and the distinct tensors the live regions keep for their backward), then simulates
 the same Program and reports the simulated peak of each rank and the ratio measured / simulated
-(the maxima over ranks, and the rank whose ratio is farthest from 1). Cases: ZeRO 0-3 under pp=2 and pp=4 (dp=2), the pipeline schedules
+(the maxima over ranks, and the rank whose ratio is farthest from 1). Cases: ZeRO 0-3 under pp=2 and pp=4 (dp=2),
+ZeRO 1-3 under the split-backward schedules (zb-h1, dualpipev; dp=2, pp=2), the pipeline schedules
 (gpipe, 1f1b, interleaved-1f1b, zb-h1, dualpipev) and recomputation none / selective / full.
 
 ``largest_batch``: per ZeRO stage (1 and 3) under pipelining, the largest micro-batch size whose
@@ -33,6 +34,8 @@ GB, SEQ, CLUSTER = 8, 32, "a100-1x8"
 MIB, GIB = 2**20, 2**30
 
 ZERO = [f"dp=2,pp={pp},zero={z}" for pp in (2, 4) for z in (0, 1, 2, 3)]
+SPLIT = [f"dp=2,pp=2,{v}schedule={k},zero={z}" for k, v in (("zb-h1", ""), ("dualpipev", "vpp=2,"))
+         for z in (1, 2, 3)]
 SCHEDULES = ["pp=2,schedule=gpipe", "pp=2,schedule=1f1b", "pp=2,vpp=2,schedule=interleaved-1f1b",
              "pp=2,schedule=zb-h1", "pp=2,vpp=2,schedule=dualpipev"]
 RECOMPUTE = ["tp=2,pp=2,recompute=none", "tp=2,pp=2,recompute=selective", "tp=2,pp=2,recompute=full"]
@@ -126,7 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     cases = [("quick", s) for s in QUICK] if a.quick else (
-        [("zero", s) for s in ZERO] + [("schedule", s) for s in SCHEDULES] + [("recompute", s) for s in RECOMPUTE])
+        [("zero", s) for s in ZERO] + [("split", s) for s in SPLIT] + [("schedule", s) for s in SCHEDULES]
+        + [("recompute", s) for s in RECOMPUTE])
     df = table(cases, a.model)
     out = {"model": a.model, "global_batch": GB, "seq_len": SEQ, "cluster": CLUSTER,
            "table": df.to_dict(orient="records"), "all_within_10pct": bool(df["within_10pct"].all()),

@@ -15,6 +15,7 @@ from parashift.errors import StrategyError, UnknownPresetError
 from parashift.ir import Program, compile
 from parashift.ir.memory import region_state_bytes, static_memory
 from parashift.ir.model_graph import model_graph
+from parashift.sim import simulate
 
 SEQ = 16
 
@@ -166,6 +167,52 @@ def test_zero_stages(zero):
     assert mem["optim"] == (full["optim"] // 2 if zero >= 1 else full["optim"])
     assert mem["grad"] == (full["grad"] // 2 if zero >= 2 else full["grad"])
     assert mem["param"] == (full["param"] // 2 if zero >= 3 else full["param"])
+
+
+@pytest.mark.parametrize("strategy", ["dp=2,pp=2,schedule=zb-h1", "dp=2,pp=2,vpp=2,schedule=dualpipev"])
+def test_split_backward_buckets_live_from_the_weight_gradient_node(strategy):
+    """Under split backwards an input-gradient node writes no gradient: a region's ZeRO-2/3 bucket is
+    allocated by its weight-gradient node and reduce-scattered right after it, a ZeRO-3 copy of the
+    backward is freed by the region's input-gradient node, and so ZeRO-2 and ZeRO-3 hold less than ZeRO-1."""
+    peaks = {}
+    for zero in (1, 2, 3):
+        prog = compile("tiny-gpt", f"{strategy},zero={zero}", global_batch=8, seq_len=SEQ).validate()
+        peaks[zero] = simulate(prog, "a100-1x8").peak_memory
+        if zero == 1:
+            continue
+        for rp in {id(r): r for r in prog.ranks.values()}.values():
+            ins = list(rp.instrs())
+            comp = {(i.phase, i.chunk, i.microbatch, i.region): i for i in ins if i.op == "compute"}
+            rs = [i for i in ins if i.op == "reduce_scatter"]
+            assert rs
+            for r in rs:
+                (name,) = r.free
+                w = comp[("bwd_weight", r.chunk, r.microbatch, name.split(".", 3)[3])]
+                assert [n for n, _ in w.alloc if n.startswith("zg.")] == [name]
+                assert w.id in _ancestors(rp, r.id)
+                assert not any(n.startswith("zg.") for i in ins if i.phase == "bwd_input" for n, _ in i.alloc)
+            if zero == 3:
+                for i in ins:
+                    for n in i.free:
+                        if n.startswith("z3.") and ".bwd." in n:
+                            assert i.phase in ("bwd_input", "recompute"), (n, i)
+    for r in peaks[1]:
+        assert peaks[3][r] <= peaks[2][r] < peaks[1][r], (r, peaks)
+
+
+def test_unfused_regions_hold_their_own_activation_buffers():
+    """Where a chunk's regions are separate instructions each region's stash is its own buffer, from
+    its forward to its last backward (under split backwards its weight-gradient node)."""
+    for strategy, last in (("tp=2,pp=2", "bwd"), ("tp=2,pp=2,schedule=zb-h1", "bwd_weight")):
+        prog = compile("tiny-gpt", strategy, global_batch=8, seq_len=SEQ).validate()
+        ins = [i for i in prog.ranks[0].instrs() if i.op == "compute" and i.phase != "optim"]
+        for i in ins:
+            acts = [n for n, _ in i.alloc if n.startswith("act.")]
+            if i.phase == "fwd" and i.region != "embed":
+                assert acts == [f"act.c{i.chunk}.m{i.microbatch}.{i.region}"]
+            freed = [n for n in i.free if n.startswith("act.")]
+            assert freed == ([f"act.c{i.chunk}.m{i.microbatch}.{i.region}"] if i.phase == last
+                             and i.region != "embed" else [])
 
 
 def test_static_memory_covers_the_model():

@@ -43,6 +43,21 @@ def test_selective_recompute_drops_the_scores(t):
     assert layer(flash, tp=t) == layer(flash, tp=t, recompute="selective") == layer(GPT, tp=t, recompute="selective")
 
 
+@pytest.mark.parametrize("t,sp", [(1, False), (2, False), (2, True)])
+def test_a_model_without_dropout_stashes_no_masks(t, sp):
+    """dropout = 0: the attention and MLP output masks (2sbh, over t with sp) and the probabilities'
+    mask and dropout output (3as^2b/t) are not stashed; the runtime's tiny models train that way."""
+    plain = models.gpt(8, H, A, vocab=1024, seq_len=S, gated=False, flash_attention=False, pad_vocab=128, dropout=0.0)
+    masks = 2 * SBH / (t if sp else 1)
+    assert layer(plain, tp=t, sp=sp) == pytest.approx(layer(GPT, tp=t, sp=sp) - masks - 3 * A * S * S * B / t, rel=1e-9)
+    assert layer(plain, tp=t, sp=sp, recompute="selective") == \
+        pytest.approx(layer(GPT, tp=t, sp=sp, recompute="selective") - masks, rel=1e-9)
+    assert recompute_bytes(plain, "attn", mbs=B, seq_len=S, tp=t, recompute="selective") == \
+        pytest.approx(2 * A * S * S * B / t, rel=1e-9)
+    assert models.get("tiny-gpt").dropout == models.get("tiny-moe").dropout == 0.0
+    assert models.get("gpt:layers=2,hidden=64,heads=2,dropout=0").dropout == 0.0 < GPT.dropout
+
+
 @pytest.mark.parametrize("t,sp", [(1, False), (4, False), (4, True)])
 def test_full_recompute_keeps_the_layer_input(t, sp):
     """Full recomputation: 2sbh per layer (2sbh/t with sequence parallelism)."""

@@ -28,6 +28,8 @@ def test_inline_gpt_spec_matches_the_builder_and_names_itself():
     ("gpt:layers=2,hidden=64,heads=3,kv_heads=2", "kv_heads=2 must divide"),
     ("moe:layers=2,hidden=64,heads=2", "lacks experts"),
     ("gpt:layers=2,layers=3,hidden=64,heads=2", "given twice"),
+    ("gpt:layers=2,hidden=64,heads=2,dropout=some", "dropout='some' must be a number"),
+    ("gpt:layers=2,hidden=64,heads=2,dropout=1.5", r"dropout=1.5 must be in \[0, 1\)"),
 ])
 def test_bad_inline_specs_name_the_key(text, match):
     with pytest.raises(StrategyError, match=match):

@@ -57,7 +57,8 @@ from ..models import ModelSpec
 from .comm import Flight, Poller, a2a, all_gather, all_gather_flat, reduce_scatter, reduce_scatter_flat
 from .cp import CPHandlers
 from .reference import OptimConfig, microbatch_rows
-from .regions import KINDS, Rec, RegionCtx, atomic_regions, chain_residual, head_logit_grad, region_kind
+from .regions import (KINDS, CoreRecompute, Rec, RegionCtx, atomic_regions, chain_residual, finish_weights,
+                      head_logit_grad, region_kind)
 from .state import _DT, StateStore
 from .zero import LiveTensors, alloc_grads, reduce_scatter_microbatch
 
@@ -200,8 +201,14 @@ class Interpreter(CPHandlers):
         seq = int(self.program.meta["seq_len"])
         self.seq = seq // s.cp          # tokens of a sequence this rank holds
         self.atoms = chunk_atoms(spec, s)
-        self.rc = {(i.chunk, i.microbatch, a) for i in self.rp.instrs() if i.phase == "recompute"
-                   for a in atomic_regions(i.region, spec)}
+        rc = {(i.chunk, i.microbatch, a) for i in self.rp.instrs() if i.phase == "recompute"
+              for a in atomic_regions(i.region, spec)}
+        # full: those regions' forwards run without a graph and a recompute rebuilds it from their
+        # inputs; selective: every region keeps its graph but an attention its core's (softmax(QK^T)V,
+        # re-run by the recompute; with cp > 1 the backward always re-runs the core anyway)
+        sel = s.recompute == "selective"
+        self.rc = set() if sel else rc
+        self.rc_core = {k for k in rc if region_kind(k[2])[0] == "attn"} if sel and s.cp == 1 else set()
         self.ctx = RegionCtx(spec, s.tp, self.coords["tp"], s.ep, self.coords["ep"], 1.0 / (self.gb * seq),
                              self.store.param, self.store.grad,
                              tuple(t.to(_DT[spec.dtype]) for t in rope_tables(seq, spec.head_dim, device=device)),
@@ -534,6 +541,8 @@ class Interpreter(CPHandlers):
         kind = kl[0]
         st.recs.setdefault((c, mb), {})[atom] = rec
         graph = (c, mb, atom) not in self.rc
+        if (c, mb, atom) in self.rc_core:
+            rec.t["core"] = CoreRecompute()
         cp_attn = kind == "attn" and self.strategy.cp > 1     # finished when its K/V gather lands
         with torch.set_grad_enabled(graph):
             if cp_attn:
@@ -585,8 +594,13 @@ class Interpreter(CPHandlers):
 
     def _recompute(self, c: int, mb: int, atom: str, carry: dict) -> None:
         """Rebuild one region's graph from its saved inputs (chain mode: from the previous
-        recomputed region's attached output, so the instruction's regions form one graph)."""
+        recomputed region's attached output, so the instruction's regions form one graph); under
+        selective recomputation re-run only an attention's core."""
         rec = self.st.recs[(c, mb)][atom]
+        if (c, mb, atom) not in self.rc:        # selective: only an attention's core is re-run
+            if "core" in rec.t:
+                rec.t["core"].rebuild()
+            return
         if rec.kind == "embed":
             return
         rec.t.clear()
@@ -692,6 +706,7 @@ class Interpreter(CPHandlers):
         if self.atoms[c][0] == rec.region and c > 0:
             self.st.gout[(c - 1, mb)] = genv.pop("h")
         if drop:
+            finish_weights(self.ctx, rec)
             self._drop(c, mb, rec.region)
 
     def _drop(self, c: int, mb: int, atom: str) -> None:

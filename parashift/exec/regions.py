@@ -25,8 +25,9 @@ import torch
 from ..models import ModelSpec
 from .models import Tape, apply_rope, swiglu
 
-__all__ = ["RegionCtx", "Rec", "KINDS", "chain_residual", "atomic_regions", "region_kind", "head_logit_grad", "cp_attn_pre",
-           "cp_attn_core", "cp_attn_bwd_out", "cp_attn_bwd_core", "cp_attn_bwd_qkv"]
+__all__ = ["RegionCtx", "Rec", "KINDS", "CoreRecompute", "chain_residual", "finish_weights", "atomic_regions",
+           "region_kind", "head_logit_grad", "cp_attn_pre", "cp_attn_core", "cp_attn_bwd_out", "cp_attn_bwd_core",
+           "cp_attn_bwd_qkv"]
 
 
 @dataclass
@@ -123,7 +124,50 @@ def region_kind(region: str) -> tuple[str, int]:
 # ---------------------------------------------------------------------------------------------
 # dense residual blocks (attn, mlp): h -> z = norm(h) | z -> partial p | h_out = h + sum_tp(p)
 # ---------------------------------------------------------------------------------------------
-def _attn_body(c: RegionCtx, tape: Tape, z: torch.Tensor, p: str) -> torch.Tensor:
+def _core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class CoreRecompute:
+    """Selective recomputation of one attention's core (softmax(QK^T)V, Megatron's
+    ``--recompute-granularity selective``): the forward keeps only the core's inputs q, k, v (the rest
+    of the region keeps its graph); :meth:`rebuild`, the Program's recompute instruction, re-runs the
+    core with a graph that the region's backward then runs through (or rebuilds it itself)."""
+
+    def __init__(self) -> None:
+        self.ins: tuple[torch.Tensor, ...] | None = None
+        self.graph: tuple[tuple[torch.Tensor, ...], torch.Tensor] | None = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return _Core.apply(q, k, v, self)
+
+    def rebuild(self) -> None:
+        if self.ins is None:
+            raise RuntimeError("a core-attention recompute ran before its forward")
+        ins = tuple(t.detach().requires_grad_(True) for t in self.ins)
+        with torch.enable_grad():
+            self.graph = (ins, _core(*ins))
+
+
+class _Core(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, held):  # type: ignore[override]
+        held.ins = (q.detach(), k.detach(), v.detach())
+        ctx.held = held
+        return _core(q, k, v)
+
+    @staticmethod
+    def backward(ctx, do):  # type: ignore[override]
+        held = ctx.held
+        if held.graph is None:
+            held.rebuild()
+        ins, out = held.graph
+        held.graph = held.ins = None
+        return (*torch.autograd.grad([out], list(ins), [do]), None)
+
+
+def _attn_body(c: RegionCtx, tape: Tape, z: torch.Tensor, p: str,
+               core: "CoreRecompute | None" = None) -> torch.Tensor:
     s = c.spec
     b, n, _ = z.shape
     d, r = s.head_dim, s.heads // s.kv_heads
@@ -136,7 +180,7 @@ def _attn_body(c: RegionCtx, tape: Tape, z: torch.Tensor, p: str) -> torch.Tenso
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k = k.repeat_interleave(r, dim=1)
     v = v.repeat_interleave(r, dim=1)
-    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    o = (core or _core)(q, k, v)
     o = o.transpose(1, 2).reshape(b, n, groups * r * d)
     return tape.linear(o, c.param(f"{p}.out.weight"), f"{p}.out.weight")
 
@@ -159,8 +203,10 @@ def _block_fwd(c: RegionCtx, rec: Rec, env: dict, grad: bool) -> None:
     h = env["h"]
     rec.saved.update(h=h)
     z = _norm(c, rec, h, f"{p}.norm.weight", grad)
-    body = _attn_body if rec.kind == "attn" else _mlp_body
-    out = body(c, rec.tape, z, p)
+    if rec.kind == "attn":
+        out = _attn_body(c, rec.tape, z, p, rec.t.get("core") if grad else None)
+    else:
+        out = _mlp_body(c, rec.tape, z, p)
     rec.t.update(z_leaf=z, out=out)
     rec.pending = out.detach().clone() if c.tp > 1 else out.detach()
 
@@ -208,9 +254,11 @@ def _block_bwd_input(c: RegionCtx, rec: Rec, genv: dict) -> None:
 
 
 def _norm_bwd(c: RegionCtx, rec: Rec, dz: torch.Tensor) -> torch.Tensor:
+    """The norm's input gradient; its weight's output gradient waits in ``dys_a`` for the region's
+    weight-gradient phase (:func:`finish_weights`), so an input-gradient node writes no gradient."""
     ins = [rec.t["h"]] + rec.tape_a.outputs()
     grads = torch.autograd.grad([rec.t["z"]], ins, [dz], allow_unused=True)
-    rec.tape_a.weight_grads(list(grads[1:]), c.acc)
+    rec.t["dys_a"] = list(grads[1:])
     return grads[0]
 
 
@@ -450,7 +498,7 @@ def _route_bwd_done(c: RegionCtx, rec: Rec, genv: dict) -> None:
     for name, gshape in rec.t.pop("extra"):
         g = flat[n:n + math.prod(gshape)].view(gshape)
         n += g.numel()
-        c.sink(name, None, g)
+        rec.t.setdefault("sinks", []).append((name, g))     # summed in by the weight-gradient phase
     genv["h"] = rec.t.pop("res_grad") + _norm_bwd(c, rec, dz)
     rec.pending = None
 
@@ -533,8 +581,17 @@ def _no_done(c: RegionCtx, rec: Rec, env: dict) -> None:
 
 def _tape_weight(c: RegionCtx, rec: Rec) -> None:
     rec.tape.weight_grads(rec.dys or [], c.acc)
-    if "dys_a" in rec.t:     # chain mode: the norm's gradient was captured with the rest
+    finish_weights(c, rec)
+
+
+def finish_weights(c: RegionCtx, rec: Rec) -> None:
+    """Write the weight gradients a region's input-gradient backward left for later: the norm's
+    (``dys_a``, also what chain mode captures) and the route's TP-partial ones (``sinks``). The
+    weight-gradient phase calls it, and a full backward once its input gradient is finished."""
+    if "dys_a" in rec.t:
         rec.tape_a.weight_grads(rec.t.pop("dys_a"), c.acc)
+    for name, g in rec.t.pop("sinks", ()):
+        c.sink(name, None, g)
 
 
 @dataclass(frozen=True)

@@ -44,9 +44,10 @@ Communication instructions and tags (tags are unique per (sender, receiver)/grou
   ZeRO 2/3 grads   per micro-batch and bucket instead (no tied embedding across stages): a dense model's
                    graph is not fused and each region is a bucket, "dp.grad.c{c}.m{mb}.{region}" after the
                    region's last backward node, freeing "zg.c{c}.m{mb}.{region}" (its grad bytes) that the
-                   region's first backward node allocs; MoE: one bucket per chunk ("dp.grad.c{c}.m{mb}",
-                   "zg.c{c}.m{mb}" / "zge.c{c}.m{mb}"). Without split backwards a bucket's backward
-                   waits for the reduce-scatter of the chunk's bucket two before it (two live).
+                   region's first gradient-writing node allocs (bwd; under split backwards bwd_weight: a
+                   bwd_input writes no gradient); MoE: one bucket per chunk ("dp.grad.c{c}.m{mb}",
+                   "zg.c{c}.m{mb}" / "zge.c{c}.m{mb}"). The node allocating a bucket waits for the
+                   reduce-scatter of the bucket its stage allocated two before (two live per rank).
   tied embedding   all_reduce over "embed", tag "embed.grad", before the optimizer
   optimizer        one compute instruction phase "optim" per rank after all grad syncs
   ZeRO 1/2 params  after optim: all_gather over "dp"/"edp" per chunk, tag "dp.param.c{chunk}"
@@ -55,7 +56,7 @@ Communication instructions and tags (tags are unique per (sender, receiver)/grou
                    dense models gather per region: "z3.param.c{c}.{phase}.m{mb}.{region}"
 Memory: `RankProgram.static_memory` = {"param", "grad", "master", "optim"} bytes this rank holds under
 the layout (ZeRO-aware; use parashift.vps.layout when available). Activations: each fwd allocs
-"act.c{chunk}.m{mb}" (bytes per recompute mode) and the matching bwd (or bwd_weight) frees it; comm
+"act.c{chunk}.m{mb}[.{region}]" (bytes per recompute mode) and the matching bwd (or bwd_weight) frees it; comm
 buffers that outlive one instruction are alloc/free'd likewise.
 
 ## Changes by the IR helper (binding; also in parashift/ir/conventions.py)
@@ -113,19 +114,22 @@ Tied embeddings (model.tied and pp > 1): Strategy.group(rank, "embed") = (rank o
   embedding's TP shard grad bytes) and the dp/edp grad syncs of the chunks holding the tied tensor go at
   the END of the "comm" stream (embed.grad first), right before optim.
 ZeRO-3: one all_gather per (chunk, mb, action) before its first compute: F -> "z3.param.c{c}.fwd.m{mb}",
-  B / I -> "z3.param.c{c}.bwd.m{mb}" (W reuses the bwd buffer), on "comm" (+ "z3.eparam.c{c}.{fwd|bwd}.m{mb}"
+  B / I -> "z3.param.c{c}.bwd.m{mb}" (W needs no parameters), on "comm" (+ "z3.eparam.c{c}.{fwd|bwd}.m{mb}"
   over "edp" when ep > 1 and dp/ep > 1, which allocs its own buffer "z3e.c{c}.{fwd|bwd}.m{mb}"). It allocs "z3.c{c}.{fwd|bwd}.m{mb}" (the chunk's params on this rank before ZeRO), freed by
-  the action's last compute (for split backward: the last bwd_weight). Prefetch depth 1: the gather of
+  the action's last compute (for split backward: the last bwd_input). Prefetch depth 1: the gather of
   a stage's action k depends on the first compute of its action k-1. No param all-gather after optim.
   Dense models (unfused under ZeRO-3): one gather per (action, region), "z3.param.c{c}.{ph}.m{mb}.{region}"
   allocating "z3.c{c}.{ph}.m{mb}.{region}" (the region's param bytes) before the region's first node and
-  freed by its last (an I action's region copy by the region's W node); the gather of the action's j-th
+  freed by its last (an I action's copy by the region's last I node); the gather of the action's j-th
   region waits for its (j-2)-th region's last node.
 Optimizer: flops = 10 per element of this rank's optimizer shard, nbytes = bytes of its states touched.
 Compute nbytes: an estimate of memory traffic (region params on this rank + activations in/out).
 Activations: the first fwd instruction of (chunk, mb) allocs "act.c{chunk}.m{mb}" (Megatron formula per
   recompute mode, per layer: none sbh(10+24/t+5as/(ht)), selective sbh(10+24/t), full 2sbh per region input,
-  x dtype_bytes/2; last stage + logits 4*s*b*v/t), the chunk's last backward instruction for that mb frees it.
+  x dtype_bytes/2; 2sbh + 3as^2b/t less without dropout; last stage + logits 4*s*b*v/t), the chunk's last
+  backward instruction for that mb frees it. Where a chunk's regions are separate instructions (unfused),
+  each region has its own buffer "act.c{chunk}.m{mb}.{region}", allocated by its fwd and freed by its
+  last backward (bwd, or bwd_weight), as the runtime holds each region's stash.
 Overlapped steps (dualpipev "&" steps, e.g. "3F2&0I1"): the two actions' instructions interleave region
   by region on the compute stream (their EP all-to-alls on "comm"), so the runtime just follows the streams.
 DP grad sync position on "comm": after the chunk's last backward step, behind the ZeRO-3 gather of the

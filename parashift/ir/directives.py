@@ -459,9 +459,10 @@ class Replicate:
 
     ZeRO-2/3 (``zero >= 2``) reduce-scatter each micro-batch's gradients of a chunk into the owner's
     shard right after that micro-batch's backward (``dp.grad.c<c>.m<mb>``): the chunk's full-size
-    gradient (buffer ``zg.c<c>.m<mb>``) lives from its first backward node until the reduce-scatter
-    completes, and only the shard lives for the whole step (on dense models per region bucket, see
-    ``buckets``; without split backwards at most ``in_flight`` buckets of a chunk are live). With a tied embedding split across
+    gradient (buffer ``zg.c<c>.m<mb>``) lives from its first node that writes gradients (B, or W
+    under split backwards) until the reduce-scatter completes, and only the shard lives for the whole
+    step (on dense models per region bucket, see ``buckets``; ``Order`` bounds how many a rank holds
+    at once). With a tied embedding split across
     stages the chunks sync once per step, as with ZeRO-1, so the embedding all-reduce sees whole gradients.
     """
 
@@ -477,7 +478,6 @@ class Replicate:
     overlap: bool = True
     buckets: tuple[tuple[str, int, int], ...] = ()   # ZeRO-2/3: (atomic region, param bytes, grad bytes), dense
     prefetch: int = 1     # ZeRO-3 per-region gathers issued ahead of the running region (0: none)
-    in_flight: int = 2    # ZeRO-2/3: gradient buckets of a chunk live at once (reduce-scatters overlap the backward)
 
     def apply(self, g: Graph) -> Graph:
         out = g.copy()
@@ -571,11 +571,7 @@ class Replicate:
                     continue
                 ph = "fwd" if a.type == "F" else "bwd"
                 users = [first]
-                end = last_of_action[a]
-                if a.type == "I":
-                    w = Action(a.chunk, "W", a.mb)
-                    users.append(first_of_action[w])
-                    end = last_of_action[w]
+                end = last_of_action[a]     # a weight-gradient node needs no parameters
                 for grp, nb, pfx, buf in ((self.axis, self.dense_bytes[a.chunk], "z3.param", "z3"),
                                           ("edp", self.expert_bytes[a.chunk], "z3.eparam", "z3e")):
                     size = self.ways if grp == self.axis else (edp if self.ep > 1 else 1)
@@ -593,8 +589,8 @@ class Replicate:
 
     def _region_gathers(self, out: Graph) -> bool:
         """ZeRO-3 on an unfused dense graph: gather each region's parameters right before its nodes
-        of an action and free them after its last one (an input-gradient action's copy serves the
-        region's weight-gradient nodes too); the j-th region's gather waits until region
+        of an action and free them after its last one (weight-gradient nodes need no parameters: they
+        multiply output gradients by stashed inputs); the j-th region's gather waits until region
         ``j - 1 - prefetch`` of the action has run. False (nothing added) where regions are not atomic."""
         c = out.cols
         psize = {r: p for r, p, _ in self.buckets}
@@ -614,14 +610,9 @@ class Replicate:
             own: dict[str, list[int]] = {}
             for i in sorted(ids, key=lambda i: c["pos"][i]):
                 own.setdefault(c["region"][i], []).append(i)
-            later: dict[str, list[int]] = {}
-            if a.type == "I":
-                for i in nodes.get(Action(a.chunk, "W", a.mb), []):
-                    later.setdefault(c["region"][i], []).append(i)
             regions = list(own)
             for j, r in enumerate(regions):
-                users = own[r] + later.get(r, [])
-                end = max(later[r], key=lambda i: c["pos"][i]) if r in later else own[r][-1]
+                users, end = own[r], own[r][-1]
                 name = str(T.StepBuffer("z3", a.mb, chunk=a.chunk, phase=ph, region=r))
                 n = out.add(op="all_gather", group=self.axis, chunk=a.chunk, stage=c["stage"][own[r][0]],
                             phase=ph, mb=a.mb, tag=str(T.Z3Tag(False, a.chunk, ph, a.mb, r)), nbytes=int(psize[r]),
@@ -647,11 +638,13 @@ class Replicate:
                         bwd_of_chunk: dict[int, list[int]], first_of_action: dict, last_of_action: dict,
                         edp: int) -> None:
         """ZeRO-2/3: one reduce-scatter per gradient bucket and micro-batch into the shard, right
-        after the bucket's last backward node, its buffer allocated at its first backward node.
+        after the bucket's last backward node, its buffer allocated at its first node that writes
+        gradients (the full backward, or under split backwards the weight-gradient node: an
+        input-gradient node leaves its weight gradients' inputs for it and writes none).
 
         A bucket is one region's gradients (``buckets``, on an unfused graph) or else the chunk's.
-        Without split backwards a bucket's backward waits for the reduce-scatter of the chunk's bucket
-        ``in_flight`` before it, so at most ``in_flight`` bucket buffers per chunk are live."""
+        Once the stage's order is known, :class:`~parashift.ir.ordering.Order` bounds the buckets a
+        rank holds at once (``GRAD_BUCKETS_IN_FLIGHT``)."""
         c = out.cols
         sizes = {r: g for r, _, g in self.buckets}
         for ch, nodes in bwd_of_chunk.items():
@@ -662,21 +655,16 @@ class Replicate:
             groups: dict[tuple[int, str | None], list[int]] = {}
             for i in nodes:
                 groups.setdefault((c["mb"][i], c["region"][i] if region_wise else None), []).append(i)
-            prev: list[list[int]] = []     # reduce-scatters of the previous buckets, latest last
             for (mb, region), users in sorted(groups.items(), key=lambda kv: (kv[0][0], min(c["pos"][i] for i in kv[1]))):
                 acts = {c["action"][i] for i in users if isinstance(c["action"][i], Action)}
-                if region_wise:
-                    first = min(users, key=lambda i: (c["phase"][i] == "bwd_weight", c["pos"][i]))
+                if region_wise:       # the first node that writes gradients: B, or W under split backwards
+                    first = min(users, key=lambda i: (c["phase"][i] == "bwd_input", c["pos"][i]))
                     end = max(users, key=lambda i: (c["phase"][i] != "bwd_input", c["pos"][i]))
                 else:
-                    starts = [first_of_action[a] for a in acts if a.type in ("B", "I")] or users
+                    starts = [first_of_action[a] for a in acts if a.type in ("B", "W")] or users
                     ends = [last_of_action[a] for a in acts if a.type in ("B", "W")] or users
                     first = min(starts, key=lambda i: c["pos"][i])
                     end = max(ends, key=lambda i: c["pos"][i])
-                if all(a.type == "B" for a in acts) and len(prev) >= self.in_flight:   # bounded live buckets
-                    for s in prev[-self.in_flight]:
-                        out.edge(s, first, SAVED)
-                prev.append([])
                 for grp, nb, what in specs:
                     expert = what == "expert"
                     name = str(T.StepBuffer("zge" if expert else "zg", mb, chunk=ch, region=region))
@@ -690,7 +678,6 @@ class Replicate:
                     for i in users:
                         out.edge(i, s, SAVED)
                     out.edge(s, optim[stage_of[ch]], SAVED)
-                    prev[-1].append(s)
 
 
 def apply_all(g: Graph, directives: Sequence) -> Graph:

@@ -13,7 +13,9 @@ Transformer Models", section 4), per layer for 16-bit activations (scaled by ``d
 with ``s`` the sequence, ``b`` the micro-batch, ``h`` the hidden size, ``a`` the heads, ``t`` TP:
 
 - no recomputation: ``sbh(10 + 24/t + 5as/(ht))`` (``34sbh/t + 5as^2b/t`` with sequence
-  parallelism, which shards the norms', dropouts' and block inputs' ``10sbh`` over TP too);
+  parallelism, which shards the norms', dropouts' and block inputs' ``10sbh`` over TP too); a model
+  without dropout (``ModelSpec.dropout == 0``) stashes no masks and no dropout outputs: ``2sbh``
+  (the attention and MLP output masks) and ``3as^2b/t`` (the probabilities' mask and dropout output) less;
 - selective recomputation: the same without the ``5as^2b/t`` attention scores (also dropped when the
   model uses fused/flash attention, which never stores them);
 - full recomputation: only the layer input, ``2sbh`` (``2sbh/t`` with sequence parallelism).
@@ -153,15 +155,16 @@ def _terms(model: ModelSpec, kind: str, *, mbs: int, seq_len: int, tp: int, sp: 
     sbh = s * b * h
     rep = sbh / t if sp else sbh      # what SP shards along the sequence: norms, dropouts, block inputs
     mats_in = 2 if model.gated else 1
+    mask = 1 if model.dropout > 0 else 0   # a dropout mask: one byte per element
     scores = 0.0
     if kind == "attn":  # norm in 2sbh, QKV in 2sbh, mask sbh; Q, K, V, out-proj in: 2sb(h + 2 kv_dim + h)/t
         kv = model.kv_heads / model.heads
-        v = 5 * rep + 2 * sbh * (2 + 2 * kv) / t
-        scores = 5 * a * s * seq_len * b / t
+        v = (4 + mask) * rep + 2 * sbh * (2 + 2 * kv) / t
+        scores = (2 + 3 * mask) * a * s * seq_len * b / t   # softmax out; with dropout its mask and output too
     elif kind == "mlp":  # norm in, fc1 in, mask: 5sbh; fc1 out and activation out
-        v = 5 * rep + 2 * s * b * model.ffn * (mats_in + 1) / t
+        v = (4 + mask) * rep + 2 * s * b * model.ffn * (mats_in + 1) / t
     elif kind == "moe.route":
-        v = 5 * rep + 2 * s * b * model.shared_ffn * (mats_in + 1) / t + 4 * s * b * model.experts
+        v = (4 + mask) * rep + 2 * s * b * model.shared_ffn * (mats_in + 1) / t + 4 * s * b * model.experts
     elif kind == "moe.experts":
         k = model.top_k
         v = 2 * s * b * k * h + 2 * s * b * k * model.expert_ffn * (mats_in + 1) / t

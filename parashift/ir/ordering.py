@@ -40,6 +40,35 @@ class Stream:
         return out
 
 
+#: ZeRO-2/3 gradient buckets one rank holds at once: the compute node that allocates a bucket waits
+#: for the reduce-scatter of the bucket its stage allocated this many before (reduce-scatters overlap
+#: the backward, and however slowly they run the buckets stay bounded).
+GRAD_BUCKETS_IN_FLIGHT = 2
+
+
+def _bound_grad_buckets(g: Graph, in_order: np.ndarray) -> None:
+    """Per stage, in the order its compute runs: the node allocating gradient buckets (``zg`` /
+    ``zge``) waits for the communication freeing the buckets ``GRAD_BUCKETS_IN_FLIGHT`` allocations before."""
+    c = g.cols
+    freer: dict[str, int] = {}
+    allocs: dict[int, list[tuple[tuple, int, list[str]]]] = {}
+    for i, (op, al, fr) in enumerate(zip(c["op"], c["alloc"], c["free"])):
+        if op == "compute":
+            names = [a for a, _ in al if a.startswith(("zg.", "zge."))]
+            if names and in_order[i]:
+                allocs.setdefault(c["stage"][i], []).append((c["slot"][i], i, names))
+        else:
+            for name in fr:
+                if name.startswith(("zg.", "zge.")):
+                    freer[name] = i
+    for lst in allocs.values():
+        lst.sort(key=lambda e: (e[0], e[1]))
+        for k in range(GRAD_BUCKETS_IN_FLIGHT, len(lst)):
+            for name in lst[k - GRAD_BUCKETS_IN_FLIGHT][2]:
+                if name in freer:
+                    g.edge(freer[name], lst[k][1], ORDER)
+
+
 @dataclass(frozen=True)
 class Order:
     """Fix each listed stage's order of actions: ``orders[stage]`` is a text order
@@ -159,6 +188,7 @@ class Order:
             k = slot[i][0]
             if (stage_col[i], k - 1) in first_compute:
                 out.edge(first_compute[(stage_col[i], k - 1)], i, ORDER)
+        _bound_grad_buckets(out, in_order)
         return out
 
     @staticmethod

@@ -9,8 +9,9 @@ only by which shard they hold, which the strategy resolves), per logical stream,
   so every rank meets its pairs in the same relative order and the rendezvous replay cannot deadlock.
 
 Cross-stream dependencies become ``deps`` (per producing stream only the latest producer is kept;
-the stream order implies the rest). Activation buffers ``act.c{chunk}.m{mb}`` are allocated by the
-chunk's first forward instruction and freed by its last backward instruction.
+the stream order implies the rest). Activation buffers ``act.c{chunk}.m{mb}[.{region}]`` (one per
+region where a chunk's regions are separate instructions) are allocated by the first forward
+instruction and freed by the last backward instruction of their region.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import numpy as np
 
 from ..errors import ProgramError
 from ..strategy import Strategy
+from . import tags as T
 from .actions import Action
 from .graph import Graph
 from .placement import graph_placement, placement_meta
@@ -321,26 +323,34 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
 
 
 def _act_buffers(c: dict, index: np.ndarray) -> tuple[dict[int, tuple[str, int]], dict[int, str]]:
-    """Activation buffers ``act.c{chunk}.m{mb}``: allocated by the chunk's first forward instruction
-    (in stream order), freed by its last backward one; node -> (name, bytes) and node -> name."""
-    act_first: dict[tuple[int, int], int] = {}
-    act_bytes: dict[tuple[int, int], int] = {}
-    act_last: dict[tuple[int, int], int] = {}
+    """Activation buffers: one per region of a chunk's micro-batch, ``act.c{chunk}.m{mb}.{region}``,
+    allocated by the region's first forward instruction (in stream order) and freed by its last
+    backward one, as a region keeps its stash from its forward to its (weight-gradient) backward;
+    ``act.c{chunk}.m{mb}`` when the chunk runs that micro-batch's forward as one region (fused).
+    Returns node -> (name, bytes) and node -> name."""
+    first: dict[tuple, int] = {}
+    nbytes: dict[tuple, int] = {}
+    last: dict[tuple, int] = {}
+    regions: dict[tuple[int, int], set] = {}
     ix = index.tolist()
-    acts = c["act"]
+    acts, reg = c["act"], c["region"]
     for i, (op, a) in enumerate(zip(c["op"], c["action"])):
         if op != "compute" or not isinstance(a, Action):
             continue
-        key = (a.chunk, a.mb)
+        key = (a.chunk, a.mb, reg[i])
         if a.type == "F":
-            act_bytes[key] = act_bytes.get(key, 0) + int(acts[i])
-            j = act_first.get(key)
+            regions.setdefault(key[:2], set()).add(reg[i])
+            nbytes[key] = nbytes.get(key, 0) + int(acts[i])
+            j = first.get(key)
             if j is None or ix[i] < ix[j]:
-                act_first[key] = i
+                first[key] = i
         else:
-            j = act_last.get(key)
+            j = last.get(key)
             if j is None or ix[i] > ix[j]:
-                act_last[key] = i
-    alloc_extra = {i: (f"act.c{k[0]}.m{k[1]}", act_bytes[k]) for k, i in act_first.items() if act_bytes[k]}
-    free_extra = {i: f"act.c{k[0]}.m{k[1]}" for k, i in act_last.items() if act_bytes.get(k)}
+                last[key] = i
+
+    def name(k: tuple) -> str:
+        return str(T.StepBuffer("act", k[1], chunk=k[0], region=k[2] if len(regions[k[:2]]) > 1 else None))
+    alloc_extra = {i: (name(k), nbytes[k]) for k, i in first.items() if nbytes[k]}
+    free_extra = {i: name(k) for k, i in last.items() if nbytes.get(k)}
     return alloc_extra, free_extra

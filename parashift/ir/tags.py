@@ -23,7 +23,7 @@ CPTag         ``cp.{region}.{ph}.{kv|dkv}.m{mb}``    context-parallel K/V gather
 
 Payload keys ``grad:c{chunk}:{dense|expert}``, ``param:c{chunk}:{dense|expert}``,
 ``grad:embed``, ``ce_stats`` and the sp/cp payloads ``sp_scatter``, ``sp_gather``, ``sp_input``,
-``cp_kv``, ``cp_dkv`` (:class:`StepKey`) and buffer names ``act.c{c}.m{mb}``,
+``cp_kv``, ``cp_dkv`` (:class:`StepKey`) and buffer names ``act.c{c}.m{mb}[.{region}]``,
 ``rc.{region}.m{mb}``, ``z3.c{c}.{ph}.m{mb}[.{region}]``, ``z3e.c{c}.{ph}.m{mb}``, ``zg.c{c}.m{mb}[.{region}]``,
 ``zge.c{c}.m{mb}`` (:class:`StepBuffer`).
 
@@ -358,7 +358,8 @@ class StepKey:
 
 @dataclass(frozen=True)
 class StepBuffer:
-    """A training-step buffer: ``act`` (a chunk's activations of a micro-batch), ``rc`` (a region's
+    """A training-step buffer: ``act`` (a chunk's activations of a micro-batch, or one region's where
+    the chunk's regions are separate instructions), ``rc`` (a region's
     recomputed activations), ``z3`` / ``z3e`` (a ZeRO-3 gathered dense / expert parameter copy),
     ``zg`` / ``zge`` (ZeRO-2/3: a chunk's full-size dense / expert gradient of one micro-batch)."""
     kind: str
@@ -369,12 +370,12 @@ class StepBuffer:
 
     def __post_init__(self) -> None:
         ok = ((self.kind in ("act", "zg", "zge") and self.chunk is not None and self.phase is None
-               and (self.region is None or self.kind == "zg"))
+               and (self.region is None or self.kind in ("act", "zg")))
               or (self.kind == "rc" and self.region is not None and self.chunk is None and self.phase is None)
               or (self.kind in ("z3", "z3e") and self.chunk is not None and self.phase in Z3_PHASES
                   and (self.region is None or self.kind == "z3")))
         if not ok:
-            raise ProgramError(f"buffer {self!r} is none of act|zg|zge.c<c>.m<mb>, zg.c<c>.m<mb>.<region>, rc.<region>.m<mb>, "
+            raise ProgramError(f"buffer {self!r} is none of act|zg|zge.c<c>.m<mb>, act|zg.c<c>.m<mb>.<region>, rc.<region>.m<mb>, "
                                f"z3|z3e.c<c>.<fwd|bwd>.m<mb>")
         if self.region is not None:
             _check_name(self.region, "region")
@@ -398,7 +399,7 @@ class StepBuffer:
         parts = rest.split(".")
         if head in ("act", "zg", "zge") and len(parts) == 2:
             return cls(head, _int(text, parts[1], "m", what), chunk=_int(text, parts[0], "c", what))
-        if head == "zg" and len(parts) > 2:
+        if head in ("act", "zg") and len(parts) > 2:
             return cls(head, _int(text, parts[1], "m", what), chunk=_int(text, parts[0], "c", what),
                        region=".".join(parts[2:]))
         if head in ("z3", "z3e") and len(parts) >= 3 and (len(parts) == 3 or head == "z3"):

@@ -21,6 +21,7 @@ _INT = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "hea
         "top_k", "expert_ffn", "shared_ffn")
 _BOOL = ("gated", "bias", "qkv_bias", "qk_norm", "tied", "flash_attention")
 _STR = ("name", "norm", "pos_emb", "dtype")
+_FLOAT = ("dropout",)
 _CHOICES = {"norm": ("rms", "ln"), "pos_emb": ("rope", "learned"), "dtype": ("bf16", "fp16", "fp32")}
 _REQUIRED = ("layers", "hidden", "heads")
 _MOE_ONLY = ("experts", "top_k", "expert_ffn", "shared_ffn")
@@ -39,6 +40,11 @@ def _value(kind: str, key: str, raw: Any) -> Any:
         except (TypeError, ValueError):
             raise ModelSpecError(f"{kind} model key {key}={raw!r} must be an integer, e.g. {key}=4096") from None
         return v
+    if key in _FLOAT:
+        try:
+            return float(raw)
+        except (TypeError, ValueError):
+            raise ModelSpecError(f"{kind} model key {key}={raw!r} must be a number, e.g. {key}=0.1") from None
     if key in _BOOL:
         if isinstance(raw, bool):
             return raw
@@ -62,7 +68,7 @@ def model_from_dict(fields: Mapping[str, Any], kind: str | None = None) -> Model
     d.pop("kind", None)
     if kind not in KINDS:
         raise ModelSpecError(f"unknown model kind {kind!r}; write gpt:... or moe:...")
-    known = set(_INT) | set(_BOOL) | set(_STR)
+    known = set(_INT) | set(_BOOL) | set(_STR) | set(_FLOAT)
     if kind == "gpt":
         if int(d.get("experts", 0) or 0) == 0:
             for k in _MOE_ONLY:
@@ -87,7 +93,7 @@ def model_from_dict(fields: Mapping[str, Any], kind: str | None = None) -> Model
 
 def inline_text(kind: str, kw: Mapping[str, Any]) -> str:
     """Canonical inline text of a spec (keys in a fixed order)."""
-    order = [k for k in _INT + _BOOL + _STR if k in kw and k != "name"]
+    order = [k for k in _INT + _FLOAT + _BOOL + _STR if k in kw and k != "name"]
     def fmt(v: Any) -> str:
         return ("true" if v else "false") if isinstance(v, bool) else str(v)
     return f"{kind}:" + ",".join(f"{k}={fmt(kw[k])}" for k in order)

@@ -26,11 +26,11 @@ _PRESETS: dict[str, Callable[[], ModelSpec]] = {
                                  expert_ffn=768, head_dim=128, qk_norm=True, name="qwen3-30b-a3b"),
     "qwen3-235b-a22b": lambda: moe(94, 4096, 64, kv_heads=4, vocab=151936, seq_len=4096, experts=128, top_k=8,
                                    expert_ffn=1536, head_dim=128, qk_norm=True, name="qwen3-235b-a22b"),
-    # Tiny CPU models that the runtime trains for real (fp32).
+    # Tiny CPU models that the runtime trains for real (fp32, no dropout, as the runtime trains).
     "tiny-gpt": lambda: gpt(4, 64, 4, kv_heads=2, ffn=128, vocab=256, seq_len=32, name="tiny-gpt",
-                            dtype="fp32", pad_vocab=8),
+                            dtype="fp32", pad_vocab=8, dropout=0.0),
     "tiny-moe": lambda: moe(4, 64, 4, kv_heads=2, vocab=256, seq_len=32, experts=8, top_k=2, expert_ffn=64,
-                            shared_ffn=64, name="tiny-moe", dtype="fp32", pad_vocab=8),
+                            shared_ffn=64, name="tiny-moe", dtype="fp32", pad_vocab=8, dropout=0.0),
 }
 
 #: Published parameter counts the presets are checked against (within 1%).

@@ -70,6 +70,7 @@ class ModelSpec:
     tied: bool = False
     dtype: str = "bf16"
     flash_attention: bool = True  # fused attention: no s*s score activations are stored
+    dropout: float = 0.1        # hidden and attention dropout (Megatron GPT's 0.1); 0: no masks are stashed
     tensors: tuple[TensorSpec, ...] = field(default=(), repr=False, compare=False)
 
     # ---- inventory ---------------------------------------------------------------------------
@@ -214,7 +215,7 @@ def gpt(layers: int, hidden: int, heads: int, kv_heads: int | None = None, ffn: 
         vocab: int = 50257, seq_len: int = 2048, *, name: str = "custom-gpt", head_dim: int | None = None,
         gated: bool = True, bias: bool = False, qkv_bias: bool = False, norm: str = "rms",
         qk_norm: bool = False, pos_emb: str = "rope", tied: bool = False, dtype: str = "bf16",
-        pad_vocab: int = 128, flash_attention: bool = True) -> ModelSpec:
+        pad_vocab: int = 128, flash_attention: bool = True, dropout: float = 0.1) -> ModelSpec:
     """A dense decoder. ``ffn`` defaults to 4*hidden; the vocabulary is padded to ``pad_vocab``."""
     kv_heads = kv_heads or heads
     ffn = ffn or 4 * hidden
@@ -225,9 +226,12 @@ def gpt(layers: int, hidden: int, heads: int, kv_heads: int | None = None, ffn: 
         raise StrategyError(f"model {name!r}: kv_heads={kv_heads} must divide heads={heads}")
     if dtype not in DTYPE_BYTES:
         raise StrategyError(f"model {name!r}: dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+    if not 0.0 <= dropout < 1.0:
+        raise StrategyError(f"model {name!r}: dropout={dropout!r} must be in [0, 1)")
     spec = ModelSpec(name, layers, hidden, heads, kv_heads, head_dim, ffn, _pad(vocab, pad_vocab), seq_len,
                      gated=gated, bias=bias, qkv_bias=qkv_bias, norm=norm, qk_norm=qk_norm,
-                     pos_emb=pos_emb, tied=tied, dtype=dtype, flash_attention=flash_attention)
+                     pos_emb=pos_emb, tied=tied, dtype=dtype, flash_attention=flash_attention,
+                     dropout=float(dropout))
     return _with_tensors(spec)
 
 
