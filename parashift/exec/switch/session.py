@@ -83,6 +83,7 @@ class LiveOptions:
     snapshot_every: int = 0  # multi-host jobs: a DCP snapshot every this many steps (0: none; :mod:`..snapshot`)
     snapshot_dir: str = ""   # where snapshots go (a directory every host reaches)
     recover: Any = None      # recover(session, SwitchAborted) -> bool after a peer failed mid-switch (multi-host)
+    strategy_for: tuple = ()  # multi-host jobs: (device count, Strategy) pairs to switch to as hosts come and go
 
 
 @dataclass(frozen=True)
