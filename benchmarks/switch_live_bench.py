@@ -455,7 +455,8 @@ def _two_hosts(args, dirs: dict) -> dict:
 def _host(h: int, cfg: dict) -> None:
     """One host of :func:`_two_hosts`: its two processes run :data:`HOST_CASES` with the other host's."""
     from parashift.exec.hosts import SECRET_ENV
-    from parashift.exec.jobstore import JobStore, connect, serve
+    from parashift.exec.jobstore import JobStore, connect, die_with_parent, serve
+    die_with_parent()               # a host (and its processes) never outlives the benchmark
     secret, port = os.environ[SECRET_ENV], cfg["port"]
     if h == 1:
         job = serve(3000, "127.0.0.1", port, secret)
