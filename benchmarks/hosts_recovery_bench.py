@@ -14,8 +14,12 @@ the first step the new layout (re-)runs (so S has completed); ``recovery_s``: th
 ``steps_lost``. ``cold_start_s``: the same job started from nothing until device 0 stores its share
 of step 1 (step 0 completed; processes, imports, store, worlds): what any restart costs before it
 even reads a checkpoint; the ratio
-``cold_start_s / kill_to_training_s`` is the peer comparison. Wall times on a shared machine are
-noisy: read the medians side by side.
+``cold_start_s / kill_to_training_s`` is the peer comparison. ``dcp_restart_s``: a restart from
+DCP, the cold start plus ``dcp_load_s``, the load of the same job's checkpoint (``dp=4`` after 5
+steps, saved with ``torch.distributed.checkpoint``, ``dcp_save_s``) into the survivors' ``dp=2`` by
+fresh processes (the replay's checkpoint-restart baseline, :mod:`parashift.replay.restart`);
+detection is not counted in it. Wall times on a shared machine are noisy: read the medians side by
+side.
 """
 from __future__ import annotations
 
@@ -99,6 +103,21 @@ def one(strategy: str, extra: list[str], kill: bool) -> dict:
                     p.wait()
 
 
+def dcp_load() -> dict:
+    """The DCP checkpoint of ``dp=4`` after 5 steps, loaded into ``dp=2`` by fresh processes: from the last
+    rank's start of the save (of the load: built runtime) to the last rank's end (the calls are collective)."""
+    from parashift import models
+    from parashift.replay.restart import run_restart_job
+    from parashift.strategy import Strategy
+    spec = models.get("tiny-gpt")
+    with tempfile.TemporaryDirectory() as tmp:
+        segs = run_restart_job(spec, [(Strategy.parse("dp=4"), 0, 5), (Strategy.parse("dp=2"), 5, 6)], tmp,
+                               global_batch=8, seq_len=spec.seq_len, export_final=False)
+    span = lambda ranks, a, b: max(r[b] for r in ranks) - max(r[a] for r in ranks)  # noqa: E731
+    return {"dcp_save_s": span(segs[0]["ranks"], "save_start", "save_end"),
+            "dcp_load_s": span(segs[1]["ranks"], "built", "loaded")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -112,8 +131,12 @@ def main() -> None:
                                                                             "steps_lost")}}
         print(f"{name}: {out[name]}", file=sys.stderr, flush=True)
     out["cold_start_s"] = statistics.median(one("dp=4", [], kill=False)["cold_start_s"] for _ in range(a.repeats))
+    loads = [dcp_load() for _ in range(a.repeats)]
+    out.update({k: statistics.median(r[k] for r in loads) for k in ("dcp_save_s", "dcp_load_s")})
+    out["dcp_restart_s"] = out["cold_start_s"] + out["dcp_load_s"]
     for name in cases:
         out[name]["cold_start_over_recovery"] = round(out["cold_start_s"] / out[name]["kill_to_training_s"], 2)
+        out[name]["dcp_restart_over_recovery"] = round(out["dcp_restart_s"] / out[name]["kill_to_training_s"], 2)
     print(json.dumps(out))
 
 

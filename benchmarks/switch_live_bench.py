@@ -15,6 +15,13 @@ of a wide GPT in a source layout; each case moves it to a destination layout:
   rank's on-device bytes as one memcpy, with no planning, into destination buffers allocated
   (and faulted in) beforehand with the same allocator as the switch's store.
 
+Two more cases run on two "hosts" on loopback (``--set two-hosts`` runs only them): the script
+starts itself once per host, each in a process group of its own with two processes (devices 0-1
+and 2-3); host 1 serves the job's store on a loopback port under the job's secret and host 2
+joins it, as ``parashift run --live --endpoint`` and ``parashift join`` do, so the two hosts'
+processes meet only through that endpoint. ``dp=4,zero=1 -> tp=2,dp=2`` and ``dp=2,pp=2 -> tp=4``
+move state between the hosts (``bytes_cross_host``); DCP runs on the same processes.
+
 The destination devices are ordered as a live job orders them (``--placement keep``: the order
 that keeps the most state in place, reported as ``dst_devices``); ``--placement given`` runs
 rank i on device i. DCP and the floor run on the same order.
@@ -35,7 +42,7 @@ the median over rounds of its seconds and ratios, and each ratio's lowest and hi
 (``vs_floor_range``, ``vs_dcp_disk_range``, ``vs_dcp_shm_range``). Progress goes to stderr.
 
 Run: ``python benchmarks/switch_live_bench.py [--repeats 3] [--dcp-repeats 2] [--rounds 1] [--small]
-[--placement given]``.
+[--placement given] [--set all|one-host|two-hosts]``.
 """
 from __future__ import annotations
 
@@ -64,6 +71,12 @@ from parashift.vps import layout
 CASES = [("tp2dp2z1->tp4", "tp=2,dp=2,zero=1", "tp=4", (0, 1, 2, 3), (0, 1, 2, 3)),
          ("tp4->tp2dp2z1", "tp=4", "tp=2,dp=2,zero=1", (0, 1, 2, 3), (0, 1, 2, 3)),
          ("shrink 4->3", "tp=2,dp=2,zero=1", "dp=3,zero=1", (0, 1, 2, 3), (0, 1, 2))]
+#: run by two "hosts" on loopback (devices 0-1 and 2-3, each a process group of its own joined through
+#: the job's store at an endpoint, as `parashift run --endpoint` / `parashift join` run them); each moves
+#: state between the hosts (``bytes_cross_host``)
+HOST_CASES = [("2 hosts: dp4z1->tp2dp2", "dp=4,zero=1", "tp=2,dp=2", (0, 1, 2, 3), (0, 1, 2, 3)),
+              ("2 hosts: dp2pp2->tp4", "dp=2,pp=2", "tp=4", (0, 1, 2, 3), (0, 1, 2, 3))]
+HOSTS = {1: (0, 1), 2: (2, 3)}
 
 
 def _model(small: bool):
@@ -281,8 +294,16 @@ def _staged_case(spec, ctx, world, keys, mgr, ci: int, src, dst, sdev, ddev, fra
             "staged_rss_growth_max_rank": int(_allmax(world, float(r.rss_peak_bytes - r.rss_start_bytes)))}
 
 
+def _cross_host(planned, host_of: dict) -> int:
+    """Bytes the switch moves from a device of one host to a device of another."""
+    P = SwitchMeta.of(planned.program).pieces
+    hs, hd = (np.array([host_of[int(d)] for d in x]) for x in (P.src, P.dst))
+    return int(P.nbytes[hs != hd].sum())
+
+
 def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict, staged: float | None = None,
-            placement: str = "keep", unverified: bool = False) -> dict:
+            placement: str = "keep", unverified: bool = False, cases: tuple = tuple(CASES),
+            host_of: dict | None = None) -> dict:
     if unverified:                     # diagnostic: every checksum a constant (what verification costs)
         import parashift.exec.switch.executor as executor
         executor.checksum = lambda t: 0
@@ -294,7 +315,7 @@ def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict, staged: float
                                          world_size=4, timeout=datetime.timedelta(seconds=600))
     pool = BufferPool()
     out = {}
-    for ci, (name, src, dst, sdev, ddev) in enumerate(CASES):
+    for ci, (name, src, dst, sdev, ddev) in enumerate(cases):
         src, dst = Strategy.parse(src), Strategy.parse(dst)
         if placement == "keep":        # as a live job orders the destination devices
             ddev = place(spec, src, dst, sdev, ddev)
@@ -349,6 +370,9 @@ def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict, staged: float
                "cpu_seconds": statistics.median(sw_cpu), "floor_cpu_seconds": statistics.median(fl_cpu),
                "phases": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
                "memory_max_rank": mem}
+        if host_of is not None:
+            res.update(hosts={str(h): list(d) for h, d in HOSTS.items()},
+                       bytes_cross_host=_cross_host(planned, host_of))
         for label, root in dirs.items():
             runs = []
             for rep in range(dcp_repeats):
@@ -375,16 +399,20 @@ def _round(spec, args) -> dict:
     """One run of every case on fresh processes, with its ratios."""
     shm = tempfile.mkdtemp(prefix="parashift-bench-", dir="/dev/shm")
     disk = tempfile.mkdtemp(prefix="parashift-bench-", dir=os.path.expanduser("~"))
+    dirs = {} if args.no_dcp or args.staged else {"shm": shm, "disk": disk}
+    cases = {}
     try:
-        res = launch_elastic(_worker, [Member(d, 0, 0) for d in range(4)],
-                             args=(spec, args.repeats, args.dcp_repeats,
-                                   {} if args.no_dcp or args.staged else {"shm": shm, "disk": disk}, args.staged,
-                                   args.placement, args.unverified),
-                             timeout=3000)
+        if args.set != "two-hosts":
+            res = launch_elastic(_worker, [Member(d, 0, 0) for d in range(4)],
+                                 args=(spec, args.repeats, args.dcp_repeats, dirs, args.staged, args.placement,
+                                       args.unverified),
+                                 timeout=3000)
+            cases.update(res["0.0"])
+        if args.set != "one-host" and args.staged is None:
+            cases.update(_two_hosts(args, dirs))
     finally:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
-    cases = res["0.0"]
     for c in cases.values():
         if "switch_seconds" not in c:          # a staged run reports its own figures
             continue
@@ -393,6 +421,64 @@ def _round(spec, args) -> dict:
             c["vs_dcp_disk"] = c["dcp_disk_seconds"] / c["switch_seconds"]
             c["vs_dcp_shm"] = c["dcp_shm_seconds"] / c["switch_seconds"]
     return cases
+
+
+def _two_hosts(args, dirs: dict) -> dict:
+    """:data:`HOST_CASES` on two hosts: this script again, once per host, each in a process group of
+    its own; host 1 serves the job's store on a loopback port, host 2 joins it (as `parashift join`)."""
+    import secrets
+    import signal
+    import socket
+    import subprocess
+    from parashift.exec.hosts import SECRET_ENV
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, **{SECRET_ENV: secrets.token_hex(16)})
+    cfg = json.dumps({"port": port, "small": args.small, "repeats": args.repeats, "dcp_repeats": args.dcp_repeats,
+                      "dirs": dirs, "placement": args.placement, "unverified": args.unverified})
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--host", str(h), "--host-config", cfg],
+                              stdout=subprocess.PIPE, text=True, env=env, start_new_session=True) for h in HOSTS]
+    try:
+        outs = [p.communicate(timeout=3000)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    if any(p.returncode for p in procs):
+        raise SystemExit(f"switch_live_bench: a host of the 2-host case failed (exit codes "
+                         f"{[p.returncode for p in procs]})")
+    return json.loads(outs[0])
+
+
+def _host(h: int, cfg: dict) -> None:
+    """One host of :func:`_two_hosts`: its two processes run :data:`HOST_CASES` with the other host's."""
+    from parashift.exec.hosts import SECRET_ENV
+    from parashift.exec.jobstore import JobStore, connect, die_with_parent, serve
+    die_with_parent()               # a host (and its processes) never outlives the benchmark
+    secret, port = os.environ[SECRET_ENV], cfg["port"]
+    if h == 1:
+        job = serve(3000, "127.0.0.1", port, secret)
+    else:
+        end = time.monotonic() + 120
+        while True:
+            try:
+                store = connect("127.0.0.1", port, secret, 3000)
+                break
+            except Exception:  # noqa: BLE001 - host 1 does not serve yet
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.1)
+        job = JobStore(store, store, "127.0.0.1", port, secret)
+    host_of = {d: k for k, ds in HOSTS.items() for d in ds}
+    res = launch_elastic(_worker, [Member(d, 0, 0) for d in HOSTS[h]],
+                         args=(_model(cfg["small"]), cfg["repeats"], cfg["dcp_repeats"], cfg["dirs"], None,
+                               cfg["placement"], cfg["unverified"], tuple(HOST_CASES), host_of), timeout=3000, job=job)
+    job.store.set(f"bench/done/{h}", "1")
+    if h == 1:                      # the store lives here: serve it until every host is done
+        job.store.wait([f"bench/done/{k}" for k in HOSTS])
+        print(json.dumps(res["0.0"]))
 
 
 def _line(c: dict) -> str:
@@ -412,6 +498,8 @@ def _merge(rounds: list[dict]) -> dict:
         keys = [k for k, v in rs[0].items() if isinstance(v, float) and k.endswith(("_seconds",) + RATIOS)]
         c = {k: statistics.median(r[k] for r in rs) for k in keys}
         c.update({f"{k}_range": [min(r[k] for r in rs), max(r[k] for r in rs)] for k in RATIOS if k in rs[0]})
+        c.update({k: rs[0][k] for k in ("dst_devices", "bytes_moved", "bytes_kept", "hosts", "bytes_cross_host")
+                  if k in rs[0]})
         c["rounds"] = rs
         out[name] = c
     return out
@@ -434,7 +522,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the whole benchmark this many times, each on fresh processes (a shared host "
                          "drifts between runs more than within one); report every round and their medians")
+    ap.add_argument("--set", choices=("all", "one-host", "two-hosts"), default="all",
+                    help="which cases: all (default), the one-host cases, or the 2-host cases")
+    ap.add_argument("--host", type=int, help=argparse.SUPPRESS)           # one host of the 2-host cases
+    ap.add_argument("--host-config", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.host:
+        return _host(args.host, json.loads(args.host_config))
     if min(args.rounds, args.repeats, args.dcp_repeats if not args.no_dcp else 1) < 1:
         ap.error("--rounds, --repeats and --dcp-repeats must be at least 1")
     spec = _model(args.small)
@@ -448,7 +542,7 @@ def main() -> None:
     nparams = sum(t.numel for t in spec.tensors)
     print(json.dumps({"model": spec.name, "params": nparams, "state_bytes": nparams * 12, "processes": 4,
                       "threads_per_process": 1, "cpus": os.cpu_count(), "repeats": args.repeats,
-                      "dcp_repeats": args.dcp_repeats, "rounds": args.rounds, "placement": args.placement,
+                      "dcp_repeats": args.dcp_repeats, "rounds": args.rounds, "placement": args.placement, "set": args.set,
                       "unverified": args.unverified, "cases": cases,
                       "seconds": time.perf_counter() - t0}, indent=1))
     sys.stdout.flush()

@@ -397,3 +397,33 @@ def test_node_level_replay(capsys):
                  "--live", "--json"]) == 0
     ref = json.loads(capsys.readouterr().out)
     assert len(job["losses"]) == 160 and job["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+
+
+def test_the_strategy_table_decides_joins_leaves_and_snapshot_restores(capsys):
+    """``--strategy-for N:STRATEGY`` (the trace planner's choice per device count in ``replay --hosts``):
+    a leave or a join switches to the table's strategy of the new count (tp, pp, ZeRO may change); a
+    count the table lacks widens or narrows dp; a snapshot restores into the table's strategy, and the
+    survivability report says so."""
+    from parashift import models
+    from parashift.cli.run_hosts import parse_strategy_for
+    from parashift.exec.hosts import next_strategy
+    from parashift.exec.recover import survivability
+    from parashift.strategy import Strategy
+    spec = models.get("tiny-gpt")
+    table = parse_strategy_for(["4:tp=2,dp=2", "2:pp=2", "2:pp=2,zero=1"], spec, 12)     # the last one of a count wins
+    S = Strategy.parse
+    assert table == ((2, S("pp=2,zero=1")), (4, S("tp=2,dp=2")))
+    assert next_strategy(spec, S("tp=2,dp=2"), 2, 12, table) == S("pp=2,zero=1")               # a leave
+    assert next_strategy(spec, S("pp=2"), 4, 12, table, above=2) == S("tp=2,dp=2")             # a join
+    assert next_strategy(spec, S("pp=2"), 6, 12, table, above=2) == S("dp=3,pp=2")             # not in the table
+    assert next_strategy(spec, S("tp=2,dp=2"), 3, 12, table) == S("tp=2")                       # narrowed dp
+    assert next_strategy(spec, S("dp=4"), 4, 12, table, above=4) is None                       # no wider dp of 4
+    row = survivability(spec, S("dp=4,zero=1"), {1: [0, 1], 2: [2, 3]}, 12, snapshots=True,
+                        table=table).set_index("host").loc[2]
+    assert (row["recovers_from"], row["layout"]) == ("snapshot", str(S("pp=2,zero=1")))
+    for bad, what in [("3:tp=2", "runs 2 devices, not 3"), ("tp=2", "not N:STRATEGY"),
+                      ("8:dp=8", "not a multiple of dp x mbs = 8")]:
+        with pytest.raises(StrategyError, match=what):
+            parse_strategy_for([bad], spec, 12)
+    assert main(["run", "--live", "--strategy", "dp=2", "--strategy-for", "2:tp=2"]) != 0
+    assert "add --endpoint" in capsys.readouterr().err

@@ -19,9 +19,9 @@ ALIASES = {"--max-procs": "--nprocs"}
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", metavar="TRACE", help="trace file or shipped trace name (e.g. bamboo/p3-trace.csv)")
     p.add_argument("--model", default="tiny-gpt", help="model preset the runtime can train (default tiny-gpt)")
-    p.add_argument("--strategy-policy", dest="policy", choices=("best", "switch-aware"), default="switch-aware",
+    p.add_argument("--strategy-policy", dest="policy", choices=("best", "switch-aware", "dp"), default="switch-aware",
                    help="best: the best strategy per device count; switch-aware: the plan_trace dynamic program "
-                        "(default)")
+                        "(default); dp (with --hosts only): dp-only, the widest dp of each device count")
     p.add_argument("--nprocs", dest="max_procs", type=arg_int(1, MAX_LOCAL_PROCS), default=4,
                    help="local processes at the busiest moment (default 4; was --max-procs)")
     p.add_argument("--time-scale", type=arg_float(0, 1e9, lo_open=True), default=600.0,
@@ -42,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hosts", action="store_true",
                    help="node-level replay: one agent per trace node on loopback (a process group of its own, "
                         "`parashift join`), SIGTERM for a preemption with notice, SIGKILL for one without, a new "
-                        "agent for an addition; the job trains dp-only for --max-steps steps")
+                        "agent for an addition; the job trains for --max-steps steps under the policy's "
+                        "strategy per device count")
     p.add_argument("--seconds-per-step", type=arg_float(0, 1e9, lo_open=True),
                    help="with --hosts: trace seconds per training step (default: the window over --max-steps)")
     p.add_argument("--snapshot-every", type=arg_int(0, 1_000_000), default=0,
@@ -60,6 +61,10 @@ def run(args: argparse.Namespace) -> dict:
     trace = str(resolve_trace(args.trace))
     if args.hosts:
         return _run_hosts(trace, args)
+    if args.policy == "dp":
+        from ..errors import StrategyError
+        raise StrategyError("--strategy-policy dp is for the node-level replay; add --hosts or use best or "
+                            "switch-aware")
     cost = load_cost_model(args.cost_model)
     spec = models.get(args.model)
     check_memory(spec, args.global_batch, args.seq_len or spec.seq_len)
@@ -87,9 +92,8 @@ def _run_hosts(trace: str, args: argparse.Namespace) -> dict:
     import tempfile
     from .. import traces
     from ..errors import StrategyError
-    from ..replay.hosts import replay_hosts
-    for opt, bad in (("--baseline", args.baseline), ("--plot", args.plot), ("--table", args.table),
-                     ("--cost-model", args.cost_model)):
+    from ..replay.hosts import planned_strategies, replay_hosts
+    for opt, bad in (("--baseline", args.baseline), ("--plot", args.plot), ("--table", args.table)):
         if bad:
             raise StrategyError(f"{opt} is not available with --hosts (a node-level replay); drop one of them")
     df = traces.load(trace, notice=args.notice)        # no notice given: preemptions without one are SIGKILLs
@@ -101,16 +105,20 @@ def _run_hosts(trace: str, args: argparse.Namespace) -> dict:
         raise StrategyError(f"--devices-per-node {dpn:g} must be a whole number with --hosts (processes per agent)")
     steps = args.max_steps
     sps = args.seconds_per_step or max(float(df.attrs["duration"]), 1e-9) / steps
+    table = {} if args.policy == "dp" else planned_strategies(
+        df, args.model, devices_per_node=int(dpn), global_batch=args.global_batch, policy=args.policy, cost_model=load_cost_model(args.cost_model))
     if not args.json:
         print(f"replay: {len(df)} event(s), one agent per node ({int(dpn)} process(es) each), {steps} steps of "
-              f"{sps:g} trace seconds", file=sys.stderr, flush=True)
+              f"{sps:g} trace seconds; strategy per device count ({args.policy}): "
+              + (", ".join(f"{n}: {st}" for n, st in sorted(table.items())) or "dp-only"), file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(prefix="parashift-snap-") as snap:
         got = replay_hosts(df, model=args.model, devices_per_node=int(dpn), steps=steps, seconds_per_step=sps,
                            global_batch=args.global_batch, snapshot_every=args.snapshot_every,
-                           snapshot_dir=snap, timeout=args.timeout)
+                           snapshot_dir=snap, timeout=args.timeout, strategies=table)
     job = got["job"]
     return {"trace": args.trace, "model": args.model, "hosts": True, "seconds_per_step": sps, "steps": steps,
-            "devices_per_node": int(dpn), "applied": got["applied"],
+            "devices_per_node": int(dpn), "policy": args.policy,
+            "planned": {str(n): str(st) for n, st in sorted(table.items())}, "applied": got["applied"],
             "exit_codes": {str(k): v for k, v in got["exit_codes"].items()},
             "losses": job["losses"], "strategies": job["strategies"], "devices": job.get("devices"),
             "switches": job["switches"]}
@@ -119,6 +127,9 @@ def _run_hosts(trace: str, args: argparse.Namespace) -> dict:
 def _render_hosts(result: dict) -> None:
     print(f"{result['model']} replaying {result['trace']} node by node: {len(result['losses'])} steps of "
           f"{result['seconds_per_step']:g} trace seconds, {result['devices_per_node']} process(es) a node")
+    if result.get("planned"):
+        print(f"  strategy per device count ({result['policy']}): "
+              + ", ".join(f"{n}: {st}" for n, st in result["planned"].items()))
     for a in result["applied"]:
         print(f"  t={a['time']:8.1f}  step {a['step']:>5}  {a['event']:>7} node(s) "
               f"{','.join(map(str, a.get('nodes', [])))}" + (f"  {a['signal']}" if a.get("signal") else ""))

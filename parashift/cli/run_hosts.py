@@ -7,7 +7,27 @@ import os
 from ..errors import StrategyError
 from ..validate import arg_int
 
-__all__ = ["add_host_arguments", "run_cli"]
+__all__ = ["add_host_arguments", "run_cli", "parse_strategy_for"]
+
+
+def parse_strategy_for(items: list[str], spec, global_batch: int) -> tuple:
+    """``N:STRATEGY`` texts -> ((N, Strategy), ...), each checked against ``spec`` and the global batch."""
+    from ..strategy import Strategy
+    out: dict[int, Strategy] = {}
+    for text in items:
+        n, sep, st = text.partition(":")
+        if not sep or not n.strip().isdigit():
+            raise StrategyError(f"--strategy-for {text!r} is not N:STRATEGY; e.g. 4:tp=2,dp=2")
+        s = Strategy.parse(st)
+        if s.world != int(n):
+            raise StrategyError(f"--strategy-for {text!r}: {s} runs {s.world} devices, not {n}; give a strategy "
+                                f"of world {n}")
+        s.validate(spec)
+        if global_batch % (s.dp * s.mbs):
+            raise StrategyError(f"--strategy-for {text!r}: the global batch {global_batch} is not a multiple of "
+                                f"dp x mbs = {s.dp * s.mbs}; change the strategy or --global-batch")
+        out[int(n)] = s
+    return tuple(sorted(out.items()))
 
 
 def add_host_arguments(p: argparse.ArgumentParser, first: bool = True) -> None:
@@ -22,6 +42,10 @@ def add_host_arguments(p: argparse.ArgumentParser, first: bool = True) -> None:
         p.add_argument("--on-join", choices=("grow", "ignore"), default="grow",
                        help="when a host joins the running job: grow (default: switch to a strategy with a wider dp "
                             "that uses its devices, a few steps later) or ignore (refuse it)")
+        p.add_argument("--strategy-for", action="append", default=[], metavar="N:STRATEGY",
+                       help="multi-host live job: the strategy to switch to when hosts join or leave and the job "
+                            "has N devices (repeatable; e.g. 4:tp=2,dp=2 2:pp=2); for other counts the current "
+                            "strategy's dp is widened or narrowed")
         p.add_argument("--snapshot-every", type=arg_int(0, 1_000_000), default=0, metavar="STEPS",
                        help="multi-host live job: write a DCP snapshot every STEPS steps in the background; a host "
                             "lost without a surviving copy of its state restores from the newest (default 0: none)")
@@ -44,6 +68,7 @@ def run_cli(args: argparse.Namespace) -> dict:
     if args.plan:
         raise StrategyError("--endpoint runs a live job from --model/--strategy; drop the plan file")
     s0 = Strategy.parse(args.strategy)
+    table = parse_strategy_for(args.strategy_for, models.get(args.model), args.global_batch)
     nprocs = args.nprocs if args.nprocs is not None else s0.world
     budget = parse_bytes(args.switch_memory_budget) if getattr(args, "switch_memory_budget", None) else None
     res, placed = run_first_host(args.model, s0, steps=args.steps, endpoint=args.endpoint, nprocs=nprocs,
@@ -51,7 +76,8 @@ def run_cli(args: argparse.Namespace) -> dict:
                          quiet=bool(args.json), global_batch=args.global_batch, seq_len=args.seq_len,
                          optim=OptimConfig(lr=args.lr), notice=args.switch_notice, memory_budget=budget,
                          placement=args.switch_placement, on_join=args.on_join,
-                         snapshot_every=args.snapshot_every, snapshot_dir=os.path.abspath(args.snapshot_dir))
+                         snapshot_every=args.snapshot_every, snapshot_dir=os.path.abspath(args.snapshot_dir),
+                         strategy_for=table)
     out = {"model": models.get(args.model).name, "strategy": str(s0), "nprocs": s0.world, "endpoint": args.endpoint,
            "schedule": None, **res.to_json(), "step_times": step_times(res), "switches": res.switches,
            "hosts": {str(h): devs for h, devs in placed.items()}}

@@ -12,7 +12,8 @@ agent sends its processes' reports back through the store; the first host assemb
 
 A host that joins a running job (its devices beyond the first world) is announced through
 ``hosts/devices``; with ``on_join="grow"`` the process of device 0 (:class:`_Follow`, called at
-every step boundary) picks the next strategy for the larger device set (:func:`grow_strategy`)
+every step boundary) picks the next strategy for the larger device set (:func:`next_strategy`: the
+job's ``--strategy-for`` entry of that count, else :func:`grow_strategy`)
 and publishes the next generation ``hosts/gen/<g>`` with a switch step ``notice + 2`` steps
 ahead; every process appends it to its schedule at its next step boundary, so the world is built
 in the background during the notice and the switch happens between iterations; the joining
@@ -50,7 +51,7 @@ from ..errors import RuntimeFailure, StrategyError
 from .elastic import Member, launch_elastic
 from .jobstore import JobStore, connect, serve
 
-__all__ = ["SECRET_ENV", "parse_endpoint", "read_secret", "run_first_host", "run_agent"]
+__all__ = ["SECRET_ENV", "parse_endpoint", "read_secret", "run_first_host", "run_agent", "next_strategy"]
 
 #: environment variable holding the job's secret (the alternative is a 0600 file named by --secret-file)
 SECRET_ENV = "PARASHIFT_JOB_SECRET"
@@ -153,6 +154,18 @@ def fit_strategy(spec: Any, current: Any, devices: int, global_batch: int, above
     return None
 
 
+def next_strategy(spec: Any, current: Any, devices: int, global_batch: int, table: tuple = (),
+                  above: int = 0) -> Any:
+    """The strategy for ``devices`` devices: ``table``'s ((device count, strategy) pairs, e.g. the trace
+    planner's choice per count, ``--strategy-for``) when it has one of exactly that world with more than
+    ``above`` devices, else ``current`` with the widest dp that fits (:func:`fit_strategy`; a wider dp than
+    ``current``'s when ``above``); None when neither fits."""
+    for n, st in table:
+        if n == devices == st.world and st.world > above:
+            return st
+    return fit_strategy(spec, current, devices, global_batch, above=current.dp if above else 0)
+
+
 @dataclass
 class _Follow:
     """Called by every process at each step boundary (``LiveOptions.on_step``): device 0 turns newly
@@ -173,8 +186,8 @@ class _Follow:
             top = max(max(g.devices) for g in gens) + 1      # devices once used (lost ones) never come back
             at = step + session.opts.notice + 2
             if have > top and at < self.steps:
-                st = grow_strategy(session.spec, cur.strategy, len(cur.devices) + have - top,
-                                   session.opts.global_batch)
+                st = next_strategy(session.spec, cur.strategy, len(cur.devices) + have - top,
+                                   session.opts.global_batch, session.opts.strategy_for, above=len(cur.devices))
                 if st is not None:
                     new = tuple(cur.devices) + tuple(range(top, have))[:st.world - len(cur.devices)]
                     store.set(f"hosts/gen/{len(gens)}", pk.dumps((Generation(at, st, new), "join")))
@@ -196,7 +209,8 @@ class _Follow:
         if not gone or at >= self.steps:
             return
         left = [d for d in cur.devices if d not in gone]
-        st = fit_strategy(session.spec, cur.strategy, len(left), session.opts.global_batch)
+        st = next_strategy(session.spec, cur.strategy, len(left), session.opts.global_batch,
+                           session.opts.strategy_for)
         if st is None:
             raise RuntimeFailure(f"devices {sorted(gone)} are leaving and no strategy like {cur.strategy} fits the "
                                  f"{len(left)} that stay")
@@ -346,7 +360,8 @@ def _survivability(store: Any, spec: Any, strategy: Any, nprocs: int, opts: Any,
         a, b = (int(x) for x in store.get(f"hosts/devices_of/{h}").decode().split("-"))
         if b < strategy.world:
             hosts[h] = list(range(a, b + 1))
-    df = survivability(spec, strategy, hosts, opts.global_batch, snapshots=bool(opts.snapshot_every))
+    df = survivability(spec, strategy, hosts, opts.global_batch, snapshots=bool(opts.snapshot_every),
+                       table=opts.strategy_for)
     return df.to_dict("records")
 
 

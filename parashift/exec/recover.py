@@ -21,7 +21,8 @@
     the most advanced step, each cell's state from a survivor that reached it (checksums of the
     survivors at that step must agree), broadcast to members that lag;
   * ``snapshot`` (:mod:`.snapshot`): otherwise, the newest whole DCP snapshot, resharded into the
-    widest layout like the current one that fits the survivors; the steps since are lost (re-run);
+    job's strategy for the survivors' count (``--strategy-for``) or else the widest layout like the
+    current one that fits them (:func:`.hosts.next_strategy`); the steps since are lost (re-run);
   * otherwise the job ends with an error naming the lost host.
 
 A survivor that the smaller layout leaves out stops training (its host's agent then exits 0).
@@ -102,13 +103,14 @@ def memory_plan(spec: Any, strategy: Any, devices: tuple[int, ...], survivors: l
 
 
 def survivability(spec: Any, strategy: Any, hosts: dict[int, list[int]], global_batch: int,
-                  snapshots: bool) -> "Any":
+                  snapshots: bool, table: tuple = ()) -> "Any":
     """Which single-host losses the layout (rank i on device i) survives, and how: a DataFrame with one
     row per host: ``host``, ``devices``, ``recovers_from`` (``replicas``, ``snapshot`` or ``none``),
     ``layout`` (the strategy the job goes on with), ``missing`` (the state kinds left without a copy).
-    Losing host 1 (it serves the store) always ends the job."""
+    Losing host 1 (it serves the store) always ends the job. ``table``: the job's strategy per device
+    count (:func:`.hosts.next_strategy`), which a snapshot restores into."""
     import pandas as pd
-    from .hosts import fit_strategy
+    from .hosts import next_strategy
     devices = tuple(range(strategy.world))
     rows = []
     for h, devs in sorted(hosts.items()):
@@ -118,7 +120,7 @@ def survivability(spec: Any, strategy: Any, hosts: dict[int, list[int]], global_
         if got is not None:
             rows.append((h, list(devs), "replicas", str(got[0]), missing))
             continue
-        st = fit_strategy(spec, strategy, len(left), global_batch) if h != 1 else None
+        st = next_strategy(spec, strategy, len(left), global_batch, table) if h != 1 else None
         rows.append((h, list(devs), "snapshot" if snapshots and st is not None else "none",
                      str(st) if st is not None and snapshots else "", missing))
     return pd.DataFrame(rows, columns=["host", "devices", "recovers_from", "layout", "missing"])
@@ -321,7 +323,7 @@ def _declare(session: Any, err: Exception) -> int:
 
 def _plan(session: Any, g: int, gone: list[int], err: Exception) -> None:
     """Device 0: read every survivor's report and publish the round's plan and generation."""
-    from .hosts import fit_strategy
+    from .hosts import next_strategy
     from .snapshot import latest
     from .switch.session import Generation
     store, cur, o = session.side_store(), session.gens[session.gen], session.opts
@@ -352,7 +354,7 @@ def _plan(session: Any, g: int, gone: list[int], err: Exception) -> None:
             got = None
     if got is None:
         snap = latest(store, int(store.add("hosts/devices", 0)), getattr(o, "snapshot_every", 0), top)
-        st = fit_strategy(session.spec, cur.strategy, len(survivors), o.global_batch)
+        st = next_strategy(session.spec, cur.strategy, len(survivors), o.global_batch, o.strategy_for)
         if snap is not None and st is not None:
             plan.update(kind="snapshot", strategy=st, devices=tuple(survivors[:st.world]), snapshot=snap,
                         step=snap[0], steps_lost=top - snap[0], opt_step=snap[2])

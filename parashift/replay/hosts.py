@@ -5,6 +5,10 @@ first host (``parashift run --live --endpoint``), every other node an agent (``p
 process group of its own, on loopback. The trace's clock maps onto the job's steps (``seconds_per_step``
 trace seconds a step, the job's progress read from its store). At an event's step the driver applies it:
 
+The job runs a strategy per device count (``strategies``, e.g. the trace planner's,
+:func:`planned_strategies`; tp, pp, ZeRO and the schedule may change at every event), else the
+current one with dp widened or narrowed.
+
 - ``add``: starts ``count`` agents; the job grows onto them at a step boundary (``--on-join grow``);
 - ``preempt`` with a notice: SIGTERM to ``count`` agents (the newest first): the job switches away
   from their devices and they exit 0;
@@ -32,7 +36,7 @@ from typing import Any
 
 from ..errors import RuntimeFailure, StrategyError
 
-__all__ = ["replay_hosts"]
+__all__ = ["replay_hosts", "planned_strategies"]
 
 
 @dataclass
@@ -71,12 +75,46 @@ def _gens(store: Any) -> list:
     return out
 
 
+def planned_strategies(trace: Any, model: str = "tiny-gpt", *, devices_per_node: int = 1, global_batch: int = 12,
+                       seq_len: int | None = None, policy: str = "switch-aware", cost_model: Any = None) -> dict:
+    """The trace planner's strategy per device count of ``trace`` (nodes x ``devices_per_node``), as
+    :func:`parashift.search.plan_trace` chooses it on ``cpu-local`` (``policy``: ``best`` or ``switch-aware``,
+    the first strategy the policy's path runs at that count), for the counts where it uses every device
+    (a node-level job runs all its hosts' processes): {device count: Strategy}. No torch here."""
+    import numpy as np
+    import pandas as pd
+    from .. import cluster, models, search, traces
+    from ..strategy import Strategy
+    from .schedule import _PLAN_POLICY
+    if policy not in _PLAN_POLICY:
+        raise StrategyError(f"unknown strategy policy {policy!r}; use one of {', '.join(_PLAN_POLICY)}")
+    spec = models.get(model)
+    curve = traces.availability(trace)
+    devs = curve["available"].to_numpy(np.int64) * int(devices_per_node)
+    most = int(devs.max())
+    if most < 1:
+        raise StrategyError("the trace has no node at any time; pick a window where the pool is not empty")
+    plan = search.plan_trace(pd.DataFrame({"time": curve["time"].to_numpy(np.float64), "devices": devs}), spec,
+                             cluster.get("cpu-local").with_devices(max(most, 8)), global_batch=global_batch,
+                             seq_len=int(seq_len or spec.seq_len), max_devices=most, cost_model=cost_model)
+    out: dict[int, Any] = {}
+    frame = plan.policy_frame(_PLAN_POLICY[policy])
+    for n, st in zip(frame["devices"], frame["strategy"]):
+        if st is not None and int(n) not in out and Strategy.parse(st).world == int(n):
+            out[int(n)] = Strategy.parse(st)
+    return out
+
+
 def replay_hosts(trace: Any, *, model: str = "tiny-gpt", devices_per_node: int = 1, steps: int,
                  seconds_per_step: float, global_batch: int = 12, notice_steps: int = 1, snapshot_every: int = 0,
-                 snapshot_dir: str | None = None, timeout: float = 300.0, secret: str | None = None) -> dict:
+                 snapshot_dir: str | None = None, timeout: float = 300.0, secret: str | None = None,
+                 strategies: "dict | None" = None) -> dict:
     """Play ``trace`` (a normalized events DataFrame, :mod:`parashift.traces`) on a live multi-host job of
-    ``model`` trained dp-only for ``steps`` steps. Returns ``{"job": the first host's JSON, "applied":
-    [one record per applied event], "exit_codes": {node: exit code}}``."""
+    ``model`` for ``steps`` steps. ``strategies``: {device count: strategy} the job runs at that count
+    (e.g. :func:`planned_strategies`; the first host's ``--strategy-for``); at other counts it trains the
+    current strategy with dp widened or narrowed (dp-only from the start when the table has no entry
+    for the first count). Returns ``{"job": the first host's JSON, "applied": [one record per applied
+    event], "exit_codes": {node: exit code}}``."""
     import json
     import secrets as _secrets
     from ..exec.hosts import SECRET_ENV
@@ -92,8 +130,12 @@ def replay_hosts(trace: Any, *, model: str = "tiny-gpt", devices_per_node: int =
     port = _port()
     at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", str(timeout), "--nprocs", str(devices_per_node)]
     cmd = [sys.executable, "-m", "parashift"]
-    run = ["run", "--model", model, "--strategy", f"dp={nodes * devices_per_node}", "--steps", str(steps),
+    from ..strategy import Strategy
+    table = {int(n): Strategy.parse(str(st)) for n, st in (strategies or {}).items()}
+    first_st = table.get(nodes * devices_per_node, f"dp={nodes * devices_per_node}")
+    run = ["run", "--model", model, "--strategy", str(first_st), "--steps", str(steps),
            "--global-batch", str(global_batch), "--live", "--switch-notice", str(notice_steps), "--json"]
+    run += [f"--strategy-for={n}:{st}" for n, st in sorted(table.items())]
     if snapshot_every:
         run += ["--snapshot-every", str(snapshot_every), "--snapshot-dir", snapshot_dir or "parashift-snapshots"]
     log = tempfile.TemporaryFile("w+")             # the first host's messages (read when it fails)

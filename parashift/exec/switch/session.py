@@ -85,6 +85,7 @@ class LiveOptions:
     recover: Any = None      # recover(session, SwitchAborted) -> bool after a peer failed mid-switch (multi-host)
     device: str = "cpu"      # "cuda": state and training on this process's GPU, groups and transfers on NCCL
     ordered: Any = None      # switches issued in one global order on the device's streams (None: on NCCL only)
+    strategy_for: tuple = ()  # multi-host jobs: (device count, Strategy) pairs to switch to as hosts come and go
 
 
 @dataclass(frozen=True)
