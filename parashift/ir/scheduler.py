@@ -14,6 +14,7 @@ chunk's first forward instruction and freed by its last backward instruction.
 """
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -264,50 +265,25 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     first[1:] = (d3[1:] != d3[:-1]) | (sid[s3][1:] != sid[s3][:-1])
     dv, du = d3[first], ids[s3[first]]
     o = np.lexsort((du, dv))
-    deps: dict[int, list[int]] = {}
-    for v, u in zip(dv[o].tolist(), du[o].tolist()):
-        lst = deps.get(v)
-        if lst is None:
-            deps[v] = [u]
-        else:
-            lst.append(u)
     # ---- activation buffers -------------------------------------------------------------------------
     alloc_extra, free_extra = _act_buffers(c, index)
     # ---- instructions -------------------------------------------------------------------------------
-    ids_l = ids.tolist()
-    order_l = seq_order.tolist()
+    dep_col: list = [()] * n
+    for v, u in zip(dv[o].tolist(), du[o].tolist()):
+        lst = dep_col[v]
+        dep_col[v] = (u,) if not lst else lst + (u,)
+    alloc_c, free_c = list(c["alloc"]), list(c["free"])
+    for i, ax in alloc_extra.items():
+        alloc_c[i] = (ax,) + tuple(alloc_c[i])
+    for i, fx in free_extra.items():
+        free_c[i] = tuple(free_c[i]) + (fx,)
     b = bounds.tolist()
     stage_l = stage[seq_order[bounds[:-1]]].tolist() if n else []
     sid_l = sid[seq_order[bounds[:-1]]].tolist() if n else []
     per_stage: list[dict[str, tuple[Instr, ...]]] = [{} for _ in range(pp)]
-    phase, region, chunk, mbs, flops, nbytes = c["phase"], c["region"], c["chunk"], c["mb"], c["flops"], c["nbytes"]
-    peer, group, tag, okey, alloc_c, free_c = c["peer"], c["group"], c["tag"], c["key"], c["alloc"], c["free"]
-    empty: tuple = ()
     for gi in range(len(b) - 1):
         st, s = stage_l[gi], names[sid_l[gi]]
-        lst = []
-        for i in order_l[b[gi]:b[gi + 1]]:
-            op = ops[i]
-            dv_ = deps.get(i)
-            alloc = alloc_c[i]
-            ax = alloc_extra.get(i)
-            if ax is not None:
-                alloc = (ax,) + tuple(alloc)
-            free = free_c[i]
-            fx = free_extra.get(i)
-            if fx is not None:
-                free = tuple(free) + (fx,)
-            mb = mbs[i]
-            ch = chunk[i]
-            comp = op == "compute"
-            # positional: the frozen dataclass's own __init__ is the fastest way to build one (and
-            # keeps the instances' compact shared-key dicts)
-            obj = Instr(ids_l[i], op, s, tuple(dv_) if dv_ else empty, phase[i], st if comp else None,
-                        ch if ch >= 0 else None, mb if mb >= 0 else None, region[i] if comp else None,
-                        float(flops[i]), int(nbytes[i]), peer[i], group[i], None, tag[i], okey[i],
-                        tuple(alloc), tuple(free))
-            lst.append(obj)
-        per_stage[st][s] = tuple(lst)
+        per_stage[st][s] = _instrs(seq_order[b[gi]:b[gi + 1]], st, s, ids, c, dep_col, alloc_c, free_c)
     progs: list[RankProgram] = []
     for st in range(pp):
         mem = dict(static_memory[st]) if st < len(static_memory) else {}
@@ -320,27 +296,75 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     return Program(ranks, strategy, meta)
 
 
+def _take(col: Sequence, idx: list[int]) -> list:
+    """``[col[i] for i in idx]`` (at C speed)."""
+    if len(idx) > 1:
+        return list(itemgetter(*idx)(col))
+    return [col[i] for i in idx]
+
+
+def _instrs(nodes: np.ndarray, st: int, stream: str, ids: np.ndarray, c: dict, deps: list, alloc: list,
+            free: list) -> tuple[Instr, ...]:
+    """The instructions of ``nodes`` (one stage's stream, in stream order), built column by column."""
+    idx = nodes.tolist()
+    op = _take(c["op"], idx)
+    comp = [o == "compute" for o in op]
+    new, out = object.__new__, []
+    append = out.append
+    for (i, o, d, ph, cm, ch, mb, rg, fl, nb, pe, gr, tg, ky, al, fr) in zip(
+            ids[nodes].tolist(), op, _take(deps, idx), _take(c["phase"], idx), comp, _take(c["chunk"], idx),
+            _take(c["mb"], idx), _take(c["region"], idx), _take(c["flops"], idx), _take(c["nbytes"], idx),
+            _take(c["peer"], idx), _take(c["group"], idx), _take(c["tag"], idx), _take(c["key"], idx),
+            _take(alloc, idx), _take(free, idx)):
+        # the frozen dataclass's fields set straight into its __dict__ (as Instr.make does; its
+        # per-field __setattr__ would be most of the lowering's time)
+        obj = new(Instr)
+        f = obj.__dict__
+        f["id"] = i
+        f["op"] = o
+        f["stream"] = stream
+        f["deps"] = d
+        f["phase"] = ph
+        f["stage"] = st if cm else None
+        f["chunk"] = ch if ch >= 0 else None
+        f["microbatch"] = mb if mb >= 0 else None
+        f["region"] = rg if cm else None
+        f["flops"] = float(fl)
+        f["nbytes"] = int(nb)
+        f["peer"] = pe
+        f["group"] = gr
+        f["root"] = None
+        f["tag"] = tg
+        f["key"] = ky
+        f["alloc"] = tuple(al)
+        f["free"] = tuple(fr)
+        append(obj)
+    return tuple(out)
+
+
 def _act_buffers(c: dict, index: np.ndarray) -> tuple[dict[int, tuple[str, int]], dict[int, str]]:
     """Activation buffers ``act.c{chunk}.m{mb}``: allocated by the chunk's first forward instruction
     (in stream order), freed by its last backward one; node -> (name, bytes) and node -> name."""
-    act_first: dict[tuple[int, int], int] = {}
-    act_bytes: dict[tuple[int, int], int] = {}
-    act_last: dict[tuple[int, int], int] = {}
-    ix = index.tolist()
-    acts = c["act"]
-    for i, (op, a) in enumerate(zip(c["op"], c["action"])):
-        if op != "compute" or not isinstance(a, Action):
-            continue
-        key = (a.chunk, a.mb)
-        if a.type == "F":
-            act_bytes[key] = act_bytes.get(key, 0) + int(acts[i])
-            j = act_first.get(key)
-            if j is None or ix[i] < ix[j]:
-                act_first[key] = i
-        else:
-            j = act_last.get(key)
-            if j is None or ix[i] > ix[j]:
-                act_last[key] = i
+    sel = [i for i, (op, a) in enumerate(zip(c["op"], c["action"])) if op == "compute" and isinstance(a, Action)]
+    if not sel:
+        return {}, {}
+    nodes = np.asarray(sel, np.int64)
+    acts = _take(c["action"], sel)
+    chunk = np.fromiter((a[0] for a in acts), np.int64, len(acts))
+    mb = np.fromiter((a[2] for a in acts), np.int64, len(acts))
+    fwd = np.fromiter((a[1] == "F" for a in acts), bool, len(acts))
+    uk, inv = np.unique(np.stack([chunk, mb]), axis=1, return_inverse=True)
+    inv = inv.reshape(-1)
+    act_bytes = np.zeros(uk.shape[1], np.int64)
+    np.add.at(act_bytes, inv[fwd], np.asarray(_take(c["act"], sel), np.int64)[fwd])
+    ix = index[nodes]
+    keys = [(int(ch), int(m)) for ch, m in zip(uk[0], uk[1])]
+    # per (chunk, mb): the forward node first in stream order, the backward node last (ties: the first node)
+    o = np.lexsort((np.arange(len(sel)), ix, inv))[::-1]
+    act_first = {keys[k]: i for k, i in zip(inv[o][fwd[o]].tolist(), nodes[o][fwd[o]].tolist())}
+    o = np.lexsort((-np.arange(len(sel)), ix, inv))
+    act_last = {keys[k]: i for k, i in zip(inv[o][~fwd[o]].tolist(), nodes[o][~fwd[o]].tolist())}
+    act_bytes = dict(zip(keys, act_bytes.tolist()))
     alloc_extra = {i: (f"act.c{k[0]}.m{k[1]}", act_bytes[k]) for k, i in act_first.items() if act_bytes[k]}
     free_extra = {i: f"act.c{k[0]}.m{k[1]}" for k, i in act_last.items() if act_bytes.get(k)}
     return alloc_extra, free_extra
