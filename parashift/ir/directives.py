@@ -198,20 +198,23 @@ class Place:
         c = out.cols
         last = len(self.chunk_stage) - 1
         L = len(self.layer_chunk)
-        for i in range(len(out)):
-            layer = c["layer"][i]
-            ch = 0 if layer < 0 else last if layer >= L else self.layer_chunk[layer]
-            c["chunk"][i] = ch
-            c["stage"][i] = self.chunk_stage[ch]
-            ph = c["phase"][i]
-            if ph in _TYPE_OF_PHASE and c["mb"][i] >= 0:
-                c["action"][i] = Action(ch, _TYPE_OF_PHASE[ph], c["mb"][i])
-            if c["stream"][i] is None:
-                c["stream"][i] = "compute"
-        for e in range(len(out.src)):
+        lc, cs = self.layer_chunk, self.chunk_stage
+        chunks = c["chunk"] = [0 if layer < 0 else last if layer >= L else lc[layer] for layer in c["layer"]]
+        stages = c["stage"] = [cs[ch] for ch in chunks]
+        acts, made = c["action"], {}     # one Action object per (chunk, type, mb)
+        for i, (ch, ph, mb) in enumerate(zip(chunks, c["phase"], c["mb"])):
+            t = _TYPE_OF_PHASE.get(ph)
+            if t is not None and mb >= 0:
+                a = made.get((ch, t, mb))
+                if a is None:
+                    a = made[(ch, t, mb)] = Action(ch, t, mb)
+                acts[i] = a
+        c["stream"] = ["compute" if x is None else x for x in c["stream"]]
+        st_arr = np.asarray(stages, np.int64)
+        src, dst = np.asarray(out.src, np.int64), np.asarray(out.dst, np.int64)
+        cross = np.flatnonzero((np.asarray(out.ekind) == DATA) & (st_arr[src] != st_arr[dst])) if len(src) else []
+        for e in np.asarray(cross).tolist():
             u, v = out.src[e], out.dst[e]
-            if out.ekind[e] != DATA or c["stage"][u] == c["stage"][v]:
-                continue
             cu, cv, mb = c["chunk"][u], c["chunk"][v], c["mb"][u]
             fwd = cv > cu
             tag = str(T.P2PTag(T.Payload.ACT, cu, mb) if fwd else T.P2PTag(T.Payload.GRAD, cv, mb))
@@ -226,9 +229,9 @@ class Place:
         opt_node = {st: out.add(op="compute", phase="optim", stage=st, flops=float(optim[st][0]),
                                 nbytes=int(optim[st][1]), stream="compute", action=(OPTIM,))
                     for st in range(self.pp)}
-        for i in range(len(g)):
-            if c["op"][i] == "compute" and c["phase"][i] in _BWD:
-                out.edge(i, opt_node[c["stage"][i]], SAVED)
+        for i, (op, ph, st) in enumerate(zip(c["op"][:len(g)], c["phase"], c["stage"])):
+            if op == "compute" and ph in _BWD:
+                out.edge(i, opt_node[st], SAVED)
         return out
 
 
@@ -417,31 +420,37 @@ class Recompute:
         c = out.cols
         fwd: dict[tuple, int] = {}
         weight: dict[tuple, int] = {}
-        for i in range(len(out)):
-            if c["op"][i] == "compute":
-                key = (c["region"][i], c["mb"][i])
-                if c["phase"][i] == "fwd":
-                    fwd[key] = i
-                elif c["phase"][i] == "bwd_weight":
-                    weight[key] = i
-        for i in range(len(out)):
-            if c["op"][i] != "compute" or c["phase"][i] not in ("bwd", "bwd_input"):
+        for i, (op, ph, region, mb) in enumerate(zip(c["op"], c["phase"], c["region"], c["mb"])):
+            if op == "compute":
+                if ph == "fwd":
+                    fwd[(region, mb)] = i
+                elif ph == "bwd_weight":
+                    weight[(region, mb)] = i
+        rows: list[int] = []
+        flops: list[float] = []
+        bufs: list[tuple] = []
+        edges: list[tuple[int, int]] = []
+        n = len(out)
+        for i, (op, ph, kind, region, mb) in enumerate(zip(c["op"], c["phase"], c["kind"], c["region"], c["mb"])):
+            if op != "compute" or ph not in ("bwd", "bwd_input"):
                 continue
-            kind = c["kind"][i]
             if kind == "embed" or (self.mode == "selective" and kind != "attn"):
                 continue
-            key = (c["region"][i], c["mb"][i])
+            key = (region, mb)
             f = fwd[key]
-            flops = c["flops"][f] if self.mode == "full" or self.selective_flops <= 0 else self.selective_flops
-            buf = str(T.StepBuffer("rc", key[1], region=key[0]))
-            r = _clone(out, out, i, phase="recompute", flops=float(flops), act=0, pos=c["pos"][i] - 0.25,
-                       alloc=((buf, int(self.rc_bytes.get(kind, 0))),), free=())
+            r = n + len(rows)               # the recompute node cloned from i (appended below)
+            rows.append(i)
+            flops.append(float(c["flops"][f] if self.mode == "full" or self.selective_flops <= 0
+                               else self.selective_flops))
+            buf = str(T.StepBuffer("rc", mb, region=region))
+            bufs.append(((buf, int(self.rc_bytes.get(kind, 0))),))
             last = weight.get(key, i)
             c["free"][last] = c["free"][last] + (buf,)
-            out.edge(f, r, SAVED)
-            out.edge(r, i, SAVED)
-            if last != i:
-                out.edge(r, last, SAVED)
+            edges += [(f, r), (r, i)] + ([(r, last)] if last != i else [])
+        out.clone(rows, phase="recompute", flops=flops, act=0, pos=[c["pos"][i] - 0.25 for i in rows], alloc=bufs,
+                  free=())
+        for u, v in edges:
+            out.edge(u, v, SAVED)
         return out
 
 

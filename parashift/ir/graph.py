@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -62,6 +63,7 @@ def paused_gc() -> Iterator[None]:
 
 
 _FIELD_SET = frozenset(NODE_FIELDS)
+_KEEP = object()   # Graph.clone: a column copied from the cloned rows
 _DEFAULTS = tuple(NODE_FIELDS.items())
 
 
@@ -125,6 +127,26 @@ class Graph:
                 self.cols[k].extend(v)
             else:
                 self.cols[k].extend([v] * n)
+        return range(start, start + n)
+
+    def clone(self, rows: Sequence[int], **over: Any) -> range:
+        """Append copies of nodes ``rows`` (in that order); each keyword replaces a column, with a
+        list of one value per row or one value for all. Returns the new nodes' indices."""
+        for k in over:
+            if k not in NODE_FIELDS:
+                raise ProgramError(f"unknown node attribute {k!r}; known: {', '.join(NODE_FIELDS)}")
+        n, start = len(rows), len(self)
+        take = itemgetter(*rows) if n > 1 else None
+        for k, col in self.cols.items():
+            v = over.get(k, _KEEP)
+            if v is _KEEP:
+                col.extend(take(col) if take is not None else [col[i] for i in rows])
+            elif isinstance(v, list):
+                if len(v) != n:
+                    raise ProgramError(f"column {k!r} has {len(v)} values for {n} nodes")
+                col.extend(v)
+            else:
+                col.extend([v] * n)
         return range(start, start + n)
 
     def edge(self, u: int, v: int, kind: int = DATA) -> None:

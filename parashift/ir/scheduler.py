@@ -353,12 +353,13 @@ def _act_buffers(c: dict, index: np.ndarray) -> tuple[dict[int, tuple[str, int]]
     chunk = np.fromiter((a[0] for a in acts), np.int64, len(acts))
     mb = np.fromiter((a[2] for a in acts), np.int64, len(acts))
     fwd = np.fromiter((a[1] == "F" for a in acts), bool, len(acts))
-    uk, inv = np.unique(np.stack([chunk, mb]), axis=1, return_inverse=True)
+    width = int(mb.max()) + 1
+    uk, inv = np.unique(chunk * width + mb, return_inverse=True)
     inv = inv.reshape(-1)
-    act_bytes = np.zeros(uk.shape[1], np.int64)
+    act_bytes = np.zeros(len(uk), np.int64)
     np.add.at(act_bytes, inv[fwd], np.asarray(_take(c["act"], sel), np.int64)[fwd])
     ix = index[nodes]
-    keys = [(int(ch), int(m)) for ch, m in zip(uk[0], uk[1])]
+    keys = list(zip((uk // width).tolist(), (uk % width).tolist()))
     # per (chunk, mb): the forward node first in stream order, the backward node last (ties: the first node)
     o = np.lexsort((np.arange(len(sel)), ix, inv))[::-1]
     act_first = {keys[k]: i for k, i in zip(inv[o][fwd[o]].tolist(), nodes[o][fwd[o]].tolist())}
