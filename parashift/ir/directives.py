@@ -273,12 +273,12 @@ class Shard:
         n = len(out)
         plan: dict[tuple, list] = {}   # (op, key) -> [(node, tag)]
         if self.axis == "tp":
-            for i in range(n):
-                if c["op"][i] != "compute" or c["phase"][i] == "optim":
+            flops, params, w = c["flops"], c["params"], self.ways
+            for i, (op, kind, ph, mb, reg) in enumerate(zip(c["op"], c["kind"], c["phase"], c["mb"], c["region"])):
+                if op != "compute" or ph == "optim":
                     continue
-                c["flops"][i] /= self.ways
-                c["params"][i] //= self.ways
-                kind, ph, mb, reg = c["kind"][i], c["phase"][i], c["mb"][i], c["region"][i]
+                flops[i] /= w
+                params[i] //= w
                 if ph == "fwd" and kind in ("embed", "attn", "mlp", "moe.combine"):
                     plan.setdefault(("all_reduce", None), []).append((i, str(T.TPTag(reg, "fwd", mb))))
                 elif ph == "fwd" and kind == "head":
@@ -497,20 +497,22 @@ class Replicate:
         bwd_of_chunk: dict[int, list[int]] = {}
         first_of_action: dict[Action, int] = {}
         last_of_action: dict[Action, int] = {}
-        for i in range(len(out)):
-            if c["op"][i] != "compute":
+        pos = c["pos"]
+        for i, (op, ph, ch, st, a) in enumerate(zip(c["op"], c["phase"], c["chunk"], c["stage"], c["action"])):
+            if op != "compute":
                 continue
-            if c["phase"][i] == "optim":
-                optim[c["stage"][i]] = i
+            if ph == "optim":
+                optim[st] = i
                 continue
-            stage_of[c["chunk"][i]] = c["stage"][i]
-            if c["phase"][i] in _BWD:
-                bwd_of_chunk.setdefault(c["chunk"][i], []).append(i)
-            a = c["action"][i]
+            stage_of[ch] = st
+            if ph in _BWD:
+                bwd_of_chunk.setdefault(ch, []).append(i)
             if isinstance(a, Action):
-                if a not in first_of_action or c["pos"][i] < c["pos"][first_of_action[a]]:
+                j = first_of_action.get(a)
+                if j is None or pos[i] < pos[j]:
                     first_of_action[a] = i
-                if a not in last_of_action or c["pos"][i] > c["pos"][last_of_action[a]]:
+                j = last_of_action.get(a)
+                if j is None or pos[i] > pos[j]:
                     last_of_action[a] = i
         if len(stage_of) != chunks:
             raise ProgramError("Replicate needs a placed graph (apply Place first)")

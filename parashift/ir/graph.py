@@ -189,11 +189,9 @@ class Graph:
         """
         if not items:
             return
-        via = {u: c for u, c in items}
-        for e in range(len(self.src)):
-            u = self.src[e]
-            if self.ekind[e] == DATA and u in via:
-                self.src[e] = via[u]
+        via = dict(items)
+        get = via.get
+        self.src = [get(u, u) if k == DATA else u for u, k in zip(self.src, self.ekind)]
         for u, c in items:
             self.edge(u, c, DATA)
 
