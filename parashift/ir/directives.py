@@ -47,14 +47,18 @@ def _comm(g: Graph, u: int, *, op: str, tag: str, group: "str | None" = None, pe
                  key=key)
 
 
-def _comm_many(g: Graph, us: list[int], *, op: str, tags: list[str], group: "str | None" = None,
-               nbytes: int = 0, stream: str = "compute", dpos: float = 0.5, key: "str | None" = None) -> range:
-    """Comm nodes serving nodes ``us`` (one each, same stage/chunk/mb/phase/action), placed after them."""
+def _comm_many(g: Graph, us: list[int], *, op: "str | list[str]", tags: list[str], group: "str | None" = None,
+               peer: "list[str] | None" = None, nbytes: int = 0, stream: str = "compute",
+               dpos: "float | list[float]" = 0.5, key: "str | None" = None) -> range:
+    """Comm nodes serving nodes ``us`` (one each, same stage/chunk/mb/phase/action), placed after
+    them by ``dpos`` (``op``, ``peer`` and ``dpos``: one for all or a list, one per node)."""
     c = g.cols
     cols = {k: [c[k][u] for u in us] for k in ("phase", "region", "kind", "layer", "chunk", "mb", "stage",
                                              "action")}
-    cols["pos"] = [c["pos"][u] + dpos for u in us]
-    return g.extend(len(us), op=op, group=group, tag=tags, nbytes=int(nbytes), stream=stream, key=key, **cols)
+    pos = c["pos"]
+    cols["pos"] = [pos[u] + d for u, d in zip(us, dpos)] if isinstance(dpos, list) else [pos[u] + dpos for u in us]
+    return g.extend(len(us), op=op, group=group, peer=peer, tag=tags, nbytes=int(nbytes), stream=stream, key=key,
+                    **cols)
 
 
 def _neighbours(g: Graph) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
@@ -213,18 +217,25 @@ class Place:
         st_arr = np.asarray(stages, np.int64)
         src, dst = np.asarray(out.src, np.int64), np.asarray(out.dst, np.int64)
         cross = np.flatnonzero((np.asarray(out.ekind) == DATA) & (st_arr[src] != st_arr[dst])) if len(src) else []
+        # per cross-stage edge u -> v: a send after u and a recv before v (nodes added in pairs)
+        anchors, ops, tags, peers, dpos = [], [], [], [], []
+        s = len(out)
         for e in np.asarray(cross).tolist():
             u, v = out.src[e], out.dst[e]
-            cu, cv, mb = c["chunk"][u], c["chunk"][v], c["mb"][u]
-            fwd = cv > cu
-            tag = str(T.P2PTag(T.Payload.ACT, cu, mb) if fwd else T.P2PTag(T.Payload.GRAD, cv, mb))
+            cu, cv, mb = chunks[u], chunks[v], c["mb"][u]
+            tag = str(T.P2PTag(T.Payload.ACT, cu, mb) if cv > cu else T.P2PTag(T.Payload.GRAD, cv, mb))
             peer = self._peer(cu, cv)
-            s = _comm(out, u, op="send", tag=tag, peer=peer, nbytes=self.act_bytes, stream="p2p", dpos=0.75)
-            r = _comm(out, v, op="recv", tag=tag, peer=peer.replace("+", "-") if "+" in peer else peer.replace("-", "+"),
-                      nbytes=self.act_bytes, stream="p2p", dpos=-0.75)
+            anchors += [u, v]
+            ops += ["send", "recv"]
+            tags += [tag, tag]
+            peers += [peer, peer.replace("+", "-") if "+" in peer else peer.replace("-", "+")]
+            dpos += [0.75, -0.75]
             out.dst[e] = s
-            out.edge(s, r, DATA)
-            out.edge(r, v, DATA)
+            out.edge(s, s + 1, DATA)
+            out.edge(s + 1, v, DATA)
+            s += 2
+        if anchors:
+            _comm_many(out, anchors, op=ops, tags=tags, peer=peers, nbytes=self.act_bytes, stream="p2p", dpos=dpos)
         optim = self.optim or tuple((0.0, 0) for _ in range(self.pp))
         opt_node = {st: out.add(op="compute", phase="optim", stage=st, flops=float(optim[st][0]),
                                 nbytes=int(optim[st][1]), stream="compute", action=(OPTIM,))
