@@ -14,7 +14,8 @@ chunk's first forward instruction and freed by its last backward instruction.
 """
 from __future__ import annotations
 
-from operator import itemgetter
+from itertools import repeat
+from operator import eq, itemgetter
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -61,7 +62,7 @@ def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None, *
         for j in np.argsort(first, kind="stable").tolist():
             steps.setdefault(int(st_t[first[j]]), {})[int(k_t[first[j]])] = float(tot[j])
     else:
-        k_of = dict(zip(zip(st_t.tolist(), (acts[i] for i in ti.tolist())), k_t.tolist()))
+        k_of = dict(zip(zip(st_t.tolist(), _take(acts, ti.tolist())), k_t.tolist()))
         for st, a in k_of:                            # each (stage, action) once, in first-seen order
             d = steps.setdefault(st, {})
             k = k_of[(st, a)]
@@ -70,9 +71,9 @@ def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None, *
     ops, streams = c["op"], c["stream"]
     src = np.asarray(g.src, np.int64)
     dst = np.asarray(g.dst, np.int64)
-    is_send = np.fromiter((o == "send" for o in ops), bool, n)
-    is_recv = np.fromiter((o == "recv" for o in ops), bool, n)
-    on_p2p = np.fromiter((x == "p2p" for x in streams), bool, n)
+    is_send = _equals(ops, "send")
+    is_recv = _equals(ops, "recv")
+    on_p2p = _equals(streams, "p2p")
     sr = is_send[src] & is_recv[dst] if len(src) else np.zeros(0, bool)
     recv_of = dict(zip(src[sr].tolist(), dst[sr].tolist()))
     sends = np.flatnonzero(is_send & on_p2p).tolist()   # pipeline hand-offs
@@ -121,6 +122,11 @@ def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None, *
     t = np.fromiter((t_send[s] for s in sends), np.float64, len(sends))
     o = np.lexsort((slot_p_all[sa], slot_k[sa], np.asarray(stage_l, np.int64)[sa], t))
     return sa[o].tolist()
+
+
+def _equals(col: Sequence, value: str) -> np.ndarray:
+    """``col[i] == value`` for every i, as a boolean array."""
+    return np.fromiter(map(eq, col, repeat(value)), bool, len(col))
 
 
 def _slot_keys(c: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -215,13 +221,13 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
                            f"like 'grads' or 'zero_gather'")
     names = stream_names(streams)
     sid_of = {s: k for k, s in enumerate(names)}
-    sid = np.fromiter((sid_of[s] for s in streams), np.int64, n)
+    sid = np.fromiter(map(sid_of.__getitem__, streams), np.int64, n)
     slot_k, slot_p = _slot_keys(c)
     sends = pair_order(g, step_time, _slots=(slot_k, slot_p))
     src = np.asarray(g.src, np.int64)
     dst = np.asarray(g.dst, np.int64)
-    is_send = np.fromiter((o == "send" for o in ops), bool, n)
-    is_recv = np.fromiter((o == "recv" for o in ops), bool, n)
+    is_send = _equals(ops, "send")
+    is_recv = _equals(ops, "recv")
     sr = is_send[src] & is_recv[dst] if len(src) else np.zeros(0, bool)
     recv_of = dict(zip(src[sr].tolist(), dst[sr].tolist()))
     key = _slot_rank(g, stage, sid, slot_k, slot_p)      # compute/comm: slot-priority order
