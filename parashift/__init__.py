@@ -1,6 +1,6 @@
 """parashift: explore, tune, deploy and hot-switch distributed training strategies.
 
-``import parashift as ps`` reaches what notebooks need; heavy dependencies (torch, simpy,
+``import parashift as ps`` reaches what notebooks need; heavy dependencies (torch,
 optuna) load only when their subpackages are used.
 """
 from __future__ import annotations

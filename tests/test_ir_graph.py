@@ -178,3 +178,21 @@ def test_order_needs_a_placed_graph():
     g = Split(microbatches=1).apply(model_graph(SPEC))
     with pytest.raises(ProgramError, match="belongs to no action|not on this stage"):
         Order({0: "0F0 0B0"}).apply(g)
+
+
+def test_graph_clone_copies_rows_with_overrides():
+    g = Graph()
+    a = g.add(op="compute", phase="fwd", region="layers.0.mlp", mb=1, flops=2.0)
+    b = g.add(op="compute", phase="bwd", region="layers.1.mlp", mb=3, flops=5.0, alloc=(("x", 4),))
+    new = g.clone([b, a], phase="recompute", flops=[7.0, 8.0])
+    assert list(new) == [2, 3]
+    assert [g.node(i).region for i in new] == ["layers.1.mlp", "layers.0.mlp"]
+    assert [g.node(i).phase for i in new] == ["recompute", "recompute"]
+    assert [g.node(i).flops for i in new] == [7.0, 8.0]
+    assert g.node(2).alloc == (("x", 4),) and g.node(2).mb == 3
+    assert g.node(b).phase == "bwd"                  # the originals are untouched
+    assert list(g.clone([a])) == [4] and g.node(4).flops == 2.0
+    with pytest.raises(ProgramError, match="unknown node attribute"):
+        g.clone([a], colour="red")
+    with pytest.raises(ProgramError, match="2 values for 1 nodes"):
+        g.clone([a], flops=[1.0, 2.0])

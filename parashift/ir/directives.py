@@ -47,14 +47,18 @@ def _comm(g: Graph, u: int, *, op: str, tag: str, group: "str | None" = None, pe
                  key=key)
 
 
-def _comm_many(g: Graph, us: list[int], *, op: str, tags: list[str], group: "str | None" = None,
-               nbytes: int = 0, stream: str = "compute", dpos: float = 0.5, key: "str | None" = None) -> range:
-    """Comm nodes serving nodes ``us`` (one each, same stage/chunk/mb/phase/action), placed after them."""
+def _comm_many(g: Graph, us: list[int], *, op: "str | list[str]", tags: list[str], group: "str | None" = None,
+               peer: "list[str] | None" = None, nbytes: int = 0, stream: str = "compute",
+               dpos: "float | list[float]" = 0.5, key: "str | None" = None) -> range:
+    """Comm nodes serving nodes ``us`` (one each, same stage/chunk/mb/phase/action), placed after
+    them by ``dpos`` (``op``, ``peer`` and ``dpos``: one for all or a list, one per node)."""
     c = g.cols
     cols = {k: [c[k][u] for u in us] for k in ("phase", "region", "kind", "layer", "chunk", "mb", "stage",
                                              "action")}
-    cols["pos"] = [c["pos"][u] + dpos for u in us]
-    return g.extend(len(us), op=op, group=group, tag=tags, nbytes=int(nbytes), stream=stream, key=key, **cols)
+    pos = c["pos"]
+    cols["pos"] = [pos[u] + d for u, d in zip(us, dpos)] if isinstance(dpos, list) else [pos[u] + dpos for u in us]
+    return g.extend(len(us), op=op, group=group, peer=peer, tag=tags, nbytes=int(nbytes), stream=stream, key=key,
+                    **cols)
 
 
 def _neighbours(g: Graph) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
@@ -198,37 +202,47 @@ class Place:
         c = out.cols
         last = len(self.chunk_stage) - 1
         L = len(self.layer_chunk)
-        for i in range(len(out)):
-            layer = c["layer"][i]
-            ch = 0 if layer < 0 else last if layer >= L else self.layer_chunk[layer]
-            c["chunk"][i] = ch
-            c["stage"][i] = self.chunk_stage[ch]
-            ph = c["phase"][i]
-            if ph in _TYPE_OF_PHASE and c["mb"][i] >= 0:
-                c["action"][i] = Action(ch, _TYPE_OF_PHASE[ph], c["mb"][i])
-            if c["stream"][i] is None:
-                c["stream"][i] = "compute"
-        for e in range(len(out.src)):
+        lc, cs = self.layer_chunk, self.chunk_stage
+        chunks = c["chunk"] = [0 if layer < 0 else last if layer >= L else lc[layer] for layer in c["layer"]]
+        stages = c["stage"] = [cs[ch] for ch in chunks]
+        acts, made = c["action"], {}     # one Action object per (chunk, type, mb)
+        for i, (ch, ph, mb) in enumerate(zip(chunks, c["phase"], c["mb"])):
+            t = _TYPE_OF_PHASE.get(ph)
+            if t is not None and mb >= 0:
+                a = made.get((ch, t, mb))
+                if a is None:
+                    a = made[(ch, t, mb)] = Action(ch, t, mb)
+                acts[i] = a
+        c["stream"] = ["compute" if x is None else x for x in c["stream"]]
+        st_arr = np.asarray(stages, np.int64)
+        src, dst = np.asarray(out.src, np.int64), np.asarray(out.dst, np.int64)
+        cross = np.flatnonzero((np.asarray(out.ekind) == DATA) & (st_arr[src] != st_arr[dst])) if len(src) else []
+        # per cross-stage edge u -> v: a send after u and a recv before v (nodes added in pairs)
+        anchors, ops, tags, peers, dpos = [], [], [], [], []
+        s = len(out)
+        for e in np.asarray(cross).tolist():
             u, v = out.src[e], out.dst[e]
-            if out.ekind[e] != DATA or c["stage"][u] == c["stage"][v]:
-                continue
-            cu, cv, mb = c["chunk"][u], c["chunk"][v], c["mb"][u]
-            fwd = cv > cu
-            tag = str(T.P2PTag(T.Payload.ACT, cu, mb) if fwd else T.P2PTag(T.Payload.GRAD, cv, mb))
+            cu, cv, mb = chunks[u], chunks[v], c["mb"][u]
+            tag = str(T.P2PTag(T.Payload.ACT, cu, mb) if cv > cu else T.P2PTag(T.Payload.GRAD, cv, mb))
             peer = self._peer(cu, cv)
-            s = _comm(out, u, op="send", tag=tag, peer=peer, nbytes=self.act_bytes, stream="p2p", dpos=0.75)
-            r = _comm(out, v, op="recv", tag=tag, peer=peer.replace("+", "-") if "+" in peer else peer.replace("-", "+"),
-                      nbytes=self.act_bytes, stream="p2p", dpos=-0.75)
+            anchors += [u, v]
+            ops += ["send", "recv"]
+            tags += [tag, tag]
+            peers += [peer, peer.replace("+", "-") if "+" in peer else peer.replace("-", "+")]
+            dpos += [0.75, -0.75]
             out.dst[e] = s
-            out.edge(s, r, DATA)
-            out.edge(r, v, DATA)
+            out.edge(s, s + 1, DATA)
+            out.edge(s + 1, v, DATA)
+            s += 2
+        if anchors:
+            _comm_many(out, anchors, op=ops, tags=tags, peer=peers, nbytes=self.act_bytes, stream="p2p", dpos=dpos)
         optim = self.optim or tuple((0.0, 0) for _ in range(self.pp))
         opt_node = {st: out.add(op="compute", phase="optim", stage=st, flops=float(optim[st][0]),
                                 nbytes=int(optim[st][1]), stream="compute", action=(OPTIM,))
                     for st in range(self.pp)}
-        for i in range(len(g)):
-            if c["op"][i] == "compute" and c["phase"][i] in _BWD:
-                out.edge(i, opt_node[c["stage"][i]], SAVED)
+        for i, (op, ph, st) in enumerate(zip(c["op"][:len(g)], c["phase"], c["stage"])):
+            if op == "compute" and ph in _BWD:
+                out.edge(i, opt_node[st], SAVED)
         return out
 
 
@@ -270,12 +284,12 @@ class Shard:
         n = len(out)
         plan: dict[tuple, list] = {}   # (op, key) -> [(node, tag)]
         if self.axis == "tp":
-            for i in range(n):
-                if c["op"][i] != "compute" or c["phase"][i] == "optim":
+            flops, params, w = c["flops"], c["params"], self.ways
+            for i, (op, kind, ph, mb, reg) in enumerate(zip(c["op"], c["kind"], c["phase"], c["mb"], c["region"])):
+                if op != "compute" or ph == "optim":
                     continue
-                c["flops"][i] /= self.ways
-                c["params"][i] //= self.ways
-                kind, ph, mb, reg = c["kind"][i], c["phase"][i], c["mb"][i], c["region"][i]
+                flops[i] /= w
+                params[i] //= w
                 if ph == "fwd" and kind in ("embed", "attn", "mlp", "moe.combine"):
                     plan.setdefault(("all_reduce", None), []).append((i, str(T.TPTag(reg, "fwd", mb))))
                 elif ph == "fwd" and kind == "head":
@@ -417,31 +431,37 @@ class Recompute:
         c = out.cols
         fwd: dict[tuple, int] = {}
         weight: dict[tuple, int] = {}
-        for i in range(len(out)):
-            if c["op"][i] == "compute":
-                key = (c["region"][i], c["mb"][i])
-                if c["phase"][i] == "fwd":
-                    fwd[key] = i
-                elif c["phase"][i] == "bwd_weight":
-                    weight[key] = i
-        for i in range(len(out)):
-            if c["op"][i] != "compute" or c["phase"][i] not in ("bwd", "bwd_input"):
+        for i, (op, ph, region, mb) in enumerate(zip(c["op"], c["phase"], c["region"], c["mb"])):
+            if op == "compute":
+                if ph == "fwd":
+                    fwd[(region, mb)] = i
+                elif ph == "bwd_weight":
+                    weight[(region, mb)] = i
+        rows: list[int] = []
+        flops: list[float] = []
+        bufs: list[tuple] = []
+        edges: list[tuple[int, int]] = []
+        n = len(out)
+        for i, (op, ph, kind, region, mb) in enumerate(zip(c["op"], c["phase"], c["kind"], c["region"], c["mb"])):
+            if op != "compute" or ph not in ("bwd", "bwd_input"):
                 continue
-            kind = c["kind"][i]
             if kind == "embed" or (self.mode == "selective" and kind != "attn"):
                 continue
-            key = (c["region"][i], c["mb"][i])
+            key = (region, mb)
             f = fwd[key]
-            flops = c["flops"][f] if self.mode == "full" or self.selective_flops <= 0 else self.selective_flops
-            buf = str(T.StepBuffer("rc", key[1], region=key[0]))
-            r = _clone(out, out, i, phase="recompute", flops=float(flops), act=0, pos=c["pos"][i] - 0.25,
-                       alloc=((buf, int(self.rc_bytes.get(kind, 0))),), free=())
+            r = n + len(rows)               # the recompute node cloned from i (appended below)
+            rows.append(i)
+            flops.append(float(c["flops"][f] if self.mode == "full" or self.selective_flops <= 0
+                               else self.selective_flops))
+            buf = str(T.StepBuffer("rc", mb, region=region))
+            bufs.append(((buf, int(self.rc_bytes.get(kind, 0))),))
             last = weight.get(key, i)
             c["free"][last] = c["free"][last] + (buf,)
-            out.edge(f, r, SAVED)
-            out.edge(r, i, SAVED)
-            if last != i:
-                out.edge(r, last, SAVED)
+            edges += [(f, r), (r, i)] + ([(r, last)] if last != i else [])
+        out.clone(rows, phase="recompute", flops=flops, act=0, pos=[c["pos"][i] - 0.25 for i in rows], alloc=bufs,
+                  free=())
+        for u, v in edges:
+            out.edge(u, v, SAVED)
         return out
 
 
@@ -488,20 +508,22 @@ class Replicate:
         bwd_of_chunk: dict[int, list[int]] = {}
         first_of_action: dict[Action, int] = {}
         last_of_action: dict[Action, int] = {}
-        for i in range(len(out)):
-            if c["op"][i] != "compute":
+        pos = c["pos"]
+        for i, (op, ph, ch, st, a) in enumerate(zip(c["op"], c["phase"], c["chunk"], c["stage"], c["action"])):
+            if op != "compute":
                 continue
-            if c["phase"][i] == "optim":
-                optim[c["stage"][i]] = i
+            if ph == "optim":
+                optim[st] = i
                 continue
-            stage_of[c["chunk"][i]] = c["stage"][i]
-            if c["phase"][i] in _BWD:
-                bwd_of_chunk.setdefault(c["chunk"][i], []).append(i)
-            a = c["action"][i]
+            stage_of[ch] = st
+            if ph in _BWD:
+                bwd_of_chunk.setdefault(ch, []).append(i)
             if isinstance(a, Action):
-                if a not in first_of_action or c["pos"][i] < c["pos"][first_of_action[a]]:
+                j = first_of_action.get(a)
+                if j is None or pos[i] < pos[j]:
                     first_of_action[a] = i
-                if a not in last_of_action or c["pos"][i] > c["pos"][last_of_action[a]]:
+                j = last_of_action.get(a)
+                if j is None or pos[i] > pos[j]:
                     last_of_action[a] = i
         if len(stage_of) != chunks:
             raise ProgramError("Replicate needs a placed graph (apply Place first)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
@@ -51,17 +52,23 @@ NODE_FIELDS: dict[str, Any] = {
 def paused_gc() -> Iterator[None]:
     """Pause Python's cyclic garbage collector (restored on exit). Compiling and simulating build
     millions of acyclic objects; left on, the collector rescans the growing heap over and over (a
-    third of a full-scale compile's time) and frees nothing."""
+    third of a full-scale compile's time) and frees nothing. On exit what the pause allocated joins
+    the oldest generation, as long-lived objects do (else the first young collection after it would
+    scan every one of them: a second per full-scale compile or simulation); a later full collection
+    still reclaims any cycle among them."""
     was_on = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if was_on:
+            gc.freeze()      # young and middle generations -> permanent ...
+            gc.unfreeze()    # ... -> the oldest generation
             gc.enable()
 
 
 _FIELD_SET = frozenset(NODE_FIELDS)
+_KEEP = object()   # Graph.clone: a column copied from the cloned rows
 _DEFAULTS = tuple(NODE_FIELDS.items())
 
 
@@ -127,6 +134,26 @@ class Graph:
                 self.cols[k].extend([v] * n)
         return range(start, start + n)
 
+    def clone(self, rows: Sequence[int], **over: Any) -> range:
+        """Append copies of nodes ``rows`` (in that order); each keyword replaces a column, with a
+        list of one value per row or one value for all. Returns the new nodes' indices."""
+        for k in over:
+            if k not in NODE_FIELDS:
+                raise ProgramError(f"unknown node attribute {k!r}; known: {', '.join(NODE_FIELDS)}")
+        n, start = len(rows), len(self)
+        take = itemgetter(*rows) if n > 1 else None
+        for k, col in self.cols.items():
+            v = over.get(k, _KEEP)
+            if v is _KEEP:
+                col.extend(take(col) if take is not None else [col[i] for i in rows])
+            elif isinstance(v, list):
+                if len(v) != n:
+                    raise ProgramError(f"column {k!r} has {len(v)} values for {n} nodes")
+                col.extend(v)
+            else:
+                col.extend([v] * n)
+        return range(start, start + n)
+
     def edge(self, u: int, v: int, kind: int = DATA) -> None:
         self.src.append(u)
         self.dst.append(v)
@@ -167,11 +194,9 @@ class Graph:
         """
         if not items:
             return
-        via = {u: c for u, c in items}
-        for e in range(len(self.src)):
-            u = self.src[e]
-            if self.ekind[e] == DATA and u in via:
-                self.src[e] = via[u]
+        via = dict(items)
+        get = via.get
+        self.src = [get(u, u) if k == DATA else u for u, k in zip(self.src, self.ekind)]
         for u, c in items:
             self.edge(u, c, DATA)
 

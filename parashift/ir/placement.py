@@ -119,17 +119,26 @@ def graph_placement(g: Any, s: Strategy) -> Strategy:
     first: dict[int, int] = {}
     stage: dict[int, int] = {}
     top = -1
-    for i in range(len(g)):
-        if c["op"][i] != "compute" or c["phase"][i] == "optim" or c["chunk"][i] is None or c["chunk"][i] < 0:
+    region_top: dict = {}                   # region name -> the highest layer it names (-1: none)
+    for op, ph, ch, layer, st, region, kind in zip(c["op"], c["phase"], c["chunk"], c["layer"], c["stage"],
+                                                   c["region"], c["kind"]):
+        if op != "compute" or ph == "optim" or ch is None or ch < 0:
             continue
-        ch, layer = int(c["chunk"][i]), int(c["layer"][i])
-        stage.setdefault(ch, int(c["stage"][i]))
+        ch, layer = int(ch), int(layer)
+        if ch not in stage:
+            stage[ch] = int(st)
         if layer >= 0:
-            first[ch] = min(first.get(ch, layer), layer)
-        for m in _LAYER.finditer(c["region"][i] or ""):
-            top = max(top, int(m.group(2) or m.group(1)))
-        if c["kind"][i] == "head":
-            top = max(top, layer - 1)
+            f = first.get(ch)
+            if f is None or layer < f:
+                first[ch] = layer
+        t = region_top.get(region)
+        if t is None:
+            t = region_top[region] = max((int(m.group(2) or m.group(1)) for m in _LAYER.finditer(region or "")),
+                                         default=-1)
+        if t > top:
+            top = t
+        if kind == "head" and layer - 1 > top:
+            top = layer - 1
     if not stage:
         return s
     chunks = max(stage) + 1

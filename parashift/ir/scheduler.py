@@ -15,6 +15,8 @@ instruction and freed by the last backward instruction of their region.
 """
 from __future__ import annotations
 
+from itertools import repeat
+from operator import eq, itemgetter
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -62,7 +64,7 @@ def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None, *
         for j in np.argsort(first, kind="stable").tolist():
             steps.setdefault(int(st_t[first[j]]), {})[int(k_t[first[j]])] = float(tot[j])
     else:
-        k_of = dict(zip(zip(st_t.tolist(), (acts[i] for i in ti.tolist())), k_t.tolist()))
+        k_of = dict(zip(zip(st_t.tolist(), _take(acts, ti.tolist())), k_t.tolist()))
         for st, a in k_of:                            # each (stage, action) once, in first-seen order
             d = steps.setdefault(st, {})
             k = k_of[(st, a)]
@@ -71,9 +73,9 @@ def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None, *
     ops, streams = c["op"], c["stream"]
     src = np.asarray(g.src, np.int64)
     dst = np.asarray(g.dst, np.int64)
-    is_send = np.fromiter((o == "send" for o in ops), bool, n)
-    is_recv = np.fromiter((o == "recv" for o in ops), bool, n)
-    on_p2p = np.fromiter((x == "p2p" for x in streams), bool, n)
+    is_send = _equals(ops, "send")
+    is_recv = _equals(ops, "recv")
+    on_p2p = _equals(streams, "p2p")
     sr = is_send[src] & is_recv[dst] if len(src) else np.zeros(0, bool)
     recv_of = dict(zip(src[sr].tolist(), dst[sr].tolist()))
     sends = np.flatnonzero(is_send & on_p2p).tolist()   # pipeline hand-offs
@@ -122,6 +124,11 @@ def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None, *
     t = np.fromiter((t_send[s] for s in sends), np.float64, len(sends))
     o = np.lexsort((slot_p_all[sa], slot_k[sa], np.asarray(stage_l, np.int64)[sa], t))
     return sa[o].tolist()
+
+
+def _equals(col: Sequence, value: str) -> np.ndarray:
+    """``col[i] == value`` for every i, as a boolean array."""
+    return np.fromiter(map(eq, col, repeat(value)), bool, len(col))
 
 
 def _slot_keys(c: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -216,13 +223,13 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
                            f"like 'grads' or 'zero_gather'")
     names = stream_names(streams)
     sid_of = {s: k for k, s in enumerate(names)}
-    sid = np.fromiter((sid_of[s] for s in streams), np.int64, n)
+    sid = np.fromiter(map(sid_of.__getitem__, streams), np.int64, n)
     slot_k, slot_p = _slot_keys(c)
     sends = pair_order(g, step_time, _slots=(slot_k, slot_p))
     src = np.asarray(g.src, np.int64)
     dst = np.asarray(g.dst, np.int64)
-    is_send = np.fromiter((o == "send" for o in ops), bool, n)
-    is_recv = np.fromiter((o == "recv" for o in ops), bool, n)
+    is_send = _equals(ops, "send")
+    is_recv = _equals(ops, "recv")
     sr = is_send[src] & is_recv[dst] if len(src) else np.zeros(0, bool)
     recv_of = dict(zip(src[sr].tolist(), dst[sr].tolist()))
     key = _slot_rank(g, stage, sid, slot_k, slot_p)      # compute/comm: slot-priority order
@@ -266,50 +273,25 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     first[1:] = (d3[1:] != d3[:-1]) | (sid[s3][1:] != sid[s3][:-1])
     dv, du = d3[first], ids[s3[first]]
     o = np.lexsort((du, dv))
-    deps: dict[int, list[int]] = {}
-    for v, u in zip(dv[o].tolist(), du[o].tolist()):
-        lst = deps.get(v)
-        if lst is None:
-            deps[v] = [u]
-        else:
-            lst.append(u)
     # ---- activation buffers -------------------------------------------------------------------------
     alloc_extra, free_extra = _act_buffers(c, index)
     # ---- instructions -------------------------------------------------------------------------------
-    ids_l = ids.tolist()
-    order_l = seq_order.tolist()
+    dep_col: list = [()] * n
+    for v, u in zip(dv[o].tolist(), du[o].tolist()):
+        lst = dep_col[v]
+        dep_col[v] = (u,) if not lst else lst + (u,)
+    alloc_c, free_c = list(c["alloc"]), list(c["free"])
+    for i, ax in alloc_extra.items():
+        alloc_c[i] = (ax,) + tuple(alloc_c[i])
+    for i, fx in free_extra.items():
+        free_c[i] = tuple(free_c[i]) + (fx,)
     b = bounds.tolist()
     stage_l = stage[seq_order[bounds[:-1]]].tolist() if n else []
     sid_l = sid[seq_order[bounds[:-1]]].tolist() if n else []
     per_stage: list[dict[str, tuple[Instr, ...]]] = [{} for _ in range(pp)]
-    phase, region, chunk, mbs, flops, nbytes = c["phase"], c["region"], c["chunk"], c["mb"], c["flops"], c["nbytes"]
-    peer, group, tag, okey, alloc_c, free_c = c["peer"], c["group"], c["tag"], c["key"], c["alloc"], c["free"]
-    empty: tuple = ()
     for gi in range(len(b) - 1):
         st, s = stage_l[gi], names[sid_l[gi]]
-        lst = []
-        for i in order_l[b[gi]:b[gi + 1]]:
-            op = ops[i]
-            dv_ = deps.get(i)
-            alloc = alloc_c[i]
-            ax = alloc_extra.get(i)
-            if ax is not None:
-                alloc = (ax,) + tuple(alloc)
-            free = free_c[i]
-            fx = free_extra.get(i)
-            if fx is not None:
-                free = tuple(free) + (fx,)
-            mb = mbs[i]
-            ch = chunk[i]
-            comp = op == "compute"
-            # positional: the frozen dataclass's own __init__ is the fastest way to build one (and
-            # keeps the instances' compact shared-key dicts)
-            obj = Instr(ids_l[i], op, s, tuple(dv_) if dv_ else empty, phase[i], st if comp else None,
-                        ch if ch >= 0 else None, mb if mb >= 0 else None, region[i] if comp else None,
-                        float(flops[i]), int(nbytes[i]), peer[i], group[i], None, tag[i], okey[i],
-                        tuple(alloc), tuple(free))
-            lst.append(obj)
-        per_stage[st][s] = tuple(lst)
+        per_stage[st][s] = _instrs(seq_order[b[gi]:b[gi + 1]], st, s, ids, c, dep_col, alloc_c, free_c)
     progs: list[RankProgram] = []
     for st in range(pp):
         mem = dict(static_memory[st]) if st < len(static_memory) else {}
@@ -322,35 +304,92 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     return Program(ranks, strategy, meta)
 
 
+def _take(col: Sequence, idx: list[int]) -> list:
+    """``[col[i] for i in idx]`` (at C speed)."""
+    if len(idx) > 1:
+        return list(itemgetter(*idx)(col))
+    return [col[i] for i in idx]
+
+
+def _instrs(nodes: np.ndarray, st: int, stream: str, ids: np.ndarray, c: dict, deps: list, alloc: list,
+            free: list) -> tuple[Instr, ...]:
+    """The instructions of ``nodes`` (one stage's stream, in stream order), built column by column."""
+    idx = nodes.tolist()
+    op = _take(c["op"], idx)
+    comp = [o == "compute" for o in op]
+    new, out = object.__new__, []
+    append = out.append
+    for (i, o, d, ph, cm, ch, mb, rg, fl, nb, pe, gr, tg, ky, al, fr) in zip(
+            ids[nodes].tolist(), op, _take(deps, idx), _take(c["phase"], idx), comp, _take(c["chunk"], idx),
+            _take(c["mb"], idx), _take(c["region"], idx), _take(c["flops"], idx), _take(c["nbytes"], idx),
+            _take(c["peer"], idx), _take(c["group"], idx), _take(c["tag"], idx), _take(c["key"], idx),
+            _take(alloc, idx), _take(free, idx)):
+        # the frozen dataclass's fields set straight into its __dict__ (as Instr.make does; its
+        # per-field __setattr__ would be most of the lowering's time)
+        obj = new(Instr)
+        f = obj.__dict__
+        f["id"] = i
+        f["op"] = o
+        f["stream"] = stream
+        f["deps"] = d
+        f["phase"] = ph
+        f["stage"] = st if cm else None
+        f["chunk"] = ch if ch >= 0 else None
+        f["microbatch"] = mb if mb >= 0 else None
+        f["region"] = rg if cm else None
+        f["flops"] = float(fl)
+        f["nbytes"] = int(nb)
+        f["peer"] = pe
+        f["group"] = gr
+        f["root"] = None
+        f["tag"] = tg
+        f["key"] = ky
+        f["alloc"] = tuple(al)
+        f["free"] = tuple(fr)
+        append(obj)
+    return tuple(out)
+
+
 def _act_buffers(c: dict, index: np.ndarray) -> tuple[dict[int, tuple[str, int]], dict[int, str]]:
     """Activation buffers: one per region of a chunk's micro-batch, ``act.c{chunk}.m{mb}.{region}``,
     allocated by the region's first forward instruction (in stream order) and freed by its last
     backward one, as a region keeps its stash from its forward to its (weight-gradient) backward;
     ``act.c{chunk}.m{mb}`` when the chunk runs that micro-batch's forward as one region (fused).
     Returns node -> (name, bytes) and node -> name."""
-    first: dict[tuple, int] = {}
-    nbytes: dict[tuple, int] = {}
-    last: dict[tuple, int] = {}
-    regions: dict[tuple[int, int], set] = {}
-    ix = index.tolist()
-    acts, reg = c["act"], c["region"]
-    for i, (op, a) in enumerate(zip(c["op"], c["action"])):
-        if op != "compute" or not isinstance(a, Action):
-            continue
-        key = (a.chunk, a.mb, reg[i])
-        if a.type == "F":
-            regions.setdefault(key[:2], set()).add(reg[i])
-            nbytes[key] = nbytes.get(key, 0) + int(acts[i])
-            j = first.get(key)
-            if j is None or ix[i] < ix[j]:
-                first[key] = i
-        else:
-            j = last.get(key)
-            if j is None or ix[i] > ix[j]:
-                last[key] = i
+    sel = [i for i, (op, a) in enumerate(zip(c["op"], c["action"])) if op == "compute" and isinstance(a, Action)]
+    if not sel:
+        return {}, {}
+    nodes = np.asarray(sel, np.int64)
+    acts = _take(c["action"], sel)
+    regs = _take(c["region"], sel)
+    codes: dict = {}
+    rc = np.fromiter((codes.setdefault(r, len(codes)) for r in regs), np.int64, len(regs))
+    names = list(codes)
+    chunk = np.fromiter((a[0] for a in acts), np.int64, len(acts))
+    mb = np.fromiter((a[2] for a in acts), np.int64, len(acts))
+    fwd = np.fromiter((a[1] == "F" for a in acts), bool, len(acts))
+    width, nreg = int(mb.max()) + 1, len(names)
+    uk, inv = np.unique((chunk * width + mb) * nreg + rc, return_inverse=True)
+    inv = inv.reshape(-1)
+    act_bytes = np.zeros(len(uk), np.int64)
+    np.add.at(act_bytes, inv[fwd], np.asarray(_take(c["act"], sel), np.int64)[fwd])
+    cm = uk // nreg
+    # regions per (chunk, mb) that run a forward: one means the chunk's forward is fused
+    has_fwd = np.zeros(len(uk), bool)
+    has_fwd[inv[fwd]] = True
+    per_cm = dict(zip(*np.unique(cm[has_fwd], return_counts=True)))
+    keys = [(int(k // width), int(k % width), names[r], per_cm.get(k, 0) > 1)
+            for k, r in zip(cm.tolist(), (uk % nreg).tolist())]
+    ix = index[nodes]
+    # per key: the forward node first in stream order, the backward node last (ties: the first node)
+    o = np.lexsort((np.arange(len(sel)), ix, inv))[::-1]
+    first = {keys[k]: i for k, i in zip(inv[o][fwd[o]].tolist(), nodes[o][fwd[o]].tolist())}
+    o = np.lexsort((-np.arange(len(sel)), ix, inv))
+    last = {keys[k]: i for k, i in zip(inv[o][~fwd[o]].tolist(), nodes[o][~fwd[o]].tolist())}
+    nbytes = dict(zip(keys, act_bytes.tolist()))
 
     def name(k: tuple) -> str:
-        return str(T.StepBuffer("act", k[1], chunk=k[0], region=k[2] if len(regions[k[:2]]) > 1 else None))
+        return str(T.StepBuffer("act", k[1], chunk=k[0], region=k[2] if k[3] else None))
     alloc_extra = {i: (name(k), nbytes[k]) for k, i in first.items() if nbytes[k]}
     free_extra = {i: name(k) for k, i in last.items() if nbytes.get(k)}
     return alloc_extra, free_extra

@@ -1,4 +1,4 @@
-"""Discrete-event simulation (simpy) of Programs: time, memory, bubbles and timelines.
+"""Discrete-event simulation of Programs: time, memory, bubbles and timelines.
 
 ``simulate(program, cluster)`` interprets the same Program the runtime executes on a modeled
 cluster (:class:`CostModel`); ``simulate_switch`` scores a switch Program;

@@ -1,6 +1,6 @@
-"""The simpy engine that interprets a Program on a modeled cluster.
+"""The discrete-event engine that interprets a Program on a modeled cluster.
 
-Each (rank, stream) is a simpy process that runs its instructions in order; an instruction
+Each (rank, stream) is a process that runs its instructions in order; an instruction
 starts when its deps are done (with ``cost.p2p_posted``, a send/recv is posted and the stream
 goes on at once, as a runtime that posts asynchronous point-to-point operations does) (its start time is then recorded, so waiting for a peer shows in
 its duration, as a profiler would measure it). Sends meet their recvs, collectives start when
@@ -13,12 +13,8 @@ Memory: static state plus alloc/free, tracked per device.
 """
 from __future__ import annotations
 
-import heapq
 import time
 from typing import Mapping, Sequence
-
-import numpy as np
-import simpy
 
 from ..cluster import Cluster
 from ..errors import DeadlockError, DeviceListError, ProgramError
@@ -27,6 +23,7 @@ from ..ir.program import Instr, Program
 from ..cost import CostModel, Phase, Workload, link_class, topology
 from .fluid import FluidNetwork
 from .fold import Folding, fold
+from .kernel import Event, Kernel
 
 __all__ = ["Engine", "RawRun", "resolve_devices"]
 
@@ -109,12 +106,12 @@ class Engine:
         host = self.cost.host_cores > 0
         self.folding = fo = fold(self.program, self.devices, self.cluster, self.fold_symmetric and not host)
         raw.folding = fo
-        self.env = env = simpy.Environment()
+        self.env = env = Kernel()
         self.net = FluidNetwork(env)
         if host:
             for d in set(self.devices.values()):
                 self.net.capacity[("host", d // self.cluster.per_node)] = float(self.cost.host_cores)
-        self.done: dict[int, dict[int, simpy.Event]] = {}
+        self.done: dict[int, dict[int, Event]] = {}
         self.p2p: dict[tuple, list] = {}
         self.coll: dict[tuple, list] = {}
         self.phase_cache: dict[tuple, tuple[Phase, ...]] = {}
@@ -157,29 +154,10 @@ class Engine:
                 self.progress[(r, s)] = [0]
                 if instrs:
                     env.process(self._stream(r, s, instrs, base, shared))
-        raw.events = self._loop(env)
+        raw.events = env.run()
         self._check_finished()
         raw.sim_seconds = time.perf_counter() - t0
         return raw
-
-    @staticmethod
-    def _loop(env: simpy.Environment) -> int:
-        """``env.step()`` until no event is left (simpy's step, inlined: one call per event saved);
-        returns the number of events processed."""
-        queue = env._queue
-        pop = heapq.heappop
-        n = 0
-        while queue:
-            env._now, _, _, event = pop(queue)
-            n += 1
-            callbacks, event.callbacks = event.callbacks, None
-            for callback in callbacks:
-                callback(event)
-            if not event._ok and not hasattr(event, "_defused"):
-                exc = type(event._value)(*event._value.args)
-                exc.__cause__ = event._value
-                raise exc
-        return n
 
     def _check_finished(self) -> None:
         stuck = []
@@ -280,14 +258,11 @@ class Engine:
 
     # ---- transfers ----------------------------------------------------------------------------
     def _run_phases(self, phases: Sequence[Phase], link_ends: list[tuple[int, int | None]],
-                    waiters: list[simpy.Event], op: str) -> None:
+                    waiters: list[Event], op: str) -> None:
         """Run ``phases`` of ``op`` in order; each phase is one flow per (device, peer device) in
         ``link_ends``; the operation's fixed overhead is paid with the first latency."""
         env, net, cost = self.env, self.net, self.cost
-        consts = self.op_consts.get(op)
-        if consts is None:
-            consts = self.op_consts[op] = (cost.op_overhead(op), cost.comm_op_bw.get(op, 1.0))
-        overhead, factor = consts
+        overhead, factor = self._op_consts(op)
         if len(phases) == 1 and len(link_ends) == 1 and len(waiters) == 1:  # the common case, no closures
             ph = phases[0]
             links = _links(ph.link, *link_ends[0])
@@ -326,7 +301,7 @@ class Engine:
                 if len(evs) == 1:
                     evs[0].callbacks.append(step)
                 else:
-                    simpy.AllOf(env, evs).callbacks.append(step)
+                    env.all_of(evs).callbacks.append(step)
 
             delay = ph.latency + extra
             if delay > 0:
@@ -336,7 +311,7 @@ class Engine:
 
         step(extra=overhead)  # the fixed per-operation cost is paid with the first latency
 
-    def _p2p(self, r: int, ins: Instr) -> simpy.Event:
+    def _p2p(self, r: int, ins: Instr) -> Event:
         fo = self.folding
         peer = fo.peers[(r, ins.peer)]
         prep = fo.rep_of[peer]
@@ -377,14 +352,14 @@ class Engine:
             self.p2p_cache[key] = ph
         return ph
 
-    def _copy(self, r: int, ins: Instr) -> simpy.Event:
+    def _copy(self, r: int, ins: Instr) -> Event:
         ev = self.env.event()
         dev = self.devices[r]
         self.raw.link_bytes["local"] += ins.nbytes * len(self.folding.members[r])
         self._run_phases(self.cost.p2p_phases(ins.nbytes, "local"), [(dev, None)], [ev], "copy")
         return ev
 
-    def _collective(self, r: int, ins: Instr) -> simpy.Event:
+    def _collective(self, r: int, ins: Instr) -> Event:
         fo = self.folding
         ck = (r, ins.group, ins.op, ins.nbytes)
         hit = self.coll_cache.get(ck)
@@ -401,9 +376,17 @@ class Engine:
             phases = self.phase_cache.get(pk)
             if phases is None:
                 phases = self.phase_cache[pk] = self.cost.collective_phases(ins.op, ins.nbytes, topo)
-            hit = self.coll_cache[ck] = (reps, phases)
-        reps, phases = hit
+            hit = self.coll_cache[ck] = (reps, phases, self._solo(r, reps, phases, ins.op))
+        reps, phases, solo = hit
         ev = self.env.event()
+        if solo is not None:  # one member, one phase: the flow precomputed (as _run_phases would run it)
+            link, nbytes, links, work, delay = solo
+            self.raw.link_bytes[link] += nbytes
+            if delay > 0:
+                self.env.timeout(delay).callbacks.append(lambda _e: self.net.flow(links, work, ev))
+            else:
+                self.net.flow(links, work, ev)
+            return ev
         if reps == (r,):  # every member is folded into this rank: no one to wait for
             arrived = [(r, ev, ins)]
         else:
@@ -420,7 +403,24 @@ class Engine:
                          ins.op)
         return ev
 
-    def _arrive(self, r: int, ins: Instr, ev: simpy.Event, reps: tuple[int, ...]) -> list | None:
+    def _solo(self, r: int, reps: tuple[int, ...], phases: Sequence[Phase], op: str) -> "tuple | None":
+        """For a collective whose members all fold into ``r`` and that runs one phase: (link class,
+        bytes it adds to that class, the flow's resources, its work, its delay before the flow)."""
+        if reps != (r,) or len(phases) != 1:
+            return None
+        ph = phases[0]
+        overhead, factor = self._op_consts(op)
+        return (ph.link, ph.nbytes * len(self.folding.members[r]), _links(ph.link, self.devices[r], None),
+                ph.nbytes / (self.bw[ph.link] * factor), overhead + ph.latency)
+
+    def _op_consts(self, op: str) -> tuple[float, float]:
+        """``op``'s fixed overhead and bandwidth factor."""
+        consts = self.op_consts.get(op)
+        if consts is None:
+            consts = self.op_consts[op] = (self.cost.op_overhead(op), self.cost.comm_op_bw.get(op, 1.0))
+        return consts
+
+    def _arrive(self, r: int, ins: Instr, ev: Event, reps: tuple[int, ...]) -> list | None:
         """Register ``r`` at collective ``ins``; all arrivals once the last member is in, else None."""
         if r not in reps:
             raise ProgramError(f"rank {r} runs {ins.op} {ins.tag!r} on a group that does not contain it")

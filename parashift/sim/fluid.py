@@ -1,4 +1,4 @@
-"""Shared resources as fluid flows on a simpy clock: links and a device's compute.
+"""Shared resources as fluid flows on the simulation clock: links and a device's compute.
 
 A flow needs ``work`` seconds at the full rate of every resource it crosses. Flows on one
 resource share it equally: ``n`` flows on a resource of ``capacity`` c (1 unless set, e.g. the
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Hashable, Sequence
 
-import simpy
+from .kernel import Event, Kernel
 
 __all__ = ["FluidNetwork"]
 
@@ -19,7 +19,7 @@ _EPS = 1e-15
 class _Flow:
     __slots__ = ("links", "remaining", "rate", "t", "version", "done")
 
-    def __init__(self, links: tuple, work: float, done: simpy.Event, now: float) -> None:
+    def __init__(self, links: tuple, work: float, done: Event, now: float) -> None:
         self.links = links
         self.remaining = work
         self.rate = 0.0
@@ -31,12 +31,12 @@ class _Flow:
 class FluidNetwork:
     """Processor-sharing resources keyed by any hashable name."""
 
-    def __init__(self, env: simpy.Environment) -> None:
+    def __init__(self, env: Kernel) -> None:
         self.env = env
         self.active: dict[Hashable, list[_Flow]] = {}
         self.capacity: dict[Hashable, float] = {}   # resources whose capacity is not 1
 
-    def flow(self, links: Sequence[Hashable], work: float, done: "simpy.Event | None" = None) -> simpy.Event:
+    def flow(self, links: Sequence[Hashable], work: float, done: "Event | None" = None) -> Event:
         """An event (``done``, or a new one) that succeeds when ``work`` seconds of full-rate
         service have been received."""
         env = self.env

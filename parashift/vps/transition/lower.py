@@ -40,7 +40,7 @@ from .sources import select_sources
 from .staging import Staging, assign_stages, budget_array, state_buffers
 from .transfers import ALIGN, Transfers, build_transfers
 
-if TYPE_CHECKING:  # pragma: no cover - the simulator loads simpy; import it only when lowering
+if TYPE_CHECKING:  # pragma: no cover - the simulator is heavy; import it only when lowering
     from ...cost import CostModel
 
 __all__ = ["Options", "lower"]

@@ -18,7 +18,7 @@ import numpy as np
 from ...cluster import Cluster
 from ..plan import SwitchPlan
 
-if TYPE_CHECKING:  # pragma: no cover - the simulator loads simpy; import it only when lowering
+if TYPE_CHECKING:  # pragma: no cover - the simulator is heavy; import it only when lowering
     from ...cost import CostModel
 
 __all__ = ["select_sources", "link_loads"]

@@ -24,7 +24,7 @@ from ..plan import SwitchPlan
 from ...collectives import op as op_of
 from .meta import switch_name
 
-if TYPE_CHECKING:  # pragma: no cover - the simulator loads simpy; import it only when lowering
+if TYPE_CHECKING:  # pragma: no cover - the simulator is heavy; import it only when lowering
     from ...cost import CostModel
 
 __all__ = ["Transfer", "Transfers", "build_transfers", "ALIGN"]
