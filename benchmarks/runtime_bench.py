@@ -13,7 +13,8 @@ launches, ``ratio`` = parashift / torch
 the whole model on the same micro-batches (the pipeline's own efficiency is reference_s / step).
 ``breakdown``: where one rank's step time goes, per side, from ``cProfile`` over a separate
 launch (mean over ranks; seconds per step and per instruction; cProfile inflates Python time,
-so compare the sides' shares, not these absolutes with the timed runs).
+so compare the sides' shares, not these absolutes with the timed runs); ``compute_phases``: its
+compute split into forward (the loss included), backward (weight gradients included) and optimizer.
 
     .venv/bin/python benchmarks/runtime_bench.py --size small [--steps 8] [--repeats 3]
     .venv/bin/python benchmarks/runtime_bench.py --size medium --schedules 1f1b,dualpipev
@@ -205,14 +206,22 @@ def _categorize(stats: dict, side: str, steps: int, instrs: int) -> dict:
         profiler = cum(lambda k: k[0].endswith("profiler.py") and k[2] == "record")
         cats = {"compute": compute, "dependency_waits": waits, "comm_issue_torch": comm_c, "tag_handling": tags,
                 "buffer_management": buffers, "profiler_hooks": profiler}
+        ours = lambda name: cum(lambda k: k[0].endswith("interpreter.py") and k[2] == name)  # noqa: E731
+        phases = {"fwd": ours("_fwd"), "bwd": ours("_bwd_chain") + ours("_bwd") + cum(
+            lambda k: k[0].endswith("regions.py") and k[2] in ("_tape_weight", "_embed_bwd_weight")),
+            "optim": cum(lambda k: k[0].endswith("state.py") and k[2] == "optimizer_step")}
     else:
         total = cum(lambda k: k[2] == "torch_step")
         waits = tot(_is_wait)
         compute = cum(lambda k: k[2] in _TORCH_COMPUTE) + cum(lambda k: k[2] == "step" and "optim" in k[0])
         cats = {"compute": compute, "dependency_waits": waits, "comm_issue_torch": comm_c, "tag_handling": 0.0,
                 "buffer_management": 0.0, "profiler_hooks": 0.0}
+        phases = {"fwd": cum(lambda k: k[2] == "forward_one_chunk") + cum(lambda k: k[2] == "_maybe_compute_loss"),
+                  "bwd": cum(lambda k: k[2] in ("backward_one_chunk", "backward_weight_one_chunk")),
+                  "optim": cum(lambda k: k[2] == "step" and "optim" in k[0])}
     cats["dispatch"] = max(total - sum(cats.values()), 0.0)
     out = {k: v / steps for k, v in cats.items()}
+    out["compute_phases"] = {k: v / steps for k, v in phases.items()}
     out.update(step_s=total / steps, python_s=python / steps, torch_s=torch_c / steps, instructions=instrs,
                overhead_per_instr_us={k: 1e6 * out[k] / max(instrs, 1) for k in
                                       ("dispatch", "tag_handling", "buffer_management", "profiler_hooks",

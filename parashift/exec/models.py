@@ -129,12 +129,14 @@ class Tape:
         """Have the next backward through this tape accumulate each parameter's gradient the moment
         its output gradient is computed (while it is in cache; it is not kept), except ``skip``'s;
         ``fired[0]`` counts the hooks that ran."""
-        def hook(dy: torch.Tensor, use: _Use) -> None:
+        def hook(grads: tuple, use: _Use, k: int) -> None:
             fired[0] += 1
-            weight_grad(use, dy, acc)
+            weight_grad(use, grads[k], acc)
         for u in self.uses:
-            if u.y.requires_grad and u.y is not skip:     # the hook holds a copy without ``y`` (no cycle)
-                u.y.register_hook(functools.partial(hook, use=_Use(u.key, u.kind, u.x, _NO_Y, u.r)))
+            y = u.y
+            if y.requires_grad and y is not skip:     # the hook holds a copy of the use without ``y`` (no cycle)
+                y.grad_fn.register_prehook(functools.partial(hook, use=_Use(u.key, u.kind, u.x, _NO_Y, u.r),
+                                                             k=y.output_nr))
 
     def clear(self) -> None:
         self.uses.clear()
