@@ -14,7 +14,8 @@ Weight gradients are not produced by autograd: parameters never require grad; a 
 records each parameter use (input and output of a linear or a scale) and the weight gradient
 is computed from the output gradient. This is what makes split backward cheap (zb-h1,
 dualpipev): ``bwd_input`` keeps the output gradients, ``bwd_weight`` turns them into weight
-gradients with one matmul each, and the graph is never walked twice.
+gradients with one matmul each (a full backward takes each in a hook as its output gradient
+appears), and the graph is never walked twice.
 """
 from __future__ import annotations
 
