@@ -9,11 +9,15 @@ order flips every step), so load that comes and goes on a shared machine hits bo
 torch's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleDualPipeV): the median step
 time (over ``--steps`` after ``--warmup``) of each side per launch, the median over ``--repeats``
 launches, ``ratio`` = parashift / torch
-(< 1: parashift faster), and ``max_ratio`` over schedules. ``reference_s``: one process training
+(< 1: parashift faster), and ``max_ratio`` over schedules. Paired runs also report the CPU seconds
+of each step's busiest rank (main thread, ``thread_time``; median per launch, median of launches),
+``cpu_ratio`` and ``max_cpu_ratio``: what each side costs, which load on a shared machine cannot
+inflate. ``reference_s``: one process training
 the whole model on the same micro-batches (the pipeline's own efficiency is reference_s / step).
 ``breakdown``: where one rank's step time goes, per side, from ``cProfile`` over a separate
 launch (mean over ranks; seconds per step and per instruction; cProfile inflates Python time,
-so compare the sides' shares, not these absolutes with the timed runs).
+so compare the sides' shares, not these absolutes with the timed runs); ``compute_phases``: its
+compute split into forward (the loss included), backward (weight gradients included) and optimizer.
 
     .venv/bin/python benchmarks/runtime_bench.py --size small [--steps 8] [--repeats 3]
     .venv/bin/python benchmarks/runtime_bench.py --size medium --schedules 1f1b,dualpipev
@@ -134,31 +138,32 @@ def _max_time(dt: float) -> float:
     return float(t)
 
 
-def _paired_job(ctx, program_json: dict, size: str, schedule: str, steps: int) -> tuple[list[float], list[float]]:
+def _paired_job(ctx, program_json: dict, size: str, schedule: str, steps: int) -> tuple[list[float], ...]:
     """Both runtimes in the same processes, their steps alternating (the order flips every step), so
-    load that comes and goes on a shared machine hits both sides alike; (parashift, torch) step times."""
+    load that comes and goes on a shared machine hits both sides alike; (parashift, torch) step times
+    and the CPU seconds of each step's busiest rank (its main thread: what load cannot inflate)."""
     from parashift.exec.runtime import Runtime
     from parashift.ir.program import Program
     rt = Runtime(Program.from_json(program_json), ctx, model=bench_model(size), timeout=600, profile=False)
     torch_step = _torch_setup(ctx, size, schedule)
 
-    def ours() -> float:
-        return rt.step()[1]          # after a barrier, like the torch side
+    def ours(step: int) -> tuple[float, float]:
+        c0 = time.thread_time()
+        dt = rt.step()[1]          # after a barrier, like the torch side
+        return dt, time.thread_time() - c0
 
-    def theirs(step: int) -> float:
+    def theirs(step: int) -> tuple[float, float]:
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         torch_step(step)
-        return time.perf_counter() - t0
-    a, b = [], []
+        return time.perf_counter() - t0, time.thread_time() - c0
+    out: tuple[list[float], ...] = ([], [], [], [])
     for step in range(steps):
-        if step % 2 == 0:
-            a.append(_max_time(ours()))
-            b.append(_max_time(theirs(step)))
-        else:
-            b.append(_max_time(theirs(step)))
-            a.append(_max_time(ours()))
-    return a, b
+        for k in ((0, 1) if step % 2 == 0 else (1, 0)):
+            dt, cpu = (ours, theirs)[k](step)
+            out[k].append(_max_time(dt))
+            out[k + 2].append(_max_time(cpu))
+    return out
 
 
 def _torch_job(ctx, size: str, schedule: str, steps: int) -> list[float]:
@@ -205,14 +210,22 @@ def _categorize(stats: dict, side: str, steps: int, instrs: int) -> dict:
         profiler = cum(lambda k: k[0].endswith("profiler.py") and k[2] == "record")
         cats = {"compute": compute, "dependency_waits": waits, "comm_issue_torch": comm_c, "tag_handling": tags,
                 "buffer_management": buffers, "profiler_hooks": profiler}
+        ours = lambda name: cum(lambda k: k[0].endswith("interpreter.py") and k[2] == name)  # noqa: E731
+        phases = {"fwd": ours("_fwd"), "bwd": ours("_bwd_chain") + ours("_bwd") + cum(
+            lambda k: k[0].endswith("regions.py") and k[2] in ("_tape_weight", "_embed_bwd_weight")),
+            "optim": cum(lambda k: k[0].endswith("state.py") and k[2] == "optimizer_step")}
     else:
         total = cum(lambda k: k[2] == "torch_step")
         waits = tot(_is_wait)
         compute = cum(lambda k: k[2] in _TORCH_COMPUTE) + cum(lambda k: k[2] == "step" and "optim" in k[0])
         cats = {"compute": compute, "dependency_waits": waits, "comm_issue_torch": comm_c, "tag_handling": 0.0,
                 "buffer_management": 0.0, "profiler_hooks": 0.0}
+        phases = {"fwd": cum(lambda k: k[2] == "forward_one_chunk") + cum(lambda k: k[2] == "_maybe_compute_loss"),
+                  "bwd": cum(lambda k: k[2] in ("backward_one_chunk", "backward_weight_one_chunk")),
+                  "optim": cum(lambda k: k[2] == "step" and "optim" in k[0])}
     cats["dispatch"] = max(total - sum(cats.values()), 0.0)
     out = {k: v / steps for k, v in cats.items()}
+    out["compute_phases"] = {k: v / steps for k, v in phases.items()}
     out.update(step_s=total / steps, python_s=python / steps, torch_s=torch_c / steps, instructions=instrs,
                overhead_per_instr_us={k: 1e6 * out[k] / max(instrs, 1) for k in
                                       ("dispatch", "tag_handling", "buffer_management", "profiler_hooks",
@@ -318,15 +331,17 @@ def main() -> None:
             continue
         program = compile_program(spec, f"pp={PP},vpp={vpp},schedule={schedule}", global_batch=MICRO,
                                   seq_len=spec.seq_len)
-        ours, theirs, ours_min, theirs_min = [], [], [], []
+        ours, theirs, ours_min, theirs_min, ours_cpu, theirs_cpu = [], [], [], [], [], []
         for _ in range(args.repeats):
             if args.separate:                   # one launch per side, the sides alternating
                 res = run_program(program, steps=args.steps, profile=False, model=spec, timeout=600)
                 mine = res.step_times
                 other = launch_local(_torch_job, PP, args=(args.size, schedule, args.steps), timeout=600)[0]
             else:                               # one launch, the sides' steps alternating
-                mine, other = launch_local(_paired_job, PP, args=(program.to_json(), args.size, schedule,
-                                                                  args.steps), timeout=600)[0]
+                mine, other, cpu_a, cpu_b = launch_local(_paired_job, PP, args=(program.to_json(), args.size,
+                                                                                schedule, args.steps), timeout=600)[0]
+                ours_cpu.append(median_after_warmup(cpu_a, args.warmup))
+                theirs_cpu.append(median_after_warmup(cpu_b, args.warmup))
             ours.append(median_after_warmup(mine, args.warmup))
             ours_min.append(min(mine[args.warmup:]))
             theirs.append(median_after_warmup(other, args.warmup))
@@ -337,6 +352,9 @@ def main() -> None:
                "parashift_min_s": amin, "torch_min_s": bmin, "ratio_min": amin / bmin,
                "efficiency": out["reference_s"] / a, "torch_efficiency": out["reference_s"] / b,
                "parashift_runs": ours, "torch_runs": theirs}
+        if ours_cpu:
+            ca, cb = statistics.median(ours_cpu), statistics.median(theirs_cpu)
+            row.update(parashift_cpu_s=ca, torch_cpu_s=cb, cpu_ratio=ca / cb)
         if args.breakdown_steps > 0:
             pj = program.to_json()
             n = [len(program.ranks[r]) for r in range(PP)]
@@ -348,9 +366,11 @@ def main() -> None:
             row["breakdown"] = {"parashift": _mean_breakdown(mine), "torch": _mean_breakdown(other)}
         out["schedules"][schedule] = row
         print(f"[{args.size}] {schedule}: parashift {a * 1e3:.1f} ms, torch {cls_name} {b * 1e3:.1f} ms, "
-              f"ratio {a / b:.2f} (best steps: {amin * 1e3:.1f} vs {bmin * 1e3:.1f} ms, ratio {amin / bmin:.2f})",
-              file=sys.stderr)
+              f"ratio {a / b:.2f} (best steps: {amin * 1e3:.1f} vs {bmin * 1e3:.1f} ms, ratio {amin / bmin:.2f})"
+              + (f"; CPU of the busiest rank {row['parashift_cpu_s'] * 1e3:.1f} vs {row['torch_cpu_s'] * 1e3:.1f} ms, "
+                 f"ratio {row['cpu_ratio']:.2f}" if "cpu_ratio" in row else ""), file=sys.stderr)
     out["max_ratio"] = max((v["ratio"] for v in out["schedules"].values() if "ratio" in v), default=None)
+    out["max_cpu_ratio"] = max((v["cpu_ratio"] for v in out["schedules"].values() if "cpu_ratio" in v), default=None)
     print(json.dumps(out))
 
 

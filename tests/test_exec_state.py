@@ -80,6 +80,18 @@ def test_adamw_matches_torch() -> None:
         assert torch.equal(p, ref.detach())
 
 
+def test_adamw_in_pieces_is_elementwise_exact() -> None:
+    torch.manual_seed(1)
+    cfg = OptimConfig(lr=3e-3, weight_decay=0.05)
+    p0, m0, v0 = torch.randn(1003), torch.randn(1003), torch.rand(1003)
+    runs = [(p0.clone(), m0.clone(), v0.clone()) for _ in range(2)]
+    for step in range(1, 4):
+        g = torch.randn(1003)
+        for (p, m, v), piece in zip(runs, (1 << 16, 64)):
+            adamw_(p, g, m, v, step, cfg, piece=piece)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 def test_memory_tracker_peak() -> None:
     mem = MemoryTracker()
     mem.alloc("a", 10)

@@ -39,6 +39,7 @@ and its neighbours.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import time
@@ -124,6 +125,14 @@ class StepState:
 
     def g(self, c: int, mb: int) -> dict:
         return self.genv.setdefault((c, mb), {})
+
+
+_NULL = contextlib.nullcontext()
+
+
+def _grad_mode(on: bool):
+    """``torch.set_grad_enabled(on)``, or nothing to enter when grad mode is already ``on``."""
+    return _NULL if torch.is_grad_enabled() == on else torch.set_grad_enabled(on)
 
 
 _COMPUTE, _SEND, _RECV, _TPK, _EPK, _DPK, _Z3K, _SPK, _CPK = range(9)
@@ -544,7 +553,7 @@ class Interpreter(CPHandlers):
         if (c, mb, atom) in self.rc_core:
             rec.t["core"] = CoreRecompute()
         cp_attn = kind == "attn" and self.strategy.cp > 1     # finished when its K/V gather lands
-        with torch.set_grad_enabled(graph):
+        with _grad_mode(graph):
             if cp_attn:
                 self._cp_fwd(c, mb, rec, env, graph)
             else:
@@ -568,7 +577,7 @@ class Interpreter(CPHandlers):
             env["h"] = h
             rec.pending = None
         else:
-            with torch.set_grad_enabled(self.ctx.chain and rec.built):   # chain mode keeps the residual attached
+            with _grad_mode(self.ctx.chain and rec.built):   # chain mode keeps the residual attached
                 KINDS[rec.kind].fwd_done(self.ctx, rec, env)
         if rec.kind == "head":
             if self.coords["tp"] == 0:
@@ -676,13 +685,29 @@ class Interpreter(CPHandlers):
             first = pieces[k][0].t["h"]
             ins: list[torch.Tensor] = [first] if first.requires_grad and (k > 0 or first.grad_fn is None) else []
             lead = len(ins)
-            for r in pieces[k]:
-                ins += r.tape_a.outputs() + [t for t in r.tape.outputs() if t is not logits]
-            grads = torch.autograd.grad([out], ins, [gout], allow_unused=True)
-            pos = {id(t): j for j, t in enumerate(ins)}
-            for r in pieces[k]:
-                r.t["dys_a"] = [grads[pos[id(t)]] for t in r.tape_a.outputs()]
-                r.dys = [gout if t is logits else grads[pos[id(t)]] for t in r.tape.outputs()]
+            if full and lead:
+                # every parameter use lies between ``first`` and ``out``: its weight gradient is taken
+                # by a hook as soon as its output gradient exists (not kept for a second pass)
+                fired = [0]
+                for r in pieces[k]:
+                    r.tape_a.hook_weight_grads(self.ctx.acc, fired)
+                    r.tape.hook_weight_grads(self.ctx.acc, fired, skip=logits)
+                want = sum(len(r.tape_a.outputs()) + len(r.tape.outputs()) for r in pieces[k]) - (logits is not None
+                                                                                                and k == len(pieces) - 1)
+                grads = torch.autograd.grad([out], ins, [gout], allow_unused=True)
+                if fired[0] != want:
+                    raise RuntimeError(f"backward of {pieces[k][0].region} (chunk {c}, micro-batch {mb}): "
+                                       f"{want - fired[0]} parameter uses got no gradient")
+                for r in pieces[k]:
+                    r.dys = [gout if t is logits else None for t in r.tape.outputs()]
+            else:
+                for r in pieces[k]:
+                    ins += r.tape_a.outputs() + [t for t in r.tape.outputs() if t is not logits]
+                grads = torch.autograd.grad([out], ins, [gout], allow_unused=True)
+                pos = {id(t): j for j, t in enumerate(ins)}
+                for r in pieces[k]:
+                    r.t["dys_a"] = [grads[pos[id(t)]] for t in r.tape_a.outputs()]
+                    r.dys = [gout if t is logits else grads[pos[id(t)]] for t in r.tape.outputs()]
             dh = grads[0] if lead else None
             if k > 0:
                 if dh is None:

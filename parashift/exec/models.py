@@ -14,10 +14,12 @@ Weight gradients are not produced by autograd: parameters never require grad; a 
 records each parameter use (input and output of a linear or a scale) and the weight gradient
 is computed from the output gradient. This is what makes split backward cheap (zb-h1,
 dualpipev): ``bwd_input`` keeps the output gradients, ``bwd_weight`` turns them into weight
-gradients with one matmul each, and the graph is never walked twice.
+gradients with one matmul each (a full backward takes each in a hook as its output gradient
+appears), and the graph is never walked twice.
 """
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from dataclasses import dataclass, field
@@ -75,9 +77,13 @@ def init_tensor(t: TensorSpec, layers: int, seed: int = 0) -> torch.Tensor:
 @dataclass
 class _Use:
     key: tuple[str, int | None]
-    kind: str  # "lin" | "scale" | "norm" (x: the norm's input; the normalized input is recomputed)
+    kind: str  # "lin" | "scale" | "norm" (x: the norm's input; the normalized input is x * r)
     x: torch.Tensor
     y: torch.Tensor
+    r: torch.Tensor | None = None   # "norm": the per-token reciprocal RMS ``[..., 1]``
+
+
+_NO_Y = torch.empty(0)
 
 
 @dataclass
@@ -97,10 +103,11 @@ class Tape:
         return y
 
     def norm(self, h: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
-        """``rms_norm(h) * w`` keeping only ``h`` for the weight gradient (as fused norms do: the
-        normalized input is recomputed from ``h`` in the backward, not stashed)."""
-        y = rms_norm(h) * w
-        self.uses.append(_Use((name, None), "norm", h, y))
+        """``rms_norm(h) * w`` keeping only ``h`` and its per-token reciprocal RMS for the weight
+        gradient (as fused norms do: the normalized input is rebuilt from them in the backward, not stashed)."""
+        r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+        y = (h * r) * w
+        self.uses.append(_Use((name, None), "norm", h, y, r.detach()))
         return y
 
     def record(self, x: torch.Tensor, name: str, index: int | None = None) -> None:
@@ -116,19 +123,38 @@ class Tape:
         """Accumulate each parameter's gradient (from the captured output gradients) into ``acc(name, index)``."""
         live = [u for u in self.uses if u.y.requires_grad]
         for u, dy in zip(live, dys):
-            if dy is None or dy.numel() == 0:
-                continue
-            x = u.x.detach()
-            g = acc(*u.key)
-            if u.kind == "lin":
-                g.addmm_(dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
-            else:
-                if u.kind == "norm":
-                    x = rms_norm(x)
-                g.add_((dy * x).reshape(-1, dy.shape[-1]).sum(0))
+            weight_grad(u, dy, acc)
+
+    def hook_weight_grads(self, acc: Callable[[str, int | None], torch.Tensor], fired: list[int],
+                          skip: torch.Tensor | None = None) -> None:
+        """Have the next backward through this tape accumulate each parameter's gradient the moment
+        its output gradient is computed (while it is in cache; it is not kept), except ``skip``'s;
+        ``fired[0]`` counts the hooks that ran."""
+        def hook(grads: tuple, use: _Use, k: int) -> None:
+            fired[0] += 1
+            weight_grad(use, grads[k], acc)
+        for u in self.uses:
+            y = u.y
+            if y.requires_grad and y is not skip:     # the hook holds a copy of the use without ``y`` (no cycle)
+                y.grad_fn.register_prehook(functools.partial(hook, use=_Use(u.key, u.kind, u.x, _NO_Y, u.r),
+                                                             k=y.output_nr))
 
     def clear(self) -> None:
         self.uses.clear()
+
+
+def weight_grad(u: _Use, dy: torch.Tensor | None, acc: Callable[[str, int | None], torch.Tensor]) -> None:
+    """Accumulate one parameter use's weight gradient from its output gradient ``dy``."""
+    if dy is None or dy.numel() == 0:
+        return
+    x = u.x.detach()
+    g = acc(*u.key)
+    if u.kind == "lin":
+        g.addmm_(dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+    elif u.kind == "norm":
+        g.add_((x * u.r).mul_(dy).reshape(-1, dy.shape[-1]).sum(0))
+    else:
+        g.add_((dy * x).reshape(-1, dy.shape[-1]).sum(0))
 
 
 def rms_norm(x: torch.Tensor) -> torch.Tensor:

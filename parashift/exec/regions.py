@@ -221,9 +221,16 @@ def chain_residual(rec: Rec) -> torch.Tensor:
     return rec.t["h_out"]
 
 
+_EMPTY: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
 def _release(t: torch.Tensor) -> None:
     """Free a graph tensor's storage, keeping its autograd node (a backward root or capture point)."""
-    t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    key = (t.dtype, t.device)
+    e = _EMPTY.get(key)
+    if e is None:
+        e = _EMPTY[key] = torch.empty(0, dtype=t.dtype, device=t.device)
+    t.data = e
 
 
 def _grad_from(root: torch.Tensor, ins: list[torch.Tensor], g: torch.Tensor) -> tuple:
@@ -384,8 +391,8 @@ def _head_fwd(c: RegionCtx, rec: Rec, env: dict, grad: bool) -> None:
     logits = rec.tape.linear(z, w, "head.out")
     with torch.no_grad():
         lg = logits.detach().float()          # loss statistics in fp32 whatever the model dtype
-        m = lg.max(-1).values
-        se = torch.exp(lg - m.unsqueeze(-1)).sum(-1)
+        m = lg.amax(-1)
+        se = (lg - m.unsqueeze(-1)).exp_().sum(-1)
         local = env["targets"] - c.tp_rank * w.shape[0]
         mine = (local >= 0) & (local < w.shape[0])
         idx = torch.where(mine, local, torch.zeros_like(local))
@@ -420,7 +427,7 @@ def head_logit_grad(c: RegionCtx, rec: Rec) -> torch.Tensor:
     """d loss / d local logits: (softmax - onehot) * loss_scale, from the finished statistics."""
     logits = rec.t["logits"]
     with torch.no_grad():
-        g = torch.exp(logits.detach().float() - rec.saved["M"].unsqueeze(-1)) / rec.saved["S"].unsqueeze(-1)
+        g = (logits.detach().float() - rec.saved["M"].unsqueeze(-1)).exp_().div_(rec.saved["S"].unsqueeze(-1))
         g.scatter_add_(-1, rec.t["idx"].unsqueeze(-1), -rec.t["mine"].to(g.dtype).unsqueeze(-1))
         return g.mul_(c.loss_scale).to(logits.dtype)
 

@@ -303,16 +303,28 @@ class Buffer:
             self.mem.free(f"grad_shard:{self.family}")
 
 
+#: AdamW runs over the flat buffers in pieces of this many elements: the six passes over one piece
+#: (parameter, gradient, two moments, the denominator) stay in cache, as per-parameter loops do
+ADAMW_PIECE = 1 << 16
+
+
 def adamw_(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int,
-           cfg: OptimConfig) -> None:
-    """One AdamW step in place, the same operations as torch.optim.AdamW (single-tensor path)."""
-    p.mul_(1 - cfg.lr * cfg.weight_decay)
-    m.lerp_(g, 1 - cfg.beta1)
-    v.mul_(cfg.beta2).addcmul_(g, g, value=1 - cfg.beta2)
+           cfg: OptimConfig, piece: int = ADAMW_PIECE) -> None:
+    """One AdamW step in place, the same operations as torch.optim.AdamW (single-tensor path),
+    over flat tensors ``piece`` elements at a time (elementwise, so the result does not depend on it)."""
     bc1 = 1 - cfg.beta1 ** step
-    bc2 = 1 - cfg.beta2 ** step
-    denom = (v.sqrt() / bc2 ** 0.5).add_(cfg.eps)
-    p.addcdiv_(m, denom, value=-(cfg.lr / bc1))
+    bc2 = (1 - cfg.beta2 ** step) ** 0.5
+    decay, size = 1 - cfg.lr * cfg.weight_decay, -(cfg.lr / bc1)
+    n = p.numel()
+    denom = torch.empty(min(n, piece), dtype=v.dtype, device=v.device)
+    for a in range(0, n, piece):
+        e = min(a + piece, n)
+        pp, gp, mp, vp, d = p[a:e], g[a:e], m[a:e], v[a:e], denom[:e - a]
+        pp.mul_(decay)
+        mp.lerp_(gp, 1 - cfg.beta1)
+        vp.mul_(cfg.beta2).addcmul_(gp, gp, value=1 - cfg.beta2)
+        torch.sqrt(vp, out=d).div_(bc2).add_(cfg.eps)
+        pp.addcdiv_(mp, d, value=size)
 
 
 class StateStore:

@@ -64,22 +64,29 @@ class LiveTensors:
     def hold(self, key: tuple, objs: list) -> int:
         """(Re)account what region ``key`` keeps; returns the rank's total."""
         self.release(key)
-        ptrs, stack = {}, list(objs)
+        ptrs: dict[int, int] = {}
+        stack, tensor = list(objs), torch.Tensor
         while stack:
             o = stack.pop()
-            if isinstance(o, torch.Tensor):
-                ptrs.setdefault(o.data_ptr(), o.numel() * o.element_size())
+            if isinstance(o, tensor):
+                p = o.data_ptr()
+                if p not in ptrs:
+                    ptrs[p] = o.nbytes
             elif isinstance(o, dict):
                 stack.extend(o.values())
             elif isinstance(o, (list, tuple)):
                 stack.extend(o)
+        count, total = self.count, self.total
         for p, n in ptrs.items():
-            cell = self.count.setdefault(p, [n, 0])
-            if cell[1] == 0:
-                self.total += cell[0]
-            cell[1] += 1
+            cell = count.get(p)
+            if cell is None:
+                count[p] = [n, 1]
+                total += n
+            else:
+                cell[1] += 1
+        self.total = total
         self.held[key] = list(ptrs)
-        return self.total
+        return total
 
     def release(self, key: tuple) -> int:
         for p in self.held.pop(key, ()):
