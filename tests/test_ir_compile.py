@@ -325,3 +325,12 @@ def test_static_memory_agrees_with_vps_layout(model, strategy):
             assert mem == {"param": int(per["param"][r]), "grad": int(per["grad"][r]),
                            "master": int(per.get("master", zero)[r]),
                            "optim": int(per["exp_avg"][r] + per["exp_avg_sq"][r])}
+
+
+def test_a_step_too_large_to_compile_is_refused_at_once_with_the_fix():
+    """1M micro-batches of tiny-gpt took 4 minutes to compile; now the size is checked before any work."""
+    from parashift.ir.compile import MAX_CELLS, MAX_MICROBATCHES
+    with pytest.raises(StrategyError, match="micro-batches per step exceed the limit of 65,536; lower the global"):
+        compile("tiny-gpt", "dp=1", global_batch=MAX_MICROBATCHES + 1, seq_len=16)
+    with pytest.raises(StrategyError, match="cells exceed the limit"):
+        compile("gpt3-175b", "dp=1,pp=8", global_batch=MAX_CELLS // 100, seq_len=128)

@@ -25,7 +25,24 @@ from .scheduler import lower
 from .costs import estimate_costs
 from .schedules import ScheduleCosts, get_schedule, schedule_order
 
-__all__ = ["compile", "directives", "distributed_graph", "planning_costs"]
+__all__ = ["compile", "directives", "distributed_graph", "planning_costs", "MAX_MICROBATCHES", "MAX_CELLS"]
+
+#: Micro-batches one step may have per pipeline: 32x the most a published LLM recipe accumulates
+#: (Megatron's 1T GPT: 512); beyond it a Program takes minutes to build and says nothing new.
+MAX_MICROBATCHES = 65_536
+#: Region x micro-batch cells one step may have (Megatron's 1T GPT: 130 x 512 = 66,560, 7 s to compile).
+MAX_CELLS = 1_000_000
+
+
+def check_size(regions: int, m: int, s: Strategy, global_batch: int) -> None:
+    """Refuse a step too large to compile in reasonable time (:data:`MAX_MICROBATCHES`, :data:`MAX_CELLS`),
+    naming the fix, before any work."""
+    fix = f"lower the global batch ({global_batch:,}) or raise mbs ({s.mbs}) or dp ({s.dp})"
+    if m > MAX_MICROBATCHES:
+        raise StrategyError(f"{m:,} micro-batches per step exceed the limit of {MAX_MICROBATCHES:,}; {fix}")
+    if regions * m > MAX_CELLS:
+        raise StrategyError(f"{regions} regions x {m:,} micro-batches = {regions * m:,} cells exceed the limit of "
+                            f"{MAX_CELLS:,}; {fix}")
 
 
 def _resolve(model: "str | ModelSpec", strategy: "str | Strategy") -> tuple[ModelSpec, Strategy]:
@@ -108,6 +125,7 @@ def distributed_graph(model: "str | ModelSpec", strategy: "str | Strategy", *, g
     """The ordered distributed DAG (before lowering), for inspection."""
     spec, s = _resolve(model, strategy)
     g = _base(spec, s, seq_len)
+    check_size(len(g), s.num_microbatches(global_batch), s, global_batch)
     return apply_all(g, directives(spec, s, global_batch=global_batch, seq_len=seq_len, order=order, costs=costs))
 
 

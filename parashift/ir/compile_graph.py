@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import ProgramError, StrategyError
 from ..strategy import Strategy
+from .compile import check_size
 from .directives import Fuse, Order, Place, Recompute, Replicate, Split, apply_all
 from .graph import Graph
 from .memory import OPTIM_FLOPS_PER_ELEMENT
@@ -86,6 +87,7 @@ def compile_graph(graph: Graph, strategy: "str | Strategy" = "dp=1", *, global_b
     res = resolve(directives, base, names, global_batch=global_batch,
                   param_regions=[c["region"][i] for i in model_order if c["params"][i]])
     s, m = res.strategy, res.microbatches
+    check_size(len(g), m, s, global_batch)
     if res.order is not None and order is not None:
         raise ProgramError(f"an Order directive and order= both give the order; keep one ({res.order})")
     order = res.order if res.order is not None else order
