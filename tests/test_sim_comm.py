@@ -36,3 +36,19 @@ def test_fewer_nics_per_node_slow_inter_node_collectives():
     two = _run("dp=16,mbs=1", "a100-2x8:nics_per_node=2")
     assert two.step_time > eight.step_time
     assert two.link_bytes == eight.link_bytes                       # same traffic, less bandwidth
+
+
+def test_a_pipeline_send_and_another_send_of_the_same_size_get_their_own_phases():
+    """The phase cache keys on whether a send is scattered over TP, not on its size and link alone."""
+    from parashift.ir.program import Instr
+    from parashift.sim.engine import Engine
+    cl = clusters.get("a100-2x8")
+    prog = ir_compile(MODEL, Strategy.parse("tp=8,pp=2,mbs=1"), global_batch=16, seq_len=1024)
+    eng = Engine(prog, cl, CostModel.for_cluster(cl))
+    eng.run()
+    other = Instr.make(id=0, op="send", nbytes=1 << 20, peer="cp1")
+    pipe = Instr.make(id=1, op="send", nbytes=1 << 20, peer="pp1")
+    plain = eng._p2p_phases(other, "inter")
+    scattered = eng._p2p_phases(pipe, "inter")
+    assert sum(p.nbytes for p in plain if p.link == "inter") == 1 << 20
+    assert sum(p.nbytes for p in scattered if p.link == "inter") == (1 << 20) / 8

@@ -339,11 +339,12 @@ class Engine:
         sends 1/tp of the activation, and the receiving TP group all-gathers it over its node's links."""
         cost = self.cost
         tp = self.tp
-        key = (ins.nbytes, link)
+        scatter = tp > 1 and cost.pp_scatter_gather and link != "local" and isinstance(ins.peer, str) \
+            and ins.peer.startswith("pp")
+        key = (ins.nbytes, link, scatter)
         ph = self.p2p_cache.get(key)
         if ph is None:
-            if tp > 1 and cost.pp_scatter_gather and link != "local" and isinstance(ins.peer, str) \
-                    and ins.peer.startswith("pp"):
+            if scatter:
                 inner = "intra" if tp <= self.cluster.per_node else "inter"
                 ph = cost.p2p_phases(ins.nbytes / tp, link) + \
                     (Phase(inner, ins.nbytes * (tp - 1) / tp, cost.latency[inner] * (tp - 1)),)
