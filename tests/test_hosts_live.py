@@ -421,7 +421,8 @@ def test_the_strategy_table_decides_joins_leaves_and_snapshot_restores(capsys):
     row = survivability(spec, S("dp=4,zero=1"), {1: [0, 1], 2: [2, 3]}, 12, snapshots=True,
                         table=table).set_index("host").loc[2]
     assert (row["recovers_from"], row["layout"]) == ("snapshot", str(S("pp=2,zero=1")))
-    for bad, what in [("3:tp=2", "runs 2 devices, not 3"), ("tp=2", "not N:STRATEGY"),
+    for bad, what in [("3:tp=2", "runs 2 devices, not 3"), ("tp=2", "not N:STRATEGY"), ("0:dp=1", "not N:STRATEGY"),
+                      ("4:", "not N:STRATEGY"),
                       ("8:dp=8", "not a multiple of dp x mbs = 8")]:
         with pytest.raises(StrategyError, match=what):
             parse_strategy_for([bad], spec, 12)

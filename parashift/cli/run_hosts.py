@@ -16,7 +16,7 @@ def parse_strategy_for(items: list[str], spec, global_batch: int) -> tuple:
     out: dict[int, Strategy] = {}
     for text in items:
         n, sep, st = text.partition(":")
-        if not sep or not n.strip().isdigit():
+        if not sep or not n.strip().isdigit() or int(n) < 1 or not st.strip():
             raise StrategyError(f"--strategy-for {text!r} is not N:STRATEGY; e.g. 4:tp=2,dp=2")
         s = Strategy.parse(st)
         if s.world != int(n):
