@@ -49,3 +49,43 @@ def test_replay_names_events_it_did_not_reach(capsys):
     assert "(not reached)" in out and "1 event(s) not reached before the job stopped" in out
     replay_cli.render({**result, "events": [{**ev, "applied": True, "step": 2}]}, argparse.Namespace(max_steps=3))
     assert "not reached" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extra", [[], ["--live"], ["--live", "--endpoint", "127.0.0.1:1"]])
+def test_device_cuda_without_gpus_says_so(extra, capsys, monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["run", "--model", "tiny-gpt", "--strategy", "dp=1", "--steps", "1", "--device", "cuda",
+                 "--json", *extra]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--device cuda needs CUDA GPUs" in err[0] and "--device cpu" in err[0]
+
+
+def test_device_auto_follows_the_machine(monkeypatch):
+    import torch
+    from parashift.cli.options import resolve_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device(argparse.Namespace(device="auto")) == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device(argparse.Namespace(device="auto")) == "cuda"
+    assert resolve_device(argparse.Namespace(device="cpu")) == "cpu"
+
+
+def test_a_cuda_host_needs_a_gpu_per_process(monkeypatch):
+    import torch
+    from parashift.exec.hosts import _check_local_gpus
+    _check_local_gpus("cpu", 8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    _check_local_gpus("cuda", 2)
+    with pytest.raises(StrategyError, match="has 2 GPU.*use --nprocs 2 here"):
+        _check_local_gpus("cuda", 4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(StrategyError, match="no CUDA GPU.*--device cpu"):
+        _check_local_gpus("cuda", 1)
+
+
+def test_static_run_on_cpu_by_choice(capsys):
+    assert main(["run", "--model", "tiny-gpt", "--strategy", "dp=1", "--steps", "1", "--device", "cpu",
+                 "--json", "--force"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["losses"]) == 1

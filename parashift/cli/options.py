@@ -6,7 +6,7 @@ import argparse
 from ..errors import StrategyError
 
 __all__ = ["add_batch_options", "add_space_options", "add_cost_model", "space_options", "load_cost_model",
-           "positive_int"]
+           "positive_int", "resolve_device"]
 
 #: the search-space flags: (flag, make_space keyword, element type, help)
 _SPACE = (("schedules", "schedules", str, "restrict the schedules, e.g. 1f1b,zb-h1 (default: all)"),
@@ -70,3 +70,15 @@ def space_options(args: argparse.Namespace) -> dict:
             if flag == "mbs" and min(out[key]) < 1:
                 raise StrategyError(f"--mbs {text!r}: micro-batch sizes must be at least 1")
     return out
+
+
+def resolve_device(args: argparse.Namespace) -> str:
+    """``--device``: ``"cpu"`` or ``"cuda"`` (``auto``: cuda when CUDA GPUs are present)."""
+    import torch
+    want = getattr(args, "device", "auto") or "auto"
+    if want == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda" and not torch.cuda.is_available():
+        raise StrategyError("--device cuda needs CUDA GPUs, and this machine has none (or this torch is a CPU "
+                            "build); use --device cpu")
+    return want

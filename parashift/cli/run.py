@@ -9,7 +9,7 @@ from ..errors import StrategyError
 from .dialect import format_bytes
 from ..validate import arg_float, arg_int
 from .limits import MAX_LOCAL_PROCS, check_live
-from .options import add_batch_options
+from .options import add_batch_options, resolve_device
 from .run_hosts import add_host_arguments
 
 HELP = "train a model for real on local processes (gloo on CPU, NCCL on GPUs) under a strategy or a saved plan"
@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--live", action="store_true", help="run a live (hot-switchable) job; implied by --switch-at, "
                    "needed with --endpoint")
     add_host_arguments(p)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where training runs: cpu (gloo), cuda (one GPU per process, NCCL) or auto (default: cuda "
+                        "when this machine has CUDA GPUs, else cpu)")
     p.add_argument("--switch-placement", choices=("keep", "given"), default="keep",
                    help="keep (default): order each switch's devices (within a node) so that they keep the most "
                         "state in place; given: rank i runs on the i-th listed device")
@@ -108,7 +111,7 @@ def run(args: argparse.Namespace) -> dict:
             print(f"step {step + 1}/{args.steps}  loss {loss:.6f}  {seconds * 1e3:.1f} ms", file=sys.stderr, flush=True)
 
     res = run_program(program, steps=args.steps, optim=OptimConfig(lr=args.lr), timeout=args.timeout,
-                      progress=progress)
+                      progress=progress, backend={"cpu": "gloo", "cuda": "nccl"}[resolve_device(args)])
     if args.trace and not (under_torchrun() and int(os.environ["RANK"]) != 0):
         res.to_chrome_trace(args.trace)
     out = res.to_json()

@@ -6,6 +6,7 @@ import os
 
 from ..errors import StrategyError
 from ..validate import arg_int
+from .options import resolve_device
 
 __all__ = ["add_host_arguments", "run_cli", "parse_strategy_for"]
 
@@ -68,6 +69,7 @@ def run_cli(args: argparse.Namespace) -> dict:
     if args.plan:
         raise StrategyError("--endpoint runs a live job from --model/--strategy; drop the plan file")
     s0 = Strategy.parse(args.strategy)
+    device = resolve_device(args)
     table = parse_strategy_for(args.strategy_for, models.get(args.model), args.global_batch)
     nprocs = args.nprocs if args.nprocs is not None else s0.world
     budget = parse_bytes(args.switch_memory_budget) if getattr(args, "switch_memory_budget", None) else None
@@ -77,7 +79,7 @@ def run_cli(args: argparse.Namespace) -> dict:
                          optim=OptimConfig(lr=args.lr), notice=args.switch_notice, memory_budget=budget,
                          placement=args.switch_placement, on_join=args.on_join,
                          snapshot_every=args.snapshot_every, snapshot_dir=os.path.abspath(args.snapshot_dir),
-                         strategy_for=table)
+                         strategy_for=table, device=device)
     out = {"model": models.get(args.model).name, "strategy": str(s0), "nprocs": s0.world, "endpoint": args.endpoint,
            "schedule": None, **res.to_json(), "step_times": step_times(res), "switches": res.switches,
            "hosts": {str(h): devs for h, devs in placed.items()}}

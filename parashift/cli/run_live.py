@@ -11,6 +11,7 @@ from ..exec.reference import OptimConfig
 from ..exec.switch import run_live, step_times
 from ..strategy import Strategy
 from ..units import parse_bytes
+from .options import resolve_device
 
 __all__ = ["parse_switch_at", "run_cli", "render_cli"]
 
@@ -54,7 +55,8 @@ def run_cli(args) -> dict:
     res = run_live(spec, s0, steps=args.steps, switches=switches, global_batch=args.global_batch,
                    seq_len=args.seq_len or spec.seq_len, optim=OptimConfig(lr=args.lr), timeout=args.timeout,
                    notice=getattr(args, "switch_notice", 3), memory_budget=budget or None,
-                   placement=getattr(args, "switch_placement", "keep"), progress=progress)
+                   placement=getattr(args, "switch_placement", "keep"), progress=progress,
+                   device=resolve_device(args))
     aborted = [s for s in res.switches if s.get("aborted")]
     out = {"model": spec.name, "strategy": str(s0), "nprocs": s0.world, "schedule": None, **res.to_json(),
            "step_times": step_times(res),

@@ -29,6 +29,8 @@ def run_cli(args: argparse.Namespace) -> dict:
     from ..exec.rl.job import run_rl
     if args.plan or args.switch_at:
         raise StrategyError("--rollout runs an RL job from --model/--strategy; drop the plan file and --switch-at")
+    if getattr(args, "device", "auto") == "cuda":
+        raise StrategyError("--rollout jobs run on CPU processes (gloo) in this version; drop --device cuda")
     iterations = args.iterations or args.steps
 
     def progress(it: int, loss: float) -> None:

@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from ..errors import StrategyError
+from .options import resolve_device
 
 __all__ = ["is_user_model", "run_cli", "read_directives"]
 
@@ -61,7 +62,8 @@ def run_cli(args: argparse.Namespace) -> dict:
 
     res = run_user_model(um.factory, args.strategy, directives=directives, example_input=um.example_input,
                          data=um.data, loss_fn=um.loss_fn, steps=args.steps, global_batch=args.global_batch,
-                         name=um.name, optim=OptimConfig(lr=args.lr), timeout=args.timeout, progress=progress)
+                         name=um.name, optim=OptimConfig(lr=args.lr), timeout=args.timeout, progress=progress,
+                         backend={"cpu": "gloo", "cuda": "nccl"}[resolve_device(args)])
     if args.trace:
         res.to_chrome_trace(args.trace)
     out = res.to_json()

@@ -249,6 +249,19 @@ def _say(quiet: bool, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
+def _check_local_gpus(device: str, nprocs: int) -> None:
+    """A CUDA job runs one process per local GPU: refuse ``nprocs`` beyond this host's GPUs."""
+    if device != "cuda":
+        return
+    import torch
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < nprocs:
+        raise StrategyError(f"the job trains on CUDA (one GPU per process), and this host has {have} GPU(s) for "
+                            f"--nprocs {nprocs}; use --nprocs {have} here" if have else
+                            "the job trains on CUDA, and this host has no CUDA GPU; join from a GPU host, or start "
+                            "the job with --device cpu")
+
+
 def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, secret: str,
                    timeout: float = 600.0, quiet: bool = False, on_join: str = "grow", **live) -> tuple[Any, dict[int, list[int]]]:
     """Serve the job at ``endpoint``, wait for agents to bring the strategy's world, train, and
@@ -265,6 +278,7 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
         raise StrategyError(f"--nprocs {nprocs} is more than strategy {gens[0].strategy} runs ({world}); "
                             f"start at most {world} processes here")
     seq_len = live.pop("seq_len", None) or spec.seq_len
+    _check_local_gpus(live.get("device", "cpu"), nprocs)
     if on_join not in ("grow", "ignore"):
         raise StrategyError(f"--on-join {on_join!r}: use grow (switch to a wider strategy) or ignore")
     from .recover import after_switch
@@ -486,6 +500,7 @@ def run_agent(*, endpoint: str, nprocs: int, secret: str, timeout: float = 600.0
         _wait_key(store, "hosts/config", timeout, "the first host to publish the job")
         cfg: _Config = pickle.loads(store.get("hosts/config"))
         gens, first = list(cfg.gens), 0
+        _check_local_gpus(cfg.opts.device, nprocs)
         if devices.start < cfg.world < end:
             raise RuntimeFailure(f"this host's devices {devices.start}-{end - 1} straddle the job's first world of "
                                  f"{cfg.world} devices; make the hosts' --nprocs add up to the strategy's world, "
