@@ -91,3 +91,34 @@ def test_hybrid_layout_survives_a_host_that_holds_one_replica_of_each_shard():
     # both copies of a shard on one host (hosts {0, 2} / {1, 3}: shard 1 lives on dp 1 and 3): losing it is fatal
     crossed = survivability(model, Strategy.parse("dp=4,zero=1,shard=2"), {1: [0, 2], 2: [1, 3]}, 8, snapshots=False)
     assert crossed[crossed.host == 2].iloc[0].recovers_from == "none"
+
+
+# ---- IR and simulator ------------------------------------------------------------------------------------
+def test_program_reduce_scatters_in_the_shard_group_then_all_reduces_across_replicas():
+    from parashift.ir.compile import compile
+    p = compile("tiny-gpt", "dp=4,pp=2,zero=1,shard=2", global_batch=8, validate=True)
+    for r in range(p.strategy.world):
+        comm = [i for s in p.ranks[r].streams.values() for i in s if i.op != "compute" and i.tag.startswith("dp.")]
+        rs = [i for i in comm if i.op == "reduce_scatter"]
+        ar = [i for i in comm if i.op == "all_reduce"]
+        ag = [i for i in comm if i.op == "all_gather"]
+        assert rs and len(rs) == len(ar) == len(ag)
+        assert {p.resolve_group(r, i) for i in rs + ag} == {p.strategy.group(r, "shard")}
+        assert {p.resolve_group(r, i) for i in ar} == {p.strategy.group(r, "replica")}
+        assert all(a.tag == f"dp.replica.c{a.chunk}" and a.nbytes == -(-g.nbytes // 2) for g, a in zip(rs, ar))
+        # the shard's all-reduce follows its reduce-scatter and precedes the optimizer step
+        pos = {i.id: k for k, i in enumerate(p.ranks[r].streams["comm"])}
+        assert all(pos[g.id] < pos[a.id] for g, a in zip(rs, ar))
+
+
+def test_simulated_state_memory_shards_by_the_group_not_dp():
+    from parashift.ir.compile import compile
+    from parashift.sim import simulate
+    cols = ["param", "grad", "master", "optim"]
+    hybrid = simulate(compile("llama2-7b", "dp=8,zero=1,shard=2", global_batch=16), "a100-1x8")
+    small = simulate(compile("llama2-7b", "dp=2,zero=1", global_batch=16), "a100-1x8")
+    whole = simulate(compile("llama2-7b", "dp=8,zero=1", global_batch=16), "a100-1x8")
+    h, s, w = (x.memory_frame().iloc[0][cols].tolist() for x in (hybrid, small, whole))
+    assert h == s and h[2] == 4 * w[2] and h[3] == 4 * w[3]
+    # the same bytes cross the shard group and then the replicas: more time than one group of 8
+    assert hybrid.step_time > whole.step_time
