@@ -122,3 +122,10 @@ def test_simulated_state_memory_shards_by_the_group_not_dp():
     assert h == s and h[2] == 4 * w[2] and h[3] == 4 * w[3]
     # the same bytes cross the shard group and then the replicas: more time than one group of 8
     assert hybrid.step_time > whole.step_time
+
+
+# ---- runtime -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("strategy", ["dp=4,zero=1,shard=2"])
+def test_runtime_trains_like_one_process(strategy):
+    from test_exec_equivalence import check
+    check("tiny-gpt", strategy)

@@ -106,8 +106,7 @@ def memory_plan(spec: Any, strategy: Any, devices: tuple[int, ...], survivors: l
     st = fit_strategy(spec, strategy, min(len(c) for c in cells.values()) * ncell, global_batch)
     if st is None or (strategy.zero and st.shard_size != per):
         return None
-    copy = "replica" if strategy.zero else "dp"
-    return st, tuple(cells[_cell(st, r)][int(st.coords(r)[copy])] for r in range(st.world))
+    return st, tuple(cells[_cell(st, r)][int(st.coords(r)[copies_axis(strategy)])] for r in range(st.world))
 
 
 def survivability(spec: Any, strategy: Any, hosts: dict[int, list[int]], global_batch: int,
