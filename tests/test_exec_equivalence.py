@@ -45,6 +45,7 @@ def check(model: str, strategy: str, **kw) -> None:
 
 CI = [
     ("tiny-gpt", "dp=2,zero=1"),
+    ("tiny-gpt", "dp=4,zero=1,shard=2"),            # hybrid: ZeRO over pairs, replicated twice
     ("tiny-gpt", "tp=2,pp=2"),
     ("tiny-gpt", "dp=2,pp=2,zero=3,schedule=gpipe"),
     ("tiny-gpt", "dp=2,pp=2,vpp=2,zero=2,schedule=interleaved-1f1b"),

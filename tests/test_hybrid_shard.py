@@ -124,8 +124,9 @@ def test_simulated_state_memory_shards_by_the_group_not_dp():
     assert hybrid.step_time > whole.step_time
 
 
-# ---- runtime -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("strategy", ["dp=4,zero=1,shard=2"])
-def test_runtime_trains_like_one_process(strategy):
-    from test_exec_equivalence import check
-    check("tiny-gpt", strategy)
+# ---- runtime (training equal to one process: tests/test_exec_equivalence.py, dp=4,zero=1,shard=2) ----
+def test_hot_switch_into_and_out_of_a_hybrid_layout_is_byte_exact():
+    from parashift.exec.switch.check import switch_check
+    for src, dst in (("dp=4,zero=1", "dp=4,zero=1,shard=2"), ("dp=4,zero=1,shard=2", "dp=2,tp=2,zero=1")):
+        got = switch_check("tiny-gpt", src, dst, transport="gloo")
+        assert got["ok"] and not got["mismatches"], (src, dst, got["mismatches"])
