@@ -110,8 +110,6 @@ class Strategy:
         if n and self.zero == 0:
             raise StrategyError(f"shard={n} shards ZeRO state over groups of {n} DP ranks and needs zero>=1; "
                                 f"set zero=1, or drop shard")
-        if n and self.zero >= 2:
-            raise StrategyError(f"shard={n} (hybrid sharding) is built for zero=1 only; use zero=1, or drop shard")
         if n and (self.cp > 1 or self.ep > 1):
             raise StrategyError(f"shard={n} (hybrid sharding) with cp={self.cp}, ep={self.ep} is not supported; "
                                 f"use cp=1 and ep=1, or drop shard")
@@ -188,6 +186,11 @@ class Strategy:
     def zero_ways(self) -> int:
         """Ranks one dense ZeRO shard group spans: ``shard``, or ``dp x cp`` (Megatron's distributed optimizer)."""
         return self.shard or self.dpcp
+
+    @property
+    def zero_axis(self) -> str:
+        """Group axis ZeRO shards over: ``shard`` under hybrid sharding, else :attr:`grad_axis`."""
+        return "shard" if self.shard else self.grad_axis
 
     @property
     def dp_replicas(self) -> int:

@@ -132,7 +132,7 @@ def strategies_for(draw, model, max_world: int = 16):
     cp = 1 if ep > 1 or tp * pp * dp * 2 > max_world else draw(st.sampled_from([1, 2]))
     sp = tp > 1 and draw(st.booleans())
     shard = draw(st.sampled_from([n for n in range(1, dp) if dp % n == 0] or [0])) \
-        if zero == 1 and ep == 1 and cp == 1 and draw(st.booleans()) else 0
+        if zero >= 1 and ep == 1 and cp == 1 and draw(st.booleans()) else 0
     s = Strategy(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, vpp=vpp, schedule=schedule, cp=cp, sp=sp, shard=shard)
     assert not s.problems(model), s.problems(model)
     return s

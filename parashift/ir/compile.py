@@ -110,7 +110,7 @@ def directives(model: "str | ModelSpec", strategy: "str | Strategy", *, global_b
     out.append(Replicate(s.zero_ways, s.zero, tuple(int(x) * pb for x in (cp.dense if s.ep > 1 else cp.total())),
                          tuple(int(x) * pb for x in (cp.expert if s.ep > 1 else cp.expert * 0)),
                          tuple(int(x) * gb for x in grad_dense), tuple(int(x) * gb for x in cp.expert),
-                         ep=s.ep, tied_bytes=cp.tied * gb, axis="shard" if s.shard else s.grad_axis,
+                         ep=s.ep, tied_bytes=cp.tied * gb, axis=s.zero_axis,
                          overlap=s.overlap_grad, buckets=region_state_bytes(spec, s) if s.zero >= 2 else (),
                          replicas=s.dp_replicas))
     if sched.hides_ep_comm and s.ep > 1:

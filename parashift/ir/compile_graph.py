@@ -130,7 +130,7 @@ def compile_graph(graph: Graph, strategy: "str | Strategy" = "dp=1", *, global_b
         Place(layer_chunk, chunk_stage, act_msg, opt, vshape=vshape),
         Recompute(s.recompute, 0.0, {}),
         Replicate(s.zero_ways, s.zero, tuple(int(x) for x in chunk_bytes), (0,) * chunks,
-                  tuple(int(x) for x in chunk_bytes), (0,) * chunks, axis="shard" if s.shard else "dp",
+                  tuple(int(x) for x in chunk_bytes), (0,) * chunks, axis=s.zero_axis,
                   replicas=s.dp_replicas),
         *res.streams,
         order,
