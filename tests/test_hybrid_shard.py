@@ -1,5 +1,7 @@
 """Hybrid sharding (``shard=N``: ZeRO over groups of N dp ranks, replicated dp/N times): the strategy,
-the rank grid, replica coverage against a brute-force reference, and the planner's host-loss report."""
+the rank grid, replica coverage against a brute-force reference, the planner's host-loss report, the
+Program's collectives, simulated memory and a hot switch (training: test_exec_equivalence.py; a host
+killed: test_hosts_live.py)."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,6 +19,7 @@ from test_vps_layout import reference_holdings, strategies_for, tiny_models
     ("dp=4,zero=1,shard=3", "shard=3 must divide dp=4"),
     ("dp=4,shard=2", "needs zero>=1"),
     ("dp=4,zero=1,cp=2,shard=2", "cp=2, ep=1 is not supported"),
+    ("dp=4,zero=3,ep=2,shard=2", "cp=1, ep=2 is not supported"),
     ("dp=4,zero=1,shard=-1", "must be at least 1"),
     ("dp=4,zero=1,shard=x", "must be an integer"),
 ])
