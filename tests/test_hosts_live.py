@@ -340,7 +340,7 @@ def test_snapshot_restores_any_layout(tmp_path):
             snap.finish(wait=True)
     assert latest(kv, 2, 2, 7) == (4, str(src), 4)
     want = full_from_arrays(spec, src, {r: store_arrays(s) for r, s in enumerate(stores)})
-    for dst in ("dp=1", "tp=2", "dp=2"):
+    for dst in ("dp=1", "tp=2", "dp=2", "dp=4,zero=1,shard=2"):
         st = Strategy.parse(dst)
         got = full_from_arrays(spec, st, {r: store_arrays(restore(str(tmp_path), spec, str(src), 4, st, r, 4))
                                           for r in range(st.world)})
