@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["Strategy", "SCHEDULES", "RECOMPUTE"]
 
 RECOMPUTE = ("none", "selective", "full")
-_INT_FIELDS = ("dp", "tp", "pp", "ep", "zero", "vpp", "mbs", "cp")
+_INT_FIELDS = ("dp", "tp", "pp", "ep", "zero", "vpp", "mbs", "cp", "shard")
 _BOOL_FIELDS = ("sp", "overlap_grad")
 _KEYS = _INT_FIELDS + _BOOL_FIELDS + ("schedule", "recompute")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -45,6 +45,10 @@ class Strategy:
     ``overlap_grad``: each chunk's gradient reduction starts as soon as that chunk's backward is done,
     overlapping the stage's remaining backward (Megatron's ``--overlap-grad-reduce``; a chunk is the
     bucket); off (the default, as Megatron's): every reduction waits for the stage's whole backward.
+    ``shard``: hybrid sharding (HSDP; Megatron's ``--num-distributed-optimizer-instances``): ZeRO shards
+    over groups of ``shard`` consecutive DP ranks (axis ``shard``) and each shard is replicated over the
+    ``dp // shard`` groups (axis ``replica``); gradients are reduce-scattered in the group, then
+    all-reduced across replicas. 0 (the default) or ``dp``: ZeRO shards over the whole DP group.
     """
 
     dp: int = 1
@@ -59,6 +63,7 @@ class Strategy:
     cp: int = 1
     sp: bool = False
     overlap_grad: bool = False
+    shard: int = 0
 
     def __post_init__(self) -> None:
         for name in _BOOL_FIELDS:
@@ -71,10 +76,11 @@ class Strategy:
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
                 raise StrategyError(f"{name}={v!r} must be an integer; write e.g. '{name}=2'")
             object.__setattr__(self, name, int(v))
-            if name != "zero" and v < 1:
+            if name not in ("zero", "shard") and v < 1:
                 raise StrategyError(f"{name}={v} must be at least 1")
         if not 0 <= self.zero <= 3:
             raise StrategyError(f"zero={self.zero} is not a ZeRO stage; use 0, 1, 2 or 3")
+        self._check_shard()
         sched = _schedule(self.schedule)
         if self.recompute not in RECOMPUTE:
             raise StrategyError(f"unknown recompute {self.recompute!r}; use one of {', '.join(RECOMPUTE)}")
@@ -90,6 +96,23 @@ class Strategy:
         problems = sched.vpp_problems(self.vpp)
         if problems:
             raise StrategyError("; ".join(problems))
+
+    def _check_shard(self) -> None:
+        n = self.shard
+        if n < 0:
+            raise StrategyError(f"shard={n} must be at least 1 (the DP ranks one ZeRO shard group spans)")
+        if n and self.dp % n:
+            raise StrategyError(f"shard={n} must divide dp={self.dp} (ZeRO shards over groups of shard DP ranks, "
+                                f"replicated dp/shard times); pick shard among the divisors of {self.dp}")
+        if n == self.dp:
+            object.__setattr__(self, "shard", 0)      # one group of all dp ranks: plain ZeRO
+            return
+        if n and self.zero == 0:
+            raise StrategyError(f"shard={n} shards ZeRO state over groups of {n} DP ranks and needs zero>=1; "
+                                f"set zero=1, or drop shard")
+        if n and (self.cp > 1 or self.ep > 1):
+            raise StrategyError(f"shard={n} (hybrid sharding) with cp={self.cp}, ep={self.ep} is not supported; "
+                                f"use cp=1 and ep=1, or drop shard")
 
     # ---- text form -------------------------------------------------------------------------
     @classmethod
@@ -155,6 +178,26 @@ class Strategy:
         return "dpcp" if self.cp > 1 else "dp"
 
     @property
+    def shard_size(self) -> int:
+        """DP ranks of one ZeRO shard group (``shard``, or the whole ``dp`` when not hybrid)."""
+        return self.shard or self.dp
+
+    @property
+    def zero_ways(self) -> int:
+        """Ranks one dense ZeRO shard group spans: ``shard``, or ``dp x cp`` (Megatron's distributed optimizer)."""
+        return self.shard or self.dpcp
+
+    @property
+    def zero_axis(self) -> str:
+        """Group axis ZeRO shards over: ``shard`` under hybrid sharding, else :attr:`grad_axis`."""
+        return "shard" if self.shard else self.grad_axis
+
+    @property
+    def dp_replicas(self) -> int:
+        """Copies of each ZeRO shard: ``dp // shard`` (1 without hybrid sharding)."""
+        return self.dp // self.shard_size
+
+    @property
     def edp(self) -> int:
         """Size of the expert-data-parallel group (replicas of one expert shard)."""
         return self.dp // self.ep
@@ -178,8 +221,9 @@ class Strategy:
 
     # ---- the rank grid ---------------------------------------------------------------------
     def coords(self, rank: "int | np.ndarray") -> dict:
-        """Coordinates of rank(s): tp, cp, dp, pp, ep (= dp % ep), edp (= dp // ep) and
-        dpcp (= cp + cp_size * dp, the index in the gradient-reduction group)."""
+        """Coordinates of rank(s): tp, cp, dp, pp, ep (= dp % ep), edp (= dp // ep),
+        dpcp (= cp + cp_size * dp, the index in the gradient-reduction group), shard (= dp % shard_size,
+        the index in the ZeRO shard group) and replica (= dp // shard_size)."""
         r = np.asarray(rank)
         if np.any((r < 0) | (r >= self.world)):
             raise StrategyError(f"rank {rank} is outside the world of {self.world} ranks")
@@ -188,7 +232,7 @@ class Strategy:
         dp = (r // (self.tp * self.cp)) % self.dp
         pp = r // (self.tp * self.cp * self.dp)
         out = {"tp": tp, "dp": dp, "pp": pp, "ep": dp % self.ep, "edp": dp // self.ep, "cp": cp,
-               "dpcp": cp + self.cp * dp}
+               "dpcp": cp + self.cp * dp, "shard": dp % self.shard_size, "replica": dp // self.shard_size}
         if np.ndim(rank) == 0:
             return {k: int(v) for k, v in out.items()}
         return out
@@ -215,7 +259,8 @@ class Strategy:
         return np.arange(self.world).reshape(self.pp, self.dp, self.cp, self.tp)
 
     def group(self, rank: int, axis: str) -> tuple[int, ...]:
-        """Members of ``rank``'s group along ``axis`` (tp, cp, dp, dpcp, pp, ep, edp or embed), ascending."""
+        """Members of ``rank``'s group along ``axis`` (tp, cp, dp, dpcp, pp, ep, edp, embed, shard or replica),
+        ascending. ``shard``: the DP ranks of its ZeRO shard group; ``replica``: the DP ranks holding the same shard."""
         c = self.coords(rank)
         tp, dp, pp, cp = c["tp"], c["dp"], c["pp"], c["cp"]
         if axis == "tp":
@@ -232,10 +277,16 @@ class Strategy:
             r = self.rank(tp, c["edp"] * self.ep + np.arange(self.ep), pp, cp)
         elif axis == "edp":  # same ep index, all expert-data-parallel replicas
             r = self.rank(tp, c["ep"] + self.ep * np.arange(self.edp), pp, cp)
+        elif axis == "shard":
+            S = self.shard_size
+            r = self.rank(tp, c["replica"] * S + np.arange(S), pp, cp)
+        elif axis == "replica":
+            r = self.rank(tp, c["shard"] + self.shard_size * np.arange(self.dp_replicas), pp, cp)
         elif axis == "embed":  # first and last pipeline stage of this (tp, cp, dp): tied embeddings
             r = np.unique([self.rank(tp, dp, 0, cp), self.rank(tp, dp, self.pp - 1, cp)])
         else:
-            raise StrategyError(f"unknown group axis {axis!r}; use tp, cp, dp, dpcp, pp, ep, edp or embed")
+            raise StrategyError(f"unknown group axis {axis!r}; use tp, cp, dp, dpcp, pp, ep, edp, embed, shard "
+                                f"or replica")
         return tuple(int(x) for x in np.atleast_1d(r))
 
     def groups(self, axis: str) -> np.ndarray:
@@ -257,9 +308,14 @@ class Strategy:
             if axis == "ep":
                 return e.transpose(0, 1, 3, 4, 2).reshape(-1, self.ep)
             return e.transpose(0, 2, 3, 4, 1).reshape(-1, self.edp)
+        if axis in ("shard", "replica"):
+            h = g.reshape(pp, self.dp_replicas, self.shard_size, cp, tp)
+            if axis == "shard":
+                return h.transpose(0, 1, 3, 4, 2).reshape(-1, self.shard_size)
+            return h.transpose(0, 2, 3, 4, 1).reshape(-1, self.dp_replicas)
         if axis == "embed":
             return np.unique(g[[0, -1]].transpose(1, 2, 3, 0).reshape(-1, 2), axis=1)
-        raise StrategyError(f"unknown group axis {axis!r}; use tp, cp, dp, dpcp, pp, ep, edp or embed")
+        raise StrategyError(f"unknown group axis {axis!r}; use tp, cp, dp, dpcp, pp, ep, edp, embed, shard or replica")
 
     # ---- model-dependent checks ------------------------------------------------------------
     def validate(self, model: "ModelSpec", devices: int | None = None) -> "Strategy":

@@ -45,6 +45,7 @@ def check(model: str, strategy: str, **kw) -> None:
 
 CI = [
     ("tiny-gpt", "dp=2,zero=1"),
+    ("tiny-gpt", "dp=4,zero=1,shard=2"),            # hybrid: ZeRO over pairs, replicated twice
     ("tiny-gpt", "tp=2,pp=2"),
     ("tiny-gpt", "dp=2,pp=2,zero=3,schedule=gpipe"),
     ("tiny-gpt", "dp=2,pp=2,vpp=2,zero=2,schedule=interleaved-1f1b"),
@@ -101,6 +102,22 @@ SP_MORE = [
 @pytest.mark.parametrize("model,strategy", SP_MORE, ids=[f"{m}:{s}" for m, s in SP_MORE])
 def test_sequence_parallel_variants(model: str, strategy: str) -> None:
     """sp with split backwards, recomputation, ZeRO, virtual stages and MoE trains like one process."""
+    check(model, strategy)
+
+
+HYBRID_MORE = [
+    ("tiny-gpt", "dp=4,zero=2,shard=2"),
+    ("tiny-gpt", "dp=4,pp=2,zero=3,shard=2,schedule=gpipe"),
+    ("tiny-gpt", "dp=4,zero=3,shard=1"),
+    ("tiny-gpt", "dp=2,pp=2,vpp=2,zero=2,shard=1,schedule=interleaved-1f1b"),
+    ("tiny-moe", "dp=4,zero=1,shard=2"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model,strategy", HYBRID_MORE, ids=[f"{m}:{s}" for m, s in HYBRID_MORE])
+def test_hybrid_sharding_variants(model: str, strategy: str) -> None:
+    """Hybrid sharding (shard=N) with ZeRO-2/3, pipelines, shard groups of one and MoE trains like one process."""
     check(model, strategy)
 
 

@@ -104,9 +104,10 @@ def test_two_hosts_train_a_third_joins_one_leaves_with_notice(capsys):
 
 # (strategy, extra options, how the job goes on after host 2 (devices 2-3) is killed)
 KILLED = [
-    pytest.param("dp=4", [], "replicas", id="dp=4"),                    # every device holds everything
+    pytest.param("dp=4", [], "replicas", marks=pytest.mark.slow, id="dp=4"),   # every device holds everything
     pytest.param("dp=2,tp=2", [], "replicas", marks=pytest.mark.slow, id="dp=2,tp=2"),   # a whole tp=2 replica survives
     pytest.param("dp=4,zero=1", ["--snapshot-every", "2"], "snapshot", id="dp=4,zero=1"),   # host 2's optimizer shards
+    pytest.param("dp=4,zero=1,shard=2", [], "replicas", id="dp=4,zero=1,shard=2"),   # host 1 holds a copy of each shard
     pytest.param("dp=2,pp=2", [], "end", marks=pytest.mark.slow, id="dp=2,pp=2"),   # last stage lost, no snapshot
 ]
 
@@ -207,23 +208,25 @@ def test_grow_strategy_is_the_widest_dp_that_fits(tp, pp, dp, extra, batch):
 
 @settings(max_examples=60, deadline=None)
 @given(tp=st.sampled_from([1, 2]), pp=st.sampled_from([1, 2]), dp=st.integers(1, 4), zero=st.sampled_from([0, 0, 1]),
-       lost=st.sets(st.integers(0, 15)), batch=st.sampled_from([8, 12]))
-def test_memory_plan_keeps_each_survivors_shard(tp, pp, dp, zero, lost, batch):
-    """Against brute force: the widest dp whose every cell (tp, pp position) has that many surviving
-    copies; each new rank sits on a survivor of its own cell; None when a cell is gone or under ZeRO."""
+       shard=st.sampled_from([0, 0, 1, 2]), lost=st.sets(st.integers(0, 15)), batch=st.sampled_from([8, 12]))
+def test_memory_plan_keeps_each_survivors_shard(tp, pp, dp, zero, shard, lost, batch):
+    """Against brute force: the widest dp whose every cell (tp, pp position; under ZeRO also the shard
+    index) has that many surviving copies, times the shard group under ZeRO (which stays); each new rank
+    sits on a survivor of its own cell; None when a cell is gone."""
     from parashift import models
     from parashift.exec.recover import memory_plan, uncovered
     from parashift.strategy import Strategy
     spec = models.get("tiny-gpt")
-    cur = Strategy(dp=dp, tp=tp, pp=pp, zero=zero)
     try:
+        cur = Strategy(dp=dp, tp=tp, pp=pp, zero=zero, shard=shard if zero else 0)
         cur.validate(spec)
     except StrategyError:
         return
     devices = tuple(range(100, 100 + cur.world))          # device ids need not be ranks
     survivors = [d for r, d in enumerate(devices) if r not in lost]
     got = memory_plan(spec, cur, devices, survivors, batch)
-    cell = lambda s, r: (s.coords(r)["tp"], s.coords(r)["pp"])  # noqa: E731
+    per = cur.shard_size if zero else 1                   # dp ranks holding distinct state
+    cell = lambda s, r: (s.coords(r)["tp"], s.coords(r)["pp"], s.coords(r)["dp"] % per)  # noqa: E731
     copies = {c: sum(1 for r, d in enumerate(devices) if d in survivors and cell(cur, r) == c)
               for c in {cell(cur, r) for r in range(cur.world)}}
 
@@ -235,9 +238,10 @@ def test_memory_plan_keeps_each_survivors_shard(tp, pp, dp, zero, lost, batch):
         return batch % (d * cur.mbs) == 0
     lost_ranks = [r for r, d in enumerate(devices) if d not in survivors]
     missing = uncovered(spec, cur, lost_ranks)
-    # the VPS layout's own coverage: every piece survives exactly when every cell does and ZeRO lost nothing
-    assert (not missing) == (min(copies.values()) > 0 and (not zero or not lost_ranks))
-    want = None if missing else max((d for d in range(1, min(copies.values()) + 1) if fits(d)), default=None)
+    # the VPS layout's own coverage: every piece survives exactly when every cell does
+    assert (not missing) == (min(copies.values()) > 0)
+    want = None if missing else max((d * per for d in range(1, min(copies.values()) + 1) if fits(d * per)),
+                                    default=None)
     assert (got[0].dp if got is not None else None) == want
     if got is not None:
         new, devs = got
@@ -336,7 +340,7 @@ def test_snapshot_restores_any_layout(tmp_path):
             snap.finish(wait=True)
     assert latest(kv, 2, 2, 7) == (4, str(src), 4)
     want = full_from_arrays(spec, src, {r: store_arrays(s) for r, s in enumerate(stores)})
-    for dst in ("dp=1", "tp=2", "dp=2"):
+    for dst in ("dp=1", "tp=2", "dp=2", "dp=4,zero=1,shard=2"):
         st = Strategy.parse(dst)
         got = full_from_arrays(spec, st, {r: store_arrays(restore(str(tmp_path), spec, str(src), 4, st, r, 4))
                                           for r in range(st.world)})

@@ -85,15 +85,16 @@ def test_canonical_folds_equivalent_strategies():
 
 @settings(max_examples=40, deadline=None)
 @given(st.sampled_from(["tiny-gpt", "tiny-moe", "gpt3-1.3b"]), st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (1, 4)]),
-       st.sampled_from([1, 2, 4]), st.integers(0, 3), st.sampled_from([1, 2]), st.booleans())
-def test_memory_bound_never_exceeds_the_layout(model, tp_pp, dp, zero, vpp, moe_ep):
+       st.sampled_from([1, 2, 4]), st.integers(0, 3), st.sampled_from([1, 2]), st.booleans(), st.booleans())
+def test_memory_bound_never_exceeds_the_layout(model, tp_pp, dp, zero, vpp, moe_ep, hybrid):
     m = models.get(model)
     tp, pp = tp_pp
     if m.heads % tp or m.kv_heads % tp or pp * vpp > m.layers:
         return
     ep = dp if (m.is_moe and moe_ep and m.experts % dp == 0) else 1
     s = Strategy(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, vpp=vpp,
-                 schedule="interleaved-1f1b" if vpp > 1 else "1f1b")
+                 schedule="interleaved-1f1b" if vpp > 1 else "1f1b",
+                 shard=dp // 2 if hybrid and zero == 1 and ep == 1 and dp > 1 else 0)
     if s.problems(m):
         return
     bound = search.state_bytes_per_stage(m, s)

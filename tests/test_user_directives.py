@@ -78,7 +78,7 @@ def graph():
     return trace(tiny_lm(), EXAMPLE)
 
 
-@pytest.mark.parametrize("strategy", ["dp=2,pp=2,zero=1", "pp=2,vpp=2,schedule=interleaved-1f1b",
+@pytest.mark.parametrize("strategy", ["dp=2,pp=2,zero=1", "dp=4,zero=1,shard=2", "pp=2,vpp=2,schedule=interleaved-1f1b",
                                       "pp=2,schedule=zb-h1", "dp=2,recompute=full", "pp=2,vpp=2,schedule=dualpipev"])
 def test_a_strategy_expands_to_directives_that_compile_to_its_program(graph, strategy):
     ds = d.strategy_directives(strategy, layers=4, global_batch=GB)

@@ -61,8 +61,12 @@ def reference_holdings(model, s: Strategy) -> dict[tuple[int, int, str], np.ndar
                 for i, g in local.items():
                     out[(rank, i, kind)] = np.sort(g)
                 continue
-            # ZeRO shards over the data-parallel group with context parallelism (dp x cp, cp fastest)
-            for is_expert, parts, me in ((False, s.dp * s.cp, dp * s.cp + cp), (True, s.edp * s.cp, edp * s.cp + cp)):
+            # ZeRO shards over the data-parallel group with context parallelism (dp x cp, cp fastest);
+            # hybrid sharding (shard=N, cp=ep=1): over N consecutive dp ranks, replicated dp/N times
+            n = s.shard or s.dp
+            groups = ((False, n * s.cp, (dp % n) * s.cp + cp), (True, s.edp * s.cp, edp * s.cp + cp)) if not s.shard \
+                else ((False, n, dp % n), (True, n, dp % n))
+            for is_expert, parts, me in groups:
                 ids = [i for i in local if (model.tensors[i].ep_dim is not None) == is_expert]
                 if not ids:
                     continue
@@ -127,7 +131,9 @@ def strategies_for(draw, model, max_world: int = 16):
     zero = draw(st.integers(0, 3))
     cp = 1 if ep > 1 or tp * pp * dp * 2 > max_world else draw(st.sampled_from([1, 2]))
     sp = tp > 1 and draw(st.booleans())
-    s = Strategy(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, vpp=vpp, schedule=schedule, cp=cp, sp=sp)
+    shard = draw(st.sampled_from([n for n in range(1, dp) if dp % n == 0] or [0])) \
+        if zero >= 1 and ep == 1 and cp == 1 and draw(st.booleans()) else 0
+    s = Strategy(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, vpp=vpp, schedule=schedule, cp=cp, sp=sp, shard=shard)
     assert not s.problems(model), s.problems(model)
     return s
 
@@ -150,6 +156,7 @@ def test_layout_matches_the_reference(data):
     ("tiny-gpt", "dp=2,tp=2,pp=2,zero=1"), ("tiny-gpt", "dp=3,pp=2,vpp=2,zero=3"),
     ("tiny-moe", "dp=4,tp=2,ep=2,zero=2"), ("tiny-moe", "dp=2,pp=2,vpp=2,ep=2,schedule=dualpipev,zero=1"),
     ("tiny-gpt", "dp=2,cp=2,tp=2,sp,zero=1"), ("tiny-gpt", "cp=2,pp=2,zero=3"), ("tiny-moe", "dp=2,cp=2,zero=2"),
+    ("tiny-gpt", "dp=4,tp=2,zero=1,shard=2"), ("tiny-moe", "dp=4,pp=2,zero=1,shard=2"),
 ])
 def test_presets_match_the_reference(name, strategy):
     model = models.get(name)
@@ -173,7 +180,8 @@ def test_each_element_is_held_the_expected_number_of_times(data):
     for t, spec in enumerate(model.tensors):
         copies = 2 if spec.tied and last != first else 1
         for k, kind in enumerate(lay.kinds):
-            replicas = 1 if s.zero >= ZERO_STAGE[kind] else (s.edp if spec.ep_dim is not None else s.dp) * s.cp
+            replicas = s.dp_replicas if s.zero >= ZERO_STAGE[kind] else \
+                (s.edp if spec.ep_dim is not None else s.dp) * s.cp
             replicas *= 1 if spec.tp_dim is not None else s.tp     # TP ranks all hold untouched tensors
             assert counts[(t, k)] == spec.numel * copies * replicas, (spec.name, kind)
 

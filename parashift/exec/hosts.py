@@ -140,13 +140,13 @@ def grow_strategy(spec: Any, current: Any, devices: int, global_batch: int) -> A
 
 def fit_strategy(spec: Any, current: Any, devices: int, global_batch: int, above: int = 0) -> Any:
     """``current`` with the widest dp (> ``above``) that fits ``devices`` and divides the global batch
-    (tp, pp, ep, zero and the schedule kept); None when there is none."""
+    (tp, pp, ep, zero, shard and the schedule kept; dp a multiple of shard); None when there is none."""
     cell = current.world // current.dp
     for dp in range(devices // cell, above, -1):
-        cand = current.replace(dp=dp)
-        if global_batch % (dp * cand.mbs) or dp % cand.ep:
+        if global_batch % (dp * current.mbs) or dp % current.ep or (current.shard and dp % current.shard):
             continue
         try:
+            cand = current.replace(dp=dp)     # hybrid sharding keeps its shard group size
             cand.validate(spec)
         except StrategyError:
             continue

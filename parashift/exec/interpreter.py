@@ -936,6 +936,15 @@ class Interpreter(CPHandlers):
             if what == "grad" and ins.op == "all_reduce":
                 a, e = b.ranges[c]
                 works.append(dist.all_reduce(b.grad_buffer()[a:e], group=g, async_op=True))
+            elif what == "replica":          # hybrid sharding: the chunk's part of the shard, summed over replicas
+                if b.n == 1:
+                    a, e = b.ranges[c]
+                    works.append(dist.all_reduce(b.grad_buffer()[a:e], group=g, async_op=True))
+                    continue
+                lo, hi = b.segments(c)[0][b.index]
+                if hi > lo:                  # the replicas hold the same shard: the same segment, or none
+                    works.append(dist.all_reduce(b.grad_shard_buffer()[lo - b.lo:hi - b.lo], group=g,
+                                                 async_op=True))
             elif what == "grad":
                 mb = p.tag.mb
                 w, then, k = reduce_scatter(b, c, g) if mb is None else \

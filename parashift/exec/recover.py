@@ -15,8 +15,9 @@
   follow (``hosts/plan/<g>``, then the generation ``hosts/gen/<g>`` with cause ``failure``):
 
   * ``replicas`` (:func:`memory_plan`): when the survivors still hold a copy of every cell of the
-    layout (a cell: one (tp, cp, pp) position; ZeRO 0, no expert parallelism), the same layout with
-    a narrower dp runs on them, each survivor keeping its own shard. Survivors may have finished
+    layout (a cell: one (tp, cp, pp) position, and under hybrid sharding (``shard=N``) one ZeRO shard
+    index; no expert parallelism), the same layout with a narrower dp runs on them, each survivor
+    keeping its own shard. Survivors may have finished
     different steps (a collective can complete on some ranks and fail on others); the plan takes
     the most advanced step, each cell's state from a survivor that reached it (checksums of the
     survivors at that step must agree), broadcast to members that lag;
@@ -37,7 +38,8 @@ from typing import Any
 
 from ..errors import RuntimeFailure
 
-__all__ = ["guard", "after_switch", "replicated", "uncovered", "memory_plan", "survivability", "FAULT_KEY"]
+__all__ = ["guard", "after_switch", "replicated", "uncovered", "memory_plan", "survivability", "copies_axis",
+           "FAULT_KEY"]
 
 #: store counter bumped by every process whose step failed
 FAULT_KEY = "hosts/fault"
@@ -50,9 +52,15 @@ def replicated(strategy: Any) -> bool:
     return strategy.tp == 1 and strategy.pp == 1 and strategy.cp == 1 and strategy.ep == 1 and strategy.zero == 0
 
 
-def _cell(strategy: Any, rank: int) -> tuple[int, int, int]:
+def _cell(strategy: Any, rank: int) -> tuple[int, int, int, int]:
+    """The state a rank holds: its (tp, cp, pp) position and ZeRO shard index (0 without ZeRO)."""
     c = strategy.coords(rank)
-    return int(c["tp"]), int(c["cp"]), int(c["pp"])
+    return int(c["tp"]), int(c["cp"]), int(c["pp"]), int(c["shard"]) if strategy.zero else 0
+
+
+def copies_axis(strategy: Any) -> str:
+    """Group axis of the ranks holding the same state as a rank: ``dp`` (ZeRO 0) or ``replica`` (ZeRO)."""
+    return "replica" if strategy.zero else "dp"
 
 
 def uncovered(spec: Any, strategy: Any, lost_ranks: "list[int] | set[int]") -> dict[str, int]:
@@ -79,27 +87,26 @@ def memory_plan(spec: Any, strategy: Any, devices: tuple[int, ...], survivors: l
     """The layout the ``survivors`` can carry on from their own memory: ``strategy`` with the widest dp
     that every cell's surviving copies, the device count and the global batch allow, and the device of
     each new rank (a survivor holding that rank's cell: each keeps its own shard). None when a cell has
-    no surviving copy, or the layout shards state across dp (ZeRO > 0, expert parallelism).
-    ``prefer``: device -> priority (higher first) among a cell's copies."""
+    no surviving copy, or the layout shards state across its copies (ZeRO without replicas of the
+    shards, expert parallelism). ``prefer``: device -> priority (higher first) among a cell's copies.
+    Under ZeRO the shard group size stays (dp becomes a multiple of it), so each survivor keeps its shard."""
     from .hosts import fit_strategy
     if strategy.ep > 1 or uncovered(spec, strategy, [r for r, d in enumerate(devices) if d not in survivors]):
         return None
-    if strategy.zero and len(survivors) < len(devices):   # covered with a loss: ZeRO shards are held once
-        raise RuntimeFailure(f"the VPS layout of {strategy} keeps a copy of every piece, but its ZeRO shards "
-                             f"are held once; recovery from memory does not know this layout")
-    cells: dict[tuple[int, int, int], list[int]] = {}
+    cells: dict[tuple[int, int, int, int], list[int]] = {}
     for r, d in enumerate(devices):
         if d in survivors:
             cells.setdefault(_cell(strategy, r), []).append(d)
-    ncell = strategy.world // strategy.dp
+    per = strategy.shard_size if strategy.zero else 1     # dp ranks holding distinct state
+    ncell = strategy.world // strategy.dp * per
     if len(cells) < ncell:
         return None
     for c in cells.values():
         c.sort(key=lambda d: (-(prefer or {}).get(d, 0), d))
     st = fit_strategy(spec, strategy, min(len(c) for c in cells.values()) * ncell, global_batch)
-    if st is None:
+    if st is None or (strategy.zero and st.shard_size != per):
         return None
-    return st, tuple(cells[_cell(st, r)][int(st.coords(r)["dp"])] for r in range(st.world))
+    return st, tuple(cells[_cell(st, r)][int(st.coords(r)[copies_axis(strategy)])] for r in range(st.world))
 
 
 def survivability(spec: Any, strategy: Any, hosts: dict[int, list[int]], global_batch: int,
@@ -338,7 +345,7 @@ def _plan(session: Any, g: int, gone: list[int], err: Exception) -> None:
         st, devs = got
         src, why = {}, None
         for r in range(st.world):            # each cell's source: a survivor at the top step; copies agree
-            grp = tuple(devs[q] for q in st.group(r, "dp"))
+            grp = tuple(devs[q] for q in st.group(r, copies_axis(st)))
             tops = [d for d in grp if at_top[d]]
             if not tops:
                 why = f"no survivor of cell {_cell(st, r)} finished step {top - 1}"
@@ -361,7 +368,7 @@ def _plan(session: Any, g: int, gone: list[int], err: Exception) -> None:
         else:
             plan["message"] = (
                 f"devices {gone} were lost and their state has no surviving copy (recovery from memory needs "
-                f"every cell of {cur.strategy} on a survivor, with zero=0 and ep=1)"
+                f"every cell of {cur.strategy} on a survivor, with ep=1: ZeRO shards need replicas, shard=N < dp)"
                 + ("" if getattr(o, "snapshot_every", 0) else "; run with --snapshot-every N to restore from a "
                    "snapshot instead") + (f"; no strategy like {cur.strategy} fits the {len(survivors)} devices left"
                                           if st is None else ""))
@@ -404,7 +411,7 @@ def _rebuild(session: Any, g: int, old: Any, plan: dict) -> Any:
                 if t is not None:          # the flat buffers' padding (to a multiple of dp) differs: real part only
                     t[:b.numel].copy_(s_[:b.numel])
             b.step = plan["opt_step"]
-        grp = tuple(gen.devices[q] for q in st.group(rank, "dp"))
+        grp = tuple(gen.devices[q] for q in st.group(rank, copies_axis(st)))
         src = plan["sources"][grp]
         if any(reports[d][0] != plan["step"] for d in grp):      # a member lags: the source's state to all
             pg = session.manager.process_group(tuple(reports[d][3] for d in grp), f"recover{g}")

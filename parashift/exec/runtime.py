@@ -112,7 +112,7 @@ class Runtime:
         if s.zero == 3:
             works = []
             for fam, b in self.store.buffers.items():
-                axis = "edp" if fam == "expert" and s.ep > 1 else s.grad_axis     # dp, or dp x cp
+                axis = "edp" if fam == "expert" and s.ep > 1 else s.zero_axis     # dp, dp x cp or shard
                 members = s.group(self.ctx.rank, axis)
                 g = self.worlds.get(members, "export") if len(members) > 1 else None
                 for c in sorted(b.ranges):
@@ -145,7 +145,7 @@ def export_keys(program: Program) -> set:
     keys = set()
     if s.zero == 3:
         for r in range(s.world):
-            for axis in (s.grad_axis, "edp"):
+            for axis in (s.zero_axis, "edp"):
                 g = s.group(r, axis)
                 if len(g) > 1:
                     keys.add((tuple(sorted(g)), "export"))

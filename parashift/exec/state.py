@@ -344,9 +344,13 @@ class StateStore:
             ps = [p for p in pieces if p.group == fam]
             if ps:
                 # ZeRO shards over the ranks that reduce the family's gradients: dp x cp (cp fastest,
-                # as parashift.vps.layout), experts over edp (ep > 1 needs cp == 1)
-                n, idx = (strategy.dpcp, c["dpcp"]) if fam == "dense" else \
-                    (strategy.dpcp // strategy.ep, c["dpcp"] // strategy.ep)
+                # as parashift.vps.layout), experts over edp (ep > 1 needs cp == 1); hybrid sharding
+                # (cp == ep == 1): both over the shard group, shard index dp % shard
+                if strategy.shard:
+                    n, idx = strategy.shard, c["shard"]
+                else:
+                    n, idx = (strategy.dpcp, c["dpcp"]) if fam == "dense" else \
+                        (strategy.dpcp // strategy.ep, c["dpcp"] // strategy.ep)
                 self.buffers[fam] = Buffer(fam, ps, n, idx, strategy.zero, dtype, device, self.mem, alloc)
         self.pieces = {p.name: p for p in pieces}
         if init:

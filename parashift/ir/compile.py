@@ -107,11 +107,12 @@ def directives(model: "str | ModelSpec", strategy: "str | Strategy", *, global_b
     out.append(Recompute(s.recompute, core_attention_flops(spec, s.mbs * seq_len, seq_len) / s.tp / s.cp, rc_bytes))
     pb, gb = spec.kind_bytes("param"), spec.kind_bytes("grad")
     grad_dense = cp.dense if s.ep > 1 else cp.total()
-    out.append(Replicate(s.dpcp, s.zero, tuple(int(x) * pb for x in (cp.dense if s.ep > 1 else cp.total())),
+    out.append(Replicate(s.zero_ways, s.zero, tuple(int(x) * pb for x in (cp.dense if s.ep > 1 else cp.total())),
                          tuple(int(x) * pb for x in (cp.expert if s.ep > 1 else cp.expert * 0)),
                          tuple(int(x) * gb for x in grad_dense), tuple(int(x) * gb for x in cp.expert),
-                         ep=s.ep, tied_bytes=cp.tied * gb, axis=s.grad_axis, overlap=s.overlap_grad,
-                         buckets=region_state_bytes(spec, s) if s.zero >= 2 else ()))
+                         ep=s.ep, tied_bytes=cp.tied * gb, axis=s.zero_axis,
+                         overlap=s.overlap_grad, buckets=region_state_bytes(spec, s) if s.zero >= 2 else (),
+                         replicas=s.dp_replicas))
     if sched.hides_ep_comm and s.ep > 1:
         out.append(Stream("comm", ops=("all_to_all",), tag_prefix="ep."))
     out.append(order if order is not None else schedule_order(s, m, planning_costs(spec, s, seq_len, costs)))

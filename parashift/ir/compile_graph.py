@@ -111,7 +111,7 @@ def compile_graph(graph: Graph, strategy: "str | Strategy" = "dp=1", *, global_b
     node_chunk = [0 if L < 0 else chunks - 1 if L >= len(layer_chunk) else layer_chunk[L] for L in c["layer"]]
     chunk_bytes = np.bincount(node_chunk, weights=c["params"], minlength=chunks).astype(np.int64)
     stage_bytes = np.bincount(np.asarray(chunk_stage), weights=chunk_bytes, minlength=s.pp).astype(np.int64)
-    shard = (lambda b, lvl: -(-int(b) // s.dp) if s.zero >= lvl else int(b))
+    shard = (lambda b, lvl: -(-int(b) // s.zero_ways) if s.zero >= lvl else int(b))
     elems = [int(b) // 4 for b in stage_bytes]
     mem = [{"param": shard(b, 3), "grad": shard(b, 2), "master": 0, "optim": shard(2 * b, 1)} for b in stage_bytes]
     opt = tuple((OPTIM_FLOPS_PER_ELEMENT * shard(e, 1), shard(e, 1) * 16) for e in elems)
@@ -129,8 +129,9 @@ def compile_graph(graph: Graph, strategy: "str | Strategy" = "dp=1", *, global_b
     steps += [
         Place(layer_chunk, chunk_stage, act_msg, opt, vshape=vshape),
         Recompute(s.recompute, 0.0, {}),
-        Replicate(s.dp, s.zero, tuple(int(x) for x in chunk_bytes), (0,) * chunks,
-                  tuple(int(x) for x in chunk_bytes), (0,) * chunks),
+        Replicate(s.zero_ways, s.zero, tuple(int(x) for x in chunk_bytes), (0,) * chunks,
+                  tuple(int(x) for x in chunk_bytes), (0,) * chunks, axis=s.zero_axis,
+                  replicas=s.dp_replicas),
         *res.streams,
         order,
         Fuse(),

@@ -472,7 +472,9 @@ class Replicate:
     Per chunk: ``dense_bytes[c]`` / ``expert_bytes[c]`` are the chunk's parameter bytes on one rank
     (TP/EP shard, before ZeRO) and ``grad_dense[c]`` / ``grad_expert[c]`` its gradient bytes. Expert
     gradients sync over ``edp`` when ``ep > 1``; dense gradients over ``axis`` (``dp``, or ``dpcp``: the
-    data-parallel group with context parallelism, as Megatron reduces them). ``tied_bytes``: the tied word embedding's grad bytes
+    data-parallel group with context parallelism, as Megatron reduces them; ``shard``: hybrid sharding's
+    group of ``ways`` ranks, whose ``replicas`` copies then all-reduce each chunk's reduce-scattered
+    gradient shard over the ``replica`` axis, tag ``dp.replica.c<c>``). ``tied_bytes``: the tied word embedding's grad bytes
     (0: untied), all-reduced over the ``embed`` group when embedding and head sit on different stages.
     ``overlap``: a chunk's gradient sync waits only for that chunk's backward (it overlaps the stage's
     other chunks); False: for the whole backward of its stage (Megatron without ``--overlap-grad-reduce``).
@@ -498,6 +500,7 @@ class Replicate:
     overlap: bool = True
     buckets: tuple[tuple[str, int, int], ...] = ()   # ZeRO-2/3: (atomic region, param bytes, grad bytes), dense
     prefetch: int = 1     # ZeRO-3 per-region gathers issued ahead of the running region (0: none)
+    replicas: int = 1     # hybrid sharding: copies of each ZeRO shard (``ways`` is then the shard group)
 
     def apply(self, g: Graph) -> Graph:
         out = g.copy()
@@ -531,8 +534,10 @@ class Replicate:
         last = chunks - 1
         tied = bool(self.tied_bytes) and stage_of[0] != stage_of[last]
         sync_nodes: dict[int, list[int]] = {}
+        replica_after: list[tuple[int, int]] = []
+        rs_of: dict[int, list[int]] = {}      # chunk -> its ZeRO-2/3 per-micro-batch reduce-scatters
         if self.zero >= 2 and not tied:
-            self._per_microbatch(out, stage_of, optim, bwd_of_chunk, first_of_action, last_of_action, edp)
+            rs_of = self._per_microbatch(out, stage_of, optim, bwd_of_chunk, first_of_action, last_of_action, edp)
         for ch in (range(0) if self.zero >= 2 and not tied else range(chunks)):
             st = stage_of[ch]
             anchor = (AFTER, ch)
@@ -542,6 +547,18 @@ class Replicate:
                             key=str(T.StepKey("grad", ch, what)), nbytes=int(nb),
                             stream="comm", action=anchor)
                 sync_nodes.setdefault(ch, []).append(s)
+            if self.replicas > 1 and self.grad_dense[ch]:     # hybrid: the shard's copies sum their gradients
+                r = self._replica_sync(out, ch, st)
+                for u in sync_nodes.get(ch, []):
+                    replica_after.append((u, r))
+                sync_nodes.setdefault(ch, []).append(r)
+        if self.zero >= 2 and not tied and self.replicas > 1:   # after the chunk's last micro-batch
+            for ch in range(chunks):
+                if self.grad_dense[ch]:
+                    r = self._replica_sync(out, ch, stage_of[ch])
+                    for u in rs_of.get(ch) or bwd_of_chunk.get(ch, []):
+                        out.edge(u, r, SAVED)
+                    out.edge(r, optim[stage_of[ch]], SAVED)
         # reroute bwd -> optim edges through the chunk's syncs
         syncs_by_node = {}
         for ch, nodes in sync_nodes.items():
@@ -562,6 +579,8 @@ class Replicate:
                 for i in waits:
                     out.edge(i, s, SAVED)
                 out.edge(s, optim[stage_of[ch]], SAVED)
+        for u, r in replica_after:
+            out.edge(u, r, SAVED)
         # tied embedding: all-reduce between the first and the last stage, at the end of the comm stream
         if tied:
             for ch, kind in ((0, "embed"), (last, "head")):
@@ -656,9 +675,15 @@ class Replicate:
             specs.append(("edp", self.grad_expert[ch], "expert"))
         return specs
 
+    def _replica_sync(self, out: Graph, ch: int, stage: int) -> int:
+        """Hybrid sharding: the all-reduce of chunk ``ch``'s gradient shard over its replicas."""
+        return out.add(op="all_reduce", group="replica", chunk=ch, stage=stage,
+                       tag=str(T.SyncTag(T.Axis.DP, T.Sync.REPLICA, ch)), key=str(T.StepKey("grad", ch, "dense")),
+                       nbytes=-(-int(self.grad_dense[ch]) // self.ways), stream="comm", action=(AFTER, ch))
+
     def _per_microbatch(self, out: Graph, stage_of: dict[int, int], optim: dict[int, int],
                         bwd_of_chunk: dict[int, list[int]], first_of_action: dict, last_of_action: dict,
-                        edp: int) -> None:
+                        edp: int) -> dict[int, list[int]]:
         """ZeRO-2/3: one reduce-scatter per gradient bucket and micro-batch into the shard, right
         after the bucket's last backward node, its buffer allocated at its first node that writes
         gradients (the full backward, or under split backwards the weight-gradient node: an
@@ -666,9 +691,10 @@ class Replicate:
 
         A bucket is one region's gradients (``buckets``, on an unfused graph) or else the chunk's.
         Once the stage's order is known, :class:`~parashift.ir.ordering.Order` bounds the buckets a
-        rank holds at once (``GRAD_BUCKETS_IN_FLIGHT``)."""
+        rank holds at once (``GRAD_BUCKETS_IN_FLIGHT``). Returns chunk -> its reduce-scatter nodes."""
         c = out.cols
         sizes = {r: g for r, _, g in self.buckets}
+        made: dict[int, list[int]] = {}
         for ch, nodes in bwd_of_chunk.items():
             specs = self._specs(ch, edp)
             if not specs:
@@ -700,6 +726,8 @@ class Replicate:
                     for i in users:
                         out.edge(i, s, SAVED)
                     out.edge(s, optim[stage_of[ch]], SAVED)
+                    made.setdefault(ch, []).append(s)
+        return made
 
 
 def apply_all(g: Graph, directives: Sequence) -> Graph:

@@ -107,8 +107,9 @@ def _shard(n: int, ways: int) -> int:
 
 
 def _groups(s: Strategy) -> tuple[int, int]:
-    """Ranks that share (and ZeRO-shard) dense and expert parameters: dp x cp, and dp x cp / ep."""
-    return s.dpcp, s.dpcp // s.ep
+    """Ranks that ZeRO-shard dense and expert parameters: dp x cp, and dp x cp / ep (hybrid sharding:
+    the shard group, ``shard`` dp ranks, for both)."""
+    return (s.shard, s.shard) if s.shard else (s.dpcp, s.dpcp // s.ep)
 
 
 def static_memory(model: ModelSpec, strategy: Strategy) -> list[dict[str, int]]:

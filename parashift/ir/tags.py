@@ -11,6 +11,7 @@ TPTag         ``tp.{region}.{phase}.m{mb}``          TP reduction after a region
                                                      ``bwd``, ``bwd_input``)
 EPTag         ``ep.layers.{l}.moe.{which}.{ph}.m{mb}``  MoE ``dispatch`` / ``combine`` all-to-all
 SyncTag       ``{dp|edp}.{grad|param}.c{chunk}``     DP gradient sync / ZeRO-1/2 param gather
+              ``dp.replica.c{chunk}``               hybrid sharding: the gradient shard's all-reduce across replicas
               ``{dp|edp}.grad.c{chunk}.m{mb}[.{region}]``  ZeRO-2/3: one micro-batch's gradient
                                                      reduce-scatter (of one region's bucket)
 Z3Tag         ``z3.{param|eparam}.c{c}.{ph}.m{mb}[.{region}]``  ZeRO-3 parameter gather before an
@@ -79,6 +80,7 @@ class Sync(str, Enum):
     """What a DP collective moves."""
     GRAD = "grad"
     PARAM = "param"
+    REPLICA = "replica"     # hybrid sharding: a reduce-scattered gradient shard all-reduced across replicas
 
     def __str__(self) -> str:
         return self.value
@@ -169,7 +171,8 @@ class EPTag:
 
 @dataclass(frozen=True)
 class SyncTag:
-    """A chunk's DP gradient sync (``grad``) or ZeRO-1/2 parameter gather (``param``); ``mb``: the
+    """A chunk's DP gradient sync (``grad``), ZeRO-1/2 parameter gather (``param``) or, under hybrid
+    sharding, its gradient shard's all-reduce across the shard's replicas (``replica``); ``mb``: the
     micro-batch whose gradients a ZeRO-2/3 reduce-scatter moves (None: the whole step's), ``region``
     the region whose gradient bucket it moves (None: the whole chunk's)."""
     axis: Axis

@@ -136,16 +136,19 @@ class Replicate:
 @dataclass(frozen=True)
 class Shard:
     """ZeRO-shard ``regions`` over ``over`` at ``level`` (1: optimizer states, 2: + gradients,
-    3: + parameters, gathered before each use)."""
+    3: + parameters, gathered before each use); ``group``: hybrid sharding, the shards span groups of
+    ``group`` consecutive dp ranks and are replicated across the groups (the strategy's ``shard``)."""
 
     regions: "str | tuple[str, ...]" = "*"
     level: int = 1
     over: str = "dp"
     ways: "int | None" = None
+    group: "int | None" = None
 
     def __str__(self) -> str:
         level = f", level={self.level}" if self.over == "dp" else ""
-        return f"Shard({self.regions!r}{level}, over={self.over!r}" + (f", ways={self.ways}" if self.ways else "") + ")"
+        return (f"Shard({self.regions!r}{level}, over={self.over!r}" + (f", ways={self.ways}" if self.ways else "")
+                + (f", group={self.group}" if self.group else "") + ")")
 
 
 @dataclass(frozen=True)
@@ -345,7 +348,11 @@ def _dp_sizes(syncs: list, regions: Sequence[str], param_regions: "Sequence[str]
         raise ProgramError(f"region {r1!r} trains at ZeRO level {d1.level} ({_fmt(d1)}) but region {r2!r} at "
                            f"{d2.level} ({_fmt(d2)}); the runtime keeps one ZeRO level per job: give every "
                            f"region the same level")
-    return {"zero": next(iter(first), 0), **({"dp": ways.pop()} if ways else {})}
+    groups = {d.group for d in syncs if isinstance(d, Shard) and d.group}
+    if len(groups) > 1:
+        raise ProgramError(f"{', '.join(map(_fmt, syncs))} give shard groups {sorted(groups)}; one job has one")
+    return {"zero": next(iter(first), 0), **({"dp": ways.pop()} if ways else {}),
+            **({"shard": groups.pop()} if groups else {})}
 
 
 def _placement(p: Place, regions: Sequence[str]) -> tuple[dict[str, int], tuple[int, ...]]:
@@ -400,7 +407,7 @@ def strategy_directives(strategy: "str | Strategy", *, layers: int, global_batch
     out: list = [Place(table, stages=tuple(int(s.chunk_rank_stage(c)) for c in range(s.stages)))]
     out.append(Split(microbatches=m, backward=split_backward(s.schedule)))
     out.append(Replicate("*", over="dp", ways=s.dp) if s.zero == 0 else Shard("*", level=s.zero, over="dp",
-                                                                                ways=s.dp))
+                                                                                ways=s.dp, group=s.shard or None))
     for axis, ways in (("sp" if s.sp else "tp", s.tp), ("cp", s.cp), ("ep", s.ep)):
         if ways > 1:
             out.append(Shard("*", over=axis, ways=ways))

@@ -40,7 +40,7 @@ def state_bytes_per_stage(model: ModelSpec, strategy: Strategy) -> np.ndarray:
     # bytes per element of each kind, and the DP group that ZeRO shards it over
     pb = model.kind_bytes("param")
     master = 0 if model.dtype == "fp32" else 4
-    shard = np.where(expert, max(s.edp, 1) * s.cp, s.dpcp)
+    shard = np.full(len(numel), s.shard) if s.shard else np.where(expert, max(s.edp, 1) * s.cp, s.dpcp)
     param = local * pb // (shard if s.zero >= 3 else 1)
     grad = local * pb // (shard if s.zero >= 2 else 1)
     optim = local * (master + 8) // (shard if s.zero >= 1 else 1)

@@ -80,7 +80,7 @@ def estimate_checkpoint_restart(model: "ModelSpec | str", src: "Strategy | str",
     src_nodes = max(1, -(-src.world // cluster.per_node))
     dst_nodes = max(1, -(-dst.world // cluster.per_node))
     w_bw = min(storage.aggregate_bw, src_nodes * storage.write_bw_per_node)
-    writers = src.world if src.zero else src.tp * src.pp  # ZeRO shards optimizer states over all ranks
+    writers = src.world // src.dp_replicas if src.zero else src.tp * src.pp  # ZeRO: every distinct shard
     save = written / w_bw + storage.file_overhead * -(-writers // src_nodes)
     read = _read_bytes(model, dst)
     r_bw = min(storage.aggregate_bw, dst_nodes * storage.read_bw_per_node)

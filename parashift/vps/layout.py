@@ -9,7 +9,9 @@ shards concatenated in model order:
   ranks of its expert-data-parallel group;
 - slots 2 and 3: the same two buffers under ZeRO, padded to a multiple of the group size
   (``dp x cp`` for dense, as Megatron's distributed optimizer shards over the data-parallel
-  group with context parallelism; ``edp`` for experts) and split evenly, one shard per rank.
+  group with context parallelism; ``edp`` for experts) and split evenly, one shard per rank;
+  with hybrid sharding (``shard=N``) the group is N consecutive DP ranks and shard ``j`` is held by
+  the ``dp // N`` ranks whose DP index is ``j`` modulo N (its replicas).
 
 A block holds some kinds: the kinds ZeRO does not shard live in slots 0/1, the sharded ones in
 slots 2/3 (stage 1 shards master and moments, 2 also grads, 3 also params). Blocks are
@@ -242,8 +244,9 @@ def layout(model: "ModelSpec | str", strategy: "Strategy | str") -> Layout:
     rank_blocks = np.full((s.world, len(SLOTS)), -1, dtype=np.int64)
     nblocks = 0
     families = [(False, 1)] + ([(True, s.ep)] if expert.any() else [])
+    R = s.dp_replicas                                              # copies of each ZeRO shard
     for fam_expert, E in families:
-        group = D // s.ep if fam_expert else D
+        group = (D // s.ep if fam_expert else D) // R
         for zero_slot, mask in ((False, plain_mask), (True, sharded_mask)):
             if not mask:
                 continue
@@ -257,10 +260,11 @@ def layout(model: "ModelSpec | str", strategy: "Strategy | str") -> Layout:
                 jj, t, a, b, off, q = _partition(ts, lnumel[ts], G)
                 base = nblocks
                 nblocks += nb
-                # ranks of each block: (pp=st, dp, tp=c); dp = j (zero dense), e + ep*j (zero experts),
+                # ranks of each block: (pp=st, dp, tp=c); dp = j + G*[0..R) (zero dense: the shard's
+                # replicas), e + ep*j (zero experts: ep == 1 with replicas),
                 # all dp (plain dense) or e + ep*[0..edp) (plain experts)
                 if zero_slot:
-                    dps = (e + s.ep * j if fam_expert else j)[:, None]
+                    dps = (e + s.ep * j if fam_expert else j)[:, None] + G * np.arange(R)[None, :]
                 elif fam_expert:
                     dps = e[:, None] + s.ep * np.arange(D // s.ep)[None, :]
                 else:
