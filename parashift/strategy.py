@@ -15,7 +15,7 @@ __all__ = ["Strategy", "SCHEDULES", "RECOMPUTE"]
 
 RECOMPUTE = ("none", "selective", "full")
 _INT_FIELDS = ("dp", "tp", "pp", "ep", "zero", "vpp", "mbs", "cp")
-_BOOL_FIELDS = ("sp", "overlap_grad")
+_BOOL_FIELDS = ("sp", "overlap_grad", "overlap_param")
 _KEYS = _INT_FIELDS + _BOOL_FIELDS + ("schedule", "recompute")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -45,6 +45,10 @@ class Strategy:
     ``overlap_grad``: each chunk's gradient reduction starts as soon as that chunk's backward is done,
     overlapping the stage's remaining backward (Megatron's ``--overlap-grad-reduce``; a chunk is the
     bucket); off (the default, as Megatron's): every reduction waits for the stage's whole backward.
+    ``overlap_param`` (ZeRO-1/2): the parameter all-gather of the optimizer step moves to the next step,
+    one per bucket (a region, or a chunk where regions are fused or hold experts), each issued as the
+    forward reaches the bucket before it and waited for only by its bucket's first forward (Megatron's
+    ``--overlap-param-gather``); off (the default, as Megatron's): the gathers follow the optimizer, exposed.
     """
 
     dp: int = 1
@@ -59,6 +63,7 @@ class Strategy:
     cp: int = 1
     sp: bool = False
     overlap_grad: bool = False
+    overlap_param: bool = False
 
     def __post_init__(self) -> None:
         for name in _BOOL_FIELDS:
@@ -84,6 +89,11 @@ class Strategy:
         if self.sp and self.tp == 1:
             raise StrategyError("sp (sequence parallelism) shards along the sequence over the TP group and "
                                 "needs tp > 1; set tp=2 or more, or drop sp")
+        if self.overlap_param and self.zero not in (1, 2):
+            raise StrategyError(f"overlap_param overlaps the distributed optimizer's parameter all-gather and needs "
+                                f"zero=1 or zero=2 (zero={self.zero}: "
+                                + ("ZeRO-3 already gathers each use's parameters" if self.zero == 3
+                                   else "nothing is gathered") + "); set zero=1 or drop overlap_param")
         if self.cp > 1 and self.ep > 1:
             raise StrategyError(f"cp={self.cp} with ep={self.ep} is not supported (experts would span the "
                                 f"dp x cp ranks); use cp=1 for mixture-of-experts strategies")
