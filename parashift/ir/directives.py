@@ -615,18 +615,17 @@ class Replicate:
     def _forward_gathers(self, out: Graph, first_of_action: dict, optim: dict[int, int], edp: int) -> None:
         """ZeRO-1/2 with ``overlap_param``: the gathers of the previous optimizer step's parameters run
         at the head of this step, one per bucket (a region's parameters where the graph is unfused and
-        dense, else a chunk's), each placed in its chunk's first forward action right before the
-        bucket's first node, which alone waits for it. A bucket's gather waits for the first node of
-        the bucket before it in that action (Megatron dispatches the next bucket's gather as the
-        forward reaches the previous one); ``Order`` makes a later action's gathers wait for the
-        stage's step before it to start. The optimizer waits for every gather: it overwrites the
-        shard they read."""
+        dense, else a chunk's), in the chunk's first forward action right before the bucket's first
+        node, which alone waits for it. A chunk's buckets are issued together, as Megatron's aligned
+        parameter sync dispatches a model chunk's; ``Order`` makes a later action's gathers wait for
+        the stage's step before it to start. The optimizer waits for every gather: it overwrites
+        the shard they read."""
         if self.ways <= 1:
             return
         c = out.cols
         psize = {r: p for r, p, _ in self.buckets}
         own: dict[Action, dict[str | None, list[int]]] = {}
-        for a, first in first_of_action.items():
+        for a in first_of_action:
             if a.type == "F" and a.mb == 0:
                 own[a] = {}
         for i in range(len(out)):
@@ -638,28 +637,21 @@ class Replicate:
         for a, by_region in own.items():
             ch, st = a.chunk, c["stage"][first_of_action[a]]
             if region_wise:
-                regions = sorted(by_region, key=lambda r: min(c["pos"][i] for i in by_region[r]))
-                buckets = [(self.axis, "dp", r, int(psize[r]), by_region[r]) for r in regions if psize[r]]
+                buckets = [(self.axis, "dp", r, int(psize[r]), users) for r, users in by_region.items() if psize[r]]
             else:
                 every = [i for users in by_region.values() for i in users]
                 buckets = [(grp, pfx, None, int(nb), every)
                            for grp, nb, pfx in ((self.axis, self.dense_bytes[ch], "dp"),
                                                 ("edp", self.expert_bytes[ch], "edp"))
                            if nb and (self.ways if grp == self.axis else (edp if self.ep > 1 else 1)) > 1]
-            prev: int | None = None
             for grp, pfx, region, nb, users in buckets:
-                head = min(users, key=lambda i: c["pos"][i])
                 n = out.add(op="all_gather", group=grp, chunk=ch, stage=st,
                             tag=str(T.SyncTag(T.Axis(pfx), T.Sync.PARAM, ch, None, region)),
                             key=str(T.StepKey("param", ch, "dense" if grp == self.axis else "expert")),
-                            nbytes=nb, stream="comm", action=a, pos=float(c["pos"][head]) - 0.5)
+                            nbytes=nb, stream="comm", action=a, pos=min(c["pos"][i] for i in users) - 0.5)
                 for u in users:
                     out.edge(n, u, SAVED)
-                if prev is not None and prev != head:
-                    out.edge(prev, n, SAVED)
                 out.edge(n, optim[st], SAVED)
-                if region is not None:
-                    prev = head
 
     def _region_gathers(self, out: Graph) -> bool:
         """ZeRO-3 on an unfused dense graph: gather each region's parameters right before its nodes
