@@ -45,9 +45,9 @@ class Strategy:
     ``overlap_grad``: each chunk's gradient reduction starts as soon as that chunk's backward is done,
     overlapping the stage's remaining backward (Megatron's ``--overlap-grad-reduce``; a chunk is the
     bucket); off (the default, as Megatron's): every reduction waits for the stage's whole backward.
-    ``overlap_param`` (ZeRO-1/2): the parameter all-gather of the optimizer step moves to the next step,
-    one per bucket (a region, or a chunk where regions are fused or hold experts), each issued as the
-    forward reaches the bucket before it and waited for only by its bucket's first forward (Megatron's
+    ``overlap_param`` (ZeRO-1/2): the parameter all-gathers of the optimizer step move to the head of the
+    next step, one per bucket (a region, or a chunk where regions are fused or hold experts), a chunk's
+    issued together and each waited for only by its bucket's first forward (Megatron's
     ``--overlap-param-gather``); off (the default, as Megatron's): the gathers follow the optimizer, exposed.
     """
 
