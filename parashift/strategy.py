@@ -15,7 +15,7 @@ __all__ = ["Strategy", "SCHEDULES", "RECOMPUTE"]
 
 RECOMPUTE = ("none", "selective", "full")
 _INT_FIELDS = ("dp", "tp", "pp", "ep", "zero", "vpp", "mbs", "cp", "shard")
-_BOOL_FIELDS = ("sp", "overlap_grad")
+_BOOL_FIELDS = ("sp", "overlap_grad", "overlap_param")
 _KEYS = _INT_FIELDS + _BOOL_FIELDS + ("schedule", "recompute")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -49,6 +49,10 @@ class Strategy:
     over groups of ``shard`` consecutive DP ranks (axis ``shard``) and each shard is replicated over the
     ``dp // shard`` groups (axis ``replica``); gradients are reduce-scattered in the group, then
     all-reduced across replicas. 0 (the default) or ``dp``: ZeRO shards over the whole DP group.
+    ``overlap_param`` (ZeRO-1/2): the parameter all-gathers of the optimizer step move to the head of the
+    next step, one per bucket (a region, or a chunk where regions are fused or hold experts), a chunk's
+    issued together and each waited for only by its bucket's first forward (Megatron's
+    ``--overlap-param-gather``); off (the default, as Megatron's): the gathers follow the optimizer, exposed.
     """
 
     dp: int = 1
@@ -64,6 +68,7 @@ class Strategy:
     sp: bool = False
     overlap_grad: bool = False
     shard: int = 0
+    overlap_param: bool = False
 
     def __post_init__(self) -> None:
         for name in _BOOL_FIELDS:
@@ -90,6 +95,11 @@ class Strategy:
         if self.sp and self.tp == 1:
             raise StrategyError("sp (sequence parallelism) shards along the sequence over the TP group and "
                                 "needs tp > 1; set tp=2 or more, or drop sp")
+        if self.overlap_param and self.zero not in (1, 2):
+            raise StrategyError(f"overlap_param overlaps the distributed optimizer's parameter all-gather and needs "
+                                f"zero=1 or zero=2 (zero={self.zero}: "
+                                + ("ZeRO-3 already gathers each use's parameters" if self.zero == 3
+                                   else "nothing is gathered") + "); set zero=1 or drop overlap_param")
         if self.cp > 1 and self.ep > 1:
             raise StrategyError(f"cp={self.cp} with ep={self.ep} is not supported (experts would span the "
                                 f"dp x cp ranks); use cp=1 for mixture-of-experts strategies")

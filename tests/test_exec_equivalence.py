@@ -57,6 +57,8 @@ CI = [
     ("tiny-moe", "dp=2,ep=2,pp=2,vpp=2,schedule=dualpipev"),
     ("tiny-gpt", "tp=2,sp"),
     ("tiny-gpt", "tp=2,sp,pp=2"),
+    ("tiny-gpt", "dp=2,zero=1,overlap_param"),
+    ("tiny-gpt", "dp=2,pp=2,vpp=2,zero=2,schedule=interleaved-1f1b,overlap_param"),
 ]
 
 

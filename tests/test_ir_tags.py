@@ -21,6 +21,7 @@ step_tags = st.one_of(
     st.builds(T.SyncTag, st.sampled_from(T.Axis), st.sampled_from(T.Sync), ints),
     st.builds(lambda a, c, m: T.SyncTag(a, T.Sync.GRAD, c, m), st.sampled_from(T.Axis), ints, ints),
     st.builds(lambda a, c, m, r: T.SyncTag(a, T.Sync.GRAD, c, m, r), st.sampled_from(T.Axis), ints, ints, names),
+    st.builds(lambda a, c, r: T.SyncTag(a, T.Sync.PARAM, c, None, r), st.sampled_from(T.Axis), ints, names),
     st.builds(T.Z3Tag, st.booleans(), ints, st.sampled_from(T.Z3_PHASES), ints),
     st.builds(lambda c, p, m, r: T.Z3Tag(False, c, p, m, r), ints, st.sampled_from(T.Z3_PHASES), ints, names),
     st.just(T.EmbedTag()),

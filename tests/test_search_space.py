@@ -153,3 +153,25 @@ def test_sp_and_cp_axes():
         p = params_of(space, s)
         assert p is not None and space.build(p)[0] == s
     assert space.describe()["cp"] == [1, 2, 4, 32] and space.describe()["sp"] == [False, True]
+
+
+def test_overlap_param_axis():
+    """overlap_param is an axis when offered: only with zero 1 or 2 and a DP group to gather over
+    (folded away elsewhere); points round-trip; a neighbor turns it on and off."""
+    from parashift.search.space import canonical, make_space, neighbor, params_of
+    space = make_space("tiny-gpt", "a100-1x8", devices=4, global_batch=8, seq_len=32, pp=(1, 2), mbs=(1,),
+                       recompute=("none",), schedules=("1f1b",), overlap_param=(False, True))
+    found = space.enumerate()
+    on = [s for s in found if s.overlap_param]
+    assert on and all(s.zero in (1, 2) and s.dp > 1 for s in on)
+    assert {str(s.replace(overlap_param=False)) for s in on} <= {str(s) for s in found}
+    for s in found:
+        p = params_of(space, s)
+        assert p is not None and space.build(p)[0] == s
+    assert canonical(Strategy(dp=1, tp=4, zero=1, overlap_param=True)) == Strategy(tp=4)
+    s, target = Strategy(dp=4, zero=1), Strategy(dp=4, zero=1, overlap_param=True)
+    visited = {str(x) for x in found if x != target}
+    assert space.build(neighbor(space, s, visited))[0] == target      # one axis away
+    assert any(params_of(space, Strategy(dp=4, zero=z, overlap_param=True)) for z in (1, 2))
+    assert space.describe()["overlap_param"] == [False, True]
+    assert make_space("tiny-gpt", "a100-1x8", devices=4, global_batch=8, seq_len=32).overlap_param == (False,)

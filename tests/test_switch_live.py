@@ -172,6 +172,19 @@ def test_switching_every_5_steps_keeps_the_loss_curve(tmp_path):
     assert {e["name"] for e in events if e["ph"] == "X"} >= {"world", "transfer", "step"}
 
 
+@pytest.mark.slow
+def test_overlap_param_switches_with_whole_parameters():
+    """An overlap_param step leaves its parameter gathers to the next step: a switch finishes them
+    first, so the job trains as one that never switched (and never overlapped)."""
+    chain = [(2, "dp=4,zero=2,overlap_param", None), (4, "tp=2,pp=2", None)]
+    live = run_live(GPT, "dp=2,tp=2,zero=1,overlap_param", steps=6, switches=chain, export=True, timeout=240,
+                    switch_timeout=30)
+    static = run_live(GPT, "dp=2,tp=2,zero=1", steps=6, timeout=240)
+    assert [s.get("aborted") for s in live.switches] == [None] * len(chain)
+    assert check_switches(GPT, live) == len(chain)
+    np.testing.assert_allclose(live.losses, static.losses, rtol=1e-5, atol=0)
+
+
 def test_corrupted_buffer_rolls_back_and_training_continues_unchanged():
     static = run_live(GPT, "dp=2,tp=2", steps=4, export=True, timeout=120)
     res = run_live(GPT, "dp=2,tp=2", steps=4, switches=[(2, "dp=4,zero=1", None)], export=True, timeout=120,

@@ -221,7 +221,8 @@ class Interpreter(CPHandlers):
         self.ctx = RegionCtx(spec, s.tp, self.coords["tp"], s.ep, self.coords["ep"], 1.0 / (self.gb * seq),
                              self.store.param, self.store.grad,
                              tuple(t.to(_DT[spec.dtype]) for t in rope_tables(seq, spec.head_dim, device=device)),
-                             chain=s.tp == 1 and not spec.is_moe and s.cp == 1 and s.zero < 2)   # ZeRO-2/3: unfused region buckets
+                             chain=s.tp == 1 and not spec.is_moe and s.cp == 1 and s.zero < 2
+                             and not s.overlap_param)   # ZeRO-2/3, overlap_param: unfused region buckets
         if s.cp > 1:
             self._cp_setup(seq)
 
@@ -407,6 +408,19 @@ class Interpreter(CPHandlers):
                 self.record(ins, stream, host0 + secs[2 * k], host0 + secs[2 * k + 1])
         self.store_release_all()
         return self.st.loss
+
+    def sync_params(self) -> None:
+        """Run this rank's ZeRO-1/2 parameter gathers now, outside a step, in stream order. Under
+        ``overlap_param`` a step leaves them to the next step's forward; whoever reads the state in
+        between (export, switch, snapshot) calls this on every rank first."""
+        for q in self.seqs:
+            for p in q:
+                if p.kind == _DPK and p.tag.what is Sync.PARAM:
+                    fl = self._dp(p, p.tag.axis.value, "param", p.tag.chunk)
+                    for w in fl.works:
+                        w.wait()
+                    if fl.then is not None:
+                        fl.then()
 
     def _root(self, ptr: list[int], busy: list, inflight: dict, done: bytearray) -> "Flight | None":
         """The one in-flight instruction every blocked stream waits for, if there is exactly one
@@ -953,7 +967,11 @@ class Interpreter(CPHandlers):
                 thens.append(then)
                 keep.append(k)
             elif what == "param":
-                w, then, k = all_gather(b, c, g, b.param, b.param_shard(), base=0)
+                # overlap_param gathers a region (tag region) while the step's forward runs: written
+                # through .data, whose version counter is its own, so the earlier regions' saved
+                # views of the same buffer stay valid for their backward (the ranges are disjoint)
+                w, then, k = all_gather(b, c, g, b.param.data, b.param_shard(), base=0,
+                                        span=None if p.tag.region is None else b.bucket_span(c, p.tag.region))
                 works.append(w)
                 thens.append(then)
                 keep.append(k)

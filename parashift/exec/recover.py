@@ -206,6 +206,8 @@ def guard(session: Any) -> None:
             guard(session)
             return session.runtime.step(*a, **kw)
         if snaps is not None:
+            if snaps.every > 0 and rt.steps_done % snaps.every == 0:
+                rt.sync_params()        # overlap_param: a snapshot holds whole parameters
             snaps.maybe(store, rt.store, rt.program.strategy, rt.ctx.rank, session.device, rt.steps_done)
         return loss, extra
     rt.step = step

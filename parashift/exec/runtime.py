@@ -85,6 +85,8 @@ class Runtime:
                                   lambda step: make_batch(self.spec, step, gb, seq, data_seed), optim,
                                   self.profiler.record if profile else None, timeout)
         self.steps_done = 0
+        #: overlap_param: the last step left its parameter gathers to the next step's forward
+        self.params_pending = False
 
     def step(self) -> tuple[float, float]:
         """One training step; returns (this rank's loss share, seconds)."""
@@ -97,7 +99,16 @@ class Runtime:
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize()
         self.steps_done += 1
+        self.params_pending = self.program.strategy.overlap_param
         return loss, time.perf_counter() - t0
+
+    def sync_params(self) -> None:
+        """Finish the parameter gathers an ``overlap_param`` step leaves to the next step (a no-op
+        otherwise), so that every rank holds its whole updated parameters. Collective: every rank
+        calls it before the state is read outside a step (export, switch, snapshot)."""
+        if self.params_pending:
+            self.interp.sync_params()
+            self.params_pending = False
 
     def peak_memory(self) -> int:
         if self.ctx.device.type == "cuda":
@@ -108,6 +119,7 @@ class Runtime:
         """name -> (global offsets, local values as numpy) of this rank's parameters; ZeRO-3 gathers
         each chunk's parameters from its DP group first (outside any step)."""
         from .comm import all_gather
+        self.sync_params()
         s = self.program.strategy
         if s.zero == 3:
             works = []

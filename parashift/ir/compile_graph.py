@@ -78,6 +78,9 @@ def compile_graph(graph: Graph, strategy: "str | Strategy" = "dp=1", *, global_b
         raise StrategyError(f"a traced model runs with dp, pp, vpp, zero, any schedule and recompute; tp={base.tp}, "
                             f"ep={base.ep}, cp={base.cp} need a preset model (parashift.models) that says how regions "
                             f"shard")
+    if base.overlap_param:
+        raise StrategyError("overlap_param needs a preset model (its region buckets); a traced model gathers its "
+                            "ZeRO parameters after the optimizer: drop overlap_param")
     if not len(graph) or any(p != "fwd" for p in graph.col("phase")) or any(m != -1 for m in graph.col("mb")):
         raise ProgramError("compile_graph needs a single-device forward graph from parashift.ir.annotate.trace")
     g = _layers(graph)

@@ -50,7 +50,12 @@ Communication instructions and tags (tags are unique per (sender, receiver)/grou
                    reduce-scatter of the bucket its stage allocated two before (two live per rank).
   tied embedding   all_reduce over "embed", tag "embed.grad", before the optimizer
   optimizer        one compute instruction phase "optim" per rank after all grad syncs
-  ZeRO 1/2 params  after optim: all_gather over "dp"/"edp" per chunk, tag "dp.param.c{chunk}"
+  ZeRO 1/2 params  after optim: all_gather over "dp"/"edp" per chunk, tag "dp.param.c{chunk}"; with
+                   overlap_param instead at the head of the step (the previous optimizer's output):
+                   in the chunk's first forward action (F, mb 0), one per region where the graph is
+                   unfused and dense ("dp.param.c{chunk}.{region}", the region's first forward node
+                   waits for it; tp == 1 is then not fused), else per chunk; the optimizer waits for
+                   all of them (it overwrites the shard they read). No alloc: the buffer is static.
   ZeRO 3 params    before each chunk's fwd (and bwd) per micro-batch: all_gather "dp"/"edp",
                    tag "z3.param.c{chunk}.{phase}.m{mb}", freed after use (alloc/free a buffer);
                    dense models gather per region: "z3.param.c{c}.{phase}.m{mb}.{region}"

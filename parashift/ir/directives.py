@@ -501,6 +501,7 @@ class Replicate:
     buckets: tuple[tuple[str, int, int], ...] = ()   # ZeRO-2/3: (atomic region, param bytes, grad bytes), dense
     prefetch: int = 1     # ZeRO-3 per-region gathers issued ahead of the running region (0: none)
     replicas: int = 1     # hybrid sharding: copies of each ZeRO shard (``ways`` is then the shard group)
+    overlap_param: bool = False   # ZeRO-1/2: the parameter gathers run in the step's forward, see _forward_gathers
 
     def apply(self, g: Graph) -> Graph:
         out = g.copy()
@@ -596,7 +597,9 @@ class Replicate:
                 if not sync_nodes.get(ch):
                     out.edge(t, optim[st], SAVED)
         # ZeRO parameter all-gathers
-        if self.zero in (1, 2):
+        if self.zero in (1, 2) and self.overlap_param:
+            self._forward_gathers(out, first_of_action, optim, edp)
+        elif self.zero in (1, 2):
             for ch in range(chunks):
                 for grp, nb, pfx in ((self.axis, self.dense_bytes[ch], "dp"), ("edp", self.expert_bytes[ch], "edp")):
                     size = self.ways if grp == self.axis else (edp if self.ep > 1 else 1)
@@ -627,6 +630,47 @@ class Replicate:
                         out.edge(n, u, SAVED)
                     c["free"][end] = c["free"][end] + (name,)
         return out
+
+    def _forward_gathers(self, out: Graph, first_of_action: dict, optim: dict[int, int], edp: int) -> None:
+        """ZeRO-1/2 with ``overlap_param``: the gathers of the previous optimizer step's parameters run
+        at the head of this step, one per bucket (a region's parameters where the graph is unfused and
+        dense, else a chunk's), in the chunk's first forward action right before the bucket's first
+        node, which alone waits for it. A chunk's buckets are issued together, as Megatron's aligned
+        parameter sync dispatches a model chunk's; ``Order`` makes a later action's gathers wait for
+        the stage's step before it to start. The optimizer waits for every gather: it overwrites
+        the shard they read."""
+        if self.ways <= 1:
+            return
+        c = out.cols
+        psize = {r: p for r, p, _ in self.buckets}
+        own: dict[Action, dict[str | None, list[int]]] = {}
+        for a in first_of_action:
+            if a.type == "F" and a.mb == 0:
+                own[a] = {}
+        for i in range(len(out)):
+            a = c["action"][i]
+            if c["op"][i] == "compute" and a in own:
+                own[a].setdefault(c["region"][i], []).append(i)
+        region_wise = bool(psize) and not any(self.expert_bytes) and \
+            all(r in psize for users in own.values() for r in users)
+        for a, by_region in own.items():
+            ch, st = a.chunk, c["stage"][first_of_action[a]]
+            if region_wise:
+                buckets = [(self.axis, "dp", r, int(psize[r]), users) for r, users in by_region.items() if psize[r]]
+            else:
+                every = [i for users in by_region.values() for i in users]
+                buckets = [(grp, pfx, None, int(nb), every)
+                           for grp, nb, pfx in ((self.axis, self.dense_bytes[ch], "dp"),
+                                                ("edp", self.expert_bytes[ch], "edp"))
+                           if nb and (self.ways if grp == self.axis else (edp if self.ep > 1 else 1)) > 1]
+            for grp, pfx, region, nb, users in buckets:
+                n = out.add(op="all_gather", group=grp, chunk=ch, stage=st,
+                            tag=str(T.SyncTag(T.Axis(pfx), T.Sync.PARAM, ch, None, region)),
+                            key=str(T.StepKey("param", ch, "dense" if grp == self.axis else "expert")),
+                            nbytes=nb, stream="comm", action=a, pos=min(c["pos"][i] for i in users) - 0.5)
+                for u in users:
+                    out.edge(n, u, SAVED)
+                out.edge(n, optim[st], SAVED)
 
     def _region_gathers(self, out: Graph) -> bool:
         """ZeRO-3 on an unfused dense graph: gather each region's parameters right before its nodes

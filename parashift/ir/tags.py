@@ -12,6 +12,7 @@ TPTag         ``tp.{region}.{phase}.m{mb}``          TP reduction after a region
 EPTag         ``ep.layers.{l}.moe.{which}.{ph}.m{mb}``  MoE ``dispatch`` / ``combine`` all-to-all
 SyncTag       ``{dp|edp}.{grad|param}.c{chunk}``     DP gradient sync / ZeRO-1/2 param gather
               ``dp.replica.c{chunk}``               hybrid sharding: the gradient shard's all-reduce across replicas
+              ``dp.param.c{chunk}.{region}``         overlap_param: one region's parameter gather
               ``{dp|edp}.grad.c{chunk}.m{mb}[.{region}]``  ZeRO-2/3: one micro-batch's gradient
                                                      reduce-scatter (of one region's bucket)
 Z3Tag         ``z3.{param|eparam}.c{c}.{ph}.m{mb}[.{region}]``  ZeRO-3 parameter gather before an
@@ -174,7 +175,7 @@ class SyncTag:
     """A chunk's DP gradient sync (``grad``), ZeRO-1/2 parameter gather (``param``) or, under hybrid
     sharding, its gradient shard's all-reduce across the shard's replicas (``replica``); ``mb``: the
     micro-batch whose gradients a ZeRO-2/3 reduce-scatter moves (None: the whole step's), ``region``
-    the region whose gradient bucket it moves (None: the whole chunk's)."""
+    the region whose gradient bucket (or, for ``param``, whose parameters) it moves (None: the chunk's)."""
     axis: Axis
     what: Sync
     chunk: int
@@ -185,7 +186,7 @@ class SyncTag:
         if self.mb is not None and self.what is not Sync.GRAD:
             raise ProgramError(f"only a gradient sync names a micro-batch: {self!r}")
         if self.region is not None:
-            if self.mb is None:
+            if self.mb is None and self.what is Sync.GRAD:
                 raise ProgramError(f"a gradient bucket sync names its micro-batch: {self!r}")
             _check_name(self.region, "region")
 
@@ -302,7 +303,12 @@ def parse_tag(text: str) -> StepTag:
         return EPTag(_int(text, parts[1], "", what), _enum(A2A, parts[3], text, what),
                      _phase(parts[4], EP_PHASES, text, what), _int(text, parts[5], "m", what))
     if head in ("dp", "edp"):
-        what = "DP tag dp|edp.grad|param.c<chunk>[.m<mb>[.<region>]]"
+        what = "DP tag dp|edp.grad.c<chunk>[.m<mb>[.<region>]] or dp|edp.param.c<chunk>[.<region>]"
+        if rest.startswith("param."):
+            parts = rest.split(".", 2) + [""]
+            if len(parts) == 4 and not parts[2]:
+                raise _bad(text, what)
+            return SyncTag(Axis(head), Sync.PARAM, _int(text, parts[1], "c", what), None, parts[2] or None)
         parts = rest.split(".", 3)
         if len(parts) < 2 or (len(parts) > 2 and parts[0] != "grad") or (len(parts) == 4 and not parts[3]):
             raise _bad(text, what)

@@ -120,6 +120,8 @@ class ReplaySession(LiveSession):
                "final_gen": self.gen if self.runtime is not None else None, "t0": t0,
                "gen_steps": [0] + [self.known.get(g) for g in range(1, len(self.gens))] if clock else None}
         if self.runtime is not None and self.clock.export_final:
+            if error is None:
+                self.runtime.sync_params()
             out["final"] = {"rank": self.runtime.ctx.rank, "arrays": store_arrays(self.runtime.store)}
         return out
 

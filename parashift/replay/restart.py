@@ -99,6 +99,7 @@ def _segment(ctx: RankContext, spec: models.ModelSpec, strategy: str, first: int
         rows.append(("train", "step", ts, time.time(), s))
         losses[s] = float(loss)
     t_save = time.time()
+    rt.sync_params()
     if save_to is not None:
         save_state(rt.store, ctx.rank, rt.steps_done, save_to)
     t_end = time.time()

@@ -3,14 +3,16 @@
 A point of the space is a choice on every axis: ``tp``, ``pp``, ``cp`` (``dp`` is derived as
 ``devices // (tp * pp * cp)``), ``sp``, ``ep`` (MoE models only), ``zero``, ``mbs``, ``schedule``,
 ``vpp`` (the schedule registry says which: free for interleaved-1f1b, two for dualpipev, one for
-the rest) and ``recompute``. ``sp`` and ``cp`` are off unless the caller offers choices.
+the rest), ``recompute`` and ``overlap_param`` (with zero 1 or 2). ``sp``, ``cp`` and ``overlap_param``
+are off unless the caller offers choices.
 
 Equivalent points are folded onto one *canonical* strategy, so that the search never
 simulates the same training step twice under two names:
 
 - with one pipeline stage (``pp == 1``) every schedule runs the same per-rank order as 1F1B
   (GPipe only holds more activations), so the schedule is ``1f1b`` and ``vpp`` is 1;
-- with one data-parallel replica (``dp * cp == 1``) ZeRO has nothing to shard, so ``zero`` is 0.
+- with one data-parallel replica (``dp * cp == 1``) ZeRO has nothing to shard, so ``zero`` is 0;
+- ``overlap_param`` only where there is a parameter gather to overlap (zero 1 or 2).
 
 With ``all_devices=False`` a strategy may leave devices idle: for each point ``dp`` is the
 largest degree with ``dp * tp * pp * cp <= devices`` that makes a valid strategy.
@@ -51,7 +53,7 @@ def canonical(strategy: Strategy) -> Strategy:
     if s.pp == 1 and (s.schedule != "1f1b" or s.vpp != 1):
         s = s.replace(schedule="1f1b", vpp=1)
     if s.dpcp == 1 and s.zero:
-        s = s.replace(zero=0)
+        s = s.replace(zero=0, overlap_param=False)
     return s
 
 
@@ -75,6 +77,7 @@ class Space:
     cp: tuple[int, ...] = (1,)
     sp: tuple[bool, ...] = (False,)
     all_devices: bool = True
+    overlap_param: tuple[bool, ...] = (False,)
     _valid: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     # ---- points -> strategies --------------------------------------------------------------------
@@ -102,7 +105,8 @@ class Space:
             vpp = sched.chunks or int(params.get("vpp", 1))
             s = Strategy(dp=devices // (tp * pp * cp), tp=tp, pp=pp, ep=int(params.get("ep", 1)),
                          zero=int(params["zero"]), vpp=vpp, mbs=int(params["mbs"]), schedule=schedule,
-                         recompute=params["recompute"], cp=cp, sp=bool(params.get("sp", False)) and tp > 1)
+                         recompute=params["recompute"], cp=cp, sp=bool(params.get("sp", False)) and tp > 1,
+                         overlap_param=bool(params.get("overlap_param", False)) and int(params["zero"]) in (1, 2))
         except StrategyError as e:
             return None, str(e)
         s = canonical(s)
@@ -135,14 +139,14 @@ class Space:
     def points(self) -> "itertools.product":
         """Every raw point (before validity and canonical folding) as tuples of axis values."""
         return itertools.product(self.tp, self.pp, self.ep, self.zero, self.mbs, _sched_vpp(self.schedule, self.vpp),
-                                 self.recompute, self.cp, self.sp)
+                                 self.recompute, self.cp, self.sp, self.overlap_param)
 
     def enumerate(self) -> list[Strategy]:
         """Every distinct valid canonical strategy, in a deterministic order."""
         seen: dict[str, Strategy] = {}
-        for tp, pp, ep, zero, mbs, (sc, vpp), rc, cp, sp in self.points():
+        for tp, pp, ep, zero, mbs, (sc, vpp), rc, cp, sp, op in self.points():
             s, _ = self.build({"tp": tp, "pp": pp, "ep": ep, "zero": zero, "mbs": mbs, "schedule": sc,
-                               "vpp": vpp, "recompute": rc, "cp": cp, "sp": sp})
+                               "vpp": vpp, "recompute": rc, "cp": cp, "sp": sp, "overlap_param": op})
             if s is not None:
                 seen.setdefault(str(s), s)
         return list(seen.values())
@@ -164,6 +168,8 @@ class Space:
             p["cp"] = trial.suggest_categorical("cp", self.cp)
         if self.sp != (False,):
             p["sp"] = trial.suggest_categorical("sp", self.sp)
+        if self.overlap_param != (False,):
+            p["overlap_param"] = trial.suggest_categorical("overlap_param", self.overlap_param)
         return p
 
     def describe(self) -> dict[str, Any]:
@@ -172,7 +178,7 @@ class Space:
                 "seq_len": self.seq_len, "tp": list(self.tp), "pp": list(self.pp), "ep": list(self.ep),
                 "zero": list(self.zero), "mbs": list(self.mbs), "schedule": list(self.schedule),
                 "vpp": list(self.vpp), "recompute": list(self.recompute), "cp": list(self.cp),
-                "sp": list(self.sp), "all_devices": self.all_devices}
+                "sp": list(self.sp), "overlap_param": list(self.overlap_param), "all_devices": self.all_devices}
 
 
 def params_of(space: Space, s: Strategy) -> dict[str, Any] | None:
@@ -187,9 +193,11 @@ def params_of(space: Space, s: Strategy) -> dict[str, Any] | None:
         p["cp"] = s.cp
     if space.sp != (False,):
         p["sp"] = s.sp
+    if space.overlap_param != (False,):
+        p["overlap_param"] = s.overlap_param
     axes = {"tp": space.tp, "pp": space.pp, "ep": space.ep, "zero": space.zero, "mbs": space.mbs,
             "schedule": space.schedule, "vpp": space.vpp, "recompute": space.recompute, "cp": space.cp,
-            "sp": space.sp}
+            "sp": space.sp, "overlap_param": space.overlap_param}
     return p if all(v in axes[k] for k, v in p.items()) else None
 
 
@@ -204,7 +212,8 @@ def neighbor(space: Space, s: Strategy, visited: "set[str]", bound: Any = None, 
     moves: list[Strategy] = []
     sched = _sched_vpp(space.schedule, space.vpp)
     for field_, values in (("zero", space.zero), ("mbs", space.mbs), ("recompute", space.recompute),
-                           ("ep", space.ep), ("cp", space.cp), ("sp", space.sp)):
+                           ("ep", space.ep), ("cp", space.cp), ("sp", space.sp),
+                           ("overlap_param", space.overlap_param)):
         moves += [_try(s, **{field_: v}) for v in values if v != getattr(s, field_)]
     moves += [_try(s, schedule=sc, vpp=v) for sc, v in sched if (sc, v) != (s.schedule, s.vpp)]
     for tp in space.tp:
@@ -236,6 +245,8 @@ def _try(s: Strategy, **changes: Any) -> Strategy | None:
     try:
         if "schedule" in changes and "vpp" not in changes and get_schedule(changes["schedule"]).chunks == 1:
             changes["vpp"] = 1
+        if "zero" in changes and changes["zero"] not in (1, 2):
+            changes["overlap_param"] = False
         if "cp" in changes:
             changes["dp"] = s.dp * s.cp // changes["cp"] if (s.dp * s.cp) % changes["cp"] == 0 else 0
         return s.replace(**changes)
@@ -248,14 +259,16 @@ def make_space(model: "str | ModelSpec", cluster: "str | Cluster", *, devices: i
                ep: "tuple[int, ...] | None" = None, zero: tuple[int, ...] = (0, 1, 2, 3),
                mbs: "tuple[int, ...] | None" = None, schedules: "tuple[str, ...] | None" = None,
                vpp: tuple[int, ...] = (2, 4), recompute: tuple[str, ...] = RECOMPUTE,
-               cp: tuple[int, ...] = (1,), sp: tuple[bool, ...] = (False,), all_devices: bool = True) -> Space:
+               cp: tuple[int, ...] = (1,), sp: tuple[bool, ...] = (False,), all_devices: bool = True,
+               overlap_param: tuple[bool, ...] = (False,)) -> Space:
     """The space of ``model`` on ``devices`` devices of ``cluster``.
 
     Defaults: ``tp`` the divisors of ``devices`` up to the devices per node that the model's
     heads, KV heads, FFN and vocabulary allow; ``pp`` the divisors of ``devices`` up to the layer
     count; ``ep`` (MoE) the divisors of ``devices`` that divide the expert count; ``mbs`` the
     powers of two up to 8 that divide the global batch; ``cp`` (context parallelism) and ``sp``
-    (sequence parallelism, with tp > 1) off unless choices are passed, e.g. ``cp=(1, 2), sp=(False, True)``.
+    (sequence parallelism, with tp > 1) off unless choices are passed, e.g. ``cp=(1, 2), sp=(False, True)``;
+    ``overlap_param`` (zero 1 or 2) likewise, ``overlap_param=(False, True)``.
     ``all_devices=False``: strategies on fewer devices are points too (``tp`` and ``pp`` then also
     take the divisors of the devices per node and of the layer count).
     """
@@ -284,7 +297,7 @@ def make_space(model: "str | ModelSpec", cluster: "str | Cluster", *, devices: i
         raise StrategyError(f"unknown schedules {bad}; use some of {', '.join(schedule_names())}")
     return Space(m, devices, c.per_node, global_batch, seq_len, tuple(tp), tuple(pp), tuple(ep), tuple(zero),
                  tuple(mbs), tuple(schedules), tuple(vpp), tuple(recompute), tuple(int(x) for x in cp),
-                 tuple(bool(x) for x in sp), all_devices)
+                 tuple(bool(x) for x in sp), all_devices, tuple(bool(x) for x in overlap_param))
 
 
 def enumerate_space(model: "str | ModelSpec", cluster: "str | Cluster", *, devices: int, global_batch: int,

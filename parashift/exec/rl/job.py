@@ -87,6 +87,7 @@ def _worker(ctx: RankContext, spec: models.ModelSpec, train: str, rollout: str, 
     for it in range(iterations):
         prompts = prompts_of(spec, it, opts)
         dist.barrier()
+        rt.sync_params()
         a = ws.to_rollout(rt.store)
         rows += [("rollout-switch", op, s, e, it) for op, s, e in a.rows]
         t0 = time.time()

@@ -214,6 +214,8 @@ class LiveSession:
                            joining=self.runtime is None)
         self.records.append(rec)
         prep = self._prepared(g, rec)
+        if self.runtime is not None:
+            self.runtime.sync_params()      # overlap_param: whole parameters before they move
         old = self.runtime.store if self.runtime is not None else None
         new, prep.new_store = prep.new_store, None      # allocated in the background by announce()
         faults = self.opts.faults
@@ -399,6 +401,8 @@ class LiveSession:
                "groups_created": self.manager.created, "groups_reused": self.manager.reused}
         if self.opts.export:
             if self.runtime is not None:
+                if error is None:
+                    self.runtime.sync_params()
                 self.exports["final"] = {"rank": self.runtime.ctx.rank, "arrays": store_arrays(self.runtime.store)}
             out["exports"] = self.exports
         if error is not None and self.runtime is not None:
