@@ -89,3 +89,13 @@ def test_static_run_on_cpu_by_choice(capsys):
     assert main(["run", "--model", "tiny-gpt", "--strategy", "dp=1", "--steps", "1", "--device", "cpu",
                  "--json", "--force"]) == 0
     assert len(json.loads(capsys.readouterr().out)["losses"]) == 1
+
+
+def test_a_multi_host_job_refuses_overlap_param(capsys, monkeypatch):
+    monkeypatch.setenv("PARASHIFT_JOB_SECRET", "s" * 32)
+    for argv in (["--strategy", "dp=2,zero=1,overlap_param"],
+                 ["--strategy", "dp=2,zero=1", "--strategy-for", "4:dp=4,zero=1,overlap_param"]):
+        assert main(["run", "--model", "tiny-gpt", "--live", "--endpoint", "127.0.0.1:1", "--steps", "2",
+                     "--json", *argv]) == 1
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "drop overlap_param" in err[0], err

@@ -113,6 +113,7 @@ HYBRID_MORE = [
     ("tiny-gpt", "dp=4,zero=3,shard=1"),
     ("tiny-gpt", "dp=2,pp=2,vpp=2,zero=2,shard=1,schedule=interleaved-1f1b"),
     ("tiny-moe", "dp=4,zero=1,shard=2"),
+    ("tiny-gpt", "dp=4,pp=2,zero=2,shard=2,overlap_param"),   # hybrid shards gathered in the next forward
 ]
 
 

@@ -278,6 +278,10 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
         raise StrategyError(f"--nprocs {nprocs} is more than strategy {gens[0].strategy} runs ({world}); "
                             f"start at most {world} processes here")
     seq_len = live.pop("seq_len", None) or spec.seq_len
+    for st in [gens[0].strategy, *(st for _, st in live.get("strategy_for", ()))]:
+        if st.overlap_param:    # a lost host's pending gathers could never finish: survivors' parameters are stale
+            raise StrategyError(f"{st} gathers parameters in the next step (overlap_param), which a multi-host "
+                                f"job cannot recover from when a host is lost mid-step; drop overlap_param")
     _check_local_gpus(live.get("device", "cpu"), nprocs)
     if on_join not in ("grow", "ignore"):
         raise StrategyError(f"--on-join {on_join!r}: use grow (switch to a wider strategy) or ignore")
