@@ -213,15 +213,6 @@ class Engine:
                     ev = Event(env)
                     env._eid += 1
                     heappush(queue, (start + dt, 1, env._eid, ev))
-                    yield ev
-                    rec.append((r, s, ins, start, env._now))
-                    if ins.free:
-                        self._free(r, ins)
-                    cell[0] = k + 1
-                    ev = done.get(ins.id)
-                    if ev is not None:
-                        ev.succeed()
-                    continue
             elif op == "send" or op == "recv":
                 ev = self._p2p(r, ins)
                 if posted and ev.callbacks is not None:   # posted: the stream moves on, completion comes later
