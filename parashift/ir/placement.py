@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields
+from itertools import repeat
+from operator import eq, itemgetter
 from typing import Any, Mapping
 
 import numpy as np
@@ -107,6 +109,10 @@ def placed_from_meta(s: "Strategy | None", meta: Mapping[str, Any]) -> "Strategy
                           chunk_starts=tuple(p["chunk_starts"]), chunk_stages=tuple(p["chunk_stages"]))
 
 
+def _take(col: list, idx: list[int]) -> list:
+    return list(itemgetter(*idx)(col)) if len(idx) > 1 else [col[i] for i in idx]
+
+
 _LAYER = re.compile(r"(?:^|\.|\+)layers\.(\d+)(?:-(\d+))?")
 
 
@@ -116,29 +122,30 @@ def graph_placement(g: Any, s: Strategy) -> Strategy:
     if isinstance(s, PlacedStrategy):
         return s
     c = g.cols
-    first: dict[int, int] = {}
+    n = len(c["op"])
+    ch = np.asarray(c["chunk"])
+    if ch.dtype.kind != "i":                # a None chunk: unplaced
+        ch = np.fromiter((-1 if x is None else x for x in c["chunk"]), np.int64, n)
+    sel = np.fromiter(map(eq, c["op"], repeat("compute")), bool, n) \
+        & ~np.fromiter(map(eq, c["phase"], repeat("optim")), bool, n) & (ch >= 0)
+    idx = np.flatnonzero(sel)
     stage: dict[int, int] = {}
+    first: dict[int, int] = {}
     top = -1
-    region_top: dict = {}                   # region name -> the highest layer it names (-1: none)
-    for op, ph, ch, layer, st, region, kind in zip(c["op"], c["phase"], c["chunk"], c["layer"], c["stage"],
-                                                   c["region"], c["kind"]):
-        if op != "compute" or ph == "optim" or ch is None or ch < 0:
-            continue
-        ch, layer = int(ch), int(layer)
-        if ch not in stage:
-            stage[ch] = int(st)
-        if layer >= 0:
-            f = first.get(ch)
-            if f is None or layer < f:
-                first[ch] = layer
-        t = region_top.get(region)
-        if t is None:
-            t = region_top[region] = max((int(m.group(2) or m.group(1)) for m in _LAYER.finditer(region or "")),
-                                         default=-1)
-        if t > top:
-            top = t
-        if kind == "head" and layer - 1 > top:
-            top = layer - 1
+    if len(idx):
+        chs = ch[idx].astype(np.int64)
+        layer = np.asarray(c["layer"], np.int64)[idx]
+        uch, seen = np.unique(chs, return_index=True)
+        stage = dict(zip(uch.tolist(), np.asarray(c["stage"], np.int64)[idx[seen]].tolist()))
+        low = np.full(int(uch[-1]) + 1, np.iinfo(np.int64).max)
+        np.minimum.at(low, chs[layer >= 0], layer[layer >= 0])
+        first = {k: v for k, v in enumerate(low.tolist()) if v != np.iinfo(np.int64).max}
+        il = idx.tolist()
+        for region in set(_take(c["region"], il)):   # the highest layer any region names (-1: none)
+            top = max(top, max((int(m.group(2) or m.group(1)) for m in _LAYER.finditer(region or "")), default=-1))
+        head = np.fromiter(map(eq, _take(c["kind"], il), repeat("head")), bool, len(il))
+        if head.any():
+            top = max(top, int(layer[head].max()) - 1)
     if not stage:
         return s
     chunks = max(stage) + 1

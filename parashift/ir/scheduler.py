@@ -289,9 +289,10 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     stage_l = stage[seq_order[bounds[:-1]]].tolist() if n else []
     sid_l = sid[seq_order[bounds[:-1]]].tolist() if n else []
     per_stage: list[dict[str, tuple[Instr, ...]]] = [{} for _ in range(pp)]
+    num = _numeric(c)
     for gi in range(len(b) - 1):
         st, s = stage_l[gi], names[sid_l[gi]]
-        per_stage[st][s] = _instrs(seq_order[b[gi]:b[gi + 1]], st, s, ids, c, dep_col, alloc_c, free_c)
+        per_stage[st][s] = _instrs(seq_order[b[gi]:b[gi + 1]], st, s, ids, c, num, dep_col, alloc_c, free_c)
     progs: list[RankProgram] = []
     for st in range(pp):
         mem = dict(static_memory[st]) if st < len(static_memory) else {}
@@ -311,17 +312,29 @@ def _take(col: Sequence, idx: list[int]) -> list:
     return [col[i] for i in idx]
 
 
-def _instrs(nodes: np.ndarray, st: int, stream: str, ids: np.ndarray, c: dict, deps: list, alloc: list,
+def _numeric(c: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The chunk and micro-batch columns (int64), the FLOPs as Python floats would hold them
+    (float64) and the bytes truncated to ints (as ``int()`` does), for gathering by node."""
+    nb = np.asarray(c["nbytes"])
+    if nb.dtype.kind != "i":
+        nb = np.fromiter(map(int, c["nbytes"]), np.int64, len(nb))
+    return (np.asarray(c["chunk"], np.int64), np.asarray(c["mb"], np.int64), np.asarray(c["flops"], np.float64),
+            nb.astype(np.int64, copy=False))
+
+
+def _instrs(nodes: np.ndarray, st: int, stream: str, ids: np.ndarray, c: dict, num: tuple, deps: list, alloc: list,
             free: list) -> tuple[Instr, ...]:
-    """The instructions of ``nodes`` (one stage's stream, in stream order), built column by column."""
+    """The instructions of ``nodes`` (one stage's stream, in stream order), built column by column
+    (``num``: :func:`_numeric` of ``c``)."""
     idx = nodes.tolist()
     op = _take(c["op"], idx)
     comp = [o == "compute" for o in op]
     new, out = object.__new__, []
     append = out.append
+    chunk, mbs, flops, nbytes = (a[nodes].tolist() for a in num)
     for (i, o, d, ph, cm, ch, mb, rg, fl, nb, pe, gr, tg, ky, al, fr) in zip(
-            ids[nodes].tolist(), op, _take(deps, idx), _take(c["phase"], idx), comp, _take(c["chunk"], idx),
-            _take(c["mb"], idx), _take(c["region"], idx), _take(c["flops"], idx), _take(c["nbytes"], idx),
+            ids[nodes].tolist(), op, _take(deps, idx), _take(c["phase"], idx), comp, chunk,
+            mbs, _take(c["region"], idx), flops, nbytes,
             _take(c["peer"], idx), _take(c["group"], idx), _take(c["tag"], idx), _take(c["key"], idx),
             _take(alloc, idx), _take(free, idx)):
         # the frozen dataclass's fields set straight into its __dict__ (as Instr.make does; its
@@ -337,8 +350,8 @@ def _instrs(nodes: np.ndarray, st: int, stream: str, ids: np.ndarray, c: dict, d
         f["chunk"] = ch if ch >= 0 else None
         f["microbatch"] = mb if mb >= 0 else None
         f["region"] = rg if cm else None
-        f["flops"] = float(fl)
-        f["nbytes"] = int(nb)
+        f["flops"] = fl
+        f["nbytes"] = nb
         f["peer"] = pe
         f["group"] = gr
         f["root"] = None
@@ -388,8 +401,13 @@ def _act_buffers(c: dict, index: np.ndarray) -> tuple[dict[int, tuple[str, int]]
     last = {keys[k]: i for k, i in zip(inv[o][~fwd[o]].tolist(), nodes[o][~fwd[o]].tolist())}
     nbytes = dict(zip(keys, act_bytes.tolist()))
 
+    names_of: dict[tuple, Callable[[int], str]] = {}
+
     def name(k: tuple) -> str:
-        return str(T.StepBuffer("act", k[1], chunk=k[0], region=k[2] if k[3] else None))
+        fmt = names_of.get((k[0], k[2], k[3]))
+        if fmt is None:
+            fmt = names_of[(k[0], k[2], k[3])] = T.StepBuffer.act_name(k[0], k[2] if k[3] else None)
+        return fmt(k[1])
     alloc_extra = {i: (name(k), nbytes[k]) for k, i in first.items() if nbytes[k]}
     free_extra = {i: name(k) for k, i in last.items() if nbytes.get(k)}
     return alloc_extra, free_extra

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Union
+from typing import Callable, Union
 
 from ..errors import ProgramError
 from ..collectives import OPS
@@ -388,6 +388,14 @@ class StepBuffer:
                                f"z3|z3e.c<c>.<fwd|bwd>.m<mb>")
         if self.region is not None:
             _check_name(self.region, "region")
+
+    @classmethod
+    def act_name(cls, chunk: int, region: "str | None") -> Callable[[int], str]:
+        """``mb -> str(StepBuffer("act", mb, chunk=chunk, region=region))``, checked once (a compiler
+        names hundreds of thousands of them)."""
+        cls("act", 0, chunk=chunk, region=region)
+        head, tail = f"act.c{chunk}.m", "" if region is None else f".{region}"
+        return lambda mb: f"{head}{mb}{tail}"
 
     def __str__(self) -> str:
         if self.kind in ("act", "zg", "zge"):

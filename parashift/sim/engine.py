@@ -14,6 +14,9 @@ Memory: static state plus alloc/free, tracked per device.
 from __future__ import annotations
 
 import time
+from heapq import heappush
+from itertools import chain
+from operator import attrgetter
 from typing import Mapping, Sequence
 
 from ..cluster import Cluster
@@ -28,6 +31,7 @@ from .kernel import Event, Kernel
 __all__ = ["Engine", "RawRun", "resolve_devices"]
 
 _ACT_PREFIXES = ("act", "rc.")  # activation and recompute buffers; other named buffers are comm/params
+_ID, _DEPS = attrgetter("id"), attrgetter("deps")
 
 
 def resolve_devices(program: Program, cluster: Cluster,
@@ -131,8 +135,11 @@ class Engine:
         self.pending: dict[tuple[int, int], tuple] = {}  # posted send/recv not yet complete: (rank, stream, instr)
         for r in fo.reps:
             rp = self.program.ranks[r]
-            ids = {i.id for i in rp.instrs()}
-            needed = {d for i in rp.instrs() for d in i.deps}
+            ids: set = set()
+            needed: set = set()
+            for instrs in rp.streams.values():
+                ids.update(map(_ID, instrs))
+                needed.update(chain.from_iterable(map(_DEPS, instrs)))
             if not needed <= ids:
                 bad = min(needed - ids)
                 user = next(i for i in rp.instrs() if bad in i.deps)
@@ -182,6 +189,8 @@ class Engine:
             else (("compute", dev),)
         cell = self.progress[(r, s)]
         posted = self.cost.p2p_posted or (self.cost.step_p2p_posted and self.tp_step)
+        queue = env._queue
+        flow = self.net.flow
         for k, ins in enumerate(instrs):
             for d in ins.deps:
                 ev = done[d]
@@ -196,7 +205,14 @@ class Engine:
                 dt = ctime.get(key)
                 if dt is None:
                     dt = ctime[key] = self.cost.compute_time(ins, static_bytes, self.scores, self.workload)
-                ev = self.net.flow(cres, dt) if shared_compute else env.timeout(dt)
+                if shared_compute:
+                    ev = flow(cres, dt)
+                else:   # env.timeout(dt), inline
+                    if dt < 0:
+                        raise ValueError(f"negative delay {dt}")
+                    ev = Event(env)
+                    env._eid += 1
+                    heappush(queue, (start + dt, 1, env._eid, ev))
             elif op == "send" or op == "recv":
                 ev = self._p2p(r, ins)
                 if posted and ev.callbacks is not None:   # posted: the stream moves on, completion comes later
@@ -231,30 +247,34 @@ class Engine:
     # ---- memory -------------------------------------------------------------------------------
     def _alloc(self, r: int, ins: Instr) -> None:
         bufs = self.bufs[r]
+        cur = self.mem_cur[r]
         for name, b in ins.alloc:
             if name in bufs:
                 raise ProgramError(f"rank {r} instruction {ins.id} allocates buffer {name!r} twice; free it first")
             bufs[name] = b
-            self.mem_cur[r] += b
+            cur += b
             if name.startswith(_ACT_PREFIXES):
                 self.act_cur[r] += b
-        self.raw.mem_events.append((r, self.env.now, self.mem_cur[r]))
-        if self.mem_cur[r] > self.raw.peak[r]:
-            self.raw.peak[r] = self.mem_cur[r]
+        self.mem_cur[r] = cur
+        raw = self.raw
+        raw.mem_events.append((r, self.env._now, cur))
+        if cur > raw.peak[r]:
+            raw.peak[r] = cur
             act = self.act_cur[r]
-            self.raw.peak_parts[r] = {"activations": act,
-                                      "buffers": self.mem_cur[r] - act - sum(self.raw.static[r].values())}
+            raw.peak_parts[r] = {"activations": act, "buffers": cur - act - sum(raw.static[r].values())}
 
     def _free(self, r: int, ins: Instr) -> None:
         bufs = self.bufs[r]
+        cur = self.mem_cur[r]
         for name in ins.free:
             b = bufs.pop(name, None)
             if b is None:
                 raise ProgramError(f"rank {r} instruction {ins.id} frees buffer {name!r}, which is not allocated")
-            self.mem_cur[r] -= b
+            cur -= b
             if name.startswith(_ACT_PREFIXES):
                 self.act_cur[r] -= b
-        self.raw.mem_events.append((r, self.env.now, self.mem_cur[r]))
+        self.mem_cur[r] = cur
+        self.raw.mem_events.append((r, self.env._now, cur))
 
     # ---- transfers ----------------------------------------------------------------------------
     def _run_phases(self, phases: Sequence[Phase], link_ends: list[tuple[int, int | None]],
@@ -379,12 +399,16 @@ class Engine:
                 phases = self.phase_cache[pk] = self.cost.collective_phases(ins.op, ins.nbytes, topo)
             hit = self.coll_cache[ck] = (reps, phases, self._solo(r, reps, phases, ins.op))
         reps, phases, solo = hit
-        ev = self.env.event()
+        env = self.env
+        ev = Event(env)
         if solo is not None:  # one member, one phase: the flow precomputed (as _run_phases would run it)
             link, nbytes, links, work, delay = solo
             self.raw.link_bytes[link] += nbytes
-            if delay > 0:
-                self.env.timeout(delay).callbacks.append(lambda _e: self.net.flow(links, work, ev))
+            if delay > 0:   # env.timeout(delay), inline
+                t = Event(env)
+                t.callbacks.append(lambda _e: self.net.flow(links, work, ev))
+                env._eid += 1
+                heappush(env._queue, (env._now + delay, 1, env._eid, t))
             else:
                 self.net.flow(links, work, ev)
             return ev

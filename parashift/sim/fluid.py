@@ -7,6 +7,7 @@ recomputed only for the flows on the resources a starting or finishing flow touc
 """
 from __future__ import annotations
 
+from heapq import heappush
 from typing import Hashable, Sequence
 
 from .kernel import Event, Kernel
@@ -17,15 +18,21 @@ _EPS = 1e-15
 
 
 class _Flow:
-    __slots__ = ("links", "remaining", "rate", "t", "version", "done")
+    __slots__ = ("links", "remaining", "rate", "t", "version", "done", "net")
 
-    def __init__(self, links: tuple, work: float, done: Event, now: float) -> None:
+    def __init__(self, links: tuple, work: float, done: Event, now: float, net: "FluidNetwork") -> None:
         self.links = links
         self.remaining = work
         self.rate = 0.0
         self.t = now
         self.version = 0
         self.done = done
+        self.net = net
+
+    def finish(self, _ev: Event) -> None:
+        """The flow's first scheduled end (version 1) was processed."""
+        if self.version == 1:
+            self.net._finish(self, 1)
 
 
 class FluidNetwork:
@@ -45,20 +52,28 @@ class FluidNetwork:
         if work <= 0.0:
             done.succeed()
             return done
-        links = tuple(links)
-        f = _Flow(links, work, done, env.now)
+        if type(links) is not tuple:
+            links = tuple(links)
+        f = _Flow(links, work, done, env._now, self)
         shared = False
         cap = self.capacity
+        active = self.active
         for link in links:
-            lst = self.active.get(link)
+            lst = active.get(link)
             if lst is None:
-                self.active[link] = [f]
-            else:
-                shared = shared or len(lst) >= cap.get(link, 1.0)
+                active[link] = [f]
+            elif lst:
+                shared = shared or len(lst) >= (cap.get(link, 1.0) if cap else 1.0)
                 lst.append(f)
-        if not shared:  # alone on all its resources: full rate, no one else changes
+            else:
+                lst.append(f)
+        if not shared:  # alone on all its resources: full rate, no one else changes (as _schedule)
             f.rate = 1.0
-            self._schedule(f)
+            f.version = 1
+            env._eid += 1
+            ev = Event(env)
+            ev.callbacks.append(f.finish)
+            heappush(env._queue, (env._now + work, 1, env._eid, ev))
         else:
             self._update(self._neighbours(links))
         return done
@@ -96,10 +111,14 @@ class FluidNetwork:
         if version != f.version:
             return  # rescheduled since
         others = False
+        active = self.active
         for link in f.links:
-            lst = self.active[link]
-            lst.remove(f)
-            others = others or bool(lst)
+            lst = active[link]
+            if len(lst) == 1:
+                lst.pop()
+            else:
+                lst.remove(f)
+                others = True
         f.rate = 0.0
         if others:
             self._update(self._neighbours(f.links))

@@ -9,6 +9,7 @@ so the class's lowest rank (its representative) stands for all of them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Mapping
 
 import numpy as np
@@ -17,6 +18,8 @@ from ..ir.program import Instr, Program
 from ..cost import link_class, topology
 
 __all__ = ["Folding", "fold"]
+
+_GROUP, _PEER = attrgetter("group"), attrgetter("peer")
 
 
 @dataclass(frozen=True)
@@ -37,8 +40,8 @@ def _refs(prog) -> tuple[tuple, tuple]:
     groups: set = set()
     peers: set = set()
     for instrs in prog.streams.values():
-        groups.update({ins.group for ins in instrs})
-        peers.update({ins.peer for ins in instrs})
+        groups.update(map(_GROUP, instrs))
+        peers.update(map(_PEER, instrs))
     groups.discard(None)
     peers.discard(None)
     key = lambda x: (isinstance(x, tuple), str(x))  # noqa: E731
