@@ -346,8 +346,9 @@ def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict, staged: float
                            steps_done=0)
             dt = _allmax(world, time.perf_counter() - t0)
             cpu = _allsum(world, time.process_time() - c0)
-            ph = {k: _allmax(world, v) for k, v in sorted({**rec.phases, "transfer": rec.transfer_seconds,
-                                                           "verify": rec.verify_seconds}.items())}
+            mine = sorted({**rec.phases, "transfer": rec.transfer_seconds, "verify": rec.verify_seconds}.items())
+            ph = {k: _allmax(world, v) for k, v in mine}
+            ph.update({f"mean_{k}": _allsum(world, v) / world.size() for k, v in mine})
             if rep:                       # the first run warms the pool and the allocator
                 sw.append(dt)
                 sw_cpu.append(cpu)
@@ -368,7 +369,9 @@ def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict, staged: float
                "bytes_moved": SwitchMeta.of(planned.program).bytes_moved,
                "bytes_kept": SwitchMeta.of(planned.program).bytes_kept, "switch_runs": sw, "floor_runs": fl,
                "cpu_seconds": statistics.median(sw_cpu), "floor_cpu_seconds": statistics.median(fl_cpu),
-               "phases": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
+               "phases": {k: statistics.median(p[k] for p in phases) for k in phases[0] if not k.startswith("mean_")},
+               "phases_mean": {k[5:]: statistics.median(p[k] for p in phases) for k in phases[0]
+                               if k.startswith("mean_")},
                "memory_max_rank": mem}
         if host_of is not None:
             res.update(hosts={str(h): list(d) for h, d in HOSTS.items()},
@@ -402,13 +405,13 @@ def _round(spec, args) -> dict:
     dirs = {} if args.no_dcp or args.staged else {"shm": shm, "disk": disk}
     cases = {}
     try:
-        if args.set != "two-hosts":
+        if args.set != "two-hosts" and any(args.case in c[0] for c in CASES):
             res = launch_elastic(_worker, [Member(d, 0, 0) for d in range(4)],
                                  args=(spec, args.repeats, args.dcp_repeats, dirs, args.staged, args.placement,
-                                       args.unverified),
+                                       args.unverified, tuple(c for c in CASES if args.case in c[0])),
                                  timeout=3000)
             cases.update(res["0.0"])
-        if args.set != "one-host" and args.staged is None:
+        if args.set != "one-host" and args.staged is None and any(args.case in c[0] for c in HOST_CASES):
             cases.update(_two_hosts(args, dirs))
     finally:
         shutil.rmtree(shm, ignore_errors=True)
@@ -436,7 +439,7 @@ def _two_hosts(args, dirs: dict) -> dict:
         port = s.getsockname()[1]
     env = dict(os.environ, **{SECRET_ENV: secrets.token_hex(16)})
     cfg = json.dumps({"port": port, "small": args.small, "repeats": args.repeats, "dcp_repeats": args.dcp_repeats,
-                      "dirs": dirs, "placement": args.placement, "unverified": args.unverified})
+                      "dirs": dirs, "placement": args.placement, "unverified": args.unverified, "case": args.case})
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--host", str(h), "--host-config", cfg],
                               stdout=subprocess.PIPE, text=True, env=env, start_new_session=True) for h in HOSTS]
     try:
@@ -466,7 +469,8 @@ def _host(h: int, cfg: dict) -> None:
     host_of = {d: k for k, ds in HOSTS.items() for d in ds}
     res = launch_elastic(_worker, [Member(d, 0, 0) for d in HOSTS[h]],
                          args=(_model(cfg["small"]), cfg["repeats"], cfg["dcp_repeats"], cfg["dirs"], None,
-                               cfg["placement"], cfg["unverified"], tuple(HOST_CASES), host_of), timeout=3000, job=job)
+                               cfg["placement"], cfg["unverified"],
+                               tuple(c for c in HOST_CASES if cfg["case"] in c[0]), host_of), timeout=3000, job=job)
     job.store.set(f"bench/done/{h}", "1")
     if h == 1:                      # the store lives here: serve it until every host is done
         job.store.wait([f"bench/done/{k}" for k in HOSTS])
@@ -516,6 +520,8 @@ def main() -> None:
                          "drifts between runs more than within one); report every round and their medians")
     ap.add_argument("--set", choices=("all", "one-host", "two-hosts"), default="all",
                     help="which cases: all (default), the one-host cases, or the 2-host cases")
+    ap.add_argument("--case", default="", metavar="TEXT",
+                    help="only the cases whose name contains TEXT (e.g. zero: dp4z1, or dp2pp2)")
     ap.add_argument("--host", type=int, help=argparse.SUPPRESS)           # one host of the 2-host cases
     ap.add_argument("--host-config", help=argparse.SUPPRESS)
     args = ap.parse_args()

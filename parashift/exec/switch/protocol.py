@@ -162,6 +162,9 @@ class SwitchRecord:
     rss_start_bytes: int = 0       # this process's resident memory when the transfer began ...
     rss_peak_bytes: int = 0        # ... and its high-water mark during transfer and verify (Linux)
     phases: dict = field(default_factory=dict)           # transfer driver seconds: keep, pack, unpack, ...
+    #: seconds outside the transfer: ``setup`` (the executor, before the transfer), and per verification round
+    #: ``publish`` (this device's record), ``wait`` (until every participant's record is there), ``read``
+    verify_phases: dict = field(default_factory=dict)
     joining: bool = False          # this process had no state before (its "pause" is its whole join)
     aborted: str | None = None
     rows: list[tuple] = field(default_factory=list)      # (stream, op, start, end) absolute wall clock
@@ -190,6 +193,7 @@ def execute_switch(prep: Prepared, store, prefix: str, device: int, old: StateSt
     :class:`~.executor.SwitchExecutor`). Raises SwitchAborted when anything fails; the old
     layout's state is then whole again (never written, or restored from verified copies).
     """
+    t_in = time.time()
     kv = dist.PrefixStore(prefix, store)
     parts = prep.planned.participants
     leader = min(prep.planned.src_devices)
@@ -203,6 +207,7 @@ def execute_switch(prep: Prepared, store, prefix: str, device: int, old: StateSt
                         host_wire=host_wire)
     meta = None if old is None else {"steps_done": steps_done,
                                      "opt_step": max(b.step for b in old.buffers.values())}
+    record.verify_phases["setup"] = time.time() - t_in
     if prep.planned.staged:
         recs = _run_staged(ex, prep, kv, store, device, old, new, record, timeout, meta)
     else:
@@ -222,6 +227,7 @@ def execute_switch(prep: Prepared, store, prefix: str, device: int, old: StateSt
             raise SwitchAborted(f"switch at step {record.step} aborted and rolled back to {record.src}: "
                                 f"{fails[0]}", fails[0])
     _stats(record, ex.stats)
+    record.phases.update({k: round(v, 6) for k, v in record.verify_phases.items()})
     record.rss_peak_bytes = rss_bytes()[1]
     return recs[parts.index(leader)]["meta"]
 
@@ -251,9 +257,12 @@ def _decide(kv, store, name: str, device: int, parts, stats, sent_before: set, r
     failed) when a participant never publishes."""
     sent = {k: v for k, v in stats.sent_crc.items() if k not in sent_before}
     recv = {k: v for k, v in stats.recv_crc.items() if k not in recv_before}
+    t0 = time.time()
     kv.set(f"{name}/{device}", json.dumps({"fail": reason, "sent": sent, "recv": recv, "meta": meta}))
     keys = [f"{name}/{d}" for d in parts]
+    t1 = time.time()
     _await(kv, keys, timeout, lambda: _gone(store, [d for d in parts if not kv.check([f"{name}/{d}"])]))
+    t2 = time.time()
     if not kv.check(keys):
         missing = [d for d in parts if not kv.check([f"{name}/{d}"])]
         raise SwitchAborted(f"switch at step {record.step} aborted: device(s) {missing} never finished "
@@ -270,6 +279,9 @@ def _decide(kv, store, name: str, device: int, parts, stats, sent_before: set, r
             elif theirs != mine:
                 fails.append(f"device {d}: the checksum of received transfer {k} is {mine:#010x} but "
                              f"the sender sent {theirs:#010x}")
+    vp = record.verify_phases
+    for k, v in (("publish", t1 - t0), ("wait", t2 - t1), ("read", time.time() - t2)):
+        vp[k] = vp.get(k, 0.0) + v
     return fails, recs
 
 
