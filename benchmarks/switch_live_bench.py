@@ -26,9 +26,14 @@ The destination devices are ordered as a live job orders them (``--placement kee
 that keeps the most state in place, reported as ``dst_devices``); ``--placement given`` runs
 rank i on device i. DCP and the floor run on the same order.
 
-``phases`` (per case, slowest rank, median of the repeats): the transfer and verify phases, and
-the transfer driver's own seconds (``keep``/``pack``/``unpack`` copies, ``checksum``, ``issue``,
-``idle``: waiting on the wire). ``memory_max_rank``: the largest per-rank switch memory figures.
+``phases`` (per case, slowest rank, median of the repeats; ``phases_mean``: the mean over ranks): the
+transfer and verify phases, the transfer driver's own seconds (``keep``/``pack``/``unpack`` copies,
+``checksum``, ``issue``, ``idle``: waiting on the wire), the seconds outside the transfer (``setup``:
+the executor; verification's ``publish``, ``wait`` for every record, ``read``; ``gc``), and CPU
+seconds, which a busy host inflates less than wall time: ``cpu`` (the process, every thread),
+``driver_cpu`` (the driver thread), ``keep_cpu``, ``checksum_cpu``. Planning and world creation
+(``plan_seconds``, ``world_seconds``) run before the switch, as a live job runs them in the background
+after the notice. ``memory_max_rank``: the largest per-rank switch memory figures.
 ``cpu_seconds`` / ``floor_cpu_seconds``: CPU seconds of all four processes together (every
 thread, gloo's included) during the switch / the floor, a figure a busy host disturbs less than
 wall time.
@@ -42,7 +47,8 @@ the median over rounds of its seconds and ratios, and each ratio's lowest and hi
 (``vs_floor_range``, ``vs_dcp_disk_range``, ``vs_dcp_shm_range``). Progress goes to stderr.
 
 Run: ``python benchmarks/switch_live_bench.py [--repeats 3] [--dcp-repeats 2] [--rounds 1] [--small]
-[--placement given] [--set all|one-host|two-hosts]``.
+[--placement given] [--set all|one-host|two-hosts] [--case TEXT]`` (``--case``: only the cases whose
+name contains TEXT, e.g. ``dp4z1``).
 """
 from __future__ import annotations
 
@@ -365,7 +371,8 @@ def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict, staged: float
                for k in ("old_bytes", "new_bytes", "staging_peak_bytes", "peak_bytes")}
         res = {"dst_devices": list(ddev), "switch_seconds": statistics.median(sw),
                "floor_seconds": statistics.median(fl),
-               "plan_seconds": _allmax(world, plan_s), "alloc_seconds": statistics.median(al),
+               "plan_seconds": _allmax(world, plan_s), "world_seconds": _allmax(world, world_s),
+               "alloc_seconds": statistics.median(al),
                "bytes_moved": SwitchMeta.of(planned.program).bytes_moved,
                "bytes_kept": SwitchMeta.of(planned.program).bytes_kept, "switch_runs": sw, "floor_runs": fl,
                "cpu_seconds": statistics.median(sw_cpu), "floor_cpu_seconds": statistics.median(fl_cpu),
