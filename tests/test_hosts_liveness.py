@@ -1,4 +1,4 @@
-"""How the first host of a multi-host job finds a lost agent: its liveness connection closing, or its heartbeat window."""
+"""How the first host of a multi-host job finds a lost agent: its liveness connection closes, or its heartbeat stops."""
 from __future__ import annotations
 
 import socket

@@ -21,7 +21,8 @@ agent starts its processes for that generation.
 
 A host lost without notice: the first host declares an agent lost as soon as its liveness connection
 closes (:func:`_liveness`: the kernel closes it when the agent's process dies) or when its heartbeat stood
-still for the job's heartbeat window (:func:`_monitor`, ``--heartbeat-timeout``); the survivors recover (:mod:`.recover`) from their copies or from a
+still for the job's heartbeat window (:func:`_monitor`, ``--heartbeat-timeout``); the survivors recover
+(:mod:`.recover`) from their copies or from a
 snapshot (:mod:`.snapshot`). The first host serves the store and holds device 0, which runs every
 recovery: losing it ends the job.
 
@@ -460,7 +461,6 @@ def _liveness(store: Any, host: str, secret: str) -> None:
     crash, the machine went down with a reset) before the agent reported or failed, the agent is declared
     lost at once (:func:`_declare_lost`). A host cut off without a reset is caught by the heartbeat window."""
     import hmac
-    import os as _os
     import threading
     info = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
     srv = socket.socket(info[0], socket.SOCK_STREAM)
@@ -473,7 +473,7 @@ def _liveness(store: Any, host: str, secret: str) -> None:
     def serve_one(conn: socket.socket) -> None:
         try:
             conn.settimeout(30.0)
-            nonce = _os.urandom(16)
+            nonce = os.urandom(16)
             conn.sendall(nonce)
             got = _recv_exact(conn, 36)
             h = int.from_bytes(got[:4], "big")

@@ -227,7 +227,7 @@ class SwitchExecutor:
         self._splits: dict[str, tuple] = {}
         self.msgs: dict[str, list[torch.Tensor]] = {}       # p2p tag -> its messages
         self.direct: dict[str, list[bool]] = {}             # p2p tag -> whether each message is a view of the old state
-        self.sent_sums: dict[tuple[int, int], Any] = {}     # (address, bytes) of a sent part of the old state -> its sum
+        self.sent_sums: dict[tuple[int, int], Any] = {}     # (address, bytes) of a sent part of the old state -> sum
         self.temps: dict[str, list[torch.Tensor]] = {}      # p2p tag -> pooled buffers it uses
         self.later: collections.deque = collections.deque()  # deferred work, run while the wire is busy
         self._comm: dict[str, Instr] = {}
@@ -459,7 +459,8 @@ class SwitchExecutor:
         acc: list = []            # part checksums, folded in order when the run ends
         # parts sent straight from the old state (never written during the switch): a piece sent to several
         # peers is summed once
-        shared = [d for m, d in zip(msgs, self.direct.get(ins.tag, ())) for _ in range(0, max(m.numel(), 1), self.chunk)]
+        shared = [d for m, d in zip(msgs, self.direct.get(ins.tag, ()))
+                  for _ in range(0, max(m.numel(), 1), self.chunk)]
 
         def part(j: int) -> None:
             if not sending and self.on_received is not None:
