@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 
@@ -50,6 +51,12 @@ def test_an_agent_whose_process_dies_is_declared_lost_at_once():
     t0 = time.monotonic()
     assert hosts._silent_hosts(store) == [(2, "2-3")]
     assert time.monotonic() - t0 < 30.0       # not the 300 s half-window
+    hosts._hold_liveness(store, "127.0.0.1", SECRET, 3)
+    conn = hosts._LIVE.pop()
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    conn.close()                              # a reset instead of an orderly close
+    _until(store, "hosts/dead/3")
+    assert store.check(["dead/4", "dead/5"]) and int(store.add(FAULT_KEY, 0)) == fault + 2
 
 
 def test_a_finished_agent_and_a_stranger_are_not_declared_lost():

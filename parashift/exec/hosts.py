@@ -471,27 +471,28 @@ def _liveness(store: Any, host: str, secret: str) -> None:
     lock = threading.Lock()
 
     def serve_one(conn: socket.socket) -> None:
-        try:
-            conn.settimeout(30.0)
-            nonce = os.urandom(16)
-            conn.sendall(nonce)
-            got = _recv_exact(conn, 36)
-            h = int.from_bytes(got[:4], "big")
-            if not hmac.compare_digest(got, _proof(secret, nonce, h)):
-                return
-            conn.settimeout(None)
-            while conn.recv(64):
-                pass
-        except OSError:
-            pass
-        else:
+        with conn:
+            try:
+                conn.settimeout(30.0)
+                nonce = os.urandom(16)
+                conn.sendall(nonce)
+                got = _recv_exact(conn, 36)
+                h = int.from_bytes(got[:4], "big")
+                if not hmac.compare_digest(got, _proof(secret, nonce, h)):
+                    return
+                conn.settimeout(None)
+            except OSError:
+                return                      # not an agent of this job: nothing to watch
+            try:
+                while conn.recv(64):
+                    pass
+            except OSError:
+                pass                        # a reset: closed as well
             try:
                 with lock:
                     _declare_lost(watch, h)
             except Exception:  # noqa: BLE001 - the store is gone: the job is over
                 pass
-        finally:
-            conn.close()
 
     def accept() -> None:
         while True:
