@@ -182,6 +182,9 @@ def test_cli_errors(capsys):
     assert "--endpoint" in capsys.readouterr().err
     assert main(["run", "--live", "--strategy", "dp=2", "--snapshot-every", "2"]) != 0
     assert "add --endpoint" in capsys.readouterr().err
+    assert main(["run", "--live", "--strategy", "dp=2", "--heartbeat-timeout", "2"]) != 0
+    assert "--heartbeat-timeout is for a multi-host" in capsys.readouterr().err
+    assert main(["run", "--live", "--strategy", "dp=2", "--heartbeat-timeout", "0"]) != 0
 
 
 @settings(max_examples=40, deadline=None)
