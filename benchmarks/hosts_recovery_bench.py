@@ -9,8 +9,9 @@ process group gets SIGKILL. Per case, the medians of ``--repeats`` runs:
   survivors restore the newest DCP snapshot;
 
 ``kill_to_training_s``: from the SIGKILL until device 0 stores its loss share of step S + 1, S being
-the first step the new layout (re-)runs (so S has completed); ``recovery_s``: the job's own
-``seconds`` of the recovery (the decision, state and world; the heartbeat window included);
+the first step the new layout (re-)runs (so S has completed); ``detect_s``: from the SIGKILL until the
+first host has declared host 2 lost (``hosts/dead/2``: its liveness connection closed, or its heartbeat
+window ran out); ``recovery_s``: the job's own ``seconds`` of the recovery (the decision, state and world);
 ``steps_lost``. ``cold_start_s``: the same job started from nothing until device 0 stores its share
 of step 1 (step 0 completed; processes, imports, store, worlds): what any restart costs before it
 even reads a checkpoint; the ratio
@@ -76,8 +77,10 @@ def one(strategy: str, extra: list[str], kill: bool) -> dict:
             tk = time.monotonic()
             os.killpg(agent.pid, signal.SIGKILL)
             agent.wait()
-            g = None
-            while g is None:
+            g, td = None, None
+            while g is None or td is None:
+                if td is None and store.check(["hosts/dead/2"]):
+                    td = time.monotonic()
                 if store.check(["hosts/recovery"]) and store.check([f"hosts/plan/{int(store.get('hosts/recovery'))}"]):
                     g = int(store.get("hosts/recovery"))
                 time.sleep(0.002)
@@ -86,7 +89,8 @@ def one(strategy: str, extra: list[str], kill: bool) -> dict:
             back = _until(store, f"hosts/loss/{plan['step'] + 1}/0", [first])
             out, _ = first.communicate(timeout=150)
             (sw,) = [s for s in json.loads(out)["switches"] if s["cause"] == "failure"]
-            return {"kill_to_training_s": back - tk, "recovery_s": sw["seconds"], "steps_lost": sw["steps_lost"],
+            return {"kill_to_training_s": back - tk, "detect_s": td - tk, "recovery_s": sw["seconds"],
+                    "steps_lost": sw["steps_lost"],
                     "recovered_from": sw["recovered_from"]}
         finally:
             for p in (first, agent):
@@ -119,8 +123,8 @@ def main() -> None:
     for name, (st, extra) in cases.items():
         runs = [one(st, extra, kill=True) for _ in range(a.repeats)]
         out[name] = {"strategy": st, "recovered_from": sorted({r["recovered_from"] for r in runs}),
-                     **{k: statistics.median(r[k] for r in runs) for k in ("kill_to_training_s", "recovery_s",
-                                                                            "steps_lost")}}
+                     **{k: statistics.median(r[k] for r in runs) for k in ("kill_to_training_s", "detect_s",
+                                                                            "recovery_s", "steps_lost")}}
         print(f"{name}: {out[name]}", file=sys.stderr, flush=True)
     out["cold_start_s"] = statistics.median(one("dp=4", [], kill=False)["cold_start_s"] for _ in range(a.repeats))
     loads = [dcp_load() for _ in range(a.repeats)]

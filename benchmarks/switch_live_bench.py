@@ -26,9 +26,14 @@ The destination devices are ordered as a live job orders them (``--placement kee
 that keeps the most state in place, reported as ``dst_devices``); ``--placement given`` runs
 rank i on device i. DCP and the floor run on the same order.
 
-``phases`` (per case, slowest rank, median of the repeats): the transfer and verify phases, and
-the transfer driver's own seconds (``keep``/``pack``/``unpack`` copies, ``checksum``, ``issue``,
-``idle``: waiting on the wire). ``memory_max_rank``: the largest per-rank switch memory figures.
+``phases`` (per case, slowest rank, median of the repeats; ``phases_mean``: the mean over ranks): the
+transfer and verify phases, the transfer driver's own seconds (``keep``/``pack``/``unpack`` copies,
+``checksum``, ``issue``, ``idle``: waiting on the wire), the seconds outside the transfer (``setup``:
+the executor; verification's ``publish``, ``wait`` for every record, ``read``; ``gc``), and CPU
+seconds, which a busy host inflates less than wall time: ``cpu`` (the process, every thread),
+``driver_cpu`` (the driver thread), ``keep_cpu``, ``checksum_cpu``. Planning and world creation
+(``plan_seconds``, ``world_seconds``) run before the switch, as a live job runs them in the background
+after the notice. ``memory_max_rank``: the largest per-rank switch memory figures.
 ``cpu_seconds`` / ``floor_cpu_seconds``: CPU seconds of all four processes together (every
 thread, gloo's included) during the switch / the floor, a figure a busy host disturbs less than
 wall time.
@@ -42,7 +47,8 @@ the median over rounds of its seconds and ratios, and each ratio's lowest and hi
 (``vs_floor_range``, ``vs_dcp_disk_range``, ``vs_dcp_shm_range``). Progress goes to stderr.
 
 Run: ``python benchmarks/switch_live_bench.py [--repeats 3] [--dcp-repeats 2] [--rounds 1] [--small]
-[--placement given] [--set all|one-host|two-hosts]``.
+[--placement given] [--set all|one-host|two-hosts] [--case TEXT]`` (``--case``: only the cases whose
+name contains TEXT, e.g. ``dp4z1``).
 """
 from __future__ import annotations
 
@@ -346,8 +352,9 @@ def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict, staged: float
                            steps_done=0)
             dt = _allmax(world, time.perf_counter() - t0)
             cpu = _allsum(world, time.process_time() - c0)
-            ph = {k: _allmax(world, v) for k, v in sorted({**rec.phases, "transfer": rec.transfer_seconds,
-                                                           "verify": rec.verify_seconds}.items())}
+            mine = sorted({**rec.phases, "transfer": rec.transfer_seconds, "verify": rec.verify_seconds}.items())
+            ph = {k: _allmax(world, v) for k, v in mine}
+            ph.update({f"mean_{k}": _allsum(world, v) / world.size() for k, v in mine})
             if rep:                       # the first run warms the pool and the allocator
                 sw.append(dt)
                 sw_cpu.append(cpu)
@@ -364,11 +371,14 @@ def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict, staged: float
                for k in ("old_bytes", "new_bytes", "staging_peak_bytes", "peak_bytes")}
         res = {"dst_devices": list(ddev), "switch_seconds": statistics.median(sw),
                "floor_seconds": statistics.median(fl),
-               "plan_seconds": _allmax(world, plan_s), "alloc_seconds": statistics.median(al),
+               "plan_seconds": _allmax(world, plan_s), "world_seconds": _allmax(world, world_s),
+               "alloc_seconds": statistics.median(al),
                "bytes_moved": SwitchMeta.of(planned.program).bytes_moved,
                "bytes_kept": SwitchMeta.of(planned.program).bytes_kept, "switch_runs": sw, "floor_runs": fl,
                "cpu_seconds": statistics.median(sw_cpu), "floor_cpu_seconds": statistics.median(fl_cpu),
-               "phases": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
+               "phases": {k: statistics.median(p[k] for p in phases) for k in phases[0] if not k.startswith("mean_")},
+               "phases_mean": {k[5:]: statistics.median(p[k] for p in phases) for k in phases[0]
+                               if k.startswith("mean_")},
                "memory_max_rank": mem}
         if host_of is not None:
             res.update(hosts={str(h): list(d) for h, d in HOSTS.items()},
@@ -402,13 +412,13 @@ def _round(spec, args) -> dict:
     dirs = {} if args.no_dcp or args.staged else {"shm": shm, "disk": disk}
     cases = {}
     try:
-        if args.set != "two-hosts":
+        if args.set != "two-hosts" and any(args.case in c[0] for c in CASES):
             res = launch_elastic(_worker, [Member(d, 0, 0) for d in range(4)],
                                  args=(spec, args.repeats, args.dcp_repeats, dirs, args.staged, args.placement,
-                                       args.unverified),
+                                       args.unverified, tuple(c for c in CASES if args.case in c[0])),
                                  timeout=3000)
             cases.update(res["0.0"])
-        if args.set != "one-host" and args.staged is None:
+        if args.set != "one-host" and args.staged is None and any(args.case in c[0] for c in HOST_CASES):
             cases.update(_two_hosts(args, dirs))
     finally:
         shutil.rmtree(shm, ignore_errors=True)
@@ -436,7 +446,7 @@ def _two_hosts(args, dirs: dict) -> dict:
         port = s.getsockname()[1]
     env = dict(os.environ, **{SECRET_ENV: secrets.token_hex(16)})
     cfg = json.dumps({"port": port, "small": args.small, "repeats": args.repeats, "dcp_repeats": args.dcp_repeats,
-                      "dirs": dirs, "placement": args.placement, "unverified": args.unverified})
+                      "dirs": dirs, "placement": args.placement, "unverified": args.unverified, "case": args.case})
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--host", str(h), "--host-config", cfg],
                               stdout=subprocess.PIPE, text=True, env=env, start_new_session=True) for h in HOSTS]
     try:
@@ -466,7 +476,8 @@ def _host(h: int, cfg: dict) -> None:
     host_of = {d: k for k, ds in HOSTS.items() for d in ds}
     res = launch_elastic(_worker, [Member(d, 0, 0) for d in HOSTS[h]],
                          args=(_model(cfg["small"]), cfg["repeats"], cfg["dcp_repeats"], cfg["dirs"], None,
-                               cfg["placement"], cfg["unverified"], tuple(HOST_CASES), host_of), timeout=3000, job=job)
+                               cfg["placement"], cfg["unverified"],
+                               tuple(c for c in HOST_CASES if cfg["case"] in c[0]), host_of), timeout=3000, job=job)
     job.store.set(f"bench/done/{h}", "1")
     if h == 1:                      # the store lives here: serve it until every host is done
         job.store.wait([f"bench/done/{k}" for k in HOSTS])
@@ -516,6 +527,8 @@ def main() -> None:
                          "drifts between runs more than within one); report every round and their medians")
     ap.add_argument("--set", choices=("all", "one-host", "two-hosts"), default="all",
                     help="which cases: all (default), the one-host cases, or the 2-host cases")
+    ap.add_argument("--case", default="", metavar="TEXT",
+                    help="only the cases whose name contains TEXT (e.g. zero: dp4z1, or dp2pp2)")
     ap.add_argument("--host", type=int, help=argparse.SUPPRESS)           # one host of the 2-host cases
     ap.add_argument("--host-config", help=argparse.SUPPRESS)
     args = ap.parse_args()

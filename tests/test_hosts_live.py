@@ -115,8 +115,9 @@ KILLED = [
 @pytest.mark.parametrize("strategy,extra,path", KILLED)
 def test_a_killed_host(strategy, extra, path, capsys, tmp_path):
     """SIGKILL of an agent's whole process group mid-run (2 hosts x 2 processes). The survivors stop
-    within seconds (the first failed step interrupts the others' waits), device 0 names the silent
-    host by its heartbeat, and the job goes on on devices 0-1: from the survivors' own copies when
+    within seconds (the first failed step interrupts the others' waits), the first host declares the
+    host lost as its liveness connection closes (not by its heartbeat: the recovery would then wait
+    half the window here, 75 s), and the job goes on on devices 0-1: from the survivors' own copies when
     every cell of the layout survives, else from the newest DCP snapshot (the steps since are re-run
     and reported lost); with neither it ends non-zero naming the host. The losses equal the static
     job's on every step; nothing is left running."""
@@ -124,7 +125,8 @@ def test_a_killed_host(strategy, extra, path, capsys, tmp_path):
     env = dict(os.environ, **{SECRET_ENV: SECRET}, PYTHONUNBUFFERED="1")
     at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", "150", "--nprocs", "2"]
     job = ["--model", "tiny-gpt", "--strategy", strategy, "--steps", "20", "--live"]
-    first = _host(["run", *job, *at, *extra, "--snapshot-dir", str(tmp_path), "--json"], env)
+    first = _host(["run", *job, *at, *extra, "--snapshot-dir", str(tmp_path), "--heartbeat-timeout", "150",
+                   "--json"], env)
     time.sleep(0.5)
     agent = _host(["join", *at], env)
     from parashift.exec.jobstore import connect
@@ -145,6 +147,7 @@ def test_a_killed_host(strategy, extra, path, capsys, tmp_path):
         said = {r["host"]: r for r in got["survivability"]}          # what the first host said at the start
         assert said[2]["recovers_from"] == path and said[2]["layout"] == sw["dst"] and said[1]["recovers_from"] == "none"
         assert sw["dst_devices"] == [0, 1] and sw["failed_at"] >= 4
+        assert sw["seconds"] < 60        # named at once (by the heartbeat, device 0 would wait 75 s)
         if path == "replicas":
             assert sw["steps_lost"] == 0 and sw["step"] == sw["failed_at"]
         else:               # the newest whole snapshot: a multiple of 2 (the newest may be unfinished)
@@ -180,6 +183,9 @@ def test_cli_errors(capsys):
     assert "--endpoint" in capsys.readouterr().err
     assert main(["run", "--live", "--strategy", "dp=2", "--snapshot-every", "2"]) != 0
     assert "add --endpoint" in capsys.readouterr().err
+    assert main(["run", "--live", "--strategy", "dp=2", "--heartbeat-timeout", "2"]) != 0
+    assert "--heartbeat-timeout is for a multi-host" in capsys.readouterr().err
+    assert main(["run", "--live", "--strategy", "dp=2", "--heartbeat-timeout", "0"]) != 0
 
 
 @settings(max_examples=40, deadline=None)
@@ -267,9 +273,10 @@ def test_survivability_says_which_host_losses_the_layout_survives():
 def test_a_host_killed_mid_switch(capsys):
     """Hosts 1 and 2 (two processes each) train dp=4; host 3 joins and the job starts switching to dp=6
     (no notice: the communicators are built in the switch's pause); host 2 is killed as the switch
-    begins. The monitor declares it lost, the switch aborts with the old layout's state whole, and the
-    survivors recover from their replicas (dp=2 on host 1); host 3's processes leave unused. The losses
-    equal the static job's; every remaining host exits 0; nothing is left running."""
+    begins. The first host declares it lost (its liveness connection closes), the switch aborts with the
+    old layout's state whole, and the survivors recover from their replicas (dp=2 on host 1); host 3's
+    processes leave unused. The losses equal the static job's; every remaining host exits 0; nothing is
+    left running."""
     port = _free_port()
     env = dict(os.environ, **{SECRET_ENV: SECRET}, PYTHONUNBUFFERED="1")
     at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", "150", "--nprocs", "2"]

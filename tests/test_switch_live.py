@@ -215,6 +215,22 @@ def test_broadcast_goes_message_by_message_from_the_state_and_a_corrupted_part_r
     assert_rolled_back(bad, static)
 
 
+def test_a_shard_sent_to_both_replicas_of_its_new_cell_is_summed_once():
+    # ZeRO-1 shards -> dp=2,tp=2: a device sends the part of its moment shard in the other tp half to both
+    # replicas of that half, straight from its state; the sender sums those parts once, both receivers check them
+    src, dst = "dp=4,zero=1", "dp=2,tp=2"
+    planned = plan_live_switch(GPT, Strategy.parse(src), Strategy.parse(dst), (0, 1, 2, 3), (0, 1, 2, 3))
+    P = SwitchMeta.of(planned.program).pieces
+    sent = P.transfer >= 0
+    boxes = np.column_stack([P.src, P.tensor, P.kind, P.lo, P.hi])[sent]
+    assert len(np.unique(boxes, axis=0)) < len(boxes)          # some piece goes to two peers
+    ok = run_live(GPT, src, steps=2, switches=[(1, dst, None)], export=True, timeout=120, switch_timeout=20,
+                  big_piece=1024)
+    assert check_switches(GPT, ok) == 1
+    recs = [sw for r in ok.reports.values() if r for sw in r["switches"]]
+    assert sum(sw["sums_reused"] for sw in recs) > 0 and not any(sw.get("aborted") for sw in recs)
+
+
 def test_killed_leaving_rank_ends_in_a_clean_error_with_survivors_intact():
     static = run_live(GPT, "dp=4,zero=1", steps=2, export=True, timeout=120)
     res = run_live(GPT, "dp=4,zero=1", steps=4, switches=[(2, "dp=2", (0, 1))], timeout=120, switch_timeout=6,

@@ -5,7 +5,7 @@ import argparse
 import os
 
 from ..errors import StrategyError
-from ..validate import arg_int
+from ..validate import arg_float, arg_int
 from .options import resolve_device
 
 __all__ = ["add_host_arguments", "run_cli", "parse_strategy_for"]
@@ -47,6 +47,10 @@ def add_host_arguments(p: argparse.ArgumentParser, first: bool = True) -> None:
                        help="multi-host live job: the strategy to switch to when hosts join or leave and the job "
                             "has N devices (repeatable; e.g. 4:tp=2,dp=2 2:pp=2); for other counts the current "
                             "strategy's dp is widened or narrowed")
+        p.add_argument("--heartbeat-timeout", type=arg_float(0, 86400, lo_open=True), default=None, metavar="SECONDS",
+                       help="multi-host live job: declare a host lost after its heartbeat stood still this long "
+                            "(default 4; agents beat 8 times a window, at most every 0.5 s). A host whose agent "
+                            "process dies is declared lost at once, through its liveness connection")
         p.add_argument("--snapshot-every", type=arg_int(0, 1_000_000), default=0, metavar="STEPS",
                        help="multi-host live job: write a DCP snapshot every STEPS steps in the background; a host "
                             "lost without a surviving copy of its state restores from the newest (default 0: none)")
@@ -79,7 +83,8 @@ def run_cli(args: argparse.Namespace) -> dict:
                          optim=OptimConfig(lr=args.lr), notice=args.switch_notice, memory_budget=budget,
                          placement=args.switch_placement, on_join=args.on_join,
                          snapshot_every=args.snapshot_every, snapshot_dir=os.path.abspath(args.snapshot_dir),
-                         strategy_for=table, device=device)
+                         strategy_for=table, device=device,
+                         **({} if args.heartbeat_timeout is None else {"heartbeat_timeout": args.heartbeat_timeout}))
     out = {"model": models.get(args.model).name, "strategy": str(s0), "nprocs": s0.world, "endpoint": args.endpoint,
            "schedule": None, **res.to_json(), "step_times": step_times(res), "switches": res.switches,
            "hosts": {str(h): devs for h, devs in placed.items()}}

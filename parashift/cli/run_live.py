@@ -42,6 +42,9 @@ def run_cli(args) -> dict:
     if getattr(args, "strategy_for", None):
         raise StrategyError("--strategy-for is for a multi-host live job (the strategy as hosts come and go); "
                             "add --endpoint HOST:PORT, or use --switch-at STEP:STRATEGY")
+    if getattr(args, "heartbeat_timeout", None) is not None:
+        raise StrategyError("--heartbeat-timeout is for a multi-host live job (how fast a silent host is declared "
+                            "lost); add --endpoint HOST:PORT, or drop --heartbeat-timeout")
     if getattr(args, "snapshot_every", 0):
         raise StrategyError("--snapshot-every is for a multi-host live job (its snapshots restore a lost host's "
                             "state); add --endpoint HOST:PORT, or drop --snapshot-every")

@@ -19,13 +19,16 @@ ahead; every process appends it to its schedule at its next step boundary, so th
 in the background during the notice and the switch happens between iterations; the joining
 agent starts its processes for that generation.
 
-A host lost without notice: the first host's monitor (:func:`_monitor`) declares an agent whose
-heartbeat stood still lost; the survivors recover (:mod:`.recover`) from their copies or from a
+A host lost without notice: the first host declares an agent lost as soon as its liveness connection
+closes (:func:`_liveness`: the kernel closes it when the agent's process dies) or when its heartbeat stood
+still for the job's heartbeat window (:func:`_monitor`, ``--heartbeat-timeout``); the survivors recover
+(:mod:`.recover`) from their copies or from a
 snapshot (:mod:`.snapshot`). The first host serves the store and holds device 0, which runs every
 recovery: losing it ends the job.
 
 Store keys (under the job's secret): ``hosts/devices`` (devices registered), ``hosts/count``
-(hosts), ``hosts/config`` (pickled settings), ``hosts/gen/<g>`` (generations after the first, with
+(hosts), ``hosts/heartbeat`` (the heartbeat window, seconds), ``hosts/live_port`` (the liveness listener),
+``hosts/config`` (pickled settings), ``hosts/gen/<g>`` (generations after the first, with
 their cause), ``hosts/leave/<h>`` (a SIGTERM notice), ``hosts/beat/<h>`` (heartbeat counters),
 ``hosts/devices_of/<h>``, ``hosts/dead/<h>`` and ``dead/<device>`` (declared lost),
 ``hosts/handled/<h>`` (taken out by recovery round ``g``), ``hosts/report/<h>``, ``hosts/failed/<h>``,
@@ -55,6 +58,8 @@ __all__ = ["SECRET_ENV", "parse_endpoint", "read_secret", "run_first_host", "run
 
 #: environment variable holding the job's secret (the alternative is a 0600 file named by --secret-file)
 SECRET_ENV = "PARASHIFT_JOB_SECRET"
+#: default seconds of heartbeat silence after which the first host declares an agent lost (``--heartbeat-timeout``)
+HEARTBEAT_TIMEOUT = 4.0
 _SECRET_RE = re.compile(r"^[A-Za-z0-9_-]{16,128}$")
 
 
@@ -263,10 +268,12 @@ def _check_local_gpus(device: str, nprocs: int) -> None:
 
 
 def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, secret: str,
-                   timeout: float = 600.0, quiet: bool = False, on_join: str = "grow", **live) -> tuple[Any, dict[int, list[int]]]:
+                   timeout: float = 600.0, quiet: bool = False, on_join: str = "grow",
+                   heartbeat_timeout: float = HEARTBEAT_TIMEOUT, **live) -> tuple[Any, dict[int, list[int]]]:
     """Serve the job at ``endpoint``, wait for agents to bring the strategy's world, train, and
     return the whole job's :class:`.switch.LiveResult` and {host number: its devices} (this host is 1). ``live``: :func:`.switch.run_live`'s
-    options (global_batch, seq_len, optim, notice, memory_budget, placement, ...)."""
+    options (global_batch, seq_len, optim, notice, memory_budget, placement, ...). ``heartbeat_timeout``: seconds
+    of heartbeat silence after which an agent is declared lost (one whose process dies is declared at once)."""
     from .. import models
     from .switch.session import LiveOptions, LiveResult, _live_worker, _summarize, generations
     spec = models.get(model)
@@ -285,10 +292,15 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
     _check_local_gpus(live.get("device", "cpu"), nprocs)
     if on_join not in ("grow", "ignore"):
         raise StrategyError(f"--on-join {on_join!r}: use grow (switch to a wider strategy) or ignore")
+    if not 0 < heartbeat_timeout <= timeout:
+        raise StrategyError(f"--heartbeat-timeout {heartbeat_timeout:g} must be above 0 and at most --timeout "
+                            f"({timeout:g} s)")
     from .recover import after_switch
     opts = LiveOptions(seq_len=seq_len, on_step=_Follow(on_join, steps), recover=after_switch, **live)
     job = serve(timeout, host, port, secret)
     store = job.store
+    _liveness(store, host, secret)
+    store.set("hosts/heartbeat", repr(float(heartbeat_timeout)))
     store.add("hosts/count", 1)
     store.add("hosts/devices", nprocs)
     _say(quiet, f"serving the job at {host}:{port}: devices 0-{nprocs - 1} here; waiting for "
@@ -310,7 +322,7 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
                        "none": "the job ends" + (" (it serves the store)" if row["host"] == 1 else
                                                  f" ({row['missing']} have no other copy; add --snapshot-every N)")
                        }[row["recovers_from"]])
-    _monitor(store)
+    _monitor(store, heartbeat_timeout)
     try:
         reports = launch_elastic(_live_worker, _local_members(range(nprocs)), args=(spec, gens, steps, opts),
                                  timeout=timeout, job=job)
@@ -383,12 +395,20 @@ def _survivability(store: Any, spec: Any, strategy: Any, nprocs: int, opts: Any,
     return df.to_dict("records")
 
 
-#: seconds between an agent's heartbeats (a counter in the store: no clock is compared across hosts)
-BEAT_SECONDS = 0.5
+def beat_every(timeout: float) -> float:
+    """Seconds between an agent's heartbeats under a detection window of ``timeout`` seconds (8 beats a window,
+    at most 0.5 s apart)."""
+    return min(0.5, timeout / 8)
 
 
-def _beat(host: str, port: int, secret: str, h: int) -> None:
-    """A daemon thread that bumps ``hosts/beat/<h>`` every :data:`BEAT_SECONDS` over its own connection."""
+def _window(store: Any, wait: float = 30.0) -> float:
+    """The job's heartbeat window, as the first host published it (``hosts/heartbeat``)."""
+    _wait_key(store, "hosts/heartbeat", wait, "the first host to publish its heartbeat window")
+    return float(store.get("hosts/heartbeat"))
+
+
+def _beat(host: str, port: int, secret: str, h: int, every: float) -> None:
+    """A daemon thread that bumps ``hosts/beat/<h>`` every ``every`` seconds over its own connection."""
     import threading
 
     def loop() -> None:
@@ -396,57 +416,156 @@ def _beat(host: str, port: int, secret: str, h: int) -> None:
             store = connect(host, port, secret, 30.0)
             while True:
                 store.add(f"hosts/beat/{h}", 1)
-                time.sleep(BEAT_SECONDS)
+                time.sleep(every)
         except Exception:  # noqa: BLE001 - the store is gone: the job is over
             return
     threading.Thread(target=loop, name="parashift-heartbeat", daemon=True).start()
 
 
-#: missed heartbeats after which the first host's monitor declares a host lost on its own
-MONITOR_BEATS = 8
+def _live_key(secret: str) -> bytes:
+    import hashlib
+    return hashlib.sha256(b"parashift-live:" + secret.encode()).digest()
 
 
-def _silent_hosts(store: Any, wait: float = 4 * BEAT_SECONDS) -> list[tuple[int, str]]:
-    """Agents declared lost by the monitor, else those whose heartbeat did not move for ``wait`` seconds
-    (a recovery's lost hosts aside), with their devices (device 0's check after a failed step: tells a dead host from a failing process)."""
+def _proof(secret: str, nonce: bytes, h: int) -> bytes:
+    import hmac
+    return h.to_bytes(4, "big") + hmac.new(_live_key(secret), nonce + h.to_bytes(4, "big"), "sha256").digest()
+
+
+#: an agent's open liveness connection (held for the life of its process; the kernel closes it when it dies)
+_LIVE: list = []
+
+
+def _hold_liveness(store: Any, host: str, secret: str, h: int) -> None:
+    """Open this agent's liveness connection to the first host (``hosts/live_port``) and prove the job's
+    secret; the kernel closes it when this process dies, however it dies, which the first host sees at once."""
+    port = int(store.get("hosts/live_port"))
+    conn = socket.create_connection((host, port), timeout=30.0)
+    nonce = _recv_exact(conn, 16)
+    conn.sendall(_proof(secret, nonce, h))
+    conn.settimeout(None)
+    _LIVE.append(conn)
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        got = conn.recv(n - len(out))
+        if not got:
+            raise ConnectionError("the liveness connection closed during its handshake")
+        out += got
+    return out
+
+
+def _declare_lost(store: Any, h: int) -> bool:
+    """Declare agent ``h`` lost unless it reported, failed, was declared already, or the job is over:
+    ``dead/<device>`` for its devices (a switch in progress aborts, :mod:`.switch.protocol`),
+    ``hosts/dead/<h>``, and a bump of :data:`.recover.FAULT_KEY` (training steps stop waiting and recover)."""
+    from .recover import FAULT_KEY
+    if store.check(["hosts/done"]) or any(store.check([f"hosts/{k}/{h}"]) for k in ("dead", "report", "failed")) \
+            or not store.check([f"hosts/devices_of/{h}"]):
+        return False
+    a, b = (int(x) for x in store.get(f"hosts/devices_of/{h}").decode().split("-"))
+    for d in range(a, b + 1):
+        store.set(f"dead/{d}", f"host {h}")
+    store.set(f"hosts/dead/{h}", "1")
+    store.add(FAULT_KEY, 1)
+    return True
+
+
+def _liveness(store: Any, host: str, secret: str) -> None:
+    """The first host's liveness listener (port published as ``hosts/live_port``): each agent holds one
+    connection, authenticated by the job's secret; when it closes (the agent's process died: SIGKILL, a
+    crash, the machine went down with a reset) before the agent reported or failed, the agent is declared
+    lost at once (:func:`_declare_lost`). A host cut off without a reset is caught by the heartbeat window."""
+    import hmac
+    import threading
+    info = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    srv = socket.socket(info[0], socket.SOCK_STREAM)
+    srv.bind((info[4][0], 0))
+    srv.listen(64)
+    store.set("hosts/live_port", str(srv.getsockname()[1]))
+    watch = store.clone()          # the watchers' own connection (the job's is used by the training loop)
+    lock = threading.Lock()
+
+    def serve_one(conn: socket.socket) -> None:
+        with conn:
+            try:
+                conn.settimeout(30.0)
+                nonce = os.urandom(16)
+                conn.sendall(nonce)
+                got = _recv_exact(conn, 36)
+                h = int.from_bytes(got[:4], "big")
+                if not hmac.compare_digest(got, _proof(secret, nonce, h)):
+                    return
+                conn.settimeout(None)
+            except OSError:
+                return                      # not an agent of this job: nothing to watch
+            try:
+                while conn.recv(64):
+                    pass
+            except OSError:
+                pass                        # a reset: closed as well
+            try:
+                with lock:
+                    _declare_lost(watch, h)
+            except Exception:  # noqa: BLE001 - the store is gone: the job is over
+                pass
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=serve_one, args=(conn,), name="parashift-liveness", daemon=True).start()
+    threading.Thread(target=accept, name="parashift-liveness-accept", daemon=True).start()
+
+
+def _silent_hosts(store: Any, wait: float | None = None) -> list[tuple[int, str]]:
+    """Agents declared lost (by the monitor or the liveness listener), else, after ``wait`` seconds (default: half
+    the job's heartbeat window) of looking, those whose heartbeat did not move meanwhile, with their devices (a
+    recovery's lost hosts aside; device 0's check after a failed step: tells a dead host from a failing process).
+    Returns as soon as one is declared lost (then every host declared within a further 50 ms)."""
     hosts = [h for h in range(2, int(store.add("hosts/count", 0)) + 1)
              if not store.check([f"hosts/handled/{h}"])]            # lost hosts a recovery already took out
-    marked = [h for h in hosts if store.check([f"hosts/dead/{h}"])]
-    if not marked:
-        before = {h: store.add(f"hosts/beat/{h}", 0) for h in hosts}
-        time.sleep(wait)
-        marked = [h for h in hosts if store.add(f"hosts/beat/{h}", 0) == before[h]
-                  and not store.check([f"hosts/report/{h}"])]
+    wait = _window(store) / 2 if wait is None else wait
+    before = {h: store.add(f"hosts/beat/{h}", 0) for h in hosts}
+    end = time.monotonic() + wait
+    while True:
+        marked = [h for h in hosts if store.check([f"hosts/dead/{h}"])]
+        if marked:
+            time.sleep(0.05)
+            marked = [h for h in hosts if store.check([f"hosts/dead/{h}"])]
+            break
+        if time.monotonic() >= end:
+            marked = [h for h in hosts if store.add(f"hosts/beat/{h}", 0) == before[h]
+                      and not store.check([f"hosts/report/{h}"])]
+            break
+        time.sleep(0.01)
     return [(h, store.get(f"hosts/devices_of/{h}").decode()) for h in marked]
 
 
-def _monitor(store: Any) -> None:
-    """A daemon thread of the first host: an agent whose heartbeat stood still for :data:`MONITOR_BEATS`
-    beats (and that has not reported or failed) is declared lost: ``hosts/dead/<h>``, ``dead/<device>`` for
-    its devices (a switch in progress aborts, :mod:`.switch.protocol`) and a bump of
-    :data:`.recover.FAULT_KEY` (training steps stop waiting for it and recover)."""
+def _monitor(store: Any, timeout: float) -> None:
+    """A daemon thread of the first host: an agent whose heartbeat stood still for ``timeout`` seconds (and
+    that has not reported or failed) is declared lost (:func:`_declare_lost`)."""
     import threading
-    from .recover import FAULT_KEY
 
     def loop() -> None:
-        seen: dict[int, tuple[int, int]] = {}        # host -> (last count, beats it stood still)
+        seen: dict[int, tuple[int, float]] = {}        # host -> (last count, when it last moved)
         try:
             while not store.check(["hosts/done"]):
-                time.sleep(BEAT_SECONDS)
+                time.sleep(beat_every(timeout))
+                now = time.monotonic()
                 for h in range(2, int(store.add("hosts/count", 0)) + 1):
                     if any(store.check([f"hosts/{k}/{h}"]) for k in ("dead", "report", "failed")) or \
                             not store.check([f"hosts/devices_of/{h}"]):
                         continue
                     n = int(store.add(f"hosts/beat/{h}", 0))
-                    last, still = seen.get(h, (n, -1))
-                    still = still + 1 if n == last else 0
-                    seen[h] = (n, still)
-                    if still >= MONITOR_BEATS:
-                        a, b = (int(x) for x in store.get(f"hosts/devices_of/{h}").decode().split("-"))
-                        for d in range(a, b + 1):
-                            store.set(f"dead/{d}", f"host {h}")
-                        store.set(f"hosts/dead/{h}", "1")
-                        store.add(FAULT_KEY, 1)
+                    last, since = seen.get(h, (n, now))
+                    seen[h] = (n, now if n != last else since)
+                    if now - seen[h][1] >= timeout:
+                        _declare_lost(store, h)
         except Exception:  # noqa: BLE001 - the store is gone: the job is over
             return
     threading.Thread(target=loop, name="parashift-monitor", daemon=True).start()
@@ -499,7 +618,12 @@ def run_agent(*, endpoint: str, nprocs: int, secret: str, timeout: float = 600.0
     end = int(store.add("hosts/devices", nprocs))
     devices = range(end - nprocs, end)
     store.set(f"hosts/devices_of/{h}", f"{devices.start}-{devices.stop - 1}")
-    _beat(host, port, secret, h)
+    _beat(host, port, secret, h, beat_every(_window(store, timeout)))
+    try:
+        _hold_liveness(store, host, secret, h)
+    except OSError as e:
+        _say(False, f"host {h}: no liveness connection to the first host ({e}); a loss of this host is detected "
+                    f"by its heartbeat alone (--heartbeat-timeout on the first host)")
     try:
         _wait_key(store, "hosts/config", timeout, "the first host to publish the job")
         cfg: _Config = pickle.loads(store.get("hosts/config"))

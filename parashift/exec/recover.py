@@ -10,7 +10,8 @@
   blocked on a live peer that already left the collective stop too (gloo alone would hold them
   until its timeout);
 - every process then takes part in one recovery round (:func:`_recover`) run by device 0: it names
-  the hosts whose heartbeats stopped (:func:`.hosts._silent_hosts`), every survivor reports its step
+  the hosts declared lost (their liveness connection closed) or whose heartbeats stopped
+  (:func:`.hosts._silent_hosts`), every survivor reports its step
   counter, a checksum of its state and its optimizer step, and device 0 publishes a plan that all
   follow (``hosts/plan/<g>``, then the generation ``hosts/gen/<g>`` with cause ``failure``):
 

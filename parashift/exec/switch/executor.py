@@ -22,7 +22,8 @@ tensor copies.
   sent or has landed;
 - *cheap checks*: a checksum is one vectorized 64-bit sum per part (memory speed), folded per
   transfer (or chunk), so verification publishes one value per transfer; the caller compares
-  them (see :mod:`.protocol`).
+  them (see :mod:`.protocol`). A part sent straight from the old state to several peers (a ZeRO
+  shard going to every replica of its new cell) is summed once.
 
 Each op has one handler (:attr:`SwitchExecutor.HANDLERS`); what differs between ops beyond the
 call itself (who sends, bytes per member, offsets, checksummed chunks) comes from the op table.
@@ -143,7 +144,8 @@ class _Run:
 class ExecStats:
     """What one device did: bytes packed/sent/received, pieces sent unpacked, checksums, and the
     driver thread's seconds per kind of work (``keep``, ``pack``, ``unpack``, ``checksum``,
-    ``issue``, ``idle``: waiting on the wire with nothing else to do)."""
+    ``issue``, ``idle``: waiting on the wire with nothing else to do; ``keep_cpu``, ``checksum_cpu``:
+    the CPU seconds of the kept copies and the checksums, which a busy host inflates less than wall time)."""
 
     sent_crc: dict[str, int] = field(default_factory=dict)       # checksum key -> crc of what was sent
     recv_crc: dict[str, int] = field(default_factory=dict)       # checksum key -> crc of what arrived
@@ -151,9 +153,10 @@ class ExecStats:
     bytes_received: int = 0
     bytes_copied: int = 0
     zero_copy: int = 0
+    sums_reused: int = 0                                        # sent parts whose checksum an earlier send computed
     staging_peak: int = 0                                       # most staging bytes in use at once
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("keep", "pack", "unpack", "checksum", "issue", "idle"), 0.0))
+        ("keep", "pack", "unpack", "checksum", "issue", "idle", "keep_cpu", "checksum_cpu"), 0.0))
     rows: list[tuple[str, str, float, float, int]] = field(default_factory=list)  # stream, op, t0, t1, bytes
 
     def add(self, what: str, t0: float) -> float:
@@ -223,6 +226,8 @@ class SwitchExecutor:
         self.graveyard: list[Any] = []                    # buffers of works left in flight on abort
         self._splits: dict[str, tuple] = {}
         self.msgs: dict[str, list[torch.Tensor]] = {}       # p2p tag -> its messages
+        self.direct: dict[str, list[bool]] = {}             # p2p tag -> whether each message is a view of the old state
+        self.sent_sums: dict[tuple[int, int], Any] = {}     # (address, bytes) of a sent part of the old state -> sum
         self.temps: dict[str, list[torch.Tensor]] = {}      # p2p tag -> pooled buffers it uses
         self.later: collections.deque = collections.deque()  # deferred work, run while the wire is busy
         self._comm: dict[str, Instr] = {}
@@ -231,9 +236,10 @@ class SwitchExecutor:
 
     def _sum(self, t: torch.Tensor) -> Any:
         """A checksum: an int for host memory, a device scalar (read at the end of the run) on a device."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         v = checksum(t) if t.device.type == "cpu" else checksum_device(t)
         self.stats.add("checksum", t0)
+        self.stats.seconds["checksum_cpu"] += time.thread_time() - c0
         return v
 
     def _resolve_sums(self) -> None:
@@ -377,6 +383,7 @@ class SwitchExecutor:
         for t in self.temps.pop(tag, []):
             self._put(t)
         self.msgs.pop(tag, None)
+        self.direct.pop(tag, None)
 
     def _direct(self, v: torch.Tensor) -> bool:
         """Whether a piece's box travels straight from or into the state (contiguous, and in
@@ -392,24 +399,29 @@ class SwitchExecutor:
                 v = self._view(self.old, i)
                 buf[off:off + int(self.P.nbytes[i])].view(v.dtype).view(v.shape).copy_(v)
             msgs.append(buf)
+        direct = [False] * len(msgs)
         for i in big:
             v = self._view(self.old, i)
             if self._direct(v):
                 msgs.append(v.view(-1).view(torch.uint8))
                 self.stats.zero_copy += 1
+                direct.append(True)
             else:
                 t = self._temp(tag, int(self.P.nbytes[i]))
                 t.view(v.dtype).view(v.shape).copy_(v)
                 msgs.append(t)
+                direct.append(False)
         self.msgs[tag] = msgs
+        self.direct[tag] = direct
 
     def _run_later(self, item: tuple[torch.Tensor, torch.Tensor]) -> None:
         """One piece of deferred work: a slice of a kept piece's copy."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         d, o = item
         d.copy_(o)
         self.stats.bytes_copied += d.numel() * d.element_size()
         self.stats.add("keep", t0)
+        self.stats.seconds["keep_cpu"] += time.thread_time() - c0
 
     def _recv_p2p(self, ins: Instr) -> list[torch.Tensor]:
         small, offs, size, big = self._split(ins.tag)
@@ -445,10 +457,23 @@ class SwitchExecutor:
         are out."""
         pieces = parts(msgs, self.chunk)
         acc: list = []            # part checksums, folded in order when the run ends
+        # parts sent straight from the old state (never written during the switch): a piece sent to several
+        # peers is summed once
+        shared = [d for m, d in zip(msgs, self.direct.get(ins.tag, ()))
+                  for _ in range(0, max(m.numel(), 1), self.chunk)]
 
         def part(j: int) -> None:
             if not sending and self.on_received is not None:
                 self.on_received(ins.tag, pieces[j])
+            if sending and j < len(shared) and shared[j]:
+                key = (pieces[j].data_ptr(), pieces[j].numel())
+                v = self.sent_sums.get(key)
+                if v is None:
+                    v = self.sent_sums[key] = self._sum(pieces[j])
+                else:
+                    self.stats.sums_reused += 1
+                acc.append(v)
+                return
             acc.append(self._sum(pieces[j]))
 
         def done() -> None:

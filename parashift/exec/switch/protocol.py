@@ -153,6 +153,7 @@ class SwitchRecord:
     bytes_sent: int = 0
     bytes_received: int = 0
     zero_copy: int = 0
+    sums_reused: int = 0           # sent parts of the old state summed once for several peers
     old_bytes: int = 0             # the source layout's state on this process (kept whole until the verdict)
     new_bytes: int = 0             # the destination layout's state on this process
     staging_peak_bytes: int = 0    # most staging (pack / receive) bytes in use at once
@@ -162,6 +163,11 @@ class SwitchRecord:
     rss_start_bytes: int = 0       # this process's resident memory when the transfer began ...
     rss_peak_bytes: int = 0        # ... and its high-water mark during transfer and verify (Linux)
     phases: dict = field(default_factory=dict)           # transfer driver seconds: keep, pack, unpack, ...
+    #: seconds outside the transfer: ``setup`` (the executor, before the transfer), and per verification round
+    #: ``publish`` (this device's record), ``wait`` (until every participant's record is there), ``read``; and
+    #: for the whole switch ``gc`` (Python's garbage collector), ``cpu`` (this process's CPU seconds, every
+    #: thread) and ``driver_cpu`` (the driver thread's)
+    verify_phases: dict = field(default_factory=dict)
     joining: bool = False          # this process had no state before (its "pause" is its whole join)
     aborted: str | None = None
     rows: list[tuple] = field(default_factory=list)      # (stream, op, start, end) absolute wall clock
@@ -190,6 +196,7 @@ def execute_switch(prep: Prepared, store, prefix: str, device: int, old: StateSt
     :class:`~.executor.SwitchExecutor`). Raises SwitchAborted when anything fails; the old
     layout's state is then whole again (never written, or restored from verified copies).
     """
+    t_in, cpu0, driver0 = time.time(), time.process_time(), time.thread_time()
     kv = dist.PrefixStore(prefix, store)
     parts = prep.planned.participants
     leader = min(prep.planned.src_devices)
@@ -203,27 +210,55 @@ def execute_switch(prep: Prepared, store, prefix: str, device: int, old: StateSt
                         host_wire=host_wire)
     meta = None if old is None else {"steps_done": steps_done,
                                      "opt_step": max(b.step for b in old.buffers.values())}
-    if prep.planned.staged:
-        recs = _run_staged(ex, prep, kv, store, device, old, new, record, timeout, meta)
-    else:
-        t0 = time.time()
-        reason = _transfer(ex, None)
-        t1 = time.time()
-        record.transfer_seconds = t1 - t0
-        record.rows.append(("switch", "transfer", t0, t1))
-        record.staging_peak_bytes = pool.peak
-        record.peak_bytes = record.old_bytes + record.new_bytes + record.staging_peak_bytes
-        fails, recs = _decide(kv, store, "verdict", device, parts, ex.stats, set(), set(), reason, timeout, record,
-                              meta)
-        t2 = time.time()
-        record.verify_seconds = t2 - t1
-        record.rows.append(("switch", "verify", t1, t2))
-        if fails:
-            raise SwitchAborted(f"switch at step {record.step} aborted and rolled back to {record.src}: "
-                                f"{fails[0]}", fails[0])
+    gc_clock = _GcClock()
+    try:
+        record.verify_phases["setup"] = time.time() - t_in
+        if prep.planned.staged:
+            recs = _run_staged(ex, prep, kv, store, device, old, new, record, timeout, meta)
+        else:
+            t0 = time.time()
+            reason = _transfer(ex, None)
+            t1 = time.time()
+            record.transfer_seconds = t1 - t0
+            record.rows.append(("switch", "transfer", t0, t1))
+            record.staging_peak_bytes = pool.peak
+            record.peak_bytes = record.old_bytes + record.new_bytes + record.staging_peak_bytes
+            fails, recs = _decide(kv, store, "verdict", device, parts, ex.stats, set(), set(), reason, timeout,
+                                  record, meta)
+            t2 = time.time()
+            record.verify_seconds = t2 - t1
+            record.rows.append(("switch", "verify", t1, t2))
+            if fails:
+                raise SwitchAborted(f"switch at step {record.step} aborted and rolled back to {record.src}: "
+                                    f"{fails[0]}", fails[0])
+    finally:
+        gc_clock.stop()
+    record.verify_phases.update(gc=gc_clock.seconds, cpu=time.process_time() - cpu0,
+                                driver_cpu=time.thread_time() - driver0)
     _stats(record, ex.stats)
+    record.phases.update({k: round(v, 6) for k, v in record.verify_phases.items()})
     record.rss_peak_bytes = rss_bytes()[1]
     return recs[parts.index(leader)]["meta"]
+
+
+class _GcClock:
+    """Seconds Python's garbage collector ran (any thread of this process) until :meth:`stop`."""
+
+    def __init__(self) -> None:
+        import gc
+        self.seconds, self._t0 = 0.0, 0.0
+        gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+
+    def stop(self) -> None:
+        import gc
+        if self in gc.callbacks:
+            gc.callbacks.remove(self)
 
 
 def _transfer(ex: SwitchExecutor, stage: int | None) -> str | None:
@@ -237,6 +272,7 @@ def _transfer(ex: SwitchExecutor, stage: int | None) -> str | None:
 
 def _stats(record: SwitchRecord, stats) -> None:
     record.bytes_sent, record.bytes_received, record.zero_copy = stats.bytes_sent, stats.bytes_received, stats.zero_copy
+    record.sums_reused = stats.sums_reused
     record.phases = {k: round(v, 6) for k, v in stats.seconds.items()}
 
 
@@ -251,9 +287,12 @@ def _decide(kv, store, name: str, device: int, parts, stats, sent_before: set, r
     failed) when a participant never publishes."""
     sent = {k: v for k, v in stats.sent_crc.items() if k not in sent_before}
     recv = {k: v for k, v in stats.recv_crc.items() if k not in recv_before}
+    t0 = time.time()
     kv.set(f"{name}/{device}", json.dumps({"fail": reason, "sent": sent, "recv": recv, "meta": meta}))
     keys = [f"{name}/{d}" for d in parts]
+    t1 = time.time()
     _await(kv, keys, timeout, lambda: _gone(store, [d for d in parts if not kv.check([f"{name}/{d}"])]))
+    t2 = time.time()
     if not kv.check(keys):
         missing = [d for d in parts if not kv.check([f"{name}/{d}"])]
         raise SwitchAborted(f"switch at step {record.step} aborted: device(s) {missing} never finished "
@@ -270,6 +309,9 @@ def _decide(kv, store, name: str, device: int, parts, stats, sent_before: set, r
             elif theirs != mine:
                 fails.append(f"device {d}: the checksum of received transfer {k} is {mine:#010x} but "
                              f"the sender sent {theirs:#010x}")
+    vp = record.verify_phases
+    for k, v in (("publish", t1 - t0), ("wait", t2 - t1), ("read", time.time() - t2)):
+        vp[k] = vp.get(k, 0.0) + v
     return fails, recs
 
 
