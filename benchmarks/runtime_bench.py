@@ -3,7 +3,8 @@
 Two sizes (``--size``): ``small`` is tiny-gpt deepened to 8 layers (hidden 64, sequence 32,
 vocabulary 256), ``medium`` 8 blocks of hidden 256, sequence 128, vocabulary 1024; both run 4
 gloo processes (4 pipeline stages, one thread each), 8 micro-batches of one sequence, AdamW step
-included on both sides. Both runtimes live in the same 4 processes and their steps alternate (the
+included on both sides; parashift runs as torch does, without profiling or memory accounting
+(``profile=False, memory=False``). Both runtimes live in the same 4 processes and their steps alternate (the
 order flips every step), so load that comes and goes on a shared machine hits both alike
 (``--separate``: one launch per side instead). For each schedule (gpipe, 1f1b, interleaved-1f1b, dualpipev against
 torch's ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, ScheduleDualPipeV): the median step
@@ -144,7 +145,8 @@ def _paired_job(ctx, program_json: dict, size: str, schedule: str, steps: int) -
     and the CPU seconds of each step's busiest rank (its main thread: what load cannot inflate)."""
     from parashift.exec.runtime import Runtime
     from parashift.ir.program import Program
-    rt = Runtime(Program.from_json(program_json), ctx, model=bench_model(size), timeout=600, profile=False)
+    rt = Runtime(Program.from_json(program_json), ctx, model=bench_model(size), timeout=600, profile=False,
+                 memory=False)
     torch_step = _torch_setup(ctx, size, schedule)
 
     def ours(step: int) -> tuple[float, float]:
@@ -251,8 +253,8 @@ def _ours_profile_job(ctx, program_json: dict, size: str, steps: int, warmup: in
     from parashift.ir.program import Program
     program = Program.from_json(program_json)
     try:
-        rt = Runtime(program, ctx, model=bench_model(size), timeout=600, profile=False)   # as timed
-    except TypeError:      # a runtime from before `profile` existed (it always recorded)
+        rt = Runtime(program, ctx, model=bench_model(size), timeout=600, profile=False, memory=False)   # as timed
+    except TypeError:      # a runtime from before `profile` / `memory` existed (it always recorded both)
         rt = Runtime(program, ctx, model=bench_model(size), timeout=600)
     stats = _profiled(lambda k: rt.interp.run_step(k), steps, warmup)
     return _categorize(stats, "parashift", steps, len(program.ranks[ctx.rank]))
@@ -334,7 +336,7 @@ def main() -> None:
         ours, theirs, ours_min, theirs_min, ours_cpu, theirs_cpu = [], [], [], [], [], []
         for _ in range(args.repeats):
             if args.separate:                   # one launch per side, the sides alternating
-                res = run_program(program, steps=args.steps, profile=False, model=spec, timeout=600)
+                res = run_program(program, steps=args.steps, profile=False, memory=False, model=spec, timeout=600)
                 mine = res.step_times
                 other = launch_local(_torch_job, PP, args=(args.size, schedule, args.steps), timeout=600)[0]
             else:                               # one launch, the sides' steps alternating

@@ -70,3 +70,19 @@ def test_zero_stages_save_measured_memory_under_pp():
     for rank in range(4):
         assert got[3][0][rank] < got[2][0][rank] < got[1][0][rank], {z: m for z, (m, _) in got.items()}
         assert got[3][1][rank] < got[2][1][rank] < got[1][1][rank]
+
+
+def test_memory_off_trains_the_same_and_reports_no_peak():
+    """``memory=False`` (what runtime_bench times) skips the activation accounting only: the same
+    losses, no peak memory; a Runtime built so refuses to report one."""
+    torch.set_num_threads(1)
+    on = run("tiny-gpt", "pp=2", steps=2, global_batch=GB, seq_len=SEQ, timeout=120, profile=False)
+    off = run("tiny-gpt", "pp=2", steps=2, global_batch=GB, seq_len=SEQ, timeout=120, profile=False, memory=False)
+    assert off.losses == on.losses and len(on.peak_memory) == 2 and off.peak_memory == []
+    from parashift.errors import ProgramError
+    from parashift.exec.launch import RankContext
+    from parashift.exec.runtime import Runtime
+    ctx = RankContext(0, 1, "fake", torch.device("cpu"))
+    rt = Runtime(compile("tiny-gpt", "pp=1", global_batch=GB, seq_len=SEQ), ctx, memory=False)
+    with pytest.raises(ProgramError, match="memory=True"):
+        rt.peak_memory()

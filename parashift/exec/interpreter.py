@@ -58,6 +58,7 @@ from ..models import ModelSpec
 from .comm import Flight, Poller, a2a, all_gather, all_gather_flat, reduce_scatter, reduce_scatter_flat
 from .cp import CPHandlers
 from .reference import OptimConfig, microbatch_rows
+from .models import weight_grad
 from .regions import (KINDS, CoreRecompute, Rec, RegionCtx, atomic_regions, chain_residual, finish_weights,
                       head_logit_grad, region_kind)
 from .state import _DT, StateStore
@@ -128,6 +129,7 @@ class StepState:
 
 
 _NULL = contextlib.nullcontext()
+_ENGINE = torch.autograd.Variable._execution_engine
 
 
 def _grad_mode(on: bool):
@@ -170,11 +172,13 @@ class Interpreter(CPHandlers):
     def __init__(self, program: Program, rank: int, worlds: Any, store: StateStore, spec: ModelSpec,
                  device: torch.device, batch: Callable[[int], tuple[Any, Any]],
                  optim: OptimConfig, record: Callable[[Instr, str, float, float], None] | None = None,
-                 timeout: float = 300.0) -> None:
+                 timeout: float = 300.0, memory: bool = True) -> None:
         """``record(instr, stream, t0, t1)``: called for every executed instruction (profiling on);
-        None runs without timing or synchronizing anything."""
+        None runs without timing or synchronizing anything. ``memory``: account the activation bytes
+        the live regions hold in ``store.mem`` (its peak is the CPU peak memory); off costs nothing."""
         self.program, self.rank, self.worlds, self.store, self.spec = program, rank, worlds, store, spec
         self.device, self.batch, self.optim, self.record, self.timeout = device, batch, optim, record, timeout
+        self.memory = memory
         self.strategy = program.strategy
         self.rp = program.ranks[rank]
         self.coords = self.strategy.coords(rank)
@@ -183,6 +187,9 @@ class Interpreter(CPHandlers):
         self.live = LiveTensors()
         self._step, self._data = 0, None
         self._kinds: dict[str, tuple[str, int]] = {}           # atomic region -> (kind, layer)
+        self._auto: set[tuple[int, int, str]] = set()
+        self._leaves: dict[str, torch.Tensor] = {}            # parameter -> its gradient leaf (_grad_leaf)
+        self._leaves_of: list[tuple[Any, Any]] = []           # the store's flat buffers they alias
         self._init_model()
         self.streams = sorted(self.rp.streams, key=lambda n: (n not in _P2P_ORDER, _P2P_ORDER.index(n)
                                                               if n in _P2P_ORDER else 0, n))
@@ -222,9 +229,28 @@ class Interpreter(CPHandlers):
                              self.store.param, self.store.grad,
                              tuple(t.to(_DT[spec.dtype]) for t in rope_tables(seq, spec.head_dim, device=device)),
                              chain=s.tp == 1 and not spec.is_moe and s.cp == 1 and s.zero < 2
-                             and not s.overlap_param)   # ZeRO-2/3, overlap_param: unfused region buckets
+                             and not s.overlap_param,   # ZeRO-2/3, overlap_param: unfused region buckets
+                             grad_leaf=self._grad_leaf)
+        # chain mode: the regions whose backward is a full one build their linears on gradient leaves
+        # (autograd accumulates those weight gradients itself; see _bwd_chain)
+        self._auto = {(i.chunk, i.microbatch, a) for i in self.rp.instrs() if i.op == "compute" and i.phase == "bwd"
+                      for a in atomic_regions(i.region, spec)} if self.ctx.chain else set()
         if s.cp > 1:
             self._cp_setup(seq)
+
+    def _grad_leaf(self, name: str) -> torch.Tensor:
+        """Parameter ``name`` as a tensor that requires grad and whose ``.grad`` is its gradient
+        accumulator (the same storages; made once, again only after the store's buffers change)."""
+        leaf = self._leaves.get(name)
+        if leaf is None:
+            leaf = self.store.param(name).detach().requires_grad_(True)
+            leaf.grad = self.store.grad(name)
+            self._leaves[name] = leaf
+            self._leaves_of = self._flat_buffers()
+        return leaf
+
+    def _flat_buffers(self) -> list[tuple[Any, Any]]:
+        return [(b.param, b.grad) for b in self.store.buffers.values()]
 
     def _step_batch(self) -> tuple[Any, Any]:
         """This step's (tokens, targets), made on first use: middle stages never need them."""
@@ -312,7 +338,11 @@ class Interpreter(CPHandlers):
     def run_step(self, step: int) -> float:
         """Execute the program once; returns this rank's share of the step's loss."""
         self.st = StepState()
-        self.live = LiveTensors()
+        if self._leaves and any(x is not y for old, new in zip(self._leaves_of, self._flat_buffers())
+                                for x, y in zip(old, new)):
+            self._leaves.clear()         # the store's buffers were replaced: alias the new ones
+        if self.memory:
+            self.live = LiveTensors()
         self._step, self._data = step, None
         if self.record is not None:
             self._stamps = []
@@ -563,14 +593,16 @@ class Interpreter(CPHandlers):
         rec = Rec(atom, *kl)
         kind = kl[0]
         st.recs.setdefault((c, mb), {})[atom] = rec
-        graph = (c, mb, atom) not in self.rc
-        if (c, mb, atom) in self.rc_core:
+        key = (c, mb, atom)
+        graph = key not in self.rc
+        if key in self.rc_core:
             rec.t["core"] = CoreRecompute()
         cp_attn = kind == "attn" and self.strategy.cp > 1     # finished when its K/V gather lands
         with _grad_mode(graph):
             if cp_attn:
                 self._cp_fwd(c, mb, rec, env, graph)
             else:
+                self.ctx.auto = graph and key in self._auto
                 KINDS[kind].fwd(self.ctx, rec, env, graph)
         rec.built = graph
         self._sp_keep_rows(c, mb, rec)
@@ -607,7 +639,8 @@ class Interpreter(CPHandlers):
             rec.tape_a.clear()
         if self.atoms[c][-1] == rec.region and rec.kind != "head":
             self.st.act[(c, mb)] = env.pop("h").detach()
-        self._account(c, mb, rec)
+        if self.memory:
+            self._account(c, mb, rec)
 
     def _account(self, c: int, mb: int, rec: Rec, recomputed: bool = False) -> None:
         """Track the bytes the live regions keep for their backward (activations, stashed
@@ -636,13 +669,15 @@ class Interpreter(CPHandlers):
             if rec.kind == "attn" and self.strategy.cp > 1:
                 self._cp_recompute(rec, tmp)
             else:
+                self.ctx.auto = (c, mb, atom) in self._auto
                 KINDS[rec.kind].fwd(self.ctx, rec, tmp, True)
             if self.ctx.chain and rec.kind in ("attn", "mlp"):
                 carry["h"] = chain_residual(rec)
         rec.pending = None
         rec.built = True
         self._sp_keep_rows(c, mb, rec)
-        self._account(c, mb, rec, recomputed=True)
+        if self.memory:
+            self._account(c, mb, rec, recomputed=True)
 
     def _bwd(self, c: int, mb: int, atom: str, full: bool) -> None:
         st = self.st
@@ -700,20 +735,33 @@ class Interpreter(CPHandlers):
             ins: list[torch.Tensor] = [first] if first.requires_grad and (k > 0 or first.grad_fn is None) else []
             lead = len(ins)
             if full and lead:
-                # every parameter use lies between ``first`` and ``out``: its weight gradient is taken
-                # by a hook as soon as its output gradient exists (not kept for a second pass)
-                fired = [0]
-                for r in pieces[k]:
-                    r.tape_a.hook_weight_grads(self.ctx.acc, fired)
-                    r.tape.hook_weight_grads(self.ctx.acc, fired, skip=logits)
-                want = sum(len(r.tape_a.outputs()) + len(r.tape.outputs()) for r in pieces[k]) - (logits is not None
-                                                                                                and k == len(pieces) - 1)
-                grads = torch.autograd.grad([out], ins, [gout], allow_unused=True)
+                # every parameter use lies between ``first`` and ``out``. Built on gradient leaves:
+                # one backward accumulates the linears' weight gradients and keeps the norms'
+                # output gradients (the norm weights' then follow); else a hook takes each weight
+                # gradient as soon as its output gradient exists
+                auto = all(len(r.tape.leaves) == len(r.tape.uses) for r in pieces[k])
+                leaves = [w for r in pieces[k] for w in r.tape.leaves] if auto else []
+                if leaves:
+                    norms = [u for r in pieces[k] for u in r.tape_a.uses if u.y.requires_grad]
+                    _ENGINE.run_backward((out,), (gout,), False, False, (first, *leaves, *(u.y for u in norms)),
+                                         True, True)
+                    grads, first.grad = (first.grad,), None
+                    fired, want = [0], len(norms)
+                    for u in norms:
+                        if u.y.grad is not None:
+                            fired[0] += 1
+                            weight_grad(u, u.y.grad, self.ctx.acc)
+                else:
+                    fired, want = [0], 0
+                    for r in pieces[k]:
+                        want += r.tape_a.hook_weight_grads(self.ctx.acc, fired)
+                        want += r.tape.hook_weight_grads(self.ctx.acc, fired, skip=logits)
+                    grads = torch.autograd.grad([out], ins, [gout], allow_unused=True)
                 if fired[0] != want:
                     raise RuntimeError(f"backward of {pieces[k][0].region} (chunk {c}, micro-batch {mb}): "
                                        f"{want - fired[0]} parameter uses got no gradient")
-                for r in pieces[k]:
-                    r.dys = [gout if t is logits else None for t in r.tape.outputs()]
+                for r in pieces[k]:     # the logits' weight gradient, unless autograd took it
+                    r.dys = None if leaves else [gout if t is logits else None for t in r.tape.outputs()]
             else:
                 for r in pieces[k]:
                     ins += r.tape_a.outputs() + [t for t in r.tape.outputs() if t is not logits]
@@ -733,7 +781,7 @@ class Interpreter(CPHandlers):
         elif c > 0:
             st.gout[(c - 1, mb)] = dh
         for r in recs:
-            r.t = {k: v for k, v in r.t.items() if k in ("dys_a", "idx", "mine")}
+            r.t = {k: r.t[k] for k in ("dys_a", "idx", "mine") if k in r.t}
             if full:
                 KINDS[r.kind].bwd_weight(self.ctx, r)
                 self._drop(c, mb, r.region)
@@ -752,7 +800,8 @@ class Interpreter(CPHandlers):
         recs = self.st.recs[(c, mb)]
         rec = recs.pop(atom)
         rec.drop()
-        self.store.mem.alloc("act", self.live.release((c, mb, atom)))
+        if self.memory:
+            self.store.mem.alloc("act", self.live.release((c, mb, atom)))
         if not recs:
             del self.st.recs[(c, mb)]
             self.st.env.pop((c, mb), None)

@@ -10,12 +10,15 @@ names and shapes; these are the conventions for what the rows mean):
   gate and up rows interleaved (row ``2j`` = gate ``j``, row ``2j+1`` = up ``j``), so any even TP
   split keeps matching pairs.
 
-Weight gradients are not produced by autograd: parameters never require grad; a :class:`Tape`
-records each parameter use (input and output of a linear or a scale) and the weight gradient
-is computed from the output gradient. This is what makes split backward cheap (zb-h1,
-dualpipev): ``bwd_input`` keeps the output gradients, ``bwd_weight`` turns them into weight
-gradients with one matmul each (a full backward takes each in a hook as its output gradient
-appears), and the graph is never walked twice.
+Parameters do not require grad: a :class:`Tape` records each parameter use (input and output
+of a linear or a scale) and the weight gradient is computed from the output gradient. This is
+what makes split backward cheap (zb-h1, dualpipev): ``bwd_input`` keeps the output gradients,
+``bwd_weight`` turns them into weight gradients with one matmul each, and the graph is never
+walked twice. A full backward of a single-graph chunk (tp = 1, dense) hands the linears to
+autograd instead: their forward uses *gradient leaves* (aliases of the parameters that require
+grad, each ``.grad`` the parameter's gradient accumulator, listed in ``Tape.leaves``), so the
+engine accumulates those weight gradients in place as it goes, with no Python per use; the norms'
+follow from the output gradients the same backward keeps (autograd would stash the normalized input).
 """
 from __future__ import annotations
 
@@ -91,10 +94,14 @@ class Tape:
     """Parameter uses of one region forward; turns output gradients into weight gradients."""
 
     uses: list[_Use] = field(default_factory=list)
+    leaves: list[torch.Tensor] = field(default_factory=list)   # the gradient leaves its linears used
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, name: str, index: int | None = None) -> torch.Tensor:
+        """``x @ w.T`` (``w`` a gradient leaf: a backward that accumulates into leaves takes its gradient)."""
         y = torch.matmul(x, w.t())
         self.uses.append(_Use((name, index), "lin", x, y))
+        if w.requires_grad:
+            self.leaves.append(w)
         return y
 
     def scale(self, x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
@@ -126,21 +133,25 @@ class Tape:
             weight_grad(u, dy, acc)
 
     def hook_weight_grads(self, acc: Callable[[str, int | None], torch.Tensor], fired: list[int],
-                          skip: torch.Tensor | None = None) -> None:
+                          skip: torch.Tensor | None = None) -> int:
         """Have the next backward through this tape accumulate each parameter's gradient the moment
         its output gradient is computed (while it is in cache; it is not kept), except ``skip``'s;
-        ``fired[0]`` counts the hooks that ran."""
+        ``fired[0]`` counts the hooks that ran. Returns how many it set."""
         def hook(grads: tuple, use: _Use, k: int) -> None:
             fired[0] += 1
             weight_grad(use, grads[k], acc)
+        n = 0
         for u in self.uses:
             y = u.y
             if y.requires_grad and y is not skip:     # the hook holds a copy of the use without ``y`` (no cycle)
                 y.grad_fn.register_prehook(functools.partial(hook, use=_Use(u.key, u.kind, u.x, _NO_Y, u.r),
                                                              k=y.output_nr))
+                n += 1
+        return n
 
     def clear(self) -> None:
         self.uses.clear()
+        self.leaves.clear()
 
 
 def weight_grad(u: _Use, dy: torch.Tensor | None, acc: Callable[[str, int | None], torch.Tensor]) -> None:

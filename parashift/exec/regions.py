@@ -46,6 +46,13 @@ class RegionCtx:
     chain: bool = False     # tp == 1 dense: regions of one instruction share one autograd graph
     cp: int = 1
     cp_mask: torch.Tensor | None = None   # [local queries, cp * local keys]: key position <= query position
+    grad_leaf: Callable[[str], torch.Tensor] | None = None   # a parameter's gradient leaf (see ``w``)
+    auto: bool = False      # the region being built uses gradient leaves (its backward is a full chain one)
+
+    def w(self, name: str) -> torch.Tensor:
+        """A linear's weight: its gradient leaf when ``auto`` (a backward that accumulates into
+        leaves adds its gradient in place), else the parameter."""
+        return self.grad_leaf(name) if self.auto else self.param(name)
 
     def leaf(self, h: torch.Tensor, grad: bool) -> torch.Tensor:
         """The region's input: kept attached in chain mode, else a fresh leaf."""
@@ -172,7 +179,7 @@ def _attn_body(c: RegionCtx, tape: Tape, z: torch.Tensor, p: str,
     b, n, _ = z.shape
     d, r = s.head_dim, s.heads // s.kv_heads
     groups = s.kv_heads // c.tp
-    qkv = tape.linear(z, c.param(f"{p}.qkv.weight"), f"{p}.qkv.weight").view(b, n, groups, r + 2, d)
+    qkv = tape.linear(z, c.w(f"{p}.qkv.weight"), f"{p}.qkv.weight").view(b, n, groups, r + 2, d)
     q = qkv[:, :, :, :r].reshape(b, n, groups * r, d).transpose(1, 2)
     k = qkv[:, :, :, r].transpose(1, 2)
     v = qkv[:, :, :, r + 1].transpose(1, 2)
@@ -182,12 +189,12 @@ def _attn_body(c: RegionCtx, tape: Tape, z: torch.Tensor, p: str,
     v = v.repeat_interleave(r, dim=1)
     o = (core or _core)(q, k, v)
     o = o.transpose(1, 2).reshape(b, n, groups * r * d)
-    return tape.linear(o, c.param(f"{p}.out.weight"), f"{p}.out.weight")
+    return tape.linear(o, c.w(f"{p}.out.weight"), f"{p}.out.weight")
 
 
 def _mlp_body(c: RegionCtx, tape: Tape, z: torch.Tensor, p: str) -> torch.Tensor:
-    a = swiglu(tape.linear(z, c.param(f"{p}.fc1.weight"), f"{p}.fc1.weight"))
-    return tape.linear(a, c.param(f"{p}.fc2.weight"), f"{p}.fc2.weight")
+    a = swiglu(tape.linear(z, c.w(f"{p}.fc1.weight"), f"{p}.fc1.weight"))
+    return tape.linear(a, c.w(f"{p}.fc2.weight"), f"{p}.fc2.weight")
 
 
 def _norm(c: RegionCtx, rec: Rec, h: torch.Tensor, name: str, grad: bool) -> torch.Tensor:
@@ -387,7 +394,7 @@ def _head_fwd(c: RegionCtx, rec: Rec, env: dict, grad: bool) -> None:
     h = env["h"]
     rec.saved.update(h=h, targets=env["targets"])
     z = _norm(c, rec, h, "head.norm.weight", grad)
-    w = c.param("head.out")
+    w = c.w("head.out")
     logits = rec.tape.linear(z, w, "head.out")
     with torch.no_grad():
         lg = logits.detach().float()          # loss statistics in fp32 whatever the model dtype

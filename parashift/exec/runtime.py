@@ -58,14 +58,18 @@ def _check(program: Program, model: "models.ModelSpec | None" = None) -> None:
 class Runtime:
     """One rank's runtime: its process groups, state store and interpreter."""
 
+    memory = True      # the CPU peak memory is tracked (``memory=False`` turns the accounting off)
+
     def __init__(self, program: Program, ctx: RankContext, *, seed: int = 0, data_seed: int = 0,
                  optim: OptimConfig = OptimConfig(), timeout: float = 300.0,
                  model: "models.ModelSpec | None" = None, store: StateStore | None = None,
-                 worlds: Worlds | None = None, profile: bool = True) -> None:
+                 worlds: Worlds | None = None, profile: bool = True, memory: bool = True) -> None:
         """``store``: this rank's state in the program's layout (a hot switch builds it), else
         initialized from ``seed``. ``worlds``: the process groups to run on, already prepared with
         :func:`world_keys` (a live job builds them ahead), else created here. ``profile``: record
-        every instruction's timing (off: no timing, no synchronization, receives posted early)."""
+        every instruction's timing (off: no timing, no synchronization, receives posted early). ``memory``:
+        track the CPU peak memory (:meth:`peak_memory`; off: no activation accounting, GPUs read the
+        allocator instead)."""
         _check(program, model)
         self.program, self.ctx = program, ctx
         if program.world != ctx.world:
@@ -81,9 +85,11 @@ class Runtime:
                                                                 seed=seed)
         self.profiler = Profiler(ctx.rank, ctx.rank)
         gb, seq = int(program.meta["global_batch"]), int(program.meta["seq_len"])
+        self.memory = memory
         self.interp = Interpreter(program, ctx.rank, self.worlds, self.store, self.spec, ctx.device,
                                   lambda step: make_batch(self.spec, step, gb, seq, data_seed), optim,
-                                  self.profiler.record if profile else None, timeout)
+                                  self.profiler.record if profile else None, timeout,
+                                  memory=memory and ctx.device.type != "cuda")
         self.steps_done = 0
         #: overlap_param: the last step left its parameter gathers to the next step's forward
         self.params_pending = False
@@ -113,6 +119,8 @@ class Runtime:
     def peak_memory(self) -> int:
         if self.ctx.device.type == "cuda":
             return int(torch.cuda.max_memory_allocated())
+        if not self.memory:
+            raise ProgramError("this runtime does not track memory; build it with memory=True to read its peak")
         return int(self.store.mem.peak)
 
     def gathered_parameters(self) -> dict[str, tuple[tuple[int, ...], Any]]:
@@ -170,7 +178,7 @@ def _train_job(ctx: RankContext, program_json: dict, steps: int, opts: dict) -> 
     program = Program.from_json(program_json)
     rt = Runtime(program, ctx, seed=opts.get("seed", 0), data_seed=opts.get("data_seed", 0),
                  optim=OptimConfig(**opts.get("optim", {})), timeout=opts.get("timeout", 300.0),
-                 model=opts.get("model"), profile=opts.get("profile", True))
+                 model=opts.get("model"), profile=opts.get("profile", True), memory=opts.get("memory", True))
     rt.worlds.prepare(export_keys(program))
     losses, times = [], []
     for _ in range(steps):
@@ -179,7 +187,8 @@ def _train_job(ctx: RankContext, program_json: dict, steps: int, opts: dict) -> 
         times.append(dt)
         if opts.get("progress") and ctx.report is not None:
             ctx.report((len(losses) - 1, loss, dt))
-    out = {"rank": ctx.rank, "losses": losses, "step_times": times, "peak_memory": rt.peak_memory(),
+    out = {"rank": ctx.rank, "losses": losses, "step_times": times,
+           "peak_memory": rt.peak_memory() if opts.get("memory", True) else None,
            "timeline": rt.profiler.rows if opts.get("profile", True) else []}
     if opts.get("params"):
         out["params"] = rt.gathered_parameters()
@@ -256,17 +265,18 @@ class StepProgress:
 
 def run_program(program: Program, *, steps: int = 1, seed: int = 0, data_seed: int = 0,
                 optim: OptimConfig = OptimConfig(), params: bool = False, profile: bool = True,
-                timeout: float = 300.0, backend: str | None = None,
+                memory: bool = True, timeout: float = 300.0, backend: str | None = None,
                 progress: Callable[[int, float, float], None] | None = None,
                 model: "models.ModelSpec | None" = None) -> RunResult:
     """Execute a compiled training-step Program on ``program.world`` local processes.
 
     ``progress(step, loss, seconds)`` is called in this process as each step completes on all ranks;
-    ``model``: the ModelSpec when the program's model is not a preset.
+    ``model``: the ModelSpec when the program's model is not a preset; ``memory`` off: no peak
+    memory (``peak_memory`` is empty) and no accounting cost.
     """
     _check(program, model)
     opts = {"seed": seed, "data_seed": data_seed, "optim": optim.__dict__, "params": params, "profile": profile,
-            "timeout": timeout, "progress": progress is not None, "model": model}
+            "memory": memory, "timeout": timeout, "progress": progress is not None, "model": model}
     outs = launch_local(_train_job, program.world, args=(program.to_json(), steps, opts), timeout=timeout,
                         backend=backend, on_report=StepProgress(program.world, progress) if progress else None,
                         gather=True)
@@ -275,7 +285,7 @@ def run_program(program: Program, *, steps: int = 1, seed: int = 0, data_seed: i
     times = [max(o["step_times"][k] for o in outs) for k in range(steps)]
     rows = [r for o in outs for r in o["timeline"]]
     spec = _spec(program, model)
-    return RunResult(program, losses, times, [o["peak_memory"] for o in outs], rows,
+    return RunResult(program, losses, times, [o["peak_memory"] for o in outs if o["peak_memory"] is not None], rows,
                      assemble_params(spec, [o["params"] for o in outs]) if params else None)
 
 
