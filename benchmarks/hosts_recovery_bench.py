@@ -5,6 +5,8 @@ CLI (``parashift run --live --endpoint`` and ``parashift join``); after the job'
 process group gets SIGKILL. Per case, the medians of ``--repeats`` runs:
 
 - ``replicas`` (``dp=4``): the survivors go on from their own copies;
+- ``hybrid`` (``dp=4,zero=1,shard=2 --snapshot-every 2``): optimizer shards over pairs of dp ranks, each
+  pair's shards copied on the other host; the survivors go on from those copies (no snapshot read);
 - ``snapshot`` (``dp=4,zero=1 --snapshot-every 2``): host 2 held optimizer shards alone; the
   survivors restore the newest DCP snapshot;
 
@@ -118,7 +120,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
-    cases = {"replicas": ("dp=4", []), "snapshot": ("dp=4,zero=1", ["--snapshot-every", "2"])}
+    cases = {"replicas": ("dp=4", []), "hybrid": ("dp=4,zero=1,shard=2", ["--snapshot-every", "2"]),
+             "snapshot": ("dp=4,zero=1", ["--snapshot-every", "2"])}
     out: dict = {"repeats": a.repeats}
     for name, (st, extra) in cases.items():
         runs = [one(st, extra, kill=True) for _ in range(a.repeats)]
