@@ -50,6 +50,7 @@ CI = [
     ("tiny-gpt", "dp=2,pp=2,zero=3,schedule=gpipe"),
     ("tiny-gpt", "dp=2,pp=2,vpp=2,zero=2,schedule=interleaved-1f1b"),
     ("tiny-gpt", "tp=2,pp=2,schedule=zb-h1,recompute=full"),
+    ("tiny-gpt", "dp=2,pp=2,recompute=full"),       # tp=1: one autograd graph per chunk, re-run
     ("tiny-gpt", "pp=2,vpp=2,schedule=dualpipev"),
     ("tiny-gpt", "dp=2,tp=2,pp=2,zero=1,recompute=selective"),
     ("tiny-moe", "dp=2,ep=2,zero=1"),
