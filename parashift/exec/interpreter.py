@@ -129,7 +129,6 @@ class StepState:
 
 
 _NULL = contextlib.nullcontext()
-_ENGINE = torch.autograd.Variable._execution_engine
 
 
 def _grad_mode(on: bool):
@@ -743,8 +742,7 @@ class Interpreter(CPHandlers):
                 leaves = [w for r in pieces[k] for w in r.tape.leaves] if auto else []
                 if leaves:
                     norms = [u for r in pieces[k] for u in r.tape_a.uses if u.y.requires_grad]
-                    _ENGINE.run_backward((out,), (gout,), False, False, (first, *leaves, *(u.y for u in norms)),
-                                         True, True)
+                    torch.autograd.backward(out, gout, inputs=(first, *leaves, *(u.y for u in norms)))
                     grads, first.grad = (first.grad,), None
                     fired, want = [0], len(norms)
                     for u in norms:
