@@ -8,8 +8,12 @@ model (nothing here is fitted on these rows; the A100 defaults come from the sin
 the median and mean APE, and the Spearman rank correlation of predicted against measured throughput
 per GPU (the order a search ranks configurations in). ``--model-kind flops`` predicts with the
 FLOPs-at-one-efficiency compute model instead, for a side-by-side with the shape-aware one.
+``--files`` picks CSVs by name; ``--set key=value,...`` changes cost-model fields on top of each row's
+preset (e.g. ``grad_accum_traffic=0`` for software that fuses gradient accumulation into the GEMM).
+``by_file`` reports each file's median APE and Spearman alone.
 
-Usage: python benchmarks/fidelity_published.py [--rows 0,3] [--cost-model F] [--model-kind shape|flops]
+Usage: python benchmarks/fidelity_published.py [--rows 0,3] [--files korthikanti] [--cost-model F]
+       [--set key=value,...] [--model-kind shape|flops]
 """
 from __future__ import annotations
 
@@ -31,10 +35,13 @@ DATA = Path(__file__).resolve().parents[1] / "traces" / "published"
 COLUMNS = ("source", "name", "model", "strategy", "global_batch", "seq_len", "gpus", "cluster", "step_seconds")
 
 
-def load() -> pd.DataFrame:
-    """All published rows (columns :data:`COLUMNS`, plus any others a file has)."""
+def load(files: str = "") -> pd.DataFrame:
+    """Published rows (columns :data:`COLUMNS`, plus any others a file has) of every CSV, or of those
+    whose name contains one of the comma-separated ``files``."""
     frames = []
     for p in sorted(DATA.glob("*.csv")):
+        if files and not any(f in p.name for f in files.split(",")):
+            continue
         df = pd.read_csv(p)
         missing = [c for c in COLUMNS if c not in df.columns]
         if missing:
@@ -48,13 +55,27 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.corrcoef(ra, rb)[0, 1]) if len(a) > 1 else float("nan")
 
 
-def predict(row: pd.Series, cost: "CostModel | None", kind: str) -> dict:
+def overrides(text: str) -> dict:
+    """``key=value,...`` into cost-model fields (numbers or true/false)."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, sep, val = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set takes key=value pairs, got {item!r}")
+        low = val.lower()
+        out[key] = True if low == "true" else False if low == "false" else float(val)
+    return out
+
+
+def predict(row: pd.Series, cost: "CostModel | None", kind: str, changes: "dict | None" = None) -> dict:
     model = models.get(row.model)
     strategy = Strategy.parse(row.strategy)
     cl = clusters.get(row.cluster)
     if strategy.world != int(row.gpus):
         raise SystemExit(f"row {row['name']}: strategy has {strategy.world} ranks, the row says {row.gpus} GPUs")
     cm = cost or CostModel.for_cluster(cl)
+    if changes:
+        cm = cm.replace(**changes)
     if kind == "flops":
         cm = cm.replace(compute_model="flops")
     t0 = time.perf_counter()
@@ -69,11 +90,16 @@ def predict(row: pd.Series, cost: "CostModel | None", kind: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rows", help="comma-separated row indices (default: all)")
+    ap.add_argument("--files", default="", help="comma-separated parts of CSV names to keep (default: every file)")
     ap.add_argument("--cost-model", help="a cost model JSON instead of each cluster preset's defaults")
+    ap.add_argument("--set", default="", help="cost-model fields to change on every row, key=value,...")
     ap.add_argument("--model-kind", choices=("shape", "flops"), default="shape",
                     help="compute model: shape-aware kernels (default) or FLOPs at one efficiency")
     args = ap.parse_args()
-    df = load()
+    df = load(args.files)
+    if df.empty:
+        raise SystemExit(f"no CSV under {DATA} matches --files {args.files!r}")
+    changes = overrides(args.set)
     if args.rows:
         df = df.iloc[[int(x) for x in args.rows.split(",")]]
     cost = CostModel.load(args.cost_model) if args.cost_model else None
@@ -81,9 +107,9 @@ def main() -> None:
     for i, (_, row) in enumerate(df.iterrows()):
         print(f"fidelity_published: {i + 1}/{len(df)} {row['name']} {row.strategy} on {row.cluster}",
               file=sys.stderr, flush=True)
-        p = predict(row, cost, args.model_kind)
+        p = predict(row, cost, args.model_kind, changes)
         meas = float(row.step_seconds)
-        out_rows.append({"name": row["name"], "source": row.source, "strategy": row.strategy,
+        out_rows.append({"name": row["name"], "source": row.source, "file": row.file, "strategy": row.strategy,
                          "gpus": int(row.gpus), "measured_s": meas, "predicted_s": p["predicted_s"],
                          "ape": abs(p["predicted_s"] / meas - 1), "signed_error": p["predicted_s"] / meas - 1,
                          "predicted_mfu": p["mfu"], "bubble_fraction": p["bubble_fraction"],
@@ -91,12 +117,17 @@ def main() -> None:
     res = pd.DataFrame(out_rows)
     # throughput per GPU ranks the configurations: tokens per second per GPU, measured vs predicted
     tok = df["global_batch"].to_numpy() * df["seq_len"].to_numpy() / df["gpus"].to_numpy()
+    res["tokens_per_gpu"] = tok
+    by_file = {f: {"rows": len(g), "median_ape": float(g["ape"].median()), "median_signed_error": float(g["signed_error"].median()),
+                   "spearman_tokens_per_gpu": spearman(g["tokens_per_gpu"] / g["measured_s"], g["tokens_per_gpu"] / g["predicted_s"])}
+               for f, g in res.groupby("file", sort=True)}
     kind = "flops" if args.model_kind == "flops" or (cost is not None and cost.compute_model == "flops") else "shape"
     out = {"rows": len(res), "model_kind": kind,
            "median_ape": float(res["ape"].median()), "mean_ape": float(res["ape"].mean()),
            "worst_ape": float(res["ape"].max()),
            "spearman_tokens_per_gpu": spearman(tok / res["measured_s"].to_numpy(), tok / res["predicted_s"].to_numpy()),
            "spearman_step_time": spearman(res["measured_s"].to_numpy(), res["predicted_s"].to_numpy()),
+           "cost_changes": changes, "by_file": by_file,
            "aim": {"median_ape": 0.05, "spearman": 0.9}, "per_row": out_rows}
     print(json.dumps(out, indent=1))
 
