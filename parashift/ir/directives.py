@@ -61,6 +61,16 @@ def _comm_many(g: Graph, us: list[int], *, op: "str | list[str]", tags: list[str
                     **cols)
 
 
+def _tag(made: dict, mb: int, cls: type, *head) -> str:
+    """``str(cls(*head, mb))`` (a per-micro-batch tag), each distinct ``(cls, *head)`` built and checked
+    once (``made``: the cache)."""
+    key = (cls, *head)
+    f = made.get(key)
+    if f is None:
+        f = made[key] = T.mb_namer(lambda m: cls(*head, m))
+    return f(mb)
+
+
 def _neighbours(g: Graph) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
     """DATA predecessors and successors of every node."""
     preds: dict[int, list[int]] = {}
@@ -136,7 +146,7 @@ class Split:
 
     @staticmethod
     def _split_backward(g: Graph) -> Graph:
-        out = g.copy()
+        out = g.owned()
         c = out.cols
         bw = [i for i, (op, ph) in enumerate(zip(c["op"], c["phase"])) if op == "compute" and ph == "bwd"]
         if not bw:
@@ -198,7 +208,8 @@ class Place:
         return max(self.chunk_stage) + 1
 
     def apply(self, g: Graph) -> Graph:
-        out = g.copy()
+        n0 = len(g)
+        out = g.owned()
         c = out.cols
         last = len(self.chunk_stage) - 1
         L = len(self.layer_chunk)
@@ -220,10 +231,11 @@ class Place:
         # per cross-stage edge u -> v: a send after u and a recv before v (nodes added in pairs)
         anchors, ops, tags, peers, dpos = [], [], [], [], []
         s = len(out)
+        made: dict = {}
         for e in np.asarray(cross).tolist():
             u, v = out.src[e], out.dst[e]
             cu, cv, mb = chunks[u], chunks[v], c["mb"][u]
-            tag = str(T.P2PTag(T.Payload.ACT, cu, mb) if cv > cu else T.P2PTag(T.Payload.GRAD, cv, mb))
+            tag = _tag(made, mb, T.P2PTag, T.Payload.ACT, cu) if cv > cu else _tag(made, mb, T.P2PTag, T.Payload.GRAD, cv)
             peer = self._peer(cu, cv)
             anchors += [u, v]
             ops += ["send", "recv"]
@@ -240,7 +252,7 @@ class Place:
         opt_node = {st: out.add(op="compute", phase="optim", stage=st, flops=float(optim[st][0]),
                                 nbytes=int(optim[st][1]), stream="compute", action=(OPTIM,))
                     for st in range(self.pp)}
-        for i, (op, ph, st) in enumerate(zip(c["op"][:len(g)], c["phase"], c["stage"])):
+        for i, (op, ph, st) in enumerate(zip(c["op"][:n0], c["phase"], c["stage"])):
             if op == "compute" and ph in _BWD:
                 out.edge(i, opt_node[st], SAVED)
         return out
@@ -273,7 +285,7 @@ class Shard:
     def apply(self, g: Graph) -> Graph:
         if self.axis not in ("tp", "ep", "cp"):
             raise ProgramError(f"Shard axis {self.axis!r} is not supported; use 'tp', 'ep' or 'cp'")
-        out = g.copy()
+        out = g.owned()
         if self.ways == 1:
             return out
         if self.axis == "cp":
@@ -283,6 +295,7 @@ class Shard:
         c = out.cols
         n = len(out)
         plan: dict[tuple, list] = {}   # (op, key) -> [(node, tag)]
+        made: dict = {}
         if self.axis == "tp":
             flops, params, w = c["flops"], c["params"], self.ways
             for i, (op, kind, ph, mb, reg) in enumerate(zip(c["op"], c["kind"], c["phase"], c["mb"], c["region"])):
@@ -291,11 +304,11 @@ class Shard:
                 flops[i] /= w
                 params[i] //= w
                 if ph == "fwd" and kind in ("embed", "attn", "mlp", "moe.combine"):
-                    plan.setdefault(("all_reduce", None), []).append((i, str(T.TPTag(reg, "fwd", mb))))
+                    plan.setdefault(("all_reduce", None), []).append((i, _tag(made, mb, T.TPTag, reg, "fwd")))
                 elif ph == "fwd" and kind == "head":
-                    plan.setdefault(("all_gather", "ce_stats"), []).append((i, str(T.TPTag("head", "fwd", mb))))
+                    plan.setdefault(("all_gather", "ce_stats"), []).append((i, _tag(made, mb, T.TPTag, "head", "fwd")))
                 elif ph in ("bwd", "bwd_input") and kind in ("head", "mlp", "attn", "moe.route"):
-                    plan.setdefault(("all_reduce", None), []).append((i, str(T.TPTag(reg, ph, mb))))
+                    plan.setdefault(("all_reduce", None), []).append((i, _tag(made, mb, T.TPTag, reg, ph)))
         else:
             for i in range(n):
                 if c["op"][i] != "compute":
@@ -315,7 +328,7 @@ class Shard:
                     what = "dispatch"
                 if what:
                     plan.setdefault(("all_to_all", None), []).append(
-                        (i, str(T.EPTag(layer, T.A2A(what), ph_tag, mb))))
+                        (i, _tag(made, mb, T.EPTag, layer, T.A2A(what), ph_tag)))
         ins: list[tuple[int, int]] = []
         for (op, key), items in plan.items():
             us = [u for u, _ in items]
@@ -332,6 +345,7 @@ class Shard:
         steps: list[list[tuple[int, str, str, str]]] = [[], []]   # per hop: (node, op, tag, key)
         regather: list[tuple[int, str]] = []
         nbrs = _neighbours(out)
+        made: dict = {}
         for i in range(len(out)):
             if c["op"][i] != "compute" or c["phase"][i] == "optim":
                 continue
@@ -339,13 +353,13 @@ class Shard:
             c["params"][i] //= self.ways
             kind, ph, mb, reg = c["kind"][i], c["phase"][i], c["mb"][i], c["region"][i]
             if ph == "fwd" and kind == "head":
-                steps[0].append((i, "all_gather", str(T.TPTag("head", "fwd", mb)), "ce_stats"))
+                steps[0].append((i, "all_gather", _tag(made, mb, T.TPTag, "head", "fwd"), "ce_stats"))
             elif (ph == "fwd" and kind in ("embed", "attn", "mlp", "moe.combine")) or \
                     (ph in ("bwd", "bwd_input") and kind in ("head", "mlp", "attn", "moe.route")):
-                steps[0].append((i, "reduce_scatter", str(T.SPTag(reg, ph, "rs", mb)), "sp_scatter"))
-                steps[1].append((i, "all_gather", str(T.SPTag(reg, ph, "ag", mb)), "sp_gather"))
+                steps[0].append((i, "reduce_scatter", _tag(made, mb, T.SPTag, reg, ph, "rs"), "sp_scatter"))
+                steps[1].append((i, "all_gather", _tag(made, mb, T.SPTag, reg, ph, "ag"), "sp_gather"))
                 if ph != "fwd" and kind in ("head", "mlp", "attn"):
-                    regather.append((i, str(T.SPTag(reg, ph, "input", mb))))
+                    regather.append((i, _tag(made, mb, T.SPTag, reg, ph, "input")))
         last: dict[int, int] = {}       # region node -> its latest comm node
         for items in steps:
             by_key: dict[tuple[str, str], list[tuple[int, str]]] = {}
@@ -377,6 +391,7 @@ class Shard:
         n = len(out)
         after: list[tuple[int, int]] = []
         before: list[tuple[int, int]] = []
+        made: dict = {}
         weight = {(c["region"][i], c["mb"][i]): i for i in range(n)
                   if c["op"][i] == "compute" and c["phase"][i] == "bwd_weight" and c["kind"][i] == "attn"}
         for i in range(n):
@@ -387,14 +402,14 @@ class Shard:
             if c["kind"][i] != "attn" or ph not in ("fwd", "bwd", "bwd_input"):
                 continue
             reg, mb = c["region"][i], c["mb"][i]
-            kv = _comm(out, i, op="all_gather", tag=str(T.CPTag(reg, ph, "kv", mb)), group="cp",
+            kv = _comm(out, i, op="all_gather", tag=_tag(made, mb, T.CPTag, reg, ph, "kv"), group="cp",
                        nbytes=self.nbytes * self.ways, stream="comm", dpos=0.3 if ph == "fwd" else -0.3,
                        key=str(T.StepKey("cp_kv")))
             if ph == "fwd":
                 after.append((i, kv))
                 continue
             before.append((i, kv))
-            rs = _comm(out, i, op="reduce_scatter", tag=str(T.CPTag(reg, ph, "dkv", mb)), group="cp",
+            rs = _comm(out, i, op="reduce_scatter", tag=_tag(made, mb, T.CPTag, reg, ph, "dkv"), group="cp",
                        nbytes=self.nbytes * self.ways, stream="comm", dpos=0.5, key=str(T.StepKey("cp_dkv")))
             after.append((i, rs))
             if (reg, mb) in weight:          # the QKV weight gradient needs the K/V gradients it returns
@@ -425,7 +440,7 @@ class Recompute:
     def apply(self, g: Graph) -> Graph:
         if self.mode not in ("none", "selective", "full"):
             raise ProgramError(f"recompute mode {self.mode!r} is not none, selective or full")
-        out = g.copy()
+        out = g.owned()
         if self.mode == "none":
             return out
         c = out.cols
@@ -438,6 +453,7 @@ class Recompute:
                 elif ph == "bwd_weight":
                     weight[(region, mb)] = i
         rows: list[int] = []
+        rc_name: dict = {}
         flops: list[float] = []
         bufs: list[tuple] = []
         edges: list[tuple[int, int]] = []
@@ -453,7 +469,10 @@ class Recompute:
             rows.append(i)
             flops.append(float(c["flops"][f] if self.mode == "full" or self.selective_flops <= 0
                                else self.selective_flops))
-            buf = str(T.StepBuffer("rc", mb, region=region))
+            fmt = rc_name.get(region)
+            if fmt is None:
+                fmt = rc_name[region] = T.mb_namer(lambda m, r=region: T.StepBuffer("rc", m, region=r))
+            buf = fmt(mb)
             bufs.append(((buf, int(self.rc_bytes.get(kind, 0))),))
             last = weight.get(key, i)
             c["free"][last] = c["free"][last] + (buf,)
@@ -504,7 +523,7 @@ class Replicate:
     overlap_param: bool = False   # ZeRO-1/2: the parameter gathers run in the step's forward, see _forward_gathers
 
     def apply(self, g: Graph) -> Graph:
-        out = g.copy()
+        out = g.owned()
         c = out.cols
         chunks = len(self.dense_bytes)
         stage_of: dict[int, int] = {}
@@ -775,7 +794,13 @@ class Replicate:
 
 
 def apply_all(g: Graph, directives: Sequence) -> Graph:
-    """Apply directives in order (each returns a new graph)."""
-    for d in directives:
-        g = d.apply(g)
+    """Apply directives in order (each returns a new graph; ``g`` is not changed). The graphs between
+    two directives are scratch: the next directive rewrites them in place instead of copying."""
+    first = g
+    try:
+        for d in directives:
+            g._scratch = g is not first
+            g = d.apply(g)
+    finally:
+        first._scratch = g._scratch = False
     return g

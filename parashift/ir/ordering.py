@@ -31,7 +31,7 @@ class Stream:
     tag_prefix: str = ""
 
     def apply(self, g: Graph) -> Graph:
-        out = g.copy()
+        out = g.owned()
         c = out.cols
         for i in range(len(out)):
             if (not self.ops or c["op"][i] in self.ops) and (c["tag"][i] or "").startswith(self.tag_prefix):
@@ -84,7 +84,7 @@ class Order:
         return "\n".join(f"stage {st}: {format_order(s)}" for st, s in sorted(self.steps().items()))
 
     def apply(self, g: Graph) -> Graph:
-        out = g.copy()
+        out = g.owned()
         c = out.cols
         n = len(out)
         steps = self.steps()
