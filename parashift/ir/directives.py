@@ -20,12 +20,14 @@ not changed) that adds the communication its placement implies:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import compress, repeat
+from operator import eq, itemgetter
 from typing import Mapping, Sequence
 
 import numpy as np
 
 from ..errors import ProgramError
-from .actions import AFTER, END, OPTIM, POST, Action
+from .actions import AFTER, END, OPTIM, POST, Action, action_ids
 from .graph import DATA, SAVED, Graph
 from .ordering import Fuse, Order, Stream
 from . import tags as T
@@ -297,18 +299,19 @@ class Shard:
         plan: dict[tuple, list] = {}   # (op, key) -> [(node, tag)]
         made: dict = {}
         if self.axis == "tp":
-            flops, params, w = c["flops"], c["params"], self.ways
-            for i, (op, kind, ph, mb, reg) in enumerate(zip(c["op"], c["kind"], c["phase"], c["mb"], c["region"])):
-                if op != "compute" or ph == "optim":
-                    continue
-                flops[i] /= w
-                params[i] //= w
-                if ph == "fwd" and kind in ("embed", "attn", "mlp", "moe.combine"):
-                    plan.setdefault(("all_reduce", None), []).append((i, _tag(made, mb, T.TPTag, reg, "fwd")))
-                elif ph == "fwd" and kind == "head":
-                    plan.setdefault(("all_gather", "ce_stats"), []).append((i, _tag(made, mb, T.TPTag, "head", "fwd")))
-                elif ph in ("bwd", "bwd_input") and kind in ("head", "mlp", "attn", "moe.route"):
-                    plan.setdefault(("all_reduce", None), []).append((i, _tag(made, mb, T.TPTag, reg, ph)))
+            comp = _equals(c["op"], "compute") & ~_equals(c["phase"], "optim")
+            _divide(c, np.flatnonzero(comp), self.ways)
+            # per node: 1 an all-reduce follows it, 2 the head's loss-statistics all-gather
+            cat = np.fromiter(map(_TP_AFTER.get, zip(c["phase"], c["kind"]), repeat(0)), np.int64, n) * comp
+            found = []
+            for k, step in ((1, ("all_reduce", None)), (2, ("all_gather", "ce_stats"))):
+                nodes = np.flatnonzero(cat == k).tolist()
+                if nodes:
+                    mb, reg, ph = c["mb"], c["region"], c["phase"]
+                    tags = [_tag(made, mb[i], T.TPTag, reg[i], ph[i]) for i in nodes] if k == 1 else \
+                        [_tag(made, mb[i], T.TPTag, "head", "fwd") for i in nodes]
+                    found.append((nodes[0], step, list(zip(nodes, tags))))
+            plan = {step: items for _, step, items in sorted(found)}      # in the order they first show
         else:
             for i in range(n):
                 if c["op"][i] != "compute":
@@ -526,28 +529,7 @@ class Replicate:
         out = g.owned()
         c = out.cols
         chunks = len(self.dense_bytes)
-        stage_of: dict[int, int] = {}
-        optim: dict[int, int] = {}
-        bwd_of_chunk: dict[int, list[int]] = {}
-        first_of_action: dict[Action, int] = {}
-        last_of_action: dict[Action, int] = {}
-        pos = c["pos"]
-        for i, (op, ph, ch, st, a) in enumerate(zip(c["op"], c["phase"], c["chunk"], c["stage"], c["action"])):
-            if op != "compute":
-                continue
-            if ph == "optim":
-                optim[st] = i
-                continue
-            stage_of[ch] = st
-            if ph in _BWD:
-                bwd_of_chunk.setdefault(ch, []).append(i)
-            if isinstance(a, Action):
-                j = first_of_action.get(a)
-                if j is None or pos[i] < pos[j]:
-                    first_of_action[a] = i
-                j = last_of_action.get(a)
-                if j is None or pos[i] > pos[j]:
-                    last_of_action[a] = i
+        stage_of, optim, bwd_of_chunk, first_of_action, last_of_action = _compute_index(out)
         if len(stage_of) != chunks:
             raise ProgramError("Replicate needs a placed graph (apply Place first)")
         edp = self.ways // self.ep
@@ -584,20 +566,23 @@ class Replicate:
         for ch, nodes in sync_nodes.items():
             for i in bwd_of_chunk.get(ch, []):
                 syncs_by_node[i] = nodes
-        keep_s, keep_d, keep_k = [], [], []
-        for u, v, k in zip(out.src, out.dst, out.ekind):
-            if k == SAVED and u in syncs_by_node and c["phase"][v] == "optim":
-                continue
-            keep_s.append(u), keep_d.append(v), keep_k.append(k)
-        out.src, out.dst, out.ekind = keep_s, keep_d, keep_k
+        if syncs_by_node and out.src:
+            synced = np.zeros(len(out), bool)
+            synced[list(syncs_by_node)] = True
+            src, dst = np.asarray(out.src, np.int64), np.asarray(out.dst, np.int64)
+            drop = (np.asarray(out.ekind) == SAVED) & synced[src] & _equals(c["phase"], "optim")[dst]
+            if drop.any():
+                keep = (~drop).tolist()
+                out.src, out.dst, out.ekind = (list(compress(x, keep)) for x in (out.src, out.dst, out.ekind))
         bwd_of_stage: dict[int, list[int]] = {}
         for ch, nodes in bwd_of_chunk.items():
             bwd_of_stage.setdefault(stage_of[ch], []).extend(nodes)
         for ch, nodes in sync_nodes.items():
             waits = bwd_of_chunk[ch] if self.overlap else bwd_of_stage[stage_of[ch]]
             for s in nodes:
-                for i in waits:
-                    out.edge(i, s, SAVED)
+                out.src += waits
+                out.dst += [s] * len(waits)
+                out.ekind += [SAVED] * len(waits)
                 out.edge(s, optim[stage_of[ch]], SAVED)
         for u, r in replica_after:
             out.edge(u, r, SAVED)
@@ -791,6 +776,78 @@ class Replicate:
                     out.edge(s, optim[stage_of[ch]], SAVED)
                     made.setdefault(ch, []).append(s)
         return made
+
+
+#: (phase, kind) of the compute nodes a TP all-reduce (1) or the loss-statistics all-gather (2) follows
+_TP_AFTER = {**{("fwd", k): 1 for k in ("embed", "attn", "mlp", "moe.combine")}, ("fwd", "head"): 2,
+             **{(ph, k): 1 for ph in ("bwd", "bwd_input") for k in ("head", "mlp", "attn", "moe.route")}}
+
+
+def _divide(c: dict, nodes: np.ndarray, ways: int) -> None:
+    """Divide the FLOPs (``/``) and parameter bytes (``//``) of ``nodes`` by ``ways``, as Python would."""
+    idx = nodes.tolist()
+    flops, params = c["flops"], c["params"]
+    fl, pa = _take(flops, idx), _take(params, idx)
+    if set(map(type, fl)) - {float} or set(map(type, pa)) - {int}:      # not plain floats and ints
+        for i in idx:
+            flops[i] /= ways
+            params[i] //= ways
+        return
+    for col, vals in ((flops, (np.asarray(fl, np.float64) / ways).tolist()),
+                      (params, (np.asarray(pa, np.int64) // ways).tolist())):
+        for i, v in zip(idx, vals):
+            col[i] = v
+
+
+def _take(col: Sequence, idx: list[int]) -> list:
+    """``[col[i] for i in idx]`` (at C speed)."""
+    return list(itemgetter(*idx)(col)) if len(idx) > 1 else [col[i] for i in idx]
+
+
+def _equals(col: Sequence, value: object) -> np.ndarray:
+    """``col[i] == value`` for every i, as a boolean array."""
+    return np.fromiter(map(eq, col, repeat(value)), bool, len(col))
+
+
+def _compute_index(g: Graph) -> tuple[dict, dict, dict, dict, dict]:
+    """Of a placed graph's compute nodes: chunk -> stage, stage -> its optimizer node, chunk -> its
+    backward nodes (in node order), and per action the node first and last by position (ties: the
+    lowest index); each dict in the order its keys first show in the graph."""
+    c = g.cols
+    n = len(g)
+    comp = _equals(c["op"], "compute")
+    is_optim = comp & _equals(c["phase"], "optim")
+    optim = dict(zip(np.asarray(c["stage"], np.int64)[is_optim].tolist(), np.flatnonzero(is_optim).tolist()))
+    body = np.flatnonzero(comp & ~is_optim)
+    chunk = np.asarray(c["chunk"], np.int64)
+    stage_of = dict(zip(chunk[body].tolist(), np.asarray(c["stage"], np.int64)[body].tolist()))
+    bwd = body[np.fromiter(map(frozenset(_BWD).__contains__, c["phase"]), bool, n)[body]]
+    bwd_of_chunk: dict[int, list[int]] = {}
+    if len(bwd):
+        ch = chunk[bwd]
+        o = np.argsort(ch, kind="stable")
+        cut = np.flatnonzero(np.diff(ch[o])) + 1
+        groups = dict(zip(ch[o][np.append(0, cut)].tolist(), np.split(bwd[o], cut)))
+        bwd_of_chunk = {k: groups[k].tolist() for k in dict.fromkeys(ch.tolist())}
+    aid, alist = action_ids(c["action"])
+    ai = body[aid[body] >= 0]
+    first_of_action: dict[Action, int] = {}
+    last_of_action: dict[Action, int] = {}
+    if len(ai):
+        a, p = aid[ai], np.asarray(c["pos"], np.float64)[ai]
+        ends = []
+        for sign in (1.0, -1.0):          # least, then greatest position; ties: the lowest index
+            o = np.lexsort((ai, sign * p, a))
+            lead = np.ones(len(o), bool)
+            lead[1:] = a[o][1:] != a[o][:-1]
+            end = np.zeros(len(alist), np.int64)
+            end[a[o][lead]] = ai[o][lead]
+            ends.append(end)
+        u, seen = np.unique(a, return_index=True)
+        order = u[np.argsort(seen)].tolist()
+        first_of_action = {alist[k]: int(ends[0][k]) for k in order}
+        last_of_action = {alist[k]: int(ends[1][k]) for k in order}
+    return stage_of, optim, bwd_of_chunk, first_of_action, last_of_action
 
 
 def apply_all(g: Graph, directives: Sequence) -> Graph:

@@ -204,8 +204,9 @@ class Graph:
         via = dict(items)
         get = via.get
         self.src = [get(u, u) if k == DATA else u for u, k in zip(self.src, self.ekind)]
-        for u, c in items:
-            self.edge(u, c, DATA)
+        self.src += [u for u, _ in items]
+        self.dst += [c for _, c in items]
+        self.ekind += [DATA] * len(items)
 
     # ---- analysis ----------------------------------------------------------------------------
     def topo_order(self, kinds: Sequence[int] = (DATA, SAVED, ORDER), key: Sequence[float] | None = None
