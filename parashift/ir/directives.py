@@ -27,7 +27,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from ..errors import ProgramError
-from .actions import AFTER, END, OPTIM, POST, Action, action_ids
+from .actions import AFTER, END, OPTIM, POST, Action
 from .graph import DATA, SAVED, Graph
 from .ordering import Fuse, Order, Stream
 from . import tags as T
@@ -529,7 +529,28 @@ class Replicate:
         out = g.owned()
         c = out.cols
         chunks = len(self.dense_bytes)
-        stage_of, optim, bwd_of_chunk, first_of_action, last_of_action = _compute_index(out)
+        stage_of: dict[int, int] = {}
+        optim: dict[int, int] = {}
+        bwd_of_chunk: dict[int, list[int]] = {}
+        first_of_action: dict[Action, int] = {}
+        last_of_action: dict[Action, int] = {}
+        pos = c["pos"]
+        for i, (op, ph, ch, st, a) in enumerate(zip(c["op"], c["phase"], c["chunk"], c["stage"], c["action"])):
+            if op != "compute":
+                continue
+            if ph == "optim":
+                optim[st] = i
+                continue
+            stage_of[ch] = st
+            if ph in _BWD:
+                bwd_of_chunk.setdefault(ch, []).append(i)
+            if isinstance(a, Action):
+                j = first_of_action.get(a)
+                if j is None or pos[i] < pos[j]:
+                    first_of_action[a] = i
+                j = last_of_action.get(a)
+                if j is None or pos[i] > pos[j]:
+                    last_of_action[a] = i
         if len(stage_of) != chunks:
             raise ProgramError("Replicate needs a placed graph (apply Place first)")
         edp = self.ways // self.ep
@@ -807,47 +828,6 @@ def _take(col: Sequence, idx: list[int]) -> list:
 def _equals(col: Sequence, value: object) -> np.ndarray:
     """``col[i] == value`` for every i, as a boolean array."""
     return np.fromiter(map(eq, col, repeat(value)), bool, len(col))
-
-
-def _compute_index(g: Graph) -> tuple[dict, dict, dict, dict, dict]:
-    """Of a placed graph's compute nodes: chunk -> stage, stage -> its optimizer node, chunk -> its
-    backward nodes (in node order), and per action the node first and last by position (ties: the
-    lowest index); each dict in the order its keys first show in the graph."""
-    c = g.cols
-    n = len(g)
-    comp = _equals(c["op"], "compute")
-    is_optim = comp & _equals(c["phase"], "optim")
-    optim = dict(zip(np.asarray(c["stage"], np.int64)[is_optim].tolist(), np.flatnonzero(is_optim).tolist()))
-    body = np.flatnonzero(comp & ~is_optim)
-    chunk = np.asarray(c["chunk"], np.int64)
-    stage_of = dict(zip(chunk[body].tolist(), np.asarray(c["stage"], np.int64)[body].tolist()))
-    bwd = body[np.fromiter(map(frozenset(_BWD).__contains__, c["phase"]), bool, n)[body]]
-    bwd_of_chunk: dict[int, list[int]] = {}
-    if len(bwd):
-        ch = chunk[bwd]
-        o = np.argsort(ch, kind="stable")
-        cut = np.flatnonzero(np.diff(ch[o])) + 1
-        groups = dict(zip(ch[o][np.append(0, cut)].tolist(), np.split(bwd[o], cut)))
-        bwd_of_chunk = {k: groups[k].tolist() for k in dict.fromkeys(ch.tolist())}
-    aid, alist = action_ids(c["action"])
-    ai = body[aid[body] >= 0]
-    first_of_action: dict[Action, int] = {}
-    last_of_action: dict[Action, int] = {}
-    if len(ai):
-        a, p = aid[ai], np.asarray(c["pos"], np.float64)[ai]
-        ends = []
-        for sign in (1.0, -1.0):          # least, then greatest position; ties: the lowest index
-            o = np.lexsort((ai, sign * p, a))
-            lead = np.ones(len(o), bool)
-            lead[1:] = a[o][1:] != a[o][:-1]
-            end = np.zeros(len(alist), np.int64)
-            end[a[o][lead]] = ai[o][lead]
-            ends.append(end)
-        u, seen = np.unique(a, return_index=True)
-        order = u[np.argsort(seen)].tolist()
-        first_of_action = {alist[k]: int(ends[0][k]) for k in order}
-        last_of_action = {alist[k]: int(ends[1][k]) for k in order}
-    return stage_of, optim, bwd_of_chunk, first_of_action, last_of_action
 
 
 def apply_all(g: Graph, directives: Sequence) -> Graph:
