@@ -131,19 +131,23 @@ class Split:
         bpos = [float(n - 1 - x) for x in rank]
         bflops = [2.0 * f for f in g.cols["flops"]]
         base = {k: v for k, v in g.cols.items() if k not in ("mb", "pos")}
+        # one micro-batch's forward then backward nodes, stamped m times
+        bwd = {"phase": ["bwd"] * n, "flops": bflops, "act": [0] * n}
         out = Graph()
-        for mb in range(m):
-            f0 = len(out)
-            out.extend(n, mb=mb, pos=fpos, **{k: list(v) for k, v in base.items()})
-            b0 = len(out)
-            out.extend(n, mb=mb, pos=bpos, **{k: list(v) for k, v in base.items()
-                                             if k not in ("phase", "flops", "act")},
-                       phase="bwd", flops=bflops, act=0)
-            for u, v in zip(g.src, g.dst):
-                out.edge(f0 + u, f0 + v, DATA)
-                out.edge(b0 + v, b0 + u, DATA)
-            for i in range(n):
-                out.edge(f0 + i, b0 + i, DATA if i in sinks else SAVED)
+        for k, v in g.cols.items():
+            out.cols[k] = (v + bwd.get(k, v)) * m
+        out.cols["mb"] = [mb for mb in range(m) for _ in range(2 * n)]
+        out.cols["pos"] = (fpos + bpos) * m
+        # per micro-batch: fwd u -> v and bwd v -> u per edge, then fwd i -> bwd i per node
+        src, dst = np.asarray(g.src, np.int64), np.asarray(g.dst, np.int64)
+        e = len(src)
+        one_s = np.concatenate([np.stack([src, n + dst], 1).reshape(-1), np.arange(n)])
+        one_d = np.concatenate([np.stack([dst, n + src], 1).reshape(-1), n + np.arange(n)])
+        kind = [DATA] * (2 * e) + [DATA if i in sinks else SAVED for i in range(n)]
+        off = (2 * n * np.arange(m, dtype=np.int64))[:, None]
+        out.src = (off + one_s).reshape(-1).tolist()
+        out.dst = (off + one_d).reshape(-1).tolist()
+        out.ekind = kind * m
         return out
 
     @staticmethod
@@ -254,9 +258,10 @@ class Place:
         opt_node = {st: out.add(op="compute", phase="optim", stage=st, flops=float(optim[st][0]),
                                 nbytes=int(optim[st][1]), stream="compute", action=(OPTIM,))
                     for st in range(self.pp)}
-        for i, (op, ph, st) in enumerate(zip(c["op"][:n0], c["phase"], c["stage"])):
-            if op == "compute" and ph in _BWD:
-                out.edge(i, opt_node[st], SAVED)
+        bwd = [i for i, (op, ph) in enumerate(zip(c["op"][:n0], c["phase"])) if op == "compute" and ph in _BWD]
+        out.src += bwd
+        out.dst += [opt_node[stages[i]] for i in bwd]
+        out.ekind += [SAVED] * len(bwd)
         return out
 
 
@@ -482,8 +487,9 @@ class Recompute:
             edges += [(f, r), (r, i)] + ([(r, last)] if last != i else [])
         out.clone(rows, phase="recompute", flops=flops, act=0, pos=[c["pos"][i] - 0.25 for i in rows], alloc=bufs,
                   free=())
-        for u, v in edges:
-            out.edge(u, v, SAVED)
+        out.src += [u for u, _ in edges]
+        out.dst += [v for _, v in edges]
+        out.ekind += [SAVED] * len(edges)
         return out
 
 
