@@ -196,3 +196,19 @@ def test_graph_clone_copies_rows_with_overrides():
         g.clone([a], colour="red")
     with pytest.raises(ProgramError, match="2 values for 1 nodes"):
         g.clone([a], flops=[1.0, 2.0])
+
+
+def test_apply_all_rewrites_only_its_own_scratch_graphs():
+    from parashift.ir.compile import _base
+    from parashift.ir.directives import apply_all
+    s = Strategy.parse("dp=2,tp=2,pp=2,recompute=full")
+    g = _base(SPEC, s, 64)
+    before = (g.copy().cols, list(g.src), list(g.dst), list(g.ekind))
+    steps = directives(SPEC, s, global_batch=8, seq_len=64)
+    out = apply_all(g, steps)
+    assert (g.cols, g.src, g.dst, g.ekind) == before                 # the input is not changed
+    assert not out._scratch and out.owned() is not out              # nor is the result, by a later directive
+    one = g
+    for d in steps:                                                 # the same graph as one copy per directive
+        one = d.apply(one)
+    assert (one.cols, one.src, one.dst, one.ekind) == (out.cols, out.src, out.dst, out.ekind)

@@ -140,3 +140,14 @@ def test_every_tag_of_a_switch_program_parses() -> None:
                             assert str(T.StateBuffer.parse(buf)) == buf
             assert all(str(T.TransferTag.parse(x)) == x for x in prog.meta["transfers"])
             assert "send" in ops
+
+
+def test_mb_namer_names_as_str_and_checks_once():
+    name = T.mb_namer(lambda m: T.TPTag("layers.3.attn", "bwd", m))
+    assert [name(mb) for mb in (0, 7, 511)] == [str(T.TPTag("layers.3.attn", "bwd", mb)) for mb in (0, 7, 511)]
+    rc = T.mb_namer(lambda m: T.StepBuffer("rc", m, region="layers.0.mlp"))
+    assert rc(12) == str(T.StepBuffer("rc", 12, region="layers.0.mlp"))
+    with pytest.raises(ProgramError):
+        T.mb_namer(lambda m: T.TPTag(" padded", "fwd", m))           # the record's own check runs
+    with pytest.raises(ProgramError):
+        T.mb_namer(lambda m: T.SyncTag(T.Axis.DP, T.Sync.GRAD, 0))  # no micro-batch at the end

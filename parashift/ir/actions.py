@@ -9,11 +9,14 @@ micro-batch's communication hides behind the other's compute (DualPipe's F&B blo
 from __future__ import annotations
 
 import re
+from itertools import repeat
 from typing import Iterable, NamedTuple, Sequence
+
+import numpy as np
 
 from ..errors import ProgramError
 
-__all__ = ["Action", "Step", "parse_order", "format_order", "TYPES", "PHASES_OF", "AFTER", "END", "OPTIM", "POST"]
+__all__ = ["Action", "Step", "action_ids", "parse_order", "format_order", "TYPES", "PHASES_OF", "AFTER", "END", "OPTIM", "POST"]
 
 #: Anchors for graph nodes that belong to no action: after a chunk's last backward, at the end of the
 #: comm stream, the optimizer step, after the optimizer step.
@@ -56,6 +59,14 @@ class Action(_ActionFields):
         if not m:
             raise ProgramError(f"cannot parse action {text!r}; write '{{chunk}}{{F|B|I|W}}{{mb}}', e.g. '0F3'")
         return cls(int(m.group(1)), m.group(2), int(m.group(3)))
+
+
+def action_ids(acts: Sequence) -> "tuple[np.ndarray, list[Action]]":
+    """Each entry of a graph's ``action`` column as an index into the returned list of its distinct
+    actions (-1: a node of no action, such as an optimizer step or a sync anchored after a chunk)."""
+    alist = [a for a in set(acts) if isinstance(a, Action)]
+    code = {a: k for k, a in enumerate(alist)}
+    return np.fromiter(map(code.get, acts, repeat(-1)), np.int64, len(acts)), alist
 
 
 #: One step of a stage's order: one action, or several run overlapped.

@@ -20,6 +20,8 @@ not changed) that adds the communication its placement implies:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import compress, repeat
+from operator import eq, itemgetter
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -59,6 +61,16 @@ def _comm_many(g: Graph, us: list[int], *, op: "str | list[str]", tags: list[str
     cols["pos"] = [pos[u] + d for u, d in zip(us, dpos)] if isinstance(dpos, list) else [pos[u] + dpos for u in us]
     return g.extend(len(us), op=op, group=group, peer=peer, tag=tags, nbytes=int(nbytes), stream=stream, key=key,
                     **cols)
+
+
+def _tag(made: dict, mb: int, cls: type, *head) -> str:
+    """``str(cls(*head, mb))`` (a per-micro-batch tag), each distinct ``(cls, *head)`` built and checked
+    once (``made``: the cache)."""
+    key = (cls, *head)
+    f = made.get(key)
+    if f is None:
+        f = made[key] = T.mb_namer(lambda m: cls(*head, m))
+    return f(mb)
 
 
 def _neighbours(g: Graph) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
@@ -119,24 +131,28 @@ class Split:
         bpos = [float(n - 1 - x) for x in rank]
         bflops = [2.0 * f for f in g.cols["flops"]]
         base = {k: v for k, v in g.cols.items() if k not in ("mb", "pos")}
+        # one micro-batch's forward then backward nodes, stamped m times
+        bwd = {"phase": ["bwd"] * n, "flops": bflops, "act": [0] * n}
         out = Graph()
-        for mb in range(m):
-            f0 = len(out)
-            out.extend(n, mb=mb, pos=fpos, **{k: list(v) for k, v in base.items()})
-            b0 = len(out)
-            out.extend(n, mb=mb, pos=bpos, **{k: list(v) for k, v in base.items()
-                                             if k not in ("phase", "flops", "act")},
-                       phase="bwd", flops=bflops, act=0)
-            for u, v in zip(g.src, g.dst):
-                out.edge(f0 + u, f0 + v, DATA)
-                out.edge(b0 + v, b0 + u, DATA)
-            for i in range(n):
-                out.edge(f0 + i, b0 + i, DATA if i in sinks else SAVED)
+        for k, v in g.cols.items():
+            out.cols[k] = (v + bwd.get(k, v)) * m
+        out.cols["mb"] = [mb for mb in range(m) for _ in range(2 * n)]
+        out.cols["pos"] = (fpos + bpos) * m
+        # per micro-batch: fwd u -> v and bwd v -> u per edge, then fwd i -> bwd i per node
+        src, dst = np.asarray(g.src, np.int64), np.asarray(g.dst, np.int64)
+        e = len(src)
+        one_s = np.concatenate([np.stack([src, n + dst], 1).reshape(-1), np.arange(n)])
+        one_d = np.concatenate([np.stack([dst, n + src], 1).reshape(-1), n + np.arange(n)])
+        kind = [DATA] * (2 * e) + [DATA if i in sinks else SAVED for i in range(n)]
+        off = (2 * n * np.arange(m, dtype=np.int64))[:, None]
+        out.src = (off + one_s).reshape(-1).tolist()
+        out.dst = (off + one_d).reshape(-1).tolist()
+        out.ekind = kind * m
         return out
 
     @staticmethod
     def _split_backward(g: Graph) -> Graph:
-        out = g.copy()
+        out = g.owned()
         c = out.cols
         bw = [i for i, (op, ph) in enumerate(zip(c["op"], c["phase"])) if op == "compute" and ph == "bwd"]
         if not bw:
@@ -198,7 +214,8 @@ class Place:
         return max(self.chunk_stage) + 1
 
     def apply(self, g: Graph) -> Graph:
-        out = g.copy()
+        n0 = len(g)
+        out = g.owned()
         c = out.cols
         last = len(self.chunk_stage) - 1
         L = len(self.layer_chunk)
@@ -220,10 +237,11 @@ class Place:
         # per cross-stage edge u -> v: a send after u and a recv before v (nodes added in pairs)
         anchors, ops, tags, peers, dpos = [], [], [], [], []
         s = len(out)
+        made: dict = {}
         for e in np.asarray(cross).tolist():
             u, v = out.src[e], out.dst[e]
             cu, cv, mb = chunks[u], chunks[v], c["mb"][u]
-            tag = str(T.P2PTag(T.Payload.ACT, cu, mb) if cv > cu else T.P2PTag(T.Payload.GRAD, cv, mb))
+            tag = _tag(made, mb, T.P2PTag, T.Payload.ACT, cu) if cv > cu else _tag(made, mb, T.P2PTag, T.Payload.GRAD, cv)
             peer = self._peer(cu, cv)
             anchors += [u, v]
             ops += ["send", "recv"]
@@ -240,9 +258,10 @@ class Place:
         opt_node = {st: out.add(op="compute", phase="optim", stage=st, flops=float(optim[st][0]),
                                 nbytes=int(optim[st][1]), stream="compute", action=(OPTIM,))
                     for st in range(self.pp)}
-        for i, (op, ph, st) in enumerate(zip(c["op"][:len(g)], c["phase"], c["stage"])):
-            if op == "compute" and ph in _BWD:
-                out.edge(i, opt_node[st], SAVED)
+        bwd = [i for i, (op, ph) in enumerate(zip(c["op"][:n0], c["phase"])) if op == "compute" and ph in _BWD]
+        out.src += bwd
+        out.dst += [opt_node[stages[i]] for i in bwd]
+        out.ekind += [SAVED] * len(bwd)
         return out
 
 
@@ -273,7 +292,7 @@ class Shard:
     def apply(self, g: Graph) -> Graph:
         if self.axis not in ("tp", "ep", "cp"):
             raise ProgramError(f"Shard axis {self.axis!r} is not supported; use 'tp', 'ep' or 'cp'")
-        out = g.copy()
+        out = g.owned()
         if self.ways == 1:
             return out
         if self.axis == "cp":
@@ -283,19 +302,21 @@ class Shard:
         c = out.cols
         n = len(out)
         plan: dict[tuple, list] = {}   # (op, key) -> [(node, tag)]
+        made: dict = {}
         if self.axis == "tp":
-            flops, params, w = c["flops"], c["params"], self.ways
-            for i, (op, kind, ph, mb, reg) in enumerate(zip(c["op"], c["kind"], c["phase"], c["mb"], c["region"])):
-                if op != "compute" or ph == "optim":
-                    continue
-                flops[i] /= w
-                params[i] //= w
-                if ph == "fwd" and kind in ("embed", "attn", "mlp", "moe.combine"):
-                    plan.setdefault(("all_reduce", None), []).append((i, str(T.TPTag(reg, "fwd", mb))))
-                elif ph == "fwd" and kind == "head":
-                    plan.setdefault(("all_gather", "ce_stats"), []).append((i, str(T.TPTag("head", "fwd", mb))))
-                elif ph in ("bwd", "bwd_input") and kind in ("head", "mlp", "attn", "moe.route"):
-                    plan.setdefault(("all_reduce", None), []).append((i, str(T.TPTag(reg, ph, mb))))
+            comp = _equals(c["op"], "compute") & ~_equals(c["phase"], "optim")
+            _divide(c, np.flatnonzero(comp), self.ways)
+            # per node: 1 an all-reduce follows it, 2 the head's loss-statistics all-gather
+            cat = np.fromiter(map(_TP_AFTER.get, zip(c["phase"], c["kind"]), repeat(0)), np.int64, n) * comp
+            found = []
+            for k, step in ((1, ("all_reduce", None)), (2, ("all_gather", "ce_stats"))):
+                nodes = np.flatnonzero(cat == k).tolist()
+                if nodes:
+                    mb, reg, ph = c["mb"], c["region"], c["phase"]
+                    tags = [_tag(made, mb[i], T.TPTag, reg[i], ph[i]) for i in nodes] if k == 1 else \
+                        [_tag(made, mb[i], T.TPTag, "head", "fwd") for i in nodes]
+                    found.append((nodes[0], step, list(zip(nodes, tags))))
+            plan = {step: items for _, step, items in sorted(found)}      # in the order they first show
         else:
             for i in range(n):
                 if c["op"][i] != "compute":
@@ -315,7 +336,7 @@ class Shard:
                     what = "dispatch"
                 if what:
                     plan.setdefault(("all_to_all", None), []).append(
-                        (i, str(T.EPTag(layer, T.A2A(what), ph_tag, mb))))
+                        (i, _tag(made, mb, T.EPTag, layer, T.A2A(what), ph_tag)))
         ins: list[tuple[int, int]] = []
         for (op, key), items in plan.items():
             us = [u for u, _ in items]
@@ -332,6 +353,7 @@ class Shard:
         steps: list[list[tuple[int, str, str, str]]] = [[], []]   # per hop: (node, op, tag, key)
         regather: list[tuple[int, str]] = []
         nbrs = _neighbours(out)
+        made: dict = {}
         for i in range(len(out)):
             if c["op"][i] != "compute" or c["phase"][i] == "optim":
                 continue
@@ -339,13 +361,13 @@ class Shard:
             c["params"][i] //= self.ways
             kind, ph, mb, reg = c["kind"][i], c["phase"][i], c["mb"][i], c["region"][i]
             if ph == "fwd" and kind == "head":
-                steps[0].append((i, "all_gather", str(T.TPTag("head", "fwd", mb)), "ce_stats"))
+                steps[0].append((i, "all_gather", _tag(made, mb, T.TPTag, "head", "fwd"), "ce_stats"))
             elif (ph == "fwd" and kind in ("embed", "attn", "mlp", "moe.combine")) or \
                     (ph in ("bwd", "bwd_input") and kind in ("head", "mlp", "attn", "moe.route")):
-                steps[0].append((i, "reduce_scatter", str(T.SPTag(reg, ph, "rs", mb)), "sp_scatter"))
-                steps[1].append((i, "all_gather", str(T.SPTag(reg, ph, "ag", mb)), "sp_gather"))
+                steps[0].append((i, "reduce_scatter", _tag(made, mb, T.SPTag, reg, ph, "rs"), "sp_scatter"))
+                steps[1].append((i, "all_gather", _tag(made, mb, T.SPTag, reg, ph, "ag"), "sp_gather"))
                 if ph != "fwd" and kind in ("head", "mlp", "attn"):
-                    regather.append((i, str(T.SPTag(reg, ph, "input", mb))))
+                    regather.append((i, _tag(made, mb, T.SPTag, reg, ph, "input")))
         last: dict[int, int] = {}       # region node -> its latest comm node
         for items in steps:
             by_key: dict[tuple[str, str], list[tuple[int, str]]] = {}
@@ -377,6 +399,7 @@ class Shard:
         n = len(out)
         after: list[tuple[int, int]] = []
         before: list[tuple[int, int]] = []
+        made: dict = {}
         weight = {(c["region"][i], c["mb"][i]): i for i in range(n)
                   if c["op"][i] == "compute" and c["phase"][i] == "bwd_weight" and c["kind"][i] == "attn"}
         for i in range(n):
@@ -387,14 +410,14 @@ class Shard:
             if c["kind"][i] != "attn" or ph not in ("fwd", "bwd", "bwd_input"):
                 continue
             reg, mb = c["region"][i], c["mb"][i]
-            kv = _comm(out, i, op="all_gather", tag=str(T.CPTag(reg, ph, "kv", mb)), group="cp",
+            kv = _comm(out, i, op="all_gather", tag=_tag(made, mb, T.CPTag, reg, ph, "kv"), group="cp",
                        nbytes=self.nbytes * self.ways, stream="comm", dpos=0.3 if ph == "fwd" else -0.3,
                        key=str(T.StepKey("cp_kv")))
             if ph == "fwd":
                 after.append((i, kv))
                 continue
             before.append((i, kv))
-            rs = _comm(out, i, op="reduce_scatter", tag=str(T.CPTag(reg, ph, "dkv", mb)), group="cp",
+            rs = _comm(out, i, op="reduce_scatter", tag=_tag(made, mb, T.CPTag, reg, ph, "dkv"), group="cp",
                        nbytes=self.nbytes * self.ways, stream="comm", dpos=0.5, key=str(T.StepKey("cp_dkv")))
             after.append((i, rs))
             if (reg, mb) in weight:          # the QKV weight gradient needs the K/V gradients it returns
@@ -425,7 +448,7 @@ class Recompute:
     def apply(self, g: Graph) -> Graph:
         if self.mode not in ("none", "selective", "full"):
             raise ProgramError(f"recompute mode {self.mode!r} is not none, selective or full")
-        out = g.copy()
+        out = g.owned()
         if self.mode == "none":
             return out
         c = out.cols
@@ -438,6 +461,7 @@ class Recompute:
                 elif ph == "bwd_weight":
                     weight[(region, mb)] = i
         rows: list[int] = []
+        rc_name: dict = {}
         flops: list[float] = []
         bufs: list[tuple] = []
         edges: list[tuple[int, int]] = []
@@ -453,15 +477,19 @@ class Recompute:
             rows.append(i)
             flops.append(float(c["flops"][f] if self.mode == "full" or self.selective_flops <= 0
                                else self.selective_flops))
-            buf = str(T.StepBuffer("rc", mb, region=region))
+            fmt = rc_name.get(region)
+            if fmt is None:
+                fmt = rc_name[region] = T.mb_namer(lambda m, r=region: T.StepBuffer("rc", m, region=r))
+            buf = fmt(mb)
             bufs.append(((buf, int(self.rc_bytes.get(kind, 0))),))
             last = weight.get(key, i)
             c["free"][last] = c["free"][last] + (buf,)
             edges += [(f, r), (r, i)] + ([(r, last)] if last != i else [])
         out.clone(rows, phase="recompute", flops=flops, act=0, pos=[c["pos"][i] - 0.25 for i in rows], alloc=bufs,
                   free=())
-        for u, v in edges:
-            out.edge(u, v, SAVED)
+        out.src += [u for u, _ in edges]
+        out.dst += [v for _, v in edges]
+        out.ekind += [SAVED] * len(edges)
         return out
 
 
@@ -504,7 +532,7 @@ class Replicate:
     overlap_param: bool = False   # ZeRO-1/2: the parameter gathers run in the step's forward, see _forward_gathers
 
     def apply(self, g: Graph) -> Graph:
-        out = g.copy()
+        out = g.owned()
         c = out.cols
         chunks = len(self.dense_bytes)
         stage_of: dict[int, int] = {}
@@ -565,20 +593,23 @@ class Replicate:
         for ch, nodes in sync_nodes.items():
             for i in bwd_of_chunk.get(ch, []):
                 syncs_by_node[i] = nodes
-        keep_s, keep_d, keep_k = [], [], []
-        for u, v, k in zip(out.src, out.dst, out.ekind):
-            if k == SAVED and u in syncs_by_node and c["phase"][v] == "optim":
-                continue
-            keep_s.append(u), keep_d.append(v), keep_k.append(k)
-        out.src, out.dst, out.ekind = keep_s, keep_d, keep_k
+        if syncs_by_node and out.src:
+            synced = np.zeros(len(out), bool)
+            synced[list(syncs_by_node)] = True
+            src, dst = np.asarray(out.src, np.int64), np.asarray(out.dst, np.int64)
+            drop = (np.asarray(out.ekind) == SAVED) & synced[src] & _equals(c["phase"], "optim")[dst]
+            if drop.any():
+                keep = (~drop).tolist()
+                out.src, out.dst, out.ekind = (list(compress(x, keep)) for x in (out.src, out.dst, out.ekind))
         bwd_of_stage: dict[int, list[int]] = {}
         for ch, nodes in bwd_of_chunk.items():
             bwd_of_stage.setdefault(stage_of[ch], []).extend(nodes)
         for ch, nodes in sync_nodes.items():
             waits = bwd_of_chunk[ch] if self.overlap else bwd_of_stage[stage_of[ch]]
             for s in nodes:
-                for i in waits:
-                    out.edge(i, s, SAVED)
+                out.src += waits
+                out.dst += [s] * len(waits)
+                out.ekind += [SAVED] * len(waits)
                 out.edge(s, optim[stage_of[ch]], SAVED)
         for u, r in replica_after:
             out.edge(u, r, SAVED)
@@ -774,8 +805,45 @@ class Replicate:
         return made
 
 
+#: (phase, kind) of the compute nodes a TP all-reduce (1) or the loss-statistics all-gather (2) follows
+_TP_AFTER = {**{("fwd", k): 1 for k in ("embed", "attn", "mlp", "moe.combine")}, ("fwd", "head"): 2,
+             **{(ph, k): 1 for ph in ("bwd", "bwd_input") for k in ("head", "mlp", "attn", "moe.route")}}
+
+
+def _divide(c: dict, nodes: np.ndarray, ways: int) -> None:
+    """Divide the FLOPs (``/``) and parameter bytes (``//``) of ``nodes`` by ``ways``, as Python would."""
+    idx = nodes.tolist()
+    flops, params = c["flops"], c["params"]
+    fl, pa = _take(flops, idx), _take(params, idx)
+    if set(map(type, fl)) - {float} or set(map(type, pa)) - {int}:      # not plain floats and ints
+        for i in idx:
+            flops[i] /= ways
+            params[i] //= ways
+        return
+    for col, vals in ((flops, (np.asarray(fl, np.float64) / ways).tolist()),
+                      (params, (np.asarray(pa, np.int64) // ways).tolist())):
+        for i, v in zip(idx, vals):
+            col[i] = v
+
+
+def _take(col: Sequence, idx: list[int]) -> list:
+    """``[col[i] for i in idx]`` (at C speed)."""
+    return list(itemgetter(*idx)(col)) if len(idx) > 1 else [col[i] for i in idx]
+
+
+def _equals(col: Sequence, value: object) -> np.ndarray:
+    """``col[i] == value`` for every i, as a boolean array."""
+    return np.fromiter(map(eq, col, repeat(value)), bool, len(col))
+
+
 def apply_all(g: Graph, directives: Sequence) -> Graph:
-    """Apply directives in order (each returns a new graph)."""
-    for d in directives:
-        g = d.apply(g)
+    """Apply directives in order (each returns a new graph; ``g`` is not changed). The graphs between
+    two directives are scratch: the next directive rewrites them in place instead of copying."""
+    first = g
+    try:
+        for d in directives:
+            g._scratch = g is not first
+            g = d.apply(g)
+    finally:
+        first._scratch = g._scratch = False
     return g

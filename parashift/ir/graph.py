@@ -103,6 +103,7 @@ class Graph:
         self.src: list[int] = []
         self.dst: list[int] = []
         self.ekind: list[int] = []
+        self._scratch = False      # a result between two directives of apply_all: rewritten in place
 
     # ---- construction -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -165,6 +166,12 @@ class Graph:
         g.src, g.dst, g.ekind = list(self.src), list(self.dst), list(self.ekind)
         return g
 
+    def owned(self) -> "Graph":
+        """The graph a directive rewrites: a copy (a directive never changes its input), or this graph
+        itself where it is a scratch result between two directives of ``apply_all`` that no one else
+        holds (a full-scale step's graph has ~800k nodes: a copy per directive is a second of work)."""
+        return self if self._scratch else self.copy()
+
     def node(self, i: int) -> Node:
         return Node(i, {k: v[i] for k, v in self.cols.items()})
 
@@ -197,8 +204,9 @@ class Graph:
         via = dict(items)
         get = via.get
         self.src = [get(u, u) if k == DATA else u for u, k in zip(self.src, self.ekind)]
-        for u, c in items:
-            self.edge(u, c, DATA)
+        self.src += [u for u, _ in items]
+        self.dst += [c for _, c in items]
+        self.ekind += [DATA] * len(items)
 
     # ---- analysis ----------------------------------------------------------------------------
     def topo_order(self, kinds: Sequence[int] = (DATA, SAVED, ORDER), key: Sequence[float] | None = None

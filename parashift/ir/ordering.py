@@ -5,12 +5,14 @@ between them). Like every directive, each is a pure rewrite ``apply(graph) -> gr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import repeat
+from operator import eq
 from typing import Mapping, Sequence
 
 import numpy as np
 
 from ..errors import ProgramError
-from .actions import AFTER, END, OPTIM, POST, Action, Step, as_steps, format_order
+from .actions import AFTER, END, OPTIM, POST, Action, Step, action_ids, as_steps, format_order
 from .graph import DATA, ORDER, SAVED, Graph
 
 __all__ = ["Order", "Stream", "Fuse"]
@@ -31,7 +33,7 @@ class Stream:
     tag_prefix: str = ""
 
     def apply(self, g: Graph) -> Graph:
-        out = g.copy()
+        out = g.owned()
         c = out.cols
         for i in range(len(out)):
             if (not self.ops or c["op"][i] in self.ops) and (c["tag"][i] or "").startswith(self.tag_prefix):
@@ -54,6 +56,8 @@ def _bound_grad_buckets(g: Graph, in_order: np.ndarray) -> None:
     allocs: dict[int, list[tuple[tuple, int, list[str]]]] = {}
     for i, (op, al, fr) in enumerate(zip(c["op"], c["alloc"], c["free"])):
         if op == "compute":
+            if not al:
+                continue
             names = [a for a, _ in al if a.startswith(("zg.", "zge."))]
             if names and in_order[i]:
                 allocs.setdefault(c["stage"][i], []).append((c["slot"][i], i, names))
@@ -84,15 +88,13 @@ class Order:
         return "\n".join(f"stage {st}: {format_order(s)}" for st, s in sorted(self.steps().items()))
 
     def apply(self, g: Graph) -> Graph:
-        out = g.copy()
+        out = g.owned()
         c = out.cols
         n = len(out)
         steps = self.steps()
         acts_col, stage_col = c["action"], c["stage"]
-        amap: dict[Action, int] = {}
-        aid = np.fromiter((amap.setdefault(a, len(amap)) if isinstance(a, Action) else -1 for a in acts_col),
-                          np.int64, n)
-        alist = list(amap)
+        aid, alist = action_ids(acts_col)
+        amap = {a: k for k, a in enumerate(alist)}
         stage = np.asarray(stage_col, np.int64)
         has = aid >= 0
         na = max(len(alist), 1)
@@ -162,8 +164,7 @@ class Order:
                 slot[i] = (big + 2, float(a[1]))
         # per (stage, step): its compute-stream node first and last in position (ties: lowest index),
         # keyed in the order each (stage, step) first shows such a node
-        comp = act_nodes[np.fromiter((c["stream"][i] == "compute" for i in act_nodes.tolist()), bool,
-                                     len(act_nodes))]
+        comp = act_nodes[np.fromiter(map(eq, c["stream"], repeat("compute")), bool, n)[act_nodes]]
         first_compute: dict[tuple[int, int], int] = {}
         last_compute: dict[tuple[int, int], int] = {}
         if len(comp):
@@ -183,7 +184,7 @@ class Order:
             if (st, k - 1) in last_compute:
                 out.edge(last_compute[(st, k - 1)], i, ORDER)
         # ZeRO-3 prefetch depth 1: the gather for step k waits for step k-1 to start
-        gathers = np.flatnonzero(in_order & has & np.fromiter((o == "all_gather" for o in c["op"]), bool, n))
+        gathers = np.flatnonzero(in_order & has & np.fromiter(map(eq, c["op"], repeat("all_gather")), bool, n))
         for i in gathers.tolist():
             k = slot[i][0]
             if (stage_col[i], k - 1) in first_compute:

@@ -16,7 +16,7 @@ instruction and freed by the last backward instruction of their region.
 from __future__ import annotations
 
 from itertools import repeat
-from operator import eq, itemgetter
+from operator import eq, is_not, itemgetter
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import ProgramError
 from ..strategy import Strategy
 from . import tags as T
-from .actions import Action
+from .actions import Action, action_ids
 from .graph import Graph
 from .placement import graph_placement, placement_meta
 from .program import Instr, Program, RankProgram
@@ -36,22 +36,22 @@ STREAMS = ("compute", "comm", "p2p")
 
 def stream_names(streams: Sequence[str]) -> tuple[str, ...]:
     """The built-in streams, then the user-named ones a ``Stream`` directive created (sorted)."""
-    return STREAMS + tuple(sorted({str(s) for s in streams} - set(STREAMS)))
+    return STREAMS + tuple(sorted({str(s) for s in set(streams)} - set(STREAMS)))
 
 
 def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None, *,
-               _slots: "tuple[np.ndarray, np.ndarray] | None" = None) -> list[int]:
+               _cols: "_Columns | None" = None) -> list[int]:
     """Send nodes in the global order their pairs complete (see module docstring). ``step_time``
     (optional) gives each action's duration for the replay instead of its FLOPs, e.g. the durations
     a schedule was planned with, which also count the TP communication on the compute stream."""
     c = g.cols
     n = len(g)
     stage_l = c["stage"]
-    slot_k, slot_p_all = _slot_keys(c) if _slots is None else _slots
-    acts = c["action"]
-    timed = np.fromiter((sl is not None and isinstance(a, Action) for sl, a in zip(c["slot"], acts)), bool, n)
+    cols = _Columns(g) if _cols is None else _cols
+    slot_k, slot_p_all, aid, alist, stage = cols.slot_k, cols.slot_p, cols.aid, cols.alist, cols.stage
+    timed = (aid >= 0) & cols.has_slot
     ti = np.flatnonzero(timed)
-    st_t = np.asarray(stage_l, np.int64)[ti] if n else np.zeros(0, np.int64)
+    st_t = stage[ti]
     k_t = slot_k[ti]
     steps: dict[int, dict[int, float]] = {}          # stage -> step -> duration
     if step_time is None:
@@ -64,20 +64,16 @@ def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None, *
         for j in np.argsort(first, kind="stable").tolist():
             steps.setdefault(int(st_t[first[j]]), {})[int(k_t[first[j]])] = float(tot[j])
     else:
-        k_of = dict(zip(zip(st_t.tolist(), _take(acts, ti.tolist())), k_t.tolist()))
-        for st, a in k_of:                            # each (stage, action) once, in first-seen order
-            d = steps.setdefault(st, {})
-            k = k_of[(st, a)]
-            d[k] = d.get(k, 0.0) + float(step_time(a))
+        a_t = aid[ti]
+        _, seen = np.unique(st_t * max(len(alist), 1) + a_t, return_index=True)
+        seen.sort()
+        for st, a, k in zip(st_t[seen].tolist(), a_t[seen].tolist(), k_t[seen].tolist()):
+            d = steps.setdefault(st, {})            # each (stage, action) once, in first-seen order
+            d[k] = d.get(k, 0.0) + float(step_time(alist[a]))
     scale = max((v for d in steps.values() for v in d.values()), default=1.0) or 1.0
-    ops, streams = c["op"], c["stream"]
-    src = np.asarray(g.src, np.int64)
-    dst = np.asarray(g.dst, np.int64)
-    is_send = _equals(ops, "send")
-    is_recv = _equals(ops, "recv")
-    on_p2p = _equals(streams, "p2p")
-    sr = is_send[src] & is_recv[dst] if len(src) else np.zeros(0, bool)
-    recv_of = dict(zip(src[sr].tolist(), dst[sr].tolist()))
+    is_send = cols.is_send
+    on_p2p = _equals(c["stream"], "p2p")
+    recv_of = cols.recv_of
     sends = np.flatnonzero(is_send & on_p2p).tolist()   # pipeline hand-offs
     recv_of = {u: v for u, v in recv_of.items() if on_p2p[u]}
     if len(recv_of) != len(sends):
@@ -122,8 +118,28 @@ def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None, *
         return []
     sa = np.asarray(sends, np.int64)
     t = np.fromiter((t_send[s] for s in sends), np.float64, len(sends))
-    o = np.lexsort((slot_p_all[sa], slot_k[sa], np.asarray(stage_l, np.int64)[sa], t))
+    o = np.lexsort((slot_p_all[sa], slot_k[sa], stage[sa], t))
     return sa[o].tolist()
+
+
+class _Columns:
+    """The graph's columns the lowering reads as arrays, converted once: stage, edges, slots
+    (:func:`_slot_keys`; ``has_slot``), actions (:func:`_action_ids`), send/recv masks and each
+    send's recv (``recv_of``)."""
+
+    def __init__(self, g: Graph) -> None:
+        c, n = g.cols, len(g)
+        self.stage = np.asarray(c["stage"], np.int64) if n else np.zeros(0, np.int64)
+        self.src = np.asarray(g.src, np.int64)
+        self.dst = np.asarray(g.dst, np.int64)
+        self.slot_k, self.slot_p = _slot_keys(c)
+        self.has_slot = np.fromiter(map(is_not, c["slot"], repeat(None)), bool, n)
+        self.aid, self.alist = action_ids(c["action"])
+        self.is_send = _equals(c["op"], "send")
+        self.is_recv = _equals(c["op"], "recv")
+        src, dst = self.src, self.dst
+        sr = self.is_send[src] & self.is_recv[dst] if len(src) else np.zeros(0, bool)
+        self.recv_of = dict(zip(src[sr].tolist(), dst[sr].tolist()))
 
 
 def _equals(col: Sequence, value: str) -> np.ndarray:
@@ -139,7 +155,8 @@ def _slot_keys(c: dict) -> tuple[np.ndarray, np.ndarray]:
     return k, p
 
 
-def _slot_rank(g: Graph, stage: np.ndarray, sid: np.ndarray, slot_k: np.ndarray, slot_p: np.ndarray) -> np.ndarray:
+def _slot_rank(g: Graph, stage: np.ndarray, sid: np.ndarray, slot_k: np.ndarray, slot_p: np.ndarray,
+               src: np.ndarray, dst: np.ndarray) -> np.ndarray:
     """Per stage, one order of its compute and comm nodes: slot order where that already respects
     every data edge between them, else the slot-priority topological order (a directive may anchor
     a node at a slot before a producer it waits on: taken literally, the two streams' orders would
@@ -151,8 +168,6 @@ def _slot_rank(g: Graph, stage: np.ndarray, sid: np.ndarray, slot_k: np.ndarray,
     nodes = idx[o]
     rank = np.full(n, -1, np.int64)
     rank[nodes] = np.arange(len(nodes))
-    src = np.asarray(g.src, np.int64)
-    dst = np.asarray(g.dst, np.int64)
     ok = (rank[src] >= 0) & (rank[dst] >= 0) & (stage[src] == stage[dst])
     back = ok & (rank[src] > rank[dst])
     if not back.any():
@@ -207,11 +222,12 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     n = len(g)
     pp = strategy.pp
     strategy = graph_placement(g, strategy)       # a custom Place: the runtime follows the graph's placement
-    stage = np.asarray(c["stage"], np.int64)
+    cols = _Columns(g)
+    stage = cols.stage
     if n and (stage.min() < 0 or stage.max() >= pp):
         raise ProgramError("every node needs a pipeline stage in [0, pp); apply Place first")
     ops = c["op"]
-    missing = [i for i, (sl, op) in enumerate(zip(c["slot"], ops)) if sl is None and op not in ("send", "recv")]
+    missing = np.flatnonzero(~cols.has_slot & ~cols.is_send & ~cols.is_recv).tolist()
     if missing:
         raise ProgramError(f"{len(missing)} nodes have no order (e.g. {g.node(missing[0])}); apply an Order "
                            f"covering stage {c['stage'][missing[0]]}")
@@ -224,15 +240,10 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     names = stream_names(streams)
     sid_of = {s: k for k, s in enumerate(names)}
     sid = np.fromiter(map(sid_of.__getitem__, streams), np.int64, n)
-    slot_k, slot_p = _slot_keys(c)
-    sends = pair_order(g, step_time, _slots=(slot_k, slot_p))
-    src = np.asarray(g.src, np.int64)
-    dst = np.asarray(g.dst, np.int64)
-    is_send = _equals(ops, "send")
-    is_recv = _equals(ops, "recv")
-    sr = is_send[src] & is_recv[dst] if len(src) else np.zeros(0, bool)
-    recv_of = dict(zip(src[sr].tolist(), dst[sr].tolist()))
-    key = _slot_rank(g, stage, sid, slot_k, slot_p)      # compute/comm: slot-priority order
+    slot_k, slot_p = cols.slot_k, cols.slot_p
+    sends = pair_order(g, step_time, _cols=cols)
+    src, dst, recv_of = cols.src, cols.dst, cols.recv_of
+    key = _slot_rank(g, stage, sid, slot_k, slot_p, src, dst)      # compute/comm: slot-priority order
     p2p = sid == _P2P
     key[p2p] = -1
     ks = np.asarray(sends, np.int64)
@@ -274,7 +285,7 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     dv, du = d3[first], ids[s3[first]]
     o = np.lexsort((du, dv))
     # ---- activation buffers -------------------------------------------------------------------------
-    alloc_extra, free_extra = _act_buffers(c, index)
+    alloc_extra, free_extra = _act_buffers(c, index, cols)
     # ---- instructions -------------------------------------------------------------------------------
     dep_col: list = [()] * n
     for v, u in zip(dv[o].tolist(), du[o].tolist()):
@@ -289,10 +300,15 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     stage_l = stage[seq_order[bounds[:-1]]].tolist() if n else []
     sid_l = sid[seq_order[bounds[:-1]]].tolist() if n else []
     per_stage: list[dict[str, tuple[Instr, ...]]] = [{} for _ in range(pp)]
-    num = _numeric(c)
+    # one tuple per node of its fields, in stream order: each node's columns are read once, in memory order
+    chunk, mbs, flops, nbytes = (a[seq_order].tolist() for a in _numeric(c))
+    rows = _take(list(zip(c["op"], dep_col, c["phase"], c["region"], c["peer"], c["group"], c["tag"], c["key"],
+                          alloc_c, free_c)), seq_order.tolist())
+    ids_l = ids[seq_order].tolist()
     for gi in range(len(b) - 1):
-        st, s = stage_l[gi], names[sid_l[gi]]
-        per_stage[st][s] = _instrs(seq_order[b[gi]:b[gi + 1]], st, s, ids, c, num, dep_col, alloc_c, free_c)
+        st, s, lo, hi = stage_l[gi], names[sid_l[gi]], b[gi], b[gi + 1]
+        per_stage[st][s] = _instrs(st, s, zip(ids_l[lo:hi], rows[lo:hi], chunk[lo:hi], mbs[lo:hi], flops[lo:hi],
+                                             nbytes[lo:hi]))
     progs: list[RankProgram] = []
     for st in range(pp):
         mem = dict(static_memory[st]) if st < len(static_memory) else {}
@@ -322,21 +338,14 @@ def _numeric(c: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
             nb.astype(np.int64, copy=False))
 
 
-def _instrs(nodes: np.ndarray, st: int, stream: str, ids: np.ndarray, c: dict, num: tuple, deps: list, alloc: list,
-            free: list) -> tuple[Instr, ...]:
-    """The instructions of ``nodes`` (one stage's stream, in stream order), built column by column
-    (``num``: :func:`_numeric` of ``c``)."""
-    idx = nodes.tolist()
-    op = _take(c["op"], idx)
-    comp = [o == "compute" for o in op]
+def _instrs(st: int, stream: str, rows: "Any") -> tuple[Instr, ...]:
+    """The instructions of one stage's stream, in stream order, from ``rows``: per node its id, its
+    row of object fields (op, deps, phase, region, peer, group, tag, key, alloc, free), chunk,
+    micro-batch, FLOPs and bytes."""
     new, out = object.__new__, []
     append = out.append
-    chunk, mbs, flops, nbytes = (a[nodes].tolist() for a in num)
-    for (i, o, d, ph, cm, ch, mb, rg, fl, nb, pe, gr, tg, ky, al, fr) in zip(
-            ids[nodes].tolist(), op, _take(deps, idx), _take(c["phase"], idx), comp, chunk,
-            mbs, _take(c["region"], idx), flops, nbytes,
-            _take(c["peer"], idx), _take(c["group"], idx), _take(c["tag"], idx), _take(c["key"], idx),
-            _take(alloc, idx), _take(free, idx)):
+    for i, (o, d, ph, rg, pe, gr, tg, ky, al, fr), ch, mb, fl, nb in rows:
+        cm = o == "compute"
         # the frozen dataclass's fields set straight into its __dict__ (as Instr.make does; its
         # per-field __setattr__ would be most of the lowering's time)
         obj = new(Instr)
@@ -363,24 +372,25 @@ def _instrs(nodes: np.ndarray, st: int, stream: str, ids: np.ndarray, c: dict, n
     return tuple(out)
 
 
-def _act_buffers(c: dict, index: np.ndarray) -> tuple[dict[int, tuple[str, int]], dict[int, str]]:
+def _act_buffers(c: dict, index: np.ndarray, cols: _Columns) -> tuple[dict[int, tuple[str, int]], dict[int, str]]:
     """Activation buffers: one per region of a chunk's micro-batch, ``act.c{chunk}.m{mb}.{region}``,
     allocated by the region's first forward instruction (in stream order) and freed by its last
     backward one, as a region keeps its stash from its forward to its (weight-gradient) backward;
     ``act.c{chunk}.m{mb}`` when the chunk runs that micro-batch's forward as one region (fused).
     Returns node -> (name, bytes) and node -> name."""
-    sel = [i for i, (op, a) in enumerate(zip(c["op"], c["action"])) if op == "compute" and isinstance(a, Action)]
-    if not sel:
+    aid, alist = cols.aid, cols.alist
+    nodes = np.flatnonzero(_equals(c["op"], "compute") & (aid >= 0))
+    if not len(nodes):
         return {}, {}
-    nodes = np.asarray(sel, np.int64)
-    acts = _take(c["action"], sel)
+    sel = nodes.tolist()
+    aid = aid[nodes]
     regs = _take(c["region"], sel)
-    codes: dict = {}
-    rc = np.fromiter((codes.setdefault(r, len(codes)) for r in regs), np.int64, len(regs))
+    codes = {r: k for k, r in enumerate(dict.fromkeys(regs))}      # in first-seen order
+    rc = np.fromiter(map(codes.__getitem__, regs), np.int64, len(regs))
     names = list(codes)
-    chunk = np.fromiter((a[0] for a in acts), np.int64, len(acts))
-    mb = np.fromiter((a[2] for a in acts), np.int64, len(acts))
-    fwd = np.fromiter((a[1] == "F" for a in acts), bool, len(acts))
+    chunk = np.fromiter((a[0] for a in alist), np.int64, len(alist))[aid]
+    mb = np.fromiter((a[2] for a in alist), np.int64, len(alist))[aid]
+    fwd = np.fromiter((a[1] == "F" for a in alist), bool, len(alist))[aid]
     width, nreg = int(mb.max()) + 1, len(names)
     uk, inv = np.unique((chunk * width + mb) * nreg + rc, return_inverse=True)
     inv = inv.reshape(-1)
@@ -395,11 +405,17 @@ def _act_buffers(c: dict, index: np.ndarray) -> tuple[dict[int, tuple[str, int]]
             for k, r in zip(cm.tolist(), (uk % nreg).tolist())]
     ix = index[nodes]
     # per key: the forward node first in stream order, the backward node last (ties: the first node)
-    o = np.lexsort((np.arange(len(sel)), ix, inv))[::-1]
-    first = {keys[k]: i for k, i in zip(inv[o][fwd[o]].tolist(), nodes[o][fwd[o]].tolist())}
+    o = np.lexsort((np.arange(len(sel)), ix, inv))
+    o = o[fwd[o]]
+    lead = np.ones(len(o), bool)
+    lead[1:] = inv[o][1:] != inv[o][:-1]
+    first = dict(zip(inv[o][lead].tolist(), nodes[o][lead].tolist()))
     o = np.lexsort((-np.arange(len(sel)), ix, inv))
-    last = {keys[k]: i for k, i in zip(inv[o][~fwd[o]].tolist(), nodes[o][~fwd[o]].tolist())}
-    nbytes = dict(zip(keys, act_bytes.tolist()))
+    o = o[~fwd[o]]
+    tail = np.ones(len(o), bool)
+    tail[:-1] = inv[o][1:] != inv[o][:-1]
+    last = dict(zip(inv[o][tail].tolist(), nodes[o][tail].tolist()))
+    nbytes = act_bytes.tolist()
 
     names_of: dict[tuple, Callable[[int], str]] = {}
 
@@ -408,6 +424,6 @@ def _act_buffers(c: dict, index: np.ndarray) -> tuple[dict[int, tuple[str, int]]
         if fmt is None:
             fmt = names_of[(k[0], k[2], k[3])] = T.StepBuffer.act_name(k[0], k[2] if k[3] else None)
         return fmt(k[1])
-    alloc_extra = {i: (name(k), nbytes[k]) for k, i in first.items() if nbytes[k]}
-    free_extra = {i: name(k) for k, i in last.items() if nbytes.get(k)}
+    alloc_extra = {i: (name(keys[k]), nbytes[k]) for k, i in first.items() if nbytes[k]}
+    free_extra = {i: name(keys[k]) for k, i in last.items() if nbytes[k]}
     return alloc_extra, free_extra

@@ -42,12 +42,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Union
+from typing import Any, Callable, Union
 
 from ..errors import ProgramError
 from ..collectives import OPS
 
-__all__ = ["Payload", "Axis", "Sync", "A2A", "P2PTag", "TPTag", "EPTag", "SyncTag", "Z3Tag", "EmbedTag",
+__all__ = ["mb_namer", "Payload", "Axis", "Sync", "A2A", "P2PTag", "TPTag", "EPTag", "SyncTag", "Z3Tag", "EmbedTag",
            "SPTag", "CPTag", "StepTag", "parse_tag", "StepKey", "StepBuffer", "TransferTag", "SwitchKey", "StateBuffer",
            "TP_PHASES", "EP_PHASES", "Z3_PHASES", "SP_HOPS", "CP_PARTS", "FLAT_KEYS"]
 
@@ -269,6 +269,17 @@ class CPTag:
 
 
 StepTag = Union[P2PTag, TPTag, EPTag, SyncTag, Z3Tag, EmbedTag, SPTag, CPTag]
+
+
+def mb_namer(tag_at: Callable[[int], Any]) -> Callable[[int], str]:
+    """``mb -> str(tag_at(mb))`` for a record whose text ends in ``.m<mb>`` (the per-micro-batch tags and
+    buffers of a training step), the record built and checked once: a compiler names hundreds of
+    thousands of them, one per micro-batch of the same region."""
+    text = str(tag_at(0))
+    if not text.endswith(".m0"):
+        raise ProgramError(f"{text!r} does not end in the micro-batch ('.m0'); name it with str()")
+    head = text[:-1]
+    return lambda mb: f"{head}{mb}"
 
 
 def parse_tag(text: str) -> StepTag:
