@@ -211,23 +211,27 @@ def check_mlp_losses(module, losses: list[float]) -> None:
         assert abs(got - loss.item()) <= 1e-5 * loss.item()
 
 
-def test_cli_runs_a_user_model_by_module_name(tmp_path):
+def test_cli_runs_a_user_model_by_module_name(tmp_path, monkeypatch, capsys):
+    """`parashift run --model mymlp:job` in the folder of mymlp.py, in-process through the CLI's entry
+    point: the module is found from the working directory (the CLI puts it on sys.path, as a console
+    script needs) and the workers import it."""
     import json
-    import subprocess
     import sys
+    from parashift.cli import main
     (tmp_path / "mymlp.py").write_text(_CLI_MODULE)
-    cmd = [sys.executable, "-m", "parashift", "run", "--model", "mymlp:job", "--strategy", "dp=2,pp=2,zero=1",
-           "--steps", "3", "--json"]
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    res = json.loads(out.stdout)
-    assert res["model"] == "mlp" and res["nprocs"] == 4 and len(res["losses"]) == 3
-    sys.path.insert(0, str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    argv = ["run", "--model", "mymlp:job", "--strategy", "dp=2,pp=2,zero=1", "--steps", "3", "--json"]
     try:
+        rc = main(argv)
+        cap = capsys.readouterr()
+        assert rc == 0, cap.err
+        res = json.loads(cap.out)
+        assert res["model"] == "mlp" and res["nprocs"] == 4 and len(res["losses"]) == 3
         import mymlp
         check_mlp_losses(mymlp, res["losses"])
+        assert main(argv[:4] + ["tp=2"]) != 0
+        err = capsys.readouterr().err
+        assert "tp=2" in err and "Traceback" not in err
     finally:
-        sys.path.remove(str(tmp_path))
         sys.modules.pop("mymlp", None)
-    bad = subprocess.run(cmd[:7] + ["tp=2"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "tp=2" in bad.stderr and "Traceback" not in bad.stderr

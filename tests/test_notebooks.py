@@ -99,16 +99,26 @@ def test_every_notebook_shows_commands():
     assert {n for n, _ in COMMANDS} == set(NAMES)
 
 
+@pytest.fixture(scope="module")
+def shell_folders(tmp_path_factory):
+    """Per notebook, one folder its commands run in, in order, and the commands that ran there: a later
+    command reads what earlier ones wrote (search: calibrate's cost.json; run: search's plan.json), and
+    each command runs once however many later ones need it."""
+    return {name: (tmp_path_factory.mktemp(f"nb{name[:2]}"), []) for name in NAMES}
+
+
 @pytest.mark.parametrize("name,cmd", COMMANDS, ids=[f"{n[:2]}-{c.split()[1]}" for n, c in COMMANDS])
-def test_notebook_shell_command_runs(name, cmd, tmp_path, monkeypatch, capsys):
+def test_notebook_shell_command_runs(name, cmd, shell_folders, monkeypatch, capsys):
     from parashift.cli import main
-    monkeypatch.chdir(tmp_path)   # files the commands write (and read: plan.json, cost.json) stay here
-    if " run plan.json" in cmd or "--cost-model cost.json" in cmd:   # earlier commands of the same notebook
-        for prev in shell_commands(nbformat.read(str(NOTEBOOKS / name), as_version=4)):
-            if prev == cmd:
-                break
-            assert main(shlex.split(prev)[1:]) == 0, prev
+    folder, ran = shell_folders[name]
+    monkeypatch.chdir(folder)     # files the commands write (and read: plan.json, cost.json) stay here
+    shown = shell_commands(nbformat.read(str(NOTEBOOKS / name), as_version=4))
+    for prev in shown[:shown.index(cmd)]:   # earlier commands of the same notebook, when not run yet
+        if prev not in ran:
+            assert main(shlex.split(prev)[1:]) == 0, f"{name}: {prev}\n{capsys.readouterr().err[-2000:]}"
+            ran.append(prev)
     assert main(shlex.split(cmd)[1:]) == 0, f"{name}: {cmd}\n{capsys.readouterr().err[-2000:]}"
+    ran.append(cmd)
 
 
 def test_notebooks_match_their_generator():

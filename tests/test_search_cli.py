@@ -1,7 +1,5 @@
 """`parashift search` and `parashift plan-trace` end to end, with the real compiler, simulator and runtime."""
 import json
-import subprocess
-import sys
 
 import pandas as pd
 import pytest
@@ -31,10 +29,10 @@ def test_search_json_writes_a_plan_that_parashift_run_trains(tmp_path, capsys):
     assert deploy["strategy"] == out["best"] and deploy["model"] == "tiny-gpt" and deploy["devices"] == 4
     assert deploy["cost_model"]["format"] == "parashift.cost_model"
     assert deploy["predicted"]["tokens_per_s"] == pytest.approx(out["best_tokens_per_s"])
-    r = subprocess.run([sys.executable, "-m", "parashift", "run", str(plan), "--steps", "2", "--json"],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    ran = json.loads(r.stdout)
+    rc = main(["run", str(plan), "--steps", "2", "--json"])
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    ran = json.loads(cap.out)
     assert ran["predicted_step_seconds"] == pytest.approx(deploy["predicted"]["step_time"])
     assert ran["measured_step_seconds"] > 0 and ran["cost_model_calibrated"] is False
     assert any("uncalibrated" in w for w in ran["warnings"])

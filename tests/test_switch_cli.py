@@ -1,7 +1,5 @@
 """``parashift run --switch-at``: a live job that reshapes, shrinks and grows, reported as JSON."""
 import json
-import subprocess
-import sys
 
 import numpy as np
 
@@ -43,11 +41,9 @@ def test_switch_memory_budget_stages_the_switch_and_frees_old_state(capsys):
     assert not s["budget_auto"] and s["memory_budget"] == int(1.6 * 2**20)
 
 
-def test_bad_switch_at_is_a_one_line_error():
-    r = subprocess.run([sys.executable, "-m", "parashift", "run", "--strategy", "dp=2", "--steps", "4",
-                        "--switch-at", "2:dp=3:0,1"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+def test_bad_switch_at_is_a_one_line_error(capsys):
+    assert main(["run", "--strategy", "dp=2", "--steps", "4", "--switch-at", "2:dp=3:0,1"]) == 1
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
     assert len(lines) == 1 and "3 ranks but 2 devices" in lines[0]
 
 
