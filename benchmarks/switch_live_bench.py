@@ -312,9 +312,8 @@ def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict, staged: float
             host_of: dict | None = None) -> dict:
     if unverified:                     # diagnostic: every checksum a constant (what verification costs)
         import parashift.exec.switch.executor as executor
-        import parashift.exec.switch.wire as wire
         executor.checksum = lambda t: 0
-        wire.word_sum = lambda b: 0    # the sums taken while packing
+        executor.SwitchExecutor._hot = lambda self, buf: None     # no sums taken while packing either
     device = ctx.device
     mgr = ElasticManager(ctx.store, ctx.member.key, 120.0)
     keys = {d: f"{d}.0" for d in range(4)}
