@@ -215,7 +215,7 @@ def test_broadcast_goes_message_by_message_from_the_state_and_a_corrupted_part_r
     assert_rolled_back(bad, static)
 
 
-def test_a_shard_sent_to_both_replicas_of_its_new_cell_is_summed_once():
+def test_a_shard_sent_to_both_replicas_of_its_new_cell_is_packed_and_summed_once():
     # ZeRO-1 shards -> dp=2,tp=2: a device sends the part of its moment shard in the other tp half to both
     # replicas of that half, straight from its state; the sender sums those parts once, both receivers check them
     src, dst = "dp=4,zero=1", "dp=2,tp=2"
@@ -229,6 +229,7 @@ def test_a_shard_sent_to_both_replicas_of_its_new_cell_is_summed_once():
     assert check_switches(GPT, ok) == 1
     recs = [sw for r in ok.reports.values() if r for sw in r["switches"]]
     assert sum(sw["sums_reused"] for sw in recs) > 0 and not any(sw.get("aborted") for sw in recs)
+    assert sum(sw["packs_shared"] for sw in recs) > 0          # strided pieces for both replicas are packed once
 
 
 def test_killed_leaving_rank_ends_in_a_clean_error_with_survivors_intact():

@@ -7,7 +7,7 @@ import torch
 from parashift import models
 from parashift.errors import MemoryBudgetError
 from parashift.exec.switch import BufferPool, checksum, state_alloc
-from parashift.exec.switch.wire import fold, parts
+from parashift.exec.switch.wire import PartSums, fold, parts
 from parashift.vps.transition import plan_live_switch
 from parashift.strategy import Strategy
 
@@ -62,6 +62,22 @@ def test_checksum_wraps_alike_on_the_aligned_and_the_misaligned_path():
     shifted = torch.cat([torch.zeros(4, dtype=torch.uint8), aligned])[4:]     # same bytes, 4 mod 8
     assert aligned.data_ptr() % 8 == 0 and shifted.data_ptr() % 8 == 4
     assert checksum(aligned) == checksum(shifted)
+
+
+def test_sums_taken_while_packing_equal_the_part_checksums_and_catch_a_flipped_byte():
+    g = torch.Generator().manual_seed(1)
+    for n, chunk, off in [(0, 64, 0), (5, 64, 0), (1000, 64, 0), (1003, 64, 0), (1003, 100, 4), (4096, 13, 3),
+                          (12345, 4096, 0)]:
+        base = torch.randint(0, 256, (n + 8,), dtype=torch.uint8, generator=g)
+        msg = base[off:off + n]
+        want = [checksum(p) for p in parts([msg], chunk)]
+        hot = PartSums(msg, chunk)
+        for end in torch.randint(0, n + 1, (5,), generator=g).sort().values.tolist():   # written in order
+            hot.upto(end)
+        assert hot.values() == want, (n, chunk, off)
+        if n:
+            msg[n // 2] ^= 1
+            assert PartSums(msg, chunk).values() != want
 
 
 def test_state_alloc_returns_zeroed_buffers():

@@ -23,7 +23,8 @@ tensor copies.
 - *cheap checks*: a checksum is one vectorized 64-bit sum per part (memory speed), folded per
   transfer (or chunk), so verification publishes one value per transfer; the caller compares
   them (see :mod:`.protocol`). A part sent straight from the old state to several peers (a ZeRO
-  shard going to every replica of its new cell) is summed once.
+  shard going to every replica of its new cell) is summed once; host staging is summed block by
+  block as it is packed (while in cache), and sends of the same content share one packing.
 
 Each op has one handler (:attr:`SwitchExecutor.HANDLERS`); what differs between ops beyond the
 call itself (who sends, bytes per member, offsets, checksummed chunks) comes from the op table.
@@ -47,8 +48,8 @@ from ...collectives import op as op_of
 from ..state import StateStore
 from .memory import BufferPool
 from .stores import piece_view
-from .wire import (BIG, CHUNK, MAX_MSGS, SLICE, checksum, checksum_device, fold, parts, resolve, slices, submit,
-                   timedelta)
+from .wire import (BIG, BLOCK, CHUNK, MAX_MSGS, SLICE, PartSums, checksum, checksum_device, fold, parts, resolve,
+                   slices, submit, timedelta)
 
 __all__ = ["SwitchExecutor", "ExecStats", "issue_order"]
 
@@ -126,6 +127,19 @@ class _Flight:
 
 
 @dataclass
+class _Packed:
+    """Messages packed for one point-to-point send, shared by the sends of the same content (a
+    piece going to several peers); ``owner``'s staging holds them until ``users`` sends are done."""
+
+    owner: str
+    msgs: list
+    direct: list
+    sums: list
+    users: int
+    expected: bool                    # ``users`` counts every send of the content, packed or not yet
+
+
+@dataclass
 class _Run:
     """One run of the driver: streams and positions, what is on the wire, where waiters report."""
 
@@ -154,6 +168,7 @@ class ExecStats:
     bytes_copied: int = 0
     zero_copy: int = 0
     sums_reused: int = 0                                        # sent parts whose checksum an earlier send computed
+    packs_shared: int = 0                                       # sends that reused another send's packed messages
     staging_peak: int = 0                                       # most staging bytes in use at once
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("keep", "pack", "unpack", "checksum", "issue", "idle", "keep_cpu", "checksum_cpu"), 0.0))
@@ -229,6 +244,10 @@ class SwitchExecutor:
         self.direct: dict[str, list[bool]] = {}             # p2p tag -> whether each message is a view of the old state
         self.sent_sums: dict[tuple[int, int], Any] = {}     # (address, bytes) of a sent part of the old state -> sum
         self.temps: dict[str, list[torch.Tensor]] = {}      # p2p tag -> pooled buffers it uses
+        self.presums: dict[str, list] = {}                  # p2p tag -> per message, its parts' checksums (or None)
+        self.packed: dict[bytes, _Packed] = {}              # content -> messages packed for a send still in flight
+        self.pack_of: dict[str, bytes] = {}                 # p2p tag -> the content key of its packed messages
+        self._sends: collections.Counter | None = None
         self.later: collections.deque = collections.deque()  # deferred work, run while the wire is busy
         self._comm: dict[str, Instr] = {}
         self._done: set[int] = set()
@@ -380,25 +399,64 @@ class SwitchExecutor:
         return t
 
     def _release(self, tag: str) -> None:
-        for t in self.temps.pop(tag, []):
-            self._put(t)
         self.msgs.pop(tag, None)
         self.direct.pop(tag, None)
+        self.presums.pop(tag, None)
+        key = self.pack_of.pop(tag, None)
+        if key is not None:               # packed messages shared by sends of the same content: the last frees them
+            p = self.packed[key]
+            p.users -= 1
+            if p.users:
+                return
+            del self.packed[key]
+            tag = p.owner
+        for t in self.temps.pop(tag, []):
+            self._put(t)
 
     def _direct(self, v: torch.Tensor) -> bool:
         """Whether a piece's box travels straight from or into the state (contiguous, and in
         memory the wire reaches)."""
         return v.is_contiguous() and not (self.host_wire and v.device.type != "cpu")
 
+    def _content(self, tag: str) -> bytes:
+        """What this device's messages of p2p transfer ``tag`` hold (their pieces in order): two
+        transfers with the same content send the same bytes."""
+        small, _, _, big = self._split(tag)
+        rows = np.asarray(small + [-1] + big, dtype=np.int64)
+        ok = rows >= 0
+        P = self.P
+        return b"".join(np.ascontiguousarray(a[rows[ok]]).tobytes() for a in (P.tensor, P.kind, P.lo, P.hi)) + \
+            rows.size.to_bytes(8, "little") + np.flatnonzero(~ok).tobytes()
+
     def _pack_p2p(self, tag: str) -> None:
+        """Pack ``tag``'s messages: small pieces into one staging buffer, large ones straight from the
+        old state where contiguous, else into a staging buffer each. Host staging is summed as it is
+        written (:class:`~.wire.PartSums`, a block at a time while in cache), so sending it reads it
+        no more. A send of the same content as one still in flight (on the gloo driver) reuses its
+        messages and checksums instead of packing them again."""
+        key = self._content(tag) if self.streams is None else None
+        got = self.packed.get(key) if key is not None else None
+        if got is not None:
+            got.users += 0 if got.expected else 1
+            self.pack_of[tag] = key
+            self.msgs[tag], self.direct[tag], self.presums[tag] = got.msgs, got.direct, got.sums
+            self.stats.packs_shared += 1
+            self.stats.zero_copy += sum(got.direct)
+            return
         small, offs, size, big = self._split(tag)
-        msgs = []
+        msgs: list[torch.Tensor] = []
+        sums: list = []
         if small:
             buf = self._temp(tag, size)
+            hot = self._hot(buf)
             for i, off in zip(small, offs):
                 v = self._view(self.old, i)
-                buf[off:off + int(self.P.nbytes[i])].view(v.dtype).view(v.shape).copy_(v)
+                n = int(self.P.nbytes[i])
+                buf[off:off + n].view(v.dtype).view(v.shape).copy_(v)
+                if hot is not None and off + n - hot.done >= BLOCK:
+                    self._sum_upto(hot, off + n)
             msgs.append(buf)
+            sums.append(self._sum_rest(hot))
         direct = [False] * len(msgs)
         for i in big:
             v = self._view(self.old, i)
@@ -406,13 +464,53 @@ class SwitchExecutor:
                 msgs.append(v.view(-1).view(torch.uint8))
                 self.stats.zero_copy += 1
                 direct.append(True)
+                sums.append(None)
             else:
                 t = self._temp(tag, int(self.P.nbytes[i]))
-                t.view(v.dtype).view(v.shape).copy_(v)
+                tv = t.view(v.dtype).view(v.shape)
+                hot = self._hot(t)
+                for d, o in (slices(tv, v, BLOCK) if hot is not None else [(tv, v)]):
+                    d.copy_(o)
+                    if hot is not None:
+                        self._sum_upto(hot, d.data_ptr() - t.data_ptr() + d.numel() * d.element_size())
                 msgs.append(t)
                 direct.append(False)
-        self.msgs[tag] = msgs
-        self.direct[tag] = direct
+                sums.append(self._sum_rest(hot))
+        self.msgs[tag], self.direct[tag], self.presums[tag] = msgs, direct, sums
+        if key is not None:
+            n = self._senders().get(key, 1)
+            self.packed[key] = _Packed(tag, msgs, direct, sums, n, n > 1)
+            self.pack_of[tag] = key
+
+    def _senders(self) -> dict[bytes, int]:
+        """Content -> how many of this device's sends carry it, when the switch runs in one stage (their
+        packed messages then wait for every one of them; in a staged switch, under a memory budget, a
+        send shares them only while they are still in flight, so staging never exceeds the Program's)."""
+        if self._sends is None:
+            self._sends = collections.Counter()
+            rp = self.program.ranks.get(self.device)
+            if self.meta.stages == 1 and rp is not None:
+                self._sends.update(self._content(i.tag) for i in rp.instrs() if i.op == "send")
+        return self._sends
+
+    def _hot(self, buf: torch.Tensor) -> PartSums | None:
+        """Part sums of a host staging buffer the gloo driver packs (None otherwise: summed on send)."""
+        return PartSums(buf, self.chunk) if buf.device.type == "cpu" and self.streams is None else None
+
+    def _sum_upto(self, hot: PartSums, end: int) -> None:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        hot.upto(end)
+        self.stats.add("checksum", t0)
+        self.stats.seconds["checksum_cpu"] += time.thread_time() - c0
+
+    def _sum_rest(self, hot: PartSums | None) -> list[int] | None:
+        if hot is None:
+            return None
+        t0, c0 = time.perf_counter(), time.thread_time()
+        v = hot.values()
+        self.stats.add("checksum", t0)
+        self.stats.seconds["checksum_cpu"] += time.thread_time() - c0
+        return v
 
     def _run_later(self, item: tuple[torch.Tensor, torch.Tensor]) -> None:
         """One piece of deferred work: a slice of a kept piece's copy."""
@@ -457,6 +555,9 @@ class SwitchExecutor:
         are out."""
         pieces = parts(msgs, self.chunk)
         acc: list = []            # part checksums, folded in order when the run ends
+        # parts whose checksums were taken while packing (None: summed here)
+        sums = (self.presums.get(ins.tag) if sending else None) or [None] * len(msgs)
+        pre = [c for m, s in zip(msgs, sums) for c in (s or [None] * len(range(0, max(m.numel(), 1), self.chunk)))]
         # parts sent straight from the old state (never written during the switch): a piece sent to several
         # peers is summed once
         shared = [d for m, d in zip(msgs, self.direct.get(ins.tag, ()))
@@ -465,6 +566,9 @@ class SwitchExecutor:
         def part(j: int) -> None:
             if not sending and self.on_received is not None:
                 self.on_received(ins.tag, pieces[j])
+            if pre[j] is not None:
+                acc.append(pre[j])
+                return
             if sending and j < len(shared) and shared[j]:
                 key = (pieces[j].data_ptr(), pieces[j].numel())
                 v = self.sent_sums.get(key)

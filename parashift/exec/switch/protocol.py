@@ -154,6 +154,7 @@ class SwitchRecord:
     bytes_received: int = 0
     zero_copy: int = 0
     sums_reused: int = 0           # sent parts of the old state summed once for several peers
+    packs_shared: int = 0          # sends whose packed messages an identical send had packed (packed once)
     old_bytes: int = 0             # the source layout's state on this process (kept whole until the verdict)
     new_bytes: int = 0             # the destination layout's state on this process
     staging_peak_bytes: int = 0    # most staging (pack / receive) bytes in use at once
@@ -272,7 +273,7 @@ def _transfer(ex: SwitchExecutor, stage: int | None) -> str | None:
 
 def _stats(record: SwitchRecord, stats) -> None:
     record.bytes_sent, record.bytes_received, record.zero_copy = stats.bytes_sent, stats.bytes_received, stats.zero_copy
-    record.sums_reused = stats.sums_reused
+    record.sums_reused, record.packs_shared = stats.sums_reused, stats.packs_shared
     record.phases = {k: round(v, 6) for k, v in stats.seconds.items()}
 
 

@@ -17,7 +17,7 @@ import torch
 
 from ...ir.program import Program
 
-__all__ = ["BIG", "CHUNK", "SLICE", "MAX_MSGS", "crc", "checksum", "checksum_device", "resolve", "fold", "parts",
+__all__ = ["BIG", "CHUNK", "SLICE", "MAX_MSGS", "BLOCK", "crc", "checksum", "word_sum", "seal", "PartSums", "checksum_device", "resolve", "fold", "parts",
            "slices", "reserve_waiters", "submit", "timedelta"]
 
 #: Pieces of at least this many bytes travel as messages of their own (p2p transfers and broadcasts).
@@ -31,6 +31,9 @@ CHUNK = 1 << 24
 SLICE = 1 << 22
 #: Parts per transfer (gloo tags are ``transfer * MAX_MSGS + part``).
 MAX_MSGS = 1 << 24
+#: Packing copies this many bytes at a time and sums them at once, while they are in cache.
+BLOCK = 1 << 20
+MASK = 0xFFFFFFFFFFFFFFFF
 
 
 def crc(t: torch.Tensor) -> int:
@@ -42,17 +45,65 @@ def checksum(t: torch.Tensor) -> int:
     """A transfer checksum of a contiguous tensor's bytes: the 64-bit wrapping sum of its 8-byte words
     (any corrupted word changes it; it runs at memory speed) plus a CRC32 of the tail. The value
     depends only on the bytes, not on their alignment: numpy sums misaligned words in place
-    (about half the aligned speed) instead of copying them."""
+    (about half the aligned speed) instead of copying them. :class:`PartSums` computes the same
+    values block by block while a buffer is written."""
     b = t.contiguous().view(-1).view(torch.uint8)
     a = b.numpy()
     n8 = a.size // 8 * 8
     if n8 == 0:
         return zlib.crc32(a)
+    return seal(word_sum(b[:n8]), n8, a[n8:])
+
+
+def word_sum(b: torch.Tensor) -> int:
+    """The 64-bit wrapping sum (unsigned) of the 8-byte words of a contiguous uint8 CPU tensor whose
+    length is a multiple of 8."""
     if b.data_ptr() % 8 == 0:        # aligned: torch's reduction is the faster one (same wrapping sum)
-        head = int(b[:n8].view(torch.int64).sum()) & 0xFFFFFFFFFFFFFFFF
-    else:
-        head = int(a[:n8].view(np.uint64).sum(dtype=np.uint64))
-    return (head * 0x100000001B3 + zlib.crc32(a[n8:]) + n8) & 0xFFFFFFFFFFFFFFFF
+        return int(b.view(torch.int64).sum()) & MASK
+    return int(b.numpy().view(np.uint64).sum(dtype=np.uint64))
+
+
+def seal(head: int, n8: int, tail: np.ndarray) -> int:
+    """:func:`checksum` of a buffer from the sum of its ``n8 > 0`` leading bytes' words and its tail bytes."""
+    return (head * 0x100000001B3 + zlib.crc32(tail) + n8) & MASK
+
+
+class PartSums:
+    """The :func:`checksum` of each part (``chunk`` bytes, as :func:`parts` cuts) of a contiguous
+    host message, summed while the message is being written: after its bytes before ``end`` are
+    final, :meth:`upto` sums the words not summed yet (still in cache when called right after the
+    write that produced them); :meth:`values` sums the rest and returns one checksum per part.
+    The 64-bit word sum is associative, so the values equal :func:`checksum` of each part."""
+
+    def __init__(self, msg: torch.Tensor, chunk: int) -> None:
+        self.msg = msg.view(-1).view(torch.uint8)
+        self.n, self.chunk = self.msg.numel(), int(chunk)
+        self.heads = [0] * max(1, -(-self.n // self.chunk))
+        self.done = 0                   # bytes summed (whole words of each part)
+
+    def upto(self, end: int) -> None:
+        end = min(int(end), self.n)
+        while self.done < end:
+            j = self.done // self.chunk
+            start = j * self.chunk
+            stop = min(start + self.chunk, self.n)          # this part's end
+            words = start + (min(end, stop) - start) // 8 * 8
+            if words > self.done:
+                self.heads[j] = (self.heads[j] + word_sum(self.msg[self.done:words])) & MASK
+                self.done = words
+            if end < stop:
+                return
+            self.done = stop                # the part's words are summed (its tail is sealed by values())
+
+    def values(self) -> list[int]:
+        self.upto(self.n)
+        out = []
+        for j, head in enumerate(self.heads):
+            a, e = j * self.chunk, min((j + 1) * self.chunk, self.n)
+            n8 = (e - a) // 8 * 8
+            tail = self.msg[a + n8:e].numpy()
+            out.append(seal(head, n8, tail) if n8 else zlib.crc32(tail))
+        return out
 
 
 def checksum_device(t: torch.Tensor) -> torch.Tensor:
