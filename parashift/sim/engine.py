@@ -32,7 +32,7 @@ __all__ = ["Engine", "RawRun", "resolve_devices"]
 
 _ACT_PREFIXES = ("act", "rc.")  # activation and recompute buffers; other named buffers are comm/params
 _ID, _DEPS = attrgetter("id"), attrgetter("deps")
-_MODEL_PHASES = ("fwd", "bwd", "bwd_input", "bwd_weight")   # compute that counts as model FLOPs (MFU)
+_MODEL_PHASES = frozenset(("fwd", "bwd", "bwd_input", "bwd_weight"))   # compute that counts as model FLOPs (MFU)
 
 
 def _noop(_arg: object) -> None:
@@ -248,16 +248,20 @@ class Engine:
         coll_cache = self.coll_cache
         lb = raw.link_bytes
         for k, ins in enumerate(instrs):
-            for d in ins.deps:
-                ev = done[d]
-                if ev.callbacks is not None:   # not processed yet
-                    yield ev
+            deps = ins.deps
+            if deps:
+                for d in deps:
+                    ev = done[d]
+                    if ev.callbacks is not None:   # not processed yet
+                        yield ev
             start = env._now
             if ins.alloc:
                 self._alloc(r, ins)
             op = ins.op
             if op == "compute":
-                key = (ins.phase, ins.region, ins.flops, ins.nbytes, static_bytes, not ins.microbatch)
+                phase = ins.phase
+                fl = ins.flops
+                key = (phase, ins.region, fl, ins.nbytes, static_bytes, not ins.microbatch)
                 dt = ctime.get(key)
                 if dt is None:
                     dt = ctime[key] = self.cost.compute_time(ins, static_bytes, self.scores, self.workload)
@@ -277,8 +281,8 @@ class Engine:
                 rec.append((r, s, ins, start, end))
                 if busy is not None:
                     busy[r] += end - start
-                if ins.phase in _MODEL_PHASES:
-                    flops[0] += ins.flops * nmem
+                if phase in _MODEL_PHASES:
+                    flops[0] += fl * nmem
                 if ins.free:
                     self._free(r, ins)
                 cell[0] = k + 1
@@ -348,9 +352,10 @@ class Engine:
         bufs = self.bufs[r]
         cur = self.mem_cur[r]
         for name, b in ins.alloc:
-            if name in bufs:
-                raise ProgramError(f"rank {r} instruction {ins.id} allocates buffer {name!r} twice; free it first")
+            n = len(bufs)
             bufs[name] = b
+            if len(bufs) == n:
+                raise ProgramError(f"rank {r} instruction {ins.id} allocates buffer {name!r} twice; free it first")
             cur += b
             if name.startswith(_ACT_PREFIXES):
                 self.act_cur[r] += b
@@ -382,15 +387,29 @@ class Engine:
         ``link_ends``; the operation's fixed overhead is paid with the first latency."""
         env, net, cost = self.env, self.net, self.cost
         overhead, factor = self._op_consts(op)
-        if len(phases) == 1 and len(link_ends) == 1 and len(waiters) == 1:  # the common case, no closures
+        if len(phases) == 1 and len(link_ends) == 1:  # the common cases, as the general path below runs them
             ph = phases[0]
             links = _links(ph.link, *link_ends[0])
             work = ph.nbytes / (self.bw[ph.link] * factor)
             delay = overhead + ph.latency
+            if len(waiters) == 1:
+                if delay > 0:
+                    env.timeout(delay).callbacks.append(lambda _e: net.flow(links, work, waiters[0]))
+                else:
+                    net.flow(links, work, waiters[0])
+                return
+
+            def done(_e: Event) -> None:
+                for w in waiters:
+                    w.succeed()
+
+            def go(_e: "Event | None" = None) -> None:
+                net.flow(links, work).callbacks.append(done)   # type: ignore[union-attr]
+
             if delay > 0:
-                env.timeout(delay).callbacks.append(lambda _e: net.flow(links, work, waiters[0]))
+                env.timeout(delay).callbacks.append(go)
             else:
-                net.flow(links, work, waiters[0])
+                go()
             return
         it = iter(phases)
         last = phases[-1:] or (None,)

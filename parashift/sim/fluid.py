@@ -33,6 +33,14 @@ class _Flow:
 def _first_end(f: _Flow) -> None:
     """A flow's first scheduled end (version 1) was processed."""
     if f.version == 1:
+        links = f.links
+        if len(links) == 1:   # _finish, inline for the common case
+            lst = f.net.active[links[0]]
+            if len(lst) == 1:
+                lst.pop()
+                f.rate = 0.0
+                f.done.succeed()
+                return
         f.net._finish(f, 1)
 
 
