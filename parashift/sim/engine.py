@@ -258,6 +258,7 @@ class Engine:
             if ins.alloc:
                 self._alloc(r, ins)
             op = ins.op
+            at = None   # with an inline timeout: when the stream resumes (it schedules ``fn`` itself)
             if op == "compute":
                 phase = ins.phase
                 fl = ins.flops
@@ -265,68 +266,52 @@ class Engine:
                 dt = ctime.get(key)
                 if dt is None:
                     dt = ctime[key] = self.cost.compute_time(ins, static_bytes, self.scores, self.workload)
+                ev = None
                 if shared_compute:
                     flow(cres, dt, waker)   # type: ignore[arg-type]
                 else:   # env.timeout(dt), inline
                     if dt < 0:
                         raise ValueError(f"negative delay {dt}")
-                    t = start + dt
-                    if t == start:
-                        fifo.append((t, waker.resume, None))
-                    else:
-                        env._eid += 1
-                        heappush(queue, (t, env._eid, waker.resume, None))
-                yield None
-                end = env._now
-                rec.append((r, s, ins, start, end))
-                if busy is not None:
-                    busy[r] += end - start
-                if phase in _MODEL_PHASES:
-                    flops[0] += fl * nmem
-                if ins.free:
-                    self._free(r, ins)
-                cell[0] = k + 1
-                ev = done.get(ins.id)
-                if ev is not None:
-                    ev.succeed()
-                continue
-            if op == "send" or op == "recv":
+                    at, fn = start + dt, waker.resume
+            elif op == "send" or op == "recv":
                 ev = self._p2p(r, ins)
                 if posted and ev.callbacks is not None:   # posted: the stream moves on, completion comes later
                     self.pending[(r, ins.id)] = (r, s, ins)
                     ev.callbacks.append(lambda _e, ins=ins, start=start: self._posted_done(r, s, ins, start))
                     cell[0] = k + 1
                     continue
-                if ev.callbacks is not None:
-                    yield ev
             elif op == "copy":
                 ev = self._copy(r, ins)
-                if ev.callbacks is not None:
-                    yield ev
             else:
                 hit = coll_cache.get((r, ins.group, op, ins.nbytes))
                 if hit is not None and hit[2] is not None:
                     # every member folds into r and it runs one phase: its flow, precomputed (_solo)
                     link, nbytes, waker.links, waker.work, delay = hit[2]
                     lb[link] += nbytes
+                    ev = None
                     if delay > 0:   # env.timeout(delay), inline
-                        t = start + delay
-                        if t == start:
-                            fifo.append((t, waker.start_flow, None))
-                        else:
-                            env._eid += 1
-                            heappush(queue, (t, env._eid, waker.start_flow, None))
+                        at, fn = start + delay, waker.start_flow
                     else:
                         waker.start_flow(None)
-                    yield None
                 else:
                     ev = self._collective(r, ins)
-                    if ev.callbacks is not None:
-                        yield ev
+            if at is not None:   # Kernel.call_at, inline
+                if at == start:
+                    fifo.append((at, fn, None))
+                else:
+                    env._eid += 1
+                    heappush(queue, (at, env._eid, fn, None))
+                yield None
+            elif ev is None:     # the waker resumes the stream
+                yield None
+            elif ev.callbacks is not None:
+                yield ev
             end = env._now
             rec.append((r, s, ins, start, end))
             if busy is not None:
                 busy[r] += end - start
+            if op == "compute" and phase in _MODEL_PHASES:
+                flops[0] += fl * nmem
             if ins.free:
                 self._free(r, ins)
             cell[0] = k + 1
