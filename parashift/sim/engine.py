@@ -26,12 +26,38 @@ from ..ir.program import Instr, Program
 from ..cost import CostModel, Phase, Workload, link_class, topology
 from .fluid import FluidNetwork
 from .fold import Folding, fold
-from .kernel import Event, Kernel
+from .kernel import Event, Kernel, fire
 
 __all__ = ["Engine", "RawRun", "resolve_devices"]
 
 _ACT_PREFIXES = ("act", "rc.")  # activation and recompute buffers; other named buffers are comm/params
 _ID, _DEPS = attrgetter("id"), attrgetter("deps")
+_MODEL_PHASES = frozenset(("fwd", "bwd", "bwd_input", "bwd_weight"))   # compute that counts as model FLOPs (MFU)
+
+
+def _noop(_arg: object) -> None:
+    pass
+
+
+class _Waker:
+    """What one stream waits on (a stream waits on one thing at a time): ``succeed`` resumes the
+    stream as processing an event succeeded now would; ``start_flow`` starts the flow it awaits."""
+
+    __slots__ = ("kernel", "resume", "net", "links", "work")
+
+    def __init__(self, kernel: Kernel, net: FluidNetwork) -> None:
+        self.kernel = kernel
+        self.net = net
+        self.resume = _noop
+        self.links: tuple = ()
+        self.work = 0.0
+
+    def succeed(self) -> None:
+        k = self.kernel
+        k._fifo.append((k._now, self.resume, None))
+
+    def start_flow(self, _arg: object) -> None:
+        self.net.flow(self.links, self.work, self)   # type: ignore[arg-type]
 
 
 def resolve_devices(program: Program, cluster: Cluster,
@@ -72,6 +98,8 @@ class RawRun:
 
     def __init__(self) -> None:
         self.records: list[tuple[int, str, Instr, float, float]] = []  # (rep, stream, instr, start, end)
+        self.busy: dict[int, float] = {}   # rep -> seconds its compute stream ran (summed in record order)
+        self.model_flops = 0.0             # model FLOPs of all ranks (summed in record order)
         self.peak: dict[int, float] = {}
         self.peak_parts: dict[int, dict[str, float]] = {}
         self.static: dict[int, dict[str, float]] = {}
@@ -133,6 +161,7 @@ class Engine:
         self.act_cur: dict[int, float] = {}
         self.progress: dict[tuple[int, str], list[int]] = {}  # instructions done per stream
         self.pending: dict[tuple[int, int], tuple] = {}  # posted send/recv not yet complete: (rank, stream, instr)
+        self.flops = [0.0]   # model FLOPs so far (a cell the streams add to)
         for r in fo.reps:
             rp = self.program.ranks[r]
             ids: set = set()
@@ -154,14 +183,16 @@ class Engine:
             self.act_cur[r] = 0.0
             raw.peak[r] = base
             raw.peak_parts[r] = {"activations": 0.0, "buffers": 0.0}
+            raw.busy[r] = 0.0
             raw.mem_events.append((r, 0.0, base))
             computing = [s for s, instrs in rp.streams.items() if any(i.op == "compute" for i in instrs)]
             shared = len(computing) > 1 or host  # several streams compute, or a shared host: fluid
             for s, instrs in rp.streams.items():
                 self.progress[(r, s)] = [0]
                 if instrs:
-                    env.process(self._stream(r, s, instrs, base, shared))
+                    self._start(r, s, instrs, base, shared)
         raw.events = env.run()
+        raw.model_flops = self.flops[0]
         self._check_finished()
         raw.sim_seconds = time.perf_counter() - t0
         return raw
@@ -178,7 +209,26 @@ class Engine:
                                 + ("" if len(stuck) <= 8 else " ...") + "; check the program with Program.validate()")
 
     # ---- one stream -----------------------------------------------------------------------------
-    def _stream(self, r: int, s: str, instrs: Sequence[Instr], static_bytes: float, shared_compute: bool):
+    def _start(self, r: int, s: str, instrs: Sequence[Instr], static_bytes: float, shared_compute: bool) -> None:
+        """Start stream ``s`` of rank ``r`` as a kernel process would (its start and its end each count
+        as one event): the stream yields an event to wait on, or None once it has arranged its own
+        resumption (through its :class:`_Waker`)."""
+        env = self.env
+        waker = _Waker(env, self.net)
+        gen = self._stream(r, s, instrs, static_bytes, shared_compute, waker)
+
+        def resume(_arg: object) -> None:
+            for ev in gen:
+                if ev is not None:   # an event not processed yet
+                    ev.callbacks.append(resume)
+                return
+            env._fifo.append((env._now, _noop, None))   # the process's end
+
+        waker.resume = resume
+        env._urgent.append((env._now, resume, None))
+
+    def _stream(self, r: int, s: str, instrs: Sequence[Instr], static_bytes: float, shared_compute: bool,
+                waker: _Waker):
         env = self.env
         done = self.done[r]
         raw = self.raw
@@ -190,29 +240,39 @@ class Engine:
         cell = self.progress[(r, s)]
         posted = self.cost.p2p_posted or (self.cost.step_p2p_posted and self.tp_step)
         queue = env._queue
+        fifo = env._fifo
         flow = self.net.flow
+        busy = raw.busy if s == "compute" else None
+        flops = self.flops
+        nmem = len(self.folding.members[r])
+        coll_cache = self.coll_cache
+        lb = raw.link_bytes
         for k, ins in enumerate(instrs):
-            for d in ins.deps:
-                ev = done[d]
-                if ev.callbacks is not None:   # not processed yet
-                    yield ev
+            deps = ins.deps
+            if deps:
+                for d in deps:
+                    ev = done[d]
+                    if ev.callbacks is not None:   # not processed yet
+                        yield ev
             start = env._now
             if ins.alloc:
                 self._alloc(r, ins)
             op = ins.op
+            at = None   # with an inline timeout: when the stream resumes (it schedules ``fn`` itself)
             if op == "compute":
-                key = (ins.phase, ins.region, ins.flops, ins.nbytes, static_bytes, not ins.microbatch)
+                phase = ins.phase
+                fl = ins.flops
+                key = (phase, ins.region, fl, ins.nbytes, static_bytes, not ins.microbatch)
                 dt = ctime.get(key)
                 if dt is None:
                     dt = ctime[key] = self.cost.compute_time(ins, static_bytes, self.scores, self.workload)
+                ev = None
                 if shared_compute:
-                    ev = flow(cres, dt)
+                    flow(cres, dt, waker)   # type: ignore[arg-type]
                 else:   # env.timeout(dt), inline
                     if dt < 0:
                         raise ValueError(f"negative delay {dt}")
-                    ev = Event(env)
-                    env._eid += 1
-                    heappush(queue, (start + dt, 1, env._eid, ev))
+                    at, fn = start + dt, waker.resume
             elif op == "send" or op == "recv":
                 ev = self._p2p(r, ins)
                 if posted and ev.callbacks is not None:   # posted: the stream moves on, completion comes later
@@ -223,10 +283,35 @@ class Engine:
             elif op == "copy":
                 ev = self._copy(r, ins)
             else:
-                ev = self._collective(r, ins)
-            if ev.callbacks is not None:
+                hit = coll_cache.get((r, ins.group, op, ins.nbytes))
+                if hit is not None and hit[2] is not None:
+                    # every member folds into r and it runs one phase: its flow, precomputed (_solo)
+                    link, nbytes, waker.links, waker.work, delay = hit[2]
+                    lb[link] += nbytes
+                    ev = None
+                    if delay > 0:   # env.timeout(delay), inline
+                        at, fn = start + delay, waker.start_flow
+                    else:
+                        waker.start_flow(None)
+                else:
+                    ev = self._collective(r, ins)
+            if at is not None:   # Kernel.call_at, inline
+                if at == start:
+                    fifo.append((at, fn, None))
+                else:
+                    env._eid += 1
+                    heappush(queue, (at, env._eid, fn, None))
+                yield None
+            elif ev is None:     # the waker resumes the stream
+                yield None
+            elif ev.callbacks is not None:
                 yield ev
-            rec.append((r, s, ins, start, env._now))
+            end = env._now
+            rec.append((r, s, ins, start, end))
+            if busy is not None:
+                busy[r] += end - start
+            if op == "compute" and phase in _MODEL_PHASES:
+                flops[0] += fl * nmem
             if ins.free:
                 self._free(r, ins)
             cell[0] = k + 1
@@ -237,7 +322,10 @@ class Engine:
     def _posted_done(self, r: int, s: str, ins: Instr, start: float) -> None:
         """A posted send/recv completed: record it, free its buffers, release its dependents."""
         del self.pending[(r, ins.id)]
-        self.raw.records.append((r, s, ins, start, self.env.now))
+        end = self.env._now
+        self.raw.records.append((r, s, ins, start, end))
+        if s == "compute":
+            self.raw.busy[r] += end - start
         if ins.free:
             self._free(r, ins)
         ev = self.done[r].get(ins.id)
@@ -249,9 +337,10 @@ class Engine:
         bufs = self.bufs[r]
         cur = self.mem_cur[r]
         for name, b in ins.alloc:
-            if name in bufs:
-                raise ProgramError(f"rank {r} instruction {ins.id} allocates buffer {name!r} twice; free it first")
+            n = len(bufs)
             bufs[name] = b
+            if len(bufs) == n:
+                raise ProgramError(f"rank {r} instruction {ins.id} allocates buffer {name!r} twice; free it first")
             cur += b
             if name.startswith(_ACT_PREFIXES):
                 self.act_cur[r] += b
@@ -283,15 +372,29 @@ class Engine:
         ``link_ends``; the operation's fixed overhead is paid with the first latency."""
         env, net, cost = self.env, self.net, self.cost
         overhead, factor = self._op_consts(op)
-        if len(phases) == 1 and len(link_ends) == 1 and len(waiters) == 1:  # the common case, no closures
+        if len(phases) == 1 and len(link_ends) == 1:  # the common cases, as the general path below runs them
             ph = phases[0]
             links = _links(ph.link, *link_ends[0])
             work = ph.nbytes / (self.bw[ph.link] * factor)
             delay = overhead + ph.latency
+            if len(waiters) == 1:
+                if delay > 0:
+                    env.timeout(delay).callbacks.append(lambda _e: net.flow(links, work, waiters[0]))
+                else:
+                    net.flow(links, work, waiters[0])
+                return
+
+            def done(_e: Event) -> None:
+                for w in waiters:
+                    w.succeed()
+
+            def go(_e: "Event | None" = None) -> None:
+                net.flow(links, work).callbacks.append(done)   # type: ignore[union-attr]
+
             if delay > 0:
-                env.timeout(delay).callbacks.append(lambda _e: net.flow(links, work, waiters[0]))
+                env.timeout(delay).callbacks.append(go)
             else:
-                net.flow(links, work, waiters[0])
+                go()
             return
         it = iter(phases)
         last = phases[-1:] or (None,)
@@ -404,11 +507,8 @@ class Engine:
         if solo is not None:  # one member, one phase: the flow precomputed (as _run_phases would run it)
             link, nbytes, links, work, delay = solo
             self.raw.link_bytes[link] += nbytes
-            if delay > 0:   # env.timeout(delay), inline
-                t = Event(env)
-                t.callbacks.append(lambda _e: self.net.flow(links, work, ev))
-                env._eid += 1
-                heappush(env._queue, (env._now + delay, 1, env._eid, t))
+            if delay > 0:
+                env.timeout(delay).callbacks.append(lambda _e: self.net.flow(links, work, ev))
             else:
                 self.net.flow(links, work, ev)
             return ev

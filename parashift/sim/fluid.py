@@ -29,10 +29,24 @@ class _Flow:
         self.done = done
         self.net = net
 
-    def finish(self, _ev: Event) -> None:
-        """The flow's first scheduled end (version 1) was processed."""
-        if self.version == 1:
-            self.net._finish(self, 1)
+
+def _first_end(f: _Flow) -> None:
+    """A flow's first scheduled end (version 1) was processed."""
+    if f.version == 1:
+        links = f.links
+        if len(links) == 1:   # _finish, inline for the common case
+            lst = f.net.active[links[0]]
+            if len(lst) == 1:
+                lst.pop()
+                f.rate = 0.0
+                f.done.succeed()
+                return
+        f.net._finish(f, 1)
+
+
+def _later_end(fv: "tuple[_Flow, int]") -> None:
+    f, v = fv
+    f.net._finish(f, v)
 
 
 class FluidNetwork:
@@ -70,10 +84,12 @@ class FluidNetwork:
         if not shared:  # alone on all its resources: full rate, no one else changes (as _schedule)
             f.rate = 1.0
             f.version = 1
-            env._eid += 1
-            ev = Event(env)
-            ev.callbacks.append(f.finish)
-            heappush(env._queue, (env._now + work, 1, env._eid, ev))
+            t = env._now + work
+            if t == env._now:
+                env._fifo.append((t, _first_end, f))
+            else:
+                env._eid += 1
+                heappush(env._queue, (t, env._eid, _first_end, f))
         else:
             self._update(self._neighbours(links))
         return done
@@ -88,9 +104,10 @@ class FluidNetwork:
 
     def _schedule(self, f: _Flow) -> None:
         f.version += 1
-        ev = self.env.timeout(f.remaining / f.rate)
-        v = f.version
-        ev.callbacks.append(lambda _e, f=f, v=v: self._finish(f, v))
+        delay = f.remaining / f.rate
+        if delay < 0:
+            raise ValueError(f"negative delay {delay}")
+        self.env.call_at(self.env._now + delay, _later_end, (f, f.version))
 
     def _update(self, flows: list[_Flow]) -> None:
         now = self.env.now

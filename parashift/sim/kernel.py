@@ -2,19 +2,25 @@
 
 The engine needs only simpy's core: events that succeed once and run their callbacks, timeouts,
 generator processes, all-of conditions, and one clock. :class:`Kernel` provides exactly those with
-the same scheduling rule as ``simpy.Environment`` (a heap ordered by time, then priority — a
-process's start is urgent, everything else normal — then creation order), so a simulation runs
-the same events in the same order as on simpy, at a fraction of the cost per event: events are
-slotted objects without values or failure handling (the engine never fails an event).
+the same scheduling rule as ``simpy.Environment`` (by time, then priority — a process's start is
+urgent, everything else normal — then creation order), so a simulation runs the same events in the
+same order as on simpy, at a fraction of the cost per event: events are slotted objects without
+values or failure handling (the engine never fails an event).
+
+The queue is split three ways, which keeps simpy's order: urgent starts, a heap of entries for
+later times, and a FIFO of entries made for the current time (an event succeeded now, a timeout
+that lands now). Every heap entry for the current time was made earlier than every FIFO entry, so
+the heap's go first. An entry is ``fn(arg)`` at a time: an event's is :func:`fire` on the event;
+the engine schedules plain calls (:meth:`Kernel.call_at`) where no one else waits, and each counts
+as the one event simpy would process there.
 """
 from __future__ import annotations
 
+from collections import deque
 from heapq import heappop, heappush
-from typing import Callable, Generator, Sequence
+from typing import Any, Callable, Generator, Sequence
 
-__all__ = ["Kernel", "Event"]
-
-_URGENT, _NORMAL = 0, 1
+__all__ = ["Kernel", "Event", "fire"]
 
 
 class Event:
@@ -28,9 +34,15 @@ class Event:
 
     def succeed(self) -> "Event":
         k = self.kernel
-        k._eid += 1
-        heappush(k._queue, (k._now, _NORMAL, k._eid, self))
+        k._fifo.append((k._now, fire, self))
         return self
+
+
+def fire(ev: Event) -> None:
+    """Process ``ev``: run its callbacks once."""
+    callbacks, ev.callbacks = ev.callbacks, None
+    for cb in callbacks:   # type: ignore[union-attr]
+        cb(ev)
 
 
 class _AllOf:
@@ -61,7 +73,9 @@ class Kernel:
 
     def __init__(self) -> None:
         self._now: float = 0   # an int until the first event, as simpy's clock starts
-        self._queue: list = []
+        self._queue: list = []          # (time, creation number, fn, arg), later than now when made
+        self._fifo: deque = deque()     # (time, fn, arg) made for the current time, in creation order
+        self._urgent: deque = deque()   # (time, fn, arg) process starts
         self._eid = 0
 
     @property
@@ -71,13 +85,20 @@ class Kernel:
     def event(self) -> Event:
         return Event(self)
 
+    def call_at(self, t: float, fn: Callable[[Any], None], arg: Any = None) -> None:
+        """Run ``fn(arg)`` at time ``t`` (not before now), as an event made now would be."""
+        if t == self._now:
+            self._fifo.append((t, fn, arg))
+        else:
+            self._eid += 1
+            heappush(self._queue, (t, self._eid, fn, arg))
+
     def timeout(self, delay: float) -> Event:
         """An event processed ``delay`` seconds from now."""
         if delay < 0:
             raise ValueError(f"negative delay {delay}")
         ev = Event(self)
-        self._eid += 1
-        heappush(self._queue, (self._now + delay, _NORMAL, self._eid, ev))
+        self.call_at(self._now + delay, fire, ev)
         return ev
 
     def all_of(self, events: Sequence[Event]) -> Event:
@@ -99,19 +120,26 @@ class Kernel:
 
         start = Event(self)
         start.callbacks.append(resume)   # type: ignore[union-attr]
-        self._eid += 1
-        heappush(self._queue, (self._now, _URGENT, self._eid, start))
+        self._urgent.append((self._now, fire, start))
         return end
 
     def run(self) -> int:
         """Process events until none is left; returns how many were processed."""
-        queue = self._queue
-        pop = heappop
+        queue, fifo, urgent = self._queue, self._fifo, self._urgent
+        pop, popleft = heappop, fifo.popleft
         n = 0
-        while queue:
-            self._now, _, _, ev = pop(queue)
+        while True:
+            if urgent:
+                t, fn, arg = urgent.popleft()
+            elif fifo:
+                if queue and queue[0][0] <= fifo[0][0]:   # the heap's entries for now were made earlier
+                    t, _, fn, arg = pop(queue)
+                else:
+                    t, fn, arg = popleft()
+            elif queue:
+                t, _, fn, arg = pop(queue)
+            else:
+                return n
+            self._now = t
             n += 1
-            callbacks, ev.callbacks = ev.callbacks, None
-            for cb in callbacks:
-                cb(ev)
-        return n
+            fn(arg)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
@@ -24,7 +25,7 @@ from ..traces.chrome import write_chrome_trace
 
 __all__ = ["SimResult", "TIMELINE_COLUMNS", "timeline_frame", "write_chrome_trace", "plot_timeline"]
 
-_MODEL_PHASES = ("fwd", "bwd", "bwd_input", "bwd_weight")
+_END = itemgetter(4)
 
 
 @dataclass(frozen=True)
@@ -54,14 +55,8 @@ class SimResult:
     def from_raw(cls, program: "Program", cluster: "Cluster", cost: "CostModel", raw: "RawRun") -> "SimResult":
         fo = raw.folding
         assert fo is not None
-        step = max((rec[4] for rec in raw.records), default=0.0)
-        busy: dict[int, float] = {r: 0.0 for r in fo.members}
-        model_flops = 0.0
-        for r, s, ins, a, b in raw.records:
-            if s == "compute":
-                busy[r] += b - a
-            if ins.op == "compute" and ins.phase in _MODEL_PHASES:
-                model_flops += ins.flops * len(fo.members[r])
+        step = max(map(_END, raw.records), default=0.0)
+        busy, model_flops = raw.busy, raw.model_flops   # summed by the engine as it recorded
         world = sum(len(m) for m in fo.members.values())
         bubble = (sum((1.0 - busy[r] / step) * len(m) for r, m in fo.members.items()) / world) if step > 0 else 0.0
         meta = program.meta
