@@ -21,6 +21,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
@@ -57,13 +58,21 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
 
 def overrides(text: str) -> dict:
     """``key=value,...`` into cost-model fields (numbers or true/false)."""
+    known = {f.name for f in fields(CostModel)}
     out = {}
     for item in filter(None, (t.strip() for t in text.split(","))):
         key, sep, val = item.partition("=")
         if not sep:
             raise SystemExit(f"--set takes key=value pairs, got {item!r}")
+        if key not in known:
+            raise SystemExit(f"--set: {key!r} is not a cost-model field; fields are {', '.join(sorted(known))}")
         low = val.lower()
-        out[key] = True if low == "true" else False if low == "false" else float(val)
+        try:
+            out[key] = True if low == "true" else False if low == "false" else float(val)
+        except ValueError:
+            raise SystemExit(f"--set {key}: {val!r} is not a number or true/false") from None
+        if out[key] != out[key] or out[key] in (float("inf"), float("-inf")):
+            raise SystemExit(f"--set {key}: give a finite number, not {val!r}")
     return out
 
 

@@ -52,5 +52,6 @@ def test_sc21_times_follow_from_their_published_throughput():
 def test_set_parses_cost_model_changes():
     assert fp.overrides("grad_accum_traffic=0, pp_scatter_gather=false") == {"grad_accum_traffic": 0.0,
                                                                              "pp_scatter_gather": False}
-    with pytest.raises(SystemExit):
-        fp.overrides("grad_accum_traffic")
+    for bad in ("grad_accum_traffic", "no_such_field=1", "grad_accum_traffic=abc", "grad_accum_traffic=nan"):
+        with pytest.raises(SystemExit):
+            fp.overrides(bad)

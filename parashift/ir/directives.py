@@ -21,14 +21,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import compress, repeat
-from operator import eq, itemgetter
 from typing import Mapping, Sequence
 
 import numpy as np
 
 from ..errors import ProgramError
 from .actions import AFTER, END, OPTIM, POST, Action
-from .graph import DATA, SAVED, Graph
+from .graph import DATA, SAVED, Graph, equals as _equals, take as _take
 from .ordering import Fuse, Order, Stream
 from . import tags as T
 
@@ -259,9 +258,7 @@ class Place:
                                 nbytes=int(optim[st][1]), stream="compute", action=(OPTIM,))
                     for st in range(self.pp)}
         bwd = [i for i, (op, ph) in enumerate(zip(c["op"][:n0], c["phase"])) if op == "compute" and ph in _BWD]
-        out.src += bwd
-        out.dst += [opt_node[stages[i]] for i in bwd]
-        out.ekind += [SAVED] * len(bwd)
+        out.add_edges(bwd, [opt_node[stages[i]] for i in bwd], SAVED)
         return out
 
 
@@ -487,9 +484,7 @@ class Recompute:
             edges += [(f, r), (r, i)] + ([(r, last)] if last != i else [])
         out.clone(rows, phase="recompute", flops=flops, act=0, pos=[c["pos"][i] - 0.25 for i in rows], alloc=bufs,
                   free=())
-        out.src += [u for u, _ in edges]
-        out.dst += [v for _, v in edges]
-        out.ekind += [SAVED] * len(edges)
+        out.add_edges([u for u, _ in edges], [v for _, v in edges], SAVED)
         return out
 
 
@@ -607,9 +602,7 @@ class Replicate:
         for ch, nodes in sync_nodes.items():
             waits = bwd_of_chunk[ch] if self.overlap else bwd_of_stage[stage_of[ch]]
             for s in nodes:
-                out.src += waits
-                out.dst += [s] * len(waits)
-                out.ekind += [SAVED] * len(waits)
+                out.add_edges(waits, [s] * len(waits), SAVED)
                 out.edge(s, optim[stage_of[ch]], SAVED)
         for u, r in replica_after:
             out.edge(u, r, SAVED)
@@ -824,16 +817,6 @@ def _divide(c: dict, nodes: np.ndarray, ways: int) -> None:
                       (params, (np.asarray(pa, np.int64) // ways).tolist())):
         for i, v in zip(idx, vals):
             col[i] = v
-
-
-def _take(col: Sequence, idx: list[int]) -> list:
-    """``[col[i] for i in idx]`` (at C speed)."""
-    return list(itemgetter(*idx)(col)) if len(idx) > 1 else [col[i] for i in idx]
-
-
-def _equals(col: Sequence, value: object) -> np.ndarray:
-    """``col[i] == value`` for every i, as a boolean array."""
-    return np.fromiter(map(eq, col, repeat(value)), bool, len(col))
 
 
 def apply_all(g: Graph, directives: Sequence) -> Graph:

@@ -10,14 +10,15 @@ from __future__ import annotations
 import gc
 from contextlib import contextmanager
 from dataclasses import dataclass
-from operator import itemgetter
+from itertools import repeat
+from operator import eq, itemgetter
 from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from ..errors import ProgramError
 
-__all__ = ["Graph", "Node", "DATA", "SAVED", "ORDER", "EDGE_KINDS", "NODE_FIELDS", "paused_gc"]
+__all__ = ["Graph", "Node", "DATA", "SAVED", "ORDER", "EDGE_KINDS", "NODE_FIELDS", "paused_gc", "take", "equals"]
 
 DATA, SAVED, ORDER = 0, 1, 2
 EDGE_KINDS = ("data", "saved", "order")
@@ -48,6 +49,16 @@ NODE_FIELDS: dict[str, Any] = {
     "slot": None,         # (action position on its stage, pos) once ordered; None before Order
     "shape": None,        # output shape (single-device graphs)
 }
+def take(col: Sequence, idx: Sequence[int]) -> list:
+    """``[col[i] for i in idx]`` (at C speed)."""
+    return list(itemgetter(*idx)(col)) if len(idx) > 1 else [col[i] for i in idx]
+
+
+def equals(col: Sequence, value: object) -> np.ndarray:
+    """``col[i] == value`` for every i, as a boolean array."""
+    return np.fromiter(map(eq, col, repeat(value)), bool, len(col))
+
+
 @contextmanager
 def paused_gc() -> Iterator[None]:
     """Pause Python's cyclic garbage collector (restored on exit). Compiling and simulating build
@@ -160,6 +171,12 @@ class Graph:
         self.dst.append(v)
         self.ekind.append(kind)
 
+    def add_edges(self, src: Sequence[int], dst: Sequence[int], kind: int = DATA) -> None:
+        """Edges ``src[i] -> dst[i]``, all of ``kind`` (one list extension, not a call per edge)."""
+        self.src += src
+        self.dst += dst
+        self.ekind += [kind] * len(src)
+
     def copy(self) -> "Graph":
         g = Graph()
         g.cols = {k: list(v) for k, v in self.cols.items()}
@@ -204,9 +221,7 @@ class Graph:
         via = dict(items)
         get = via.get
         self.src = [get(u, u) if k == DATA else u for u, k in zip(self.src, self.ekind)]
-        self.src += [u for u, _ in items]
-        self.dst += [c for _, c in items]
-        self.ekind += [DATA] * len(items)
+        self.add_edges([u for u, _ in items], [c for _, c in items], DATA)
 
     # ---- analysis ----------------------------------------------------------------------------
     def topo_order(self, kinds: Sequence[int] = (DATA, SAVED, ORDER), key: Sequence[float] | None = None

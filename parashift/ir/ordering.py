@@ -5,15 +5,13 @@ between them). Like every directive, each is a pure rewrite ``apply(graph) -> gr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import repeat
-from operator import eq
 from typing import Mapping, Sequence
 
 import numpy as np
 
 from ..errors import ProgramError
 from .actions import AFTER, END, OPTIM, POST, Action, Step, action_ids, as_steps, format_order
-from .graph import DATA, ORDER, SAVED, Graph
+from .graph import DATA, ORDER, SAVED, Graph, equals as _equals
 
 __all__ = ["Order", "Stream", "Fuse"]
 
@@ -164,7 +162,7 @@ class Order:
                 slot[i] = (big + 2, float(a[1]))
         # per (stage, step): its compute-stream node first and last in position (ties: lowest index),
         # keyed in the order each (stage, step) first shows such a node
-        comp = act_nodes[np.fromiter(map(eq, c["stream"], repeat("compute")), bool, n)[act_nodes]]
+        comp = act_nodes[_equals(c["stream"], "compute")[act_nodes]]
         first_compute: dict[tuple[int, int], int] = {}
         last_compute: dict[tuple[int, int], int] = {}
         if len(comp):
@@ -184,7 +182,7 @@ class Order:
             if (st, k - 1) in last_compute:
                 out.edge(last_compute[(st, k - 1)], i, ORDER)
         # ZeRO-3 prefetch depth 1: the gather for step k waits for step k-1 to start
-        gathers = np.flatnonzero(in_order & has & np.fromiter(map(eq, c["op"], repeat("all_gather")), bool, n))
+        gathers = np.flatnonzero(in_order & has & _equals(c["op"], "all_gather"))
         for i in gathers.tolist():
             k = slot[i][0]
             if (stage_col[i], k - 1) in first_compute:

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields
-from itertools import repeat
-from operator import eq, itemgetter
 from typing import Any, Mapping
 
 import numpy as np
 
 from ..errors import StrategyError
 from ..strategy import Strategy
+from .graph import equals as _equals, take as _take
 
 __all__ = ["PlacedStrategy", "placed", "placement_meta", "placed_from_meta", "base_strategy", "graph_placement",
            "placement_order"]
@@ -109,10 +108,6 @@ def placed_from_meta(s: "Strategy | None", meta: Mapping[str, Any]) -> "Strategy
                           chunk_starts=tuple(p["chunk_starts"]), chunk_stages=tuple(p["chunk_stages"]))
 
 
-def _take(col: list, idx: list[int]) -> list:
-    return list(itemgetter(*idx)(col)) if len(idx) > 1 else [col[i] for i in idx]
-
-
 _LAYER = re.compile(r"(?:^|\.|\+)layers\.(\d+)(?:-(\d+))?")
 
 
@@ -126,8 +121,7 @@ def graph_placement(g: Any, s: Strategy) -> Strategy:
     ch = np.asarray(c["chunk"])
     if ch.dtype.kind != "i":                # a None chunk: unplaced
         ch = np.fromiter((-1 if x is None else x for x in c["chunk"]), np.int64, n)
-    sel = np.fromiter(map(eq, c["op"], repeat("compute")), bool, n) \
-        & ~np.fromiter(map(eq, c["phase"], repeat("optim")), bool, n) & (ch >= 0)
+    sel = _equals(c["op"], "compute") & ~_equals(c["phase"], "optim") & (ch >= 0)
     idx = np.flatnonzero(sel)
     stage: dict[int, int] = {}
     first: dict[int, int] = {}
@@ -143,7 +137,7 @@ def graph_placement(g: Any, s: Strategy) -> Strategy:
         il = idx.tolist()
         for region in set(_take(c["region"], il)):   # the highest layer any region names (-1: none)
             top = max(top, max((int(m.group(2) or m.group(1)) for m in _LAYER.finditer(region or "")), default=-1))
-        head = np.fromiter(map(eq, _take(c["kind"], il), repeat("head")), bool, len(il))
+        head = _equals(_take(c["kind"], il), "head")
         if head.any():
             top = max(top, int(layer[head].max()) - 1)
     if not stage:

@@ -16,7 +16,7 @@ instruction and freed by the last backward instruction of their region.
 from __future__ import annotations
 
 from itertools import repeat
-from operator import eq, is_not, itemgetter
+from operator import is_not
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -25,7 +25,7 @@ from ..errors import ProgramError
 from ..strategy import Strategy
 from . import tags as T
 from .actions import Action, action_ids
-from .graph import Graph
+from .graph import Graph, equals as _equals, take as _take
 from .placement import graph_placement, placement_meta
 from .program import Instr, Program, RankProgram
 
@@ -124,7 +124,7 @@ def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None, *
 
 class _Columns:
     """The graph's columns the lowering reads as arrays, converted once: stage, edges, slots
-    (:func:`_slot_keys`; ``has_slot``), actions (:func:`_action_ids`), send/recv masks and each
+    (:func:`_slot_keys`; ``has_slot``), actions (:func:`.actions.action_ids`), send/recv masks and each
     send's recv (``recv_of``)."""
 
     def __init__(self, g: Graph) -> None:
@@ -140,11 +140,6 @@ class _Columns:
         src, dst = self.src, self.dst
         sr = self.is_send[src] & self.is_recv[dst] if len(src) else np.zeros(0, bool)
         self.recv_of = dict(zip(src[sr].tolist(), dst[sr].tolist()))
-
-
-def _equals(col: Sequence, value: str) -> np.ndarray:
-    """``col[i] == value`` for every i, as a boolean array."""
-    return np.fromiter(map(eq, col, repeat(value)), bool, len(col))
 
 
 def _slot_keys(c: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -319,13 +314,6 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     if placement_meta(strategy):
         meta["placement"] = placement_meta(strategy)
     return Program(ranks, strategy, meta)
-
-
-def _take(col: Sequence, idx: list[int]) -> list:
-    """``[col[i] for i in idx]`` (at C speed)."""
-    if len(idx) > 1:
-        return list(itemgetter(*idx)(col))
-    return [col[i] for i in idx]
 
 
 def _numeric(c: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

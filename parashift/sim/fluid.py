@@ -7,7 +7,6 @@ recomputed only for the flows on the resources a starting or finishing flow touc
 """
 from __future__ import annotations
 
-from heapq import heappush
 from typing import Hashable, Sequence
 
 from .kernel import Event, Kernel
@@ -84,12 +83,7 @@ class FluidNetwork:
         if not shared:  # alone on all its resources: full rate, no one else changes (as _schedule)
             f.rate = 1.0
             f.version = 1
-            t = env._now + work
-            if t == env._now:
-                env._fifo.append((t, _first_end, f))
-            else:
-                env._eid += 1
-                heappush(env._queue, (t, env._eid, _first_end, f))
+            env.call_at(env._now + work, _first_end, f)
         else:
             self._update(self._neighbours(links))
         return done
