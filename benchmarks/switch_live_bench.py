@@ -31,12 +31,14 @@ transfer and verify phases, the transfer driver's own seconds (``keep``/``pack``
 ``checksum``, ``issue``, ``idle``: waiting on the wire), the seconds outside the transfer (``setup``:
 the executor; verification's ``publish``, ``wait`` for every record, ``read``; ``gc``), and CPU
 seconds, which a busy host inflates less than wall time: ``cpu`` (the process, every thread),
-``driver_cpu`` (the driver thread), ``keep_cpu``, ``checksum_cpu``. Planning and world creation
-(``plan_seconds``, ``world_seconds``) run before the switch, as a live job runs them in the background
-after the notice. ``memory_max_rank``: the largest per-rank switch memory figures.
+``driver_cpu`` (the driver thread), ``keep_cpu``, ``pack_cpu``, ``unpack_cpu``, ``checksum_cpu``,
+``issue_cpu``. Planning and world creation (``plan_seconds``, ``world_seconds``) run before the
+switch, as a live job runs them in the background after the notice. ``memory_max_rank``: the largest per-rank switch memory figures.
 ``cpu_seconds`` / ``floor_cpu_seconds``: CPU seconds of all four processes together (every
 thread, gloo's included) during the switch / the floor, a figure a busy host disturbs less than
-wall time.
+wall time; ``cpu_split`` / ``floor_cpu_split``: the same by thread (Linux), ``driver`` (the thread
+that runs the switch, or the floor's call and copy), ``waiters`` (the switch's wait threads) and
+``other`` (gloo's threads, which move the bytes through the sockets, and the store client's).
 
 ``--unverified`` (a diagnostic) replaces every transfer checksum by a constant, to show what
 verification costs on the machine at hand.
@@ -113,6 +115,34 @@ def _fill(store: StateStore, spec) -> None:
                     col = col[tuple(slice(o, o + n) for o, n in zip(p.offsets[1:], p.sizes[1:]))].reshape(-1)
                     local = (row[:, None] + col[None, :]).view(-1)
                 flat[a - base:e - base] = local[a - p.start:e - p.start]
+
+
+def _thread_cpu() -> dict[int, float]:
+    """CPU seconds of each thread of this process (Linux ``schedstat``, nanoseconds; empty elsewhere)."""
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for t in tids:
+        try:
+            with open(f"/proc/self/task/{t}/schedstat") as f:
+                out[int(t)] = int(f.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            pass
+    return out
+
+
+def _cpu_split(before: dict[int, float]) -> dict[str, float]:
+    """CPU seconds since ``before`` (:func:`_thread_cpu`) by thread: ``driver`` (this one), ``waiters``
+    (the switch's wait threads) and ``other`` (gloo's, the store client's, ...)."""
+    import threading
+    waiters = {t.native_id for t in threading.enumerate() if t.name == "parashift-switch-wait"}
+    me = threading.get_native_id()
+    out = dict.fromkeys(("driver", "waiters", "other"), 0.0)
+    for t, v in _thread_cpu().items():
+        out["driver" if t == me else "waiters" if t in waiters else "other"] += v - before.get(t, 0.0)
+    return out
 
 
 def _allmax(pg, x: float) -> float:
@@ -252,12 +282,14 @@ def _floor(planned, device: int, world, index) -> float:
     out = state_alloc(sum(recv), torch.uint8, cpu)
     a, b = torch.ones(kept, dtype=torch.uint8), state_alloc(kept, torch.uint8, cpu)
     _allmax(world, 0.0)
+    threads = _thread_cpu()
     t0, c0 = time.perf_counter(), time.process_time()
     world.alltoall_base(out, inp, recv, send, torch.distributed.AllToAllOptions()).wait()
     b.copy_(a)
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    split = _cpu_split(threads)
     assert n == len(parts)
-    return _allmax(world, dt), _allsum(world, cpu)
+    return _allmax(world, dt), _allsum(world, cpu), {k: _allsum(world, v) for k, v in split.items()}
 
 
 def _staged_case(spec, ctx, world, keys, mgr, ci: int, src, dst, sdev, ddev, fraction: float, repeats: int) -> dict:
@@ -340,34 +372,38 @@ def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict, staged: float
         reserve_waiters(planned.program, device)
         world_s = time.perf_counter() - t0
         prep = Prepared(planned, world, {d: i for i, d in enumerate(parts)}, groups, keys, None, plan_s, world_s, 0, 0)
-        sw, al, phases, recs, fl, sw_cpu, fl_cpu = [], [], [], [], [], [], []
+        sw, al, phases, recs, fl, sw_cpu, fl_cpu, sw_split, fl_split = [], [], [], [], [], [], [], [], []
         for rep in range(repeats + 1):
             t0 = time.perf_counter()      # the destination store: allocated when the switch is announced
             new = StateStore(spec, dst, ddev.index(device), torch.device("cpu"), init=False,
                              alloc=state_alloc) if device in ddev else None
             alloc_s = time.perf_counter() - t0
             _allmax(world, 0.0)
+            threads = _thread_cpu()
             t0, c0 = time.perf_counter(), time.process_time()
             rec = SwitchRecord(0, str(src), str(dst), device)
             execute_switch(prep, ctx.store, f"bench{ci}.{rep}/", device, old, new, rec, timeout=300, pool=pool,
                            steps_done=0)
             dt = _allmax(world, time.perf_counter() - t0)
             cpu = _allsum(world, time.process_time() - c0)
+            split = {k: _allsum(world, v) for k, v in _cpu_split(threads).items()}
             mine = sorted({**rec.phases, "transfer": rec.transfer_seconds, "verify": rec.verify_seconds}.items())
             ph = {k: _allmax(world, v) for k, v in mine}
             ph.update({f"mean_{k}": _allsum(world, v) / world.size() for k, v in mine})
             if rep:                       # the first run warms the pool and the allocator
                 sw.append(dt)
                 sw_cpu.append(cpu)
+                sw_split.append(split)
                 al.append(_allmax(world, alloc_s))
                 phases.append(ph)
             recs.append(rec)
             want = _digest(new)
             del new
             if rep:                       # interleaved, so that a busy host slows both alike
-                a, b = _floor(planned, device, world, prep.index)
+                a, b, c = _floor(planned, device, world, prep.index)
                 fl.append(a)
                 fl_cpu.append(b)
+                fl_split.append(c)
         mem = {k: int(_allmax(world, float(getattr(recs[-1], k))))
                for k in ("old_bytes", "new_bytes", "staging_peak_bytes", "peak_bytes")}
         res = {"dst_devices": list(ddev), "switch_seconds": statistics.median(sw),
@@ -377,6 +413,8 @@ def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict, staged: float
                "bytes_moved": SwitchMeta.of(planned.program).bytes_moved,
                "bytes_kept": SwitchMeta.of(planned.program).bytes_kept, "switch_runs": sw, "floor_runs": fl,
                "cpu_seconds": statistics.median(sw_cpu), "floor_cpu_seconds": statistics.median(fl_cpu),
+               "cpu_split": {k: statistics.median(x[k] for x in sw_split) for k in sw_split[0]},
+               "floor_cpu_split": {k: statistics.median(x[k] for x in fl_split) for k in fl_split[0]},
                "phases": {k: statistics.median(p[k] for p in phases) for k in phases[0] if not k.startswith("mean_")},
                "phases_mean": {k[5:]: statistics.median(p[k] for p in phases) for k in phases[0]
                                if k.startswith("mean_")},
@@ -502,6 +540,8 @@ def _merge(rounds: list[dict]) -> dict:
         keys = [k for k, v in rs[0].items() if isinstance(v, float) and k.endswith(("_seconds",) + RATIOS)]
         c = {k: statistics.median(r[k] for r in rs) for k in keys}
         c.update({f"{k}_range": [min(r[k] for r in rs), max(r[k] for r in rs)] for k in RATIOS if k in rs[0]})
+        c.update({k: {t: statistics.median(r[k][t] for r in rs) for t in rs[0][k]}
+                  for k in ("cpu_split", "floor_cpu_split") if k in rs[0]})
         c.update({k: rs[0][k] for k in ("dst_devices", "bytes_moved", "bytes_kept", "hosts", "bytes_cross_host")
                   if k in rs[0]})
         c["rounds"] = rs

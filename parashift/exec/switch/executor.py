@@ -158,8 +158,8 @@ class _Run:
 class ExecStats:
     """What one device did: bytes packed/sent/received, pieces sent unpacked, checksums, and the
     driver thread's seconds per kind of work (``keep``, ``pack``, ``unpack``, ``checksum``,
-    ``issue``, ``idle``: waiting on the wire with nothing else to do; ``keep_cpu``, ``checksum_cpu``:
-    the CPU seconds of the kept copies and the checksums, which a busy host inflates less than wall time)."""
+    ``issue``, ``idle``: waiting on the wire with nothing else to do; ``<kind>_cpu``: the CPU seconds
+    of each kind but ``idle``, which a busy host inflates less than wall time)."""
 
     sent_crc: dict[str, int] = field(default_factory=dict)       # checksum key -> crc of what was sent
     recv_crc: dict[str, int] = field(default_factory=dict)       # checksum key -> crc of what arrived
@@ -171,7 +171,8 @@ class ExecStats:
     packs_shared: int = 0                                       # sends that reused another send's packed messages
     staging_peak: int = 0                                       # most staging bytes in use at once
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
-        ("keep", "pack", "unpack", "checksum", "issue", "idle", "keep_cpu", "checksum_cpu"), 0.0))
+        ("keep", "pack", "unpack", "checksum", "issue", "idle", "keep_cpu", "pack_cpu", "unpack_cpu", "checksum_cpu",
+         "issue_cpu"), 0.0))
     rows: list[tuple[str, str, float, float, int]] = field(default_factory=list)  # stream, op, t0, t1, bytes
 
     def add(self, what: str, t0: float) -> float:
@@ -725,9 +726,9 @@ class SwitchExecutor:
         try:
             for ins in mine:
                 deps = [k for d in ins.deps for k in prefix.get(d, (d,))]
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 if ins.op == "copy":
-                    ck = st.seconds["checksum"]
+                    ck, ckc = st.seconds["checksum"], st.seconds["checksum_cpu"]
                     with S.enter(ins.stream, deps):
                         self._cur, self._on = ins.id, ins.stream
                         self._copy(ins)
@@ -737,6 +738,7 @@ class SwitchExecutor:
                     t1 = time.perf_counter()
                     what = parse_switch_name(ins.key)[0]
                     st.seconds[what] += t1 - t0 - (st.seconds["checksum"] - ck)
+                    st.seconds[f"{what}_cpu"] += time.thread_time() - c0 - (st.seconds["checksum_cpu"] - ckc)
                     st.rows.append((ins.stream, what, t0, t1, ins.nbytes))
                     continue
                 with S.enter(ins.stream, deps):
@@ -744,6 +746,7 @@ class SwitchExecutor:
                     fl = self._issue(ins)
                 S.pending(ins.id, fl.works, then=lambda fl=fl: self._landed(fl))
                 st.add("issue", t0)
+                st.seconds["issue_cpu"] += time.thread_time() - c0
                 if self.on_issue is not None:
                     self.on_issue(ins)
             t0 = time.perf_counter()
@@ -870,7 +873,7 @@ class SwitchExecutor:
             while ready(s, v) and v[pos[s]].op != "copy":
                 ins = v[pos[s]]
                 pos[s] += 1
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 fl = self._issue(ins)
                 if s in lanes:
                     lanes[s].append(fl)
@@ -878,6 +881,7 @@ class SwitchExecutor:
                     busy[s] = fl
                 submit(self._waiter, r, fl)
                 st.add("issue", t0)
+                st.seconds["issue_cpu"] += time.thread_time() - c0
                 ran = True
                 if self.on_issue is not None:
                     self.on_issue(ins)
@@ -885,12 +889,13 @@ class SwitchExecutor:
             if ready(s, v):               # a copy (communication was all issued above)
                 ins = v[pos[s]]
                 pos[s] += 1
-                t0 = time.perf_counter()
-                ck = st.seconds["checksum"]
+                t0, c0 = time.perf_counter(), time.thread_time()
+                ck, ckc = st.seconds["checksum"], st.seconds["checksum_cpu"]
                 self._copy(ins)
                 t1 = time.perf_counter()
                 what = parse_switch_name(ins.key)[0]
                 st.seconds[what] += t1 - t0 - (st.seconds["checksum"] - ck)
+                st.seconds[f"{what}_cpu"] += time.thread_time() - c0 - (st.seconds["checksum_cpu"] - ckc)
                 st.rows.append((s, what, t0, t1, ins.nbytes))
                 done.add(ins.id)
                 return True
