@@ -15,7 +15,7 @@ instruction and freed by the last backward instruction of their region.
 """
 from __future__ import annotations
 
-from itertools import repeat
+from itertools import islice, repeat
 from operator import is_not
 from typing import Any, Callable, Mapping, Sequence
 
@@ -27,7 +27,7 @@ from . import tags as T
 from .actions import Action, action_ids
 from .graph import Graph, equals as _equals, take as _take
 from .placement import graph_placement, placement_meta
-from .program import Instr, Program, RankProgram
+from .program import Instr, Program, RankProgram, instrs_from_rows
 
 __all__ = ["lower", "pair_order"]
 
@@ -286,24 +286,25 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     for v, u in zip(dv[o].tolist(), du[o].tolist()):
         lst = dep_col[v]
         dep_col[v] = (u,) if not lst else lst + (u,)
-    alloc_c, free_c = list(c["alloc"]), list(c["free"])
+    alloc_c, free_c = _tuples(c["alloc"]), _tuples(c["free"])
     for i, ax in alloc_extra.items():
-        alloc_c[i] = (ax,) + tuple(alloc_c[i])
+        alloc_c[i] = (ax,) + alloc_c[i]
     for i, fx in free_extra.items():
-        free_c[i] = tuple(free_c[i]) + (fx,)
+        free_c[i] = free_c[i] + (fx,)
     b = bounds.tolist()
     stage_l = stage[seq_order[bounds[:-1]]].tolist() if n else []
-    sid_l = sid[seq_order[bounds[:-1]]].tolist() if n else []
     per_stage: list[dict[str, tuple[Instr, ...]]] = [{} for _ in range(pp)]
-    # one tuple per node of its fields, in stream order: each node's columns are read once, in memory order
-    chunk, mbs, flops, nbytes = (a[seq_order].tolist() for a in _numeric(c))
-    rows = _take(list(zip(c["op"], dep_col, c["phase"], c["region"], c["peer"], c["group"], c["tag"], c["key"],
-                          alloc_c, free_c)), seq_order.tolist())
-    ids_l = ids[seq_order].tolist()
+    # every node's instruction, built from its fields' columns (see program.instrs_from_rows)
+    chunk, mbs, flops, nbytes = _numeric(c)
+    comp = _equals(ops, "compute")
+    built = instrs_from_rows(zip(
+        ids.tolist(), ops, streams, dep_col, c["phase"], _unless(stage, comp), _unless(chunk, chunk >= 0),
+        _unless(mbs, mbs >= 0), _unless(c["region"], comp), flops.tolist(), nbytes.tolist(), c["peer"], c["group"],
+        repeat(None), c["tag"], c["key"], alloc_c, free_c))
+    so = seq_order.tolist()
+    ordered = _take(built, so)          # grouped by (stage, stream), in stream order
     for gi in range(len(b) - 1):
-        st, s, lo, hi = stage_l[gi], names[sid_l[gi]], b[gi], b[gi + 1]
-        per_stage[st][s] = _instrs(st, s, zip(ids_l[lo:hi], rows[lo:hi], chunk[lo:hi], mbs[lo:hi], flops[lo:hi],
-                                             nbytes[lo:hi]))
+        per_stage[stage_l[gi]][streams[so[b[gi]]]] = tuple(ordered[b[gi]:b[gi + 1]])
     progs: list[RankProgram] = []
     for st in range(pp):
         mem = dict(static_memory[st]) if st < len(static_memory) else {}
@@ -326,38 +327,21 @@ def _numeric(c: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
             nb.astype(np.int64, copy=False))
 
 
-def _instrs(st: int, stream: str, rows: "Any") -> tuple[Instr, ...]:
-    """The instructions of one stage's stream, in stream order, from ``rows``: per node its id, its
-    row of object fields (op, deps, phase, region, peer, group, tag, key, alloc, free), chunk,
-    micro-batch, FLOPs and bytes."""
-    new, out = object.__new__, []
-    append = out.append
-    for i, (o, d, ph, rg, pe, gr, tg, ky, al, fr), ch, mb, fl, nb in rows:
-        cm = o == "compute"
-        # the frozen dataclass's fields set straight into its __dict__ (as Instr.make does; its
-        # per-field __setattr__ would be most of the lowering's time)
-        obj = new(Instr)
-        f = obj.__dict__
-        f["id"] = i
-        f["op"] = o
-        f["stream"] = stream
-        f["deps"] = d
-        f["phase"] = ph
-        f["stage"] = st if cm else None
-        f["chunk"] = ch if ch >= 0 else None
-        f["microbatch"] = mb if mb >= 0 else None
-        f["region"] = rg if cm else None
-        f["flops"] = fl
-        f["nbytes"] = nb
-        f["peer"] = pe
-        f["group"] = gr
-        f["root"] = None
-        f["tag"] = tg
-        f["key"] = ky
-        f["alloc"] = tuple(al)
-        f["free"] = tuple(fr)
-        append(obj)
-    return tuple(out)
+def _unless(values: "np.ndarray | list", keep: np.ndarray) -> list:
+    """``values[i]`` (a Python object) where ``keep[i]``, else None, as a list."""
+    if not isinstance(values, np.ndarray):
+        out = list(values)
+        for i in np.flatnonzero(~keep).tolist():
+            out[i] = None
+        return out
+    out = np.full(len(keep), None, object)
+    out[keep] = values[keep].tolist()
+    return out.tolist()
+
+
+def _tuples(col: list) -> list:
+    """A copy of ``col`` with every entry a tuple."""
+    return list(col) if set(map(type, col)) <= {tuple} else [tuple(x) for x in col]
 
 
 def _act_buffers(c: dict, index: np.ndarray, cols: _Columns) -> tuple[dict[int, tuple[str, int]], dict[int, str]]:
