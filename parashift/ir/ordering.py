@@ -5,13 +5,14 @@ between them). Like every directive, each is a pure rewrite ``apply(graph) -> gr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Mapping, Sequence
 
 import numpy as np
 
 from ..errors import ProgramError
 from .actions import AFTER, END, OPTIM, POST, Action, Step, action_ids, as_steps, format_order
-from .graph import DATA, ORDER, SAVED, Graph, equals as _equals
+from .graph import DATA, ORDER, SAVED, Graph, equals as _equals, take as _take
 
 __all__ = ["Order", "Stream", "Fuse"]
 
@@ -50,19 +51,19 @@ def _bound_grad_buckets(g: Graph, in_order: np.ndarray) -> None:
     """Per stage, in the order its compute runs: the node allocating gradient buckets (``zg`` /
     ``zge``) waits for the communication freeing the buckets ``GRAD_BUCKETS_IN_FLIGHT`` allocations before."""
     c = g.cols
+    n = len(g)
     freer: dict[str, int] = {}
     allocs: dict[int, list[tuple[tuple, int, list[str]]]] = {}
-    for i, (op, al, fr) in enumerate(zip(c["op"], c["alloc"], c["free"])):
-        if op == "compute":
-            if not al:
-                continue
-            names = [a for a, _ in al if a.startswith(("zg.", "zge."))]
-            if names and in_order[i]:
-                allocs.setdefault(c["stage"][i], []).append((c["slot"][i], i, names))
-        else:
-            for name in fr:
-                if name.startswith(("zg.", "zge.")):
-                    freer[name] = i
+    comp = _equals(c["op"], "compute")
+    alloc, free = c["alloc"], c["free"]
+    for i in np.flatnonzero(comp & in_order & np.fromiter(map(bool, alloc), bool, n)).tolist():
+        names = [a for a, _ in alloc[i] if a.startswith(("zg.", "zge."))]
+        if names:
+            allocs.setdefault(c["stage"][i], []).append((c["slot"][i], i, names))
+    for i in np.flatnonzero(~comp & np.fromiter(map(bool, free), bool, n)).tolist():
+        for name in free[i]:
+            if name.startswith(("zg.", "zge.")):
+                freer[name] = i
     for lst in allocs.values():
         lst.sort(key=lambda e: (e[0], e[1]))
         for k in range(GRAD_BUCKETS_IN_FLIGHT, len(lst)):
@@ -142,9 +143,11 @@ class Order:
         kk = kpos[aid]
         kl = kk.tolist()
         act_nodes = np.flatnonzero(in_order & has)
-        slot = c["slot"]
-        for i in act_nodes.tolist():
-            slot[i] = (kl[i], pos_col[i])
+        # each action node's slot (step position, position in the step), scattered at C speed
+        al = act_nodes.tolist()
+        slots = np.fromiter(c["slot"], object, n)
+        slots[act_nodes] = np.fromiter(zip(_take(kl, al), _take(pos_col, al)), object, len(al))
+        slot = c["slot"] = slots.tolist()
         for i, p in spread.items():
             if in_order[i]:
                 slot[i] = (kl[i], p)
@@ -166,7 +169,7 @@ class Order:
         first_compute: dict[tuple[int, int], int] = {}
         last_compute: dict[tuple[int, int], int] = {}
         if len(comp):
-            pv = np.fromiter((slot[i][1] for i in comp.tolist()), np.float64, len(comp))
+            pv = np.fromiter(map(itemgetter(1), _take(slot, comp.tolist())), np.float64, len(comp))
             gk = stage[comp] * (int(kk[comp].max()) + 2) + kk[comp]
             _, seen = np.unique(gk, return_index=True)
             keyed = np.argsort(seen, kind="stable").tolist()

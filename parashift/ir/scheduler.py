@@ -15,8 +15,8 @@ instruction and freed by the last backward instruction of their region.
 """
 from __future__ import annotations
 
-from itertools import islice, repeat
-from operator import is_not
+from itertools import compress, repeat
+from operator import is_not, itemgetter
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -132,8 +132,7 @@ class _Columns:
         self.stage = np.asarray(c["stage"], np.int64) if n else np.zeros(0, np.int64)
         self.src = np.asarray(g.src, np.int64)
         self.dst = np.asarray(g.dst, np.int64)
-        self.slot_k, self.slot_p = _slot_keys(c)
-        self.has_slot = np.fromiter(map(is_not, c["slot"], repeat(None)), bool, n)
+        self.slot_k, self.slot_p, self.has_slot = _slot_keys(c)
         self.aid, self.alist = action_ids(c["action"])
         self.is_send = _equals(c["op"], "send")
         self.is_recv = _equals(c["op"], "recv")
@@ -142,12 +141,17 @@ class _Columns:
         self.recv_of = dict(zip(src[sr].tolist(), dst[sr].tolist()))
 
 
-def _slot_keys(c: dict) -> tuple[np.ndarray, np.ndarray]:
-    """Each node's slot as two arrays (step position, position in the step); (0, 0.0) without one."""
+def _slot_keys(c: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each node's slot as two arrays (step position, position in the step; (0, 0.0) without one)
+    and whether it has one."""
     slots = c["slot"]
-    k = np.fromiter((0 if sl is None else sl[0] for sl in slots), np.int64, len(slots))
-    p = np.fromiter((0.0 if sl is None else sl[1] for sl in slots), np.float64, len(slots))
-    return k, p
+    n = len(slots)
+    has = np.fromiter(map(is_not, slots, repeat(None)), bool, n)
+    held = list(compress(slots, has)) if not has.all() else slots
+    k, p = np.zeros(n, np.int64), np.zeros(n, np.float64)
+    k[has] = np.fromiter(map(itemgetter(0), held), np.int64, len(held))
+    p[has] = np.fromiter(map(itemgetter(1), held), np.float64, len(held))
+    return k, p, has
 
 
 def _slot_rank(g: Graph, stage: np.ndarray, sid: np.ndarray, slot_k: np.ndarray, slot_p: np.ndarray,
