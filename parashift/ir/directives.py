@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import compress, repeat
+from operator import add
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -54,10 +55,9 @@ def _comm_many(g: Graph, us: list[int], *, op: "str | list[str]", tags: list[str
     """Comm nodes serving nodes ``us`` (one each, same stage/chunk/mb/phase/action), placed after
     them by ``dpos`` (``op``, ``peer`` and ``dpos``: one for all or a list, one per node)."""
     c = g.cols
-    cols = {k: [c[k][u] for u in us] for k in ("phase", "region", "kind", "layer", "chunk", "mb", "stage",
-                                             "action")}
-    pos = c["pos"]
-    cols["pos"] = [pos[u] + d for u, d in zip(us, dpos)] if isinstance(dpos, list) else [pos[u] + dpos for u in us]
+    cols = {k: _take(c[k], us) for k in ("phase", "region", "kind", "layer", "chunk", "mb", "stage", "action")}
+    pos = _take(c["pos"], us)
+    cols["pos"] = list(map(add, pos, dpos)) if isinstance(dpos, list) else [p + dpos for p in pos]
     return g.extend(len(us), op=op, group=group, peer=peer, tag=tags, nbytes=int(nbytes), stream=stream, key=key,
                     **cols)
 
@@ -70,6 +70,11 @@ def _tag(made: dict, mb: int, cls: type, *head) -> str:
     if f is None:
         f = made[key] = T.mb_namer(lambda m: cls(*head, m))
     return f(mb)
+
+
+def _nodes(mask: np.ndarray) -> list[int]:
+    """Indices where ``mask`` holds, as a list."""
+    return np.flatnonzero(mask).tolist()
 
 
 def _neighbours(g: Graph) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
@@ -449,42 +454,47 @@ class Recompute:
         if self.mode == "none":
             return out
         c = out.cols
-        fwd: dict[tuple, int] = {}
-        weight: dict[tuple, int] = {}
-        for i, (op, ph, region, mb) in enumerate(zip(c["op"], c["phase"], c["region"], c["mb"])):
-            if op == "compute":
-                if ph == "fwd":
-                    fwd[(region, mb)] = i
-                elif ph == "bwd_weight":
-                    weight[(region, mb)] = i
-        rows: list[int] = []
-        rc_name: dict = {}
-        flops: list[float] = []
-        bufs: list[tuple] = []
-        edges: list[tuple[int, int]] = []
         n = len(out)
-        for i, (op, ph, kind, region, mb) in enumerate(zip(c["op"], c["phase"], c["kind"], c["region"], c["mb"])):
-            if op != "compute" or ph not in ("bwd", "bwd_input"):
-                continue
-            if kind == "embed" or (self.mode == "selective" and kind != "attn"):
-                continue
-            key = (region, mb)
-            f = fwd[key]
-            r = n + len(rows)               # the recompute node cloned from i (appended below)
-            rows.append(i)
-            flops.append(float(c["flops"][f] if self.mode == "full" or self.selective_flops <= 0
-                               else self.selective_flops))
+        comp = _equals(c["op"], "compute")
+        phase = c["phase"]
+        keys = list(zip(c["region"], c["mb"]))
+        # (region, mb) -> its forward node and its weight-gradient node (the last such node wins)
+        f, w = _nodes(comp & _equals(phase, "fwd")), _nodes(comp & _equals(phase, "bwd_weight"))
+        fwd, weight = dict(zip(_take(keys, f), f)), dict(zip(_take(keys, w), w))
+        sel = comp & (_equals(phase, "bwd") | _equals(phase, "bwd_input")) & ~_equals(c["kind"], "embed")
+        if self.mode == "selective":
+            sel &= _equals(c["kind"], "attn")
+        rows = _nodes(sel)                  # each gets a recompute node cloned from it (appended below)
+        rkeys = _take(keys, rows)
+        fs = list(map(fwd.__getitem__, rkeys))
+        if self.mode == "full" or self.selective_flops <= 0:
+            flops = list(map(float, _take(c["flops"], fs)))
+        else:
+            flops = [float(self.selective_flops)] * len(rows)
+        rc_name: dict = {}
+        bufs: list[tuple] = []
+        lasts = list(map(weight.get, rkeys, rows))
+        free, kinds, rc_bytes = c["free"], _take(c["kind"], rows), self.rc_bytes
+        for (region, mb), kind, last in zip(rkeys, kinds, lasts):
             fmt = rc_name.get(region)
             if fmt is None:
                 fmt = rc_name[region] = T.mb_namer(lambda m, r=region: T.StepBuffer("rc", m, region=r))
             buf = fmt(mb)
-            bufs.append(((buf, int(self.rc_bytes.get(kind, 0))),))
-            last = weight.get(key, i)
-            c["free"][last] = c["free"][last] + (buf,)
-            edges += [(f, r), (r, i)] + ([(r, last)] if last != i else [])
-        out.clone(rows, phase="recompute", flops=flops, act=0, pos=[c["pos"][i] - 0.25 for i in rows], alloc=bufs,
-                  free=())
-        out.add_edges([u for u, _ in edges], [v for _, v in edges], SAVED)
+            bufs.append(((buf, int(rc_bytes.get(kind, 0))),))
+            free[last] = free[last] + (buf,)
+        rs = range(n, n + len(rows))
+        # per row: fwd -> recompute -> bwd, then recompute -> its weight half where the backward is split
+        if lasts == rows:
+            esrc = [x for f, r in zip(fs, rs) for x in (f, r)]
+            edst = [x for r, i in zip(rs, rows) for x in (r, i)]
+        else:
+            esrc, edst = [], []
+            for f, r, i, last in zip(fs, rs, rows, lasts):
+                esrc += (f, r) if last == i else (f, r, r)
+                edst += (r, i) if last == i else (r, i, last)
+        out.clone(rows, phase="recompute", flops=flops, act=0, pos=[p - 0.25 for p in _take(c["pos"], rows)],
+                  alloc=bufs, free=())
+        out.add_edges(esrc, edst, SAVED)
         return out
 
 
