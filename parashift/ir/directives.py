@@ -21,13 +21,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import compress, repeat
-from operator import add
+from operator import add, is_not
 from typing import Mapping, Sequence
 
 import numpy as np
 
 from ..errors import ProgramError
-from .actions import AFTER, END, OPTIM, POST, Action
+from .actions import AFTER, END, OPTIM, POST, Action, action_ids
 from .graph import DATA, SAVED, Graph, equals as _equals, take as _take
 from .ordering import Fuse, Order, Stream
 from . import tags as T
@@ -75,6 +75,28 @@ def _tag(made: dict, mb: int, cls: type, *head) -> str:
 def _nodes(mask: np.ndarray) -> list[int]:
     """Indices where ``mask`` holds, as a list."""
     return np.flatnonzero(mask).tolist()
+
+
+def _isin(col: Sequence, values: tuple) -> np.ndarray:
+    """``col[i] in values`` for every i, as a boolean array."""
+    out = np.zeros(len(col), bool)
+    for v in values:
+        out |= _equals(col, v)
+    return out
+
+
+def _grouped(keys: np.ndarray, nodes: np.ndarray) -> dict[int, list[int]]:
+    """``nodes`` grouped by their integer ``keys``: key -> its nodes in the given order, the keys in
+    first-seen order (what appending node by node to ``dict.setdefault(key, [])`` gives)."""
+    if not len(keys):
+        return {}
+    o = np.argsort(keys, kind="stable")
+    ks = keys[o]
+    brk = np.flatnonzero(ks[1:] != ks[:-1]) + 1
+    starts = np.concatenate([[0], brk])
+    parts = np.split(nodes[o], brk)
+    firsts = o[starts]                  # each group's first position in the given order
+    return {int(ks[starts[j]]): parts[j].tolist() for j in np.argsort(firsts, kind="stable").tolist()}
 
 
 def _neighbours(g: Graph) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
@@ -226,14 +248,15 @@ class Place:
         lc, cs = self.layer_chunk, self.chunk_stage
         chunks = c["chunk"] = [0 if layer < 0 else last if layer >= L else lc[layer] for layer in c["layer"]]
         stages = c["stage"] = [cs[ch] for ch in chunks]
-        acts, made = c["action"], {}     # one Action object per (chunk, type, mb)
-        for i, (ch, ph, mb) in enumerate(zip(chunks, c["phase"], c["mb"])):
-            t = _TYPE_OF_PHASE.get(ph)
-            if t is not None and mb >= 0:
-                a = made.get((ch, t, mb))
-                if a is None:
-                    a = made[(ch, t, mb)] = Action(ch, t, mb)
-                acts[i] = a
+        # each node of a micro-batch's forward or backward: its action, one Action object per (chunk, type, mb)
+        types = list(map(_TYPE_OF_PHASE.get, c["phase"]))
+        sel = _nodes(np.fromiter(map(is_not, types, repeat(None)), bool, n0) & (np.asarray(c["mb"], np.int64) >= 0))
+        if sel:
+            keys = list(zip(_take(chunks, sel), _take(types, sel), _take(c["mb"], sel)))
+            made = {k: Action(*k) for k in dict.fromkeys(keys)}
+            acts = np.fromiter(c["action"], object, n0)
+            acts[sel] = np.fromiter(map(made.__getitem__, keys), object, len(keys))
+            c["action"] = acts.tolist()
         c["stream"] = ["compute" if x is None else x for x in c["stream"]]
         st_arr = np.asarray(stages, np.int64)
         src, dst = np.asarray(out.src, np.int64), np.asarray(out.dst, np.int64)
@@ -540,28 +563,30 @@ class Replicate:
         out = g.owned()
         c = out.cols
         chunks = len(self.dense_bytes)
-        stage_of: dict[int, int] = {}
-        optim: dict[int, int] = {}
-        bwd_of_chunk: dict[int, list[int]] = {}
+        comp = _equals(c["op"], "compute")
+        is_opt = comp & _equals(c["phase"], "optim")
+        o = _nodes(is_opt)
+        optim: dict[int, int] = dict(zip(_take(c["stage"], o), o))
+        work = comp & ~is_opt
+        w = _nodes(work)
+        stage_of: dict[int, int] = dict(zip(_take(c["chunk"], w), _take(c["stage"], w)))
+        bwd = np.flatnonzero(work & _isin(c["phase"], _BWD))
+        bwd_of_chunk: dict[int, list[int]] = _grouped(np.asarray(c["chunk"], np.int64)[bwd], bwd)
+        # per action its node first and last in position (ties: the lowest index), in first-seen order
+        aid, alist = action_ids(c["action"])
+        sel = np.flatnonzero(work & (aid >= 0))
         first_of_action: dict[Action, int] = {}
         last_of_action: dict[Action, int] = {}
-        pos = c["pos"]
-        for i, (op, ph, ch, st, a) in enumerate(zip(c["op"], c["phase"], c["chunk"], c["stage"], c["action"])):
-            if op != "compute":
-                continue
-            if ph == "optim":
-                optim[st] = i
-                continue
-            stage_of[ch] = st
-            if ph in _BWD:
-                bwd_of_chunk.setdefault(ch, []).append(i)
-            if isinstance(a, Action):
-                j = first_of_action.get(a)
-                if j is None or pos[i] < pos[j]:
-                    first_of_action[a] = i
-                j = last_of_action.get(a)
-                if j is None or pos[i] > pos[j]:
-                    last_of_action[a] = i
+        if len(sel):
+            a, p = aid[sel], np.asarray(_take(c["pos"], sel.tolist()), np.float64)
+            _, seen = np.unique(a, return_index=True)
+            keyed = np.argsort(seen, kind="stable")
+            for sign, table in ((1.0, first_of_action), (-1.0, last_of_action)):
+                o2 = np.lexsort((sel, sign * p, a))
+                lead = np.ones(len(o2), bool)
+                lead[1:] = a[o2][1:] != a[o2][:-1]
+                best = sel[o2][lead]
+                table.update(zip(_take(alist, a[o2][lead][keyed].tolist()), best[keyed].tolist()))
         if len(stage_of) != chunks:
             raise ProgramError("Replicate needs a placed graph (apply Place first)")
         edp = self.ways // self.ep
