@@ -28,7 +28,7 @@ import numpy as np
 
 from ..errors import ProgramError
 from .actions import AFTER, END, OPTIM, POST, Action, action_ids
-from .graph import DATA, SAVED, Graph, equals as _equals, take as _take
+from .graph import DATA, SAVED, Graph, equals as _equals, grouped as _grouped, take as _take
 from .ordering import Fuse, Order, Stream
 from . import tags as T
 
@@ -83,20 +83,6 @@ def _isin(col: Sequence, values: tuple) -> np.ndarray:
     for v in values:
         out |= _equals(col, v)
     return out
-
-
-def _grouped(keys: np.ndarray, nodes: np.ndarray) -> dict[int, list[int]]:
-    """``nodes`` grouped by their integer ``keys``: key -> its nodes in the given order, the keys in
-    first-seen order (what appending node by node to ``dict.setdefault(key, [])`` gives)."""
-    if not len(keys):
-        return {}
-    o = np.argsort(keys, kind="stable")
-    ks = keys[o]
-    brk = np.flatnonzero(ks[1:] != ks[:-1]) + 1
-    starts = np.concatenate([[0], brk])
-    parts = np.split(nodes[o], brk)
-    firsts = o[starts]                  # each group's first position in the given order
-    return {int(ks[starts[j]]): parts[j].tolist() for j in np.argsort(firsts, kind="stable").tolist()}
 
 
 def _neighbours(g: Graph) -> tuple[dict[int, list[int]], dict[int, list[int]]]:

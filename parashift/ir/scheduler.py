@@ -25,7 +25,7 @@ from ..errors import ProgramError
 from ..strategy import Strategy
 from . import tags as T
 from .actions import Action, action_ids
-from .graph import Graph, equals as _equals, take as _take
+from .graph import Graph, equals as _equals, grouped, take as _take
 from .placement import graph_placement, placement_meta
 from .program import Instr, Program, RankProgram, instrs_from_rows
 
@@ -46,7 +46,6 @@ def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None, *
     a schedule was planned with, which also count the TP communication on the compute stream."""
     c = g.cols
     n = len(g)
-    stage_l = c["stage"]
     cols = _Columns(g) if _cols is None else _cols
     slot_k, slot_p_all, aid, alist, stage = cols.slot_k, cols.slot_p, cols.aid, cols.alist, cols.stage
     timed = (aid >= 0) & cols.has_slot
@@ -78,34 +77,34 @@ def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None, *
     recv_of = {u: v for u, v in recv_of.items() if on_p2p[u]}
     if len(recv_of) != len(sends):
         raise ProgramError("a send node has no recv node; apply Place to add send/recv pairs")
-    needs: dict[tuple[int, int], list[int]] = {}     # (stage, step) -> sends whose recv it consumes
-    out_of: dict[tuple[int, int], list[int]] = {}    # (stage, step) -> sends it produces
-    kl = slot_k.tolist()
-    for s in sends:
-        r = recv_of[s]
-        needs.setdefault((stage_l[r], kl[r]), []).append(s)
-        out_of.setdefault((stage_l[s], kl[s]), []).append(s)
+    # a (stage, step) as one int key: stage * width + step position
+    width = int(slot_k.max()) + 1 if len(slot_k) else 1
+    sa = np.asarray(sends, np.int64)
+    ra = np.fromiter(map(recv_of.__getitem__, sends), np.int64, len(sends))
+    needs = grouped(stage[ra] * width + slot_k[ra], sa)      # (stage, step) -> sends whose recv it consumes
+    out_of = grouped(stage[sa] * width + slot_k[sa], sa)     # (stage, step) -> sends it produces
     order = {st: sorted(d) for st, d in steps.items()}
     ptr = dict.fromkeys(order, 0)
     free = dict.fromkeys(order, 0.0)
     t_send: dict[int, float] = {}
+    sent = t_send.__getitem__
     progress = True
-    nothing: list[int] = []
     while progress:
         progress = False
         for st, ks in order.items():
-            p, f, d = ptr[st], free[st], steps[st]
+            p, f, d, base = ptr[st], free[st], steps[st], st * width
             while p < len(ks):
                 k = ks[p]
-                ins = needs.get((st, k), nothing)
+                ins = needs.get(base + k)
                 if ins:
-                    if any(s not in t_send for s in ins):
+                    try:
+                        start = max(f, *map(sent, ins))
+                    except KeyError:        # a send it waits for has not run yet
                         break
-                    start = max([f] + [t_send[s] for s in ins])
                 else:
                     start = f
                 f = start + d[k] / scale + 1e-6
-                for s in out_of.get((st, k), nothing):
+                for s in out_of.get(base + k, ()):
                     t_send[s] = f
                 p += 1
                 progress = True
@@ -116,8 +115,7 @@ def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None, *
                            f"step); fix the Order")
     if not sends:
         return []
-    sa = np.asarray(sends, np.int64)
-    t = np.fromiter((t_send[s] for s in sends), np.float64, len(sends))
+    t = np.fromiter(map(sent, sends), np.float64, len(sends))
     o = np.lexsort((slot_p_all[sa], slot_k[sa], stage[sa], t))
     return sa[o].tolist()
 
