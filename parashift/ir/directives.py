@@ -248,25 +248,25 @@ class Place:
         src, dst = np.asarray(out.src, np.int64), np.asarray(out.dst, np.int64)
         cross = np.flatnonzero((np.asarray(out.ekind) == DATA) & (st_arr[src] != st_arr[dst])) if len(src) else []
         # per cross-stage edge u -> v: a send after u and a recv before v (nodes added in pairs)
-        anchors, ops, tags, peers, dpos = [], [], [], [], []
-        s = len(out)
-        made: dict = {}
-        for e in np.asarray(cross).tolist():
-            u, v = out.src[e], out.dst[e]
-            cu, cv, mb = chunks[u], chunks[v], c["mb"][u]
-            tag = _tag(made, mb, T.P2PTag, T.Payload.ACT, cu) if cv > cu else _tag(made, mb, T.P2PTag, T.Payload.GRAD, cv)
-            peer = self._peer(cu, cv)
-            anchors += [u, v]
-            ops += ["send", "recv"]
-            tags += [tag, tag]
-            peers += [peer, peer.replace("+", "-") if "+" in peer else peer.replace("-", "+")]
-            dpos += [0.75, -0.75]
-            out.dst[e] = s
-            out.edge(s, s + 1, DATA)
-            out.edge(s + 1, v, DATA)
-            s += 2
-        if anchors:
-            _comm_many(out, anchors, op=ops, tags=tags, peer=peers, nbytes=self.act_bytes, stream="p2p", dpos=dpos)
+        ce = np.asarray(cross, np.int64).tolist()
+        if ce:
+            s = len(out)
+            us, vs = _take(out.src, ce), _take(out.dst, ce)
+            cus, cvs = _take(chunks, us), _take(chunks, vs)
+            heads = [(T.Payload.ACT, cu) if cv > cu else (T.Payload.GRAD, cv) for cu, cv in zip(cus, cvs)]
+            tags = T.mb_names(heads, _take(c["mb"], us), lambda h: T.mb_head(lambda m: T.P2PTag(*h, m)))
+            pairs = list(zip(cus, cvs))
+            peer = {p: self._peer(*p) for p in dict.fromkeys(pairs)}
+            back = {p: x.replace("+", "-") if "+" in x else x.replace("-", "+") for p, x in peer.items()}
+            sends = range(s, s + 2 * len(ce), 2)
+            for e, x in zip(ce, sends):
+                out.dst[e] = x
+            out.add_edges([y for x in sends for y in (x, x + 1)], [y for x, v in zip(sends, vs) for y in (x + 1, v)],
+                          DATA)
+            _comm_many(out, [y for uv in zip(us, vs) for y in uv], op=["send", "recv"] * len(ce),
+                       tags=[y for t in tags for y in (t, t)],
+                       peer=[y for p in pairs for y in (peer[p], back[p])], nbytes=self.act_bytes, stream="p2p",
+                       dpos=[0.75, -0.75] * len(ce))
         optim = self.optim or tuple((0.0, 0) for _ in range(self.pp))
         opt_node = {st: out.add(op="compute", phase="optim", stage=st, flops=float(optim[st][0]),
                                 nbytes=int(optim[st][1]), stream="compute", action=(OPTIM,))
@@ -323,9 +323,10 @@ class Shard:
             for k, step in ((1, ("all_reduce", None)), (2, ("all_gather", "ce_stats"))):
                 nodes = np.flatnonzero(cat == k).tolist()
                 if nodes:
-                    mb, reg, ph = c["mb"], c["region"], c["phase"]
-                    tags = [_tag(made, mb[i], T.TPTag, reg[i], ph[i]) for i in nodes] if k == 1 else \
-                        [_tag(made, mb[i], T.TPTag, "head", "fwd") for i in nodes]
+                    heads = list(zip(_take(c["region"], nodes), _take(c["phase"], nodes))) if k == 1 else \
+                        [("head", "fwd")] * len(nodes)
+                    tags = T.mb_names(heads, _take(c["mb"], nodes),
+                                      lambda h: T.mb_head(lambda m: T.TPTag(*h, m)))
                     found.append((nodes[0], step, list(zip(nodes, tags))))
             plan = {step: items for _, step, items in sorted(found)}      # in the order they first show
         else:
@@ -480,16 +481,13 @@ class Recompute:
             flops = list(map(float, _take(c["flops"], fs)))
         else:
             flops = [float(self.selective_flops)] * len(rows)
-        rc_name: dict = {}
-        bufs: list[tuple] = []
         lasts = list(map(weight.get, rkeys, rows))
-        free, kinds, rc_bytes = c["free"], _take(c["kind"], rows), self.rc_bytes
-        for (region, mb), kind, last in zip(rkeys, kinds, lasts):
-            fmt = rc_name.get(region)
-            if fmt is None:
-                fmt = rc_name[region] = T.mb_namer(lambda m, r=region: T.StepBuffer("rc", m, region=r))
-            buf = fmt(mb)
-            bufs.append(((buf, int(rc_bytes.get(kind, 0))),))
+        names = T.mb_names([r for r, _ in rkeys], [m for _, m in rkeys],
+                           lambda r: T.mb_head(lambda m: T.StepBuffer("rc", m, region=r)))
+        nbytes = {k: int(v) for k, v in self.rc_bytes.items()}
+        bufs = [((buf, nbytes.get(kind, 0)),) for buf, kind in zip(names, _take(c["kind"], rows))]
+        free = c["free"]
+        for buf, last in zip(names, lasts):
             free[last] = free[last] + (buf,)
         rs = range(n, n + len(rows))
         # per row: fwd -> recompute -> bwd, then recompute -> its weight half where the backward is split
