@@ -551,18 +551,20 @@ class Replicate:
         is_opt = comp & _equals(c["phase"], "optim")
         o = _nodes(is_opt)
         optim: dict[int, int] = dict(zip(_take(c["stage"], o), o))
-        work = comp & ~is_opt
-        w = _nodes(work)
+        wa = np.flatnonzero(comp & ~is_opt)
+        w = wa.tolist()
         stage_of: dict[int, int] = dict(zip(_take(c["chunk"], w), _take(c["stage"], w)))
-        bwd = np.flatnonzero(work & _isin(c["phase"], _BWD))
+        ph = _take(c["phase"], w)
+        bwd = wa[_isin(ph, _BWD)]
         bwd_of_chunk: dict[int, list[int]] = _grouped(np.asarray(c["chunk"], np.int64)[bwd], bwd)
         # per action its node first and last in position (ties: the lowest index), in first-seen order
-        aid, alist = action_ids(c["action"])
-        sel = np.flatnonzero(work & (aid >= 0))
+        aid, alist = action_ids(_take(c["action"], w))
+        has = aid >= 0
+        sel = wa[has]
         first_of_action: dict[Action, int] = {}
         last_of_action: dict[Action, int] = {}
         if len(sel):
-            a, p = aid[sel], np.asarray(_take(c["pos"], sel.tolist()), np.float64)
+            a, p = aid[has], np.asarray(_take(c["pos"], sel.tolist()), np.float64)
             _, seen = np.unique(a, return_index=True)
             keyed = np.argsort(seen, kind="stable")
             for sign, table in ((1.0, first_of_action), (-1.0, last_of_action)):
