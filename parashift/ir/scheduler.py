@@ -374,9 +374,9 @@ def _act_buffers(c: dict, index: np.ndarray, cols: _Columns) -> tuple[dict[int, 
     # regions per (chunk, mb) that run a forward: one means the chunk's forward is fused
     has_fwd = np.zeros(len(uk), bool)
     has_fwd[inv[fwd]] = True
-    per_cm = dict(zip(*np.unique(cm[has_fwd], return_counts=True)))
-    keys = [(int(k // width), int(k % width), names[r], per_cm.get(k, 0) > 1)
-            for k, r in zip(cm.tolist(), (uk % nreg).tolist())]
+    ucm, count = np.unique(cm[has_fwd], return_counts=True)
+    at = np.minimum(np.searchsorted(ucm, cm), max(len(ucm) - 1, 0))
+    multi = (ucm[at] == cm) & (count[at] > 1) if len(ucm) else np.zeros(len(cm), bool)
     ix = index[nodes]
     # per key: the forward node first in stream order, the backward node last (ties: the first node)
     o = np.lexsort((np.arange(len(sel)), ix, inv))
@@ -390,14 +390,11 @@ def _act_buffers(c: dict, index: np.ndarray, cols: _Columns) -> tuple[dict[int, 
     tail[:-1] = inv[o][1:] != inv[o][:-1]
     last = dict(zip(inv[o][tail].tolist(), nodes[o][tail].tolist()))
     nbytes = act_bytes.tolist()
-
-    names_of: dict[tuple, Callable[[int], str]] = {}
-
-    def name(k: tuple) -> str:
-        fmt = names_of.get((k[0], k[2], k[3]))
-        if fmt is None:
-            fmt = names_of[(k[0], k[2], k[3])] = T.StepBuffer.act_name(k[0], k[2] if k[3] else None)
-        return fmt(k[1])
-    alloc_extra = {i: (name(keys[k]), nbytes[k]) for k, i in first.items() if nbytes[k]}
-    free_extra = {i: name(keys[k]) for k, i in last.items() if nbytes[k]}
+    # one buffer per key with bytes: the region named where the chunk's forward has several
+    named = np.flatnonzero(act_bytes != 0)
+    regions = [names[r] if m else None for r, m in zip((uk % nreg)[named].tolist(), multi[named].tolist())]
+    name = dict(zip(named.tolist(), T.StepBuffer.act_names((cm[named] // width).tolist(), (cm[named] % width).tolist(),
+                                                           regions)))
+    alloc_extra = {i: (name[k], nbytes[k]) for k, i in first.items() if nbytes[k]}
+    free_extra = {i: name[k] for k, i in last.items() if nbytes[k]}
     return alloc_extra, free_extra

@@ -414,12 +414,15 @@ class StepBuffer:
             _check_name(self.region, "region")
 
     @classmethod
-    def act_name(cls, chunk: int, region: "str | None") -> Callable[[int], str]:
-        """``mb -> str(StepBuffer("act", mb, chunk=chunk, region=region))``, checked once (a compiler
-        names hundreds of thousands of them)."""
-        cls("act", 0, chunk=chunk, region=region)
-        head, tail = f"act.c{chunk}.m", "" if region is None else f".{region}"
-        return lambda mb: f"{head}{mb}{tail}"
+    def act_names(cls, chunks: list, mbs: list, regions: list) -> list[str]:
+        """``[str(StepBuffer("act", mb, chunk=chunk, region=region)) ...]``, each distinct (chunk, region)
+        checked once (a compiler names hundreds of thousands of them)."""
+        parts = {}
+        for chunk, region in dict.fromkeys(zip(chunks, regions)):
+            cls("act", 0, chunk=chunk, region=region)
+            parts[(chunk, region)] = (f"act.c{chunk}.m", "" if region is None else f".{region}")
+        head, tail = zip(*map(parts.__getitem__, zip(chunks, regions))) if chunks else ((), ())
+        return list(map(add, map(add, head, map(str, mbs)), tail))
 
     def __str__(self) -> str:
         if self.kind in ("act", "zg", "zge"):
