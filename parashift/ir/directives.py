@@ -21,14 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import compress, repeat
-from operator import add, is_not
+from operator import add
 from typing import Mapping, Sequence
 
 import numpy as np
 
 from ..errors import ProgramError
-from .actions import AFTER, END, OPTIM, POST, Action, action_ids
-from .graph import DATA, SAVED, Graph, equals as _equals, grouped as _grouped, take as _take
+from .actions import AFTER, END, OPTIM, POST, Action
+from .graph import DATA, SAVED, Graph, equals as _equals, take as _take
 from .ordering import Fuse, Order, Stream
 from . import tags as T
 
@@ -70,19 +70,6 @@ def _tag(made: dict, mb: int, cls: type, *head) -> str:
     if f is None:
         f = made[key] = T.mb_namer(lambda m: cls(*head, m))
     return f(mb)
-
-
-def _nodes(mask: np.ndarray) -> list[int]:
-    """Indices where ``mask`` holds, as a list."""
-    return np.flatnonzero(mask).tolist()
-
-
-def _isin(col: Sequence, values: tuple) -> np.ndarray:
-    """``col[i] in values`` for every i, as a boolean array."""
-    out = np.zeros(len(col), bool)
-    for v in values:
-        out |= _equals(col, v)
-    return out
 
 
 def _neighbours(g: Graph) -> tuple[dict[int, list[int]], dict[int, list[int]]]:
@@ -234,39 +221,38 @@ class Place:
         lc, cs = self.layer_chunk, self.chunk_stage
         chunks = c["chunk"] = [0 if layer < 0 else last if layer >= L else lc[layer] for layer in c["layer"]]
         stages = c["stage"] = [cs[ch] for ch in chunks]
-        # each node of a micro-batch's forward or backward: its action, one Action object per (chunk, type, mb)
-        types = list(map(_TYPE_OF_PHASE.get, c["phase"]))
-        sel = _nodes(np.fromiter(map(is_not, types, repeat(None)), bool, n0) & (np.asarray(c["mb"], np.int64) >= 0))
-        if sel:
-            keys = list(zip(_take(chunks, sel), _take(types, sel), _take(c["mb"], sel)))
-            made = {k: Action(*k) for k in dict.fromkeys(keys)}
-            acts = np.fromiter(c["action"], object, n0)
-            acts[sel] = np.fromiter(map(made.__getitem__, keys), object, len(keys))
-            c["action"] = acts.tolist()
+        acts, made = c["action"], {}     # one Action object per (chunk, type, mb)
+        for i, (ch, ph, mb) in enumerate(zip(chunks, c["phase"], c["mb"])):
+            t = _TYPE_OF_PHASE.get(ph)
+            if t is not None and mb >= 0:
+                a = made.get((ch, t, mb))
+                if a is None:
+                    a = made[(ch, t, mb)] = Action(ch, t, mb)
+                acts[i] = a
         c["stream"] = ["compute" if x is None else x for x in c["stream"]]
         st_arr = np.asarray(stages, np.int64)
         src, dst = np.asarray(out.src, np.int64), np.asarray(out.dst, np.int64)
         cross = np.flatnonzero((np.asarray(out.ekind) == DATA) & (st_arr[src] != st_arr[dst])) if len(src) else []
         # per cross-stage edge u -> v: a send after u and a recv before v (nodes added in pairs)
-        ce = np.asarray(cross, np.int64).tolist()
-        if ce:
-            s = len(out)
-            us, vs = _take(out.src, ce), _take(out.dst, ce)
-            cus, cvs = _take(chunks, us), _take(chunks, vs)
-            heads = [(T.Payload.ACT, cu) if cv > cu else (T.Payload.GRAD, cv) for cu, cv in zip(cus, cvs)]
-            tags = T.mb_names(heads, _take(c["mb"], us), lambda h: T.mb_head(lambda m: T.P2PTag(*h, m)))
-            pairs = list(zip(cus, cvs))
-            peer = {p: self._peer(*p) for p in dict.fromkeys(pairs)}
-            back = {p: x.replace("+", "-") if "+" in x else x.replace("-", "+") for p, x in peer.items()}
-            sends = range(s, s + 2 * len(ce), 2)
-            for e, x in zip(ce, sends):
-                out.dst[e] = x
-            out.add_edges([y for x in sends for y in (x, x + 1)], [y for x, v in zip(sends, vs) for y in (x + 1, v)],
-                          DATA)
-            _comm_many(out, [y for uv in zip(us, vs) for y in uv], op=["send", "recv"] * len(ce),
-                       tags=[y for t in tags for y in (t, t)],
-                       peer=[y for p in pairs for y in (peer[p], back[p])], nbytes=self.act_bytes, stream="p2p",
-                       dpos=[0.75, -0.75] * len(ce))
+        anchors, ops, tags, peers, dpos = [], [], [], [], []
+        s = len(out)
+        made: dict = {}
+        for e in np.asarray(cross).tolist():
+            u, v = out.src[e], out.dst[e]
+            cu, cv, mb = chunks[u], chunks[v], c["mb"][u]
+            tag = _tag(made, mb, T.P2PTag, T.Payload.ACT, cu) if cv > cu else _tag(made, mb, T.P2PTag, T.Payload.GRAD, cv)
+            peer = self._peer(cu, cv)
+            anchors += [u, v]
+            ops += ["send", "recv"]
+            tags += [tag, tag]
+            peers += [peer, peer.replace("+", "-") if "+" in peer else peer.replace("-", "+")]
+            dpos += [0.75, -0.75]
+            out.dst[e] = s
+            out.edge(s, s + 1, DATA)
+            out.edge(s + 1, v, DATA)
+            s += 2
+        if anchors:
+            _comm_many(out, anchors, op=ops, tags=tags, peer=peers, nbytes=self.act_bytes, stream="p2p", dpos=dpos)
         optim = self.optim or tuple((0.0, 0) for _ in range(self.pp))
         opt_node = {st: out.add(op="compute", phase="optim", stage=st, flops=float(optim[st][0]),
                                 nbytes=int(optim[st][1]), stream="compute", action=(OPTIM,))
@@ -464,44 +450,42 @@ class Recompute:
         if self.mode == "none":
             return out
         c = out.cols
+        fwd: dict[tuple, int] = {}
+        weight: dict[tuple, int] = {}
+        for i, (op, ph, region, mb) in enumerate(zip(c["op"], c["phase"], c["region"], c["mb"])):
+            if op == "compute":
+                if ph == "fwd":
+                    fwd[(region, mb)] = i
+                elif ph == "bwd_weight":
+                    weight[(region, mb)] = i
+        rows: list[int] = []
+        rc_name: dict = {}
+        flops: list[float] = []
+        bufs: list[tuple] = []
+        edges: list[tuple[int, int]] = []
         n = len(out)
-        comp = _equals(c["op"], "compute")
-        phase = c["phase"]
-        keys = list(zip(c["region"], c["mb"]))
-        # (region, mb) -> its forward node and its weight-gradient node (the last such node wins)
-        f, w = _nodes(comp & _equals(phase, "fwd")), _nodes(comp & _equals(phase, "bwd_weight"))
-        fwd, weight = dict(zip(_take(keys, f), f)), dict(zip(_take(keys, w), w))
-        sel = comp & (_equals(phase, "bwd") | _equals(phase, "bwd_input")) & ~_equals(c["kind"], "embed")
-        if self.mode == "selective":
-            sel &= _equals(c["kind"], "attn")
-        rows = _nodes(sel)                  # each gets a recompute node cloned from it (appended below)
-        rkeys = _take(keys, rows)
-        fs = list(map(fwd.__getitem__, rkeys))
-        if self.mode == "full" or self.selective_flops <= 0:
-            flops = list(map(float, _take(c["flops"], fs)))
-        else:
-            flops = [float(self.selective_flops)] * len(rows)
-        lasts = list(map(weight.get, rkeys, rows))
-        names = T.mb_names([r for r, _ in rkeys], [m for _, m in rkeys],
-                           lambda r: T.mb_head(lambda m: T.StepBuffer("rc", m, region=r)))
-        nbytes = {k: int(v) for k, v in self.rc_bytes.items()}
-        bufs = [((buf, nbytes.get(kind, 0)),) for buf, kind in zip(names, _take(c["kind"], rows))]
-        free = c["free"]
-        for buf, last in zip(names, lasts):
-            free[last] = free[last] + (buf,)
-        rs = range(n, n + len(rows))
-        # per row: fwd -> recompute -> bwd, then recompute -> its weight half where the backward is split
-        if lasts == rows:
-            esrc = [x for f, r in zip(fs, rs) for x in (f, r)]
-            edst = [x for r, i in zip(rs, rows) for x in (r, i)]
-        else:
-            esrc, edst = [], []
-            for f, r, i, last in zip(fs, rs, rows, lasts):
-                esrc += (f, r) if last == i else (f, r, r)
-                edst += (r, i) if last == i else (r, i, last)
-        out.clone(rows, phase="recompute", flops=flops, act=0, pos=[p - 0.25 for p in _take(c["pos"], rows)],
-                  alloc=bufs, free=())
-        out.add_edges(esrc, edst, SAVED)
+        for i, (op, ph, kind, region, mb) in enumerate(zip(c["op"], c["phase"], c["kind"], c["region"], c["mb"])):
+            if op != "compute" or ph not in ("bwd", "bwd_input"):
+                continue
+            if kind == "embed" or (self.mode == "selective" and kind != "attn"):
+                continue
+            key = (region, mb)
+            f = fwd[key]
+            r = n + len(rows)               # the recompute node cloned from i (appended below)
+            rows.append(i)
+            flops.append(float(c["flops"][f] if self.mode == "full" or self.selective_flops <= 0
+                               else self.selective_flops))
+            fmt = rc_name.get(region)
+            if fmt is None:
+                fmt = rc_name[region] = T.mb_namer(lambda m, r=region: T.StepBuffer("rc", m, region=r))
+            buf = fmt(mb)
+            bufs.append(((buf, int(self.rc_bytes.get(kind, 0))),))
+            last = weight.get(key, i)
+            c["free"][last] = c["free"][last] + (buf,)
+            edges += [(f, r), (r, i)] + ([(r, last)] if last != i else [])
+        out.clone(rows, phase="recompute", flops=flops, act=0, pos=[c["pos"][i] - 0.25 for i in rows], alloc=bufs,
+                  free=())
+        out.add_edges([u for u, _ in edges], [v for _, v in edges], SAVED)
         return out
 
 
@@ -547,32 +531,28 @@ class Replicate:
         out = g.owned()
         c = out.cols
         chunks = len(self.dense_bytes)
-        comp = _equals(c["op"], "compute")
-        is_opt = comp & _equals(c["phase"], "optim")
-        o = _nodes(is_opt)
-        optim: dict[int, int] = dict(zip(_take(c["stage"], o), o))
-        wa = np.flatnonzero(comp & ~is_opt)
-        w = wa.tolist()
-        stage_of: dict[int, int] = dict(zip(_take(c["chunk"], w), _take(c["stage"], w)))
-        ph = _take(c["phase"], w)
-        bwd = wa[_isin(ph, _BWD)]
-        bwd_of_chunk: dict[int, list[int]] = _grouped(np.asarray(c["chunk"], np.int64)[bwd], bwd)
-        # per action its node first and last in position (ties: the lowest index), in first-seen order
-        aid, alist = action_ids(_take(c["action"], w))
-        has = aid >= 0
-        sel = wa[has]
+        stage_of: dict[int, int] = {}
+        optim: dict[int, int] = {}
+        bwd_of_chunk: dict[int, list[int]] = {}
         first_of_action: dict[Action, int] = {}
         last_of_action: dict[Action, int] = {}
-        if len(sel):
-            a, p = aid[has], np.asarray(_take(c["pos"], sel.tolist()), np.float64)
-            _, seen = np.unique(a, return_index=True)
-            keyed = np.argsort(seen, kind="stable")
-            for sign, table in ((1.0, first_of_action), (-1.0, last_of_action)):
-                o2 = np.lexsort((sel, sign * p, a))
-                lead = np.ones(len(o2), bool)
-                lead[1:] = a[o2][1:] != a[o2][:-1]
-                best = sel[o2][lead]
-                table.update(zip(_take(alist, a[o2][lead][keyed].tolist()), best[keyed].tolist()))
+        pos = c["pos"]
+        for i, (op, ph, ch, st, a) in enumerate(zip(c["op"], c["phase"], c["chunk"], c["stage"], c["action"])):
+            if op != "compute":
+                continue
+            if ph == "optim":
+                optim[st] = i
+                continue
+            stage_of[ch] = st
+            if ph in _BWD:
+                bwd_of_chunk.setdefault(ch, []).append(i)
+            if isinstance(a, Action):
+                j = first_of_action.get(a)
+                if j is None or pos[i] < pos[j]:
+                    first_of_action[a] = i
+                j = last_of_action.get(a)
+                if j is None or pos[i] > pos[j]:
+                    last_of_action[a] = i
         if len(stage_of) != chunks:
             raise ProgramError("Replicate needs a placed graph (apply Place first)")
         edp = self.ways // self.ep

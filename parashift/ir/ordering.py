@@ -56,14 +56,16 @@ def _bound_grad_buckets(g: Graph, in_order: np.ndarray) -> None:
     allocs: dict[int, list[tuple[tuple, int, list[str]]]] = {}
     comp = _equals(c["op"], "compute")
     alloc, free = c["alloc"], c["free"]
-    for i in np.flatnonzero(comp & in_order & np.fromiter(map(bool, alloc), bool, n)).tolist():
-        names = [a for a, _ in alloc[i] if a.startswith(("zg.", "zge."))]
-        if names:
-            allocs.setdefault(c["stage"][i], []).append((c["slot"][i], i, names))
     for i in np.flatnonzero(~comp & np.fromiter(map(bool, free), bool, n)).tolist():
         for name in free[i]:
             if name.startswith(("zg.", "zge.")):
                 freer[name] = i
+    if not freer:           # no bucket is ever freed: nothing to wait for
+        return
+    for i in np.flatnonzero(comp & in_order & np.fromiter(map(bool, alloc), bool, n)).tolist():
+        names = [a for a, _ in alloc[i] if a.startswith(("zg.", "zge."))]
+        if names:
+            allocs.setdefault(c["stage"][i], []).append((c["slot"][i], i, names))
     for lst in allocs.values():
         lst.sort(key=lambda e: (e[0], e[1]))
         for k in range(GRAD_BUCKETS_IN_FLIGHT, len(lst)):
