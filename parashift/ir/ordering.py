@@ -5,14 +5,13 @@ between them). Like every directive, each is a pure rewrite ``apply(graph) -> gr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import itemgetter
 from typing import Mapping, Sequence
 
 import numpy as np
 
 from ..errors import ProgramError
 from .actions import AFTER, END, OPTIM, POST, Action, Step, action_ids, as_steps, format_order
-from .graph import DATA, ORDER, SAVED, Graph, equals as _equals, take as _take
+from .graph import DATA, ORDER, SAVED, Graph, equals as _equals
 
 __all__ = ["Order", "Stream", "Fuse"]
 
@@ -145,11 +144,9 @@ class Order:
         kk = kpos[aid]
         kl = kk.tolist()
         act_nodes = np.flatnonzero(in_order & has)
-        # each action node's slot (step position, position in the step), scattered at C speed
-        al = act_nodes.tolist()
-        slots = np.fromiter(c["slot"], object, n)
-        slots[act_nodes] = np.fromiter(zip(_take(kl, al), _take(pos_col, al)), object, len(al))
-        slot = c["slot"] = slots.tolist()
+        slot = c["slot"]
+        for i in act_nodes.tolist():
+            slot[i] = (kl[i], pos_col[i])
         for i, p in spread.items():
             if in_order[i]:
                 slot[i] = (kl[i], p)
@@ -165,33 +162,35 @@ class Order:
                 slot[i] = (big + 1, 0.0)
             elif a[0] == POST:
                 slot[i] = (big + 2, float(a[1]))
-        # per (stage, step): its compute-stream node first and last in position (ties: lowest index),
-        # keyed in the order each (stage, step) first shows such a node
+        # per (stage, step), keyed stage * width + step: its compute-stream node first and last in position
+        # (ties: lowest index); each step's first waits for the step before's last, in the order the
+        # (stage, step)s first show such a node
         comp = act_nodes[_equals(c["stream"], "compute")[act_nodes]]
-        first_compute: dict[tuple[int, int], int] = {}
-        last_compute: dict[tuple[int, int], int] = {}
+        keys, firsts, width = np.zeros(0, np.int64), np.zeros(0, np.int64), 1
         if len(comp):
-            pv = np.fromiter(map(itemgetter(1), _take(slot, comp.tolist())), np.float64, len(comp))
-            gk = stage[comp] * (int(kk[comp].max()) + 2) + kk[comp]
-            _, seen = np.unique(gk, return_index=True)
-            keyed = np.argsort(seen, kind="stable").tolist()
-            for sign, table in ((1.0, first_compute), (-1.0, last_compute)):
+            pv = np.fromiter((slot[i][1] for i in comp.tolist()), np.float64, len(comp))
+            width = int(kk[comp].max()) + 2
+            gk = stage[comp] * width + kk[comp]
+            keys, seen = np.unique(gk, return_index=True)
+            ends = []
+            for sign in (1.0, -1.0):
                 o = np.lexsort((comp, sign * pv, gk))
                 lead = np.ones(len(o), bool)
                 lead[1:] = gk[o][1:] != gk[o][:-1]
-                best = comp[o][lead].tolist()
-                for j in keyed:
-                    i = best[j]
-                    table[(stage_col[i], kl[i])] = i
-        for (st, k), i in first_compute.items():
-            if (st, k - 1) in last_compute:
-                out.edge(last_compute[(st, k - 1)], i, ORDER)
+                ends.append(comp[o][lead])
+            firsts, lasts = ends
+            keyed = np.argsort(seen, kind="stable")
+            prev = np.minimum(np.searchsorted(keys, keys - 1), len(keys) - 1)
+            js = keyed[(keys[prev] == keys - 1)[keyed]]
+            out.add_edges(lasts[prev[js]].tolist(), firsts[js].tolist(), ORDER)
         # ZeRO-3 prefetch depth 1: the gather for step k waits for step k-1 to start
         gathers = np.flatnonzero(in_order & has & _equals(c["op"], "all_gather"))
-        for i in gathers.tolist():
-            k = slot[i][0]
-            if (stage_col[i], k - 1) in first_compute:
-                out.edge(first_compute[(stage_col[i], k - 1)], i, ORDER)
+        if len(gathers) and len(keys):
+            want = kk[gathers] - 1
+            ok = (want >= 0) & (want < width)
+            at = np.minimum(np.searchsorted(keys, stage[gathers] * width + want), len(keys) - 1)
+            ok &= keys[at] == stage[gathers] * width + want
+            out.add_edges(firsts[at[ok]].tolist(), gathers[ok].tolist(), ORDER)
         _bound_grad_buckets(out, in_order)
         return out
 
