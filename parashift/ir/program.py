@@ -71,12 +71,12 @@ class Instr:
     def make(cls, **fields: Any) -> "Instr":
         """Fast constructor for compilers: the same instruction as ``Instr(**fields)``, built without
         the frozen dataclass's per-field ``__setattr__`` (``id`` and ``op`` are required)."""
-        obj = object.__new__(_RawInstr)
-        for k, v in _INSTR_DEFAULTS.items():
-            setattr(obj, k, fields.get(k, v))
-        obj.id, obj.op = fields["id"], fields["op"]
         if not fields.keys() <= _INSTR_FIELDS:
             raise TypeError(f"unknown Instr fields {sorted(fields.keys() - _INSTR_FIELDS)}")
+        obj = object.__new__(_RawInstr)
+        obj.id, obj.op = fields["id"], fields["op"]
+        for k, v in _INSTR_DEFAULTS.items():
+            setattr(obj, k, fields.get(k, v))
         obj.__class__ = cls
         return obj
 

@@ -48,7 +48,8 @@ from typing import Any, Callable, Union
 from ..errors import ProgramError
 from ..collectives import OPS
 
-__all__ = ["mb_namer", "mb_head", "mb_names", "Payload", "Axis", "Sync", "A2A", "P2PTag", "TPTag", "EPTag", "SyncTag", "Z3Tag", "EmbedTag",
+__all__ = ["mb_namer", "mb_head", "mb_names", "Payload", "Axis", "Sync", "A2A", "P2PTag", "TPTag", "EPTag", "SyncTag",
+           "Z3Tag", "EmbedTag",
            "SPTag", "CPTag", "StepTag", "parse_tag", "StepKey", "StepBuffer", "TransferTag", "SwitchKey", "StateBuffer",
            "TP_PHASES", "EP_PHASES", "Z3_PHASES", "SP_HOPS", "CP_PARTS", "FLAT_KEYS"]
 
@@ -289,8 +290,8 @@ def mb_head(tag_at: Callable[[int], Any]) -> str:
 
 
 def mb_names(heads: list, mbs: list, head_of: Callable[[Any], str]) -> list[str]:
-    """``[str(tag_at(head, mb)) ...]`` for per-micro-batch records: ``head_of(h)`` gives the text before
-    the micro-batch (:func:`mb_head`), called once per distinct ``h`` of ``heads``."""
+    """``[head_of(h) + str(mb) for h, mb in zip(heads, mbs)]``: per-micro-batch tags or buffer names,
+    ``head_of`` (the text before the micro-batch, see :func:`mb_head`) called once per distinct ``h``."""
     text = {h: head_of(h) for h in dict.fromkeys(heads)}
     return list(map(add, map(text.__getitem__, heads), map(str, mbs)))
 
