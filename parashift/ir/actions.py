@@ -9,7 +9,6 @@ micro-batch's communication hides behind the other's compute (DualPipe's F&B blo
 from __future__ import annotations
 
 import re
-from itertools import repeat
 from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
@@ -64,9 +63,12 @@ class Action(_ActionFields):
 def action_ids(acts: Sequence) -> "tuple[np.ndarray, list[Action]]":
     """Each entry of a graph's ``action`` column as an index into the returned list of its distinct
     actions (-1: a node of no action, such as an optimizer step or a sync anchored after a chunk)."""
-    alist = [a for a in set(acts) if isinstance(a, Action)]
-    code = {a: k for k, a in enumerate(alist)}
-    return np.fromiter(map(code.get, acts, repeat(-1)), np.int64, len(acts)), alist
+    # distinct objects first (by identity, at numpy speed), then equal actions share one id
+    u, first, inv = np.unique(np.fromiter(map(id, acts), np.uintp, len(acts)), return_index=True, return_inverse=True)
+    code: dict[Action, int] = {}
+    per = np.fromiter((code.setdefault(a, len(code)) if isinstance(a, Action) else -1
+                       for a in (acts[i] for i in first.tolist())), np.int64, len(u))
+    return per[inv.reshape(-1)], list(code)
 
 
 #: One step of a stage's order: one action, or several run overlapped.

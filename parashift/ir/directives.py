@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import compress, repeat
+from operator import add
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -54,10 +55,9 @@ def _comm_many(g: Graph, us: list[int], *, op: "str | list[str]", tags: list[str
     """Comm nodes serving nodes ``us`` (one each, same stage/chunk/mb/phase/action), placed after
     them by ``dpos`` (``op``, ``peer`` and ``dpos``: one for all or a list, one per node)."""
     c = g.cols
-    cols = {k: [c[k][u] for u in us] for k in ("phase", "region", "kind", "layer", "chunk", "mb", "stage",
-                                             "action")}
-    pos = c["pos"]
-    cols["pos"] = [pos[u] + d for u, d in zip(us, dpos)] if isinstance(dpos, list) else [pos[u] + dpos for u in us]
+    cols = {k: _take(c[k], us) for k in ("phase", "region", "kind", "layer", "chunk", "mb", "stage", "action")}
+    pos = _take(c["pos"], us)
+    cols["pos"] = list(map(add, pos, dpos)) if isinstance(dpos, list) else [p + dpos for p in pos]
     return g.extend(len(us), op=op, group=group, peer=peer, tag=tags, nbytes=int(nbytes), stream=stream, key=key,
                     **cols)
 
@@ -309,9 +309,10 @@ class Shard:
             for k, step in ((1, ("all_reduce", None)), (2, ("all_gather", "ce_stats"))):
                 nodes = np.flatnonzero(cat == k).tolist()
                 if nodes:
-                    mb, reg, ph = c["mb"], c["region"], c["phase"]
-                    tags = [_tag(made, mb[i], T.TPTag, reg[i], ph[i]) for i in nodes] if k == 1 else \
-                        [_tag(made, mb[i], T.TPTag, "head", "fwd") for i in nodes]
+                    heads = list(zip(_take(c["region"], nodes), _take(c["phase"], nodes))) if k == 1 else \
+                        [("head", "fwd")] * len(nodes)
+                    tags = T.mb_names(heads, _take(c["mb"], nodes),
+                                      lambda h: T.mb_head(lambda m: T.TPTag(*h, m)))
                     found.append((nodes[0], step, list(zip(nodes, tags))))
             plan = {step: items for _, step, items in sorted(found)}      # in the order they first show
         else:

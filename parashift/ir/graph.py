@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import ProgramError
 
-__all__ = ["Graph", "Node", "DATA", "SAVED", "ORDER", "EDGE_KINDS", "NODE_FIELDS", "paused_gc", "take", "equals"]
+__all__ = ["Graph", "Node", "DATA", "SAVED", "ORDER", "EDGE_KINDS", "NODE_FIELDS", "paused_gc", "take", "equals", "grouped"]
 
 DATA, SAVED, ORDER = 0, 1, 2
 EDGE_KINDS = ("data", "saved", "order")
@@ -57,6 +57,18 @@ def take(col: Sequence, idx: Sequence[int]) -> list:
 def equals(col: Sequence, value: object) -> np.ndarray:
     """``col[i] == value`` for every i, as a boolean array."""
     return np.fromiter(map(eq, col, repeat(value)), bool, len(col))
+
+
+def grouped(keys: np.ndarray, nodes: np.ndarray) -> dict[int, list[int]]:
+    """``nodes`` grouped by their integer ``keys``: key -> its nodes in the given order, the keys in
+    first-seen order (what appending node by node to ``dict.setdefault(key, [])`` gives)."""
+    if not len(keys):
+        return {}
+    o = np.argsort(keys, kind="stable")
+    ks = keys[o]
+    starts = np.flatnonzero(np.concatenate([[True], ks[1:] != ks[:-1]]))
+    ns, b, kl = nodes[o].tolist(), np.append(starts, len(ks)).tolist(), ks[starts].tolist()
+    return {kl[j]: ns[b[j]:b[j + 1]] for j in np.argsort(o[starts], kind="stable").tolist()}
 
 
 @contextmanager

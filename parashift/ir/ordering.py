@@ -50,19 +50,21 @@ def _bound_grad_buckets(g: Graph, in_order: np.ndarray) -> None:
     """Per stage, in the order its compute runs: the node allocating gradient buckets (``zg`` /
     ``zge``) waits for the communication freeing the buckets ``GRAD_BUCKETS_IN_FLIGHT`` allocations before."""
     c = g.cols
+    n = len(g)
     freer: dict[str, int] = {}
     allocs: dict[int, list[tuple[tuple, int, list[str]]]] = {}
-    for i, (op, al, fr) in enumerate(zip(c["op"], c["alloc"], c["free"])):
-        if op == "compute":
-            if not al:
-                continue
-            names = [a for a, _ in al if a.startswith(("zg.", "zge."))]
-            if names and in_order[i]:
-                allocs.setdefault(c["stage"][i], []).append((c["slot"][i], i, names))
-        else:
-            for name in fr:
-                if name.startswith(("zg.", "zge.")):
-                    freer[name] = i
+    comp = _equals(c["op"], "compute")
+    alloc, free = c["alloc"], c["free"]
+    for i in np.flatnonzero(~comp & np.fromiter(map(bool, free), bool, n)).tolist():
+        for name in free[i]:
+            if name.startswith(("zg.", "zge.")):
+                freer[name] = i
+    if not freer:           # no bucket is ever freed: nothing to wait for
+        return
+    for i in np.flatnonzero(comp & in_order & np.fromiter(map(bool, alloc), bool, n)).tolist():
+        names = [a for a, _ in alloc[i] if a.startswith(("zg.", "zge."))]
+        if names:
+            allocs.setdefault(c["stage"][i], []).append((c["slot"][i], i, names))
     for lst in allocs.values():
         lst.sort(key=lambda e: (e[0], e[1]))
         for k in range(GRAD_BUCKETS_IN_FLIGHT, len(lst)):
@@ -160,33 +162,35 @@ class Order:
                 slot[i] = (big + 1, 0.0)
             elif a[0] == POST:
                 slot[i] = (big + 2, float(a[1]))
-        # per (stage, step): its compute-stream node first and last in position (ties: lowest index),
-        # keyed in the order each (stage, step) first shows such a node
+        # per (stage, step), keyed stage * width + step: its compute-stream node first and last in position
+        # (ties: lowest index); each step's first waits for the step before's last, in the order the
+        # (stage, step)s first show such a node
         comp = act_nodes[_equals(c["stream"], "compute")[act_nodes]]
-        first_compute: dict[tuple[int, int], int] = {}
-        last_compute: dict[tuple[int, int], int] = {}
+        keys, firsts, width = np.zeros(0, np.int64), np.zeros(0, np.int64), 1
         if len(comp):
             pv = np.fromiter((slot[i][1] for i in comp.tolist()), np.float64, len(comp))
-            gk = stage[comp] * (int(kk[comp].max()) + 2) + kk[comp]
-            _, seen = np.unique(gk, return_index=True)
-            keyed = np.argsort(seen, kind="stable").tolist()
-            for sign, table in ((1.0, first_compute), (-1.0, last_compute)):
+            width = int(kk[comp].max()) + 2
+            gk = stage[comp] * width + kk[comp]
+            keys, seen = np.unique(gk, return_index=True)
+            ends = []
+            for sign in (1.0, -1.0):
                 o = np.lexsort((comp, sign * pv, gk))
                 lead = np.ones(len(o), bool)
                 lead[1:] = gk[o][1:] != gk[o][:-1]
-                best = comp[o][lead].tolist()
-                for j in keyed:
-                    i = best[j]
-                    table[(stage_col[i], kl[i])] = i
-        for (st, k), i in first_compute.items():
-            if (st, k - 1) in last_compute:
-                out.edge(last_compute[(st, k - 1)], i, ORDER)
+                ends.append(comp[o][lead])
+            firsts, lasts = ends
+            keyed = np.argsort(seen, kind="stable")
+            prev = np.minimum(np.searchsorted(keys, keys - 1), len(keys) - 1)
+            js = keyed[(keys[prev] == keys - 1)[keyed]]
+            out.add_edges(lasts[prev[js]].tolist(), firsts[js].tolist(), ORDER)
         # ZeRO-3 prefetch depth 1: the gather for step k waits for step k-1 to start
         gathers = np.flatnonzero(in_order & has & _equals(c["op"], "all_gather"))
-        for i in gathers.tolist():
-            k = slot[i][0]
-            if (stage_col[i], k - 1) in first_compute:
-                out.edge(first_compute[(stage_col[i], k - 1)], i, ORDER)
+        if len(gathers) and len(keys):
+            want = kk[gathers] - 1
+            ok = (want >= 0) & (want < width)
+            at = np.minimum(np.searchsorted(keys, stage[gathers] * width + want), len(keys) - 1)
+            ok &= keys[at] == stage[gathers] * width + want
+            out.add_edges(firsts[at[ok]].tolist(), gathers[ok].tolist(), ORDER)
         _bound_grad_buckets(out, in_order)
         return out
 

@@ -15,8 +15,8 @@ instruction and freed by the last backward instruction of their region.
 """
 from __future__ import annotations
 
-from itertools import repeat
-from operator import is_not
+from itertools import compress, repeat
+from operator import is_not, itemgetter
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -25,9 +25,9 @@ from ..errors import ProgramError
 from ..strategy import Strategy
 from . import tags as T
 from .actions import Action, action_ids
-from .graph import Graph, equals as _equals, take as _take
+from .graph import Graph, equals as _equals, grouped, take as _take
 from .placement import graph_placement, placement_meta
-from .program import Instr, Program, RankProgram
+from .program import Instr, Program, RankProgram, instrs_from_rows
 
 __all__ = ["lower", "pair_order"]
 
@@ -46,7 +46,6 @@ def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None, *
     a schedule was planned with, which also count the TP communication on the compute stream."""
     c = g.cols
     n = len(g)
-    stage_l = c["stage"]
     cols = _Columns(g) if _cols is None else _cols
     slot_k, slot_p_all, aid, alist, stage = cols.slot_k, cols.slot_p, cols.aid, cols.alist, cols.stage
     timed = (aid >= 0) & cols.has_slot
@@ -78,34 +77,34 @@ def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None, *
     recv_of = {u: v for u, v in recv_of.items() if on_p2p[u]}
     if len(recv_of) != len(sends):
         raise ProgramError("a send node has no recv node; apply Place to add send/recv pairs")
-    needs: dict[tuple[int, int], list[int]] = {}     # (stage, step) -> sends whose recv it consumes
-    out_of: dict[tuple[int, int], list[int]] = {}    # (stage, step) -> sends it produces
-    kl = slot_k.tolist()
-    for s in sends:
-        r = recv_of[s]
-        needs.setdefault((stage_l[r], kl[r]), []).append(s)
-        out_of.setdefault((stage_l[s], kl[s]), []).append(s)
+    # a (stage, step) as one int key: stage * width + step position
+    width = int(slot_k.max()) + 1 if len(slot_k) else 1
+    sa = np.asarray(sends, np.int64)
+    ra = np.fromiter(map(recv_of.__getitem__, sends), np.int64, len(sends))
+    needs = grouped(stage[ra] * width + slot_k[ra], sa)      # (stage, step) -> sends whose recv it consumes
+    out_of = grouped(stage[sa] * width + slot_k[sa], sa)     # (stage, step) -> sends it produces
     order = {st: sorted(d) for st, d in steps.items()}
     ptr = dict.fromkeys(order, 0)
     free = dict.fromkeys(order, 0.0)
     t_send: dict[int, float] = {}
+    sent = t_send.__getitem__
     progress = True
-    nothing: list[int] = []
     while progress:
         progress = False
         for st, ks in order.items():
-            p, f, d = ptr[st], free[st], steps[st]
+            p, f, d, base = ptr[st], free[st], steps[st], st * width
             while p < len(ks):
                 k = ks[p]
-                ins = needs.get((st, k), nothing)
+                ins = needs.get(base + k)
                 if ins:
-                    if any(s not in t_send for s in ins):
+                    try:
+                        start = max(f, *map(sent, ins))
+                    except KeyError:        # a send it waits for has not run yet
                         break
-                    start = max([f] + [t_send[s] for s in ins])
                 else:
                     start = f
                 f = start + d[k] / scale + 1e-6
-                for s in out_of.get((st, k), nothing):
+                for s in out_of.get(base + k, ()):
                     t_send[s] = f
                 p += 1
                 progress = True
@@ -116,8 +115,7 @@ def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None, *
                            f"step); fix the Order")
     if not sends:
         return []
-    sa = np.asarray(sends, np.int64)
-    t = np.fromiter((t_send[s] for s in sends), np.float64, len(sends))
+    t = np.fromiter(map(sent, sends), np.float64, len(sends))
     o = np.lexsort((slot_p_all[sa], slot_k[sa], stage[sa], t))
     return sa[o].tolist()
 
@@ -132,8 +130,7 @@ class _Columns:
         self.stage = np.asarray(c["stage"], np.int64) if n else np.zeros(0, np.int64)
         self.src = np.asarray(g.src, np.int64)
         self.dst = np.asarray(g.dst, np.int64)
-        self.slot_k, self.slot_p = _slot_keys(c)
-        self.has_slot = np.fromiter(map(is_not, c["slot"], repeat(None)), bool, n)
+        self.slot_k, self.slot_p, self.has_slot = _slot_keys(c)
         self.aid, self.alist = action_ids(c["action"])
         self.is_send = _equals(c["op"], "send")
         self.is_recv = _equals(c["op"], "recv")
@@ -142,12 +139,17 @@ class _Columns:
         self.recv_of = dict(zip(src[sr].tolist(), dst[sr].tolist()))
 
 
-def _slot_keys(c: dict) -> tuple[np.ndarray, np.ndarray]:
-    """Each node's slot as two arrays (step position, position in the step); (0, 0.0) without one."""
+def _slot_keys(c: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each node's slot as two arrays (step position, position in the step; (0, 0.0) without one)
+    and whether it has one."""
     slots = c["slot"]
-    k = np.fromiter((0 if sl is None else sl[0] for sl in slots), np.int64, len(slots))
-    p = np.fromiter((0.0 if sl is None else sl[1] for sl in slots), np.float64, len(slots))
-    return k, p
+    n = len(slots)
+    has = np.fromiter(map(is_not, slots, repeat(None)), bool, n)
+    held = list(compress(slots, has)) if not has.all() else slots
+    k, p = np.zeros(n, np.int64), np.zeros(n, np.float64)
+    k[has] = np.fromiter(map(itemgetter(0), held), np.int64, len(held))
+    p[has] = np.fromiter(map(itemgetter(1), held), np.float64, len(held))
+    return k, p, has
 
 
 def _slot_rank(g: Graph, stage: np.ndarray, sid: np.ndarray, slot_k: np.ndarray, slot_p: np.ndarray,
@@ -286,24 +288,25 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     for v, u in zip(dv[o].tolist(), du[o].tolist()):
         lst = dep_col[v]
         dep_col[v] = (u,) if not lst else lst + (u,)
-    alloc_c, free_c = list(c["alloc"]), list(c["free"])
+    alloc_c, free_c = _tuples(c["alloc"]), _tuples(c["free"])
     for i, ax in alloc_extra.items():
-        alloc_c[i] = (ax,) + tuple(alloc_c[i])
+        alloc_c[i] = (ax,) + alloc_c[i]
     for i, fx in free_extra.items():
-        free_c[i] = tuple(free_c[i]) + (fx,)
+        free_c[i] = free_c[i] + (fx,)
     b = bounds.tolist()
     stage_l = stage[seq_order[bounds[:-1]]].tolist() if n else []
-    sid_l = sid[seq_order[bounds[:-1]]].tolist() if n else []
     per_stage: list[dict[str, tuple[Instr, ...]]] = [{} for _ in range(pp)]
-    # one tuple per node of its fields, in stream order: each node's columns are read once, in memory order
-    chunk, mbs, flops, nbytes = (a[seq_order].tolist() for a in _numeric(c))
-    rows = _take(list(zip(c["op"], dep_col, c["phase"], c["region"], c["peer"], c["group"], c["tag"], c["key"],
-                          alloc_c, free_c)), seq_order.tolist())
-    ids_l = ids[seq_order].tolist()
+    # every node's instruction, built from its fields' columns (see program.instrs_from_rows)
+    chunk, mbs, flops, nbytes = _numeric(c)
+    comp = _equals(ops, "compute")
+    built = instrs_from_rows(zip(
+        ids.tolist(), ops, streams, dep_col, c["phase"], _unless(stage, comp), _unless(chunk, chunk >= 0),
+        _unless(mbs, mbs >= 0), _unless(c["region"], comp), flops.tolist(), nbytes.tolist(), c["peer"], c["group"],
+        repeat(None), c["tag"], c["key"], alloc_c, free_c))
+    so = seq_order.tolist()
+    ordered = _take(built, so)          # grouped by (stage, stream), in stream order
     for gi in range(len(b) - 1):
-        st, s, lo, hi = stage_l[gi], names[sid_l[gi]], b[gi], b[gi + 1]
-        per_stage[st][s] = _instrs(st, s, zip(ids_l[lo:hi], rows[lo:hi], chunk[lo:hi], mbs[lo:hi], flops[lo:hi],
-                                             nbytes[lo:hi]))
+        per_stage[stage_l[gi]][streams[so[b[gi]]]] = tuple(ordered[b[gi]:b[gi + 1]])
     progs: list[RankProgram] = []
     for st in range(pp):
         mem = dict(static_memory[st]) if st < len(static_memory) else {}
@@ -326,38 +329,21 @@ def _numeric(c: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
             nb.astype(np.int64, copy=False))
 
 
-def _instrs(st: int, stream: str, rows: "Any") -> tuple[Instr, ...]:
-    """The instructions of one stage's stream, in stream order, from ``rows``: per node its id, its
-    row of object fields (op, deps, phase, region, peer, group, tag, key, alloc, free), chunk,
-    micro-batch, FLOPs and bytes."""
-    new, out = object.__new__, []
-    append = out.append
-    for i, (o, d, ph, rg, pe, gr, tg, ky, al, fr), ch, mb, fl, nb in rows:
-        cm = o == "compute"
-        # the frozen dataclass's fields set straight into its __dict__ (as Instr.make does; its
-        # per-field __setattr__ would be most of the lowering's time)
-        obj = new(Instr)
-        f = obj.__dict__
-        f["id"] = i
-        f["op"] = o
-        f["stream"] = stream
-        f["deps"] = d
-        f["phase"] = ph
-        f["stage"] = st if cm else None
-        f["chunk"] = ch if ch >= 0 else None
-        f["microbatch"] = mb if mb >= 0 else None
-        f["region"] = rg if cm else None
-        f["flops"] = fl
-        f["nbytes"] = nb
-        f["peer"] = pe
-        f["group"] = gr
-        f["root"] = None
-        f["tag"] = tg
-        f["key"] = ky
-        f["alloc"] = tuple(al)
-        f["free"] = tuple(fr)
-        append(obj)
-    return tuple(out)
+def _unless(values: "np.ndarray | list", keep: np.ndarray) -> list:
+    """``values[i]`` (a Python object) where ``keep[i]``, else None, as a list."""
+    if not isinstance(values, np.ndarray):
+        out = list(values)
+        for i in np.flatnonzero(~keep).tolist():
+            out[i] = None
+        return out
+    out = np.full(len(keep), None, object)
+    out[keep] = values[keep].tolist()
+    return out.tolist()
+
+
+def _tuples(col: list) -> list:
+    """A copy of ``col`` with every entry a tuple."""
+    return list(col) if set(map(type, col)) <= {tuple} else [tuple(x) for x in col]
 
 
 def _act_buffers(c: dict, index: np.ndarray, cols: _Columns) -> tuple[dict[int, tuple[str, int]], dict[int, str]]:
@@ -388,9 +374,9 @@ def _act_buffers(c: dict, index: np.ndarray, cols: _Columns) -> tuple[dict[int, 
     # regions per (chunk, mb) that run a forward: one means the chunk's forward is fused
     has_fwd = np.zeros(len(uk), bool)
     has_fwd[inv[fwd]] = True
-    per_cm = dict(zip(*np.unique(cm[has_fwd], return_counts=True)))
-    keys = [(int(k // width), int(k % width), names[r], per_cm.get(k, 0) > 1)
-            for k, r in zip(cm.tolist(), (uk % nreg).tolist())]
+    ucm, count = np.unique(cm[has_fwd], return_counts=True)
+    at = np.minimum(np.searchsorted(ucm, cm), max(len(ucm) - 1, 0))
+    multi = (ucm[at] == cm) & (count[at] > 1) if len(ucm) else np.zeros(len(cm), bool)
     ix = index[nodes]
     # per key: the forward node first in stream order, the backward node last (ties: the first node)
     o = np.lexsort((np.arange(len(sel)), ix, inv))
@@ -404,14 +390,11 @@ def _act_buffers(c: dict, index: np.ndarray, cols: _Columns) -> tuple[dict[int, 
     tail[:-1] = inv[o][1:] != inv[o][:-1]
     last = dict(zip(inv[o][tail].tolist(), nodes[o][tail].tolist()))
     nbytes = act_bytes.tolist()
-
-    names_of: dict[tuple, Callable[[int], str]] = {}
-
-    def name(k: tuple) -> str:
-        fmt = names_of.get((k[0], k[2], k[3]))
-        if fmt is None:
-            fmt = names_of[(k[0], k[2], k[3])] = T.StepBuffer.act_name(k[0], k[2] if k[3] else None)
-        return fmt(k[1])
-    alloc_extra = {i: (name(keys[k]), nbytes[k]) for k, i in first.items() if nbytes[k]}
-    free_extra = {i: name(keys[k]) for k, i in last.items() if nbytes[k]}
+    # one buffer per key with bytes: the region named where the chunk's forward has several
+    named = np.flatnonzero(act_bytes != 0)
+    regions = [names[r] if m else None for r, m in zip((uk % nreg)[named].tolist(), multi[named].tolist())]
+    name = dict(zip(named.tolist(), T.StepBuffer.act_names((cm[named] // width).tolist(), (cm[named] % width).tolist(),
+                                                           regions)))
+    alloc_extra = {i: (name[k], nbytes[k]) for k, i in first.items() if nbytes[k]}
+    free_extra = {i: name[k] for k, i in last.items() if nbytes[k]}
     return alloc_extra, free_extra

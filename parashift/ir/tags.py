@@ -42,12 +42,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from operator import add
 from typing import Any, Callable, Union
 
 from ..errors import ProgramError
 from ..collectives import OPS
 
-__all__ = ["mb_namer", "Payload", "Axis", "Sync", "A2A", "P2PTag", "TPTag", "EPTag", "SyncTag", "Z3Tag", "EmbedTag",
+__all__ = ["mb_namer", "mb_head", "mb_names", "Payload", "Axis", "Sync", "A2A", "P2PTag", "TPTag", "EPTag", "SyncTag",
+           "Z3Tag", "EmbedTag",
            "SPTag", "CPTag", "StepTag", "parse_tag", "StepKey", "StepBuffer", "TransferTag", "SwitchKey", "StateBuffer",
            "TP_PHASES", "EP_PHASES", "Z3_PHASES", "SP_HOPS", "CP_PARTS", "FLAT_KEYS"]
 
@@ -275,11 +277,23 @@ def mb_namer(tag_at: Callable[[int], Any]) -> Callable[[int], str]:
     """``mb -> str(tag_at(mb))`` for a record whose text ends in ``.m<mb>`` (the per-micro-batch tags and
     buffers of a training step), the record built and checked once: a compiler names hundreds of
     thousands of them, one per micro-batch of the same region."""
+    head = mb_head(tag_at)
+    return lambda mb: f"{head}{mb}"
+
+
+def mb_head(tag_at: Callable[[int], Any]) -> str:
+    """The text of ``str(tag_at(mb))`` before the micro-batch number (see :func:`mb_namer`)."""
     text = str(tag_at(0))
     if not text.endswith(".m0"):
         raise ProgramError(f"{text!r} does not end in the micro-batch ('.m0'); name it with str()")
-    head = text[:-1]
-    return lambda mb: f"{head}{mb}"
+    return text[:-1]
+
+
+def mb_names(heads: list, mbs: list, head_of: Callable[[Any], str]) -> list[str]:
+    """``[head_of(h) + str(mb) for h, mb in zip(heads, mbs)]``: per-micro-batch tags or buffer names,
+    ``head_of`` (the text before the micro-batch, see :func:`mb_head`) called once per distinct ``h``."""
+    text = {h: head_of(h) for h in dict.fromkeys(heads)}
+    return list(map(add, map(text.__getitem__, heads), map(str, mbs)))
 
 
 def parse_tag(text: str) -> StepTag:
@@ -401,12 +415,15 @@ class StepBuffer:
             _check_name(self.region, "region")
 
     @classmethod
-    def act_name(cls, chunk: int, region: "str | None") -> Callable[[int], str]:
-        """``mb -> str(StepBuffer("act", mb, chunk=chunk, region=region))``, checked once (a compiler
-        names hundreds of thousands of them)."""
-        cls("act", 0, chunk=chunk, region=region)
-        head, tail = f"act.c{chunk}.m", "" if region is None else f".{region}"
-        return lambda mb: f"{head}{mb}{tail}"
+    def act_names(cls, chunks: list, mbs: list, regions: list) -> list[str]:
+        """``[str(StepBuffer("act", mb, chunk=chunk, region=region)) ...]``, each distinct (chunk, region)
+        checked once (a compiler names hundreds of thousands of them)."""
+        parts = {}
+        for chunk, region in dict.fromkeys(zip(chunks, regions)):
+            cls("act", 0, chunk=chunk, region=region)
+            parts[(chunk, region)] = (f"act.c{chunk}.m", "" if region is None else f".{region}")
+        head, tail = zip(*map(parts.__getitem__, zip(chunks, regions))) if chunks else ((), ())
+        return list(map(add, map(add, head, map(str, mbs)), tail))
 
     def __str__(self) -> str:
         if self.kind in ("act", "zg", "zge"):
