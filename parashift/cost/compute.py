@@ -84,7 +84,8 @@ class Workload:
     ``recompute``: the strategy's recomputation; a ``selective`` recompute re-runs only the core
     attention's forward (Megatron-LM's selective recomputation), and nothing under ``cp > 1``,
     whose attention backward re-runs the core itself (TransformerEngine's context-parallel
-    attention; this runtime's too)."""
+    attention; this runtime's too). ``grad_fusion``: weight-gradient GEMMs accumulate into the gradient
+    buffer (no separate accumulation pass, see :meth:`grad_accum`)."""
 
     model: "ModelSpec"
     tp: int
@@ -93,6 +94,7 @@ class Workload:
     sp: bool = False
     cp: int = 1
     recompute: str = "full"
+    grad_fusion: bool = False
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -101,7 +103,8 @@ class Workload:
         sp = getattr(strategy, "sp", False)
         return cls(model, int(getattr(strategy, "tp", 1)), int(mbs or getattr(strategy, "mbs", 1)), int(seq_len),
                    bool(sp) if not isinstance(sp, str) else sp not in ("", "0", "false", "none"),
-                   int(getattr(strategy, "cp", 1) or 1), str(getattr(strategy, "recompute", "full") or "full"))
+                   int(getattr(strategy, "cp", 1) or 1), str(getattr(strategy, "recompute", "full") or "full"),
+                   bool(getattr(strategy, "grad_fusion", False)))
 
     @property
     def selective(self) -> bool:
@@ -140,7 +143,10 @@ class Workload:
 
     def grad_accum(self, cm: "CostModel", kind: str) -> float:
         """Seconds of adding one micro-batch's weight gradients of a ``kind`` region into the step's
-        gradient buffer (``grad_accum_traffic`` x dtype bytes per parameter on this rank, through HBM)."""
+        gradient buffer (``grad_accum_traffic`` x dtype bytes per parameter on this rank, through HBM);
+        0 under ``grad_fusion`` (the GEMM accumulates as it writes)."""
+        if self.grad_fusion:
+            return 0.0
         if kind == "layer":
             return self.grad_accum(cm, "attn") + self.grad_accum(cm, "mlp")
         md, tp = self.model, self.tp
