@@ -652,6 +652,7 @@ class Replicate:
                 out.edge(s, optim[stage_of[ch]], SAVED)
         for u, r in replica_after:
             out.edge(u, r, SAVED)
+        self._wait_async_tp(out, optim, sync_nodes, rs_of)
         # tied embedding: all-reduce between the first and the last stage, at the end of the comm stream
         if tied:
             for ch, kind in ((0, "embed"), (last, "head")):
@@ -794,6 +795,32 @@ class Replicate:
         return out.add(op="all_reduce", group="replica", chunk=ch, stage=stage,
                        tag=str(T.SyncTag(T.Axis.DP, T.Sync.REPLICA, ch)), key=str(T.StepKey("grad", ch, "dense")),
                        nbytes=-(-int(self.grad_dense[ch]) // self.ways), stream="comm", action=(AFTER, ch))
+
+    @staticmethod
+    def _wait_async_tp(out: Graph, optim: dict[int, int], sync_nodes: dict[int, list[int]],
+                       rs_of: dict[int, list[int]]) -> None:
+        """``tp_async``: a region's gradients are whole only when its backward TP all-reduce on stream
+        ``"tp"`` ends (the norm before its column-parallel GEMM takes the reduced gradient), so the
+        chunk's gradient syncs (ZeRO-2/3: the region's micro-batch bucket) and the optimizer wait for it."""
+        c = out.cols
+        late = [i for i, (op, st, ph) in enumerate(zip(c["op"], c["stream"], c["phase"]))
+                if st == "tp" and op == "all_reduce" and ph in _BWD]
+        if not late:
+            return
+        rs_key: dict[tuple, list[int]] = {}
+        for nodes in rs_of.values():
+            for r in nodes:
+                rs_key.setdefault((c["chunk"][r], c["mb"][r], c["region"][r]), []).append(r)
+                rs_key.setdefault((c["chunk"][r], c["mb"][r], None), []).append(r)
+        src: list[int] = []
+        dst: list[int] = []
+        for u in late:
+            ch, mb = c["chunk"][u], c["mb"][u]
+            waits = [optim[c["stage"][u]]] + sync_nodes.get(ch, []) + \
+                rs_key.get((ch, mb, c["region"][u]), rs_key.get((ch, mb, None), []))
+            src += [u] * len(waits)
+            dst += waits
+        out.add_edges(src, dst, SAVED)
 
     def _per_microbatch(self, out: Graph, stage_of: dict[int, int], optim: dict[int, int],
                         bwd_of_chunk: dict[int, list[int]], first_of_action: dict, last_of_action: dict,
