@@ -119,3 +119,13 @@ def test_grad_fusion_removes_exactly_the_accumulation_pass():
     fused = _step(base + ",grad_fusion", cm)
     assert fused == pytest.approx(_step(base, cm.replace(grad_accum_traffic=0.0)), rel=1e-9)
     assert fused < _step(base, cm)
+
+
+@pytest.mark.parametrize("strategy,label", [("tp=2,pp=2,tp_async", "zb-h1"),
+                                            ("tp=2,pp=2,vpp=2,schedule=interleaved-1f1b,tp_async", "interleaved-1f1b")])
+def test_user_split_backward_takes_over_tp_async_split(strategy, label):
+    from parashift import directives as d
+    p = compile(SPEC, strategy, global_batch=GB, seq_len=SEQ, directives=[d.Split(backward=True)], validate=True)
+    rp = p.ranks[0]
+    assert p.meta["schedule"] == label and rp.streams["tp"]
+    assert not any(i.phase == "bwd" for i in rp.instrs())      # every backward split, the embedding's too
