@@ -55,8 +55,9 @@ class Strategy:
     ``--overlap-param-gather``); off (the default, as Megatron's): the gathers follow the optimizer, exposed.
     ``tp_async`` (tp > 1): the backward's tensor-parallel reduction of a column-parallel block's input gradient
     (all-reduce; with ``sp`` reduce-scatter) runs on stream ``"tp"`` beside the block's weight-gradient compute,
-    which the block's backward then splits off (Megatron-LM's asynchronous TP all-reduce, default on since
-    September 2021; ``--no-async-tensor-model-parallel-allreduce`` turns it off); the next compute waits for it.
+    which the block's backward then splits off (see :attr:`column_wgrad`; Megatron-LM's asynchronous TP
+    all-reduce, default on since September 2021; ``--no-async-tensor-model-parallel-allreduce`` turns it off);
+    the next compute waits for it.
     ``grad_fusion``: each weight-gradient GEMM accumulates into the step's gradient buffer (Megatron-LM's
     ``--gradient-accumulation-fusion``, default on since February 2022); off: a separate pass adds each
     micro-batch's gradient into the buffer (priced by the cost model's ``grad_accum_traffic``). Both off by
@@ -189,6 +190,14 @@ class Strategy:
     @property
     def world(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def column_wgrad(self) -> bool:
+        """Whether a block's ``bwd_weight`` holds only its column-parallel GEMM's weight gradient (QKV, the
+        first MLP GEMM): ``tp_async`` under a schedule that does not split the backward, with cp=1. The
+        row-parallel GEMM's is then computed with the input gradient, before the all-reduce starts, as
+        Megatron-LM's backward reaches it."""
+        return self.tp_async and self.cp == 1 and not _schedule(self.schedule).split_backward
 
     @property
     def dpcp(self) -> int:

@@ -129,3 +129,21 @@ def test_user_split_backward_takes_over_tp_async_split(strategy, label):
     rp = p.ranks[0]
     assert p.meta["schedule"] == label and rp.streams["tp"]
     assert not any(i.phase == "bwd" for i in rp.instrs())      # every backward split, the embedding's too
+
+
+def test_weight_half_is_the_column_parallel_gemm_under_one_backward_action():
+    """Megatron's order: the row-parallel GEMM's weight gradient is computed with the input gradient,
+    only the column-parallel GEMM's overlaps the all-reduce; a split schedule's W keeps them all."""
+    from parashift.cost import Workload
+    from parashift.cost.compute import gemm_time
+    cm = CostModel.for_cluster(A100)
+    s = Strategy.parse("tp=8,tp_async")
+    assert s.column_wgrad and not Strategy.parse("tp=8,pp=2,tp_async,schedule=zb-h1").column_wgrad
+    on, off = Workload.of(BIG, s, 2048), Workload.of(BIG, Strategy.parse("tp=8"), 2048)
+    h, q = BIG.hidden, BIG.heads * BIG.head_dim
+    for kind, (m, n, k) in (("attn", (2048, (q + 2 * q) / 8, h)), ("mlp", (2048, BIG.ffn / 8, h))):
+        assert on.time(cm, kind, "bwd_weight") == pytest.approx(gemm_time(cm, n, k, m), rel=1e-12)
+        assert on.time(cm, kind, "bwd_input") + on.time(cm, kind, "bwd_weight") == \
+            pytest.approx(off.time(cm, kind, "bwd"), rel=1e-12)
+        assert off.time(cm, kind, "bwd_weight") > on.time(cm, kind, "bwd_weight")
+    assert on.time(cm, "head", "bwd_weight") == off.time(cm, "head", "bwd_weight")   # one GEMM: all of it

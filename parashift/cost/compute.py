@@ -85,7 +85,9 @@ class Workload:
     attention's forward (Megatron-LM's selective recomputation), and nothing under ``cp > 1``,
     whose attention backward re-runs the core itself (TransformerEngine's context-parallel
     attention; this runtime's too). ``grad_fusion``: weight-gradient GEMMs accumulate into the gradient
-    buffer (no separate accumulation pass, see :meth:`grad_accum`)."""
+    buffer (no separate accumulation pass, see :meth:`grad_accum`). ``column_wgrad``
+    (:attr:`~parashift.strategy.Strategy.column_wgrad`): an attention or MLP ``bwd_weight`` is only the
+    column-parallel GEMM's weight gradient; ``bwd_input`` also computes the row-parallel one's."""
 
     model: "ModelSpec"
     tp: int
@@ -95,6 +97,7 @@ class Workload:
     cp: int = 1
     recompute: str = "full"
     grad_fusion: bool = False
+    column_wgrad: bool = False
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -104,7 +107,7 @@ class Workload:
         return cls(model, int(getattr(strategy, "tp", 1)), int(mbs or getattr(strategy, "mbs", 1)), int(seq_len),
                    bool(sp) if not isinstance(sp, str) else sp not in ("", "0", "false", "none"),
                    int(getattr(strategy, "cp", 1) or 1), str(getattr(strategy, "recompute", "full") or "full"),
-                   bool(getattr(strategy, "grad_fusion", False)))
+                   bool(getattr(strategy, "grad_fusion", False)), bool(getattr(strategy, "column_wgrad", False)))
 
     @property
     def selective(self) -> bool:
@@ -135,10 +138,12 @@ class Workload:
         if phase in ("fwd", "recompute"):
             return sum(gemm_time(cm, m, n, k, *self._dt(cm)) for m, n, k in gemms) + core[0] + ew
         dgrad = sum(gemm_time(cm, m, k, n, *self._dt(cm)) for m, n, k in gemms)
-        wgrad = sum(gemm_time(cm, n, k, m, *self._dt(cm)) for m, n, k in gemms)
+        wgrads = [gemm_time(cm, n, k, m, *self._dt(cm)) for m, n, k in gemms]
+        wgrad = sum(wgrads)
+        early = sum(wgrads[1:]) if self.column_wgrad and kind in ("attn", "mlp") else 0.0   # row-parallel
         if phase == "bwd_weight":
-            return wgrad
-        rest = dgrad + core[1] + 2.0 * ew
+            return wgrad - early
+        rest = dgrad + core[1] + 2.0 * ew + early
         return rest if phase == "bwd_input" else rest + wgrad
 
     def grad_accum(self, cm: "CostModel", kind: str) -> float:

@@ -697,6 +697,8 @@ class Interpreter(CPHandlers):
             self._cp_bwd(c, mb, rec, full)
             return
         kd.bwd_input(self.ctx, rec, genv)
+        if not full and self.strategy.column_wgrad and rec.kind in ("attn", "mlp"):
+            self._row_parallel_wgrad(rec)
         if full:
             self._sp_defer(c, mb, rec)
             kd.bwd_weight(self.ctx, rec)
@@ -705,6 +707,16 @@ class Interpreter(CPHandlers):
         else:
             rec.t["_drop"] = full
             self.st.open_bwd[c] = self.st.open_bwd.get(c, 0) + 1
+
+    def _row_parallel_wgrad(self, rec: Rec) -> None:
+        """``column_wgrad``: a block's input-gradient backward also computes the weight gradients of its
+        GEMMs after the first (the output projection, the second MLP GEMM), as Megatron's backward does
+        before the asynchronous all-reduce starts; ``bwd_weight`` keeps the column-parallel GEMM's."""
+        live = [u for u in rec.tape.uses if u.y.requires_grad]
+        lin = [k for k, u in enumerate(live) if u.kind == "lin"]
+        for k in lin[1:]:
+            weight_grad(live[k], rec.dys[k], self.ctx.acc, self.ctx.grad_fusion)
+            rec.dys[k] = None
 
     def _bwd_chain(self, c: int, mb: int, atoms: list[str], full: bool) -> None:
         """Backward of an instruction's regions through their shared graph (tp == 1, dense): one

@@ -97,7 +97,9 @@ TP communication (stream "compute", group "tp", tag "tp.{region}.{phase}.m{mb}",
        bwd_weight; nothing in recompute.
   tp_async: the bwd of "head", "layers.{i}.mlp", "layers.{i}.attn", "layers.{i}.moe.route" is split (unless the
        schedule splits it already) into bwd_input then bwd_weight, both in the B action, the weight half right
-       after the input half; the bwd all_reduce (with sp: the reduce-scatter and the "sp_input" re-gather)
+       after the input half (Strategy.column_wgrad, cp == 1: an attention's or MLP's bwd_weight is only its
+       column-parallel GEMM's weight gradient, its bwd_input computes the row-parallel GEMM's, as Megatron orders
+       them; the ZeRO-2/3 bucket is then allocated by the bwd_input); the bwd all_reduce (with sp: the reduce-scatter and the "sp_input" re-gather)
        goes on stream "tp". The bwd_weight does not wait for the reduction (with sp it waits for the re-gather);
        the gradient chain, a recompute of the next region, the chunk's gradient syncs and the optimizer do.
 EP communication (ep > 1, group "ep", nbytes = mbs*seq*top_k*hidden*dtype, the balanced expectation;

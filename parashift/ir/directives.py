@@ -807,17 +807,16 @@ class Replicate:
                 if st == "tp" and op == "all_reduce" and ph in _BWD]
         if not late:
             return
-        rs_key: dict[tuple, list[int]] = {}
+        rs_key: dict[tuple, list[int]] = {}       # (chunk, mb, bucket region or None) -> its reduce-scatters
         for nodes in rs_of.values():
             for r in nodes:
-                rs_key.setdefault((c["chunk"][r], c["mb"][r], c["region"][r]), []).append(r)
-                rs_key.setdefault((c["chunk"][r], c["mb"][r], None), []).append(r)
+                rs_key.setdefault((c["chunk"][r], c["mb"][r], T.parse_tag(c["tag"][r]).region), []).append(r)
         src: list[int] = []
         dst: list[int] = []
         for u in late:
             ch, mb = c["chunk"][u], c["mb"][u]
             waits = [optim[c["stage"][u]]] + sync_nodes.get(ch, []) + \
-                rs_key.get((ch, mb, c["region"][u]), rs_key.get((ch, mb, None), []))
+                rs_key.get((ch, mb, c["region"][u]), rs_key.get((ch, mb, None), []))   # its bucket, else the chunk's
             src += [u] * len(waits)
             dst += waits
         out.add_edges(src, dst, SAVED)
@@ -847,7 +846,9 @@ class Replicate:
             for (mb, region), users in sorted(groups.items(), key=lambda kv: (kv[0][0], min(c["pos"][i] for i in kv[1]))):
                 acts = {c["action"][i] for i in users if isinstance(c["action"][i], Action)}
                 if region_wise:       # the first node that writes gradients: B, or W under split backwards
-                    first = min(users, key=lambda i: (c["phase"][i] == "bwd_input", c["pos"][i]))
+                    # (tp_async's I half in a B action writes the row-parallel GEMM's: Strategy.column_wgrad)
+                    first = min(users, key=lambda i: (c["phase"][i] == "bwd_input"
+                                                      and getattr(c["action"][i], "type", "I") == "I", c["pos"][i]))
                     end = max(users, key=lambda i: (c["phase"][i] != "bwd_input", c["pos"][i]))
                 else:
                     starts = [first_of_action[a] for a in acts if a.type in ("B", "W")] or users
