@@ -9,7 +9,7 @@ the median and mean APE, and the Spearman rank correlation of predicted against 
 per GPU (the order a search ranks configurations in). ``--model-kind flops`` predicts with the
 FLOPs-at-one-efficiency compute model instead, for a side-by-side with the shape-aware one.
 ``--files`` picks CSVs by name; ``--set key=value,...`` changes cost-model fields on top of each row's
-preset (e.g. ``grad_accum_traffic=0`` for software that fuses gradient accumulation into the GEMM).
+preset (e.g. ``grad_accum_traffic=0``: no unfused accumulation pass, which a row's ``grad_fusion`` says itself).
 ``by_file`` reports each file's median APE and Spearman alone.
 
 Usage: python benchmarks/fidelity_published.py [--rows 0,3] [--files korthikanti] [--cost-model F]

@@ -15,7 +15,7 @@ __all__ = ["Strategy", "SCHEDULES", "RECOMPUTE"]
 
 RECOMPUTE = ("none", "selective", "full")
 _INT_FIELDS = ("dp", "tp", "pp", "ep", "zero", "vpp", "mbs", "cp", "shard")
-_BOOL_FIELDS = ("sp", "overlap_grad", "overlap_param")
+_BOOL_FIELDS = ("sp", "overlap_grad", "overlap_param", "tp_async", "grad_fusion")
 _KEYS = _INT_FIELDS + _BOOL_FIELDS + ("schedule", "recompute")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -53,6 +53,15 @@ class Strategy:
     next step, one per bucket (a region, or a chunk where regions are fused or hold experts), a chunk's
     issued together and each waited for only by its bucket's first forward (Megatron's
     ``--overlap-param-gather``); off (the default, as Megatron's): the gathers follow the optimizer, exposed.
+    ``tp_async`` (tp > 1): the backward's tensor-parallel reduction of a column-parallel block's input gradient
+    (all-reduce; with ``sp`` reduce-scatter) runs on stream ``"tp"`` beside the block's weight-gradient compute,
+    which the block's backward then splits off (see :attr:`column_wgrad`; Megatron-LM's asynchronous TP
+    all-reduce, default on since September 2021; ``--no-async-tensor-model-parallel-allreduce`` turns it off);
+    the next compute waits for it.
+    ``grad_fusion``: each weight-gradient GEMM accumulates into the step's gradient buffer (Megatron-LM's
+    ``--gradient-accumulation-fusion``, default on since February 2022); off: a separate pass adds each
+    micro-batch's gradient into the buffer (priced by the cost model's ``grad_accum_traffic``). Both off by
+    default: the 2021 software the SC21 and vTrain anchors ran.
     """
 
     dp: int = 1
@@ -69,6 +78,8 @@ class Strategy:
     overlap_grad: bool = False
     shard: int = 0
     overlap_param: bool = False
+    tp_async: bool = False
+    grad_fusion: bool = False
 
     def __post_init__(self) -> None:
         for name in _BOOL_FIELDS:
@@ -95,6 +106,9 @@ class Strategy:
         if self.sp and self.tp == 1:
             raise StrategyError("sp (sequence parallelism) shards along the sequence over the TP group and "
                                 "needs tp > 1; set tp=2 or more, or drop sp")
+        if self.tp_async and self.tp == 1:
+            raise StrategyError("tp_async overlaps the backward's tensor-parallel reduction with the weight-gradient "
+                                "compute and needs tp > 1; set tp=2 or more, or drop tp_async")
         if self.overlap_param and self.zero not in (1, 2):
             raise StrategyError(f"overlap_param overlaps the distributed optimizer's parameter all-gather and needs "
                                 f"zero=1 or zero=2 (zero={self.zero}: "
@@ -176,6 +190,14 @@ class Strategy:
     @property
     def world(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def column_wgrad(self) -> bool:
+        """Whether a block's ``bwd_weight`` holds only its column-parallel GEMM's weight gradient (QKV, the
+        first MLP GEMM): ``tp_async`` under a schedule that does not split the backward, with cp=1. The
+        row-parallel GEMM's is then computed with the input gradient, before the all-reduce starts, as
+        Megatron-LM's backward reaches it."""
+        return self.tp_async and self.cp == 1 and not _schedule(self.schedule).split_backward
 
     @property
     def dpcp(self) -> int:

@@ -60,6 +60,8 @@ CI = [
     ("tiny-gpt", "tp=2,sp,pp=2"),
     ("tiny-gpt", "dp=2,zero=1,overlap_param"),
     ("tiny-gpt", "dp=2,pp=2,vpp=2,zero=2,schedule=interleaved-1f1b,overlap_param"),
+    ("tiny-gpt", "tp=2,pp=2,tp_async,grad_fusion,recompute=full"),   # wgrads run while the all-reduce flies
+    ("tiny-gpt", "tp=2,sp,tp_async"),                                # ... while the reduce-scatter flies
 ]
 
 

@@ -26,6 +26,14 @@ def test_every_published_row_is_a_run_the_simulator_can_compile():
         assert row.step_seconds > 0 and row.global_batch % (s.dp * s.mbs) == 0, row["name"]
 
 
+def test_rows_state_the_software_their_papers_ran():
+    """Korthikanti's 2022 runs: asynchronous TP all-reduce and fused gradient accumulation on; SC21's
+    2021 software: both off (the strategy default)."""
+    for _, row in fp.load().iterrows():
+        s = Strategy.parse(row.strategy)
+        assert (s.tp_async, s.grad_fusion) == ((True, True) if "korthikanti" in row.file else (False, False))
+
+
 def _model_flops(row) -> float:
     """The papers' model FLOPs of one iteration, ``72 B s l h^2 (1 + s/(6h) + V/(12 l h))``."""
     m = models.get(row.model)

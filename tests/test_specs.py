@@ -60,7 +60,8 @@ def any_strategy(draw):
     tp = draw(st.integers(1, 8))
     return Strategy(dp=dp, tp=tp, pp=draw(st.integers(1, 8)), ep=ep,
                     zero=draw(st.integers(0, 3)), vpp=vpp, mbs=draw(st.integers(1, 4)), schedule=schedule,
-                    recompute=draw(st.sampled_from(RECOMPUTE)), cp=cp, sp=tp > 1 and draw(st.booleans()))
+                    recompute=draw(st.sampled_from(RECOMPUTE)), cp=cp, sp=tp > 1 and draw(st.booleans()),
+                    tp_async=tp > 1 and draw(st.booleans()), grad_fusion=draw(st.booleans()))
 
 
 @settings(max_examples=200, deadline=None)

@@ -84,7 +84,10 @@ class Workload:
     ``recompute``: the strategy's recomputation; a ``selective`` recompute re-runs only the core
     attention's forward (Megatron-LM's selective recomputation), and nothing under ``cp > 1``,
     whose attention backward re-runs the core itself (TransformerEngine's context-parallel
-    attention; this runtime's too)."""
+    attention; this runtime's too). ``grad_fusion``: weight-gradient GEMMs accumulate into the gradient
+    buffer (no separate accumulation pass, see :meth:`grad_accum`). ``column_wgrad``
+    (:attr:`~parashift.strategy.Strategy.column_wgrad`): an attention or MLP ``bwd_weight`` is only the
+    column-parallel GEMM's weight gradient; ``bwd_input`` also computes the row-parallel one's."""
 
     model: "ModelSpec"
     tp: int
@@ -93,6 +96,8 @@ class Workload:
     sp: bool = False
     cp: int = 1
     recompute: str = "full"
+    grad_fusion: bool = False
+    column_wgrad: bool = False
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -101,7 +106,8 @@ class Workload:
         sp = getattr(strategy, "sp", False)
         return cls(model, int(getattr(strategy, "tp", 1)), int(mbs or getattr(strategy, "mbs", 1)), int(seq_len),
                    bool(sp) if not isinstance(sp, str) else sp not in ("", "0", "false", "none"),
-                   int(getattr(strategy, "cp", 1) or 1), str(getattr(strategy, "recompute", "full") or "full"))
+                   int(getattr(strategy, "cp", 1) or 1), str(getattr(strategy, "recompute", "full") or "full"),
+                   bool(getattr(strategy, "grad_fusion", False)), bool(getattr(strategy, "column_wgrad", False)))
 
     @property
     def selective(self) -> bool:
@@ -132,15 +138,20 @@ class Workload:
         if phase in ("fwd", "recompute"):
             return sum(gemm_time(cm, m, n, k, *self._dt(cm)) for m, n, k in gemms) + core[0] + ew
         dgrad = sum(gemm_time(cm, m, k, n, *self._dt(cm)) for m, n, k in gemms)
-        wgrad = sum(gemm_time(cm, n, k, m, *self._dt(cm)) for m, n, k in gemms)
+        wgrads = [gemm_time(cm, n, k, m, *self._dt(cm)) for m, n, k in gemms]
+        wgrad = sum(wgrads)
+        early = sum(wgrads[1:]) if self.column_wgrad and kind in ("attn", "mlp") else 0.0   # row-parallel
         if phase == "bwd_weight":
-            return wgrad
-        rest = dgrad + core[1] + 2.0 * ew
+            return wgrad - early
+        rest = dgrad + core[1] + 2.0 * ew + early
         return rest if phase == "bwd_input" else rest + wgrad
 
     def grad_accum(self, cm: "CostModel", kind: str) -> float:
         """Seconds of adding one micro-batch's weight gradients of a ``kind`` region into the step's
-        gradient buffer (``grad_accum_traffic`` x dtype bytes per parameter on this rank, through HBM)."""
+        gradient buffer (``grad_accum_traffic`` x dtype bytes per parameter on this rank, through HBM);
+        0 under ``grad_fusion`` (the GEMM accumulates as it writes)."""
+        if self.grad_fusion:
+            return 0.0
         if kind == "layer":
             return self.grad_accum(cm, "attn") + self.grad_accum(cm, "mlp")
         md, tp = self.model, self.tp

@@ -92,7 +92,8 @@ class CostModel:
     but the first (index 0) also streams ``grad_accum_traffic`` x dtype bytes per parameter of the
     region on this rank through HBM: its gradient is added into the one the earlier micro-batches
     left (read both, write the sum: 3), as PyTorch's ``AccumulateGrad`` does (Megatron-LM's local DDP
-    of 2021 included); 0 models an add fused into the weight-gradient GEMM.
+    of 2021 included); a strategy with ``grad_fusion`` (the add fused into the weight-gradient GEMM,
+    Megatron-LM's ``--gradient-accumulation-fusion``) pays none of it.
     Switches: ``switch_overhead`` seconds a hot switch pays on top of its Program (allocating the
     new layout's buffers, starting the transfer), added by ``simulate_switch``.
     ``p2p_posted``: a stream posts each send/recv and goes on without waiting for it (a runtime

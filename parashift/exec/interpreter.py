@@ -58,7 +58,7 @@ from ..models import ModelSpec
 from .comm import Flight, Poller, a2a, all_gather, all_gather_flat, reduce_scatter, reduce_scatter_flat
 from .cp import CPHandlers
 from .reference import OptimConfig, microbatch_rows
-from .models import weight_grad
+from .models import accumulate_linear_grad, weight_grad
 from .regions import (KINDS, CoreRecompute, Rec, RegionCtx, atomic_regions, chain_residual, finish_weights,
                       head_logit_grad, region_kind)
 from .state import _DT, StateStore
@@ -229,7 +229,7 @@ class Interpreter(CPHandlers):
                              tuple(t.to(_DT[spec.dtype]) for t in rope_tables(seq, spec.head_dim, device=device)),
                              chain=s.tp == 1 and not spec.is_moe and s.cp == 1 and s.zero < 2
                              and not s.overlap_param,   # ZeRO-2/3, overlap_param: unfused region buckets
-                             grad_leaf=self._grad_leaf)
+                             grad_leaf=self._grad_leaf, grad_fusion=s.grad_fusion)
         # chain mode: the regions whose backward is a full one build their linears on gradient leaves
         # (autograd accumulates those weight gradients itself; see _bwd_chain)
         self._auto = {(i.chunk, i.microbatch, a) for i in self.rp.instrs() if i.op == "compute" and i.phase == "bwd"
@@ -569,6 +569,11 @@ class Interpreter(CPHandlers):
             for a in reversed(atoms):
                 rec = self.st.recs[(c, mb)][a]
                 self._sp_defer(c, mb, rec)
+                if "_drop" in rec.t:    # tp_async: its input gradient is still being reduced (stream "tp")
+                    rec.tape.weight_grads(rec.dys or [], self.ctx.acc, self.ctx.grad_fusion)
+                    rec.dys = None
+                    rec.t["_drop"] = True   # the reduction's end finishes the norm's gradients and drops it
+                    continue
                 KINDS[rec.kind].bwd_weight(self.ctx, rec)
                 self._drop(c, mb, a)
         else:
@@ -692,6 +697,8 @@ class Interpreter(CPHandlers):
             self._cp_bwd(c, mb, rec, full)
             return
         kd.bwd_input(self.ctx, rec, genv)
+        if not full and self.strategy.column_wgrad and rec.kind in ("attn", "mlp"):
+            self._row_parallel_wgrad(rec)
         if full:
             self._sp_defer(c, mb, rec)
             kd.bwd_weight(self.ctx, rec)
@@ -700,6 +707,16 @@ class Interpreter(CPHandlers):
         else:
             rec.t["_drop"] = full
             self.st.open_bwd[c] = self.st.open_bwd.get(c, 0) + 1
+
+    def _row_parallel_wgrad(self, rec: Rec) -> None:
+        """``column_wgrad``: a block's input-gradient backward also computes the weight gradients of its
+        GEMMs after the first (the output projection, the second MLP GEMM), as Megatron's backward does
+        before the asynchronous all-reduce starts; ``bwd_weight`` keeps the column-parallel GEMM's."""
+        live = [u for u in rec.tape.uses if u.y.requires_grad]
+        lin = [k for k, u in enumerate(live) if u.kind == "lin"]
+        for k in lin[1:]:
+            weight_grad(live[k], rec.dys[k], self.ctx.acc, self.ctx.grad_fusion)
+            rec.dys[k] = None
 
     def _bwd_chain(self, c: int, mb: int, atoms: list[str], full: bool) -> None:
         """Backward of an instruction's regions through their shared graph (tp == 1, dense): one
@@ -748,12 +765,12 @@ class Interpreter(CPHandlers):
                     for u in norms:
                         if u.y.grad is not None:
                             fired[0] += 1
-                            weight_grad(u, u.y.grad, self.ctx.acc)
+                            weight_grad(u, u.y.grad, self.ctx.acc, self.ctx.grad_fusion)
                 else:
                     fired, want = [0], 0
                     for r in pieces[k]:
-                        want += r.tape_a.hook_weight_grads(self.ctx.acc, fired)
-                        want += r.tape.hook_weight_grads(self.ctx.acc, fired, skip=logits)
+                        want += r.tape_a.hook_weight_grads(self.ctx.acc, fired, fused=self.ctx.grad_fusion)
+                        want += r.tape.hook_weight_grads(self.ctx.acc, fired, skip=logits, fused=self.ctx.grad_fusion)
                     grads = torch.autograd.grad([out], ins, [gout], allow_unused=True)
                 if fired[0] != want:
                     raise RuntimeError(f"backward of {pieces[k][0].region} (chunk {c}, micro-batch {mb}): "
@@ -914,7 +931,7 @@ class Interpreter(CPHandlers):
                 if key in self.st.sp_dy:
                     name, dy = self.st.sp_dy.pop(key)
                     self.store.grad_mb[c] = mb
-                    self.ctx.acc(*name).addmm_(dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+                    accumulate_linear_grad(self.ctx.acc(*name), dy, x, self.ctx.grad_fusion)
                 else:
                     rec = self.st.recs.get((c, mb), {}).get(tag.region)
                     if rec is not None and rec.built and len(rec.tape.uses) > k:

@@ -126,20 +126,21 @@ class Tape:
         return [u.y for u in self.uses if u.y.requires_grad]
 
     def weight_grads(self, dys: list[torch.Tensor | None],
-                     acc: Callable[[str, int | None], torch.Tensor]) -> None:
-        """Accumulate each parameter's gradient (from the captured output gradients) into ``acc(name, index)``."""
+                     acc: Callable[[str, int | None], torch.Tensor], fused: bool = True) -> None:
+        """Accumulate each parameter's gradient (from the captured output gradients) into ``acc(name, index)``
+        (``fused``: see :func:`weight_grad`)."""
         live = [u for u in self.uses if u.y.requires_grad]
         for u, dy in zip(live, dys):
-            weight_grad(u, dy, acc)
+            weight_grad(u, dy, acc, fused)
 
     def hook_weight_grads(self, acc: Callable[[str, int | None], torch.Tensor], fired: list[int],
-                          skip: torch.Tensor | None = None) -> int:
+                          skip: torch.Tensor | None = None, fused: bool = True) -> int:
         """Have the next backward through this tape accumulate each parameter's gradient the moment
         its output gradient is computed (while it is in cache; it is not kept), except ``skip``'s;
         ``fired[0]`` counts the hooks that ran. Returns how many it set."""
         def hook(grads: tuple, use: _Use, k: int) -> None:
             fired[0] += 1
-            weight_grad(use, grads[k], acc)
+            weight_grad(use, grads[k], acc, fused)
         n = 0
         for u in self.uses:
             y = u.y
@@ -154,18 +155,30 @@ class Tape:
         self.leaves.clear()
 
 
-def weight_grad(u: _Use, dy: torch.Tensor | None, acc: Callable[[str, int | None], torch.Tensor]) -> None:
-    """Accumulate one parameter use's weight gradient from its output gradient ``dy``."""
+def weight_grad(u: _Use, dy: torch.Tensor | None, acc: Callable[[str, int | None], torch.Tensor],
+                fused: bool = True) -> None:
+    """Accumulate one parameter use's weight gradient from its output gradient ``dy``. ``fused``
+    (the strategy's ``grad_fusion``): a linear's GEMM accumulates into the gradient buffer (``addmm_``);
+    False: the GEMM writes a fresh gradient and a second pass adds it in."""
     if dy is None or dy.numel() == 0:
         return
     x = u.x.detach()
     g = acc(*u.key)
     if u.kind == "lin":
-        g.addmm_(dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+        accumulate_linear_grad(g, dy, x, fused)
     elif u.kind == "norm":
         g.add_((x * u.r).mul_(dy).reshape(-1, dy.shape[-1]).sum(0))
     else:
         g.add_((dy * x).reshape(-1, dy.shape[-1]).sum(0))
+
+
+def accumulate_linear_grad(g: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, fused: bool) -> None:
+    """``g += dy^T x`` over every token: in the GEMM (``fused``) or as a GEMM then an add."""
+    d2, x2 = dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1])
+    if fused:
+        g.addmm_(d2, x2)
+    else:
+        g.add_(torch.mm(d2, x2))
 
 
 def rms_norm(x: torch.Tensor) -> torch.Tensor:

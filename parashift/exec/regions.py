@@ -48,6 +48,7 @@ class RegionCtx:
     cp_mask: torch.Tensor | None = None   # [local queries, cp * local keys]: key position <= query position
     grad_leaf: Callable[[str], torch.Tensor] | None = None   # a parameter's gradient leaf (see ``w``)
     auto: bool = False      # the region being built uses gradient leaves (its backward is a full chain one)
+    grad_fusion: bool = False   # linears' weight-gradient GEMMs accumulate into the gradient buffer
 
     def w(self, name: str) -> torch.Tensor:
         """A linear's weight: its gradient leaf when ``auto`` (a backward that accumulates into
@@ -594,7 +595,7 @@ def _no_done(c: RegionCtx, rec: Rec, env: dict) -> None:
 
 
 def _tape_weight(c: RegionCtx, rec: Rec) -> None:
-    rec.tape.weight_grads(rec.dys or [], c.acc)
+    rec.tape.weight_grads(rec.dys or [], c.acc, c.grad_fusion)
     finish_weights(c, rec)
 
 
@@ -603,7 +604,7 @@ def finish_weights(c: RegionCtx, rec: Rec) -> None:
     (``dys_a``, also what chain mode captures) and the route's TP-partial ones (``sinks``). The
     weight-gradient phase calls it, and a full backward once its input gradient is finished."""
     if "dys_a" in rec.t:
-        rec.tape_a.weight_grads(rec.t.pop("dys_a"), c.acc)
+        rec.tape_a.weight_grads(rec.t.pop("dys_a"), c.acc, c.grad_fusion)
     for name, g in rec.t.pop("sinks", ()):
         c.sink(name, None, g)
 

@@ -22,8 +22,9 @@ __all__ = ["Action", "Step", "action_ids", "parse_order", "format_order", "TYPES
 AFTER, END, OPTIM, POST = "after", "end", "optim", "post"
 
 TYPES = ("F", "B", "I", "W")
-#: Node phases each action type covers.
-PHASES_OF = {"F": ("fwd",), "B": ("recompute", "bwd"), "I": ("recompute", "bwd_input"), "W": ("bwd_weight",)}
+#: Node phases each action type covers (B: split into bwd_input + bwd_weight under ``tp_async``).
+PHASES_OF = {"F": ("fwd",), "B": ("recompute", "bwd", "bwd_input", "bwd_weight"), "I": ("recompute", "bwd_input"),
+             "W": ("bwd_weight",)}
 _RE = re.compile(r"^(\d+)([FBIW])(\d+)$")
 
 

@@ -1,7 +1,8 @@
 """``ir.compile``: model + strategy -> one validated-by-construction training-step Program.
 
 The pipeline is a list of directives (see :func:`directives`), each a pure graph rewrite:
-``Split(m)`` -> ``Split(backward)`` (zero-bubble schedules) -> ``Place`` -> ``Shard(tp)`` (with
+``Split(m)`` -> ``Split(backward)`` (zero-bubble schedules) -> ``Place`` -> ``Split(backward, keep_action)``
+(``tp_async``: the weight halves the backward TP reduction overlaps) -> ``Shard(tp)`` (with
 ``sp``: reduce-scatter/all-gather) -> ``Shard(cp)`` (K/V ring) -> ``Shard(ep)`` -> ``Recompute`` -> ``Replicate(dp, zero)`` -> ``Stream`` (dualpipev: EP all-to-alls on
 "comm") -> ``Order`` (the schedule) -> ``Fuse`` (tp == ep == 1), then :func:`scheduler.lower`.
 The exact Program conventions are in :mod:`parashift.ir.conventions`.
@@ -15,7 +16,7 @@ from ..errors import StrategyError
 from ..cluster import Cluster
 from ..models import ModelSpec
 from ..strategy import Strategy
-from .directives import Fuse, Order, Place, Recompute, Replicate, Shard, Split, Stream, apply_all
+from .directives import TP_BWD_KINDS, Fuse, Order, Place, Recompute, Replicate, Shard, Split, Stream, apply_all
 from .graph import Graph, paused_gc
 from .memory import (OPTIM_FLOPS_PER_ELEMENT, chunk_params, optimizer_elements, recompute_bytes, region_activation,
                      region_state_bytes, static_memory)
@@ -95,11 +96,13 @@ def directives(model: "str | ModelSpec", strategy: "str | Strategy", *, global_b
     out: list = [Split(microbatches=m)]
     if sched.split_backward:
         out.append(Split(backward=True))
+    out.append(Place(tuple(int(x) for x in s.layer_stages(spec.layers)), chunk_stage, act_msg // (s.tp if s.sp else 1),
+                     tuple((OPTIM_FLOPS_PER_ELEMENT * e, e * opt_bytes_per_el) for e in opt_el),
+                     vshape=sched.vshape))
+    if s.tp_async and not sched.split_backward:   # the weight gradients the TP reduction overlaps, in the B action
+        out.append(Split(backward=True, kinds=TP_BWD_KINDS, keep_action=True))
     out += [
-        Place(tuple(int(x) for x in s.layer_stages(spec.layers)), chunk_stage, act_msg // (s.tp if s.sp else 1),
-              tuple((OPTIM_FLOPS_PER_ELEMENT * e, e * opt_bytes_per_el) for e in opt_el),
-              vshape=sched.vshape),
-        Shard("tp", s.tp, act_msg, stats_bytes=3 * tokens * 4 * s.tp, sp=s.sp),
+        Shard("tp", s.tp, act_msg, stats_bytes=3 * tokens * 4 * s.tp, sp=s.sp, async_bwd=s.tp_async),
         Shard("cp", s.cp, kv_block),
     ]
     if spec.is_moe:

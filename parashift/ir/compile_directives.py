@@ -71,7 +71,8 @@ def compile_preset(model: "str | _models.ModelSpec", strategy: "str | Strategy",
     if order is None and (isinstance(s, PlacedStrategy) or split != own):   # no recipe fits: list-schedule it
         order = Order(placement_order([int(s.chunk_rank_stage(c)) for c in range(s.stages)], m, split))
     steps = recipe(spec, s, global_batch=global_batch, seq_len=seq, order=order, costs=costs)
-    if split and not own:
+    if split and not own:       # every backward split into I and W actions (tp_async's own split is then moot)
+        steps = [d for d in steps if not (isinstance(d, Split) and d.keep_action)]
         steps.insert(1, Split(backward=True))
     at = next(i for i, d in enumerate(steps) if isinstance(d, Order))
     steps[at:at] = list(res.streams)                         # user streams, before the order (as compile's own)

@@ -16,7 +16,8 @@ embeddings; ir may add axes to `Strategy.group`), peers are "pp+1"/"pp-1" (stage
 
 Streams: "compute" (all compute instructions, and the blocking TP all-reduces / EP all-to-alls that sit
 between compute ops in Megatron; dualpipev may put EP all-to-alls on "comm" to overlap), "comm" (DP gradient
-sync, ZeRO all-gathers/reduce-scatters, overlapped with compute), "p2p" (pipeline send/recv).
+sync, ZeRO all-gathers/reduce-scatters, overlapped with compute), "p2p" (pipeline send/recv), "tp" (tp_async:
+the backward TP reductions beside the weight gradients, see below).
 
 Compute instructions: `op="compute"`, `phase` in fwd / bwd / bwd_input / bwd_weight / recompute / optim,
 `stage` = pipeline rank, `chunk` = virtual stage 0..pp*vpp-1 (model order), `microbatch`, `flops` (this
@@ -94,6 +95,13 @@ TP communication (stream "compute", group "tp", tag "tp.{region}.{phase}.m{mb}",
   bwd / bwd_input: all_reduce right after the bwd of "head", "layers.{i}.mlp", "layers.{i}.attn",
        "layers.{i}.moe.route" (column-parallel input grads); nothing after "embed" bwd; nothing after
        bwd_weight; nothing in recompute.
+  tp_async: the bwd of "head", "layers.{i}.mlp", "layers.{i}.attn", "layers.{i}.moe.route" is split (unless the
+       schedule splits it already) into bwd_input then bwd_weight, both in the B action, the weight half right
+       after the input half (Strategy.column_wgrad, cp == 1: an attention's or MLP's bwd_weight is only its
+       column-parallel GEMM's weight gradient, its bwd_input computes the row-parallel GEMM's, as Megatron orders
+       them; the ZeRO-2/3 bucket is then allocated by the bwd_input); the bwd all_reduce (with sp: the reduce-scatter and the "sp_input" re-gather)
+       goes on stream "tp". The bwd_weight does not wait for the reduction (with sp it waits for the re-gather);
+       the gradient chain, a recompute of the next region, the chunk's gradient syncs and the optimizer do.
 EP communication (ep > 1, group "ep", nbytes = mbs*seq*top_k*hidden*dtype, the balanced expectation;
   real splits are data-dependent): fwd: all_to_all "ep.layers.{i}.moe.dispatch.fwd.m{mb}" after route,
   "ep.layers.{i}.moe.combine.fwd.m{mb}" after experts; bwd/bwd_input: "ep.layers.{i}.moe.combine.bwd.m{mb}"

@@ -50,7 +50,7 @@ def _comm(g: Graph, u: int, *, op: str, tag: str, group: "str | None" = None, pe
 
 
 def _comm_many(g: Graph, us: list[int], *, op: "str | list[str]", tags: list[str], group: "str | None" = None,
-               peer: "list[str] | None" = None, nbytes: int = 0, stream: str = "compute",
+               peer: "list[str] | None" = None, nbytes: int = 0, stream: "str | list[str]" = "compute",
                dpos: "float | list[float]" = 0.5, key: "str | None" = None) -> range:
     """Comm nodes serving nodes ``us`` (one each, same stage/chunk/mb/phase/action), placed after
     them by ``dpos`` (``op``, ``peer`` and ``dpos``: one for all or a list, one per node)."""
@@ -91,6 +91,15 @@ def _alongside(g: Graph, nbrs: tuple[dict, dict], u: int, node: int) -> None:
         g.edge(node, v, DATA)
 
 
+def _weight_halves(g: Graph) -> dict[int, int]:
+    """``bwd_input`` node -> the ``bwd_weight`` node split from it (see :class:`Split`)."""
+    c = g.cols
+    ph = c["phase"]
+    return {u: v for u, v, k in zip(g.src, g.dst, g.ekind)
+            if k == SAVED and ph[v] == "bwd_weight" and ph[u] == "bwd_input"
+            and c["region"][u] == c["region"][v] and c["mb"][u] == c["mb"][v]}
+
+
 def _clone(g: Graph, src: Graph, i: int, **over) -> int:
     attrs = {k: v[i] for k, v in src.cols.items()}
     attrs.update(over)
@@ -101,17 +110,22 @@ def _clone(g: Graph, src: Graph, i: int, **over) -> int:
 class Split:
     """``microbatches=m``: turn a single-device forward graph into a training DAG of m micro-batches
     (fwd chain, reversed bwd chain, loss edge, stashed activations). ``backward=True``: split every
-    ``bwd`` node into ``bwd_input`` (on the gradient chain) and ``bwd_weight`` (off it)."""
+    ``bwd`` node into ``bwd_input`` (on the gradient chain) and ``bwd_weight`` (off it), each in an
+    action of its own (I and W: zero-bubble schedules). ``kinds``: split only the regions of these
+    kinds; ``keep_action``: both halves stay in the node's B action, the weight half right after the
+    input half (how ``tp_async`` overlaps a TP reduction with the weight gradients)."""
 
     microbatches: int | None = None
     backward: bool = False
+    kinds: tuple[str, ...] | None = None
+    keep_action: bool = False
 
     def apply(self, g: Graph) -> Graph:
         out = g
         if self.microbatches is not None:
             out = self._microbatches(out)
         if self.backward:
-            out = self._split_backward(out)
+            out = self._split_backward(out, self.kinds, self.keep_action)
         return out
 
     def _microbatches(self, g: Graph) -> Graph:
@@ -150,22 +164,30 @@ class Split:
         return out
 
     @staticmethod
-    def _split_backward(g: Graph) -> Graph:
+    def _split_backward(g: Graph, kinds: "tuple[str, ...] | None" = None, keep_action: bool = False) -> Graph:
         out = g.owned()
         c = out.cols
         bw = [i for i, (op, ph) in enumerate(zip(c["op"], c["phase"])) if op == "compute" and ph == "bwd"]
         if not bw:
             raise ProgramError("Split(backward=True) found no 'bwd' compute node; split micro-batches first")
+        if kinds is not None:
+            bw = [i for i in bw if c["kind"][i] in kinds]
         weight = {}
         for i in bw:
             half = c["flops"][i] / 2.0
             c["phase"][i] = "bwd_input"
             c["flops"][i] = half
             a = c["action"][i]
-            w = _clone(out, out, i, phase="bwd_weight", flops=half,
-                       action=Action(a.chunk, "W", a.mb) if isinstance(a, Action) else None)
-            if isinstance(a, Action):
-                c["action"][i] = Action(a.chunk, "I", a.mb)
+            if keep_action:
+                if not isinstance(a, Action):
+                    raise ProgramError("Split(backward=True, keep_action=True) splits placed backward actions; "
+                                       "apply it after Place")
+                w = _clone(out, out, i, phase="bwd_weight", flops=half, pos=c["pos"][i] + 0.01)
+            else:
+                w = _clone(out, out, i, phase="bwd_weight", flops=half,
+                           action=Action(a.chunk, "W", a.mb) if isinstance(a, Action) else None)
+                if isinstance(a, Action):
+                    c["action"][i] = Action(a.chunk, "I", a.mb)
             weight[i] = w
         for e in range(len(out.src)):
             u, v, k = out.src[e], out.dst[e], out.ekind[e]
@@ -272,6 +294,10 @@ class Shard:
     backward of a column-parallel block also re-gathers its saved sequence-sharded input for the
     weight gradient, on the comm stream beside the backward compute (Megatron overlaps it with the
     input-gradient GEMM). ``nbytes`` is the full activation (the all-reduced tensor).
+    ``async_bwd`` (``tp_async``; the backward already split by ``Split(backward=True)``): the backward's
+    reduction of a column-parallel block's input gradient (all-reduce, with ``sp`` reduce-scatter) and the
+    ``sp`` re-gather run on stream ``"tp"``, beside the block's ``bwd_weight``, which waits for the re-gather
+    only (Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``); the gradient chain waits for it.
     ``axis="ep"``: spread experts over ``ways`` ranks and add dispatch/combine all-to-alls around
     ``moe.experts``. ``axis="cp"``: every rank holds ``s/ways`` tokens, so compute FLOPs are divided by
     ``ways`` (balanced causal chunks), and each attention gathers the K/V blocks (``nbytes`` per rank)
@@ -285,6 +311,7 @@ class Shard:
     nbytes: int
     stats_bytes: int = 0
     sp: bool = False
+    async_bwd: bool = False
 
     def apply(self, g: Graph) -> Graph:
         if self.axis not in ("tp", "ep", "cp"):
@@ -339,11 +366,17 @@ class Shard:
         for (op, key), items in plan.items():
             us = [u for u, _ in items]
             nb = self.stats_bytes if key == "ce_stats" else self.nbytes
-            new = _comm_many(out, us, op=op, tags=[t for _, t in items], group=self.axis, nbytes=nb, key=key)
+            new = _comm_many(out, us, op=op, tags=[t for _, t in items], group=self.axis, nbytes=nb, key=key,
+                             stream=self._streams(c, us))
             ins += list(zip(us, new))
         out.insert_after(ins)
         return out
 
+    def _streams(self, c: dict, us: list[int]) -> "str | list[str]":
+        """Stream of the TP reduction after each of ``us``: ``"tp"`` after a backward under ``async_bwd``."""
+        if not (self.async_bwd and self.axis == "tp"):
+            return "compute"
+        return ["tp" if c["phase"][u] in ("bwd", "bwd_input") else "compute" for u in us]
 
     def _sequence_parallel(self, out: Graph) -> Graph:
         """TP with sequence parallelism: reduce-scatter + all-gather where TP all-reduces."""
@@ -361,7 +394,7 @@ class Shard:
             if ph == "fwd" and kind == "head":
                 steps[0].append((i, "all_gather", _tag(made, mb, T.TPTag, "head", "fwd"), "ce_stats"))
             elif (ph == "fwd" and kind in ("embed", "attn", "mlp", "moe.combine")) or \
-                    (ph in ("bwd", "bwd_input") and kind in ("head", "mlp", "attn", "moe.route")):
+                    (ph in ("bwd", "bwd_input") and kind in TP_BWD_KINDS):
                 steps[0].append((i, "reduce_scatter", _tag(made, mb, T.SPTag, reg, ph, "rs"), "sp_scatter"))
                 steps[1].append((i, "all_gather", _tag(made, mb, T.SPTag, reg, ph, "ag"), "sp_gather"))
                 if ph != "fwd" and kind in ("head", "mlp", "attn"):
@@ -376,14 +409,21 @@ class Shard:
                 anchors = [last.get(u, u) for u, _ in rows]
                 nb = self.stats_bytes if key == "ce_stats" else self.nbytes
                 new = _comm_many(out, anchors, op=op, tags=[t for _, t in rows], group="tp", nbytes=nb,
-                                 key=str(T.StepKey(key)),
-                                 dpos=0.05)
+                                 key=str(T.StepKey(key)), dpos=0.05,
+                                 stream=self._streams(c, [u for u, _ in rows]) if op == "reduce_scatter" else "compute")
                 ins += list(zip(anchors, new))
                 last.update({u: int(x) for (u, _), x in zip(rows, new)})
             out.insert_after(ins)
+        weight = _weight_halves(out) if self.async_bwd else {}
+        preds = _neighbours(out)[0] if weight else {}      # after the reduce-scatters and all-gathers went in
         for u, tag in regather:   # overlapped with the input-grad GEMM on the comm stream, as Megatron does
-            _alongside(out, nbrs, u, _comm(out, u, op="all_gather", tag=tag, group="tp", nbytes=self.nbytes,
-                                           stream="comm", dpos=-0.3, key=str(T.StepKey("sp_input"))))
+            node = _comm(out, u, op="all_gather", tag=tag, group="tp", nbytes=self.nbytes,
+                         stream="tp" if self.async_bwd else "comm", dpos=-0.3, key=str(T.StepKey("sp_input")))
+            if u in weight:       # async: only the weight gradient waits for it
+                out.add_edges(preds.get(u, []), [node] * len(preds.get(u, [])), DATA)
+                out.edge(node, weight[u], DATA)
+            else:
+                _alongside(out, nbrs, u, node)
         return out
 
     def _ring(self, out: Graph) -> Graph:
@@ -437,7 +477,9 @@ def _insert_before(g: Graph, items: list[tuple[int, int]]) -> None:
 class Recompute:
     """Re-run region forwards right before their backward. ``mode="full"``: every region but the
     embedding (the output layer too: a chunk's recomputed regions form one graph); ``"selective"``: attention regions only, re-running ``selective_flops`` (core
-    attention; 0: the region's forward FLOPs). ``rc_bytes``: region kind -> bytes a recompute materializes (freed by the backward)."""
+    attention; 0: the region's forward FLOPs). ``rc_bytes``: region kind -> bytes a recompute materializes (freed by the backward).
+    A recompute waits for a reduction on stream ``"tp"`` its backward waits for (``tp_async``: Megatron's
+    backward waits for the asynchronous all-reduce before the next kernels it queues)."""
 
     mode: str
     selective_flops: float = 0.0
@@ -483,6 +525,10 @@ class Recompute:
             last = weight.get(key, i)
             c["free"][last] = c["free"][last] + (buf,)
             edges += [(f, r), (r, i)] + ([(r, last)] if last != i else [])
+        if rows and "tp" in c["stream"]:
+            preds = _neighbours(out)[0]
+            stream = c["stream"]
+            edges += [(u, n + k) for k, i in enumerate(rows) for u in preds.get(i, ()) if stream[u] == "tp"]
         out.clone(rows, phase="recompute", flops=flops, act=0, pos=[c["pos"][i] - 0.25 for i in rows], alloc=bufs,
                   free=())
         out.add_edges([u for u, _ in edges], [v for _, v in edges], SAVED)
@@ -607,6 +653,7 @@ class Replicate:
                 out.edge(s, optim[stage_of[ch]], SAVED)
         for u, r in replica_after:
             out.edge(u, r, SAVED)
+        self._wait_async_tp(out, optim, sync_nodes, rs_of)
         # tied embedding: all-reduce between the first and the last stage, at the end of the comm stream
         if tied:
             for ch, kind in ((0, "embed"), (last, "head")):
@@ -750,6 +797,31 @@ class Replicate:
                        tag=str(T.SyncTag(T.Axis.DP, T.Sync.REPLICA, ch)), key=str(T.StepKey("grad", ch, "dense")),
                        nbytes=-(-int(self.grad_dense[ch]) // self.ways), stream="comm", action=(AFTER, ch))
 
+    @staticmethod
+    def _wait_async_tp(out: Graph, optim: dict[int, int], sync_nodes: dict[int, list[int]],
+                       rs_of: dict[int, list[int]]) -> None:
+        """``tp_async``: a region's gradients are whole only when its backward TP all-reduce on stream
+        ``"tp"`` ends (the norm before its column-parallel GEMM takes the reduced gradient), so the
+        chunk's gradient syncs (ZeRO-2/3: the region's micro-batch bucket) and the optimizer wait for it."""
+        c = out.cols
+        late = [i for i, (op, st, ph) in enumerate(zip(c["op"], c["stream"], c["phase"]))
+                if st == "tp" and op == "all_reduce" and ph in _BWD]
+        if not late:
+            return
+        rs_key: dict[tuple, list[int]] = {}       # (chunk, mb, bucket region or None) -> its reduce-scatters
+        for nodes in rs_of.values():
+            for r in nodes:
+                rs_key.setdefault((c["chunk"][r], c["mb"][r], T.parse_tag(c["tag"][r]).region), []).append(r)
+        src: list[int] = []
+        dst: list[int] = []
+        for u in late:
+            ch, mb = c["chunk"][u], c["mb"][u]
+            waits = [optim[c["stage"][u]]] + sync_nodes.get(ch, []) + \
+                rs_key.get((ch, mb, c["region"][u]), rs_key.get((ch, mb, None), []))   # its bucket, else the chunk's
+            src += [u] * len(waits)
+            dst += waits
+        out.add_edges(src, dst, SAVED)
+
     def _per_microbatch(self, out: Graph, stage_of: dict[int, int], optim: dict[int, int],
                         bwd_of_chunk: dict[int, list[int]], first_of_action: dict, last_of_action: dict,
                         edp: int) -> dict[int, list[int]]:
@@ -775,7 +847,9 @@ class Replicate:
             for (mb, region), users in sorted(groups.items(), key=lambda kv: (kv[0][0], min(c["pos"][i] for i in kv[1]))):
                 acts = {c["action"][i] for i in users if isinstance(c["action"][i], Action)}
                 if region_wise:       # the first node that writes gradients: B, or W under split backwards
-                    first = min(users, key=lambda i: (c["phase"][i] == "bwd_input", c["pos"][i]))
+                    # (tp_async's I half in a B action writes the row-parallel GEMM's: Strategy.column_wgrad)
+                    first = min(users, key=lambda i: (c["phase"][i] == "bwd_input"
+                                                      and getattr(c["action"][i], "type", "I") == "I", c["pos"][i]))
                     end = max(users, key=lambda i: (c["phase"][i] != "bwd_input", c["pos"][i]))
                 else:
                     starts = [first_of_action[a] for a in acts if a.type in ("B", "W")] or users
@@ -799,9 +873,11 @@ class Replicate:
         return made
 
 
+#: Region kinds whose backward ends in a column-parallel GEMM: a TP reduction of the input gradient follows
+TP_BWD_KINDS = ("head", "mlp", "attn", "moe.route")
 #: (phase, kind) of the compute nodes a TP all-reduce (1) or the loss-statistics all-gather (2) follows
 _TP_AFTER = {**{("fwd", k): 1 for k in ("embed", "attn", "mlp", "moe.combine")}, ("fwd", "head"): 2,
-             **{(ph, k): 1 for ph in ("bwd", "bwd_input") for k in ("head", "mlp", "attn", "moe.route")}}
+             **{(ph, k): 1 for ph in ("bwd", "bwd_input") for k in TP_BWD_KINDS}}
 
 
 def _divide(c: dict, nodes: np.ndarray, ways: int) -> None:
