@@ -242,6 +242,7 @@ class Engine:
         queue = env._queue
         fifo = env._fifo
         flow = self.net.flow
+        plan = self.net.plan
         busy = raw.busy if s == "compute" else None
         flops = self.flops
         nmem = len(self.folding.members[r])
@@ -286,13 +287,15 @@ class Engine:
                 hit = coll_cache.get((r, ins.group, op, ins.nbytes))
                 if hit is not None and hit[2] is not None:
                     # every member folds into r and it runs one phase: its flow, precomputed (_solo)
-                    link, nbytes, waker.links, waker.work, delay = hit[2]
+                    link, nbytes, links, work, delay = hit[2]
                     lb[link] += nbytes
                     ev = None
-                    if delay > 0:   # env.timeout(delay), inline
-                        at, fn = start + delay, waker.start_flow
-                    else:
-                        waker.start_flow(None)
+                    if not plan(links[0], delay, work, waker):   # type: ignore[arg-type]
+                        waker.links, waker.work = links, work
+                        if delay > 0:   # env.timeout(delay), inline
+                            at, fn = start + delay, waker.start_flow
+                        else:
+                            waker.start_flow(None)
                 else:
                     ev = self._collective(r, ins)
             if at is not None:   # Kernel.call_at, inline

@@ -7,6 +7,7 @@ recomputed only for the flows on the resources a starting or finishing flow touc
 """
 from __future__ import annotations
 
+from heapq import heappush
 from typing import Hashable, Sequence
 
 from .kernel import Event, Kernel
@@ -43,6 +44,40 @@ def _first_end(f: _Flow) -> None:
         f.net._finish(f, 1)
 
 
+class _Plan:
+    """A flow of ``work`` on resource ``link`` that starts at ``t0`` (its start event would have had
+    creation number ``eid``), not yet touched by any other flow; ``flow`` once it has been made real."""
+
+    __slots__ = ("link", "t0", "work", "done", "eid", "flow", "live", "net")
+
+    def __init__(self, link: Hashable, t0: float, work: float, done: Event, eid: int, net: "FluidNetwork") -> None:
+        self.link = link
+        self.t0 = t0
+        self.work = work
+        self.done = done
+        self.eid = eid
+        self.flow: "_Flow | None" = None
+        self.live = True
+        self.net = net
+
+
+def _plan_end(p: _Plan) -> None:
+    """A planned flow's end entry: the end of the flow it stands for (its start counted too)."""
+    net = p.net
+    if not p.live:   # started as a real flow instead: this entry stands for nothing
+        net.env._extra -= 1
+    elif p.flow is not None:   # made real while running: this entry is that flow's first end
+        _first_end(p.flow)
+    else:   # ran alone: its start and its end
+        del net.planned[p.link]
+        net.env._extra += 1
+        p.done.succeed()
+
+
+def _plan_start(p: _Plan) -> None:
+    p.net.flow((p.link,), p.work, p.done)
+
+
 def _later_end(fv: "tuple[_Flow, int]") -> None:
     f, v = fv
     f.net._finish(f, v)
@@ -55,6 +90,39 @@ class FluidNetwork:
         self.env = env
         self.active: dict[Hashable, list[_Flow]] = {}
         self.capacity: dict[Hashable, float] = {}   # resources whose capacity is not 1
+        self.planned: dict[Hashable, _Plan] = {}    # resource -> the planned flow alone on it
+
+    def plan(self, link: Hashable, delay: float, work: float, done: Event) -> bool:
+        """Arrange what ``env.timeout(delay)`` then ``flow((link,), work, done)`` would do, if
+        ``link`` is free now (no flow, none planned, capacity 1) and ``delay`` and ``work`` are
+        positive; else do nothing and return False. Exact: the planned flow's start keeps its place
+        in the event order, and the flow is made real (as it would be then) when another flow starts
+        on ``link`` before it ends."""
+        if delay <= 0.0 or work <= 0.0 or self.active.get(link) or link in self.planned or link in self.capacity:
+            return False
+        env = self.env
+        env._eid += 1
+        t0 = env._now + delay
+        p = self.planned[link] = _Plan(link, t0, work, done, env._eid, self)
+        env._eid += 1
+        heappush(env._queue, (t0 + work, env._eid, _plan_end, p))
+        return True
+
+    def _realize(self, p: _Plan) -> None:
+        """Another flow starts on ``p``'s resource now: make ``p`` the flow it stands for."""
+        del self.planned[p.link]
+        env = self.env
+        now = env._now
+        if now > p.t0 or (now == p.t0 and env._cur > p.eid):   # its start was processed before now
+            f = _Flow((p.link,), p.work, p.done, p.t0, self)
+            f.rate = 1.0
+            f.version = 1
+            self.active.setdefault(p.link, []).append(f)   # alone until now; its end is p's entry (_plan_end)
+            p.flow = f
+            env._extra += 1
+        else:   # its start is still to come, in its place
+            p.live = False
+            heappush(env._queue, (p.t0, p.eid, _plan_start, p))
 
     def flow(self, links: Sequence[Hashable], work: float, done: "Event | None" = None) -> Event:
         """An event (``done``, or a new one) that succeeds when ``work`` seconds of full-rate
@@ -67,6 +135,12 @@ class FluidNetwork:
             return done
         if type(links) is not tuple:
             links = tuple(links)
+        planned = self.planned
+        if planned:
+            for link in links:
+                p = planned.get(link)
+                if p is not None:
+                    self._realize(p)
         f = _Flow(links, work, done, env._now, self)
         shared = False
         cap = self.capacity
