@@ -60,6 +60,51 @@ class _Waker:
         self.net.flow(self.links, self.work, self)   # type: ignore[arg-type]
 
 
+class _Chain:
+    """The phases of one transfer between one pair of ends, one flow each after its latency (the
+    operation's fixed overhead paid with the first), as :meth:`Engine._run_phases` runs them; a flow
+    on free resources is planned (:meth:`FluidNetwork.plan`)."""
+
+    __slots__ = ("env", "net", "phases", "ends", "waiters", "extra", "factor", "bw", "i")
+
+    def __init__(self, engine: "Engine", phases: Sequence[Phase], ends: tuple, waiters: list, overhead: float,
+                 factor: float) -> None:
+        self.env, self.net, self.bw = engine.env, engine.net, engine.bw
+        self.phases, self.ends, self.waiters = phases, ends, waiters
+        self.extra, self.factor = overhead, factor
+        self.i = 0
+
+    def step(self, _e: object = None) -> None:
+        i = self.i
+        phases = self.phases
+        ph = phases[i]
+        self.i = i + 1
+        work = ph.nbytes / (self.bw[ph.link] * self.factor)
+        delay = ph.latency + self.extra
+        self.extra = 0.0
+        links = _links(ph.link, *self.ends)
+        waiters = self.waiters
+        if i + 1 == len(phases):
+            if len(waiters) == 1:
+                done = waiters[0]
+            else:
+                done = Event(self.env)
+                done.callbacks.append(self._finish)   # type: ignore[union-attr]
+        else:
+            done = Event(self.env)
+            done.callbacks.append(self.step)   # type: ignore[union-attr]
+        if self.net.plan(links, delay, work, done):
+            return
+        if delay > 0:
+            self.env.timeout(delay).callbacks.append(lambda _e: self.net.flow(links, work, done))
+        else:
+            self.net.flow(links, work, done)
+
+    def _finish(self, _e: object) -> None:
+        for w in self.waiters:
+            w.succeed()
+
+
 def resolve_devices(program: Program, cluster: Cluster,
                     devices: "Mapping[int, int] | Sequence[int] | None") -> dict[int, int]:
     """Rank -> device: rank i on device i by default, else the given mapping or list."""
@@ -290,7 +335,7 @@ class Engine:
                     link, nbytes, links, work, delay = hit[2]
                     lb[link] += nbytes
                     ev = None
-                    if not plan(links[0], delay, work, waker):   # type: ignore[arg-type]
+                    if delay <= 0 or not plan(links, delay, work, waker):   # type: ignore[arg-type]
                         waker.links, waker.work = links, work
                         if delay > 0:   # env.timeout(delay), inline
                             at, fn = start + delay, waker.start_flow
@@ -375,6 +420,9 @@ class Engine:
         ``link_ends``; the operation's fixed overhead is paid with the first latency."""
         env, net, cost = self.env, self.net, self.cost
         overhead, factor = self._op_consts(op)
+        if len(link_ends) == 1 and phases:   # a chain of flows, as the general path below runs it
+            _Chain(self, phases, link_ends[0], waiters, overhead, factor).step()
+            return
         if len(phases) == 1 and len(link_ends) == 1:  # the common cases, as the general path below runs them
             ph = phases[0]
             links = _links(ph.link, *link_ends[0])
@@ -510,10 +558,11 @@ class Engine:
         if solo is not None:  # one member, one phase: the flow precomputed (as _run_phases would run it)
             link, nbytes, links, work, delay = solo
             self.raw.link_bytes[link] += nbytes
-            if delay > 0:
-                env.timeout(delay).callbacks.append(lambda _e: self.net.flow(links, work, ev))
-            else:
-                self.net.flow(links, work, ev)
+            if delay <= 0 or not self.net.plan(links, delay, work, ev):
+                if delay > 0:
+                    env.timeout(delay).callbacks.append(lambda _e: self.net.flow(links, work, ev))
+                else:
+                    self.net.flow(links, work, ev)
             return ev
         if reps == (r,):  # every member is folded into this rank: no one to wait for
             arrived = [(r, ev, ins)]

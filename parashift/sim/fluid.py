@@ -45,13 +45,14 @@ def _first_end(f: _Flow) -> None:
 
 
 class _Plan:
-    """A flow of ``work`` on resource ``link`` that starts at ``t0`` (its start event would have had
-    creation number ``eid``), not yet touched by any other flow; ``flow`` once it has been made real."""
+    """A flow of ``work`` on resources ``links`` that starts at ``t0`` (its start event would have had
+    creation number ``eid``; -2: started as planned), not yet touched by any other flow; ``flow`` once
+    it has been made real."""
 
-    __slots__ = ("link", "t0", "work", "done", "eid", "flow", "live", "net")
+    __slots__ = ("links", "t0", "work", "done", "eid", "flow", "live", "net")
 
-    def __init__(self, link: Hashable, t0: float, work: float, done: Event, eid: int, net: "FluidNetwork") -> None:
-        self.link = link
+    def __init__(self, links: tuple, t0: float, work: float, done: Event, eid: int, net: "FluidNetwork") -> None:
+        self.links = links
         self.t0 = t0
         self.work = work
         self.done = done
@@ -68,14 +69,17 @@ def _plan_end(p: _Plan) -> None:
         net.env._extra -= 1
     elif p.flow is not None:   # made real while running: this entry is that flow's first end
         _first_end(p.flow)
-    else:   # ran alone: its start and its end
-        del net.planned[p.link]
-        net.env._extra += 1
+    else:   # ran alone: its start (if it waited) and its end
+        planned = net.planned
+        for link in p.links:
+            del planned[link]
+        if p.eid != -2:
+            net.env._extra += 1
         p.done.succeed()
 
 
 def _plan_start(p: _Plan) -> None:
-    p.net.flow((p.link,), p.work, p.done)
+    p.net.flow(p.links, p.work, p.done)
 
 
 def _later_end(fv: "tuple[_Flow, int]") -> None:
@@ -92,34 +96,49 @@ class FluidNetwork:
         self.capacity: dict[Hashable, float] = {}   # resources whose capacity is not 1
         self.planned: dict[Hashable, _Plan] = {}    # resource -> the planned flow alone on it
 
-    def plan(self, link: Hashable, delay: float, work: float, done: Event) -> bool:
-        """Arrange what ``env.timeout(delay)`` then ``flow((link,), work, done)`` would do, if
-        ``link`` is free now (no flow, none planned, capacity 1) and ``delay`` and ``work`` are
-        positive; else do nothing and return False. Exact: the planned flow's start keeps its place
-        in the event order, and the flow is made real (as it would be then) when another flow starts
-        on ``link`` before it ends."""
-        if delay <= 0.0 or work <= 0.0 or self.active.get(link) or link in self.planned or link in self.capacity:
+    def plan(self, links: tuple, delay: float, work: float, done: Event) -> bool:
+        """Arrange what ``env.timeout(delay)`` then ``flow(links, work, done)`` (or, with no delay,
+        ``flow`` now) would do, if ``links`` are free now (no flow, none planned, capacity 1) and
+        ``work`` is positive; else do nothing and return False. Exact: the planned flow's start keeps
+        its place in the event order, and the flow is made real (as it would be then) when another
+        flow starts on one of its resources before it ends."""
+        if work <= 0.0 or delay < 0.0:
             return False
+        active, planned, capacity = self.active, self.planned, self.capacity
+        for link in links:
+            if active.get(link) or link in planned or link in capacity:
+                return False
         env = self.env
-        env._eid += 1
+        if delay > 0.0:
+            env._eid += 1
+            eid = env._eid
+        else:
+            eid = -2
         t0 = env._now + delay
-        p = self.planned[link] = _Plan(link, t0, work, done, env._eid, self)
+        p = _Plan(links, t0, work, done, eid, self)
+        for link in links:
+            planned[link] = p
         env._eid += 1
         heappush(env._queue, (t0 + work, env._eid, _plan_end, p))
         return True
 
     def _realize(self, p: _Plan) -> None:
-        """Another flow starts on ``p``'s resource now: make ``p`` the flow it stands for."""
-        del self.planned[p.link]
+        """Another flow starts on one of ``p``'s resources now: make ``p`` the flow it stands for."""
+        planned = self.planned
+        for link in p.links:
+            del planned[link]
         env = self.env
         now = env._now
         if now > p.t0 or (now == p.t0 and env._cur > p.eid):   # its start was processed before now
-            f = _Flow((p.link,), p.work, p.done, p.t0, self)
+            f = _Flow(p.links, p.work, p.done, p.t0, self)
             f.rate = 1.0
             f.version = 1
-            self.active.setdefault(p.link, []).append(f)   # alone until now; its end is p's entry (_plan_end)
+            active = self.active
+            for link in p.links:   # alone until now; its end is p's entry (_plan_end)
+                active.setdefault(link, []).append(f)
             p.flow = f
-            env._extra += 1
+            if p.eid != -2:
+                env._extra += 1
         else:   # its start is still to come, in its place
             p.live = False
             heappush(env._queue, (p.t0, p.eid, _plan_start, p))
