@@ -99,9 +99,12 @@ class FluidNetwork:
     def plan(self, links: tuple, delay: float, work: float, done: Event) -> bool:
         """Arrange what ``env.timeout(delay)`` then ``flow(links, work, done)`` (or, with no delay,
         ``flow`` now) would do, if ``links`` are free now (no flow, none planned, capacity 1) and
-        ``work`` is positive; else do nothing and return False. Exact: the planned flow's start keeps
-        its place in the event order, and the flow is made real (as it would be then) when another
-        flow starts on one of its resources before it ends."""
+        ``work`` is positive; else do nothing and return False. The planned flow's start keeps its
+        place in the event order, and the flow is made real (as it would be then) when another flow
+        starts on one of its resources before it ends; the events counted are the same. Its end entry
+        is made now, not at its start: only a queue entry made between the two for exactly its end
+        time could change places with it (the reference figures, tests/data/sim_reference.json, do
+        not move)."""
         if work <= 0.0 or delay < 0.0:
             return False
         active, planned, capacity = self.active, self.planned, self.capacity
