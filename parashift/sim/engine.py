@@ -189,12 +189,13 @@ class Engine:
             for d in set(self.devices.values()):
                 self.net.capacity[("host", d // self.cluster.per_node)] = float(self.cost.host_cores)
         self.done: dict[int, dict[int, Event]] = {}
-        self.p2p: dict[tuple, list] = {}
+        self.p2p: dict[tuple, tuple] = {}
         self.coll: dict[tuple, list] = {}
         self.phase_cache: dict[tuple, tuple[Phase, ...]] = {}
         self.coll_cache: dict[tuple, tuple] = {}   # (rank, group, op, bytes) -> (member reps, phases)
         self.op_consts: dict[str, tuple[float, float]] = {}   # op -> (fixed overhead, bandwidth factor)
         self.p2p_cache: dict[tuple, tuple[Phase, ...]] = {}
+        self.p2p_route: dict[tuple, tuple] = {}   # (rank, peer name) -> what _p2p needs of the pair
         st = self.program.strategy
         self.tp_step = st is not None and self.program.meta.get("kind") == "train_step"
         self.tp = int(getattr(st, "tp", 1)) if self.tp_step else 1
@@ -486,25 +487,29 @@ class Engine:
         step(extra=overhead)  # the fixed per-operation cost is paid with the first latency
 
     def _p2p(self, r: int, ins: Instr) -> Event:
-        fo = self.folding
-        peer = fo.peers[(r, ins.peer)]
-        prep = fo.rep_of[peer]
-        key = (r, prep, ins.tag) if ins.op == "send" else (prep, r, ins.tag)
-        ev = self.env.event()
+        rk = (r, ins.peer)
+        route = self.p2p_route.get(rk)
+        if route is None:   # (peer's rep, this device, peer's device, link class, members of r)
+            fo = self.folding
+            peer = fo.peers[rk]
+            src, dst = self.devices[r], self.devices[peer]
+            route = self.p2p_route[rk] = (fo.rep_of[peer], src, dst, link_class(self.cluster, src, dst),
+                                          len(fo.members[r]))
+        send = ins.op == "send"
+        key = (r, route[0], ins.tag) if send else (route[0], r, ins.tag)
+        ev = Event(self.env)
         other = self.p2p.pop(key, None)
         if other is None:
-            self.p2p[key] = [ins, ev, r]
+            self.p2p[key] = (ins, ev, r, route)
             return ev
-        o_ins, o_ev, o_r = other
+        o_ins, o_ev, o_r, o_route = other
         if o_ins.op == ins.op:
             raise ProgramError(f"rank {r} and rank {o_r} both {ins.op} tag {ins.tag!r}; pair each send with a recv")
-        send_r, send_ins = (r, ins) if ins.op == "send" else (o_r, o_ins)
-        src = self.devices[send_r]
-        dst = self.devices[fo.peers[(send_r, send_ins.peer)]]
-        link = link_class(self.cluster, src, dst)
+        send_ins, (_rep, src, dst, link, nmem) = (ins, route) if send else (o_ins, o_route)
         phases = self._p2p_phases(send_ins, link)
+        lb = self.raw.link_bytes
         for ph in phases:
-            self.raw.link_bytes[ph.link] += ph.nbytes * len(fo.members[send_r])
+            lb[ph.link] += ph.nbytes * nmem
         self._run_phases(phases, [(src, dst)], [ev, o_ev], "send")
         return ev
 
