@@ -60,6 +60,21 @@ class _Waker:
         self.net.flow(self.links, self.work, self)   # type: ignore[arg-type]
 
 
+class _Then:
+    """An event no one else waits for, with one callback: ``succeed`` queues the call itself (as
+    processing the event would make it)."""
+
+    __slots__ = ("kernel", "fn")
+
+    def __init__(self, kernel: Kernel, fn) -> None:
+        self.kernel = kernel
+        self.fn = fn
+
+    def succeed(self) -> None:
+        k = self.kernel
+        k._fifo.append((k._now, self.fn, None))
+
+
 class _Chain:
     """The phases of one transfer between one pair of ends, one flow each after its latency (the
     operation's fixed overhead paid with the first), as :meth:`Engine._run_phases` runs them; a flow
@@ -84,15 +99,10 @@ class _Chain:
         self.extra = 0.0
         links = _links(ph.link, *self.ends)
         waiters = self.waiters
-        if i + 1 == len(phases):
-            if len(waiters) == 1:
-                done = waiters[0]
-            else:
-                done = Event(self.env)
-                done.callbacks.append(self._finish)   # type: ignore[union-attr]
-        else:
-            done = Event(self.env)
-            done.callbacks.append(self.step)   # type: ignore[union-attr]
+        if i + 1 == len(phases) and len(waiters) == 1:
+            done = waiters[0]
+        else:   # an event whose one callback is the next step
+            done = _Then(self.env, self.step if i + 1 < len(phases) else self._finish)
         if self.net.plan(links, delay, work, done):
             return
         if delay > 0:
@@ -100,7 +110,7 @@ class _Chain:
         else:
             self.net.flow(links, work, done)
 
-    def _finish(self, _e: object) -> None:
+    def _finish(self, _e: object = None) -> None:
         for w in self.waiters:
             w.succeed()
 
