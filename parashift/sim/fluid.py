@@ -109,20 +109,20 @@ class FluidNetwork:
             return False
         active, planned, capacity = self.active, self.planned, self.capacity
         for link in links:
-            if active.get(link) or link in planned or link in capacity:
+            if link in planned or active.get(link) or (capacity and link in capacity):
                 return False
         env = self.env
-        if delay > 0.0:
-            env._eid += 1
-            eid = env._eid
-        else:
-            eid = -2
+        eid = env._eid
         t0 = env._now + delay
-        p = _Plan(links, t0, work, done, eid, self)
+        if delay > 0.0:
+            eid += 1
+            p = _Plan(links, t0, work, done, eid, self)
+        else:
+            p = _Plan(links, t0, work, done, -2, self)
         for link in links:
             planned[link] = p
-        env._eid += 1
-        heappush(env._queue, (t0 + work, env._eid, _plan_end, p))
+        env._eid = eid = eid + 1
+        heappush(env._queue, (t0 + work, eid, _plan_end, p))
         return True
 
     def _realize(self, p: _Plan) -> None:
