@@ -4,6 +4,11 @@ A flow needs ``work`` seconds at the full rate of every resource it crosses. Flo
 resource share it equally: ``n`` flows on a resource of ``capacity`` c (1 unless set, e.g. the
 cores of a host) each get ``min(1, c / n)``; a flow's rate is its smallest share over its resources. Rates are
 recomputed only for the flows on the resources a starting or finishing flow touches.
+
+A flow on free resources, after a delay or not, can be *planned* (:meth:`FluidNetwork.plan`): while
+no other flow touches its resources it is one queue entry, at its end, instead of one for its delay
+and one for its end; the first flow that starts on one of them makes it the flow it stands for, as
+it would be at that moment.
 """
 from __future__ import annotations
 
