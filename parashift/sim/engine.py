@@ -428,38 +428,14 @@ class Engine:
     def _run_phases(self, phases: Sequence[Phase], link_ends: list[tuple[int, int | None]],
                     waiters: list[Event], op: str) -> None:
         """Run ``phases`` of ``op`` in order; each phase is one flow per (device, peer device) in
-        ``link_ends``; the operation's fixed overhead is paid with the first latency."""
+        ``link_ends`` (one pair: a :class:`_Chain`); the operation's fixed overhead is paid with the
+        first latency."""
         env, net, cost = self.env, self.net, self.cost
         overhead, factor = self._op_consts(op)
-        if len(link_ends) == 1 and phases:   # a chain of flows, as the general path below runs it
+        if len(link_ends) == 1 and phases:   # one flow per phase
             _Chain(self, phases, link_ends[0], waiters, overhead, factor).step()
             return
-        if len(phases) == 1 and len(link_ends) == 1:  # the common cases, as the general path below runs them
-            ph = phases[0]
-            links = _links(ph.link, *link_ends[0])
-            work = ph.nbytes / (self.bw[ph.link] * factor)
-            delay = overhead + ph.latency
-            if len(waiters) == 1:
-                if delay > 0:
-                    env.timeout(delay).callbacks.append(lambda _e: net.flow(links, work, waiters[0]))
-                else:
-                    net.flow(links, work, waiters[0])
-                return
-
-            def done(_e: Event) -> None:
-                for w in waiters:
-                    w.succeed()
-
-            def go(_e: "Event | None" = None) -> None:
-                net.flow(links, work).callbacks.append(done)   # type: ignore[union-attr]
-
-            if delay > 0:
-                env.timeout(delay).callbacks.append(go)
-            else:
-                go()
-            return
         it = iter(phases)
-        last = phases[-1:] or (None,)
 
         def finish() -> None:
             for w in waiters:
@@ -476,17 +452,8 @@ class Engine:
             work = ph.nbytes / (cost.link_bw(ph.link) * factor)
 
             def go(_e=None) -> None:
-                if len(link_ends) == 1 and len(waiters) == 1 and last[0] is ph:
-                    a, b = link_ends[0]
-                    net.flow(_links(ph.link, a, b), work, waiters[0])
-                    return
-                evs = []
-                for a, b in link_ends:
-                    evs.append(net.flow(_links(ph.link, a, b), work))
-                if len(evs) == 1:
-                    evs[0].callbacks.append(step)
-                else:
-                    env.all_of(evs).callbacks.append(step)
+                evs = [net.flow(_links(ph.link, a, b), work) for a, b in link_ends]
+                env.all_of(evs).callbacks.append(step)
 
             delay = ph.latency + extra
             if delay > 0:
