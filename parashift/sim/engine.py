@@ -60,6 +60,61 @@ class _Waker:
         self.net.flow(self.links, self.work, self)   # type: ignore[arg-type]
 
 
+class _Then:
+    """An event no one else waits for, with one callback: ``succeed`` queues the call itself (as
+    processing the event would make it)."""
+
+    __slots__ = ("kernel", "fn")
+
+    def __init__(self, kernel: Kernel, fn) -> None:
+        self.kernel = kernel
+        self.fn = fn
+
+    def succeed(self) -> None:
+        k = self.kernel
+        k._fifo.append((k._now, self.fn, None))
+
+
+class _Chain:
+    """The phases of one transfer between one pair of ends, one flow each after its latency (the
+    operation's fixed overhead paid with the first), as :meth:`Engine._run_phases` runs them; a flow
+    on free resources is planned (:meth:`FluidNetwork.plan`)."""
+
+    __slots__ = ("env", "net", "phases", "ends", "waiters", "extra", "factor", "bw", "i")
+
+    def __init__(self, engine: "Engine", phases: Sequence[Phase], ends: tuple, waiters: list, overhead: float,
+                 factor: float) -> None:
+        self.env, self.net, self.bw = engine.env, engine.net, engine.bw
+        self.phases, self.ends, self.waiters = phases, ends, waiters
+        self.extra, self.factor = overhead, factor
+        self.i = 0
+
+    def step(self, _e: object = None) -> None:
+        i = self.i
+        phases = self.phases
+        ph = phases[i]
+        self.i = i + 1
+        work = ph.nbytes / (self.bw[ph.link] * self.factor)
+        delay = ph.latency + self.extra
+        self.extra = 0.0
+        links = _links(ph.link, *self.ends)
+        waiters = self.waiters
+        if i + 1 == len(phases) and len(waiters) == 1:
+            done = waiters[0]
+        else:   # an event whose one callback is the next step
+            done = _Then(self.env, self.step if i + 1 < len(phases) else self._finish)
+        if self.net.plan(links, delay, work, done):
+            return
+        if delay > 0:
+            self.env.timeout(delay).callbacks.append(lambda _e: self.net.flow(links, work, done))
+        else:
+            self.net.flow(links, work, done)
+
+    def _finish(self, _e: object = None) -> None:
+        for w in self.waiters:
+            w.succeed()
+
+
 def resolve_devices(program: Program, cluster: Cluster,
                     devices: "Mapping[int, int] | Sequence[int] | None") -> dict[int, int]:
     """Rank -> device: rank i on device i by default, else the given mapping or list."""
@@ -144,12 +199,13 @@ class Engine:
             for d in set(self.devices.values()):
                 self.net.capacity[("host", d // self.cluster.per_node)] = float(self.cost.host_cores)
         self.done: dict[int, dict[int, Event]] = {}
-        self.p2p: dict[tuple, list] = {}
+        self.p2p: dict[tuple, tuple] = {}
         self.coll: dict[tuple, list] = {}
         self.phase_cache: dict[tuple, tuple[Phase, ...]] = {}
         self.coll_cache: dict[tuple, tuple] = {}   # (rank, group, op, bytes) -> (member reps, phases)
         self.op_consts: dict[str, tuple[float, float]] = {}   # op -> (fixed overhead, bandwidth factor)
         self.p2p_cache: dict[tuple, tuple[Phase, ...]] = {}
+        self.p2p_route: dict[tuple, tuple] = {}   # (rank, peer name) -> what _p2p needs of the pair
         st = self.program.strategy
         self.tp_step = st is not None and self.program.meta.get("kind") == "train_step"
         self.tp = int(getattr(st, "tp", 1)) if self.tp_step else 1
@@ -242,6 +298,7 @@ class Engine:
         queue = env._queue
         fifo = env._fifo
         flow = self.net.flow
+        plan = self.net.plan
         busy = raw.busy if s == "compute" else None
         flops = self.flops
         nmem = len(self.folding.members[r])
@@ -286,13 +343,15 @@ class Engine:
                 hit = coll_cache.get((r, ins.group, op, ins.nbytes))
                 if hit is not None and hit[2] is not None:
                     # every member folds into r and it runs one phase: its flow, precomputed (_solo)
-                    link, nbytes, waker.links, waker.work, delay = hit[2]
+                    link, nbytes, links, work, delay = hit[2]
                     lb[link] += nbytes
                     ev = None
-                    if delay > 0:   # env.timeout(delay), inline
-                        at, fn = start + delay, waker.start_flow
-                    else:
-                        waker.start_flow(None)
+                    if delay <= 0 or not plan(links, delay, work, waker):   # type: ignore[arg-type]
+                        waker.links, waker.work = links, work
+                        if delay > 0:   # env.timeout(delay), inline
+                            at, fn = start + delay, waker.start_flow
+                        else:
+                            waker.start_flow(None)
                 else:
                     ev = self._collective(r, ins)
             if at is not None:   # Kernel.call_at, inline
@@ -369,35 +428,14 @@ class Engine:
     def _run_phases(self, phases: Sequence[Phase], link_ends: list[tuple[int, int | None]],
                     waiters: list[Event], op: str) -> None:
         """Run ``phases`` of ``op`` in order; each phase is one flow per (device, peer device) in
-        ``link_ends``; the operation's fixed overhead is paid with the first latency."""
+        ``link_ends`` (one pair: a :class:`_Chain`); the operation's fixed overhead is paid with the
+        first latency."""
         env, net, cost = self.env, self.net, self.cost
         overhead, factor = self._op_consts(op)
-        if len(phases) == 1 and len(link_ends) == 1:  # the common cases, as the general path below runs them
-            ph = phases[0]
-            links = _links(ph.link, *link_ends[0])
-            work = ph.nbytes / (self.bw[ph.link] * factor)
-            delay = overhead + ph.latency
-            if len(waiters) == 1:
-                if delay > 0:
-                    env.timeout(delay).callbacks.append(lambda _e: net.flow(links, work, waiters[0]))
-                else:
-                    net.flow(links, work, waiters[0])
-                return
-
-            def done(_e: Event) -> None:
-                for w in waiters:
-                    w.succeed()
-
-            def go(_e: "Event | None" = None) -> None:
-                net.flow(links, work).callbacks.append(done)   # type: ignore[union-attr]
-
-            if delay > 0:
-                env.timeout(delay).callbacks.append(go)
-            else:
-                go()
+        if len(link_ends) == 1 and phases:   # one flow per phase
+            _Chain(self, phases, link_ends[0], waiters, overhead, factor).step()
             return
         it = iter(phases)
-        last = phases[-1:] or (None,)
 
         def finish() -> None:
             for w in waiters:
@@ -414,17 +452,8 @@ class Engine:
             work = ph.nbytes / (cost.link_bw(ph.link) * factor)
 
             def go(_e=None) -> None:
-                if len(link_ends) == 1 and len(waiters) == 1 and last[0] is ph:
-                    a, b = link_ends[0]
-                    net.flow(_links(ph.link, a, b), work, waiters[0])
-                    return
-                evs = []
-                for a, b in link_ends:
-                    evs.append(net.flow(_links(ph.link, a, b), work))
-                if len(evs) == 1:
-                    evs[0].callbacks.append(step)
-                else:
-                    env.all_of(evs).callbacks.append(step)
+                evs = [net.flow(_links(ph.link, a, b), work) for a, b in link_ends]
+                env.all_of(evs).callbacks.append(step)
 
             delay = ph.latency + extra
             if delay > 0:
@@ -435,25 +464,29 @@ class Engine:
         step(extra=overhead)  # the fixed per-operation cost is paid with the first latency
 
     def _p2p(self, r: int, ins: Instr) -> Event:
-        fo = self.folding
-        peer = fo.peers[(r, ins.peer)]
-        prep = fo.rep_of[peer]
-        key = (r, prep, ins.tag) if ins.op == "send" else (prep, r, ins.tag)
-        ev = self.env.event()
+        rk = (r, ins.peer)
+        route = self.p2p_route.get(rk)
+        if route is None:   # (peer's rep, this device, peer's device, link class, members of r)
+            fo = self.folding
+            peer = fo.peers[rk]
+            src, dst = self.devices[r], self.devices[peer]
+            route = self.p2p_route[rk] = (fo.rep_of[peer], src, dst, link_class(self.cluster, src, dst),
+                                          len(fo.members[r]))
+        send = ins.op == "send"
+        key = (r, route[0], ins.tag) if send else (route[0], r, ins.tag)
+        ev = Event(self.env)
         other = self.p2p.pop(key, None)
         if other is None:
-            self.p2p[key] = [ins, ev, r]
+            self.p2p[key] = (ins, ev, r, route)
             return ev
-        o_ins, o_ev, o_r = other
+        o_ins, o_ev, o_r, o_route = other
         if o_ins.op == ins.op:
             raise ProgramError(f"rank {r} and rank {o_r} both {ins.op} tag {ins.tag!r}; pair each send with a recv")
-        send_r, send_ins = (r, ins) if ins.op == "send" else (o_r, o_ins)
-        src = self.devices[send_r]
-        dst = self.devices[fo.peers[(send_r, send_ins.peer)]]
-        link = link_class(self.cluster, src, dst)
+        send_ins, (_rep, src, dst, link, nmem) = (ins, route) if send else (o_ins, o_route)
         phases = self._p2p_phases(send_ins, link)
+        lb = self.raw.link_bytes
         for ph in phases:
-            self.raw.link_bytes[ph.link] += ph.nbytes * len(fo.members[send_r])
+            lb[ph.link] += ph.nbytes * nmem
         self._run_phases(phases, [(src, dst)], [ev, o_ev], "send")
         return ev
 
@@ -507,10 +540,11 @@ class Engine:
         if solo is not None:  # one member, one phase: the flow precomputed (as _run_phases would run it)
             link, nbytes, links, work, delay = solo
             self.raw.link_bytes[link] += nbytes
-            if delay > 0:
-                env.timeout(delay).callbacks.append(lambda _e: self.net.flow(links, work, ev))
-            else:
-                self.net.flow(links, work, ev)
+            if delay <= 0 or not self.net.plan(links, delay, work, ev):
+                if delay > 0:
+                    env.timeout(delay).callbacks.append(lambda _e: self.net.flow(links, work, ev))
+                else:
+                    self.net.flow(links, work, ev)
             return ev
         if reps == (r,):  # every member is folded into this rank: no one to wait for
             arrived = [(r, ev, ins)]

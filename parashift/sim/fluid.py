@@ -4,9 +4,15 @@ A flow needs ``work`` seconds at the full rate of every resource it crosses. Flo
 resource share it equally: ``n`` flows on a resource of ``capacity`` c (1 unless set, e.g. the
 cores of a host) each get ``min(1, c / n)``; a flow's rate is its smallest share over its resources. Rates are
 recomputed only for the flows on the resources a starting or finishing flow touches.
+
+A flow on free resources, after a delay or not, can be *planned* (:meth:`FluidNetwork.plan`): while
+no other flow touches its resources it is one queue entry, at its end, instead of one for its delay
+and one for its end; the first flow that starts on one of them makes it the flow it stands for, as
+it would be at that moment.
 """
 from __future__ import annotations
 
+from heapq import heappush
 from typing import Hashable, Sequence
 
 from .kernel import Event, Kernel
@@ -43,6 +49,44 @@ def _first_end(f: _Flow) -> None:
         f.net._finish(f, 1)
 
 
+class _Plan:
+    """A flow of ``work`` on resources ``links`` that starts at ``t0`` (its start event would have had
+    creation number ``eid``; -2: started as planned), not yet touched by any other flow; ``flow`` once
+    it has been made real."""
+
+    __slots__ = ("links", "t0", "work", "done", "eid", "flow", "live", "net")
+
+    def __init__(self, links: tuple, t0: float, work: float, done: Event, eid: int, net: "FluidNetwork") -> None:
+        self.links = links
+        self.t0 = t0
+        self.work = work
+        self.done = done
+        self.eid = eid
+        self.flow: "_Flow | None" = None
+        self.live = True
+        self.net = net
+
+
+def _plan_end(p: _Plan) -> None:
+    """A planned flow's end entry: the end of the flow it stands for (its start counted too)."""
+    net = p.net
+    if not p.live:   # started as a real flow instead: this entry stands for nothing
+        net.env._extra -= 1
+    elif p.flow is not None:   # made real while running: this entry is that flow's first end
+        _first_end(p.flow)
+    else:   # ran alone: its start (if it waited) and its end
+        planned = net.planned
+        for link in p.links:
+            del planned[link]
+        if p.eid != -2:
+            net.env._extra += 1
+        p.done.succeed()
+
+
+def _plan_start(p: _Plan) -> None:
+    p.net.flow(p.links, p.work, p.done)
+
+
 def _later_end(fv: "tuple[_Flow, int]") -> None:
     f, v = fv
     f.net._finish(f, v)
@@ -55,6 +99,57 @@ class FluidNetwork:
         self.env = env
         self.active: dict[Hashable, list[_Flow]] = {}
         self.capacity: dict[Hashable, float] = {}   # resources whose capacity is not 1
+        self.planned: dict[Hashable, _Plan] = {}    # resource -> the planned flow alone on it
+
+    def plan(self, links: tuple, delay: float, work: float, done: Event) -> bool:
+        """Arrange what ``env.timeout(delay)`` then ``flow(links, work, done)`` (or, with no delay,
+        ``flow`` now) would do, if ``links`` are free now (no flow, none planned, capacity 1) and
+        ``work`` is positive; else do nothing and return False. The planned flow's start keeps its
+        place in the event order, and the flow is made real (as it would be then) when another flow
+        starts on one of its resources before it ends; the events counted are the same. Its end entry
+        is made now, not at its start: only a queue entry made between the two for exactly its end
+        time could change places with it (the reference figures, tests/data/sim_reference.json, do
+        not move)."""
+        if work <= 0.0 or delay < 0.0:
+            return False
+        active, planned, capacity = self.active, self.planned, self.capacity
+        for link in links:
+            if link in planned or active.get(link) or (capacity and link in capacity):
+                return False
+        env = self.env
+        eid = env._eid
+        t0 = env._now + delay
+        if delay > 0.0:
+            eid += 1
+            p = _Plan(links, t0, work, done, eid, self)
+        else:
+            p = _Plan(links, t0, work, done, -2, self)
+        for link in links:
+            planned[link] = p
+        env._eid = eid = eid + 1
+        heappush(env._queue, (t0 + work, eid, _plan_end, p))
+        return True
+
+    def _realize(self, p: _Plan) -> None:
+        """Another flow starts on one of ``p``'s resources now: make ``p`` the flow it stands for."""
+        planned = self.planned
+        for link in p.links:
+            del planned[link]
+        env = self.env
+        now = env._now
+        if now > p.t0 or (now == p.t0 and env._cur > p.eid):   # its start was processed before now
+            f = _Flow(p.links, p.work, p.done, p.t0, self)
+            f.rate = 1.0
+            f.version = 1
+            active = self.active
+            for link in p.links:   # alone until now; its end is p's entry (_plan_end)
+                active.setdefault(link, []).append(f)
+            p.flow = f
+            if p.eid != -2:
+                env._extra += 1
+        else:   # its start is still to come, in its place
+            p.live = False
+            heappush(env._queue, (p.t0, p.eid, _plan_start, p))
 
     def flow(self, links: Sequence[Hashable], work: float, done: "Event | None" = None) -> Event:
         """An event (``done``, or a new one) that succeeds when ``work`` seconds of full-rate
@@ -67,6 +162,12 @@ class FluidNetwork:
             return done
         if type(links) is not tuple:
             links = tuple(links)
+        planned = self.planned
+        if planned:
+            for link in links:
+                p = planned.get(link)
+                if p is not None:
+                    self._realize(p)
         f = _Flow(links, work, done, env._now, self)
         shared = False
         cap = self.capacity

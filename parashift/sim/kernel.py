@@ -77,6 +77,8 @@ class Kernel:
         self._fifo: deque = deque()     # (time, fn, arg) made for the current time, in creation order
         self._urgent: deque = deque()   # (time, fn, arg) process starts
         self._eid = 0
+        self._cur: float = -1      # creation number of the heap entry being processed (inf: a FIFO entry)
+        self._extra = 0            # events counted without a queue entry of their own (planned flows)
 
     @property
     def now(self) -> float:
@@ -124,22 +126,26 @@ class Kernel:
         return end
 
     def run(self) -> int:
-        """Process events until none is left; returns how many were processed."""
+        """Process events until none is left; returns how many were processed (with those a planned
+        flow stood for: see :meth:`FluidNetwork.plan`)."""
         queue, fifo, urgent = self._queue, self._fifo, self._urgent
         pop, popleft = heappop, fifo.popleft
+        inf = float("inf")
         n = 0
         while True:
             if urgent:
                 t, fn, arg = urgent.popleft()
+                self._cur = -1
             elif fifo:
                 if queue and queue[0][0] <= fifo[0][0]:   # the heap's entries for now were made earlier
-                    t, _, fn, arg = pop(queue)
+                    t, self._cur, fn, arg = pop(queue)
                 else:
                     t, fn, arg = popleft()
+                    self._cur = inf
             elif queue:
-                t, _, fn, arg = pop(queue)
+                t, self._cur, fn, arg = pop(queue)
             else:
-                return n
+                return n + self._extra
             self._now = t
             n += 1
             fn(arg)
