@@ -62,6 +62,7 @@ CI = [
     ("tiny-gpt", "dp=2,pp=2,vpp=2,zero=2,schedule=interleaved-1f1b,overlap_param"),
     ("tiny-gpt", "tp=2,pp=2,tp_async,grad_fusion,recompute=full"),   # wgrads run while the all-reduce flies
     ("tiny-gpt", "tp=2,sp,tp_async"),                                # ... while the reduce-scatter flies
+    ("tiny-gpt", "dp=2,tp=2,sp,zero=2"),     # ZeRO-2's and sp's reduce-scatters in flight together (gloo: wait-only)
 ]
 
 
@@ -100,6 +101,7 @@ SP_MORE = [
     ("tiny-gpt", "dp=2,tp=2,sp,zero=1,recompute=selective"),
     ("tiny-gpt", "tp=2,sp,pp=2,vpp=2,schedule=interleaved-1f1b,zero=3"),
     ("tiny-moe", "dp=2,tp=2,sp,ep=2,zero=1"),
+    ("tiny-moe", "dp=2,tp=2,sp,ep=2,zero=2"),
 ]
 
 

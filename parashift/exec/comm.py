@@ -22,6 +22,10 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+#: ops whose gloo works complete only through ``wait`` (``is_completed`` stays false)
+_WAIT_ONLY_GLOO = frozenset(("send", "recv", "reduce_scatter"))
+
+
 @dataclass
 class Flight:
     """One issued communication instruction: its work handles and what to do when they finish."""
@@ -40,8 +44,9 @@ class Flight:
 class Poller:
     """Tracks in-flight instructions and reports the finished ones.
 
-    Collectives are polled (``Work.is_completed``); gloo send/recv, which only complete through
-    ``wait``, are waited on by pooled helper threads: each as it is submitted (``eager``), or only
+    Collectives are polled (``Work.is_completed``); gloo send/recv and gloo reduce-scatters (torch's
+    gloo reduce-scatter is an all-reduce behind a work that never reports completion by polling), which
+    only complete through ``wait``, are waited on by pooled helper threads: each as it is submitted (``eager``), or only
     when the caller must wait for whichever finishes first. ``wait(timeout)`` blocks until at
     least one instruction finishes: directly on the handle when a single instruction is in flight,
     otherwise on a condition the helpers notify.
@@ -58,7 +63,7 @@ class Poller:
         self.pool, self.own_pool = pool, pool is None
 
     def _needs_helper(self, fl: Flight) -> bool:
-        return (self.gloo and fl.instr.op in ("send", "recv")) or self.wait_only
+        return (self.gloo and fl.instr.op in _WAIT_ONLY_GLOO) or self.wait_only
 
     def submit(self, fl: Flight) -> None:
         self.flights.append(fl)
@@ -85,8 +90,8 @@ class Poller:
     def _done(self, fl: Flight) -> bool:
         if fl.finished is not None:
             return fl.finished
-        if self.gloo and fl.instr.op in ("send", "recv"):
-            return False                 # unwatched gloo p2p: only a wait on it tells
+        if self.gloo and fl.instr.op in _WAIT_ONLY_GLOO:
+            return False                 # unwatched: only a wait on it tells
         return all(w.is_completed() for w in fl.works)
 
     def _finish(self, fl: Flight) -> tuple[Flight, BaseException | None]:
