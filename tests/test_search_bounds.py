@@ -16,11 +16,16 @@ SPACES["gpt3-1.3b sp/cp"] = ("gpt3-1.3b", "a100-1x8", 8, 32, 2048)
 _POINTS["gpt3-1.3b sp/cp"] = [p for p in search.make_space("gpt3-1.3b", "a100-1x8", devices=8, global_batch=32,
                                                            seq_len=2048, cp=(1, 2, 4), sp=(False, True)).enumerate()
                               if p.sp or p.cp > 1]
+SPACES["gpt3-1.3b tp_async/grad_fusion"] = ("gpt3-1.3b", "a100-1x8", 8, 32, 2048)
+_POINTS["gpt3-1.3b tp_async/grad_fusion"] = [
+    p for p in search.make_space("gpt3-1.3b", "a100-1x8", devices=8, global_batch=32, seq_len=2048, sp=(False, True),
+                                 tp_async=(False, True), grad_fusion=(False, True)).enumerate()
+    if p.tp_async or p.grad_fusion]
 _EVAL = {k: search.SimEvaluator(m, c, global_batch=b, seq_len=s, precheck=False)
          for k, (m, c, d, b, s) in SPACES.items()}
 
 
-@settings(max_examples=45, deadline=None)
+@settings(max_examples=55, deadline=None)
 @given(st.sampled_from(sorted(SPACES)), st.data())
 def test_bounds_never_exceed_the_simulation(name, data):
     s = data.draw(st.sampled_from(_POINTS[name]))

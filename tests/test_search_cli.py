@@ -75,3 +75,18 @@ def test_plan_trace_reads_a_shipped_trace(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["segments"] > 1 and out["duration_s"] == pytest.approx(1800)
     assert all(r["devices"] <= 32 for r in out["per_count"])
+
+
+def test_search_offers_tp_async_and_grad_fusion(capsys):
+    """--tp-async off,on searches both (tp_async only where tp > 1), --grad-fusion on only it; a value
+    other than off/on is refused in one line."""
+    assert main(["search", *TINY, "--devices", "4", "--trials", "30", "--seed", "0", "--tp-async", "off,on",
+                 "--grad-fusion", "on", "--zero", "0", "--recompute", "none", "--json", "--no-progress",
+                 "--top", "30"]) == 0
+    top = [__import__("parashift").Strategy.parse(c["strategy"]) for c in json.loads(capsys.readouterr().out)["top"]]
+    assert top and all(s.grad_fusion for s in top)
+    assert all(s.tp > 1 for s in top if s.tp_async) and any(s.tp_async for s in top)
+    assert any(not s.tp_async and s.tp > 1 for s in top)
+    assert main(["search", *TINY, "--trials", "1", "--tp-async", "yes", "--no-progress"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tp-async: 'yes' is not one of off, on" in err[0], err

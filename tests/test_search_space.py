@@ -10,21 +10,24 @@ from parashift.strategy import RECOMPUTE, SCHEDULES, Strategy
 
 
 def brute_force(model, cl, devices, global_batch, *, mbs=(1, 2, 4, 8), vpp=(2, 4), zero=(0, 1, 2, 3),
-                schedules=SCHEDULES, recompute=RECOMPUTE):
-    """Every field combination, kept when Strategy accepts it and it runs; folded to canonical form."""
+                schedules=SCHEDULES, recompute=RECOMPUTE, switches=()):
+    """Every field combination (each of the bare keys ``switches`` on and off too), kept when Strategy
+    accepts it and it runs; folded to canonical form."""
     out = set()
     ints = range(1, devices + 1)
     eps = [e for e in ints if model.experts and model.experts % e == 0] if model.is_moe else [1]
     for dp, tp, pp in itertools.product(ints, ints, ints):
         if dp * tp * pp != devices:
             continue
-        for ep, z, m, sc, v, rc in itertools.product(eps, zero, mbs, schedules, (1,) + tuple(vpp), recompute):
+        for ep, z, m, sc, v, rc, *on in itertools.product(eps, zero, mbs, schedules, (1,) + tuple(vpp), recompute,
+                                                          *[(False, True)] * len(switches)):
             if global_batch % m:
                 continue
             if sc == "dualpipev" and v != 2 or sc == "interleaved-1f1b" and v not in vpp:
                 continue
             try:
-                s = Strategy(dp=dp, tp=tp, pp=pp, ep=ep, zero=z, vpp=v, mbs=m, schedule=sc, recompute=rc)
+                s = Strategy(dp=dp, tp=tp, pp=pp, ep=ep, zero=z, vpp=v, mbs=m, schedule=sc, recompute=rc,
+                             **dict(zip(switches, on)))
                 s.num_microbatches(global_batch)
             except StrategyError:
                 continue
@@ -33,7 +36,7 @@ def brute_force(model, cl, devices, global_batch, *, mbs=(1, 2, 4, 8), vpp=(2, 4
             if pp == 1:
                 s = s.replace(schedule="1f1b", vpp=1)
             if dp == 1:
-                s = s.replace(zero=0)
+                s = s.replace(zero=0, overlap_param=False)
             out.add(str(s))
     return out
 
@@ -50,6 +53,20 @@ def test_enumeration_equals_brute_force(model, cluster, devices, batch):
     assert len({str(s) for s in got}) == len(got), "enumeration lists a strategy twice"
     assert {str(s) for s in got} == brute_force(m, cl, devices, batch)
     assert all(s.world == devices for s in got)
+
+
+def test_enumeration_with_the_bare_keys_equals_brute_force():
+    """sp, overlap_param, tp_async and grad_fusion offered on and off: the enumeration is every
+    combination Strategy accepts (sp and tp_async only with tp > 1), folded as brute force folds it."""
+    m, cl = models.get("tiny-gpt"), clusters.get("cpu-local")
+    keys = ("sp", "overlap_param", "tp_async", "grad_fusion")
+    axes = dict(mbs=(1, 2), schedules=("1f1b", "interleaved-1f1b"), vpp=(2,), recompute=("none", "full"))
+    got = search.enumerate_space(m, cl, devices=4, global_batch=16, seq_len=m.seq_len,
+                                 **{k: (False, True) for k in keys}, **axes)
+    assert len({str(s) for s in got}) == len(got), "enumeration lists a strategy twice"
+    assert {str(s) for s in got} == brute_force(m, cl, 4, 16, switches=keys, **axes)
+    assert all(s.tp > 1 for s in got if s.tp_async or s.sp) and any(s.tp_async and s.sp for s in got)
+    assert any(s.grad_fusion and s.tp == 1 for s in got)
 
 
 def test_space_axes_for_a_dense_and_a_moe_model():
@@ -175,3 +192,45 @@ def test_overlap_param_axis():
     assert any(params_of(space, Strategy(dp=4, zero=z, overlap_param=True)) for z in (1, 2))
     assert space.describe()["overlap_param"] == [False, True]
     assert make_space("tiny-gpt", "a100-1x8", devices=4, global_batch=8, seq_len=32).overlap_param == (False,)
+
+
+def test_tp_async_and_grad_fusion_axes():
+    """tp_async and grad_fusion are axes when offered: tp_async only with tp > 1 (a tp=1 point drops it, an
+    optuna trial never gets it there, a tp -> 1 neighbor turns it off), grad_fusion anywhere; points
+    round-trip; describe() lists both; off (one choice, no optuna parameter) unless offered."""
+    import optuna
+    from parashift.search.space import make_space, neighbor, params_of
+    space = make_space("tiny-gpt", "a100-1x8", devices=4, global_batch=8, seq_len=32, pp=(1, 2), mbs=(1,),
+                       recompute=("none",), schedules=("1f1b",), zero=(0,), tp_async=(False, True),
+                       grad_fusion=(False, True))
+    found = space.enumerate()
+    assert not any(s.tp_async and s.tp == 1 for s in found)
+    plain = {str(s) for s in found if not s.tp_async and not s.grad_fusion}
+    for s in found:   # each layout with every combination it admits
+        assert str(s.replace(tp_async=False, grad_fusion=False)) in plain
+        for ta, gf in itertools.product((False, True) if s.tp > 1 else (False,), (False, True)):
+            assert s.replace(tp_async=ta, grad_fusion=gf) in found
+        p = params_of(space, s)
+        assert p is not None and space.build(p)[0] == s
+    assert space.build({"tp": 1, "pp": 1, "zero": 0, "mbs": 1, "schedule": "1f1b", "recompute": "none",
+                        "tp_async": True})[0] == Strategy(dp=4)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+    built = []
+    for _ in range(40):
+        trial = study.ask()
+        s, _ = space.build(space.suggest(trial))
+        study.tell(trial, 0.0)
+        built.append(s)
+    assert {"tp_async", "grad_fusion"} <= set(study.trials[0].params)
+    assert all(s is not None and not (s.tp_async and s.tp == 1) for s in built)
+    assert any(s.tp_async for s in built) and any(s.grad_fusion for s in built)
+    s = Strategy(dp=2, tp=2, tp_async=True)
+    visited = {str(x) for x in found if x != Strategy(dp=4)}
+    assert space.build(neighbor(space, s, visited))[0] == Strategy(dp=4)     # tp traded with dp: tp_async off
+    assert space.describe()["tp_async"] == [False, True] and space.describe()["grad_fusion"] == [False, True]
+    off = make_space("tiny-gpt", "a100-1x8", devices=4, global_batch=8, seq_len=32, mbs=(1,), recompute=("none",))
+    assert off.tp_async == off.grad_fusion == (False,)
+    trial = optuna.create_study().ask()
+    off.suggest(trial)
+    assert not {"tp_async", "grad_fusion"} & set(trial.params)

@@ -1,4 +1,5 @@
 """The Optuna search with an injected analytic evaluator: optimum, pruning, constraints, storage, Pareto."""
+import dataclasses
 import math
 
 import numpy as np
@@ -118,6 +119,13 @@ def test_sqlite_storage_resumes_the_study(tmp_path):
     with pytest.raises(SearchError, match="another setting"):
         search.tune("llama2-13b", "a800-16x8", n_trials=1, evaluate=ev2,
                     **{**kw, "global_batch": 128, "space": small_space(batch=128)})
+    # a setting stored before the tp_async and grad_fusion axes existed resumes with them off, not offered
+    setting = {k: v for k, v in loaded.user_attrs["parashift.setting"].items() if k not in ("tp_async", "grad_fusion")}
+    loaded.set_user_attr("parashift.setting", setting)
+    assert len(search.tune("llama2-13b", "a800-16x8", n_trials=1, evaluate=ev2, **kw).trials) == 31
+    with pytest.raises(SearchError, match=r"differs in tp_async\)"):
+        search.tune("llama2-13b", "a800-16x8", n_trials=1, evaluate=ev2,
+                    **{**kw, "space": dataclasses.replace(small_space(), tp_async=(False, True))})
 
 
 def test_multi_objective_returns_a_non_dominated_front():

@@ -12,7 +12,15 @@ __all__ = ["add_batch_options", "add_space_options", "add_cost_model", "space_op
 _SPACE = (("schedules", "schedules", str, "restrict the schedules, e.g. 1f1b,zb-h1 (default: all)"),
           ("zero", "zero", int, "restrict the ZeRO stages, e.g. 0,1 (default: 0-3)"),
           ("mbs", "mbs", int, "restrict the micro-batch sizes, e.g. 1,2 (default: powers of 2 up to 8)"),
-          ("recompute", "recompute", str, "restrict recomputation, e.g. none,full (default: all)"))
+          ("recompute", "recompute", str, "restrict recomputation, e.g. none,full (default: all)"),
+          ("sp", "sp", bool, "offer sequence parallelism where tp > 1: off,on searches both, on only it "
+                             "(default: off)"),
+          ("overlap-param", "overlap_param", bool, "offer overlap_param where zero is 1 or 2: off,on or on "
+                                                   "(default: off)"),
+          ("tp-async", "tp_async", bool, "offer tp_async (the asynchronous TP all-reduce) where tp > 1: off,on "
+                                         "or on (default: off)"),
+          ("grad-fusion", "grad_fusion", bool, "offer grad_fusion (gradient-accumulation fusion): off,on or on "
+                                               "(default: off)"))
 
 
 def positive_int(text: str) -> int:
@@ -52,9 +60,10 @@ def load_cost_model(path: "str | None"):
 
 
 def add_space_options(p: argparse.ArgumentParser) -> None:
-    """``--schedules/--zero/--mbs/--recompute``: comma-separated restrictions of the search space."""
-    for flag, _, _, text in _SPACE:
-        p.add_argument(f"--{flag}", help=text)
+    """``--schedules/--zero/--mbs/--recompute``: comma-separated restrictions of the search space;
+    ``--sp/--overlap-param/--tp-async/--grad-fusion``: the on/off axes offered (``off,on`` searches both)."""
+    for flag, _, conv, text in _SPACE:
+        p.add_argument(f"--{flag}", help=text, metavar="off,on" if conv is bool else None)
 
 
 def space_options(args: argparse.Namespace) -> dict:
@@ -64,8 +73,12 @@ def space_options(args: argparse.Namespace) -> dict:
     allowed = {"schedules": SCHEDULES, "zero": (0, 1, 2, 3), "recompute": RECOMPUTE, "mbs": None}
     out: dict = {}
     for flag, key, conv, _ in _SPACE:
-        text = getattr(args, flag)
-        if text is not None:
+        text = getattr(args, key)
+        if text is None:
+            continue
+        if conv is bool:   # an on/off axis
+            out[key] = tuple(v == "on" for v in arg_choices_list(flag, text, str, ("off", "on")))
+        else:
             out[key] = arg_choices_list(flag, text, conv, allowed[flag])
             if flag == "mbs" and min(out[key]) < 1:
                 raise StrategyError(f"--mbs {text!r}: micro-batch sizes must be at least 1")

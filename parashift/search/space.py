@@ -3,8 +3,9 @@
 A point of the space is a choice on every axis: ``tp``, ``pp``, ``cp`` (``dp`` is derived as
 ``devices // (tp * pp * cp)``), ``sp``, ``ep`` (MoE models only), ``zero``, ``mbs``, ``schedule``,
 ``vpp`` (the schedule registry says which: free for interleaved-1f1b, two for dualpipev, one for
-the rest), ``recompute`` and ``overlap_param`` (with zero 1 or 2). ``sp``, ``cp`` and ``overlap_param``
-are off unless the caller offers choices.
+the rest), ``recompute``, ``overlap_param`` (with zero 1 or 2), ``tp_async`` (with tp > 1) and
+``grad_fusion``. ``sp``, ``cp``, ``overlap_param``, ``tp_async`` and ``grad_fusion`` are off unless
+the caller offers choices.
 
 Equivalent points are folded onto one *canonical* strategy, so that the search never
 simulates the same training step twice under two names:
@@ -12,7 +13,8 @@ simulates the same training step twice under two names:
 - with one pipeline stage (``pp == 1``) every schedule runs the same per-rank order as 1F1B
   (GPipe only holds more activations), so the schedule is ``1f1b`` and ``vpp`` is 1;
 - with one data-parallel replica (``dp * cp == 1``) ZeRO has nothing to shard, so ``zero`` is 0;
-- ``overlap_param`` only where there is a parameter gather to overlap (zero 1 or 2).
+- ``overlap_param`` only where there is a parameter gather to overlap (zero 1 or 2);
+- ``sp`` and ``tp_async`` only where there is a TP group (tp > 1).
 
 With ``all_devices=False`` a strategy may leave devices idle: for each point ``dp`` is the
 largest degree with ``dp * tp * pp * cp <= devices`` that makes a valid strategy.
@@ -35,6 +37,9 @@ if TYPE_CHECKING:  # pragma: no cover
     import optuna
 
 __all__ = ["Space", "make_space", "enumerate_space", "canonical", "divisors", "neighbor", "params_of"]
+
+#: the on/off axes after ``sp``, in the order of :meth:`Space.points` (each suggested only when offered)
+_SWITCHES = ("overlap_param", "tp_async", "grad_fusion")
 
 def _sched_vpp(schedules: "tuple[str, ...]", vpps: "tuple[int, ...]") -> list[tuple[str, int]]:
     """Every (schedule, vpp) pair the registry allows."""
@@ -78,6 +83,8 @@ class Space:
     sp: tuple[bool, ...] = (False,)
     all_devices: bool = True
     overlap_param: tuple[bool, ...] = (False,)
+    tp_async: tuple[bool, ...] = (False,)
+    grad_fusion: tuple[bool, ...] = (False,)
     _valid: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     # ---- points -> strategies --------------------------------------------------------------------
@@ -106,7 +113,9 @@ class Space:
             s = Strategy(dp=devices // (tp * pp * cp), tp=tp, pp=pp, ep=int(params.get("ep", 1)),
                          zero=int(params["zero"]), vpp=vpp, mbs=int(params["mbs"]), schedule=schedule,
                          recompute=params["recompute"], cp=cp, sp=bool(params.get("sp", False)) and tp > 1,
-                         overlap_param=bool(params.get("overlap_param", False)) and int(params["zero"]) in (1, 2))
+                         overlap_param=bool(params.get("overlap_param", False)) and int(params["zero"]) in (1, 2),
+                         tp_async=bool(params.get("tp_async", False)) and tp > 1,
+                         grad_fusion=bool(params.get("grad_fusion", False)))
         except StrategyError as e:
             return None, str(e)
         s = canonical(s)
@@ -139,14 +148,15 @@ class Space:
     def points(self) -> "itertools.product":
         """Every raw point (before validity and canonical folding) as tuples of axis values."""
         return itertools.product(self.tp, self.pp, self.ep, self.zero, self.mbs, _sched_vpp(self.schedule, self.vpp),
-                                 self.recompute, self.cp, self.sp, self.overlap_param)
+                                 self.recompute, self.cp, self.sp, self.overlap_param, self.tp_async, self.grad_fusion)
 
     def enumerate(self) -> list[Strategy]:
         """Every distinct valid canonical strategy, in a deterministic order."""
         seen: dict[str, Strategy] = {}
-        for tp, pp, ep, zero, mbs, (sc, vpp), rc, cp, sp, op in self.points():
+        for tp, pp, ep, zero, mbs, (sc, vpp), rc, cp, sp, op, ta, gf in self.points():
             s, _ = self.build({"tp": tp, "pp": pp, "ep": ep, "zero": zero, "mbs": mbs, "schedule": sc,
-                               "vpp": vpp, "recompute": rc, "cp": cp, "sp": sp, "overlap_param": op})
+                               "vpp": vpp, "recompute": rc, "cp": cp, "sp": sp, "overlap_param": op,
+                               "tp_async": ta, "grad_fusion": gf})
             if s is not None:
                 seen.setdefault(str(s), s)
         return list(seen.values())
@@ -168,8 +178,9 @@ class Space:
             p["cp"] = trial.suggest_categorical("cp", self.cp)
         if self.sp != (False,):
             p["sp"] = trial.suggest_categorical("sp", self.sp)
-        if self.overlap_param != (False,):
-            p["overlap_param"] = trial.suggest_categorical("overlap_param", self.overlap_param)
+        for name in _SWITCHES:
+            if getattr(self, name) != (False,):
+                p[name] = trial.suggest_categorical(name, getattr(self, name))
         return p
 
     def describe(self) -> dict[str, Any]:
@@ -178,7 +189,8 @@ class Space:
                 "seq_len": self.seq_len, "tp": list(self.tp), "pp": list(self.pp), "ep": list(self.ep),
                 "zero": list(self.zero), "mbs": list(self.mbs), "schedule": list(self.schedule),
                 "vpp": list(self.vpp), "recompute": list(self.recompute), "cp": list(self.cp),
-                "sp": list(self.sp), "overlap_param": list(self.overlap_param), "all_devices": self.all_devices}
+                "sp": list(self.sp), "overlap_param": list(self.overlap_param), "tp_async": list(self.tp_async),
+                "grad_fusion": list(self.grad_fusion), "all_devices": self.all_devices}
 
 
 def params_of(space: Space, s: Strategy) -> dict[str, Any] | None:
@@ -191,13 +203,12 @@ def params_of(space: Space, s: Strategy) -> dict[str, Any] | None:
         p["vpp"] = s.vpp
     if space.cp != (1,):
         p["cp"] = s.cp
-    if space.sp != (False,):
-        p["sp"] = s.sp
-    if space.overlap_param != (False,):
-        p["overlap_param"] = s.overlap_param
+    for name in ("sp",) + _SWITCHES:
+        if getattr(space, name) != (False,):
+            p[name] = getattr(s, name)
     axes = {"tp": space.tp, "pp": space.pp, "ep": space.ep, "zero": space.zero, "mbs": space.mbs,
             "schedule": space.schedule, "vpp": space.vpp, "recompute": space.recompute, "cp": space.cp,
-            "sp": space.sp, "overlap_param": space.overlap_param}
+            **{name: getattr(space, name) for name in ("sp",) + _SWITCHES}}
     return p if all(v in axes[k] for k, v in p.items()) else None
 
 
@@ -213,7 +224,7 @@ def neighbor(space: Space, s: Strategy, visited: "set[str]", bound: Any = None, 
     sched = _sched_vpp(space.schedule, space.vpp)
     for field_, values in (("zero", space.zero), ("mbs", space.mbs), ("recompute", space.recompute),
                            ("ep", space.ep), ("cp", space.cp), ("sp", space.sp),
-                           ("overlap_param", space.overlap_param)):
+                           *((name, getattr(space, name)) for name in _SWITCHES)):
         moves += [_try(s, **{field_: v}) for v in values if v != getattr(s, field_)]
     moves += [_try(s, schedule=sc, vpp=v) for sc, v in sched if (sc, v) != (s.schedule, s.vpp)]
     for tp in space.tp:
@@ -221,7 +232,8 @@ def neighbor(space: Space, s: Strategy, visited: "set[str]", bound: Any = None, 
             if (tp, pp) == (s.tp, s.pp) or (tp != s.tp and pp != s.pp and tp * pp != s.tp * s.pp):
                 continue
             if s.world % (tp * pp * s.cp) == 0:
-                moves.append(_try(s, tp=tp, pp=pp, dp=s.world // (tp * pp * s.cp), sp=s.sp and tp > 1))
+                moves.append(_try(s, tp=tp, pp=pp, dp=s.world // (tp * pp * s.cp), sp=s.sp and tp > 1,
+                                  tp_async=s.tp_async and tp > 1))
     seen: dict[str, Strategy] = {}
     for m in moves:
         if m is None:
@@ -260,7 +272,8 @@ def make_space(model: "str | ModelSpec", cluster: "str | Cluster", *, devices: i
                mbs: "tuple[int, ...] | None" = None, schedules: "tuple[str, ...] | None" = None,
                vpp: tuple[int, ...] = (2, 4), recompute: tuple[str, ...] = RECOMPUTE,
                cp: tuple[int, ...] = (1,), sp: tuple[bool, ...] = (False,), all_devices: bool = True,
-               overlap_param: tuple[bool, ...] = (False,)) -> Space:
+               overlap_param: tuple[bool, ...] = (False,), tp_async: tuple[bool, ...] = (False,),
+               grad_fusion: tuple[bool, ...] = (False,)) -> Space:
     """The space of ``model`` on ``devices`` devices of ``cluster``.
 
     Defaults: ``tp`` the divisors of ``devices`` up to the devices per node that the model's
@@ -268,7 +281,8 @@ def make_space(model: "str | ModelSpec", cluster: "str | Cluster", *, devices: i
     count; ``ep`` (MoE) the divisors of ``devices`` that divide the expert count; ``mbs`` the
     powers of two up to 8 that divide the global batch; ``cp`` (context parallelism) and ``sp``
     (sequence parallelism, with tp > 1) off unless choices are passed, e.g. ``cp=(1, 2), sp=(False, True)``;
-    ``overlap_param`` (zero 1 or 2) likewise, ``overlap_param=(False, True)``.
+    ``overlap_param`` (zero 1 or 2), ``tp_async`` (tp > 1) and ``grad_fusion`` likewise, e.g.
+    ``tp_async=(False, True)``.
     ``all_devices=False``: strategies on fewer devices are points too (``tp`` and ``pp`` then also
     take the divisors of the devices per node and of the layer count).
     """
@@ -297,7 +311,8 @@ def make_space(model: "str | ModelSpec", cluster: "str | Cluster", *, devices: i
         raise StrategyError(f"unknown schedules {bad}; use some of {', '.join(schedule_names())}")
     return Space(m, devices, c.per_node, global_batch, seq_len, tuple(tp), tuple(pp), tuple(ep), tuple(zero),
                  tuple(mbs), tuple(schedules), tuple(vpp), tuple(recompute), tuple(int(x) for x in cp),
-                 tuple(bool(x) for x in sp), all_devices, tuple(bool(x) for x in overlap_param))
+                 tuple(bool(x) for x in sp), all_devices, tuple(bool(x) for x in overlap_param),
+                 tuple(bool(x) for x in tp_async), tuple(bool(x) for x in grad_fusion))
 
 
 def enumerate_space(model: "str | ModelSpec", cluster: "str | Cluster", *, devices: int, global_batch: int,

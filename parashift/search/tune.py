@@ -265,6 +265,8 @@ def _open_study(optuna: Any, storage: Any, study_name: str | None, objectives: t
         old = study.user_attrs.get("parashift.setting")
         if old is None:
             study.set_user_attr("parashift.setting", desc)
+        else:   # a study stored before the tp_async and grad_fusion axes existed searched them off
+            old = {"tp_async": [False], "grad_fusion": [False], **old}
     if old is not None and old != desc:
         diff = sorted(k for k in desc if old.get(k) != desc[k])
         raise SearchError(f"study {study.study_name!r} in {shown} was made for another setting (differs in "
