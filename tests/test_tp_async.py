@@ -55,7 +55,10 @@ def test_backward_all_reduce_runs_on_tp_stream_beside_the_weight_gradients(recom
             waiting = [i for i in rp.instrs() if ar.id in i.deps]   # the gradient chain waits (compute or p2p)
             assert waiting and all(pos[i.id] > pos[w.id] for i in waiting if i.stream == "compute")
             nxt = [i for i in waiting if i.stream == "compute" and i.phase != "optim" and i.region != "embed"]
-            if recompute == "full" and nxt:
+            if nxt and nxt[0].phase == "fwd":                   # the B's last reduction: the next step's
+                prev = compute[pos[nxt[0].id] - 1]              # first kernel waits for it
+                assert prev.phase == "bwd_weight" and prev.microbatch == ar.microbatch
+            elif recompute == "full" and nxt:
                 assert nxt[0].phase == "recompute"              # the next kernels wait, as Megatron's do
             elif nxt:
                 assert nxt[0].phase == "bwd_input"
@@ -63,6 +66,29 @@ def test_backward_all_reduce_runs_on_tp_stream_beside_the_weight_gradients(recom
         assert ars[-1].id in optim.deps                         # the gradients are whole when the last lands
         kinds = {by_id[a.deps[0]].region.split(".")[-1] for a in ars}
         assert kinds <= set(TP_BWD_KINDS) and kinds
+
+
+@pytest.mark.parametrize("strategy", ["tp=2,pp=2,tp_async", "tp=2,pp=2,vpp=2,schedule=interleaved-1f1b,tp_async",
+                                      "tp=2,sp,pp=2,tp_async,recompute=full"])
+def test_next_step_waits_for_the_last_backward_reduction(strategy):
+    """Megatron's backward waits for its asynchronous all-reduce before returning: the compute after a
+    B action (a forward in 1F1B's steady state) never overlaps the B's last TP reduction."""
+    prog = compile(SPEC, strategy, global_batch=GB, seq_len=SEQ, validate=True)
+    checked = 0
+    for rp in prog.ranks.values():
+        compute = rp.streams["compute"]
+        tp_ids = {i.id for i in rp.streams["tp"]}
+        last_tp = None
+        for k, (prev, cur) in enumerate(zip(compute, compute[1:])):
+            if prev.phase in ("bwd", "bwd_input", "bwd_weight"):
+                mine = [i for i in rp.streams["tp"] if i.microbatch == prev.microbatch and i.chunk == prev.chunk]
+                last_tp = mine[-1].id if mine else None
+            if prev.phase in ("bwd", "bwd_weight") and cur.phase == "fwd" and last_tp in tp_ids:
+                # directly, or through a kernel before it on the compute stream
+                assert any(last_tp in x.deps for x in compute[:k + 2]), \
+                    f"{cur} starts before the reduction {last_tp} of the B before it"
+                checked += 1
+    assert checked
 
 
 def test_sequence_parallel_reduce_scatter_and_regather_on_tp_stream():

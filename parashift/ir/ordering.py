@@ -183,6 +183,19 @@ class Order:
             prev = np.minimum(np.searchsorted(keys, keys - 1), len(keys) - 1)
             js = keyed[(keys[prev] == keys - 1)[keyed]]
             out.add_edges(lasts[prev[js]].tolist(), firsts[js].tolist(), ORDER)
+            # tp_async: a step's last reduction on stream "tp" ends before the next step's first compute
+            # (Megatron's backward waits for its asynchronous all-reduce before it returns)
+            tpn = act_nodes[_equals(c["stream"], "tp")[act_nodes]]
+            if len(tpn):
+                tv = np.fromiter((slot[i][1] for i in tpn.tolist()), np.float64, len(tpn))
+                tk = stage[tpn] * width + kk[tpn]
+                o = np.lexsort((-tpn, -tv, tk))
+                lead = np.ones(len(o), bool)
+                lead[1:] = tk[o][1:] != tk[o][:-1]
+                last_tp, nxt = tpn[o][lead], tk[o][lead] + 1
+                at = np.minimum(np.searchsorted(keys, nxt), len(keys) - 1)
+                ok = keys[at] == nxt
+                out.add_edges(last_tp[ok].tolist(), firsts[at[ok]].tolist(), ORDER)
         # ZeRO-3 prefetch depth 1: the gather for step k waits for step k-1 to start
         gathers = np.flatnonzero(in_order & has & _equals(c["op"], "all_gather"))
         if len(gathers) and len(keys):
