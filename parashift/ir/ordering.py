@@ -185,7 +185,7 @@ class Order:
             out.add_edges(lasts[prev[js]].tolist(), firsts[js].tolist(), ORDER)
             # tp_async: a step's last reduction on stream "tp" ends before the next step's first compute
             # (Megatron's backward waits for its asynchronous all-reduce before it returns)
-            tpn = act_nodes[_equals(c["stream"], "tp")[act_nodes]]
+            tpn = act_nodes[_equals(c["stream"], "tp")[act_nodes]] if "tp" in c["stream"] else act_nodes[:0]
             if len(tpn):
                 tv = np.fromiter((slot[i][1] for i in tpn.tolist()), np.float64, len(tpn))
                 tk = stage[tpn] * width + kk[tpn]
