@@ -60,6 +60,10 @@ def test_ties_go_to_less_memory_then_to_the_simpler_strategy():
     c = Candidate(Strategy.parse("dp=4,zero=2"), 1.0, 100.0, 3 * GIB)
     assert sorted([a, b, c], key=rank_key) == [c, b, a]      # b ties c on tokens/s and memory, is less simple
     assert complexity(c.strategy) < complexity(b.strategy)
+    plain = Strategy.parse("dp=2,tp=2")
+    for opt in ("sp", "tp_async", "grad_fusion", "overlap_grad", "cp=2"):   # each option is machinery too
+        assert complexity(plain) < complexity(Strategy.parse(f"dp=2,tp=2,{opt}"))
+    assert complexity(Strategy.parse("dp=4,zero=1")) < complexity(Strategy.parse("dp=4,zero=1,shard=2"))
     assert "more memory" in lost_on(a, c) and "less simple" in lost_on(b, c)
     res = search.tune("llama2-13b", "a800-16x8", devices=16, global_batch=64, seq_len=4096, n_trials=60, seed=1,
                       evaluate=Flat())

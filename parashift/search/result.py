@@ -107,9 +107,11 @@ def rank_key(c: Candidate) -> tuple:
 
 def complexity(s: Strategy) -> tuple[int, int]:
     """How much machinery a strategy uses (parallel axes, ZeRO stage, chunks, recomputation,
-    a schedule other than 1F1B), then its device count: lower is simpler."""
-    parts = (s.tp > 1) + (s.pp > 1) + (s.ep > 1) + s.zero + (s.vpp > 1) + (s.recompute != "none") \
-        + (s.pp > 1 and s.schedule != "1f1b")
+    a schedule other than 1F1B, each on/off option and hybrid sharding), then its device count:
+    lower is simpler."""
+    parts = (s.tp > 1) + (s.pp > 1) + (s.ep > 1) + (s.cp > 1) + s.zero + (s.vpp > 1) + (s.recompute != "none") \
+        + (s.pp > 1 and s.schedule != "1f1b") + s.sp + s.overlap_grad + s.overlap_param + s.tp_async \
+        + s.grad_fusion + (0 < s.shard < s.dp)
     return int(parts), s.world
 
 
