@@ -175,11 +175,27 @@ class ExecStats:
          "issue_cpu"), 0.0))
     rows: list[tuple[str, str, float, float, int]] = field(default_factory=list)  # stream, op, t0, t1, bytes
 
-    def add(self, what: str, t0: float) -> float:
-        """Charge the time since ``t0`` to ``what``; returns now."""
+    def add(self, what: str, t0: float, c0: float | None = None) -> float:
+        """Charge the time since ``t0`` to ``what`` (and the thread's CPU time since ``c0`` to
+        ``<what>_cpu``); returns now."""
         t1 = time.perf_counter()
         self.seconds[what] += t1 - t0
+        if c0 is not None:
+            self.seconds[f"{what}_cpu"] += time.thread_time() - c0
         return t1
+
+    def start(self) -> tuple[float, float, float, float]:
+        """The clocks and checksum totals before an instruction, for :meth:`add_copy`."""
+        return time.perf_counter(), time.thread_time(), self.seconds["checksum"], self.seconds["checksum_cpu"]
+
+    def add_copy(self, stream: str, key: str, nbytes: int, at: tuple[float, float, float, float]) -> None:
+        """Charge a copy since ``at`` (:meth:`start`) to its kind, less the checksums it took, and row it."""
+        t0, c0, ck, ckc = at
+        t1 = time.perf_counter()
+        what = parse_switch_name(key)[0]
+        self.seconds[what] += t1 - t0 - (self.seconds["checksum"] - ck)
+        self.seconds[f"{what}_cpu"] += time.thread_time() - c0 - (self.seconds["checksum_cpu"] - ckc)
+        self.rows.append((stream, what, t0, t1, nbytes))
 
 
 class SwitchExecutor:
@@ -258,8 +274,7 @@ class SwitchExecutor:
         """A checksum: an int for host memory, a device scalar (read at the end of the run) on a device."""
         t0, c0 = time.perf_counter(), time.thread_time()
         v = checksum(t) if t.device.type == "cpu" else checksum_device(t)
-        self.stats.add("checksum", t0)
-        self.stats.seconds["checksum_cpu"] += time.thread_time() - c0
+        self.stats.add("checksum", t0, c0)
         return v
 
     def _resolve_sums(self) -> None:
@@ -501,16 +516,14 @@ class SwitchExecutor:
     def _sum_upto(self, hot: PartSums, end: int) -> None:
         t0, c0 = time.perf_counter(), time.thread_time()
         hot.upto(end)
-        self.stats.add("checksum", t0)
-        self.stats.seconds["checksum_cpu"] += time.thread_time() - c0
+        self.stats.add("checksum", t0, c0)
 
     def _sum_rest(self, hot: PartSums | None) -> list[int] | None:
         if hot is None:
             return None
         t0, c0 = time.perf_counter(), time.thread_time()
         v = hot.values()
-        self.stats.add("checksum", t0)
-        self.stats.seconds["checksum_cpu"] += time.thread_time() - c0
+        self.stats.add("checksum", t0, c0)
         return v
 
     def _run_later(self, item: tuple[torch.Tensor, torch.Tensor]) -> None:
@@ -519,8 +532,7 @@ class SwitchExecutor:
         d, o = item
         d.copy_(o)
         self.stats.bytes_copied += d.numel() * d.element_size()
-        self.stats.add("keep", t0)
-        self.stats.seconds["keep_cpu"] += time.thread_time() - c0
+        self.stats.add("keep", t0, c0)
 
     def _recv_p2p(self, ins: Instr) -> list[torch.Tensor]:
         small, offs, size, big = self._split(ins.tag)
@@ -726,27 +738,21 @@ class SwitchExecutor:
         try:
             for ins in mine:
                 deps = [k for d in ins.deps for k in prefix.get(d, (d,))]
-                t0, c0 = time.perf_counter(), time.thread_time()
+                at = st.start()
                 if ins.op == "copy":
-                    ck, ckc = st.seconds["checksum"], st.seconds["checksum_cpu"]
                     with S.enter(ins.stream, deps):
                         self._cur, self._on = ins.id, ins.stream
                         self._copy(ins)
                         while self.later:
                             self._run_later(self.later.popleft())
                     S.mark(ins.stream, ins.id)
-                    t1 = time.perf_counter()
-                    what = parse_switch_name(ins.key)[0]
-                    st.seconds[what] += t1 - t0 - (st.seconds["checksum"] - ck)
-                    st.seconds[f"{what}_cpu"] += time.thread_time() - c0 - (st.seconds["checksum_cpu"] - ckc)
-                    st.rows.append((ins.stream, what, t0, t1, ins.nbytes))
+                    st.add_copy(ins.stream, ins.key, ins.nbytes, at)
                     continue
                 with S.enter(ins.stream, deps):
                     self._cur, self._on = ins.id, ins.stream
                     fl = self._issue(ins)
                 S.pending(ins.id, fl.works, then=lambda fl=fl: self._landed(fl))
-                st.add("issue", t0)
-                st.seconds["issue_cpu"] += time.thread_time() - c0
+                st.add("issue", at[0], at[1])
                 if self.on_issue is not None:
                     self.on_issue(ins)
             t0 = time.perf_counter()
@@ -880,8 +886,7 @@ class SwitchExecutor:
                 else:
                     busy[s] = fl
                 submit(self._waiter, r, fl)
-                st.add("issue", t0)
-                st.seconds["issue_cpu"] += time.thread_time() - c0
+                st.add("issue", t0, c0)
                 ran = True
                 if self.on_issue is not None:
                     self.on_issue(ins)
@@ -889,14 +894,9 @@ class SwitchExecutor:
             if ready(s, v):               # a copy (communication was all issued above)
                 ins = v[pos[s]]
                 pos[s] += 1
-                t0, c0 = time.perf_counter(), time.thread_time()
-                ck, ckc = st.seconds["checksum"], st.seconds["checksum_cpu"]
+                at = st.start()
                 self._copy(ins)
-                t1 = time.perf_counter()
-                what = parse_switch_name(ins.key)[0]
-                st.seconds[what] += t1 - t0 - (st.seconds["checksum"] - ck)
-                st.seconds[f"{what}_cpu"] += time.thread_time() - c0 - (st.seconds["checksum_cpu"] - ckc)
-                st.rows.append((s, what, t0, t1, ins.nbytes))
+                st.add_copy(s, ins.key, ins.nbytes, at)
                 done.add(ins.id)
                 return True
         return ran
