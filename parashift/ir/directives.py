@@ -804,6 +804,8 @@ class Replicate:
         ``"tp"`` ends (the norm before its column-parallel GEMM takes the reduced gradient), so the
         chunk's gradient syncs (ZeRO-2/3: the region's micro-batch bucket) and the optimizer wait for it."""
         c = out.cols
+        if "tp" not in c["stream"]:
+            return
         late = [i for i, (op, st, ph) in enumerate(zip(c["op"], c["stream"], c["phase"]))
                 if st == "tp" and op == "all_reduce" and ph in _BWD]
         if not late:

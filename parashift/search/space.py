@@ -41,6 +41,7 @@ __all__ = ["Space", "make_space", "enumerate_space", "canonical", "divisors", "n
 #: the on/off axes after ``sp``, in the order of :meth:`Space.points` (each suggested only when offered)
 _SWITCHES = ("overlap_param", "tp_async", "grad_fusion")
 
+
 def _sched_vpp(schedules: "tuple[str, ...]", vpps: "tuple[int, ...]") -> list[tuple[str, int]]:
     """Every (schedule, vpp) pair the registry allows."""
     return [(sc, v) for sc in schedules for v in get_schedule(sc).vpp_choices(vpps)]
