@@ -4,6 +4,8 @@ single-process AdamW run; a Strategy expands to a directive list that compiles t
 errors name the region and the directive; user-named streams are real in Program, simulator and runtime."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -79,7 +81,8 @@ def graph():
 
 
 @pytest.mark.parametrize("strategy", ["dp=2,pp=2,zero=1", "dp=4,zero=1,shard=2", "pp=2,vpp=2,schedule=interleaved-1f1b",
-                                      "pp=2,schedule=zb-h1", "dp=2,recompute=full", "pp=2,vpp=2,schedule=dualpipev"])
+                                      "pp=2,schedule=zb-h1", "dp=2,recompute=full", "pp=2,vpp=2,schedule=dualpipev",
+                                      "dp=2,grad_fusion"])
 def test_a_strategy_expands_to_directives_that_compile_to_its_program(graph, strategy):
     ds = d.strategy_directives(strategy, layers=4, global_batch=GB)
     text = d.format_directives(ds)
@@ -209,7 +212,8 @@ def test_user_streams_on_their_own_cuda_streams_match_single_process():
 
 PRESET_CASES = [("tiny-gpt", "dp=2,pp=2,zero=1"), ("tiny-gpt", "pp=2,vpp=2,schedule=dualpipev"),
                 ("tiny-gpt", "tp=2,sp,pp=2,schedule=zb-h1"), ("tiny-gpt", "dp=2,pp=2,cp=2,recompute=full"),
-                ("tiny-moe", "dp=2,ep=2,pp=2,zero=2"), ("llama2-7b", "dp=2,tp=2,pp=4,vpp=2")]
+                ("tiny-moe", "dp=2,ep=2,pp=2,zero=2"), ("llama2-7b", "dp=2,tp=2,pp=4,vpp=2"),
+                ("tiny-gpt", "dp=2,tp=2,pp=2,zero=1,tp_async,grad_fusion")]
 
 
 @pytest.mark.parametrize("model,strategy", PRESET_CASES)
@@ -228,6 +232,51 @@ def test_a_preset_strategy_is_sugar_for_its_directive_list(model, strategy):
         return {r: {st: [(i.op, i.phase, i.chunk, i.microbatch, i.tag, i.deps, i.nbytes, i.flops) for i in ins]
                     for st, ins in p.ranks[r].streams.items()} for r in p.ranks}
     assert str(got.strategy) == str(want.strategy) and key(got) == key(want)
+
+
+def _program_key(p):
+    return {r: {st: [(i.op, i.phase, i.chunk, i.microbatch, i.tag, i.deps, i.nbytes, i.flops) for i in ins]
+                for st, ins in p.ranks[r].streams.items()} for r in p.ranks}
+
+
+@pytest.mark.parametrize("strategy,directives", [
+    ("dp=2,tp=2,tp_async,grad_fusion", [d.Replicate(ways=2, fuse_accum=True),
+                                        d.Shard(over="tp", ways=2, async_bwd=True)]),
+    ("tp=2,sp,zero=2,tp_async", [d.Shard(level=2), d.Shard(over="sp", ways=2, async_bwd=True)]),
+    ("dp=2,zero=1,grad_fusion", [d.Shard("embed", fuse_accum=True, ways=2),
+                                 d.Shard(("layers", "head"), fuse_accum=True)])])
+def test_tp_async_and_grad_fusion_as_directives_compile_to_the_strategys_program(strategy, directives):
+    """async_bwd on the tp (sp) Shard is tp_async, fuse_accum on the dp directives grad_fusion."""
+    import parashift as ps
+    text = d.format_directives(directives)
+    assert d.format_directives(d.parse_directives(text)) == text
+    want = ps.ir.compile("tiny-gpt", strategy, global_batch=8, seq_len=32)
+    got = ps.ir.compile("tiny-gpt", "dp=1", global_batch=8, seq_len=32, directives=d.parse_directives(text))
+    assert str(got.strategy) == str(want.strategy) and _program_key(got) == _program_key(want)
+    assert ("tp" in got.ranks[0].streams) == want.strategy.tp_async
+    # the directives state the option: on a base strategy that has it, leaving it out turns it off
+    plain = [replace(x, fuse_accum=False, **({"async_bwd": False} if isinstance(x, d.Shard) else {}))
+             for x in directives]
+    off = ps.ir.compile("tiny-gpt", strategy, global_batch=8, seq_len=32, directives=plain)
+    assert not off.strategy.tp_async and not off.strategy.grad_fusion
+
+
+def test_tp_async_and_grad_fusion_directive_misuse_is_one_line():
+    import parashift as ps
+    cases = [([d.Shard(over="tp", ways=1, async_bwd=True)], r"Shard\('\*', over='tp', ways=1, async_bwd=True\): "
+                                                             r"async_bwd .* needs ways > 1"),
+             ([d.Shard(over="cp", ways=2, async_bwd=True)], r"over='cp'.*not over cp"),
+             ([d.Shard(level=1, async_bwd=True)], r"level=1.*async_bwd.*not of the dp directive"),
+             ([d.Shard(over="tp", ways=2, fuse_accum=True)], r"fuse_accum is how gradients accumulate.*dp directive"),
+             ([d.Replicate("embed", fuse_accum=True), d.Replicate(("layers", "head"))],
+              r"Replicate\('embed', over='dp', fuse_accum=True\) fuses .* but Replicate\(\('layers', 'head'\)")]
+    for ds, msg in cases:
+        with pytest.raises(ProgramError, match=msg) as e:
+            ps.ir.compile("tiny-gpt", "dp=1", global_batch=4, directives=ds)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ProgramError, match="over 'dp' only"):   # a user model has no tp group to overlap
+        compile_graph(trace(tiny_lm(), EXAMPLE), global_batch=GB,
+                      directives=[d.Shard(over="tp", ways=2, async_bwd=True)])
 
 
 def test_preset_directive_errors_name_the_layer_and_the_axis():

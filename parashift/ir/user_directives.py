@@ -6,7 +6,10 @@ A user writes a list of directives about *regions* (the names given with ``paras
 
 - :class:`Place` maps regions to chunks and chunks to pipeline stages (``stages=(0, 1, 1, 0)``: a V);
 - :class:`Replicate` / :class:`Shard` say how regions train over the ``dp`` axis: replicated
-  (gradients all-reduced) or ZeRO-sharded at ``level`` 1, 2 or 3, over ``ways`` ranks;
+  (gradients all-reduced) or ZeRO-sharded at ``level`` 1, 2 or 3, over ``ways`` ranks; ``fuse_accum``:
+  weight-gradient GEMMs accumulate into the gradient buffer (the strategy's ``grad_fusion``). On a
+  preset, ``Shard('*', over='tp'|'sp', ways=n, async_bwd=True)``: the backward's TP reduction runs on
+  stream ``tp`` beside the weight gradients (the strategy's ``tp_async``);
 - ``Split(microbatches=m, backward=True)`` (:class:`~parashift.ir.directives.Split`): m micro-batches,
   backward split into input- and weight-gradient halves;
 - ``Order({stage: "0F0 0F1 0B0 ..."})`` (:class:`~parashift.ir.ordering.Order`): each stage's order;
@@ -121,34 +124,44 @@ class Place:
 @dataclass(frozen=True)
 class Replicate:
     """Train ``regions`` replicated over ``over`` (gradients all-reduced); ``ways``: the axis size
-    (None: the base strategy's)."""
+    (None: the base strategy's); ``fuse_accum``: each weight-gradient GEMM accumulates into the
+    gradient buffer (Megatron's gradient-accumulation fusion; the strategy's ``grad_fusion``)."""
 
     regions: "str | tuple[str, ...]" = "*"
     over: str = "dp"
     ways: "int | None" = None
+    fuse_accum: bool = False
 
     level = 0
+    async_bwd = False
 
     def __str__(self) -> str:
-        return f"Replicate({self.regions!r}, over={self.over!r}" + (f", ways={self.ways}" if self.ways else "") + ")"
+        return (f"Replicate({self.regions!r}, over={self.over!r}" + (f", ways={self.ways}" if self.ways else "")
+                + (", fuse_accum=True" if self.fuse_accum else "") + ")")
 
 
 @dataclass(frozen=True)
 class Shard:
     """ZeRO-shard ``regions`` over ``over`` at ``level`` (1: optimizer states, 2: + gradients,
     3: + parameters, gathered before each use); ``group``: hybrid sharding, the shards span groups of
-    ``group`` consecutive dp ranks and are replicated across the groups (the strategy's ``shard``)."""
+    ``group`` consecutive dp ranks and are replicated across the groups (the strategy's ``shard``);
+    ``fuse_accum`` (over dp): as :class:`Replicate`'s. ``async_bwd`` (over tp or sp, ways > 1): the
+    backward's TP reduction of a column-parallel block's input gradient runs on stream ``"tp"`` beside
+    the block's weight-gradient compute (Megatron's asynchronous TP all-reduce; the strategy's ``tp_async``)."""
 
     regions: "str | tuple[str, ...]" = "*"
     level: int = 1
     over: str = "dp"
     ways: "int | None" = None
     group: "int | None" = None
+    async_bwd: bool = False
+    fuse_accum: bool = False
 
     def __str__(self) -> str:
         level = f", level={self.level}" if self.over == "dp" else ""
         return (f"Shard({self.regions!r}{level}, over={self.over!r}" + (f", ways={self.ways}" if self.ways else "")
-                + (f", group={self.group}" if self.group else "") + ")")
+                + (f", group={self.group}" if self.group else "") + (", async_bwd=True" if self.async_bwd else "")
+                + (", fuse_accum=True" if self.fuse_accum else "") + ")")
 
 
 @dataclass(frozen=True)
@@ -319,7 +332,18 @@ def _axis_sizes(syncs: list, regions: Sequence[str], axes: Sequence[str]) -> dic
                                f"{d.over} alike: use Shard('*', over={d.over!r}, ways=...)")
         if not d.ways or d.ways < 1:
             raise ProgramError(f"{_fmt(d)}: give ways= (the size of the {d.over} group)")
+        if d.fuse_accum:
+            raise ProgramError(f"{_fmt(d)}: fuse_accum is how gradients accumulate, an option of the dp directive; "
+                               f"write Replicate('*', fuse_accum=True) or Shard('*', level=..., fuse_accum=True)")
+        if d.async_bwd and d.over not in ("tp", "sp"):
+            raise ProgramError(f"{_fmt(d)}: async_bwd overlaps the backward's tensor-parallel reduction; give it "
+                               f"on Shard('*', over='tp' or 'sp', ways=...), not over {d.over}")
+        if d.async_bwd and d.ways == 1:
+            raise ProgramError(f"{_fmt(d)}: async_bwd overlaps the backward's tensor-parallel reduction and needs "
+                               f"ways > 1; set ways=2 or more, or drop async_bwd")
         out.update({"tp": d.ways, "sp": True} if d.over == "sp" else {d.over: d.ways})
+        if d.over in ("tp", "sp"):
+            out["tp_async"] = bool(d.async_bwd)
     return out
 
 
@@ -331,7 +355,15 @@ def _dp_sizes(syncs: list, regions: Sequence[str], param_regions: "Sequence[str]
     for d in syncs:
         if isinstance(d, Shard) and d.level not in (1, 2, 3):
             raise ProgramError(f"{_fmt(d)}: level must be 1, 2 or 3 (ZeRO stage); use Replicate for none")
+        if d.async_bwd:
+            raise ProgramError(f"{_fmt(d)}: async_bwd overlaps the backward's tensor-parallel reduction, an option "
+                               f"of Shard('*', over='tp' or 'sp', ways=...), not of the dp directive")
         _unmatched(_fmt(d), _regions_of(d.regions), regions)
+    fused = {bool(d.fuse_accum) for d in syncs}
+    if len(fused) > 1:
+        on, off = (next(d for d in syncs if bool(d.fuse_accum) is v) for v in (True, False))
+        raise ProgramError(f"{_fmt(on)} fuses gradient accumulation but {_fmt(off)} does not; the runtime "
+                           f"accumulates one way per job: give fuse_accum=True on every dp directive or none")
     ways = {d.ways for d in syncs if d.ways is not None}
     if len(ways) > 1:
         raise ProgramError(f"{', '.join(map(_fmt, syncs))} give dp sizes {sorted(ways)}; one job has one dp size")
@@ -351,7 +383,7 @@ def _dp_sizes(syncs: list, regions: Sequence[str], param_regions: "Sequence[str]
     groups = {d.group for d in syncs if isinstance(d, Shard) and d.group}
     if len(groups) > 1:
         raise ProgramError(f"{', '.join(map(_fmt, syncs))} give shard groups {sorted(groups)}; one job has one")
-    return {"zero": next(iter(first), 0), **({"dp": ways.pop()} if ways else {}),
+    return {"zero": next(iter(first), 0), "grad_fusion": fused.pop(), **({"dp": ways.pop()} if ways else {}),
             **({"shard": groups.pop()} if groups else {})}
 
 
@@ -406,11 +438,11 @@ def strategy_directives(strategy: "str | Strategy", *, layers: int, global_batch
         table["head"] = s.stages - 1
     out: list = [Place(table, stages=tuple(int(s.chunk_rank_stage(c)) for c in range(s.stages)))]
     out.append(Split(microbatches=m, backward=split_backward(s.schedule)))
-    out.append(Replicate("*", over="dp", ways=s.dp) if s.zero == 0 else Shard("*", level=s.zero, over="dp",
-                                                                                ways=s.dp, group=s.shard or None))
+    out.append(Replicate("*", over="dp", ways=s.dp, fuse_accum=s.grad_fusion) if s.zero == 0 else
+               Shard("*", level=s.zero, over="dp", ways=s.dp, group=s.shard or None, fuse_accum=s.grad_fusion))
     for axis, ways in (("sp" if s.sp else "tp", s.tp), ("cp", s.cp), ("ep", s.ep)):
         if ways > 1:
-            out.append(Shard("*", over=axis, ways=ways))
+            out.append(Shard("*", over=axis, ways=ways, async_bwd=s.tp_async and axis in ("tp", "sp")))
     if s.recompute != "none":
         out.append(Recompute(s.recompute))
     out.append(order if order is not None else schedule_order(s, m))
