@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -270,35 +271,73 @@ def test_survivability_says_which_host_losses_the_layout_survives():
     assert got["dp=2,pp=2"].loc[2, ["recovers_from", "missing"]].tolist() == ["none", "exp_avg, exp_avg_sq, param"]
 
 
+def _await_line(p: subprocess.Popen, text: str, what: str, within: float = 90.0) -> str:
+    """Read ``p``'s stderr (its file descriptor, so that ``communicate`` reads the rest) until ``text``
+    appears while ``p`` runs; returns what was read."""
+    fd, got = p.stderr.fileno(), b""
+    deadline = time.monotonic() + within
+    while text.encode() not in got:
+        assert time.monotonic() < deadline and p.poll() is None, f"{what}: {got.decode()[-2000:]}"
+        if select.select([fd], [], [], 0.1)[0]:
+            got += os.read(fd, 1 << 16)
+    return got.decode()
+
+
 def test_a_host_killed_mid_switch(capsys):
     """Hosts 1 and 2 (two processes each) train dp=4; host 3 joins and the job starts switching to dp=6
-    (no notice: the communicators are built in the switch's pause); host 2 is killed as the switch
-    begins. The first host declares it lost (its liveness connection closes), the switch aborts with the
+    (no notice: the communicators are built in the switch's pause); host 2 is killed in that pause.
+    The first host declares it lost (its liveness connection closes), the switch aborts with the
     old layout's state whole, and the survivors recover from their replicas (dp=2 on host 1); host 3's
     processes leave unused. The losses equal the static job's; every remaining host exits 0; nothing is
-    left running."""
+    left running.
+
+    The moments are made, not raced: host 2 is held (SIGSTOP) until host 3 has registered, so the job
+    cannot end before it grows; host 3 is held until devices 0 and 1 took the switch's notice (their
+    last dp=4 step done), so the switch, which needs host 3's processes, cannot finish before host 2 is
+    killed. Each hold lasts at most ``hold`` seconds, under the heartbeat window: a held host is never
+    declared lost by its silence, and host 2 must be declared by its liveness connection (a switch's
+    phase may wait 60 s: the kill follows the survivors' arrival in the pause at once)."""
+    hold, window = 90.0, 150
     port = _free_port()
     env = dict(os.environ, **{SECRET_ENV: SECRET}, PYTHONUNBUFFERED="1")
-    at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", "150", "--nprocs", "2"]
+    at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", str(window), "--nprocs", "2"]
     job = ["--model", "tiny-gpt", "--strategy", "dp=4", "--steps", "16", "--global-batch", "12", "--live"]
-    first = _host(["run", *job, *at, "--switch-notice", "0", "--json"], env)
-    time.sleep(0.5)
-    second = _host(["join", *at], env)
-    from parashift.exec.jobstore import connect
-    store = connect("127.0.0.1", port, SECRET, 60)
-    _await_key(store, "hosts/devices_of/2", [first, second], "host 2 never came")
-    third = _host(["join", *at], env)                 # beyond the first world: grown into at step 2
-    # device 0 announced the switch that brings host 3 in
-    _await_key(store, "sw1/notice", [first, second, third], "no switch")
-    os.killpg(second.pid, signal.SIGKILL)
-    second.wait()
-    (rc1, out1, err1), (rc3, _, err3) = _finish([first, third], 150)
-    assert rc1 == 0 and rc3 == 0, (err1 + err3)[-3000:]
+    first = _host(["run", *job, *at, "--switch-notice", "0", "--heartbeat-timeout", str(window), "--json"], env)
+    procs = [first]
+    try:
+        time.sleep(0.5)
+        second = _host(["join", *at], env)
+        procs.append(second)
+        # its liveness connection is up and its processes not yet started: the first world waits for them
+        _await_line(second, "host 2: devices 2-3, training", "host 2 never got the job")
+        os.killpg(second.pid, signal.SIGSTOP)
+        third = _host(["join", *at], env)
+        procs.append(third)
+        said3 = _await_line(third, "host 3: devices 4-5 announced", "host 3 never came", hold)
+        os.killpg(third.pid, signal.SIGSTOP)           # the switch to dp=6 waits for host 3's processes
+        released = time.monotonic() + hold
+        os.killpg(second.pid, signal.SIGCONT)
+        from parashift.exec.jobstore import connect
+        store = connect("127.0.0.1", port, SECRET, 60)
+        for d in (0, 1):                                # the survivors are in the switch's pause
+            _await_key(store, f"sw1/noticed/{d}", [first, second, third], f"device {d} never reached the switch",
+                       released - time.monotonic())
+        os.killpg(second.pid, signal.SIGKILL)
+        second.wait()
+        os.killpg(third.pid, signal.SIGCONT)
+        (rc1, out1, err1), (rc3, _, err3) = _finish([first, third], 150)
+    finally:
+        for p in procs:
+            if p.poll() is None:        # a failed wait above: nothing is left stopped or running
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    assert rc1 == 0 and rc3 == 0, (err1 + said3 + err3)[-3000:]
     got = json.loads(out1)
     join, fail = got["switches"]
     assert join["cause"] == "join" and "aborted" in join and join["dst"] == "dp=6,tp=1,pp=1"
     assert fail["cause"] == "failure" and fail["recovered_from"] == "replicas" and fail["step"] == join["step"]
     assert fail["src"] == "dp=4,tp=1,pp=1" and fail["dst_devices"] == [0, 1] and fail["lost_devices"] == [2, 3]
+    assert fail["seconds"] < 60         # named at once (by the heartbeat, device 0 would wait half the window, 75 s)
     assert main(["run", *job, "--json"]) == 0
     ref = json.loads(capsys.readouterr().out)
     assert len(got["losses"]) == 16 and got["losses"] == pytest.approx(ref["losses"], abs=1e-5)

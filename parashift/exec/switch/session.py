@@ -172,10 +172,13 @@ class LiveSession:
 
     # ---- background preparation ---------------------------------------------------------------------
     def announce(self, g: int) -> None:
-        """Start planning switch ``g`` and building its world in the background."""
+        """Start planning switch ``g`` and building its world in the background; store keys ``sw<g>/notice``
+        (the switch is announced) and ``sw<g>/noticed/<device>`` (this device took the notice: with no
+        notice, its training up to the switch step is done)."""
         if g in self.pending:
             return
         self.ctx.store.set(f"sw{g}/notice", "1")
+        self.ctx.store.set(f"sw{g}/noticed/{self.device}", "1")
         fut: Future = Future()
         src, dst = self.gens[g - 1], self.gens[g]
         o = self.opts
