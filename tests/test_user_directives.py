@@ -69,6 +69,7 @@ def test_combined_v_place_zero2_split_backward_deferred_w_and_a_user_stream():
     ("pp=2,mbs=2", [GPIPE_4]),
     ("dp=2", [GRADS]),
     ("pp=2", [d.Recompute("full")]),
+    ("dp=1", [d.Replicate(ways=2, fuse_accum=True), d.Split(microbatches=2)]),
     ("dp=1", [UNEVEN, d.Replicate(ways=2), d.Split(microbatches=4), d.Recompute("full"), GPIPE_4, GRADS]),
 ])
 def test_every_directive_alone_and_combined_matches_single_process(strategy, directives):
