@@ -20,7 +20,8 @@ A user writes a list of directives about *regions* (the names given with ``paras
   timeline).
 
 A Strategy is sugar for such a list: :func:`strategy_directives` prints what it expands to, and
-compiling that list gives the strategy's own Program. Region patterns are a region name, a dotted
+compiling that list gives the strategy's own Program (``overlap_grad`` and ``overlap_param`` aside:
+no directive says them yet; the base strategy does). Region patterns are a region name, a dotted
 prefix (``"layers.1"`` covers ``"layers.1.attn"``), a layer range ``"layers.0-3"`` or ``"*"``; where
 several match, the most specific wins. Pure planning code: no torch.
 """
