@@ -70,6 +70,8 @@ def test_combined_v_place_zero2_split_backward_deferred_w_and_a_user_stream():
     ("dp=2", [GRADS]),
     ("pp=2", [d.Recompute("full")]),
     ("dp=1", [d.Replicate(ways=2, fuse_accum=True), d.Split(microbatches=2)]),
+    ("pp=2,vpp=2,schedule=interleaved-1f1b", [d.Replicate(ways=2, overlap_reduce=True)]),
+    ("pp=2", [d.Shard(level=1, ways=2, overlap_reduce=True, overlap_gather=True)]),
     ("dp=1", [UNEVEN, d.Replicate(ways=2), d.Split(microbatches=4), d.Recompute("full"), GPIPE_4, GRADS]),
 ])
 def test_every_directive_alone_and_combined_matches_single_process(strategy, directives):
@@ -83,7 +85,8 @@ def graph():
 
 @pytest.mark.parametrize("strategy", ["dp=2,pp=2,zero=1", "dp=4,zero=1,shard=2", "pp=2,vpp=2,schedule=interleaved-1f1b",
                                       "pp=2,schedule=zb-h1", "dp=2,recompute=full", "pp=2,vpp=2,schedule=dualpipev",
-                                      "dp=2,grad_fusion"])
+                                      "dp=2,grad_fusion", "dp=2,pp=2,vpp=2,schedule=interleaved-1f1b,overlap_grad",
+                                      "dp=2,pp=2,zero=1,overlap_grad,overlap_param"])
 def test_a_strategy_expands_to_directives_that_compile_to_its_program(graph, strategy):
     ds = d.strategy_directives(strategy, layers=4, global_batch=GB)
     text = d.format_directives(ds)
@@ -214,7 +217,8 @@ def test_user_streams_on_their_own_cuda_streams_match_single_process():
 PRESET_CASES = [("tiny-gpt", "dp=2,pp=2,zero=1"), ("tiny-gpt", "pp=2,vpp=2,schedule=dualpipev"),
                 ("tiny-gpt", "tp=2,sp,pp=2,schedule=zb-h1"), ("tiny-gpt", "dp=2,pp=2,cp=2,recompute=full"),
                 ("tiny-moe", "dp=2,ep=2,pp=2,zero=2"), ("llama2-7b", "dp=2,tp=2,pp=4,vpp=2"),
-                ("tiny-gpt", "dp=2,tp=2,pp=2,zero=1,tp_async,grad_fusion")]
+                ("tiny-gpt", "dp=2,tp=2,pp=2,zero=1,tp_async,grad_fusion"),
+                ("tiny-gpt", "dp=2,pp=2,vpp=2,schedule=interleaved-1f1b,zero=1,overlap_grad,overlap_param")]
 
 
 @pytest.mark.parametrize("model,strategy", PRESET_CASES)
@@ -278,6 +282,86 @@ def test_tp_async_and_grad_fusion_directive_misuse_is_one_line():
     with pytest.raises(ProgramError, match="over 'dp' only"):   # a user model has no tp group to overlap
         compile_graph(trace(tiny_lm(), EXAMPLE), global_batch=GB,
                       directives=[d.Shard(over="tp", ways=2, async_bwd=True)])
+
+
+OVERLAP_CASES = [
+    ("pp=2,vpp=2,schedule=interleaved-1f1b", "dp=2,pp=2,vpp=2,schedule=interleaved-1f1b,overlap_grad",
+     [d.Replicate(ways=2, overlap_reduce=True)]),
+    ("pp=2", "dp=2,pp=2,zero=2,overlap_grad,overlap_param",
+     [d.Shard("embed", level=2, ways=2, overlap_reduce=True, overlap_gather=True),
+      d.Shard(("layers", "head"), level=2, overlap_reduce=True, overlap_gather=True)])]
+
+
+@pytest.mark.parametrize("base,strategy,directives", OVERLAP_CASES)
+def test_overlap_grad_and_overlap_param_as_directives_compile_to_the_strategys_program(graph, base, strategy,
+                                                                                        directives):
+    """overlap_reduce on the dp directives is overlap_grad, overlap_gather on a level 1-2 Shard
+    overlap_param, on a preset and on a traced model; leaving them out turns them off."""
+    import parashift as ps
+    text = d.format_directives(directives)
+    assert d.format_directives(d.parse_directives(text)) == text
+    plain = [replace(x, overlap_reduce=False, **({"overlap_gather": False} if isinstance(x, d.Shard) else {}))
+             for x in directives]
+    for build in (lambda s, ds: ps.ir.compile("tiny-gpt", s, global_batch=8, seq_len=32, directives=ds),
+                  lambda s, ds: compile_graph(graph, s, global_batch=GB, directives=ds)):
+        want = build(strategy, ())
+        got = build(base, d.parse_directives(text))
+        assert str(got.strategy) == str(want.strategy) and _program_key(got) == _program_key(want)
+        off = build(strategy, plain)                 # on a base strategy that has them, the list turns them off
+        assert not off.strategy.overlap_grad and not off.strategy.overlap_param
+        assert _program_key(off) != _program_key(want)
+
+
+def test_a_traced_model_reduces_each_chunk_when_overlap_grad_says(graph):
+    """Without overlap_grad every gradient all-reduce of a stage waits for the stage's whole backward;
+    with it, a chunk's waits for that chunk's backward only (the traced path used to overlap always)."""
+    def waits(strategy):
+        p = compile_graph(graph, strategy, global_batch=GB)
+        ins = {i.id: i for i in p.ranks[0].instrs()}
+        out = {}
+        for s in p.ranks[0].streams["comm"]:
+            if s.op == "all_reduce":
+                assert len(s.deps) == 1
+                out[s.chunk] = ins[s.deps[0]]
+        return out
+    base = "dp=2,pp=2,vpp=2,schedule=interleaved-1f1b"
+    off, on = waits(base), waits(base + ",overlap_grad")
+    assert sorted(off) == sorted(on) == [0, 2]
+    assert off[0].id == off[2].id and off[0].phase == "bwd"              # the stage's last backward
+    assert all(on[c].phase == "bwd" and on[c].chunk == c for c in on) and on[0].id == off[0].id
+    assert on[2].id < off[2].id
+
+
+def test_overlap_directive_misuse_is_one_line(graph):
+    import parashift as ps
+    from parashift.ir.user_directives import resolve
+    cases = [([d.Shard(level=3, ways=2, overlap_gather=True)], r"level=3.*overlap_gather.*use level=1 or 2"),
+             ([d.Shard(over="tp", ways=2, overlap_reduce=True)], r"overlap_reduce .* an option of the dp directive"),
+             ([d.Shard(over="tp", ways=2, overlap_gather=True)], r"overlap_gather .* Shard\('\*', level=1 or 2"),
+             ([d.Replicate("embed", overlap_reduce=True), d.Replicate(("layers", "head"))],
+              r"Replicate\('embed', over='dp', overlap_reduce=True\) overlaps the gradient reduction but "
+              r"Replicate\(\('layers', 'head'\), over='dp'\) does not"),
+             ([d.Shard("embed", ways=2, overlap_gather=True), d.Shard(("layers", "head"))],
+              r"overlaps the parameter gathers but Shard\(\('layers', 'head'\), level=1.*every dp Shard")]
+    for ds, msg in cases:
+        traced = [] if ds[0].over == "tp" else [lambda: compile_graph(graph, "dp=1", global_batch=GB, directives=ds)]
+        for build in [lambda: ps.ir.compile("tiny-gpt", "dp=1", global_batch=4, directives=ds)] + traced:
+            with pytest.raises(ProgramError, match=msg) as e:
+                build()
+            assert "\n" not in str(e.value)
+    with pytest.raises(ProgramError, match=r"overlap_gather=True\) overlaps parameter gathers but the regions "
+                                           r"with parameters are replicated"):
+        resolve([d.Replicate("a"), d.Shard("b", overlap_gather=True)], ps.Strategy(dp=2), ["a", "b"],
+                global_batch=8, param_regions=["a"])
+
+
+def test_overlap_param_on_a_traced_model_trains_equal_to_one_process():
+    """Directives with both overlaps on a traced model (ZeRO-2, 2 gloo processes): the parameter
+    gathers a step leaves to the next one are finished before the parameters are read."""
+    r = _check("dp=1", [d.Shard(level=2, ways=2, overlap_reduce=True, overlap_gather=True)])
+    assert r.program.strategy.overlap_param and r.program.strategy.overlap_grad
+    comm = r.program.ranks[0].streams["comm"]
+    assert comm[0].op == "all_gather" and comm[0].tag == "dp.param.c0"      # at the head of the step
 
 
 def test_preset_directive_errors_name_the_layer_and_the_axis():

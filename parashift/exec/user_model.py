@@ -266,6 +266,7 @@ class UserRuntime(Runtime):
         self.interp = UserInterpreter(program, ctx.rank, self.worlds, self.store, plan, model, ctx.device, data,
                                       loss_fn, optim, self.profiler.record if profile else None, timeout)
         self.steps_done = 0
+        self.params_pending = False     # overlap_param: set by each step, see Runtime.sync_params
 
 
 def _pack(objs: tuple) -> tuple[list[str], bytes]:

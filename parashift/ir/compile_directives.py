@@ -2,11 +2,11 @@
 
 The directives of :mod:`parashift.ir.user_directives` refine a base strategy: ``Place`` puts whole
 layers on chunks and chunks on stages (a preset's regions shard by layer, so the regions of one layer
-share a chunk), ``Replicate``/``Shard`` set dp, the ZeRO level and ``grad_fusion`` (and, model-wide,
-tp/sp/cp/ep and ``tp_async``), ``Split`` the micro-batches and the split backward, ``Recompute`` the
-recompute mode, ``Order`` each stage's order (default: the schedule's recipe, or for a placement no
-schedule has, the list scheduler of :func:`~parashift.ir.placement.placement_order`), and ``Stream``
-moves collectives to named streams.
+share a chunk), ``Replicate``/``Shard`` set dp, the ZeRO level, ``grad_fusion``, ``overlap_grad``
+and ``overlap_param`` (and, model-wide, tp/sp/cp/ep and ``tp_async``), ``Split`` the micro-batches
+and the split backward, ``Recompute`` the recompute mode, ``Order`` each stage's order (default: the
+schedule's recipe, or for a placement no schedule has, the list scheduler of
+:func:`~parashift.ir.placement.placement_order`), and ``Stream`` moves collectives to named streams.
 """
 from __future__ import annotations
 

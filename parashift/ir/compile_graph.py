@@ -1,10 +1,12 @@
 """Compile a traced user model (a single-device region graph from ``annotate.trace``) into a Program.
 
-Supports data parallelism with ZeRO 0-3, pipeline parallelism (any schedule, vpp), recomputation and
-custom orders; tensor and expert parallelism need to know how a region shards, which only the
-preset transformers describe, so ``tp`` and ``ep`` must be 1. Trace the model with ONE micro-batch's
-input (``mbs`` sequences): the graph's FLOPs and bytes are taken per micro-batch. Parameters are
-assumed to train in their traced dtype with fp32 AdamW moments (no master copy when fp32).
+Supports data parallelism with ZeRO 0-3, pipeline parallelism (any schedule, vpp), recomputation,
+``overlap_grad`` and ``overlap_param`` (a chunk is the bucket: one gradient reduction, and one
+parameter gather in its first forward, per chunk) and custom orders; tensor and expert parallelism
+need to know how a region shards, which only the preset transformers describe, so ``tp`` and ``ep``
+must be 1. Trace the model with ONE micro-batch's input (``mbs`` sequences): the graph's FLOPs and
+bytes are taken per micro-batch. Parameters are assumed to train in their traced dtype with fp32
+AdamW moments (no master copy when fp32).
 
 Regions map to pipeline chunks by layer: regions named ``layers.{i}.*`` (or tagged ``layer=i``) form
 layer i; ``embed`` regions go to the first chunk and ``head`` regions to the last; without layer
@@ -71,16 +73,14 @@ def compile_graph(graph: Graph, strategy: "str | Strategy" = "dp=1", *, global_b
     """Program for a traced single-device region graph (see module docstring).
 
     ``directives``: the user's directives on regions (:mod:`parashift.ir.user_directives`); they
-    refine ``strategy`` (Place sets pp and the placement, Split the micro-batches, Replicate/Shard dp
-    and the ZeRO level, Recompute, Order the order, Stream the streams of collectives)."""
+    refine ``strategy`` (Place sets pp and the placement, Split the micro-batches, Replicate/Shard dp,
+    the ZeRO level, overlap_grad and overlap_param, Recompute, Order the order, Stream the streams of
+    collectives)."""
     base = Strategy.parse(strategy)
     if base.tp > 1 or base.ep > 1 or base.cp > 1:
         raise StrategyError(f"a traced model runs with dp, pp, vpp, zero, any schedule and recompute; tp={base.tp}, "
                             f"ep={base.ep}, cp={base.cp} need a preset model (parashift.models) that says how regions "
                             f"shard")
-    if base.overlap_param:
-        raise StrategyError("overlap_param needs a preset model (its region buckets); a traced model gathers its "
-                            "ZeRO parameters after the optimizer: drop overlap_param")
     if not len(graph) or any(p != "fwd" for p in graph.col("phase")) or any(m != -1 for m in graph.col("mb")):
         raise ProgramError("compile_graph needs a single-device forward graph from parashift.ir.annotate.trace")
     g = _layers(graph)
@@ -134,7 +134,7 @@ def compile_graph(graph: Graph, strategy: "str | Strategy" = "dp=1", *, global_b
         Recompute(s.recompute, 0.0, {}),
         Replicate(s.zero_ways, s.zero, tuple(int(x) for x in chunk_bytes), (0,) * chunks,
                   tuple(int(x) for x in chunk_bytes), (0,) * chunks, axis=s.zero_axis,
-                  replicas=s.dp_replicas),
+                  overlap=s.overlap_grad, replicas=s.dp_replicas, overlap_param=s.overlap_param),
         *res.streams,
         order,
         Fuse(),

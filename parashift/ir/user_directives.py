@@ -7,7 +7,10 @@ A user writes a list of directives about *regions* (the names given with ``paras
 - :class:`Place` maps regions to chunks and chunks to pipeline stages (``stages=(0, 1, 1, 0)``: a V);
 - :class:`Replicate` / :class:`Shard` say how regions train over the ``dp`` axis: replicated
   (gradients all-reduced) or ZeRO-sharded at ``level`` 1, 2 or 3, over ``ways`` ranks; ``fuse_accum``:
-  weight-gradient GEMMs accumulate into the gradient buffer (the strategy's ``grad_fusion``). On a
+  weight-gradient GEMMs accumulate into the gradient buffer (the strategy's ``grad_fusion``);
+  ``overlap_reduce``: each chunk's gradient reduction starts when its backward is done (``overlap_grad``);
+  ``overlap_gather`` (Shard, level 1 or 2): the parameter gathers run in the next step's forward
+  (``overlap_param``). On a
   preset, ``Shard('*', over='tp'|'sp', ways=n, async_bwd=True)``: the backward's TP reduction runs on
   stream ``tp`` beside the weight gradients (the strategy's ``tp_async``);
 - ``Split(microbatches=m, backward=True)`` (:class:`~parashift.ir.directives.Split`): m micro-batches,
@@ -20,8 +23,7 @@ A user writes a list of directives about *regions* (the names given with ``paras
   timeline).
 
 A Strategy is sugar for such a list: :func:`strategy_directives` prints what it expands to, and
-compiling that list gives the strategy's own Program (``overlap_grad`` and ``overlap_param`` aside:
-no directive says them yet; the base strategy does). Region patterns are a region name, a dotted
+compiling that list gives the strategy's own Program. Region patterns are a region name, a dotted
 prefix (``"layers.1"`` covers ``"layers.1.attn"``), a layer range ``"layers.0-3"`` or ``"*"``; where
 several match, the most specific wins. Pure planning code: no torch.
 """
@@ -126,19 +128,23 @@ class Place:
 class Replicate:
     """Train ``regions`` replicated over ``over`` (gradients all-reduced); ``ways``: the axis size
     (None: the base strategy's); ``fuse_accum``: each weight-gradient GEMM accumulates into the
-    gradient buffer (Megatron's gradient-accumulation fusion; the strategy's ``grad_fusion``)."""
+    gradient buffer (Megatron's gradient-accumulation fusion; the strategy's ``grad_fusion``);
+    ``overlap_reduce``: a chunk's gradient reduction starts when that chunk's backward is done, not
+    after the stage's whole backward (a chunk is the bucket; the strategy's ``overlap_grad``)."""
 
     regions: "str | tuple[str, ...]" = "*"
     over: str = "dp"
     ways: "int | None" = None
     fuse_accum: bool = False
+    overlap_reduce: bool = False
 
     level = 0
     async_bwd = False
+    overlap_gather = False
 
     def __str__(self) -> str:
         return (f"Replicate({self.regions!r}, over={self.over!r}" + (f", ways={self.ways}" if self.ways else "")
-                + (", fuse_accum=True" if self.fuse_accum else "") + ")")
+                + _flags(self) + ")")
 
 
 @dataclass(frozen=True)
@@ -146,7 +152,10 @@ class Shard:
     """ZeRO-shard ``regions`` over ``over`` at ``level`` (1: optimizer states, 2: + gradients,
     3: + parameters, gathered before each use); ``group``: hybrid sharding, the shards span groups of
     ``group`` consecutive dp ranks and are replicated across the groups (the strategy's ``shard``);
-    ``fuse_accum`` (over dp): as :class:`Replicate`'s. ``async_bwd`` (over tp or sp, ways > 1): the
+    ``fuse_accum``, ``overlap_reduce`` (over dp): as :class:`Replicate`'s; ``overlap_gather`` (level 1
+    or 2): the parameter all-gathers after the optimizer move to the next step, each chunk's (a
+    preset's: each region's) waited for by its first forward (the strategy's ``overlap_param``).
+    ``async_bwd`` (over tp or sp, ways > 1): the
     backward's TP reduction of a column-parallel block's input gradient runs on stream ``"tp"`` beside
     the block's weight-gradient compute (Megatron's asynchronous TP all-reduce; the strategy's ``tp_async``)."""
 
@@ -157,12 +166,19 @@ class Shard:
     group: "int | None" = None
     async_bwd: bool = False
     fuse_accum: bool = False
+    overlap_reduce: bool = False
+    overlap_gather: bool = False
 
     def __str__(self) -> str:
         level = f", level={self.level}" if self.over == "dp" else ""
         return (f"Shard({self.regions!r}{level}, over={self.over!r}" + (f", ways={self.ways}" if self.ways else "")
                 + (f", group={self.group}" if self.group else "") + (", async_bwd=True" if self.async_bwd else "")
-                + (", fuse_accum=True" if self.fuse_accum else "") + ")")
+                + _flags(self) + ")")
+
+
+def _flags(d: "Replicate | Shard") -> str:
+    """The dp options a Replicate or Shard prints (those on), in field order."""
+    return "".join(f", {k}=True" for k in ("fuse_accum", "overlap_reduce", "overlap_gather") if getattr(d, k))
 
 
 @dataclass(frozen=True)
@@ -336,6 +352,13 @@ def _axis_sizes(syncs: list, regions: Sequence[str], axes: Sequence[str]) -> dic
         if d.fuse_accum:
             raise ProgramError(f"{_fmt(d)}: fuse_accum is how gradients accumulate, an option of the dp directive; "
                                f"write Replicate('*', fuse_accum=True) or Shard('*', level=..., fuse_accum=True)")
+        if d.overlap_reduce or d.overlap_gather:
+            k = "overlap_reduce" if d.overlap_reduce else "overlap_gather"
+            raise ProgramError(f"{_fmt(d)}: {k} overlaps the data-parallel "
+                               f"{'gradient reduction' if d.overlap_reduce else 'parameter gathers'}, an option of "
+                               f"the dp directive; write "
+                               + ("Replicate('*', overlap_reduce=True) or Shard('*', level=..., overlap_reduce=True)"
+                                  if d.overlap_reduce else "Shard('*', level=1 or 2, overlap_gather=True)"))
         if d.async_bwd and d.over not in ("tp", "sp"):
             raise ProgramError(f"{_fmt(d)}: async_bwd overlaps the backward's tensor-parallel reduction; give it "
                                f"on Shard('*', over='tp' or 'sp', ways=...), not over {d.over}")
@@ -359,12 +382,21 @@ def _dp_sizes(syncs: list, regions: Sequence[str], param_regions: "Sequence[str]
         if d.async_bwd:
             raise ProgramError(f"{_fmt(d)}: async_bwd overlaps the backward's tensor-parallel reduction, an option "
                                f"of Shard('*', over='tp' or 'sp', ways=...), not of the dp directive")
+        if d.overlap_gather and d.level not in (1, 2):
+            raise ProgramError(f"{_fmt(d)}: overlap_gather moves the ZeRO-1/2 parameter gathers into the next "
+                               f"step's forward; at level 3 every use already gathers its parameters: use level=1 "
+                               f"or 2, or drop overlap_gather")
         _unmatched(_fmt(d), _regions_of(d.regions), regions)
-    fused = {bool(d.fuse_accum) for d in syncs}
-    if len(fused) > 1:
-        on, off = (next(d for d in syncs if bool(d.fuse_accum) is v) for v in (True, False))
-        raise ProgramError(f"{_fmt(on)} fuses gradient accumulation but {_fmt(off)} does not; the runtime "
-                           f"accumulates one way per job: give fuse_accum=True on every dp directive or none")
+    flags = {}
+    for k, what in (("fuse_accum", "fuses gradient accumulation"), ("overlap_reduce", "overlaps the gradient "
+                    "reduction"), ("overlap_gather", "overlaps the parameter gathers")):
+        given = [d for d in syncs if k != "overlap_gather" or isinstance(d, Shard)]   # Replicate gathers nothing
+        on = [d for d in given if getattr(d, k)]
+        if on and len(on) < len(given):
+            off = next(d for d in given if not getattr(d, k))
+            raise ProgramError(f"{_fmt(on[0])} {what} but {_fmt(off)} does not; the runtime does it one way per "
+                               f"job: give {k}=True on every {'dp Shard' if k == 'overlap_gather' else 'dp directive'} or none")
+        flags[k] = bool(on)
     ways = {d.ways for d in syncs if d.ways is not None}
     if len(ways) > 1:
         raise ProgramError(f"{', '.join(map(_fmt, syncs))} give dp sizes {sorted(ways)}; one job has one dp size")
@@ -381,10 +413,16 @@ def _dp_sizes(syncs: list, regions: Sequence[str], param_regions: "Sequence[str]
         raise ProgramError(f"region {r1!r} trains at ZeRO level {d1.level} ({_fmt(d1)}) but region {r2!r} at "
                            f"{d2.level} ({_fmt(d2)}); the runtime keeps one ZeRO level per job: give every "
                            f"region the same level")
+    if flags["overlap_gather"] and 0 in first:
+        on = next(d for d in syncs if d.overlap_gather)
+        raise ProgramError(f"{_fmt(on)} overlaps parameter gathers but the regions with parameters are replicated "
+                           f"(nothing is gathered); shard them at level 1 or 2, or drop overlap_gather")
     groups = {d.group for d in syncs if isinstance(d, Shard) and d.group}
     if len(groups) > 1:
         raise ProgramError(f"{', '.join(map(_fmt, syncs))} give shard groups {sorted(groups)}; one job has one")
-    return {"zero": next(iter(first), 0), "grad_fusion": fused.pop(), **({"dp": ways.pop()} if ways else {}),
+    # no region with parameters (or none given): the level is moot; the highest named keeps the options valid
+    return {"zero": next(iter(first), max(d.level for d in syncs)), "grad_fusion": flags["fuse_accum"], "overlap_grad": flags["overlap_reduce"],
+            "overlap_param": flags["overlap_gather"], **({"dp": ways.pop()} if ways else {}),
             **({"shard": groups.pop()} if groups else {})}
 
 
@@ -439,8 +477,10 @@ def strategy_directives(strategy: "str | Strategy", *, layers: int, global_batch
         table["head"] = s.stages - 1
     out: list = [Place(table, stages=tuple(int(s.chunk_rank_stage(c)) for c in range(s.stages)))]
     out.append(Split(microbatches=m, backward=split_backward(s.schedule)))
-    out.append(Replicate("*", over="dp", ways=s.dp, fuse_accum=s.grad_fusion) if s.zero == 0 else
-               Shard("*", level=s.zero, over="dp", ways=s.dp, group=s.shard or None, fuse_accum=s.grad_fusion))
+    out.append(Replicate("*", over="dp", ways=s.dp, fuse_accum=s.grad_fusion, overlap_reduce=s.overlap_grad)
+               if s.zero == 0 else
+               Shard("*", level=s.zero, over="dp", ways=s.dp, group=s.shard or None, fuse_accum=s.grad_fusion,
+                     overlap_reduce=s.overlap_grad, overlap_gather=s.overlap_param))
     for axis, ways in (("sp" if s.sp else "tp", s.tp), ("cp", s.cp), ("ep", s.ep)):
         if ways > 1:
             out.append(Shard("*", over=axis, ways=ways, async_bwd=s.tp_async and axis in ("tp", "sp")))
