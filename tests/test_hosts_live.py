@@ -69,23 +69,47 @@ def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, st
 def test_two_hosts_train_a_third_joins_one_leaves_with_notice(capsys):
     """Hosts 1 and 2 (one process each) train dp=2; host 3 (two processes) joins the running job,
     which grows to dp=4 at a step boundary; then host 2 gets SIGTERM and the job shrinks to dp=3
-    without it. The losses equal the static dp=2 job on one host; every host exits 0."""
+    without it. The losses equal the static dp=2 job on one host; every host exits 0.
+
+    The moments are made, not raced (as in :func:`test_a_host_killed_mid_switch`): host 2 is held
+    (SIGSTOP, before its process starts: the first world waits for it) until host 3 has registered,
+    so the 30-step job cannot end before it grows; host 3 is held once it knows the step it joins at
+    (before its processes start: the switch, and so the job, waits for them) until host 2's SIGTERM
+    notice is in the store, so the job cannot end before it shrinks. The heartbeat window exceeds
+    every hold: a held host is never declared lost by its silence."""
+    hold, window = 90.0, 150
     port = _free_port()
     env = dict(os.environ, **{SECRET_ENV: SECRET}, PYTHONUNBUFFERED="1")
-    at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", "150"]
+    at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", str(window)]
     job = ["--model", "tiny-gpt", "--strategy", "dp=2", "--steps", "30", "--global-batch", "12", "--live"]
-    first = _host(["run", *job, "--switch-notice", "1", *at, "--nprocs", "1", "--json"], env)
-    time.sleep(0.5)
-    second = _host(["join", *at, "--nprocs", "1"], env)
-    deadline = time.monotonic() + 60
-    while not second.stderr.readline().startswith("host 2: devices 1-1"):   # the first world is complete
-        assert time.monotonic() < deadline and second.poll() is None, "host 2 never started training"
-    third = _host(["join", *at, "--nprocs", "2"], env)
-    while "from step" not in third.stderr.readline():
-        assert time.monotonic() < deadline and third.poll() is None, "host 3 never joined"
-    second.send_signal(signal.SIGTERM)
-    (rc1, out1, err1), (rc2, _, err2), (rc3, _, err3) = _finish([first, second, third], 170)
-    assert rc1 == 0 and rc2 == 0 and rc3 == 0, (err1 + err2 + err3)[-3000:]
+    first = _host(["run", *job, "--switch-notice", "1", *at, "--nprocs", "1", "--heartbeat-timeout", str(window),
+                   "--json"], env)
+    procs = [first]
+    try:
+        time.sleep(0.5)
+        second = _host(["join", *at, "--nprocs", "1"], env)
+        procs.append(second)
+        _await_line(second, "host 2: devices 1-1, training", "host 2 never got the job")   # the first world is whole
+        os.killpg(second.pid, signal.SIGSTOP)
+        third = _host(["join", *at, "--nprocs", "2"], env)
+        procs.append(third)
+        said3 = _await_line(third, "host 3: devices 2-3 announced", "host 3 never came", hold)
+        os.killpg(second.pid, signal.SIGCONT)
+        if "from step" not in said3:
+            said3 += _await_line(third, "from step", "host 3 never joined", hold)
+        os.killpg(third.pid, signal.SIGSTOP)            # the switch to dp=4 waits for host 3's processes
+        second.send_signal(signal.SIGTERM)
+        from parashift.exec.jobstore import connect
+        store = connect("127.0.0.1", port, SECRET, 60)
+        _await_key(store, "hosts/leave/2", [first, second], "host 2 never gave notice", hold)
+        os.killpg(third.pid, signal.SIGCONT)
+        (rc1, out1, err1), (rc2, _, err2), (rc3, _, err3) = _finish([first, second, third], 170)
+    finally:
+        for p in procs:
+            if p.poll() is None:        # a failed wait above: nothing is left stopped or running
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    assert rc1 == 0 and rc2 == 0 and rc3 == 0, (err1 + err2 + said3 + err3)[-3000:]
     got = json.loads(out1)
     assert got["hosts"] == {"1": [0], "2": [1], "3": [2, 3]}
     assert got["strategies"] == ["dp=2,tp=1,pp=1", "dp=4,tp=1,pp=1", "dp=3,tp=1,pp=1"]
