@@ -332,6 +332,16 @@ def test_a_traced_model_reduces_each_chunk_when_overlap_grad_says(graph):
     assert on[2].id < off[2].id
 
 
+def test_overlap_param_on_a_traced_model_hides_the_later_chunks_gathers_in_simulation(graph):
+    """A chunk is a traced model's bucket: with two chunks a stage, the second chunk's gather runs
+    behind the first chunk's forward."""
+    from parashift.sim import simulate
+    base = "dp=2,pp=2,vpp=2,schedule=interleaved-1f1b,zero=1"
+    off, on = (simulate(compile_graph(graph, s, global_batch=GB), "cpu-local").step_time
+               for s in (base, base + ",overlap_param"))
+    assert on < 0.99 * off
+
+
 def test_overlap_directive_misuse_is_one_line(graph):
     import parashift as ps
     from parashift.ir.user_directives import resolve

@@ -2,11 +2,12 @@
 
 Supports data parallelism with ZeRO 0-3, pipeline parallelism (any schedule, vpp), recomputation,
 ``overlap_grad`` and ``overlap_param`` (a chunk is the bucket: one gradient reduction, and one
-parameter gather in its first forward, per chunk) and custom orders; tensor and expert parallelism
-need to know how a region shards, which only the preset transformers describe, so ``tp`` and ``ep``
-must be 1. Trace the model with ONE micro-batch's input (``mbs`` sequences): the graph's FLOPs and
-bytes are taken per micro-batch. Parameters are assumed to train in their traced dtype with fp32
-AdamW moments (no master copy when fp32).
+parameter gather before its first forward, per chunk, so they hide communication only where a stage
+holds several chunks) and custom orders; tensor and expert parallelism need to know how a region
+shards, which only the preset transformers describe, so ``tp`` and ``ep`` must be 1. Trace the model
+with ONE micro-batch's input (``mbs`` sequences): the graph's FLOPs and bytes are taken per
+micro-batch. Parameters are assumed to train in their traced dtype with fp32 AdamW moments (no
+master copy when fp32).
 
 Regions map to pipeline chunks by layer: regions named ``layers.{i}.*`` (or tagged ``layer=i``) form
 layer i; ``embed`` regions go to the first chunk and ``head`` regions to the last; without layer
