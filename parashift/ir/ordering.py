@@ -5,7 +5,7 @@ between them). Like every directive, each is a pure rewrite ``apply(graph) -> gr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import ClassVar, Mapping, Sequence
 
 import numpy as np
 
@@ -29,6 +29,7 @@ class Stream:
     stream: str
     ops: tuple[str, ...] = ()
     tag_prefix: str = ""
+    stampable: ClassVar[bool] = True     # see :mod:`parashift.ir.stamp`
 
     def apply(self, g: Graph) -> Graph:
         out = g.owned()
