@@ -11,7 +11,7 @@ import numpy as np
 
 from ..errors import ProgramError
 from .actions import AFTER, END, OPTIM, POST, Action, Step, action_ids, as_steps, format_order
-from .graph import DATA, ORDER, SAVED, Graph, equals as _equals
+from .graph import DATA, ORDER, SAVED, Graph, distinct, equals as _equals, take as _take
 
 __all__ = ["Order", "Stream", "Fuse"]
 
@@ -74,6 +74,25 @@ def _bound_grad_buckets(g: Graph, in_order: np.ndarray) -> None:
                     g.edge(freer[name], lst[k][1], ORDER)
 
 
+def _group_ends(keys: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per distinct integer key, ascending: the key, its first row, and its rows of least and of
+    greatest value (ties: the first such row). One sort of the keys (a lexsort is several times slower)."""
+    n = len(keys)
+    if keys.min() < 0 or int(keys.max()) >= (1 << 62) // n:
+        o = np.argsort(keys, kind="stable")
+    else:
+        o = np.sort(keys * n + np.arange(n)) % n        # rows by key, then row
+    k, v = keys[o], vals[o]
+    lead = np.concatenate([[True], k[1:] != k[:-1]])
+    starts = np.flatnonzero(lead)
+    grp = np.cumsum(lead) - 1
+    ends = []
+    for best in (np.minimum.reduceat(v, starts), np.maximum.reduceat(v, starts)):
+        at = np.flatnonzero(v == best[grp])             # rows attaining their key's extreme, in order
+        ends.append(o[at[np.concatenate([[True], grp[at][1:] != grp[at][:-1]])]])
+    return k[starts], o[starts], ends[0], ends[1]
+
+
 @dataclass(frozen=True)
 class Order:
     """Fix each listed stage's order of actions: ``orders[stage]`` is a text order
@@ -99,7 +118,7 @@ class Order:
         stage = np.asarray(stage_col, np.int64)
         has = aid >= 0
         na = max(len(alist), 1)
-        pairs = np.unique(stage[has] * na + aid[has])
+        pairs = distinct(stage[has] * na + aid[has])
         have: dict[int, set] = {}
         for st, j in zip((pairs // na).tolist(), (pairs % na).tolist()):
             have.setdefault(st, set()).add(alist[j])
@@ -143,14 +162,25 @@ class Order:
         kpos = np.full(len(alist) + 1, -1, np.int64)     # step position of each action (-1: none)
         kpos[:len(alist)] = [position.get(a, -1) for a in alist]
         kk = kpos[aid]
-        kl = kk.tolist()
-        act_nodes = np.flatnonzero(in_order & has)
+        placed = in_order & has
+        act_nodes = np.flatnonzero(placed)
         slot = c["slot"]
-        for i in act_nodes.tolist():
-            slot[i] = (kl[i], pos_col[i])
+        if 2 * len(act_nodes) > n:        # most nodes: one column of (step, pos), the rest as they were
+            old, slot = slot, list(zip(kk.tolist(), pos_col))
+            c["slot"] = slot
+            for i in np.flatnonzero(~placed).tolist():
+                slot[i] = old[i]
+            at = np.asarray(pos_col, np.float64)[act_nodes]     # the position in slot of each of act_nodes
+        else:
+            ai = act_nodes.tolist()
+            ps = _take(pos_col, ai) if ai else []
+            for i, v in zip(ai, zip(kk[act_nodes].tolist(), ps)):
+                slot[i] = v
+            at = np.asarray(ps, np.float64)
         for i, p in spread.items():
             if in_order[i]:
-                slot[i] = (kl[i], p)
+                slot[i] = (int(kk[i]), p)
+                at[np.searchsorted(act_nodes, i)] = p
         for i in np.flatnonzero(in_order & ~has).tolist():
             a = acts_col[i]
             if a is None:
@@ -166,29 +196,25 @@ class Order:
         # per (stage, step), keyed stage * width + step: its compute-stream node first and last in position
         # (ties: lowest index); each step's first waits for the step before's last, in the order the
         # (stage, step)s first show such a node
-        comp = act_nodes[_equals(c["stream"], "compute")[act_nodes]]
+        on = _equals(c["stream"], "compute")[act_nodes]
+        comp = act_nodes[on]
         keys, firsts, width = np.zeros(0, np.int64), np.zeros(0, np.int64), 1
         if len(comp):
-            pv = np.fromiter((slot[i][1] for i in comp.tolist()), np.float64, len(comp))
+            pv = at[on]
             width = int(kk[comp].max()) + 2
             gk = stage[comp] * width + kk[comp]
-            keys, seen = np.unique(gk, return_index=True)
-            ends = []
-            for sign in (1.0, -1.0):
-                o = np.lexsort((comp, sign * pv, gk))
-                lead = np.ones(len(o), bool)
-                lead[1:] = gk[o][1:] != gk[o][:-1]
-                ends.append(comp[o][lead])
-            firsts, lasts = ends
+            keys, seen, lo, hi = _group_ends(gk, pv)
+            firsts, lasts = comp[lo], comp[hi]
             keyed = np.argsort(seen, kind="stable")
             prev = np.minimum(np.searchsorted(keys, keys - 1), len(keys) - 1)
             js = keyed[(keys[prev] == keys - 1)[keyed]]
             out.add_edges(lasts[prev[js]].tolist(), firsts[js].tolist(), ORDER)
             # tp_async: a step's last reduction on stream "tp" ends before the next step's first compute
             # (Megatron's backward waits for its asynchronous all-reduce before it returns)
-            tpn = act_nodes[_equals(c["stream"], "tp")[act_nodes]] if "tp" in c["stream"] else act_nodes[:0]
+            on = _equals(c["stream"], "tp")[act_nodes] if "tp" in c["stream"] else np.zeros(len(act_nodes), bool)
+            tpn = act_nodes[on]
             if len(tpn):
-                tv = np.fromiter((slot[i][1] for i in tpn.tolist()), np.float64, len(tpn))
+                tv = at[on]
                 tk = stage[tpn] * width + kk[tpn]
                 o = np.lexsort((-tpn, -tv, tk))
                 lead = np.ones(len(o), bool)
@@ -212,17 +238,28 @@ class Order:
     def _acyclic(g: Graph, steps: dict[int, list[Step]], aid: np.ndarray, amap: dict) -> bool:
         """Whether the action graph (data edges between actions plus each stage's order) is acyclic
         (Kahn's algorithm; :meth:`_check_acyclic` finds and names a cycle)."""
-        s, d = g.edges((DATA, SAVED))
-        su, du = aid[s], aid[d]
-        m = (su >= 0) & (du >= 0) & (su != du)
+        su, du = aid[np.asarray(g.src, np.int64)], aid[np.asarray(g.dst, np.int64)]
+        m = (su >= 0) & (du >= 0) & (su != du) & (np.asarray(g.ekind, np.int8) != ORDER)
         na = len(amap)
         su, du = su[m], du[m]
-        extra = [(amap[a], amap[b]) for ss in steps.values() for prev, nxt in zip(ss, ss[1:])
-                 for a in prev for b in nxt if a in amap and b in amap]
-        if extra:
-            e = np.asarray(extra, np.int64)
-            su, du = np.concatenate([su, e[:, 0]]), np.concatenate([du, e[:, 1]])
-        key = np.unique(su * na + du)
+        eu: list[int] = []      # each stage's order: every action of a step before every action of the next
+        ev: list[int] = []
+        for ss in steps.values():
+            if all(len(step) == 1 for step in ss):
+                ids = np.fromiter((amap.get(step[0], -1) for step in ss), np.int64, len(ss))
+                ok = (ids[:-1] >= 0) & (ids[1:] >= 0)
+                eu += ids[:-1][ok].tolist()
+                ev += ids[1:][ok].tolist()
+            else:
+                for prev, nxt in zip(ss, ss[1:]):
+                    for a in prev:
+                        for b in nxt:
+                            if a in amap and b in amap:
+                                eu.append(amap[a])
+                                ev.append(amap[b])
+        if eu:
+            su, du = np.concatenate([su, np.asarray(eu, np.int64)]), np.concatenate([du, np.asarray(ev, np.int64)])
+        key = distinct(su * na + du)
         su, du = key // max(na, 1), key % max(na, 1)
         indeg = np.bincount(du, minlength=na).tolist()
         start = np.searchsorted(su, np.arange(na + 1)).tolist()

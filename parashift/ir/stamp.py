@@ -24,7 +24,7 @@ from .graph import Graph
 __all__ = ["apply_stamped", "layout", "stamp"]
 
 #: Fewest micro-batches worth stamping: below it the checking runs cost more than they save.
-STAMP_FROM = 8
+STAMP_FROM = 32
 
 
 class _Unstampable(Exception):
@@ -167,10 +167,17 @@ def stamp(g2: Graph, m: int, lay: "tuple[list, list] | None" = None) -> Graph:
     return out
 
 
+def _kind(v: Any) -> Any:
+    """``v``'s type, and for a plain tuple its elements' (what equality overlooks: ``1 == 1.0``)."""
+    t = type(v)
+    return (t, tuple(map(_kind, v))) if t is tuple else t
+
+
 def _same(a: Graph, b: Graph) -> bool:
     """Node by node and edge by edge the same graph, values and their types alike."""
     return (a.src == b.src and a.dst == b.dst and a.ekind == b.ekind and a.cols.keys() == b.cols.keys()
-            and all(a.cols[k] == b.cols[k] and repr(a.cols[k]) == repr(b.cols[k]) for k in a.cols))
+            and all(a.cols[k] == b.cols[k] and list(map(_kind, a.cols[k])) == list(map(_kind, b.cols[k]))
+                    for k in a.cols))
 
 
 def _prefixes(g: Graph, steps: Sequence, k: int) -> list[Graph]:
