@@ -93,10 +93,13 @@ class _Series:
         if t is int:
             return list(range(v0, v0 + m * (v1 - v0), v1 - v0))
         if t is str:
-            p = 0
-            while p < len(v0) and p < len(v1) and v0[p] == v1[p]:
-                p += 1
-            head, tail = v0[:p], v0[p + 1:]
+            if v0[-1:] == "0" and v1 == v0[:-1] + "1":      # the usual case: the number ends the name
+                head, tail = v0[:-1], ""
+            else:
+                p = 0
+                while p < len(v0) and p < len(v1) and v0[p] == v1[p]:
+                    p += 1
+                head, tail = v0[:p], v0[p + 1:]
             if v0 != head + "0" + tail or v1 != head + "1" + tail or head[-1:].isdigit() or tail[:1].isdigit():
                 raise _Unstampable(f"{v0!r} and {v1!r} do not name micro-batches 0 and 1")
             return list(map(head.__add__, self.names)) if not tail else [head + k + tail for k in self.names]
@@ -173,11 +176,16 @@ def _kind(v: Any) -> Any:
     return (t, tuple(map(_kind, v))) if t is tuple else t
 
 
+def _same_column(a: list, b: list) -> bool:
+    if a != b or list(map(type, a)) != list(map(type, b)):
+        return False
+    return [_kind(x) for x in a if type(x) is tuple and x] == [_kind(x) for x in b if type(x) is tuple and x]
+
+
 def _same(a: Graph, b: Graph) -> bool:
     """Node by node and edge by edge the same graph, values and their types alike."""
     return (a.src == b.src and a.dst == b.dst and a.ekind == b.ekind and a.cols.keys() == b.cols.keys()
-            and all(a.cols[k] == b.cols[k] and list(map(_kind, a.cols[k])) == list(map(_kind, b.cols[k]))
-                    for k in a.cols))
+            and all(_same_column(a.cols[k], b.cols[k]) for k in a.cols))
 
 
 def _prefixes(g: Graph, steps: Sequence, k: int) -> list[Graph]:
