@@ -5,10 +5,10 @@ Recompute, Replicate, Stream) give, for m micro-batches, m copies of one micro-b
 edges, each with its own micro-batch number in ``mb``, tags, buffer names and actions, between nodes
 that belong to no micro-batch (``mb == -1``: optimizer steps, gradient syncs). :func:`apply_stamped`
 applies them for two micro-batches, reads that layout off the small graph (:func:`layout`) and
-:func:`stamp` s it to m, so a full-scale step costs a few micro-batches of directive work plus list
-copies. The layout is checked, never assumed: the same directives applied for three micro-batches
+stamps it to m (:func:`stamp`), so a full-scale step costs a few micro-batches of directive work plus
+list copies. The layout is checked, never assumed: the directives applied for three micro-batches
 must equal the two-micro-batch graph stamped to three, node by node and edge by edge (values and
-types), else ``apply_stamped`` returns None and the caller applies the directives to all m.
+types), else a shorter leading part of them is stamped, or none.
 """
 from __future__ import annotations
 
