@@ -177,6 +177,12 @@ def test_order_must_list_every_action_once():
     with pytest.raises(ProgramError, match="more than once"):
         compile("tiny-gpt", "dp=1,pp=2", global_batch=2, seq_len=16,
                 order=Order({0: "0F0 0F1 0B0 0B1 0B1", 1: "1F0 1F1 1B0 1B1"}))
+    with pytest.raises(ProgramError, match="missing -, not on this stage 0F2"):      # no such micro-batch
+        compile("tiny-gpt", "dp=1,pp=2", global_batch=2, seq_len=16,
+                order=Order({0: "0F0 0F1 0F2 0B0 0B1", 1: "1F0 1F1 1B0 1B1"}))
+    with pytest.raises(ProgramError, match="stage 1 does not match its actions: missing 1B1, not on this stage 0B1"):
+        compile("tiny-gpt", "dp=1,pp=2", global_batch=2, seq_len=16,
+                order=Order({0: "0F0 0F1 0B0 0B1", 1: "1F0 1F1 1B0 0B1"}))
 
 
 def test_action_text_round_trip_and_errors():

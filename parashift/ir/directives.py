@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from itertools import compress, repeat
 from operator import add
-from typing import Mapping, Sequence
+from typing import ClassVar, Mapping, Sequence
 
 import numpy as np
 
@@ -30,7 +30,7 @@ from ..errors import ProgramError
 from .actions import AFTER, END, OPTIM, POST, Action
 from .graph import DATA, SAVED, Graph, equals as _equals, take as _take
 from .ordering import Fuse, Order, Stream
-from . import tags as T
+from . import stamp as _stamp, tags as T
 
 __all__ = ["Split", "Place", "Shard", "Recompute", "Replicate", "Order", "Stream", "Fuse", "apply_all",
            "END", "OPTIM", "POST", "AFTER"]
@@ -119,6 +119,8 @@ class Split:
     backward: bool = False
     kinds: tuple[str, ...] | None = None
     keep_action: bool = False
+    #: treats every micro-batch alike: :func:`apply_all` may stamp it (see :mod:`parashift.ir.stamp`)
+    stampable: ClassVar[bool] = True
 
     def apply(self, g: Graph) -> Graph:
         out = g
@@ -218,6 +220,7 @@ class Place:
     act_bytes: int
     optim: tuple[tuple[float, int], ...] = ()
     vshape: bool = False
+    stampable: ClassVar[bool] = True
 
     def _peer(self, cu: int, cv: int) -> str:
         """Symbolic peer for data moving from chunk cu to the adjacent chunk cv (a custom placement
@@ -312,6 +315,7 @@ class Shard:
     stats_bytes: int = 0
     sp: bool = False
     async_bwd: bool = False
+    stampable: ClassVar[bool] = True
 
     def apply(self, g: Graph) -> Graph:
         if self.axis not in ("tp", "ep", "cp"):
@@ -484,6 +488,7 @@ class Recompute:
     mode: str
     selective_flops: float = 0.0
     rc_bytes: Mapping[str, int] = field(default_factory=dict)
+    stampable: ClassVar[bool] = True
 
     def apply(self, g: Graph) -> Graph:
         if self.mode not in ("none", "selective", "full"):
@@ -572,6 +577,7 @@ class Replicate:
     prefetch: int = 1     # ZeRO-3 per-region gathers issued ahead of the running region (0: none)
     replicas: int = 1     # hybrid sharding: copies of each ZeRO shard (``ways`` is then the shard group)
     overlap_param: bool = False   # ZeRO-1/2: the parameter gathers run in the step's forward, see _forward_gathers
+    stampable: ClassVar[bool] = True
 
     def apply(self, g: Graph) -> Graph:
         out = g.owned()
@@ -898,10 +904,31 @@ def _divide(c: dict, nodes: np.ndarray, ways: int) -> None:
             col[i] = v
 
 
-def apply_all(g: Graph, directives: Sequence) -> Graph:
+def _stampable(directives: Sequence) -> int:
+    """How many leading directives :mod:`~parashift.ir.stamp` may apply: a ``Split(microbatches=m)``
+    and the stampable directives right after it (0: none)."""
+    if not directives or not isinstance(directives[0], Split) or not isinstance(directives[0].microbatches, int) \
+            or directives[0].microbatches < 1:
+        return 0
+    k = 1
+    while k < len(directives) and getattr(type(directives[k]), "stampable", False):
+        k += 1
+    return k
+
+
+def apply_all(g: Graph, directives: Sequence, *, stamp: "bool | None" = None) -> Graph:
     """Apply directives in order (each returns a new graph; ``g`` is not changed). The graphs between
-    two directives are scratch: the next directive rewrites them in place instead of copying."""
+    two directives are scratch: the next directive rewrites them in place instead of copying.
+
+    ``stamp``: apply a leading ``Split(microbatches=m)`` and the stampable directives after it for two
+    micro-batches and stamp the result to m (see :mod:`parashift.ir.stamp`; the same graph, checked);
+    None: where m is at least ``stamp.STAMP_FROM``."""
     first = g
+    k = _stampable(directives) if stamp is not False else 0
+    if k and (stamp or directives[0].microbatches >= _stamp.STAMP_FROM):
+        out, k = _stamp.apply_stamped(g, directives[:k], directives[0].microbatches)
+        if out is not None:
+            g, directives = out, directives[k:]
     try:
         for d in directives:
             g._scratch = g is not first

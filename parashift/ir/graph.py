@@ -18,7 +18,8 @@ import numpy as np
 
 from ..errors import ProgramError
 
-__all__ = ["Graph", "Node", "DATA", "SAVED", "ORDER", "EDGE_KINDS", "NODE_FIELDS", "paused_gc", "take", "equals", "grouped"]
+__all__ = ["Graph", "Node", "DATA", "SAVED", "ORDER", "EDGE_KINDS", "NODE_FIELDS", "paused_gc", "take", "equals", "grouped",
+           "distinct"]
 
 DATA, SAVED, ORDER = 0, 1, 2
 EDGE_KINDS = ("data", "saved", "order")
@@ -69,6 +70,12 @@ def grouped(keys: np.ndarray, nodes: np.ndarray) -> dict[int, list[int]]:
     starts = np.flatnonzero(np.concatenate([[True], ks[1:] != ks[:-1]]))
     ns, b, kl = nodes[o].tolist(), np.append(starts, len(ks)).tolist(), ks[starts].tolist()
     return {kl[j]: ns[b[j]:b[j + 1]] for j in np.argsort(o[starts], kind="stable").tolist()}
+
+
+def distinct(keys: np.ndarray) -> np.ndarray:
+    """``np.unique(keys)``, by one sort (numpy 2's ``unique`` hashes: on a million integers 10-20x slower)."""
+    s = np.sort(keys)
+    return s[np.concatenate([[True], s[1:] != s[:-1]])] if len(s) else s
 
 
 @contextmanager

@@ -5,13 +5,13 @@ between them). Like every directive, each is a pure rewrite ``apply(graph) -> gr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import ClassVar, Mapping, Sequence
 
 import numpy as np
 
 from ..errors import ProgramError
 from .actions import AFTER, END, OPTIM, POST, Action, Step, action_ids, as_steps, format_order
-from .graph import DATA, ORDER, SAVED, Graph, equals as _equals
+from .graph import DATA, ORDER, SAVED, Graph, distinct, equals as _equals, take as _take
 
 __all__ = ["Order", "Stream", "Fuse"]
 
@@ -29,6 +29,7 @@ class Stream:
     stream: str
     ops: tuple[str, ...] = ()
     tag_prefix: str = ""
+    stampable: ClassVar[bool] = True     # see :mod:`parashift.ir.stamp`
 
     def apply(self, g: Graph) -> Graph:
         out = g.owned()
@@ -53,14 +54,15 @@ def _bound_grad_buckets(g: Graph, in_order: np.ndarray) -> None:
     n = len(g)
     freer: dict[str, int] = {}
     allocs: dict[int, list[tuple[tuple, int, list[str]]]] = {}
-    comp = _equals(c["op"], "compute")
-    alloc, free = c["alloc"], c["free"]
-    for i in np.flatnonzero(~comp & np.fromiter(map(bool, free), bool, n)).tolist():
-        for name in free[i]:
-            if name.startswith(("zg.", "zge.")):
-                freer[name] = i
+    alloc, free, op = c["alloc"], c["free"], c["op"]
+    for i in np.flatnonzero(np.fromiter(map(bool, free), bool, n)).tolist():
+        if op[i] != "compute":
+            for name in free[i]:
+                if name.startswith(("zg.", "zge.")):
+                    freer[name] = i
     if not freer:           # no bucket is ever freed: nothing to wait for
         return
+    comp = _equals(op, "compute")
     for i in np.flatnonzero(comp & in_order & np.fromiter(map(bool, alloc), bool, n)).tolist():
         names = [a for a, _ in alloc[i] if a.startswith(("zg.", "zge."))]
         if names:
@@ -71,6 +73,25 @@ def _bound_grad_buckets(g: Graph, in_order: np.ndarray) -> None:
             for name in lst[k - GRAD_BUCKETS_IN_FLIGHT][2]:
                 if name in freer:
                     g.edge(freer[name], lst[k][1], ORDER)
+
+
+def _group_ends(keys: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per distinct integer key, ascending: the key, its first row, and its rows of least and of
+    greatest value (ties: the first such row). One sort of the keys (a lexsort is several times slower)."""
+    n = len(keys)
+    if keys.min() < 0 or int(keys.max()) >= (1 << 62) // n:
+        o = np.argsort(keys, kind="stable")
+    else:
+        o = np.sort(keys * n + np.arange(n)) % n        # rows by key, then row
+    k, v = keys[o], vals[o]
+    lead = np.concatenate([[True], k[1:] != k[:-1]])
+    starts = np.flatnonzero(lead)
+    grp = np.cumsum(lead) - 1
+    ends = []
+    for best in (np.minimum.reduceat(v, starts), np.maximum.reduceat(v, starts)):
+        at = np.flatnonzero(v == best[grp])             # rows attaining their key's extreme, in order
+        ends.append(o[at[np.concatenate([[True], grp[at][1:] != grp[at][:-1]])]])
+    return k[starts], o[starts], ends[0], ends[1]
 
 
 @dataclass(frozen=True)
@@ -98,32 +119,23 @@ class Order:
         stage = np.asarray(stage_col, np.int64)
         has = aid >= 0
         na = max(len(alist), 1)
-        pairs = np.unique(stage[has] * na + aid[has])
-        have: dict[int, set] = {}
-        for st, j in zip((pairs // na).tolist(), (pairs % na).tolist()):
-            have.setdefault(st, set()).add(alist[j])
-        position: dict[Action, int] = {}
-        for st, ss in steps.items():
-            listed = [a for step in ss for a in step]
-            dup = {str(a) for a in listed if listed.count(a) > 1} if len(set(listed)) != len(listed) else set()
-            if dup:
-                raise ProgramError(f"Order for stage {st} lists {', '.join(sorted(dup))} more than once")
-            missing = have.get(st, set()) - set(listed)
-            extra = set(listed) - have.get(st, set())
-            if missing or extra:
-                raise ProgramError(
-                    f"Order for stage {st} does not match its actions: missing "
-                    f"{' '.join(map(str, sorted(missing))) or '-'}, not on this stage "
-                    f"{' '.join(map(str, sorted(extra))) or '-'}; list every action of the stage once")
-            for k, step in enumerate(ss):
-                for a in step:
-                    position[a] = k
-        if not self._acyclic(out, steps, aid, amap):
+        pairs = distinct(stage[has] * na + aid[has])      # (stage, action) of every node, keyed stage * na + id
+        # each listed stage's actions (ids, -1: no node has it) and their steps' positions
+        ids = [amap.get(a, -1) for ss in steps.values() for step in ss for a in step]
+        ks = [k for ss in steps.values() for k, step in enumerate(ss) for _ in step]
+        sts = [st for st, ss in steps.items() for step in ss for _ in step]
+        listed = np.asarray(sts, np.int64) * na + np.asarray(ids, np.int64)
+        held = pairs[np.isin(pairs // na, np.fromiter(steps, np.int64, len(steps)))]
+        if len(listed) != len(held) or (min(ids, default=0) < 0) or (np.sort(listed) != held).any():
+            self._mismatch(steps, pairs, na, alist)     # raises, naming the stage and its actions
+        kpos = np.full(len(alist) + 1, -1, np.int64)     # step position of each action (-1: none)
+        if len(set(ids)) == len(ids):
+            kpos[ids] = ks
+        else:                   # an action on two stages: the later stage's position, as listed
+            for i, k in zip(ids, ks):
+                kpos[i] = k
+        if not self._acyclic(out, steps, aid, len(alist), ids, ks):
             self._check_acyclic(out, steps)      # names the cycle
-        last_bwd: dict[int, int] = {}
-        for a, k in position.items():
-            if a.type != "F":
-                last_bwd[a.chunk] = max(last_bwd.get(a.chunk, -1), k)
         big = 1 << 40
         pos_col = c["pos"]
         # overlapped steps: spread each action's nodes evenly over [0, 1) so their regions interleave
@@ -139,22 +151,36 @@ class Order:
                 for r, i in enumerate(nodes):
                     spread[i] = r / len(nodes)
         in_order = np.isin(stage, np.fromiter(steps, np.int64, len(steps)))
-        kpos = np.full(len(alist) + 1, -1, np.int64)     # step position of each action (-1: none)
-        kpos[:len(alist)] = [position.get(a, -1) for a in alist]
         kk = kpos[aid]
-        kl = kk.tolist()
-        act_nodes = np.flatnonzero(in_order & has)
+        placed = in_order & has
+        act_nodes = np.flatnonzero(placed)
         slot = c["slot"]
-        for i in act_nodes.tolist():
-            slot[i] = (kl[i], pos_col[i])
+        if 2 * len(act_nodes) > n:        # most nodes: one column of (step, pos), the rest as they were
+            old, slot = slot, list(zip(kk.tolist(), pos_col))
+            c["slot"] = slot
+            for i in np.flatnonzero(~placed).tolist():
+                slot[i] = old[i]
+            posv = np.asarray(pos_col, np.float64)[act_nodes]     # the position in slot of each of act_nodes
+        else:
+            ai = act_nodes.tolist()
+            ps = _take(pos_col, ai) if ai else []
+            for i, v in zip(ai, zip(kk[act_nodes].tolist(), ps)):
+                slot[i] = v
+            posv = np.asarray(ps, np.float64)
         for i, p in spread.items():
             if in_order[i]:
-                slot[i] = (kl[i], p)
+                slot[i] = (int(kk[i]), p)
+                posv[np.searchsorted(act_nodes, i)] = p
+        last_bwd: dict[int, int] = {}     # chunk -> the position of its last listed backward action
         for i in np.flatnonzero(in_order & ~has).tolist():
             a = acts_col[i]
             if a is None:
                 raise ProgramError(f"node {out.node(i)} belongs to no action; place the graph first")
             elif a[0] == AFTER:  # behind the gather for the next step, so it overlaps that step
+                if not last_bwd:
+                    for b, k in zip(alist, kpos.tolist()):
+                        if k >= 0 and b.type != "F":
+                            last_bwd[b.chunk] = max(last_bwd.get(b.chunk, -1), k)
                 slot[i] = (last_bwd[a[1]] + 1, -0.5)
             elif a[0] == END:
                 slot[i] = (big, float(a[1]))
@@ -165,29 +191,25 @@ class Order:
         # per (stage, step), keyed stage * width + step: its compute-stream node first and last in position
         # (ties: lowest index); each step's first waits for the step before's last, in the order the
         # (stage, step)s first show such a node
-        comp = act_nodes[_equals(c["stream"], "compute")[act_nodes]]
+        on = _equals(c["stream"], "compute")[act_nodes]
+        comp = act_nodes[on]
         keys, firsts, width = np.zeros(0, np.int64), np.zeros(0, np.int64), 1
         if len(comp):
-            pv = np.fromiter((slot[i][1] for i in comp.tolist()), np.float64, len(comp))
+            pv = posv[on]
             width = int(kk[comp].max()) + 2
             gk = stage[comp] * width + kk[comp]
-            keys, seen = np.unique(gk, return_index=True)
-            ends = []
-            for sign in (1.0, -1.0):
-                o = np.lexsort((comp, sign * pv, gk))
-                lead = np.ones(len(o), bool)
-                lead[1:] = gk[o][1:] != gk[o][:-1]
-                ends.append(comp[o][lead])
-            firsts, lasts = ends
+            keys, seen, lo, hi = _group_ends(gk, pv)
+            firsts, lasts = comp[lo], comp[hi]
             keyed = np.argsort(seen, kind="stable")
             prev = np.minimum(np.searchsorted(keys, keys - 1), len(keys) - 1)
             js = keyed[(keys[prev] == keys - 1)[keyed]]
             out.add_edges(lasts[prev[js]].tolist(), firsts[js].tolist(), ORDER)
             # tp_async: a step's last reduction on stream "tp" ends before the next step's first compute
             # (Megatron's backward waits for its asynchronous all-reduce before it returns)
-            tpn = act_nodes[_equals(c["stream"], "tp")[act_nodes]] if "tp" in c["stream"] else act_nodes[:0]
+            on = _equals(c["stream"], "tp")[act_nodes] if "tp" in c["stream"] else np.zeros(len(act_nodes), bool)
+            tpn = act_nodes[on]
             if len(tpn):
-                tv = np.fromiter((slot[i][1] for i in tpn.tolist()), np.float64, len(tpn))
+                tv = posv[on]
                 tk = stage[tpn] * width + kk[tpn]
                 o = np.lexsort((-tpn, -tv, tk))
                 lead = np.ones(len(o), bool)
@@ -197,7 +219,7 @@ class Order:
                 ok = keys[at] == nxt
                 out.add_edges(last_tp[ok].tolist(), firsts[at[ok]].tolist(), ORDER)
         # ZeRO-3 prefetch depth 1: the gather for step k waits for step k-1 to start
-        gathers = np.flatnonzero(in_order & has & _equals(c["op"], "all_gather"))
+        gathers = np.flatnonzero(in_order & has & _equals(c["op"], "all_gather")) if "all_gather" in c["op"] else []
         if len(gathers) and len(keys):
             want = kk[gathers] - 1
             ok = (want >= 0) & (want < width)
@@ -208,20 +230,51 @@ class Order:
         return out
 
     @staticmethod
-    def _acyclic(g: Graph, steps: dict[int, list[Step]], aid: np.ndarray, amap: dict) -> bool:
-        """Whether the action graph (data edges between actions plus each stage's order) is acyclic
-        (Kahn's algorithm; :meth:`_check_acyclic` finds and names a cycle)."""
-        s, d = g.edges((DATA, SAVED))
-        su, du = aid[s], aid[d]
-        m = (su >= 0) & (du >= 0) & (su != du)
-        na = len(amap)
+    def _mismatch(steps: dict[int, list[Step]], pairs: np.ndarray, na: int, alist: list) -> None:
+        """Raise for the first stage whose order does not list each of its actions once."""
+        have: dict[int, set] = {}
+        for st, j in zip((pairs // na).tolist(), (pairs % na).tolist()):
+            have.setdefault(st, set()).add(alist[j])
+        for st, ss in steps.items():
+            listed = [a for step in ss for a in step]
+            dup = {str(a) for a in listed if listed.count(a) > 1} if len(set(listed)) != len(listed) else set()
+            if dup:
+                raise ProgramError(f"Order for stage {st} lists {', '.join(sorted(dup))} more than once")
+            missing = have.get(st, set()) - set(listed)
+            extra = set(listed) - have.get(st, set())
+            if missing or extra:
+                raise ProgramError(
+                    f"Order for stage {st} does not match its actions: missing "
+                    f"{' '.join(map(str, sorted(missing))) or '-'}, not on this stage "
+                    f"{' '.join(map(str, sorted(extra))) or '-'}; list every action of the stage once")
+        raise AssertionError("an Order listing found wrong is right")
+
+    @staticmethod
+    def _acyclic(g: Graph, steps: dict[int, list[Step]], aid: np.ndarray, na: int, ids: list[int],
+                 ks: list[int]) -> bool:
+        """Whether the graph of the ``na`` actions (data edges between actions plus each stage's order:
+        ``ids``, the listed actions stage by stage, at step positions ``ks``) is acyclic (Kahn's algorithm;
+        :meth:`_check_acyclic` finds and names a cycle)."""
+        su, du = aid[np.asarray(g.src, np.int64)], aid[np.asarray(g.dst, np.int64)]
+        m = (su >= 0) & (du >= 0) & (su != du) & (np.asarray(g.ekind, np.int8) != ORDER)
         su, du = su[m], du[m]
-        extra = [(amap[a], amap[b]) for ss in steps.values() for prev, nxt in zip(ss, ss[1:])
-                 for a in prev for b in nxt if a in amap and b in amap]
-        if extra:
-            e = np.asarray(extra, np.int64)
-            su, du = np.concatenate([su, e[:, 0]]), np.concatenate([du, e[:, 1]])
-        key = np.unique(su * na + du)
+        # every action of a step before every action of the next step of its stage
+        a, k = np.asarray(ids, np.int64), np.asarray(ks, np.int64)
+        nxt = np.flatnonzero(k[1:] == k[:-1] + 1)       # consecutive listed actions one step apart
+        if all(len(step) == 1 for ss in steps.values() for step in ss):
+            eu, ev = a[nxt], a[nxt + 1]
+        else:
+            pu, pv = [], []
+            at = 0
+            for ss in steps.values():
+                for prev, step in zip(ss, ss[1:]):
+                    pu += [a[at + x] for x in range(len(prev)) for _ in step]
+                    pv += [a[at + len(prev) + y] for _ in prev for y in range(len(step))]
+                    at += len(prev)
+                at += len(ss[-1]) if ss else 0
+            eu, ev = np.asarray(pu, np.int64), np.asarray(pv, np.int64)
+        su, du = np.concatenate([su, eu]), np.concatenate([du, ev])
+        key = distinct(su * na + du)
         su, du = key // max(na, 1), key % max(na, 1)
         indeg = np.bincount(du, minlength=na).tolist()
         start = np.searchsorted(su, np.arange(na + 1)).tolist()
