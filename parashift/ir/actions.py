@@ -64,12 +64,16 @@ class Action(_ActionFields):
 def action_ids(acts: Sequence) -> "tuple[np.ndarray, list[Action]]":
     """Each entry of a graph's ``action`` column as an index into the returned list of its distinct
     actions (-1: a node of no action, such as an optimizer step or a sync anchored after a chunk)."""
-    # distinct objects first (by identity, at numpy speed), then equal actions share one id
-    u, first, inv = np.unique(np.fromiter(map(id, acts), np.uintp, len(acts)), return_index=True, return_inverse=True)
+    # distinct objects first (by identity, at numpy speed; a run of one object read once), then equal
+    # actions share one id
+    n = len(acts)
+    ref = np.fromiter(map(id, acts), np.uintp, n)
+    head = np.flatnonzero(np.concatenate(([True], ref[1:] != ref[:-1]))) if n else np.zeros(0, np.int64)
+    u, first, inv = np.unique(ref[head], return_index=True, return_inverse=True)
     code: dict[Action, int] = {}
     per = np.fromiter((code.setdefault(a, len(code)) if isinstance(a, Action) else -1
-                       for a in (acts[i] for i in first.tolist())), np.int64, len(u))
-    return per[inv.reshape(-1)], list(code)
+                       for a in (acts[i] for i in head[first].tolist())), np.int64, len(u))
+    return np.repeat(per[inv.reshape(-1)], np.diff(np.append(head, n))), list(code)
 
 
 #: One step of a stage's order: one action, or several run overlapped.

@@ -111,26 +111,34 @@ def placed_from_meta(s: "Strategy | None", meta: Mapping[str, Any]) -> "Strategy
 _LAYER = re.compile(r"(?:^|\.|\+)layers\.(\d+)(?:-(\d+))?")
 
 
-def graph_placement(g: Any, s: Strategy) -> Strategy:
+def graph_placement(g: Any, s: Strategy, *, compute: "np.ndarray | None" = None, stage: "np.ndarray | None" = None,
+                    chunk: "np.ndarray | None" = None) -> Strategy:
     """The strategy a placed graph runs under: ``s`` when its chunks sit where ``s`` puts them, else
-    ``s`` with the graph's placement (what the runtime must follow). A PlacedStrategy is kept."""
+    ``s`` with the graph's placement (what the runtime must follow). A PlacedStrategy is kept.
+    ``compute``, ``stage``, ``chunk``: the graph's compute mask and stage and chunk columns (int64, -1
+    for None) where the caller has them."""
     if isinstance(s, PlacedStrategy):
         return s
     c = g.cols
     n = len(c["op"])
-    ch = np.asarray(c["chunk"])
-    if ch.dtype.kind != "i":                # a None chunk: unplaced
-        ch = np.fromiter((-1 if x is None else x for x in c["chunk"]), np.int64, n)
-    sel = _equals(c["op"], "compute") & ~_equals(c["phase"], "optim") & (ch >= 0)
-    idx = np.flatnonzero(sel)
+    stage_col, ch = stage, chunk
+    if ch is None:
+        ch = np.asarray(c["chunk"])
+        if ch.dtype.kind != "i":                # a None chunk: unplaced
+            ch = np.fromiter((-1 if x is None else x for x in c["chunk"]), np.int64, n)
+    comp = np.flatnonzero((_equals(c["op"], "compute") if compute is None else compute) & (ch >= 0))
+    idx = comp[~_equals(_take(c["phase"], comp.tolist()), "optim")] if len(comp) else comp
     stage: dict[int, int] = {}
     first: dict[int, int] = {}
     top = -1
     if len(idx):
         chs = ch[idx].astype(np.int64)
         layer = np.asarray(c["layer"], np.int64)[idx]
-        uch, seen = np.unique(chs, return_index=True)
-        stage = dict(zip(uch.tolist(), np.asarray(c["stage"], np.int64)[idx[seen]].tolist()))
+        head = np.flatnonzero(np.concatenate(([True], chs[1:] != chs[:-1])))      # runs of one chunk
+        uch, seen = np.unique(chs[head], return_index=True)
+        seen = head[seen]
+        stages = np.asarray(c["stage"], np.int64)[idx[seen]] if stage_col is None else stage_col[idx[seen]]
+        stage = dict(zip(uch.tolist(), stages.tolist()))
         low = np.full(int(uch[-1]) + 1, np.iinfo(np.int64).max)
         np.minimum.at(low, chs[layer >= 0], layer[layer >= 0])
         first = {k: v for k, v in enumerate(low.tolist()) if v != np.iinfo(np.int64).max}
