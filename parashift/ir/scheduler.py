@@ -405,15 +405,17 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     # values lie in memory), then taken in stream order
     comp = cols.is_compute
     mb = _ints(c["mb"])
-    built = _take(instrs_from_columns(
+    built = instrs_from_columns(
         ids.tolist(), c["op"], c["stream"], dep_col, c["phase"], _unless(stage, comp), _unless(chunk, chunk >= 0),
         _unless(mb, mb >= 0), _unless(c["region"], comp), _flops(c["flops"]), _nbytes(c["nbytes"]),
-        c["peer"], c["group"], repeat(None), c["tag"], c["key"], alloc_c, free_c), seq_order.tolist())
+        c["peer"], c["group"], repeat(None), c["tag"], c["key"], alloc_c, free_c)
     per_stage: list[dict[str, tuple[Instr, ...]]] = [{} for _ in range(pp)]
-    b = bounds.tolist()
+    so, b = seq_order.tolist(), bounds.tolist()
     stage_l = stage[seq_order[bounds[:-1]]].tolist() if n else []
-    for gi in range(len(b) - 1):
-        per_stage[stage_l[gi]][built[b[gi]].stream] = tuple(built[b[gi]:b[gi + 1]])
+    for gi in range(len(b) - 1):        # each (stage, stream) group, taken in stream order
+        idx = so[b[gi]:b[gi + 1]]
+        group = itemgetter(*idx)(built) if len(idx) > 1 else (built[idx[0]],)
+        per_stage[stage_l[gi]][group[0].stream] = group
     progs: list[RankProgram] = []
     for st in range(pp):
         mem = dict(static_memory[st]) if st < len(static_memory) else {}
@@ -475,8 +477,9 @@ def _act_buffers(c: dict, index: np.ndarray, cols: _Columns) -> tuple[np.ndarray
     mb = np.fromiter(map(itemgetter(2), alist), np.int64, len(alist))[aid]
     fwd = np.fromiter((a[1] == "F" for a in alist), bool, len(alist))[aid]
     width, nreg = int(mb.max()) + 1, len(names)
-    uk, inv = np.unique((chunk * width + mb) * nreg + rc, return_inverse=True)
-    inv = inv.reshape(-1)
+    keys = (chunk * width + mb) * nreg + rc
+    uk = np.unique(keys)
+    inv = np.searchsorted(uk, keys)
     act_bytes = np.zeros(len(uk), np.int64)
     fi = np.flatnonzero(fwd)
     np.add.at(act_bytes, inv[fi], np.fromiter(_take(c["act"], nodes[fi].tolist()), np.int64, len(fi)))
