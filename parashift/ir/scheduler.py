@@ -248,9 +248,15 @@ def _sort(*keys: np.ndarray, unique: bool = False) -> np.ndarray:
     return packed & ((1 << (n - 1).bit_length()) - 1)       # the index, in the low bits
 
 
+def _distinct(x: np.ndarray) -> np.ndarray:
+    """``np.unique(x)``, by a sort (numpy's hash-based unique of integers is slower on large arrays)."""
+    s = np.sort(x)
+    return s[np.concatenate(([True], s[1:] != s[:-1]))] if len(s) else s
+
+
 def _rank(x: np.ndarray) -> np.ndarray:
     """Each value's rank among the distinct values (sorts as ``x`` does)."""
-    return np.searchsorted(np.unique(x), x)
+    return np.searchsorted(_distinct(x), x)
 
 
 def _firsts(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -478,7 +484,7 @@ def _act_buffers(c: dict, index: np.ndarray, cols: _Columns) -> tuple[np.ndarray
     fwd = np.fromiter((a[1] == "F" for a in alist), bool, len(alist))[aid]
     width, nreg = int(mb.max()) + 1, len(names)
     keys = (chunk * width + mb) * nreg + rc
-    uk = np.unique(keys)
+    uk = _distinct(keys)
     inv = np.searchsorted(uk, keys)
     act_bytes = np.zeros(len(uk), np.int64)
     fi = np.flatnonzero(fwd)
