@@ -268,11 +268,11 @@ def _firsts(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _slot_rank(g: Graph, stage: np.ndarray, sid: np.ndarray, slot_k: np.ndarray, slot_p: np.ndarray,
-               src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+               src: np.ndarray, dst: np.ndarray, same_stage: np.ndarray) -> np.ndarray:
     """Per stage, one order of its compute and comm nodes: slot order where that already respects
     every data edge between them, else the slot-priority topological order (a directive may anchor
     a node at a slot before a producer it waits on: taken literally, the two streams' orders would
-    wait on each other)."""
+    wait on each other). ``same_stage``: per edge, whether it joins two nodes of one stage."""
     import heapq
     n = len(g)
     idx = np.flatnonzero(sid != _P2P)
@@ -280,8 +280,9 @@ def _slot_rank(g: Graph, stage: np.ndarray, sid: np.ndarray, slot_k: np.ndarray,
     nodes = idx[o]
     rank = np.full(n, -1, np.int64)
     rank[nodes] = np.arange(len(nodes))
-    ok = (rank[src] >= 0) & (rank[dst] >= 0) & (stage[src] == stage[dst])
-    back = ok & (rank[src] > rank[dst])
+    rs, rd = rank[src], rank[dst]
+    ok = (rs >= 0) & (rd >= 0) & same_stage
+    back = ok & (rs > rd)
     if not back.any():
         return rank
     su, du = src[ok], dst[ok]
@@ -356,7 +357,8 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     slot_k, krank, prank = cols.slot_k, _rank(cols.slot_k), _rank(cols.slot_p)
     sends = pair_order(g, step_time, _cols=cols)
     src, dst = cols.src, cols.dst
-    key = _slot_rank(g, stage, sid, krank, prank, src, dst)      # compute/comm: slot-priority order
+    cross_stage = stage[src] != stage[dst]
+    key = _slot_rank(g, stage, sid, krank, prank, src, dst, ~cross_stage)      # compute/comm: slot-priority order
     p2p = sid == _P2P
     key[p2p] = -1
     ks = np.asarray(sends, np.int64)
@@ -374,7 +376,6 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     ids = np.zeros(n, np.int64)
     ids[id_order] = _within(id_order, stage)[0]
     # ---- deps ------------------------------------------------------------------------------------
-    cross_stage = stage[src] != stage[dst]
     if cross_stage.any():
         bad = np.flatnonzero(cross_stage & ~(cols.is_send[src] & cols.is_recv[dst]))
         if len(bad):
@@ -451,7 +452,7 @@ def _nbytes(col: list) -> list:
 
 def _unless(values: "np.ndarray | list", keep: np.ndarray) -> list:
     """``values[i]`` (a Python object) where ``keep[i]``, else None, as a list."""
-    out = np.array(values, object) if not isinstance(values, np.ndarray) else values.astype(object)
+    out = values.astype(object) if isinstance(values, np.ndarray) else np.fromiter(values, object, len(values))
     out[~keep] = None
     return out.tolist()
 
