@@ -64,18 +64,21 @@ class Action(_ActionFields):
 def action_ids(acts: Sequence) -> "tuple[np.ndarray, list[Action]]":
     """Each entry of a graph's ``action`` column as an index into the returned list of its distinct
     actions (-1: a node of no action, such as an optimizer step or a sync anchored after a chunk)."""
-    # distinct objects first (by identity, at numpy speed: a sort, where np.unique is far slower), then
-    # equal actions share one id
-    ids = np.fromiter(map(id, acts), np.uintp, len(acts))
-    u = np.sort(ids)
+    # distinct objects first (by identity, at numpy speed: a sort, where np.unique is far slower; a run
+    # of one object read once), then equal actions share one id
+    n = len(acts)
+    ref = np.fromiter(map(id, acts), np.uintp, n)
+    head = np.flatnonzero(np.concatenate(([True], ref[1:] != ref[:-1]))) if n else np.zeros(0, np.int64)
+    h = ref[head]
+    u = np.sort(h)
     u = u[np.concatenate([[True], u[1:] != u[:-1]])] if len(u) else u
-    inv = np.searchsorted(u, ids)
+    inv = np.searchsorted(u, h)
     some = np.empty(len(u), np.int64)
-    some[inv] = np.arange(len(acts))        # a node holding each object (any one: they hold the same)
+    some[inv] = head                        # a node holding each object (any one: they hold the same)
     code: dict[Action, int] = {}
     per = np.fromiter((code.setdefault(a, len(code)) if isinstance(a, Action) else -1
                        for a in (acts[i] for i in some.tolist())), np.int64, len(u))
-    return per[inv], list(code)
+    return np.repeat(per[inv], np.diff(np.append(head, n))), list(code)
 
 
 #: One step of a stage's order: one action, or several run overlapped.

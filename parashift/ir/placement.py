@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields
+from itertools import compress, repeat
+from operator import eq
 from typing import Any, Mapping
 
 import numpy as np
 
 from ..errors import StrategyError
 from ..strategy import Strategy
-from .graph import equals as _equals, take as _take
+from .graph import equals as _equals
 
 __all__ = ["PlacedStrategy", "placed", "placement_meta", "placed_from_meta", "base_strategy", "graph_placement",
            "placement_order"]
@@ -111,33 +113,42 @@ def placed_from_meta(s: "Strategy | None", meta: Mapping[str, Any]) -> "Strategy
 _LAYER = re.compile(r"(?:^|\.|\+)layers\.(\d+)(?:-(\d+))?")
 
 
-def graph_placement(g: Any, s: Strategy) -> Strategy:
+def graph_placement(g: Any, s: Strategy, *, compute: "np.ndarray | None" = None, stage: "np.ndarray | None" = None,
+                    chunk: "np.ndarray | None" = None) -> Strategy:
     """The strategy a placed graph runs under: ``s`` when its chunks sit where ``s`` puts them, else
-    ``s`` with the graph's placement (what the runtime must follow). A PlacedStrategy is kept."""
+    ``s`` with the graph's placement (what the runtime must follow). A PlacedStrategy is kept.
+    ``compute``, ``stage``, ``chunk``: the graph's compute mask and stage and chunk columns (int64, -1
+    for None) where the caller has them."""
     if isinstance(s, PlacedStrategy):
         return s
     c = g.cols
     n = len(c["op"])
-    ch = np.asarray(c["chunk"])
-    if ch.dtype.kind != "i":                # a None chunk: unplaced
-        ch = np.fromiter((-1 if x is None else x for x in c["chunk"]), np.int64, n)
-    sel = _equals(c["op"], "compute") & ~_equals(c["phase"], "optim") & (ch >= 0)
-    idx = np.flatnonzero(sel)
+    stage_col, ch = stage, chunk
+    if ch is None:
+        ch = np.asarray(c["chunk"])
+        if ch.dtype.kind != "i":                # a None chunk: unplaced
+            ch = np.fromiter((-1 if x is None else x for x in c["chunk"]), np.int64, n)
+    comp = (_equals(c["op"], "compute") if compute is None else compute) & (ch >= 0)
+    comp[comp] = ~_equals(list(compress(c["phase"], comp.tobytes())), "optim")
+    idx = np.flatnonzero(comp)
+    picked = comp.tobytes()
     stage: dict[int, int] = {}
     first: dict[int, int] = {}
     top = -1
     if len(idx):
         chs = ch[idx].astype(np.int64)
-        layer = np.asarray(c["layer"], np.int64)[idx]
-        uch, seen = np.unique(chs, return_index=True)
-        stage = dict(zip(uch.tolist(), np.asarray(c["stage"], np.int64)[idx[seen]].tolist()))
+        layer = np.fromiter(compress(c["layer"], picked), np.int64, len(idx))
+        head = np.flatnonzero(np.concatenate(([True], chs[1:] != chs[:-1])))      # runs of one chunk
+        uch, seen = np.unique(chs[head], return_index=True)
+        seen = head[seen]
+        stages = np.asarray(c["stage"], np.int64)[idx[seen]] if stage_col is None else stage_col[idx[seen]]
+        stage = dict(zip(uch.tolist(), stages.tolist()))
         low = np.full(int(uch[-1]) + 1, np.iinfo(np.int64).max)
         np.minimum.at(low, chs[layer >= 0], layer[layer >= 0])
         first = {k: v for k, v in enumerate(low.tolist()) if v != np.iinfo(np.int64).max}
-        il = idx.tolist()
-        for region in set(_take(c["region"], il)):   # the highest layer any region names (-1: none)
+        for region in set(compress(c["region"], picked)):   # the highest layer any region names (-1: none)
             top = max(top, max((int(m.group(2) or m.group(1)) for m in _LAYER.finditer(region or "")), default=-1))
-        head = _equals(_take(c["kind"], il), "head")
+        head = np.fromiter(map(eq, compress(c["kind"], picked), repeat("head")), bool, len(idx))
         if head.any():
             top = max(top, int(layer[head].max()) - 1)
     if not stage:

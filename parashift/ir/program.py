@@ -180,19 +180,38 @@ class _RawInstr:
 assert _RawInstr.__slots__ == tuple(f.name for f in fields(Instr))
 
 
-def instrs_from_rows(rows: "Iterable[tuple]") -> tuple[Instr, ...]:
-    """Instructions from rows of every field's value in field order (``id, op, stream, deps, phase,
-    stage, chunk, microbatch, region, flops, nbytes, peer, group, root, tag, key, alloc, free``),
-    each exactly as ``Instr(*row)`` would be, built without the frozen dataclass's ``__setattr__``."""
+def instrs_from_columns(*columns: Iterable) -> list[Instr]:
+    """Instructions from one column per field, in field order (``id, op, stream, deps, phase, stage,
+    chunk, microbatch, region, flops, nbytes, peer, group, root, tag, key, alloc, free``), each exactly
+    as ``Instr(*row)`` would be, built without the frozen dataclass's ``__setattr__``."""
+    if len(columns) != len(_RawInstr.__slots__):
+        raise TypeError(f"instrs_from_columns takes {len(_RawInstr.__slots__)} columns, not {len(columns)}")
     new, raw, cls, out = object.__new__, _RawInstr, Instr, []
     append = out.append
-    for r in rows:
+    for (id_, op, stream, deps, phase, stage, chunk, microbatch, region, flops, nbytes, peer, group, root, tag, key,
+         alloc, free) in zip(*columns):
         o = new(raw)
-        (o.id, o.op, o.stream, o.deps, o.phase, o.stage, o.chunk, o.microbatch, o.region, o.flops, o.nbytes,
-         o.peer, o.group, o.root, o.tag, o.key, o.alloc, o.free) = r
+        o.id = id_
+        o.op = op
+        o.stream = stream
+        o.deps = deps
+        o.phase = phase
+        o.stage = stage
+        o.chunk = chunk
+        o.microbatch = microbatch
+        o.region = region
+        o.flops = flops
+        o.nbytes = nbytes
+        o.peer = peer
+        o.group = group
+        o.root = root
+        o.tag = tag
+        o.key = key
+        o.alloc = alloc
+        o.free = free
         o.__class__ = cls
         append(o)
-    return tuple(out)
+    return out
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ from ..errors import ProgramError
 from ..strategy import Strategy
 from . import tags as T
 from .actions import Action, action_ids
-from .graph import Graph, equals as _equals, grouped, take as _take
+from .graph import Graph, take as _take
 from .placement import graph_placement, placement_meta
-from .program import Instr, Program, RankProgram, instrs_from_rows
+from .program import Instr, Program, RankProgram, instrs_from_columns
 
 __all__ = ["lower", "pair_order"]
 
@@ -45,98 +45,166 @@ def pair_order(g: Graph, step_time: "Callable[[Action], float] | None" = None, *
     (optional) gives each action's duration for the replay instead of its FLOPs, e.g. the durations
     a schedule was planned with, which also count the TP communication on the compute stream."""
     c = g.cols
-    n = len(g)
     cols = _Columns(g) if _cols is None else _cols
-    slot_k, slot_p_all, aid, alist, stage = cols.slot_k, cols.slot_p, cols.aid, cols.alist, cols.stage
-    timed = (aid >= 0) & cols.has_slot
-    ti = np.flatnonzero(timed)
-    st_t = stage[ti]
-    k_t = slot_k[ti]
-    steps: dict[int, dict[int, float]] = {}          # stage -> step -> duration
-    if step_time is None:
-        flops = np.fromiter((f if o == "compute" else 0.0 for o, f in zip(c["op"], c["flops"])), np.float64, n)[ti]
-        # the steps in first-seen order, their FLOPs summed in node order (as a running sum would)
-        keys = st_t * (int(k_t.max()) + 1 if len(k_t) else 1) + k_t
-        uk, first, inv = np.unique(keys, return_index=True, return_inverse=True)
-        tot = np.zeros(len(uk))
-        np.add.at(tot, inv, flops)
-        for j in np.argsort(first, kind="stable").tolist():
-            steps.setdefault(int(st_t[first[j]]), {})[int(k_t[first[j]])] = float(tot[j])
-    else:
-        a_t = aid[ti]
-        _, seen = np.unique(st_t * max(len(alist), 1) + a_t, return_index=True)
-        seen.sort()
-        for st, a, k in zip(st_t[seen].tolist(), a_t[seen].tolist(), k_t[seen].tolist()):
-            d = steps.setdefault(st, {})            # each (stage, action) once, in first-seen order
-            d[k] = d.get(k, 0.0) + float(step_time(alist[a]))
-    scale = max((v for d in steps.values() for v in d.values()), default=1.0) or 1.0
-    is_send = cols.is_send
-    on_p2p = _equals(c["stream"], "p2p")
-    recv_of = cols.recv_of
-    sends = np.flatnonzero(is_send & on_p2p).tolist()   # pipeline hand-offs
-    recv_of = {u: v for u, v in recv_of.items() if on_p2p[u]}
-    if len(recv_of) != len(sends):
-        raise ProgramError("a send node has no recv node; apply Place to add send/recv pairs")
+    slot_k, slot_p, aid, alist, stage = cols.slot_k, cols.slot_p, cols.aid, cols.alist, cols.stage
+    ti = np.flatnonzero((aid >= 0) & cols.has_slot)
+    st_t, k_t = stage[ti], slot_k[ti]
     # a (stage, step) as one int key: stage * width + step position
     width = int(slot_k.max()) + 1 if len(slot_k) else 1
-    sa = np.asarray(sends, np.int64)
-    ra = np.fromiter(map(recv_of.__getitem__, sends), np.int64, len(sends))
-    needs = grouped(stage[ra] * width + slot_k[ra], sa)      # (stage, step) -> sends whose recv it consumes
-    out_of = grouped(stage[sa] * width + slot_k[sa], sa)     # (stage, step) -> sends it produces
-    order = {st: sorted(d) for st, d in steps.items()}
-    ptr = dict.fromkeys(order, 0)
-    free = dict.fromkeys(order, 0.0)
-    t_send: dict[int, float] = {}
-    sent = t_send.__getitem__
+    if step_time is None:
+        comp = cols.is_compute[ti]
+        flops = np.zeros(len(ti))
+        flops[comp] = _floats(_take(c["flops"], ti[comp].tolist()))
+        # each step's FLOPs summed in node order (as a running sum would)
+        keys = st_t * width + k_t
+        steps, first = _firsts(keys)
+        dur = np.zeros(len(steps))
+        np.add.at(dur, np.searchsorted(steps, keys), flops)
+    else:
+        # each (stage, action) once, in first-seen order, its duration added to its step's
+        a_t = aid[ti]
+        pair = st_t * max(len(alist), 1) + a_t
+        seen = np.sort(_firsts(pair)[1])
+        first_key = st_t[seen] * width + k_t[seen]
+        steps, first, inv = np.unique(first_key, return_index=True, return_inverse=True)
+        first = seen[first]
+        dur = np.zeros(len(steps))
+        np.add.at(dur, inv.reshape(-1), np.fromiter(map(float, map(step_time, _take(alist, a_t[seen].tolist()))),
+                                                     np.float64, len(seen)))
+    scale = float(dur.max()) if len(dur) else 1.0
+    scale = scale or 1.0
+    is_send = cols.is_send & cols.on_p2p
+    sa = np.flatnonzero(is_send)                  # pipeline hand-offs
+    ra = cols.recv[sa]
+    if (ra < 0).any():
+        raise ProgramError("a send node has no recv node; apply Place to add send/recv pairs")
+    # the step each send's pair is produced by and consumed in (len(steps): no such step)
+    prod = _lookup(steps, stage[sa] * width + slot_k[sa])
+    cons = _lookup(steps, stage[ra] * width + slot_k[ra])
+    # stages' runs of steps (steps are sorted by stage, then position)
+    st_of = steps // width
+    bounds = np.flatnonzero(np.concatenate(([True], st_of[1:] != st_of[:-1], [True]))) if len(steps) else \
+        np.zeros(1, np.int64)
+    # per step, the producing steps of the sends it waits for (in send order): CSR
+    has = cons < len(steps)
+    o = np.argsort(cons[has], kind="stable")
+    need = prod[has][o].tolist()
+    nptr = np.concatenate(([0], np.cumsum(np.bincount(cons[has], minlength=len(steps))))).tolist()
+    end = _replay(bounds.tolist(), (dur / scale).tolist(), nptr, need)
+    stuck = [i for i in range(len(bounds) - 1) if end[bounds[i + 1] - 1] is None]
+    if stuck:
+        # stages in first-seen order
+        sts = st_of[bounds[:-1]]
+        seen_at = np.minimum.reduceat(first, bounds[:-1]) if len(steps) else np.zeros(0, np.int64)
+        names = [int(sts[i]) for i in sorted(stuck, key=lambda i: seen_at[i])]
+        raise ProgramError(f"the step orders of stages {names} wait on each other (no stage can run its next "
+                           f"step); fix the Order")
+    if not len(sa):
+        return []
+    if (prod == len(steps)).any():
+        raise ProgramError(f"{g.node(int(sa[np.flatnonzero(prod == len(steps))[0]]))} is in no step of its stage's "
+                           f"Order; fix the Order")
+    t = np.asarray(end[:-1], np.float64)[prod]
+    o = np.lexsort((slot_p[sa], slot_k[sa], stage[sa], t))
+    return sa[o].tolist()
+
+
+def _lookup(sorted_keys: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """Each key's index in ``sorted_keys`` (``len(sorted_keys)`` where absent)."""
+    m = len(sorted_keys)
+    if not m:
+        return np.zeros(len(keys), np.int64)
+    at = np.minimum(np.searchsorted(sorted_keys, keys), m - 1)
+    return np.where(sorted_keys[at] == keys, at, m)
+
+
+def _replay(bounds: list, dur: list, nptr: list, need: list) -> list:
+    """The dataflow replay of :func:`pair_order`: steps ``bounds[i]:bounds[i + 1]`` run in order on stage i,
+    step j taking ``dur[j]`` (+1e-6) once the steps ``need[nptr[j]:nptr[j + 1]]`` have ended (step
+    ``len(dur)`` never does). Returns each step's end time (None: never ran), then that None."""
+    end: list = [None] * (len(dur) + 1)
+    ptr, last = bounds[:-1], bounds[1:]
+    free = [0.0] * len(ptr)
     progress = True
     while progress:
         progress = False
-        for st, ks in order.items():
-            p, f, d, base = ptr[st], free[st], steps[st], st * width
-            while p < len(ks):
-                k = ks[p]
-                ins = needs.get(base + k)
-                if ins:
-                    try:
-                        start = max(f, *map(sent, ins))
-                    except KeyError:        # a send it waits for has not run yet
-                        break
-                else:
-                    start = f
-                f = start + d[k] / scale + 1e-6
-                for s in out_of.get(base + k, ()):
-                    t_send[s] = f
+        for i in range(len(ptr)):
+            p, h, f = ptr[i], last[i], free[i]
+            p0 = p
+            while p < h:
+                a, b = nptr[p], nptr[p + 1]
+                start = f
+                if a != b:
+                    for u in need[a:b]:
+                        e = end[u]
+                        if e is None:
+                            break
+                        if e > start:
+                            start = e
+                    else:
+                        f = end[p] = start + dur[p] + 1e-6
+                        p += 1
+                        continue
+                    break
+                f = end[p] = start + dur[p] + 1e-6
                 p += 1
+            if p != p0:
+                ptr[i], free[i] = p, f
                 progress = True
-            ptr[st], free[st] = p, f
-    stuck = [st for st, ks in order.items() if ptr[st] < len(ks)]
-    if stuck:
-        raise ProgramError(f"the step orders of stages {stuck} wait on each other (no stage can run its next "
-                           f"step); fix the Order")
-    if not sends:
-        return []
-    t = np.fromiter(map(sent, sends), np.float64, len(sends))
-    o = np.lexsort((slot_p_all[sa], slot_k[sa], stage[sa], t))
-    return sa[o].tolist()
+    return end
 
 
 class _Columns:
     """The graph's columns the lowering reads as arrays, converted once: stage, edges, slots
-    (:func:`_slot_keys`; ``has_slot``), actions (:func:`.actions.action_ids`), send/recv masks and each
-    send's recv (``recv_of``)."""
+    (:func:`_slot_keys`; ``has_slot``), actions (:func:`.actions.action_ids`), op and stream masks and each
+    send's recv (``recv``)."""
 
     def __init__(self, g: Graph) -> None:
         c, n = g.cols, len(g)
-        self.stage = np.asarray(c["stage"], np.int64) if n else np.zeros(0, np.int64)
-        self.src = np.asarray(g.src, np.int64)
-        self.dst = np.asarray(g.dst, np.int64)
+        self.stage = _ints(c["stage"])
+        self.src, self.dst = _ints(g.src), _ints(g.dst)
         self.slot_k, self.slot_p, self.has_slot = _slot_keys(c)
         self.aid, self.alist = action_ids(c["action"])
-        self.is_send = _equals(c["op"], "send")
-        self.is_recv = _equals(c["op"], "recv")
+        op, code = _codes(c["op"])
+        self.is_send, self.is_recv, self.is_compute = (_is(op, code, x) for x in ("send", "recv", "compute"))
+        self.stream, self.stream_code = _codes(c["stream"])
+        self.on_p2p = _is(self.stream, self.stream_code, "p2p")
         src, dst = self.src, self.dst
         sr = self.is_send[src] & self.is_recv[dst] if len(src) else np.zeros(0, bool)
-        self.recv_of = dict(zip(src[sr].tolist(), dst[sr].tolist()))
+        self.recv = np.full(n, -1, np.int64)       # each send's recv (-1: none)
+        self.recv[src[sr]] = dst[sr]
+
+
+def _ints(col: Sequence) -> np.ndarray:
+    """A column of integers as int64."""
+    return np.fromiter(col, np.int64, len(col))
+
+
+def _chunks(col: list) -> np.ndarray:
+    """The chunk column as int64 (-1: unplaced, also for None)."""
+    try:
+        return _ints(col)
+    except TypeError:
+        return np.fromiter((-1 if x is None else x for x in col), np.int64, len(col))
+
+
+def _floats(col: Sequence) -> np.ndarray:
+    return np.fromiter(col, np.float64, len(col))
+
+
+def _codes(col: list, values: "Sequence | None" = None) -> tuple[np.ndarray, dict]:
+    """Each entry's index in ``values`` (default: the distinct entries, in no particular order) as an
+    array, and the value -> index map (equal values share one)."""
+    code = {v: k for k, v in enumerate(set(col) if values is None else values)}
+    if len(code) <= 256:
+        return np.frombuffer(bytes(map(code.__getitem__, col)), np.uint8), code
+    return np.fromiter(map(code.__getitem__, col), np.int64, len(col)), code
+
+
+def _is(codes: np.ndarray, code: dict, value: object) -> np.ndarray:
+    """Where a coded column equals ``value``."""
+    k = code.get(value)
+    return codes == k if k is not None else np.zeros(len(codes), bool)
 
 
 def _slot_keys(c: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -144,29 +212,77 @@ def _slot_keys(c: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     and whether it has one."""
     slots = c["slot"]
     n = len(slots)
+    try:        # every node ordered (a None slot is not subscriptable)
+        return (np.fromiter(map(itemgetter(0), slots), np.int64, n),
+                np.fromiter(map(itemgetter(1), slots), np.float64, n), np.ones(n, bool))
+    except TypeError:
+        pass
     has = np.fromiter(map(is_not, slots, repeat(None)), bool, n)
-    held = list(compress(slots, has)) if not has.all() else slots
+    held = list(compress(slots, has))
     k, p = np.zeros(n, np.int64), np.zeros(n, np.float64)
     k[has] = np.fromiter(map(itemgetter(0), held), np.int64, len(held))
     p[has] = np.fromiter(map(itemgetter(1), held), np.float64, len(held))
     return k, p, has
 
 
+def _sort(*keys: np.ndarray, unique: bool = False) -> np.ndarray:
+    """``np.lexsort(keys[::-1])`` (``keys`` integer arrays, the most significant first), as one sort of
+    the keys packed into one int64 (the index as the last key, unless the keys are ``unique``) where
+    they fit in one."""
+    n = len(keys[0])
+    if not n:
+        return np.zeros(0, np.int64)
+    packed = np.zeros(n, np.int64)
+    bits = 0
+    for k in keys if unique else (*keys, np.arange(n)):
+        low = int(k.min())
+        b = (int(k.max()) - low).bit_length()
+        bits += b
+        if bits > 62:
+            return np.lexsort(keys[::-1])
+        packed <<= b
+        packed |= k - low
+    if unique:
+        return np.argsort(packed)
+    packed.sort()
+    return packed & ((1 << (n - 1).bit_length()) - 1)       # the index, in the low bits
+
+
+def _distinct(x: np.ndarray) -> np.ndarray:
+    """``np.unique(x)``, by a sort (numpy's hash-based unique of integers is slower on large arrays)."""
+    s = np.sort(x)
+    return s[np.concatenate(([True], s[1:] != s[:-1]))] if len(s) else s
+
+
+def _rank(x: np.ndarray) -> np.ndarray:
+    """Each value's rank among the distinct values (sorts as ``x`` does)."""
+    return np.searchsorted(_distinct(x), x)
+
+
+def _firsts(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct keys (sorted) and where each first occurs, as ``np.unique(keys, return_index=True)``,
+    looking only at the starts of runs of equal keys."""
+    head = np.flatnonzero(np.concatenate(([True], keys[1:] != keys[:-1]))) if len(keys) else keys
+    u, first = np.unique(keys[head], return_index=True)
+    return u, head[first]
+
+
 def _slot_rank(g: Graph, stage: np.ndarray, sid: np.ndarray, slot_k: np.ndarray, slot_p: np.ndarray,
-               src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+               src: np.ndarray, dst: np.ndarray, same_stage: np.ndarray) -> np.ndarray:
     """Per stage, one order of its compute and comm nodes: slot order where that already respects
     every data edge between them, else the slot-priority topological order (a directive may anchor
     a node at a slot before a producer it waits on: taken literally, the two streams' orders would
-    wait on each other)."""
+    wait on each other). ``same_stage``: per edge, whether it joins two nodes of one stage."""
     import heapq
     n = len(g)
     idx = np.flatnonzero(sid != _P2P)
-    o = np.lexsort((idx, sid[idx], slot_p[idx], slot_k[idx], stage[idx]))
+    o = _sort(stage[idx], slot_k[idx], slot_p[idx], sid[idx])       # slots ranked (:func:`_rank`)
     nodes = idx[o]
     rank = np.full(n, -1, np.int64)
     rank[nodes] = np.arange(len(nodes))
-    ok = (rank[src] >= 0) & (rank[dst] >= 0) & (stage[src] == stage[dst])
-    back = ok & (rank[src] > rank[dst])
+    rs, rd = rank[src], rank[dst]
+    ok = (rs >= 0) & (rd >= 0) & same_stage
+    back = ok & (rs > rd)
     if not back.any():
         return rank
     su, du = src[ok], dst[ok]
@@ -218,52 +334,52 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     c = g.cols
     n = len(g)
     pp = strategy.pp
-    strategy = graph_placement(g, strategy)       # a custom Place: the runtime follows the graph's placement
     cols = _Columns(g)
     stage = cols.stage
+    chunk = _chunks(c["chunk"])
+    strategy = graph_placement(g, strategy, compute=cols.is_compute, stage=stage, chunk=chunk)
     if n and (stage.min() < 0 or stage.max() >= pp):
         raise ProgramError("every node needs a pipeline stage in [0, pp); apply Place first")
-    ops = c["op"]
     missing = np.flatnonzero(~cols.has_slot & ~cols.is_send & ~cols.is_recv).tolist()
     if missing:
         raise ProgramError(f"{len(missing)} nodes have no order (e.g. {g.node(missing[0])}); apply an Order "
                            f"covering stage {c['stage'][missing[0]]}")
     # ---- per-stream positions -----------------------------------------------------------------
-    streams = c["stream"]
-    unknown = {s for s in set(streams) if not isinstance(s, str) or not s.isidentifier()}
+    unknown = {s for s in cols.stream_code if not isinstance(s, str) or not s.isidentifier()}
     if unknown:
         raise ProgramError(f"stream names {sorted(map(str, unknown))} are not identifiers; name a Stream "
                            f"like 'grads' or 'zero_gather'")
-    names = stream_names(streams)
-    sid_of = {s: k for k, s in enumerate(names)}
-    sid = np.fromiter(map(sid_of.__getitem__, streams), np.int64, n)
-    slot_k, slot_p = cols.slot_k, cols.slot_p
+    names = stream_names(list(cols.stream_code))
+    lut = np.zeros(len(cols.stream_code), np.int64)
+    for s, k in cols.stream_code.items():
+        lut[k] = names.index(s)
+    sid = lut[cols.stream]
+    slot_k, krank, prank = cols.slot_k, _rank(cols.slot_k), _rank(cols.slot_p)
     sends = pair_order(g, step_time, _cols=cols)
-    src, dst, recv_of = cols.src, cols.dst, cols.recv_of
-    key = _slot_rank(g, stage, sid, slot_k, slot_p, src, dst)      # compute/comm: slot-priority order
+    src, dst = cols.src, cols.dst
+    cross_stage = stage[src] != stage[dst]
+    key = _slot_rank(g, stage, sid, krank, prank, src, dst, ~cross_stage)      # compute/comm: slot-priority order
     p2p = sid == _P2P
     key[p2p] = -1
     ks = np.asarray(sends, np.int64)
     key[ks] = np.arange(len(ks))
-    key[np.asarray([recv_of[s] for s in sends], np.int64)] = np.arange(len(ks))
+    key[cols.recv[ks]] = np.arange(len(ks))
     if (key[p2p] < 0).any():
         i = int(np.flatnonzero(p2p & (key < 0))[0])
         raise ProgramError(f"{g.node(i)} is on the p2p stream but is not a send/recv pair; apply Place")
-    seq_order = np.lexsort((key, sid, stage))               # grouped by (stage, stream), in stream order
+    seq_order = _sort(stage, sid, key)                   # grouped by (stage, stream), in stream order
     pos, bounds = _within(seq_order, stage, sid)
     index = np.zeros(n, np.int64)
     index[seq_order] = pos
     # ---- ids: per stage, in (slot, stream) order -------------------------------------------------
-    id_order = np.lexsort((index, sid, slot_p, slot_k, stage))
+    id_order = _sort(stage, krank, prank, sid, index, unique=True)
     ids = np.zeros(n, np.int64)
     ids[id_order] = _within(id_order, stage)[0]
     # ---- deps ------------------------------------------------------------------------------------
-    cross_stage = stage[src] != stage[dst]
     if cross_stage.any():
-        bad = [(int(u), int(v)) for u, v in zip(src[cross_stage], dst[cross_stage])
-               if not (c["op"][u] == "send" and c["op"][v] == "recv")]
-        if bad:
-            u, v = bad[0]
+        bad = np.flatnonzero(cross_stage & ~(cols.is_send[src] & cols.is_recv[dst]))
+        if len(bad):
+            u, v = int(src[bad[0]]), int(dst[bad[0]])
             raise ProgramError(f"data flows between stages without send/recv: {g.node(u)} -> {g.node(v)}; "
                                f"apply Place")
     same = ~cross_stage
@@ -275,38 +391,38 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
         raise ProgramError(f"stream order contradicts a dependency: {g.node(u)} must precede {g.node(v)}")
     s3, d3 = s2[~in_stream], d2[~in_stream]
     # per (consumer, producing stream) only the latest producer
-    o = np.lexsort((-index[s3], sid[s3], d3))
+    o = _sort(d3, sid[s3], -index[s3])
     s3, d3 = s3[o], d3[o]
     first = np.ones(len(o), bool)
     first[1:] = (d3[1:] != d3[:-1]) | (sid[s3][1:] != sid[s3][:-1])
     dv, du = d3[first], ids[s3[first]]
-    o = np.lexsort((du, dv))
-    # ---- activation buffers -------------------------------------------------------------------------
-    alloc_extra, free_extra = _act_buffers(c, index, cols)
+    o = _sort(dv, du, unique=True)
     # ---- instructions -------------------------------------------------------------------------------
     dep_col: list = [()] * n
     for v, u in zip(dv[o].tolist(), du[o].tolist()):
         lst = dep_col[v]
         dep_col[v] = (u,) if not lst else lst + (u,)
     alloc_c, free_c = _tuples(c["alloc"]), _tuples(c["free"])
-    for i, ax in alloc_extra.items():
-        alloc_c[i] = (ax,) + alloc_c[i]
-    for i, fx in free_extra.items():
-        free_c[i] = free_c[i] + (fx,)
-    b = bounds.tolist()
-    stage_l = stage[seq_order[bounds[:-1]]].tolist() if n else []
+    alloc_at, alloc_names, alloc_bytes, free_at, free_names = _act_buffers(c, index, cols)
+    for i, name, nb in zip(alloc_at.tolist(), alloc_names, alloc_bytes):
+        alloc_c[i] = ((name, nb),) + alloc_c[i]
+    for i, name in zip(free_at.tolist(), free_names):
+        free_c[i] = free_c[i] + (name,)
+    # every node's instruction, built from its fields' columns in node order (the order the graph's
+    # values lie in memory), then taken in stream order
+    comp = cols.is_compute
+    mb = _ints(c["mb"])
+    built = instrs_from_columns(
+        ids.tolist(), c["op"], c["stream"], dep_col, c["phase"], _unless(stage, comp), _unless(chunk, chunk >= 0),
+        _unless(mb, mb >= 0), _unless(c["region"], comp), _flops(c["flops"]), _nbytes(c["nbytes"]),
+        c["peer"], c["group"], repeat(None), c["tag"], c["key"], alloc_c, free_c)
     per_stage: list[dict[str, tuple[Instr, ...]]] = [{} for _ in range(pp)]
-    # every node's instruction, built from its fields' columns (see program.instrs_from_rows)
-    chunk, mbs, flops, nbytes = _numeric(c)
-    comp = _equals(ops, "compute")
-    built = instrs_from_rows(zip(
-        ids.tolist(), ops, streams, dep_col, c["phase"], _unless(stage, comp), _unless(chunk, chunk >= 0),
-        _unless(mbs, mbs >= 0), _unless(c["region"], comp), flops.tolist(), nbytes.tolist(), c["peer"], c["group"],
-        repeat(None), c["tag"], c["key"], alloc_c, free_c))
-    so = seq_order.tolist()
-    ordered = _take(built, so)          # grouped by (stage, stream), in stream order
-    for gi in range(len(b) - 1):
-        per_stage[stage_l[gi]][streams[so[b[gi]]]] = tuple(ordered[b[gi]:b[gi + 1]])
+    so, b = seq_order.tolist(), bounds.tolist()
+    stage_l = stage[seq_order[bounds[:-1]]].tolist() if n else []
+    for gi in range(len(b) - 1):        # each (stage, stream) group, taken in stream order
+        idx = so[b[gi]:b[gi + 1]]
+        group = itemgetter(*idx)(built) if len(idx) > 1 else (built[idx[0]],)
+        per_stage[stage_l[gi]][group[0].stream] = group
     progs: list[RankProgram] = []
     for st in range(pp):
         mem = dict(static_memory[st]) if st < len(static_memory) else {}
@@ -319,25 +435,25 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     return Program(ranks, strategy, meta)
 
 
-def _numeric(c: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The chunk and micro-batch columns (int64), the FLOPs as Python floats would hold them
-    (float64) and the bytes truncated to ints (as ``int()`` does), for gathering by node."""
-    nb = np.asarray(c["nbytes"])
+def _flops(col: list) -> list:
+    """The FLOPs as Python floats."""
+    return col if set(map(type, col)) == {float} else _floats(col).tolist()
+
+
+def _nbytes(col: list) -> list:
+    """The bytes as Python ints (truncated, as ``int()`` does)."""
+    if set(map(type, col)) == {int}:
+        return col
+    nb = np.asarray(col)
     if nb.dtype.kind != "i":
-        nb = np.fromiter(map(int, c["nbytes"]), np.int64, len(nb))
-    return (np.asarray(c["chunk"], np.int64), np.asarray(c["mb"], np.int64), np.asarray(c["flops"], np.float64),
-            nb.astype(np.int64, copy=False))
+        nb = np.fromiter(map(int, col), np.int64, len(col))
+    return nb.astype(np.int64, copy=False).tolist()
 
 
 def _unless(values: "np.ndarray | list", keep: np.ndarray) -> list:
     """``values[i]`` (a Python object) where ``keep[i]``, else None, as a list."""
-    if not isinstance(values, np.ndarray):
-        out = list(values)
-        for i in np.flatnonzero(~keep).tolist():
-            out[i] = None
-        return out
-    out = np.full(len(keep), None, object)
-    out[keep] = values[keep].tolist()
+    out = values.astype(object) if isinstance(values, np.ndarray) else np.fromiter(values, object, len(values))
+    out[~keep] = None
     return out.tolist()
 
 
@@ -346,55 +462,55 @@ def _tuples(col: list) -> list:
     return list(col) if set(map(type, col)) <= {tuple} else [tuple(x) for x in col]
 
 
-def _act_buffers(c: dict, index: np.ndarray, cols: _Columns) -> tuple[dict[int, tuple[str, int]], dict[int, str]]:
+def _act_buffers(c: dict, index: np.ndarray, cols: _Columns) -> tuple[np.ndarray, list, list, np.ndarray, list]:
     """Activation buffers: one per region of a chunk's micro-batch, ``act.c{chunk}.m{mb}.{region}``,
     allocated by the region's first forward instruction (in stream order) and freed by its last
     backward one, as a region keeps its stash from its forward to its (weight-gradient) backward;
     ``act.c{chunk}.m{mb}`` when the chunk runs that micro-batch's forward as one region (fused).
-    Returns node -> (name, bytes) and node -> name."""
+    Returns the allocating nodes, their buffers' names and bytes, the freeing nodes and their names."""
     aid, alist = cols.aid, cols.alist
-    nodes = np.flatnonzero(_equals(c["op"], "compute") & (aid >= 0))
+    none = np.zeros(0, np.int64)
+    nodes = np.flatnonzero(cols.is_compute & (aid >= 0))
     if not len(nodes):
-        return {}, {}
+        return none, [], [], none, []
     sel = nodes.tolist()
+    m = len(sel)
     aid = aid[nodes]
     regs = _take(c["region"], sel)
-    codes = {r: k for k, r in enumerate(dict.fromkeys(regs))}      # in first-seen order
-    rc = np.fromiter(map(codes.__getitem__, regs), np.int64, len(regs))
+    rc, codes = _codes(regs, dict.fromkeys(regs))      # in first-seen order
     names = list(codes)
-    chunk = np.fromiter((a[0] for a in alist), np.int64, len(alist))[aid]
-    mb = np.fromiter((a[2] for a in alist), np.int64, len(alist))[aid]
+    rc = rc.astype(np.int64)
+    chunk = np.fromiter(map(itemgetter(0), alist), np.int64, len(alist))[aid]
+    mb = np.fromiter(map(itemgetter(2), alist), np.int64, len(alist))[aid]
     fwd = np.fromiter((a[1] == "F" for a in alist), bool, len(alist))[aid]
     width, nreg = int(mb.max()) + 1, len(names)
-    uk, inv = np.unique((chunk * width + mb) * nreg + rc, return_inverse=True)
-    inv = inv.reshape(-1)
+    keys = (chunk * width + mb) * nreg + rc
+    uk = _distinct(keys)
+    inv = np.searchsorted(uk, keys)
     act_bytes = np.zeros(len(uk), np.int64)
-    np.add.at(act_bytes, inv[fwd], np.asarray(_take(c["act"], sel), np.int64)[fwd])
+    fi = np.flatnonzero(fwd)
+    np.add.at(act_bytes, inv[fi], np.fromiter(_take(c["act"], nodes[fi].tolist()), np.int64, len(fi)))
     cm = uk // nreg
     # regions per (chunk, mb) that run a forward: one means the chunk's forward is fused
     has_fwd = np.zeros(len(uk), bool)
-    has_fwd[inv[fwd]] = True
+    has_fwd[inv[fi]] = True
     ucm, count = np.unique(cm[has_fwd], return_counts=True)
     at = np.minimum(np.searchsorted(ucm, cm), max(len(ucm) - 1, 0))
     multi = (ucm[at] == cm) & (count[at] > 1) if len(ucm) else np.zeros(len(cm), bool)
-    ix = index[nodes]
     # per key: the forward node first in stream order, the backward node last (ties: the first node)
-    o = np.lexsort((np.arange(len(sel)), ix, inv))
-    o = o[fwd[o]]
-    lead = np.ones(len(o), bool)
-    lead[1:] = inv[o][1:] != inv[o][:-1]
-    first = dict(zip(inv[o][lead].tolist(), nodes[o][lead].tolist()))
-    o = np.lexsort((-np.arange(len(sel)), ix, inv))
-    o = o[~fwd[o]]
-    tail = np.ones(len(o), bool)
-    tail[:-1] = inv[o][1:] != inv[o][:-1]
-    last = dict(zip(inv[o][tail].tolist(), nodes[o][tail].tolist()))
-    nbytes = act_bytes.tolist()
+    ix = index[nodes] * m
+    first = np.full(len(uk), np.iinfo(np.int64).max)
+    np.minimum.at(first, inv[fi], ix[fi] + fi)
+    bi = np.flatnonzero(~fwd)
+    last = np.full(len(uk), -1)
+    np.maximum.at(last, inv[bi], ix[bi] + (m - 1 - bi))
     # one buffer per key with bytes: the region named where the chunk's forward has several
     named = np.flatnonzero(act_bytes != 0)
-    regions = [names[r] if m else None for r, m in zip((uk % nreg)[named].tolist(), multi[named].tolist())]
-    name = dict(zip(named.tolist(), T.StepBuffer.act_names((cm[named] // width).tolist(), (cm[named] % width).tolist(),
-                                                           regions)))
-    alloc_extra = {i: (name[k], nbytes[k]) for k, i in first.items() if nbytes[k]}
-    free_extra = {i: name[k] for k, i in last.items() if nbytes[k]}
-    return alloc_extra, free_extra
+    regions = [names[r] if x else None for r, x in zip((uk % nreg)[named].tolist(), multi[named].tolist())]
+    name = T.StepBuffer.act_names((cm[named] // width).tolist(), (cm[named] % width).tolist(), regions)
+    a = first[named] < np.iinfo(np.int64).max
+    f = last[named] >= 0
+    alloc_at = nodes[first[named][a] % m]
+    free_at = nodes[m - 1 - last[named][f] % m]
+    return (alloc_at, list(compress(name, a.tolist())), act_bytes[named][a].tolist(), free_at,
+            list(compress(name, f.tolist())))
