@@ -14,6 +14,7 @@ Memory: static state plus alloc/free, tracked per device.
 from __future__ import annotations
 
 import time
+from inspect import getgeneratorlocals
 from heapq import heappush
 from itertools import chain
 from operator import attrgetter
@@ -24,14 +25,14 @@ from ..errors import DeadlockError, DeviceListError, ProgramError
 from ..ir.graph import paused_gc
 from ..ir.program import Instr, Program
 from ..cost import CostModel, Phase, Workload, link_class, topology
-from .fluid import FluidNetwork
+from .fluid import FluidNetwork, _Plan, _plan_end
 from .fold import Folding, fold
 from .kernel import Event, Kernel, fire
 
 __all__ = ["Engine", "RawRun", "resolve_devices"]
 
 _ACT_PREFIXES = ("act", "rc.")  # activation and recompute buffers; other named buffers are comm/params
-_ID, _DEPS = attrgetter("id"), attrgetter("deps")
+_DEPS = attrgetter("deps")
 _MODEL_PHASES = frozenset(("fwd", "bwd", "bwd_input", "bwd_weight"))   # compute that counts as model FLOPs (MFU)
 
 
@@ -73,6 +74,19 @@ class _Then:
     def succeed(self) -> None:
         k = self.kernel
         k._fifo.append((k._now, self.fn, None))
+
+
+class _Posted:
+    """The callback of a posted send/recv's completion (:meth:`Engine._posted_done`)."""
+
+    __slots__ = ("engine", "r", "s", "ins", "start")
+
+    def __init__(self, engine: "Engine", r: int, s: str, ins: Instr, start: float) -> None:
+        self.engine, self.r, self.s, self.ins, self.start = engine, r, s, ins, start
+
+    def __call__(self, _e: object) -> None:
+        ins, self.ins = self.ins, None   # done
+        self.engine._posted_done(self.r, self.s, ins, self.start)
 
 
 class _Chain:
@@ -212,79 +226,76 @@ class Engine:
         self.ctime: dict[tuple, float] = {}
         self.bw = {link: self.cost.link_bw(link) for link in ("local", "intra", "inter")}
         self.group_reps: dict[tuple, tuple[tuple[int, ...], tuple]] = {}
-        self.mem_cur: dict[int, float] = {}
+        self.mem: dict[int, list[float]] = {}   # rep -> [bytes in use, activation bytes, peak, static bytes]
         self.bufs: dict[int, dict[str, float]] = {}
-        self.act_cur: dict[int, float] = {}
-        self.progress: dict[tuple[int, str], list[int]] = {}  # instructions done per stream
-        self.pending: dict[tuple[int, int], tuple] = {}  # posted send/recv not yet complete: (rank, stream, instr)
+        self.busy: dict[int, list[float]] = {}   # rep -> [seconds its compute stream ran]
+        self.streams: list[tuple[int, str, object]] = []   # (rep, stream, its generator)
+        self.posted: list[_Posted] = []   # posted sends/recvs, in posting order
         self.flops = [0.0]   # model FLOPs so far (a cell the streams add to)
         for r in fo.reps:
             rp = self.program.ranks[r]
-            ids: set = set()
             needed: set = set()
             for instrs in rp.streams.values():
-                ids.update(map(_ID, instrs))
                 needed.update(chain.from_iterable(map(_DEPS, instrs)))
-            if not needed <= ids:
-                bad = min(needed - ids)
-                user = next(i for i in rp.instrs() if bad in i.deps)
-                raise ProgramError(f"rank {r} instruction {user.id} depends on unknown instruction {bad}; "
-                                   f"deps must name instructions of the same rank")
             self.done[r] = {d: env.event() for d in needed}  # only what someone waits for
             static = {k: float(rp.static_memory.get(k, 0)) for k in rp.static_memory}
             raw.static[r] = static
             base = sum(static.values())
-            self.mem_cur[r] = base
+            self.mem[r] = [base, 0.0, base, base]
             self.bufs[r] = {}
-            self.act_cur[r] = 0.0
-            raw.peak[r] = base
             raw.peak_parts[r] = {"activations": 0.0, "buffers": 0.0}
-            raw.busy[r] = 0.0
+            self.busy[r] = [0.0]
             raw.mem_events.append((r, 0.0, base))
             computing = [s for s, instrs in rp.streams.items() if any(i.op == "compute" for i in instrs)]
             shared = len(computing) > 1 or host  # several streams compute, or a shared host: fluid
             for s, instrs in rp.streams.items():
-                self.progress[(r, s)] = [0]
                 if instrs:
                     self._start(r, s, instrs, base, shared)
         raw.events = env.run()
-        raw.model_flops = self.flops[0]
         self._check_finished()
+        for r, m in self.mem.items():
+            raw.peak[r] = m[2]
+            raw.busy[r] = self.busy[r][0]
+        raw.model_flops = self.flops[0]
         raw.sim_seconds = time.perf_counter() - t0
         return raw
 
     def _check_finished(self) -> None:
         stuck = []
-        for (r, s), (k,) in self.progress.items():
-            instrs = self.program.ranks[r].streams[s]
-            if k < len(instrs):
-                stuck.append(f"rank {r} stream {s} at [{instrs[k]}]")
-        stuck += [f"rank {r} stream {s} at [{ins}] (posted)" for r, s, ins in self.pending.values()]
+        for r, s, gen in self.streams:   # each suspended at its end, or blocked at instruction ``ins``
+            at = getgeneratorlocals(gen).get("ins")
+            gen.close()
+            if at is not None:
+                stuck.append(f"rank {r} stream {s} at [{at}]")
+        stuck += [f"rank {p.r} stream {p.s} at [{p.ins}] (posted)" for p in self.posted if p.ins is not None]
         if stuck:
+            for r in self.done:   # a dep on an unknown instruction blocks its stream
+                rp = self.program.ranks[r]
+                ids = {i.id for i in rp.instrs()}
+                bad = [d for d in self.done[r] if d not in ids]
+                if bad:
+                    user = next(i for i in rp.instrs() if min(bad) in i.deps)
+                    raise ProgramError(f"rank {r} instruction {user.id} depends on unknown instruction {min(bad)}; "
+                                       f"deps must name instructions of the same rank")
             raise DeadlockError(f"simulation stopped with {len(stuck)} streams blocked: " + "; ".join(stuck[:8])
                                 + ("" if len(stuck) <= 8 else " ...") + "; check the program with Program.validate()")
 
     # ---- one stream -----------------------------------------------------------------------------
     def _start(self, r: int, s: str, instrs: Sequence[Instr], static_bytes: float, shared_compute: bool) -> None:
         """Start stream ``s`` of rank ``r`` as a kernel process would (its start and its end each count
-        as one event): the stream yields an event to wait on, or None once it has arranged its own
-        resumption (through its :class:`_Waker`)."""
+        as one event). The stream is a generator the kernel resumes directly (``gen.send`` is its
+        :class:`_Waker`'s ``resume`` and the callback it adds to an event it waits for)."""
         env = self.env
         waker = _Waker(env, self.net)
         gen = self._stream(r, s, instrs, static_bytes, shared_compute, waker)
-
-        def resume(_arg: object) -> None:
-            for ev in gen:
-                if ev is not None:   # an event not processed yet
-                    ev.callbacks.append(resume)
-                return
-            env._fifo.append((env._now, _noop, None))   # the process's end
-
-        waker.resume = resume
-        env._urgent.append((env._now, resume, None))
+        waker.resume = gen.send
+        self.streams.append((r, s, gen))
+        env._urgent.append((env._now, gen.send, None))
 
     def _stream(self, r: int, s: str, instrs: Sequence[Instr], static_bytes: float, shared_compute: bool,
                 waker: _Waker):
+        """Run the stream's instructions in order. It waits by yielding nothing, having arranged to be
+        resumed: a callback on the event it waits for, or its waker (a flow's end, a timeout)."""
         env = self.env
         done = self.done[r]
         raw = self.raw
@@ -293,29 +304,50 @@ class Engine:
         rec = raw.records
         cres = (("compute", dev), ("host", dev // self.cluster.per_node)) if self.cost.host_cores > 0 \
             else (("compute", dev),)
-        cell = self.progress[(r, s)]
         posted = self.cost.p2p_posted or (self.cost.step_p2p_posted and self.tp_step)
         queue = env._queue
         fifo = env._fifo
-        flow = self.net.flow
-        plan = self.net.plan
-        busy = raw.busy if s == "compute" else None
+        net = self.net
+        flow = net.flow
+        active, planned, capacity = net.active, net.planned, net.capacity
+        busy = self.busy[r] if s == "compute" else None
         flops = self.flops
         nmem = len(self.folding.members[r])
         coll_cache = self.coll_cache
         lb = raw.link_bytes
-        for k, ins in enumerate(instrs):
+        resume = waker.resume
+        bufs = self.bufs[r]
+        mem = self.mem[r]
+        mem_events = raw.mem_events
+        static_sum = mem[3]
+        for ins in instrs:
             deps = ins.deps
             if deps:
                 for d in deps:
                     ev = done[d]
                     if ev.callbacks is not None:   # not processed yet
-                        yield ev
+                        ev.callbacks.append(resume)
+                        yield
             start = env._now
-            if ins.alloc:
-                self._alloc(r, ins)
+            alloc = ins.alloc
+            if alloc:   # self._alloc, inline
+                cur = mem[0]
+                for name, b in alloc:
+                    n = len(bufs)
+                    bufs[name] = b
+                    if len(bufs) == n:
+                        raise ProgramError(f"rank {r} instruction {ins.id} allocates buffer {name!r} twice; "
+                                           f"free it first")
+                    cur += b
+                    if name.startswith(_ACT_PREFIXES):
+                        mem[1] += b
+                mem[0] = cur
+                mem_events.append((r, start, cur))
+                if cur > mem[2]:
+                    mem[2] = cur
+                    act = mem[1]
+                    raw.peak_parts[r] = {"activations": act, "buffers": cur - act - static_sum}
             op = ins.op
-            at = None   # with an inline timeout: when the stream resumes (it schedules ``fn`` itself)
             if op == "compute":
                 phase = ins.phase
                 fl = ins.flops
@@ -323,68 +355,86 @@ class Engine:
                 dt = ctime.get(key)
                 if dt is None:
                     dt = ctime[key] = self.cost.compute_time(ins, static_bytes, self.scores, self.workload)
-                ev = None
                 if shared_compute:
                     flow(cres, dt, waker)   # type: ignore[arg-type]
-                else:   # env.timeout(dt), inline
+                else:   # env.timeout(dt), inline (Kernel.call_at)
                     if dt < 0:
                         raise ValueError(f"negative delay {dt}")
-                    at, fn = start + dt, waker.resume
+                    if dt == 0:
+                        fifo.append((start, resume, None))
+                    else:
+                        env._eid = eid = env._eid + 1
+                        heappush(queue, (start + dt, eid, resume, None))
+                yield
             elif op == "send" or op == "recv":
                 ev = self._p2p(r, ins)
-                if posted and ev.callbacks is not None:   # posted: the stream moves on, completion comes later
-                    self.pending[(r, ins.id)] = (r, s, ins)
-                    ev.callbacks.append(lambda _e, ins=ins, start=start: self._posted_done(r, s, ins, start))
-                    cell[0] = k + 1
-                    continue
+                if ev.callbacks is not None:
+                    if posted:   # posted: the stream moves on, completion comes later
+                        post = _Posted(self, r, s, ins, start)
+                        self.posted.append(post)
+                        ev.callbacks.append(post)
+                        continue
+                    ev.callbacks.append(resume)
+                    yield
             elif op == "copy":
                 ev = self._copy(r, ins)
+                if ev.callbacks is not None:
+                    ev.callbacks.append(resume)
+                    yield
             else:
                 hit = coll_cache.get((r, ins.group, op, ins.nbytes))
                 if hit is not None and hit[2] is not None:
                     # every member folds into r and it runs one phase: its flow, precomputed (_solo)
                     link, nbytes, links, work, delay = hit[2]
                     lb[link] += nbytes
-                    ev = None
-                    if delay <= 0 or not plan(links, delay, work, waker):   # type: ignore[arg-type]
+                    free = delay > 0 and work > 0.0   # FluidNetwork.plan, inline
+                    if free:
+                        for link in links:
+                            if link in planned or active.get(link) or (capacity and link in capacity):
+                                free = False
+                                break
+                    if free:
+                        eid = env._eid + 1
+                        t0 = start + delay
+                        p = _Plan(links, t0, work, waker, eid, net)   # type: ignore[arg-type]
+                        for link in links:
+                            planned[link] = p
+                        env._eid = eid = eid + 1
+                        heappush(queue, (t0 + work, eid, _plan_end, p))
+                    else:
                         waker.links, waker.work = links, work
                         if delay > 0:   # env.timeout(delay), inline
-                            at, fn = start + delay, waker.start_flow
+                            env._eid = eid = env._eid + 1
+                            heappush(queue, (start + delay, eid, waker.start_flow, None))
                         else:
                             waker.start_flow(None)
+                    yield
                 else:
                     ev = self._collective(r, ins)
-            if at is not None:   # Kernel.call_at, inline
-                if at == start:
-                    fifo.append((at, fn, None))
-                else:
-                    env._eid += 1
-                    heappush(queue, (at, env._eid, fn, None))
-                yield None
-            elif ev is None:     # the waker resumes the stream
-                yield None
-            elif ev.callbacks is not None:
-                yield ev
+                    if ev.callbacks is not None:
+                        ev.callbacks.append(resume)
+                        yield
             end = env._now
             rec.append((r, s, ins, start, end))
             if busy is not None:
-                busy[r] += end - start
+                busy[0] += end - start
             if op == "compute" and phase in _MODEL_PHASES:
                 flops[0] += fl * nmem
             if ins.free:
                 self._free(r, ins)
-            cell[0] = k + 1
             ev = done.get(ins.id)
             if ev is not None:
                 ev.succeed()
+        ins = None
+        fifo.append((env._now, _noop, None))   # the process's end
+        yield   # never resumed
 
     def _posted_done(self, r: int, s: str, ins: Instr, start: float) -> None:
         """A posted send/recv completed: record it, free its buffers, release its dependents."""
-        del self.pending[(r, ins.id)]
         end = self.env._now
         self.raw.records.append((r, s, ins, start, end))
         if s == "compute":
-            self.raw.busy[r] += end - start
+            self.busy[r][0] += end - start
         if ins.free:
             self._free(r, ins)
         ev = self.done[r].get(ins.id)
@@ -392,36 +442,18 @@ class Engine:
             ev.succeed()
 
     # ---- memory -------------------------------------------------------------------------------
-    def _alloc(self, r: int, ins: Instr) -> None:
-        bufs = self.bufs[r]
-        cur = self.mem_cur[r]
-        for name, b in ins.alloc:
-            n = len(bufs)
-            bufs[name] = b
-            if len(bufs) == n:
-                raise ProgramError(f"rank {r} instruction {ins.id} allocates buffer {name!r} twice; free it first")
-            cur += b
-            if name.startswith(_ACT_PREFIXES):
-                self.act_cur[r] += b
-        self.mem_cur[r] = cur
-        raw = self.raw
-        raw.mem_events.append((r, self.env._now, cur))
-        if cur > raw.peak[r]:
-            raw.peak[r] = cur
-            act = self.act_cur[r]
-            raw.peak_parts[r] = {"activations": act, "buffers": cur - act - sum(raw.static[r].values())}
-
     def _free(self, r: int, ins: Instr) -> None:
         bufs = self.bufs[r]
-        cur = self.mem_cur[r]
+        mem = self.mem[r]
+        cur = mem[0]
         for name in ins.free:
             b = bufs.pop(name, None)
             if b is None:
                 raise ProgramError(f"rank {r} instruction {ins.id} frees buffer {name!r}, which is not allocated")
             cur -= b
             if name.startswith(_ACT_PREFIXES):
-                self.act_cur[r] -= b
-        self.mem_cur[r] = cur
+                mem[1] -= b
+        mem[0] = cur
         self.raw.mem_events.append((r, self.env._now, cur))
 
     # ---- transfers ----------------------------------------------------------------------------
