@@ -77,46 +77,60 @@ class _Then:
 
 
 class _Posted:
-    """The callback of a posted send/recv's completion (:meth:`Engine._posted_done`)."""
+    """A posted send/recv: ``succeed`` (its transfer is done) queues :meth:`done`, as processing an
+    event succeeded now would, and ``ins`` is None once it ran."""
 
     __slots__ = ("engine", "r", "s", "ins", "start")
 
     def __init__(self, engine: "Engine", r: int, s: str, ins: Instr, start: float) -> None:
         self.engine, self.r, self.s, self.ins, self.start = engine, r, s, ins, start
 
-    def __call__(self, _e: object) -> None:
-        ins, self.ins = self.ins, None   # done
-        self.engine._posted_done(self.r, self.s, ins, self.start)
+    def succeed(self) -> None:
+        k = self.engine.env
+        k._fifo.append((k._now, self.done, None))
+
+    def done(self, _arg: object) -> None:
+        """Record the instruction, free its buffers, release its dependents."""
+        ins, self.ins = self.ins, None
+        eng = self.engine
+        r, s, start = self.r, self.s, self.start
+        end = eng.env._now
+        eng.raw.records.append((r, s, ins, start, end))
+        if s == "compute":
+            eng.busy[r][0] += end - start
+        if ins.free:   # type: ignore[union-attr]
+            eng._free(r, ins)   # type: ignore[arg-type]
+        ev = eng.done[r].get(ins.id)   # type: ignore[union-attr]
+        if ev is not None:
+            ev.succeed()
 
 
 class _Chain:
     """The phases of one transfer between one pair of ends, one flow each after its latency (the
     operation's fixed overhead paid with the first), as :meth:`Engine._run_phases` runs them; a flow
-    on free resources is planned (:meth:`FluidNetwork.plan`)."""
+    on free resources is planned (:meth:`FluidNetwork.plan`). ``flows``: per phase, (resources, work,
+    latency)."""
 
-    __slots__ = ("env", "net", "phases", "ends", "waiters", "extra", "factor", "bw", "i")
+    __slots__ = ("env", "net", "flows", "waiters", "extra", "i")
 
-    def __init__(self, engine: "Engine", phases: Sequence[Phase], ends: tuple, waiters: list, overhead: float,
-                 factor: float) -> None:
-        self.env, self.net, self.bw = engine.env, engine.net, engine.bw
-        self.phases, self.ends, self.waiters = phases, ends, waiters
-        self.extra, self.factor = overhead, factor
+    def __init__(self, engine: "Engine", flows: tuple, waiters: list, overhead: float) -> None:
+        self.env, self.net = engine.env, engine.net
+        self.flows, self.waiters = flows, waiters
+        self.extra = overhead
         self.i = 0
 
     def step(self, _e: object = None) -> None:
         i = self.i
-        phases = self.phases
-        ph = phases[i]
-        self.i = i + 1
-        work = ph.nbytes / (self.bw[ph.link] * self.factor)
-        delay = ph.latency + self.extra
+        flows = self.flows
+        links, work, latency = flows[i]
+        self.i = i = i + 1
+        delay = latency + self.extra
         self.extra = 0.0
-        links = _links(ph.link, *self.ends)
         waiters = self.waiters
-        if i + 1 == len(phases) and len(waiters) == 1:
+        if i == len(flows) and len(waiters) == 1:
             done = waiters[0]
         else:   # an event whose one callback is the next step
-            done = _Then(self.env, self.step if i + 1 < len(phases) else self._finish)
+            done = _Then(self.env, self.step if i < len(flows) else self._finish)
         if self.net.plan(links, delay, work, done):
             return
         if delay > 0:
@@ -220,6 +234,7 @@ class Engine:
         self.op_consts: dict[str, tuple[float, float]] = {}   # op -> (fixed overhead, bandwidth factor)
         self.p2p_cache: dict[tuple, tuple[Phase, ...]] = {}
         self.p2p_route: dict[tuple, tuple] = {}   # (rank, peer name) -> what _p2p needs of the pair
+        self.p2p_flows: dict[tuple, tuple] = {}   # (sender, peer name, bytes) -> what _p2p runs
         st = self.program.strategy
         self.tp_step = st is not None and self.program.meta.get("kind") == "train_step"
         self.tp = int(getattr(st, "tp", 1)) if self.tp_step else 1
@@ -367,15 +382,13 @@ class Engine:
                         heappush(queue, (start + dt, eid, resume, None))
                 yield
             elif op == "send" or op == "recv":
-                ev = self._p2p(r, ins)
-                if ev.callbacks is not None:
-                    if posted:   # posted: the stream moves on, completion comes later
-                        post = _Posted(self, r, s, ins, start)
-                        self.posted.append(post)
-                        ev.callbacks.append(post)
-                        continue
-                    ev.callbacks.append(resume)
-                    yield
+                if posted:   # posted: the stream moves on, completion comes later
+                    post = _Posted(self, r, s, ins, start)
+                    self.posted.append(post)
+                    self._p2p(r, ins, post)
+                    continue
+                self._p2p(r, ins, waker)
+                yield
             elif op == "copy":
                 ev = self._copy(r, ins)
                 if ev.callbacks is not None:
@@ -429,18 +442,6 @@ class Engine:
         fifo.append((env._now, _noop, None))   # the process's end
         yield   # never resumed
 
-    def _posted_done(self, r: int, s: str, ins: Instr, start: float) -> None:
-        """A posted send/recv completed: record it, free its buffers, release its dependents."""
-        end = self.env._now
-        self.raw.records.append((r, s, ins, start, end))
-        if s == "compute":
-            self.busy[r][0] += end - start
-        if ins.free:
-            self._free(r, ins)
-        ev = self.done[r].get(ins.id)
-        if ev is not None:
-            ev.succeed()
-
     # ---- memory -------------------------------------------------------------------------------
     def _free(self, r: int, ins: Instr) -> None:
         bufs = self.bufs[r]
@@ -465,7 +466,7 @@ class Engine:
         env, net, cost = self.env, self.net, self.cost
         overhead, factor = self._op_consts(op)
         if len(link_ends) == 1 and phases:   # one flow per phase
-            _Chain(self, phases, link_ends[0], waiters, overhead, factor).step()
+            _Chain(self, self._chain_flows(phases, link_ends[0], factor), waiters, overhead).step()
             return
         it = iter(phases)
 
@@ -495,7 +496,13 @@ class Engine:
 
         step(extra=overhead)  # the fixed per-operation cost is paid with the first latency
 
-    def _p2p(self, r: int, ins: Instr) -> Event:
+    def _chain_flows(self, phases: Sequence[Phase], ends: tuple, factor: float) -> tuple:
+        """Per phase of a transfer between ``ends``: (resources, work, latency), for a :class:`_Chain`."""
+        bw = self.bw
+        return tuple((_links(ph.link, *ends), ph.nbytes / (bw[ph.link] * factor), ph.latency) for ph in phases)
+
+    def _p2p(self, r: int, ins: Instr, waiter) -> None:
+        """Post ``ins`` (a send or a recv); ``waiter.succeed()`` runs once the transfer is done."""
         rk = (r, ins.peer)
         route = self.p2p_route.get(rk)
         if route is None:   # (peer's rep, this device, peer's device, link class, members of r)
@@ -506,21 +513,30 @@ class Engine:
                                           len(fo.members[r]))
         send = ins.op == "send"
         key = (r, route[0], ins.tag) if send else (route[0], r, ins.tag)
-        ev = Event(self.env)
         other = self.p2p.pop(key, None)
         if other is None:
-            self.p2p[key] = (ins, ev, r, route)
-            return ev
-        o_ins, o_ev, o_r, o_route = other
+            self.p2p[key] = (ins, waiter, r, route)
+            return
+        o_ins, o_waiter, o_r, o_route = other
         if o_ins.op == ins.op:
             raise ProgramError(f"rank {r} and rank {o_r} both {ins.op} tag {ins.tag!r}; pair each send with a recv")
-        send_ins, (_rep, src, dst, link, nmem) = (ins, route) if send else (o_ins, o_route)
-        phases = self._p2p_phases(send_ins, link)
+        send_ins, s_route, s_r = (ins, route, r) if send else (o_ins, o_route, o_r)
+        ck = (s_r, send_ins.peer, send_ins.nbytes)
+        hit = self.p2p_flows.get(ck)
+        if hit is None:   # (what each phase adds to its link class, the chain's flows, the overhead)
+            _rep, src, dst, link, nmem = s_route
+            phases = self._p2p_phases(send_ins, link)
+            overhead, factor = self._op_consts("send")
+            hit = self.p2p_flows[ck] = (tuple((ph.link, ph.nbytes * nmem) for ph in phases),
+                                        self._chain_flows(phases, (src, dst), factor), overhead)
+        adds, flows, overhead = hit
         lb = self.raw.link_bytes
-        for ph in phases:
-            lb[ph.link] += ph.nbytes * nmem
-        self._run_phases(phases, [(src, dst)], [ev, o_ev], "send")
-        return ev
+        for link, nbytes in adds:
+            lb[link] += nbytes
+        if flows:
+            _Chain(self, flows, [waiter, o_waiter], overhead).step()
+        else:
+            self._run_phases((), [s_route[1:3]], [waiter, o_waiter], "send")
 
     def _p2p_phases(self, ins: Instr, link: str) -> tuple[Phase, ...]:
         """A pipeline send under TP with ``cost.pp_scatter_gather`` (as Megatron does): each TP rank
