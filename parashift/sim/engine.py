@@ -57,23 +57,11 @@ class _Waker:
         k = self.kernel
         k._fifo.append((k._now, self.resume, None))
 
+    def process(self) -> None:
+        self.resume(None)
+
     def start_flow(self, _arg: object) -> None:
         self.net.flow(self.links, self.work, self)   # type: ignore[arg-type]
-
-
-class _Then:
-    """An event no one else waits for, with one callback: ``succeed`` queues the call itself (as
-    processing the event would make it)."""
-
-    __slots__ = ("kernel", "fn")
-
-    def __init__(self, kernel: Kernel, fn) -> None:
-        self.kernel = kernel
-        self.fn = fn
-
-    def succeed(self) -> None:
-        k = self.kernel
-        k._fifo.append((k._now, self.fn, None))
 
 
 class _Posted:
@@ -88,6 +76,9 @@ class _Posted:
     def succeed(self) -> None:
         k = self.engine.env
         k._fifo.append((k._now, self.done, None))
+
+    def process(self) -> None:
+        self.done(None)
 
     def done(self, _arg: object) -> None:
         """Record the instruction, free its buffers, release its dependents."""
@@ -109,15 +100,24 @@ class _Chain:
     """The phases of one transfer between one pair of ends, one flow each after its latency (the
     operation's fixed overhead paid with the first), as :meth:`Engine._run_phases` runs them; a flow
     on free resources is planned (:meth:`FluidNetwork.plan`). ``flows``: per phase, (resources, work,
-    latency)."""
+    latency). Between phases the chain is the event a phase's flow succeeds: ``succeed`` queues the
+    next step (or the end) as processing that event would."""
 
-    __slots__ = ("env", "net", "flows", "waiters", "extra", "i")
+    __slots__ = ("env", "net", "flows", "waiters", "extra", "i", "next")
 
     def __init__(self, engine: "Engine", flows: tuple, waiters: list, overhead: float) -> None:
         self.env, self.net = engine.env, engine.net
         self.flows, self.waiters = flows, waiters
         self.extra = overhead
         self.i = 0
+        self.next = self.step
+
+    def succeed(self) -> None:
+        k = self.env
+        k._fifo.append((k._now, self.next, None))
+
+    def process(self) -> None:
+        self.next(None)
 
     def step(self, _e: object = None) -> None:
         i = self.i
@@ -127,10 +127,13 @@ class _Chain:
         delay = latency + self.extra
         self.extra = 0.0
         waiters = self.waiters
-        if i == len(flows) and len(waiters) == 1:
+        if i < len(flows):
+            done = self
+        elif len(waiters) == 1:
             done = waiters[0]
-        else:   # an event whose one callback is the next step
-            done = _Then(self.env, self.step if i < len(flows) else self._finish)
+        else:
+            done = self
+            self.next = self._finish
         if self.net.plan(links, delay, work, done):
             return
         if delay > 0:
@@ -433,8 +436,19 @@ class Engine:
                 busy[0] += end - start
             if op == "compute" and phase in _MODEL_PHASES:
                 flops[0] += fl * nmem
-            if ins.free:
-                self._free(r, ins)
+            free = ins.free
+            if free:   # self._free, inline
+                cur = mem[0]
+                for name in free:
+                    b = bufs.pop(name, None)
+                    if b is None:
+                        raise ProgramError(f"rank {r} instruction {ins.id} frees buffer {name!r}, "
+                                           f"which is not allocated")
+                    cur -= b
+                    if name.startswith(_ACT_PREFIXES):
+                        mem[1] -= b
+                mem[0] = cur
+                mem_events.append((r, env._now, cur))
             ev = done.get(ins.id)
             if ev is not None:
                 ev.succeed()

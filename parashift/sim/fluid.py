@@ -20,6 +20,7 @@ from .kernel import Event, Kernel
 __all__ = ["FluidNetwork"]
 
 _EPS = 1e-15
+_INF = float("inf")   # Kernel._cur of a FIFO entry
 
 
 class _Flow:
@@ -78,9 +79,16 @@ def _plan_end(p: _Plan) -> None:
         planned = net.planned
         for link in p.links:
             del planned[link]
+        env = net.env
         if p.eid != -2:
-            net.env._extra += 1
-        p.done.succeed()
+            env._extra += 1
+        queue = env._queue
+        if env._fifo or env._urgent or (queue and queue[0][0] <= env._now):
+            p.done.succeed()
+        else:   # no other entry is due now: the one succeed() would queue is processed next, so here
+            env._extra += 1
+            env._cur = _INF
+            p.done.process()
 
 
 def _plan_start(p: _Plan) -> None:

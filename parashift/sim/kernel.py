@@ -37,6 +37,11 @@ class Event:
         k._fifo.append((k._now, fire, self))
         return self
 
+    def process(self) -> None:
+        """Process the event now, as the kernel would the entry ``succeed`` queues (see
+        :func:`..fluid._plan_end`: only when that entry would be the next processed)."""
+        fire(self)
+
 
 def fire(ev: Event) -> None:
     """Process ``ev``: run its callbacks once."""
