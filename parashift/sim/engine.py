@@ -16,8 +16,6 @@ from __future__ import annotations
 import time
 from inspect import getgeneratorlocals
 from heapq import heappush
-from itertools import chain
-from operator import attrgetter
 from typing import Mapping, Sequence
 
 from ..cluster import Cluster
@@ -32,7 +30,6 @@ from .kernel import Event, Kernel, fire
 __all__ = ["Engine", "RawRun", "resolve_devices"]
 
 _ACT_PREFIXES = ("act", "rc.")  # activation and recompute buffers; other named buffers are comm/params
-_DEPS = attrgetter("deps")
 _MODEL_PHASES = frozenset(("fwd", "bwd", "bwd_input", "bwd_weight"))   # compute that counts as model FLOPs (MFU)
 
 
@@ -222,7 +219,8 @@ class Engine:
         raw.devices = self.devices
         self.raw = raw
         host = self.cost.host_cores > 0
-        self.folding = fo = fold(self.program, self.devices, self.cluster, self.fold_symmetric and not host)
+        scans: dict[int, tuple] = {}   # id of a RankProgram -> (group names, peer names, ids depended on)
+        self.folding = fo = fold(self.program, self.devices, self.cluster, self.fold_symmetric and not host, scans)
         raw.folding = fo
         self.env = env = Kernel()
         self.net = FluidNetwork(env)
@@ -241,7 +239,7 @@ class Engine:
         st = self.program.strategy
         self.tp_step = st is not None and self.program.meta.get("kind") == "train_step"
         self.tp = int(getattr(st, "tp", 1)) if self.tp_step else 1
-        self.ctime: dict[tuple, float] = {}
+        self.ctime: dict[float, dict[tuple, float]] = {}   # static bytes -> compute key -> seconds
         self.bw = {link: self.cost.link_bw(link) for link in ("local", "intra", "inter")}
         self.group_reps: dict[tuple, tuple[tuple[int, ...], tuple]] = {}
         self.mem: dict[int, list[float]] = {}   # rep -> [bytes in use, activation bytes, peak, static bytes]
@@ -252,10 +250,7 @@ class Engine:
         self.flops = [0.0]   # model FLOPs so far (a cell the streams add to)
         for r in fo.reps:
             rp = self.program.ranks[r]
-            needed: set = set()
-            for instrs in rp.streams.values():
-                needed.update(chain.from_iterable(map(_DEPS, instrs)))
-            self.done[r] = {d: env.event() for d in needed}  # only what someone waits for
+            self.done[r] = {d: env.event() for d in scans[id(rp)][2]}  # only what someone waits for
             static = {k: float(rp.static_memory.get(k, 0)) for k in rp.static_memory}
             raw.static[r] = static
             base = sum(static.values())
@@ -318,7 +313,7 @@ class Engine:
         done = self.done[r]
         raw = self.raw
         dev = self.devices[r]
-        ctime = self.ctime
+        ctime = self.ctime.setdefault(static_bytes, {})   # compute durations on this rank's static state
         rec = raw.records
         cres = (("compute", dev), ("host", dev // self.cluster.per_node)) if self.cost.host_cores > 0 \
             else (("compute", dev),)
@@ -369,7 +364,7 @@ class Engine:
             if op == "compute":
                 phase = ins.phase
                 fl = ins.flops
-                key = (phase, ins.region, fl, ins.nbytes, static_bytes, not ins.microbatch)
+                key = (phase, ins.region, fl, ins.nbytes, not ins.microbatch)
                 dt = ctime.get(key)
                 if dt is None:
                     dt = ctime[key] = self.cost.compute_time(ins, static_bytes, self.scores, self.workload)
@@ -449,9 +444,8 @@ class Engine:
                         mem[1] -= b
                 mem[0] = cur
                 mem_events.append((r, env._now, cur))
-            ev = done.get(ins.id)
-            if ev is not None:
-                ev.succeed()
+            if ins.id in done:
+                done[ins.id].succeed()
         ins = None
         fifo.append((env._now, _noop, None))   # the process's end
         yield   # never resumed
