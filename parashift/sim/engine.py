@@ -23,13 +23,14 @@ from ..errors import DeadlockError, DeviceListError, ProgramError
 from ..ir.graph import paused_gc
 from ..ir.program import Instr, Program
 from ..cost import CostModel, Phase, Workload, link_class, topology
-from .fluid import FluidNetwork, _Plan, _plan_end
+from .fluid import FluidNetwork, _plan_end
 from .fold import Folding, fold
 from .kernel import Event, Kernel, fire
 
 __all__ = ["Engine", "RawRun", "resolve_devices"]
 
 _ACT_PREFIXES = ("act", "rc.")  # activation and recompute buffers; other named buffers are comm/params
+_INF = float("inf")   # Kernel._cur of a FIFO entry
 _MODEL_PHASES = frozenset(("fwd", "bwd", "bwd_input", "bwd_weight"))   # compute that counts as model FLOPs (MFU)
 
 
@@ -39,23 +40,22 @@ def _noop(_arg: object) -> None:
 
 class _Waker:
     """What one stream waits on (a stream waits on one thing at a time): ``succeed`` resumes the
-    stream as processing an event succeeded now would; ``start_flow`` starts the flow it awaits."""
+    stream as processing an event succeeded now would, ``process`` resumes it now (the stream's
+    ``gen.send`` and ``gen.__next__``); ``start_flow`` starts the flow it awaits."""
 
-    __slots__ = ("kernel", "resume", "net", "links", "work")
+    __slots__ = ("kernel", "resume", "process", "net", "links", "work")
 
     def __init__(self, kernel: Kernel, net: FluidNetwork) -> None:
         self.kernel = kernel
         self.net = net
         self.resume = _noop
+        self.process = _noop
         self.links: tuple = ()
         self.work = 0.0
 
     def succeed(self) -> None:
         k = self.kernel
         k._fifo.append((k._now, self.resume, None))
-
-    def process(self) -> None:
-        self.resume(None)
 
     def start_flow(self, _arg: object) -> None:
         self.net.flow(self.links, self.work, self)   # type: ignore[arg-type]
@@ -139,8 +139,19 @@ class _Chain:
             self.net.flow(links, work, done)
 
     def _finish(self, _e: object = None) -> None:
-        for w in self.waiters:
-            w.succeed()
+        """Release the waiters. Run by the kernel (or at once in its place, by ``process``): when no
+        other entry is due now, the entries their ``succeed`` would queue are the next processed, in
+        this order, and what processing one queues comes after all of them; so process them here."""
+        env = self.env
+        queue = env._queue
+        if env._fifo or env._urgent or (queue and queue[0][0] <= env._now):
+            for w in self.waiters:
+                w.succeed()
+        else:
+            for w in self.waiters:
+                env._extra += 1
+                env._cur = _INF
+                w.process()
 
 
 def resolve_devices(program: Program, cluster: Cluster,
@@ -301,7 +312,7 @@ class Engine:
         env = self.env
         waker = _Waker(env, self.net)
         gen = self._stream(r, s, instrs, static_bytes, shared_compute, waker)
-        waker.resume = gen.send
+        waker.resume, waker.process = gen.send, gen.__next__
         self.streams.append((r, s, gen))
         env._urgent.append((env._now, gen.send, None))
 
@@ -407,7 +418,7 @@ class Engine:
                     if free:
                         eid = env._eid + 1
                         t0 = start + delay
-                        p = _Plan(links, t0, work, waker, eid, net)   # type: ignore[arg-type]
+                        p = [links, t0, work, waker, eid, None, net]   # a fluid _Plan
                         for link in links:
                             planned[link] = p
                         env._eid = eid = eid + 1
