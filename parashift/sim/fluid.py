@@ -8,7 +8,8 @@ recomputed only for the flows on the resources a starting or finishing flow touc
 A flow on free resources, after a delay or not, can be *planned* (:meth:`FluidNetwork.plan`): while
 no other flow touches its resources it is one queue entry, at its end, instead of one for its delay
 and one for its end; the first flow that starts on one of them makes it the flow it stands for, as
-it would be at that moment.
+it would be at that moment. When its end is processed with no other entry due at that time, what
+its ``done`` would queue is processed at once (``done.process()``), as the kernel would next.
 """
 from __future__ import annotations
 
