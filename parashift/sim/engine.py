@@ -63,7 +63,7 @@ class _Waker:
 
 class _Posted:
     """A posted send/recv: ``succeed`` (its transfer is done) queues :meth:`done`, as processing an
-    event succeeded now would, and ``ins`` is None once it ran."""
+    event succeeded now would."""
 
     __slots__ = ("engine", "r", "s", "ins", "start")
 
@@ -79,16 +79,15 @@ class _Posted:
 
     def done(self, _arg: object) -> None:
         """Record the instruction, free its buffers, release its dependents."""
-        ins, self.ins = self.ins, None
         eng = self.engine
-        r, s, start = self.r, self.s, self.start
+        r, s, ins, start = self.r, self.s, self.ins, self.start
         end = eng.env._now
         eng.raw.records.append((r, s, ins, start, end))
         if s == "compute":
             eng.busy[r][0] += end - start
-        if ins.free:   # type: ignore[union-attr]
-            eng._free(r, ins)   # type: ignore[arg-type]
-        ev = eng.done[r].get(ins.id)   # type: ignore[union-attr]
+        if ins.free:
+            eng._free(r, ins)
+        ev = eng.done[r].get(ins.id)
         if ev is not None:
             ev.succeed()
 
@@ -191,7 +190,7 @@ class RawRun:
     """What one engine run produced, at the level of the simulated representatives."""
 
     def __init__(self) -> None:
-        self.records: list[tuple[int, str, Instr, float, float]] = []  # (rep, stream, instr, start, end)
+        self.records: list[tuple[int, str, Instr, float, float]] = []  # (rep, stream, instr, start, end), as they end
         self.busy: dict[int, float] = {}   # rep -> seconds its compute stream ran (summed in record order)
         self.model_flops = 0.0             # model FLOPs of all ranks (summed in record order)
         self.peak: dict[int, float] = {}
@@ -257,7 +256,6 @@ class Engine:
         self.bufs: dict[int, dict[str, float]] = {}
         self.busy: dict[int, list[float]] = {}   # rep -> [seconds its compute stream ran]
         self.streams: list[tuple[int, str, object]] = []   # (rep, stream, its generator)
-        self.posted: list[_Posted] = []   # posted sends/recvs, in posting order
         self.flops = [0.0]   # model FLOPs so far (a cell the streams add to)
         for r in fo.reps:
             rp = self.program.ranks[r]
@@ -291,7 +289,9 @@ class Engine:
             gen.close()
             if at is not None:
                 stuck.append(f"rank {r} stream {s} at [{at}]")
-        stuck += [f"rank {p.r} stream {p.s} at [{p.ins}] (posted)" for p in self.posted if p.ins is not None]
+        # a posted send/recv still in flight waits for its peer (a matched one ends before the queue empties)
+        stuck += [f"rank {w.r} stream {w.s} at [{w.ins}] (posted)" for _i, w, _r, _route in self.p2p.values()
+                  if isinstance(w, _Posted)]
         if stuck:
             for r in self.done:   # a dep on an unknown instruction blocks its stream
                 rp = self.program.ranks[r]
@@ -392,9 +392,7 @@ class Engine:
                 yield
             elif op == "send" or op == "recv":
                 if posted:   # posted: the stream moves on, completion comes later
-                    post = _Posted(self, r, s, ins, start)
-                    self.posted.append(post)
-                    self._p2p(r, ins, post)
+                    self._p2p(r, ins, _Posted(self, r, s, ins, start))
                     continue
                 self._p2p(r, ins, waker)
                 yield
