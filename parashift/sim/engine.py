@@ -14,8 +14,8 @@ Memory: static state plus alloc/free, tracked per device.
 from __future__ import annotations
 
 import time
-from inspect import getgeneratorlocals
 from heapq import heappush
+from inspect import getgeneratorlocals
 from typing import Mapping, Sequence
 
 from ..cluster import Cluster
@@ -25,7 +25,7 @@ from ..ir.program import Instr, Program
 from ..cost import CostModel, Phase, Workload, link_class, topology
 from .fluid import FluidNetwork, _plan_end
 from .fold import Folding, fold
-from .kernel import Event, Kernel, fire
+from .kernel import Event, Kernel
 
 __all__ = ["Engine", "RawRun", "resolve_devices"]
 
@@ -259,7 +259,7 @@ class Engine:
         self.flops = [0.0]   # model FLOPs so far (a cell the streams add to)
         for r in fo.reps:
             rp = self.program.ranks[r]
-            self.done[r] = {d: env.event() for d in scans[id(rp)][2]}  # only what someone waits for
+            self.done[r] = {d: Event(env) for d in scans[id(rp)][2]}  # only what someone waits for
             static = {k: float(rp.static_memory.get(k, 0)) for k in rp.static_memory}
             raw.static[r] = static
             base = sum(static.values())
