@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import time
 from heapq import heappush
-from itertools import chain
-from operator import attrgetter
+from inspect import getgeneratorlocals
 from typing import Mapping, Sequence
 
 from ..cluster import Cluster
@@ -24,14 +23,14 @@ from ..errors import DeadlockError, DeviceListError, ProgramError
 from ..ir.graph import paused_gc
 from ..ir.program import Instr, Program
 from ..cost import CostModel, Phase, Workload, link_class, topology
-from .fluid import FluidNetwork
+from .fluid import FluidNetwork, _plan_end
 from .fold import Folding, fold
-from .kernel import Event, Kernel, fire
+from .kernel import Event, Kernel
 
 __all__ = ["Engine", "RawRun", "resolve_devices"]
 
 _ACT_PREFIXES = ("act", "rc.")  # activation and recompute buffers; other named buffers are comm/params
-_ID, _DEPS = attrgetter("id"), attrgetter("deps")
+_INF = float("inf")   # Kernel._cur of a FIFO entry
 _MODEL_PHASES = frozenset(("fwd", "bwd", "bwd_input", "bwd_weight"))   # compute that counts as model FLOPs (MFU)
 
 
@@ -41,14 +40,16 @@ def _noop(_arg: object) -> None:
 
 class _Waker:
     """What one stream waits on (a stream waits on one thing at a time): ``succeed`` resumes the
-    stream as processing an event succeeded now would; ``start_flow`` starts the flow it awaits."""
+    stream as processing an event succeeded now would, ``process`` resumes it now (the stream's
+    ``gen.send`` and ``gen.__next__``); ``start_flow`` starts the flow it awaits."""
 
-    __slots__ = ("kernel", "resume", "net", "links", "work")
+    __slots__ = ("kernel", "resume", "process", "net", "links", "work")
 
     def __init__(self, kernel: Kernel, net: FluidNetwork) -> None:
         self.kernel = kernel
         self.net = net
         self.resume = _noop
+        self.process = _noop
         self.links: tuple = ()
         self.work = 0.0
 
@@ -60,49 +61,75 @@ class _Waker:
         self.net.flow(self.links, self.work, self)   # type: ignore[arg-type]
 
 
-class _Then:
-    """An event no one else waits for, with one callback: ``succeed`` queues the call itself (as
-    processing the event would make it)."""
+class _Posted:
+    """A posted send/recv: ``succeed`` (its transfer is done) queues :meth:`done`, as processing an
+    event succeeded now would."""
 
-    __slots__ = ("kernel", "fn")
+    __slots__ = ("engine", "r", "s", "ins", "start")
 
-    def __init__(self, kernel: Kernel, fn) -> None:
-        self.kernel = kernel
-        self.fn = fn
+    def __init__(self, engine: "Engine", r: int, s: str, ins: Instr, start: float) -> None:
+        self.engine, self.r, self.s, self.ins, self.start = engine, r, s, ins, start
 
     def succeed(self) -> None:
-        k = self.kernel
-        k._fifo.append((k._now, self.fn, None))
+        k = self.engine.env
+        k._fifo.append((k._now, self.done, None))
+
+    def process(self) -> None:
+        self.done(None)
+
+    def done(self, _arg: object) -> None:
+        """Record the instruction, free its buffers, release its dependents."""
+        eng = self.engine
+        r, s, ins, start = self.r, self.s, self.ins, self.start
+        end = eng.env._now
+        eng.raw.records.append((r, s, ins, start, end))
+        if s == "compute":
+            eng.busy[r][0] += end - start
+        if ins.free:
+            eng._free(r, ins)
+        ev = eng.done[r].get(ins.id)
+        if ev is not None:
+            ev.succeed()
 
 
 class _Chain:
     """The phases of one transfer between one pair of ends, one flow each after its latency (the
     operation's fixed overhead paid with the first), as :meth:`Engine._run_phases` runs them; a flow
-    on free resources is planned (:meth:`FluidNetwork.plan`)."""
+    on free resources is planned (:meth:`FluidNetwork.plan`). ``flows``: per phase, (resources, work,
+    latency). Between phases the chain is the event a phase's flow succeeds: ``succeed`` queues the
+    next step (or the end) as processing that event would."""
 
-    __slots__ = ("env", "net", "phases", "ends", "waiters", "extra", "factor", "bw", "i")
+    __slots__ = ("env", "net", "flows", "waiters", "extra", "i", "next")
 
-    def __init__(self, engine: "Engine", phases: Sequence[Phase], ends: tuple, waiters: list, overhead: float,
-                 factor: float) -> None:
-        self.env, self.net, self.bw = engine.env, engine.net, engine.bw
-        self.phases, self.ends, self.waiters = phases, ends, waiters
-        self.extra, self.factor = overhead, factor
+    def __init__(self, engine: "Engine", flows: tuple, waiters: list, overhead: float) -> None:
+        self.env, self.net = engine.env, engine.net
+        self.flows, self.waiters = flows, waiters
+        self.extra = overhead
         self.i = 0
+        self.next = self.step
+
+    def succeed(self) -> None:
+        k = self.env
+        k._fifo.append((k._now, self.next, None))
+
+    def process(self) -> None:
+        self.next(None)
 
     def step(self, _e: object = None) -> None:
         i = self.i
-        phases = self.phases
-        ph = phases[i]
-        self.i = i + 1
-        work = ph.nbytes / (self.bw[ph.link] * self.factor)
-        delay = ph.latency + self.extra
+        flows = self.flows
+        links, work, latency = flows[i]
+        self.i = i = i + 1
+        delay = latency + self.extra
         self.extra = 0.0
-        links = _links(ph.link, *self.ends)
         waiters = self.waiters
-        if i + 1 == len(phases) and len(waiters) == 1:
+        if i < len(flows):
+            done = self
+        elif len(waiters) == 1:
             done = waiters[0]
-        else:   # an event whose one callback is the next step
-            done = _Then(self.env, self.step if i + 1 < len(phases) else self._finish)
+        else:
+            done = self
+            self.next = self._finish
         if self.net.plan(links, delay, work, done):
             return
         if delay > 0:
@@ -111,8 +138,19 @@ class _Chain:
             self.net.flow(links, work, done)
 
     def _finish(self, _e: object = None) -> None:
-        for w in self.waiters:
-            w.succeed()
+        """Release the waiters. Run by the kernel (or at once in its place, by ``process``): when no
+        other entry is due now, the entries their ``succeed`` would queue are the next processed, in
+        this order, and what processing one queues comes after all of them; so process them here."""
+        env = self.env
+        queue = env._queue
+        if env._fifo or env._urgent or (queue and queue[0][0] <= env._now):
+            for w in self.waiters:
+                w.succeed()
+        else:
+            for w in self.waiters:
+                env._extra += 1
+                env._cur = _INF
+                w.process()
 
 
 def resolve_devices(program: Program, cluster: Cluster,
@@ -152,7 +190,7 @@ class RawRun:
     """What one engine run produced, at the level of the simulated representatives."""
 
     def __init__(self) -> None:
-        self.records: list[tuple[int, str, Instr, float, float]] = []  # (rep, stream, instr, start, end)
+        self.records: list[tuple[int, str, Instr, float, float]] = []  # (rep, stream, instr, start, end), as they end
         self.busy: dict[int, float] = {}   # rep -> seconds its compute stream ran (summed in record order)
         self.model_flops = 0.0             # model FLOPs of all ranks (summed in record order)
         self.peak: dict[int, float] = {}
@@ -191,7 +229,8 @@ class Engine:
         raw.devices = self.devices
         self.raw = raw
         host = self.cost.host_cores > 0
-        self.folding = fo = fold(self.program, self.devices, self.cluster, self.fold_symmetric and not host)
+        scans: dict[int, tuple] = {}   # id of a RankProgram -> (group names, peer names, ids depended on)
+        self.folding = fo = fold(self.program, self.devices, self.cluster, self.fold_symmetric and not host, scans)
         raw.folding = fo
         self.env = env = Kernel()
         self.net = FluidNetwork(env)
@@ -206,222 +245,233 @@ class Engine:
         self.op_consts: dict[str, tuple[float, float]] = {}   # op -> (fixed overhead, bandwidth factor)
         self.p2p_cache: dict[tuple, tuple[Phase, ...]] = {}
         self.p2p_route: dict[tuple, tuple] = {}   # (rank, peer name) -> what _p2p needs of the pair
+        self.p2p_flows: dict[tuple, tuple] = {}   # (sender, peer name, bytes) -> what _p2p runs
         st = self.program.strategy
         self.tp_step = st is not None and self.program.meta.get("kind") == "train_step"
         self.tp = int(getattr(st, "tp", 1)) if self.tp_step else 1
-        self.ctime: dict[tuple, float] = {}
+        self.ctime: dict[float, dict[tuple, float]] = {}   # static bytes -> compute key -> seconds
         self.bw = {link: self.cost.link_bw(link) for link in ("local", "intra", "inter")}
         self.group_reps: dict[tuple, tuple[tuple[int, ...], tuple]] = {}
-        self.mem_cur: dict[int, float] = {}
+        self.mem: dict[int, list[float]] = {}   # rep -> [bytes in use, activation bytes, peak, static bytes]
         self.bufs: dict[int, dict[str, float]] = {}
-        self.act_cur: dict[int, float] = {}
-        self.progress: dict[tuple[int, str], list[int]] = {}  # instructions done per stream
-        self.pending: dict[tuple[int, int], tuple] = {}  # posted send/recv not yet complete: (rank, stream, instr)
+        self.busy: dict[int, list[float]] = {}   # rep -> [seconds its compute stream ran]
+        self.streams: list[tuple[int, str, object]] = []   # (rep, stream, its generator)
         self.flops = [0.0]   # model FLOPs so far (a cell the streams add to)
         for r in fo.reps:
             rp = self.program.ranks[r]
-            ids: set = set()
-            needed: set = set()
-            for instrs in rp.streams.values():
-                ids.update(map(_ID, instrs))
-                needed.update(chain.from_iterable(map(_DEPS, instrs)))
-            if not needed <= ids:
-                bad = min(needed - ids)
-                user = next(i for i in rp.instrs() if bad in i.deps)
-                raise ProgramError(f"rank {r} instruction {user.id} depends on unknown instruction {bad}; "
-                                   f"deps must name instructions of the same rank")
-            self.done[r] = {d: env.event() for d in needed}  # only what someone waits for
+            self.done[r] = {d: Event(env) for d in scans[id(rp)][2]}  # only what someone waits for
             static = {k: float(rp.static_memory.get(k, 0)) for k in rp.static_memory}
             raw.static[r] = static
             base = sum(static.values())
-            self.mem_cur[r] = base
+            self.mem[r] = [base, 0.0, base, base]
             self.bufs[r] = {}
-            self.act_cur[r] = 0.0
-            raw.peak[r] = base
             raw.peak_parts[r] = {"activations": 0.0, "buffers": 0.0}
-            raw.busy[r] = 0.0
+            self.busy[r] = [0.0]
             raw.mem_events.append((r, 0.0, base))
             computing = [s for s, instrs in rp.streams.items() if any(i.op == "compute" for i in instrs)]
             shared = len(computing) > 1 or host  # several streams compute, or a shared host: fluid
             for s, instrs in rp.streams.items():
-                self.progress[(r, s)] = [0]
                 if instrs:
                     self._start(r, s, instrs, base, shared)
         raw.events = env.run()
-        raw.model_flops = self.flops[0]
         self._check_finished()
+        for r, m in self.mem.items():
+            raw.peak[r] = m[2]
+            raw.busy[r] = self.busy[r][0]
+        raw.model_flops = self.flops[0]
         raw.sim_seconds = time.perf_counter() - t0
         return raw
 
     def _check_finished(self) -> None:
         stuck = []
-        for (r, s), (k,) in self.progress.items():
-            instrs = self.program.ranks[r].streams[s]
-            if k < len(instrs):
-                stuck.append(f"rank {r} stream {s} at [{instrs[k]}]")
-        stuck += [f"rank {r} stream {s} at [{ins}] (posted)" for r, s, ins in self.pending.values()]
+        for r, s, gen in self.streams:   # each suspended at its end, or blocked at instruction ``ins``
+            at = getgeneratorlocals(gen).get("ins")
+            gen.close()
+            if at is not None:
+                stuck.append(f"rank {r} stream {s} at [{at}]")
+        # a posted send/recv still in flight waits for its peer (a matched one ends before the queue empties)
+        stuck += [f"rank {w.r} stream {w.s} at [{w.ins}] (posted)" for _i, w, _r, _route in self.p2p.values()
+                  if isinstance(w, _Posted)]
         if stuck:
+            for r in self.done:   # a dep on an unknown instruction blocks its stream
+                rp = self.program.ranks[r]
+                ids = {i.id for i in rp.instrs()}
+                bad = [d for d in self.done[r] if d not in ids]
+                if bad:
+                    user = next(i for i in rp.instrs() if min(bad) in i.deps)
+                    raise ProgramError(f"rank {r} instruction {user.id} depends on unknown instruction {min(bad)}; "
+                                       f"deps must name instructions of the same rank")
             raise DeadlockError(f"simulation stopped with {len(stuck)} streams blocked: " + "; ".join(stuck[:8])
                                 + ("" if len(stuck) <= 8 else " ...") + "; check the program with Program.validate()")
 
     # ---- one stream -----------------------------------------------------------------------------
     def _start(self, r: int, s: str, instrs: Sequence[Instr], static_bytes: float, shared_compute: bool) -> None:
         """Start stream ``s`` of rank ``r`` as a kernel process would (its start and its end each count
-        as one event): the stream yields an event to wait on, or None once it has arranged its own
-        resumption (through its :class:`_Waker`)."""
+        as one event). The stream is a generator the kernel resumes directly (``gen.send`` is its
+        :class:`_Waker`'s ``resume`` and the callback it adds to an event it waits for)."""
         env = self.env
         waker = _Waker(env, self.net)
         gen = self._stream(r, s, instrs, static_bytes, shared_compute, waker)
-
-        def resume(_arg: object) -> None:
-            for ev in gen:
-                if ev is not None:   # an event not processed yet
-                    ev.callbacks.append(resume)
-                return
-            env._fifo.append((env._now, _noop, None))   # the process's end
-
-        waker.resume = resume
-        env._urgent.append((env._now, resume, None))
+        waker.resume, waker.process = gen.send, gen.__next__
+        self.streams.append((r, s, gen))
+        env._urgent.append((env._now, gen.send, None))
 
     def _stream(self, r: int, s: str, instrs: Sequence[Instr], static_bytes: float, shared_compute: bool,
                 waker: _Waker):
+        """Run the stream's instructions in order. It waits by yielding nothing, having arranged to be
+        resumed: a callback on the event it waits for, or its waker (a flow's end, a timeout)."""
         env = self.env
         done = self.done[r]
         raw = self.raw
         dev = self.devices[r]
-        ctime = self.ctime
+        ctime = self.ctime.setdefault(static_bytes, {})   # compute durations on this rank's static state
         rec = raw.records
         cres = (("compute", dev), ("host", dev // self.cluster.per_node)) if self.cost.host_cores > 0 \
             else (("compute", dev),)
-        cell = self.progress[(r, s)]
         posted = self.cost.p2p_posted or (self.cost.step_p2p_posted and self.tp_step)
         queue = env._queue
         fifo = env._fifo
-        flow = self.net.flow
-        plan = self.net.plan
-        busy = raw.busy if s == "compute" else None
+        net = self.net
+        flow = net.flow
+        active, planned, capacity = net.active, net.planned, net.capacity
+        busy = self.busy[r] if s == "compute" else None
         flops = self.flops
         nmem = len(self.folding.members[r])
         coll_cache = self.coll_cache
         lb = raw.link_bytes
-        for k, ins in enumerate(instrs):
+        resume = waker.resume
+        bufs = self.bufs[r]
+        mem = self.mem[r]
+        mem_events = raw.mem_events
+        static_sum = mem[3]
+        for ins in instrs:
             deps = ins.deps
             if deps:
                 for d in deps:
                     ev = done[d]
                     if ev.callbacks is not None:   # not processed yet
-                        yield ev
+                        ev.callbacks.append(resume)
+                        yield
             start = env._now
-            if ins.alloc:
-                self._alloc(r, ins)
+            alloc = ins.alloc
+            if alloc:   # self._alloc, inline
+                cur = mem[0]
+                for name, b in alloc:
+                    n = len(bufs)
+                    bufs[name] = b
+                    if len(bufs) == n:
+                        raise ProgramError(f"rank {r} instruction {ins.id} allocates buffer {name!r} twice; "
+                                           f"free it first")
+                    cur += b
+                    if name.startswith(_ACT_PREFIXES):
+                        mem[1] += b
+                mem[0] = cur
+                mem_events.append((r, start, cur))
+                if cur > mem[2]:
+                    mem[2] = cur
+                    act = mem[1]
+                    raw.peak_parts[r] = {"activations": act, "buffers": cur - act - static_sum}
             op = ins.op
-            at = None   # with an inline timeout: when the stream resumes (it schedules ``fn`` itself)
             if op == "compute":
                 phase = ins.phase
                 fl = ins.flops
-                key = (phase, ins.region, fl, ins.nbytes, static_bytes, not ins.microbatch)
+                key = (phase, ins.region, fl, ins.nbytes, not ins.microbatch)
                 dt = ctime.get(key)
                 if dt is None:
                     dt = ctime[key] = self.cost.compute_time(ins, static_bytes, self.scores, self.workload)
-                ev = None
                 if shared_compute:
                     flow(cres, dt, waker)   # type: ignore[arg-type]
-                else:   # env.timeout(dt), inline
+                else:   # env.timeout(dt), inline (Kernel.call_at)
                     if dt < 0:
                         raise ValueError(f"negative delay {dt}")
-                    at, fn = start + dt, waker.resume
+                    if dt == 0:
+                        fifo.append((start, resume, None))
+                    else:
+                        env._eid = eid = env._eid + 1
+                        heappush(queue, (start + dt, eid, resume, None))
+                yield
             elif op == "send" or op == "recv":
-                ev = self._p2p(r, ins)
-                if posted and ev.callbacks is not None:   # posted: the stream moves on, completion comes later
-                    self.pending[(r, ins.id)] = (r, s, ins)
-                    ev.callbacks.append(lambda _e, ins=ins, start=start: self._posted_done(r, s, ins, start))
-                    cell[0] = k + 1
+                if posted:   # posted: the stream moves on, completion comes later
+                    self._p2p(r, ins, _Posted(self, r, s, ins, start))
                     continue
+                self._p2p(r, ins, waker)
+                yield
             elif op == "copy":
                 ev = self._copy(r, ins)
+                if ev.callbacks is not None:
+                    ev.callbacks.append(resume)
+                    yield
             else:
                 hit = coll_cache.get((r, ins.group, op, ins.nbytes))
                 if hit is not None and hit[2] is not None:
                     # every member folds into r and it runs one phase: its flow, precomputed (_solo)
                     link, nbytes, links, work, delay = hit[2]
                     lb[link] += nbytes
-                    ev = None
-                    if delay <= 0 or not plan(links, delay, work, waker):   # type: ignore[arg-type]
+                    free = delay > 0 and work > 0.0   # FluidNetwork.plan, inline
+                    if free:
+                        for link in links:
+                            if link in planned or active.get(link) or (capacity and link in capacity):
+                                free = False
+                                break
+                    if free:
+                        eid = env._eid + 1
+                        t0 = start + delay
+                        p = [links, t0, work, waker, eid, None, net]   # a fluid _Plan
+                        for link in links:
+                            planned[link] = p
+                        env._eid = eid = eid + 1
+                        heappush(queue, (t0 + work, eid, _plan_end, p))
+                    else:
                         waker.links, waker.work = links, work
                         if delay > 0:   # env.timeout(delay), inline
-                            at, fn = start + delay, waker.start_flow
+                            env._eid = eid = env._eid + 1
+                            heappush(queue, (start + delay, eid, waker.start_flow, None))
                         else:
                             waker.start_flow(None)
+                    yield
                 else:
                     ev = self._collective(r, ins)
-            if at is not None:   # Kernel.call_at, inline
-                if at == start:
-                    fifo.append((at, fn, None))
-                else:
-                    env._eid += 1
-                    heappush(queue, (at, env._eid, fn, None))
-                yield None
-            elif ev is None:     # the waker resumes the stream
-                yield None
-            elif ev.callbacks is not None:
-                yield ev
+                    if ev.callbacks is not None:
+                        ev.callbacks.append(resume)
+                        yield
             end = env._now
             rec.append((r, s, ins, start, end))
             if busy is not None:
-                busy[r] += end - start
+                busy[0] += end - start
             if op == "compute" and phase in _MODEL_PHASES:
                 flops[0] += fl * nmem
-            if ins.free:
-                self._free(r, ins)
-            cell[0] = k + 1
-            ev = done.get(ins.id)
-            if ev is not None:
-                ev.succeed()
-
-    def _posted_done(self, r: int, s: str, ins: Instr, start: float) -> None:
-        """A posted send/recv completed: record it, free its buffers, release its dependents."""
-        del self.pending[(r, ins.id)]
-        end = self.env._now
-        self.raw.records.append((r, s, ins, start, end))
-        if s == "compute":
-            self.raw.busy[r] += end - start
-        if ins.free:
-            self._free(r, ins)
-        ev = self.done[r].get(ins.id)
-        if ev is not None:
-            ev.succeed()
+            free = ins.free
+            if free:   # self._free, inline
+                cur = mem[0]
+                for name in free:
+                    b = bufs.pop(name, None)
+                    if b is None:
+                        raise ProgramError(f"rank {r} instruction {ins.id} frees buffer {name!r}, "
+                                           f"which is not allocated")
+                    cur -= b
+                    if name.startswith(_ACT_PREFIXES):
+                        mem[1] -= b
+                mem[0] = cur
+                mem_events.append((r, env._now, cur))
+            if ins.id in done:
+                done[ins.id].succeed()
+        ins = None
+        fifo.append((env._now, _noop, None))   # the process's end
+        yield   # never resumed
 
     # ---- memory -------------------------------------------------------------------------------
-    def _alloc(self, r: int, ins: Instr) -> None:
-        bufs = self.bufs[r]
-        cur = self.mem_cur[r]
-        for name, b in ins.alloc:
-            n = len(bufs)
-            bufs[name] = b
-            if len(bufs) == n:
-                raise ProgramError(f"rank {r} instruction {ins.id} allocates buffer {name!r} twice; free it first")
-            cur += b
-            if name.startswith(_ACT_PREFIXES):
-                self.act_cur[r] += b
-        self.mem_cur[r] = cur
-        raw = self.raw
-        raw.mem_events.append((r, self.env._now, cur))
-        if cur > raw.peak[r]:
-            raw.peak[r] = cur
-            act = self.act_cur[r]
-            raw.peak_parts[r] = {"activations": act, "buffers": cur - act - sum(raw.static[r].values())}
-
     def _free(self, r: int, ins: Instr) -> None:
         bufs = self.bufs[r]
-        cur = self.mem_cur[r]
+        mem = self.mem[r]
+        cur = mem[0]
         for name in ins.free:
             b = bufs.pop(name, None)
             if b is None:
                 raise ProgramError(f"rank {r} instruction {ins.id} frees buffer {name!r}, which is not allocated")
             cur -= b
             if name.startswith(_ACT_PREFIXES):
-                self.act_cur[r] -= b
-        self.mem_cur[r] = cur
+                mem[1] -= b
+        mem[0] = cur
         self.raw.mem_events.append((r, self.env._now, cur))
 
     # ---- transfers ----------------------------------------------------------------------------
@@ -433,7 +483,7 @@ class Engine:
         env, net, cost = self.env, self.net, self.cost
         overhead, factor = self._op_consts(op)
         if len(link_ends) == 1 and phases:   # one flow per phase
-            _Chain(self, phases, link_ends[0], waiters, overhead, factor).step()
+            _Chain(self, self._chain_flows(phases, link_ends[0], factor), waiters, overhead).step()
             return
         it = iter(phases)
 
@@ -463,7 +513,13 @@ class Engine:
 
         step(extra=overhead)  # the fixed per-operation cost is paid with the first latency
 
-    def _p2p(self, r: int, ins: Instr) -> Event:
+    def _chain_flows(self, phases: Sequence[Phase], ends: tuple, factor: float) -> tuple:
+        """Per phase of a transfer between ``ends``: (resources, work, latency), for a :class:`_Chain`."""
+        bw = self.bw
+        return tuple((_links(ph.link, *ends), ph.nbytes / (bw[ph.link] * factor), ph.latency) for ph in phases)
+
+    def _p2p(self, r: int, ins: Instr, waiter) -> None:
+        """Post ``ins`` (a send or a recv); ``waiter.succeed()`` runs once the transfer is done."""
         rk = (r, ins.peer)
         route = self.p2p_route.get(rk)
         if route is None:   # (peer's rep, this device, peer's device, link class, members of r)
@@ -474,21 +530,30 @@ class Engine:
                                           len(fo.members[r]))
         send = ins.op == "send"
         key = (r, route[0], ins.tag) if send else (route[0], r, ins.tag)
-        ev = Event(self.env)
         other = self.p2p.pop(key, None)
         if other is None:
-            self.p2p[key] = (ins, ev, r, route)
-            return ev
-        o_ins, o_ev, o_r, o_route = other
+            self.p2p[key] = (ins, waiter, r, route)
+            return
+        o_ins, o_waiter, o_r, o_route = other
         if o_ins.op == ins.op:
             raise ProgramError(f"rank {r} and rank {o_r} both {ins.op} tag {ins.tag!r}; pair each send with a recv")
-        send_ins, (_rep, src, dst, link, nmem) = (ins, route) if send else (o_ins, o_route)
-        phases = self._p2p_phases(send_ins, link)
+        send_ins, s_route, s_r = (ins, route, r) if send else (o_ins, o_route, o_r)
+        ck = (s_r, send_ins.peer, send_ins.nbytes)
+        hit = self.p2p_flows.get(ck)
+        if hit is None:   # (what each phase adds to its link class, the chain's flows, the overhead)
+            _rep, src, dst, link, nmem = s_route
+            phases = self._p2p_phases(send_ins, link)
+            overhead, factor = self._op_consts("send")
+            hit = self.p2p_flows[ck] = (tuple((ph.link, ph.nbytes * nmem) for ph in phases),
+                                        self._chain_flows(phases, (src, dst), factor), overhead)
+        adds, flows, overhead = hit
         lb = self.raw.link_bytes
-        for ph in phases:
-            lb[ph.link] += ph.nbytes * nmem
-        self._run_phases(phases, [(src, dst)], [ev, o_ev], "send")
-        return ev
+        for link, nbytes in adds:
+            lb[link] += nbytes
+        if flows:
+            _Chain(self, flows, [waiter, o_waiter], overhead).step()
+        else:
+            self._run_phases((), [s_route[1:3]], [waiter, o_waiter], "send")
 
     def _p2p_phases(self, ins: Instr, link: str) -> tuple[Phase, ...]:
         """A pipeline send under TP with ``cost.pp_scatter_gather`` (as Megatron does): each TP rank

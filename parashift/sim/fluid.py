@@ -8,7 +8,8 @@ recomputed only for the flows on the resources a starting or finishing flow touc
 A flow on free resources, after a delay or not, can be *planned* (:meth:`FluidNetwork.plan`): while
 no other flow touches its resources it is one queue entry, at its end, instead of one for its delay
 and one for its end; the first flow that starts on one of them makes it the flow it stands for, as
-it would be at that moment.
+it would be at that moment. When its end is processed with no other entry due at that time, what
+its ``done`` would queue is processed at once (``done.process()``), as the kernel would next.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from .kernel import Event, Kernel
 __all__ = ["FluidNetwork"]
 
 _EPS = 1e-15
+_INF = float("inf")   # Kernel._cur of a FIFO entry
 
 
 class _Flow:
@@ -49,42 +51,41 @@ def _first_end(f: _Flow) -> None:
         f.net._finish(f, 1)
 
 
-class _Plan:
-    """A flow of ``work`` on resources ``links`` that starts at ``t0`` (its start event would have had
-    creation number ``eid``; -2: started as planned), not yet touched by any other flow; ``flow`` once
-    it has been made real."""
-
-    __slots__ = ("links", "t0", "work", "done", "eid", "flow", "live", "net")
-
-    def __init__(self, links: tuple, t0: float, work: float, done: Event, eid: int, net: "FluidNetwork") -> None:
-        self.links = links
-        self.t0 = t0
-        self.work = work
-        self.done = done
-        self.eid = eid
-        self.flow: "_Flow | None" = None
-        self.live = True
-        self.net = net
+#: A planned flow (a list, cheap to make): ``[links, t0, work, done, eid, state, net]``, a flow of ``work``
+#: on resources ``links`` that starts at ``t0`` (its start event would have had creation number ``eid``;
+#: -2: started as planned) and succeeds ``done``; ``state``: None while no other flow touched its
+#: resources, the :class:`_Flow` it was made once made real while running, False if it started as a
+#: real flow instead.
+_Plan = list
+_STATE = 5
 
 
 def _plan_end(p: _Plan) -> None:
     """A planned flow's end entry: the end of the flow it stands for (its start counted too)."""
-    net = p.net
-    if not p.live:   # started as a real flow instead: this entry stands for nothing
-        net.env._extra -= 1
-    elif p.flow is not None:   # made real while running: this entry is that flow's first end
-        _first_end(p.flow)
-    else:   # ran alone: its start (if it waited) and its end
+    links, _t0, _work, done, eid, state, net = p
+    if state is None:   # ran alone: its start (if it waited) and its end
         planned = net.planned
-        for link in p.links:
+        for link in links:
             del planned[link]
-        if p.eid != -2:
-            net.env._extra += 1
-        p.done.succeed()
+        env = net.env
+        if eid != -2:
+            env._extra += 1
+        queue = env._queue
+        if env._fifo or env._urgent or (queue and queue[0][0] <= env._now):
+            done.succeed()
+        else:   # no other entry is due now: the one succeed() would queue is processed next, so here
+            env._extra += 1
+            env._cur = _INF
+            done.process()
+    elif state is False:   # started as a real flow instead: this entry stands for nothing
+        net.env._extra -= 1
+    else:   # made real while running: this entry is that flow's first end
+        _first_end(state)
 
 
 def _plan_start(p: _Plan) -> None:
-    p.net.flow(p.links, p.work, p.done)
+    links, _t0, work, done, _eid, _state, net = p
+    net.flow(links, work, done)
 
 
 def _later_end(fv: "tuple[_Flow, int]") -> None:
@@ -121,9 +122,9 @@ class FluidNetwork:
         t0 = env._now + delay
         if delay > 0.0:
             eid += 1
-            p = _Plan(links, t0, work, done, eid, self)
+            p = [links, t0, work, done, eid, None, self]
         else:
-            p = _Plan(links, t0, work, done, -2, self)
+            p = [links, t0, work, done, -2, None, self]
         for link in links:
             planned[link] = p
         env._eid = eid = eid + 1
@@ -132,24 +133,25 @@ class FluidNetwork:
 
     def _realize(self, p: _Plan) -> None:
         """Another flow starts on one of ``p``'s resources now: make ``p`` the flow it stands for."""
+        links, t0, work, done, eid, _state, _net = p
         planned = self.planned
-        for link in p.links:
+        for link in links:
             del planned[link]
         env = self.env
         now = env._now
-        if now > p.t0 or (now == p.t0 and env._cur > p.eid):   # its start was processed before now
-            f = _Flow(p.links, p.work, p.done, p.t0, self)
+        if now > t0 or (now == t0 and env._cur > eid):   # its start was processed before now
+            f = _Flow(links, work, done, t0, self)
             f.rate = 1.0
             f.version = 1
             active = self.active
-            for link in p.links:   # alone until now; its end is p's entry (_plan_end)
+            for link in links:   # alone until now; its end is p's entry (_plan_end)
                 active.setdefault(link, []).append(f)
-            p.flow = f
-            if p.eid != -2:
+            p[_STATE] = f
+            if eid != -2:
                 env._extra += 1
         else:   # its start is still to come, in its place
-            p.live = False
-            heappush(env._queue, (p.t0, p.eid, _plan_start, p))
+            p[_STATE] = False
+            heappush(env._queue, (t0, eid, _plan_start, p))
 
     def flow(self, links: Sequence[Hashable], work: float, done: "Event | None" = None) -> Event:
         """An event (``done``, or a new one) that succeeds when ``work`` seconds of full-rate

@@ -9,7 +9,6 @@ so the class's lowest rank (its representative) stands for all of them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from operator import attrgetter
 from typing import Mapping
 
 import numpy as np
@@ -18,9 +17,6 @@ from ..ir.program import Instr, Program
 from ..cost import link_class, topology
 
 __all__ = ["Folding", "fold"]
-
-_GROUP, _PEER = attrgetter("group"), attrgetter("peer")
-
 
 @dataclass(frozen=True)
 class Folding:
@@ -36,29 +32,40 @@ class Folding:
         return sorted(self.members)
 
 
-def _refs(prog) -> tuple[tuple, tuple]:
+def scan(prog) -> tuple[tuple, tuple, set]:
+    """A RankProgram's group names and peer names (sorted) and the ids its instructions depend on,
+    in one pass over its instructions."""
     groups: set = set()
     peers: set = set()
+    needed: set = set()
     for instrs in prog.streams.values():
-        groups.update(map(_GROUP, instrs))
-        peers.update(map(_PEER, instrs))
-    groups.discard(None)
-    peers.discard(None)
+        for ins in instrs:
+            x = ins.group
+            if x is not None:
+                groups.add(x)
+            x = ins.peer
+            if x is not None:
+                peers.add(x)
+            x = ins.deps
+            if x:
+                needed.update(x)
     key = lambda x: (isinstance(x, tuple), str(x))  # noqa: E731
-    return tuple(sorted(groups, key=key)), tuple(sorted(peers, key=key))
+    return tuple(sorted(groups, key=key)), tuple(sorted(peers, key=key)), needed
 
 
-def fold(program: Program, devices: Mapping[int, int], cluster, enabled: bool = True) -> Folding:
-    """Partition ``program``'s ranks into equitable classes (one class per rank when disabled)."""
+def fold(program: Program, devices: Mapping[int, int], cluster, enabled: bool = True,
+         scans: "dict[int, tuple[tuple, tuple, set]] | None" = None) -> Folding:
+    """Partition ``program``'s ranks into equitable classes (one class per rank when disabled).
+    ``scans``: id of a RankProgram -> its :func:`scan`, filled for those not in it yet."""
     ranks = sorted(program.ranks)
-    refs_by_prog: dict[int, tuple[tuple, tuple]] = {}
+    refs_by_prog: dict[int, tuple[tuple, tuple, set]] = {} if scans is None else scans
     ranks_of: dict[int, list[int]] = {}
     groups: dict[tuple[int, object], tuple[int, ...]] = {}
     peers: dict[tuple[int, object], int] = {}
     for r in ranks:
         p = program.ranks[r]
         if id(p) not in refs_by_prog:
-            refs_by_prog[id(p)] = _refs(p)
+            refs_by_prog[id(p)] = scan(p)
         ranks_of.setdefault(id(p), []).append(r)
         gnames = refs_by_prog[id(p)][0]
         for g in gnames:
@@ -85,7 +92,7 @@ def fold(program: Program, devices: Mapping[int, int], cluster, enabled: bool = 
     keys = []
     topo_cache: dict[tuple[int, ...], tuple] = {}
     for r in ranks:
-        gnames, pnames = refs_by_prog[id(program.ranks[r])]
+        gnames, pnames, _ = refs_by_prog[id(program.ranks[r])]
         sig = [id(program.ranks[r])]
         for g in gnames:
             members = groups[(r, g)]
@@ -100,7 +107,7 @@ def fold(program: Program, devices: Mapping[int, int], cluster, enabled: bool = 
     while True:
         keys = []
         for i, r in enumerate(ranks):
-            gnames, pnames = refs_by_prog[id(program.ranks[r])]
+            gnames, pnames, _ = refs_by_prog[id(program.ranks[r])]
             k = [color[i]]
             for g in gnames:
                 k.append(tuple(sorted(color[index[m]] for m in groups[(r, g)])))

@@ -37,6 +37,11 @@ class Event:
         k._fifo.append((k._now, fire, self))
         return self
 
+    def process(self) -> None:
+        """Process the event now, as the kernel would the entry ``succeed`` queues: for a handler
+        whose last act that is, when no other entry is due now (the caller counts it in ``_extra``)."""
+        fire(self)
+
 
 def fire(ev: Event) -> None:
     """Process ``ev``: run its callbacks once."""
@@ -78,7 +83,8 @@ class Kernel:
         self._urgent: deque = deque()   # (time, fn, arg) process starts
         self._eid = 0
         self._cur: float = -1      # creation number of the heap entry being processed (inf: a FIFO entry)
-        self._extra = 0            # events counted without a queue entry of their own (planned flows)
+        self._extra = 0            # events counted without a queue entry of their own (planned flows,
+        #                            entries processed at once in place of the next one: Event.process)
 
     @property
     def now(self) -> float:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from operator import itemgetter
 from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
@@ -24,9 +23,6 @@ from ..ir.program import TIMELINE_COLUMNS
 from ..traces.chrome import write_chrome_trace
 
 __all__ = ["SimResult", "TIMELINE_COLUMNS", "timeline_frame", "write_chrome_trace", "plot_timeline"]
-
-_END = itemgetter(4)
-
 
 @dataclass(frozen=True)
 class SimResult:
@@ -55,7 +51,7 @@ class SimResult:
     def from_raw(cls, program: "Program", cluster: "Cluster", cost: "CostModel", raw: "RawRun") -> "SimResult":
         fo = raw.folding
         assert fo is not None
-        step = max(map(_END, raw.records), default=0.0)
+        step = raw.records[-1][4] if raw.records else 0.0   # recorded as they end: the last ends last
         busy, model_flops = raw.busy, raw.model_flops   # summed by the engine as it recorded
         world = sum(len(m) for m in fo.members.values())
         bubble = (sum((1.0 - busy[r] / step) * len(m) for r, m in fo.members.items()) / world) if step > 0 else 0.0
