@@ -5,6 +5,7 @@ between them). Like every directive, each is a pure rewrite ``apply(graph) -> gr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import compress
 from typing import ClassVar, Mapping, Sequence
 
 import numpy as np
@@ -55,7 +56,7 @@ def _bound_grad_buckets(g: Graph, in_order: np.ndarray) -> None:
     freer: dict[str, int] = {}
     allocs: dict[int, list[tuple[tuple, int, list[str]]]] = {}
     alloc, free, op = c["alloc"], c["free"], c["op"]
-    for i in np.flatnonzero(np.fromiter(map(bool, free), bool, n)).tolist():
+    for i in compress(range(n), free):
         if op[i] != "compute":
             for name in free[i]:
                 if name.startswith(("zg.", "zge.")):
@@ -63,7 +64,9 @@ def _bound_grad_buckets(g: Graph, in_order: np.ndarray) -> None:
     if not freer:           # no bucket is ever freed: nothing to wait for
         return
     comp = _equals(op, "compute")
-    for i in np.flatnonzero(comp & in_order & np.fromiter(map(bool, alloc), bool, n)).tolist():
+    held = np.zeros(n, bool)
+    held[list(compress(range(n), alloc))] = True
+    for i in np.flatnonzero(comp & in_order & held).tolist():
         names = [a for a, _ in alloc[i] if a.startswith(("zg.", "zge."))]
         if names:
             allocs.setdefault(c["stage"][i], []).append((c["slot"][i], i, names))
@@ -73,6 +76,14 @@ def _bound_grad_buckets(g: Graph, in_order: np.ndarray) -> None:
             for name in lst[k - GRAD_BUCKETS_IN_FLIGHT][2]:
                 if name in freer:
                     g.edge(freer[name], lst[k][1], ORDER)
+
+
+def _small_ints(col: list) -> np.ndarray:
+    """A column of small non-negative integers (such as edge kinds) as an array."""
+    try:
+        return np.frombuffer(bytes(col), np.uint8)
+    except (ValueError, TypeError):
+        return np.asarray(col, np.int64)
 
 
 def _group_ends(keys: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -256,7 +267,7 @@ class Order:
         ``ids``, the listed actions stage by stage, at step positions ``ks``) is acyclic (Kahn's algorithm;
         :meth:`_check_acyclic` finds and names a cycle)."""
         su, du = aid[np.asarray(g.src, np.int64)], aid[np.asarray(g.dst, np.int64)]
-        m = (su >= 0) & (du >= 0) & (su != du) & (np.asarray(g.ekind, np.int8) != ORDER)
+        m = (su >= 0) & (du >= 0) & (su != du) & (_small_ints(g.ekind) != ORDER)
         su, du = su[m], du[m]
         # every action of a step before every action of the next step of its stage
         a, k = np.asarray(ids, np.int64), np.asarray(ks, np.int64)
@@ -284,10 +295,9 @@ class Order:
         while stack:
             u = stack.pop()
             done += 1
-            for j in range(start[u], start[u + 1]):
-                v = succ[j]
+            for v in succ[start[u]:start[u + 1]]:
                 indeg[v] -= 1
-                if indeg[v] == 0:
+                if not indeg[v]:
                     stack.append(v)
         return done == na
 

@@ -413,8 +413,8 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     comp = cols.is_compute
     mb = _ints(c["mb"])
     built = instrs_from_columns(
-        ids.tolist(), c["op"], c["stream"], dep_col, c["phase"], _unless(stage, comp), _unless(chunk, chunk >= 0),
-        _unless(mb, mb >= 0), _unless(c["region"], comp), _flops(c["flops"]), _nbytes(c["nbytes"]),
+        _shared_ints(ids), c["op"], c["stream"], dep_col, c["phase"], _unless(stage, comp), _unless(chunk, chunk >= 0),
+        _shared_ints(mb), _unless(c["region"], comp), _flops(c["flops"]), _nbytes(c["nbytes"]),
         c["peer"], c["group"], repeat(None), c["tag"], c["key"], alloc_c, free_c)
     per_stage: list[dict[str, tuple[Instr, ...]]] = [{} for _ in range(pp)]
     so, b = seq_order.tolist(), bounds.tolist()
@@ -455,6 +455,14 @@ def _unless(values: "np.ndarray | list", keep: np.ndarray) -> list:
     out = values.astype(object) if isinstance(values, np.ndarray) else np.fromiter(values, object, len(values))
     out[~keep] = None
     return out.tolist()
+
+
+def _shared_ints(values: np.ndarray) -> list:
+    """``values`` (integers) as a list of Python ints, negative ones as None; equal values share one int
+    object (fewer objects to make, and to hold in the program)."""
+    if not len(values):
+        return []
+    return np.array([*range(max(int(values.max()) + 1, 0)), None], object)[np.maximum(values, -1)].tolist()
 
 
 def _tuples(col: list) -> list:
