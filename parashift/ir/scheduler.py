@@ -192,13 +192,22 @@ def _floats(col: Sequence) -> np.ndarray:
     return np.fromiter(col, np.float64, len(col))
 
 
-def _codes(col: list, values: "Sequence | None" = None) -> tuple[np.ndarray, dict]:
-    """Each entry's index in ``values`` (default: the distinct entries, in no particular order) as an
-    array, and the value -> index map (equal values share one)."""
-    code = {v: k for k, v in enumerate(set(col) if values is None else values)}
-    if len(code) <= 256:
-        return np.frombuffer(bytes(map(code.__getitem__, col)), np.uint8), code
-    return np.fromiter(map(code.__getitem__, col), np.int64, len(col)), code
+class _FirstSeen(dict):
+    """value -> its index among the distinct values looked up so far (first-seen order), assigned on lookup."""
+
+    def __missing__(self, value: object) -> int:
+        k = self[value] = len(self)
+        return k
+
+
+def _codes(col: Sequence) -> tuple[np.ndarray, dict]:
+    """Each entry's index among the column's distinct entries (in first-seen order) as an array, and the
+    value -> index map (equal values share one)."""
+    code = _FirstSeen()
+    try:
+        return np.frombuffer(bytes(map(code.__getitem__, col)), np.uint8), dict(code)
+    except ValueError:      # over 256 distinct values (the codes so far stay as they are)
+        return np.fromiter(map(code.__getitem__, col), np.int64, len(col)), dict(code)
 
 
 def _is(codes: np.ndarray, code: dict, value: object) -> np.ndarray:
@@ -485,7 +494,7 @@ def _act_buffers(c: dict, index: np.ndarray, cols: _Columns) -> tuple[np.ndarray
     m = len(sel)
     aid = aid[nodes]
     regs = _take(c["region"], sel)
-    rc, codes = _codes(regs, dict.fromkeys(regs))      # in first-seen order
+    rc, codes = _codes(regs)      # in first-seen order
     names = list(codes)
     rc = rc.astype(np.int64)
     chunk = np.fromiter(map(itemgetter(0), alist), np.int64, len(alist))[aid]
