@@ -331,6 +331,7 @@ class Engine:
         posted = self.cost.p2p_posted or (self.cost.step_p2p_posted and self.tp_step)
         queue = env._queue
         fifo = env._fifo
+        urgent = env._urgent
         net = self.net
         flow = net.flow
         active, planned, capacity = net.active, net.planned, net.capacity
@@ -420,7 +421,26 @@ class Engine:
                         for link in links:
                             planned[link] = p
                         env._eid = eid = eid + 1
-                        heappush(queue, (t0 + work, eid, _plan_end, p))
+                        heappush(queue, (t0 + work, eid, resume, p))   # its end resumes this stream
+                        if (yield) is p:   # its end entry (fluid._plan_end, handled here)
+                            if p[5] is None:   # ran alone: its start and its end
+                                for link in links:
+                                    del planned[link]
+                                env._extra += 1
+                                if fifo or urgent or (queue and queue[0][0] <= env._now):
+                                    fifo.append((env._now, resume, None))   # waker.succeed()
+                                    yield
+                                else:   # processed next anyway: go on here
+                                    env._extra += 1
+                                    env._cur = _INF
+                            else:   # made real: wait for that flow
+                                _plan_end(p)
+                                yield
+                        else:   # the real flow it became ended before its planned end: that entry is void
+                            for i, e in enumerate(queue):
+                                if e[3] is p:
+                                    queue[i] = (e[0], e[1], _plan_end, p)
+                                    break
                     else:
                         waker.links, waker.work = links, work
                         if delay > 0:   # env.timeout(delay), inline
@@ -428,7 +448,7 @@ class Engine:
                             heappush(queue, (start + delay, eid, waker.start_flow, None))
                         else:
                             waker.start_flow(None)
-                    yield
+                        yield
                 else:
                     ev = self._collective(r, ins)
                     if ev.callbacks is not None:
