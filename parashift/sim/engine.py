@@ -25,7 +25,7 @@ from ..ir.program import Instr, Program
 from ..cost import CostModel, Phase, Workload, link_class, topology
 from .fluid import FluidNetwork, _plan_end
 from .fold import Folding, fold
-from .kernel import Event, Kernel
+from .kernel import Event, Kernel, fire
 
 __all__ = ["Engine", "RawRun", "resolve_devices"]
 
@@ -74,10 +74,10 @@ class _Posted:
         k = self.engine.env
         k._fifo.append((k._now, self.done, None))
 
-    def process(self) -> None:
-        self.done(None)
-
     def done(self, _arg: object) -> None:
+        self.process()
+
+    def process(self) -> None:
         """Record the instruction, free its buffers, release its dependents."""
         eng = self.engine
         r, s, ins, start = self.r, self.s, self.ins, self.start
@@ -88,8 +88,9 @@ class _Posted:
         if ins.free:
             eng._free(r, ins)
         ev = eng.done[r].get(ins.id)
-        if ev is not None:
-            ev.succeed()
+        if ev is not None:   # ev.succeed(), inline
+            k = eng.env
+            k._fifo.append((k._now, fire, ev))
 
 
 class _Chain:
@@ -99,21 +100,18 @@ class _Chain:
     latency). Between phases the chain is the event a phase's flow succeeds: ``succeed`` queues the
     next step (or the end) as processing that event would."""
 
-    __slots__ = ("env", "net", "flows", "waiters", "extra", "i", "next")
+    __slots__ = ("env", "net", "flows", "waiters", "extra", "i", "next", "process")
 
     def __init__(self, engine: "Engine", flows: tuple, waiters: list, overhead: float) -> None:
         self.env, self.net = engine.env, engine.net
         self.flows, self.waiters = flows, waiters
         self.extra = overhead
         self.i = 0
-        self.next = self.step
+        self.next = self.process = self.step   # process(): run what succeed() would queue, now
 
     def succeed(self) -> None:
         k = self.env
         k._fifo.append((k._now, self.next, None))
-
-    def process(self) -> None:
-        self.next(None)
 
     def step(self, _e: object = None) -> None:
         i = self.i
@@ -129,7 +127,7 @@ class _Chain:
             done = waiters[0]
         else:
             done = self
-            self.next = self._finish
+            self.next = self.process = self._finish
         if self.net.plan(links, delay, work, done):
             return
         if delay > 0:
@@ -473,8 +471,8 @@ class Engine:
                         mem[1] -= b
                 mem[0] = cur
                 mem_events.append((r, env._now, cur))
-            if ins.id in done:
-                done[ins.id].succeed()
+            if ins.id in done:   # done[ins.id].succeed(), inline
+                fifo.append((env._now, fire, done[ins.id]))
         ins = None
         fifo.append((env._now, _noop, None))   # the process's end
         yield   # never resumed
