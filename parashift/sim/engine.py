@@ -337,6 +337,7 @@ class Engine:
         flops = self.flops
         nmem = len(self.folding.members[r])
         coll_cache = self.coll_cache
+        solos: dict[tuple, "tuple | None"] = {}   # (group, op, bytes) -> coll_cache's _solo entry for r
         lb = raw.link_bytes
         resume = waker.resume
         bufs = self.bufs[r]
@@ -401,10 +402,14 @@ class Engine:
                     ev.callbacks.append(resume)
                     yield
             else:
-                hit = coll_cache.get((r, ins.group, op, ins.nbytes))
-                if hit is not None and hit[2] is not None:
+                ck = (ins.group, op, ins.nbytes)
+                solo = solos.get(ck, False)
+                if solo is False:   # not seen by this stream: what _collective cached, if it ran it
+                    hit = coll_cache.get((r, *ck))
+                    solo = None if hit is None else solos.setdefault(ck, hit[2])
+                if solo is not None:
                     # every member folds into r and it runs one phase: its flow, precomputed (_solo)
-                    link, nbytes, links, work, delay = hit[2]
+                    link, nbytes, links, work, delay = solo
                     lb[link] += nbytes
                     free = delay > 0 and work > 0.0   # FluidNetwork.plan, inline
                     if free:
