@@ -317,7 +317,9 @@ class Engine:
     def _stream(self, r: int, s: str, instrs: Sequence[Instr], static_bytes: float, shared_compute: bool,
                 waker: _Waker):
         """Run the stream's instructions in order. It waits by yielding nothing, having arranged to be
-        resumed: a callback on the event it waits for, or its waker (a flow's end, a timeout)."""
+        resumed: a callback on the event it waits for, or its waker (a flow's end, a timeout); a
+        one-member collective's planned flow (fluid's ``_Plan``) has its end entry resume the stream
+        with that plan, and the stream does what fluid's ``_plan_end`` would."""
         env = self.env
         done = self.done[r]
         raw = self.raw
