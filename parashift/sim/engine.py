@@ -25,7 +25,7 @@ from ..ir.program import Instr, Program
 from ..cost import CostModel, Phase, Workload, link_class, topology
 from .fluid import FluidNetwork, _plan_end
 from .fold import Folding, fold
-from .kernel import Event, Kernel
+from .kernel import Event, Kernel, fire
 
 __all__ = ["Engine", "RawRun", "resolve_devices"]
 
@@ -74,10 +74,10 @@ class _Posted:
         k = self.engine.env
         k._fifo.append((k._now, self.done, None))
 
-    def process(self) -> None:
-        self.done(None)
-
     def done(self, _arg: object) -> None:
+        self.process()
+
+    def process(self) -> None:
         """Record the instruction, free its buffers, release its dependents."""
         eng = self.engine
         r, s, ins, start = self.r, self.s, self.ins, self.start
@@ -88,8 +88,9 @@ class _Posted:
         if ins.free:
             eng._free(r, ins)
         ev = eng.done[r].get(ins.id)
-        if ev is not None:
-            ev.succeed()
+        if ev is not None:   # ev.succeed(), inline
+            k = eng.env
+            k._fifo.append((k._now, fire, ev))
 
 
 class _Chain:
@@ -99,21 +100,18 @@ class _Chain:
     latency). Between phases the chain is the event a phase's flow succeeds: ``succeed`` queues the
     next step (or the end) as processing that event would."""
 
-    __slots__ = ("env", "net", "flows", "waiters", "extra", "i", "next")
+    __slots__ = ("env", "net", "flows", "waiters", "extra", "i", "next", "process")
 
     def __init__(self, engine: "Engine", flows: tuple, waiters: list, overhead: float) -> None:
         self.env, self.net = engine.env, engine.net
         self.flows, self.waiters = flows, waiters
         self.extra = overhead
         self.i = 0
-        self.next = self.step
+        self.next = self.process = self.step   # process(): run what succeed() would queue, now
 
     def succeed(self) -> None:
         k = self.env
         k._fifo.append((k._now, self.next, None))
-
-    def process(self) -> None:
-        self.next(None)
 
     def step(self, _e: object = None) -> None:
         i = self.i
@@ -129,7 +127,7 @@ class _Chain:
             done = waiters[0]
         else:
             done = self
-            self.next = self._finish
+            self.next = self.process = self._finish
         if self.net.plan(links, delay, work, done):
             return
         if delay > 0:
@@ -319,7 +317,9 @@ class Engine:
     def _stream(self, r: int, s: str, instrs: Sequence[Instr], static_bytes: float, shared_compute: bool,
                 waker: _Waker):
         """Run the stream's instructions in order. It waits by yielding nothing, having arranged to be
-        resumed: a callback on the event it waits for, or its waker (a flow's end, a timeout)."""
+        resumed: a callback on the event it waits for, or its waker (a flow's end, a timeout); a
+        one-member collective's planned flow (fluid's ``_Plan``) has its end entry resume the stream
+        with that plan, and the stream does what fluid's ``_plan_end`` would."""
         env = self.env
         done = self.done[r]
         raw = self.raw
@@ -331,6 +331,7 @@ class Engine:
         posted = self.cost.p2p_posted or (self.cost.step_p2p_posted and self.tp_step)
         queue = env._queue
         fifo = env._fifo
+        urgent = env._urgent
         net = self.net
         flow = net.flow
         active, planned, capacity = net.active, net.planned, net.capacity
@@ -338,6 +339,7 @@ class Engine:
         flops = self.flops
         nmem = len(self.folding.members[r])
         coll_cache = self.coll_cache
+        solos: dict[tuple, "tuple | None"] = {}   # (group, op, bytes) -> coll_cache's _solo entry for r
         lb = raw.link_bytes
         resume = waker.resume
         bufs = self.bufs[r]
@@ -402,10 +404,14 @@ class Engine:
                     ev.callbacks.append(resume)
                     yield
             else:
-                hit = coll_cache.get((r, ins.group, op, ins.nbytes))
-                if hit is not None and hit[2] is not None:
+                ck = (ins.group, op, ins.nbytes)
+                solo = solos.get(ck, False)
+                if solo is False:   # not seen by this stream: what _collective cached, if it ran it
+                    hit = coll_cache.get((r, *ck))
+                    solo = None if hit is None else solos.setdefault(ck, hit[2])
+                if solo is not None:
                     # every member folds into r and it runs one phase: its flow, precomputed (_solo)
-                    link, nbytes, links, work, delay = hit[2]
+                    link, nbytes, links, work, delay = solo
                     lb[link] += nbytes
                     free = delay > 0 and work > 0.0   # FluidNetwork.plan, inline
                     if free:
@@ -420,7 +426,26 @@ class Engine:
                         for link in links:
                             planned[link] = p
                         env._eid = eid = eid + 1
-                        heappush(queue, (t0 + work, eid, _plan_end, p))
+                        heappush(queue, (t0 + work, eid, resume, p))   # its end resumes this stream
+                        if (yield) is p:   # its end entry (fluid._plan_end, handled here)
+                            if p[5] is None:   # ran alone: its start and its end
+                                for link in links:
+                                    del planned[link]
+                                env._extra += 1
+                                if fifo or urgent or (queue and queue[0][0] <= env._now):
+                                    fifo.append((env._now, resume, None))   # waker.succeed()
+                                    yield
+                                else:   # processed next anyway: go on here
+                                    env._extra += 1
+                                    env._cur = _INF
+                            else:   # made real: wait for that flow
+                                _plan_end(p)
+                                yield
+                        else:   # the real flow it became ended before its planned end: that entry is void
+                            for i, e in enumerate(queue):
+                                if e[3] is p:
+                                    queue[i] = (e[0], e[1], _plan_end, p)
+                                    break
                     else:
                         waker.links, waker.work = links, work
                         if delay > 0:   # env.timeout(delay), inline
@@ -428,7 +453,7 @@ class Engine:
                             heappush(queue, (start + delay, eid, waker.start_flow, None))
                         else:
                             waker.start_flow(None)
-                    yield
+                        yield
                 else:
                     ev = self._collective(r, ins)
                     if ev.callbacks is not None:
@@ -453,8 +478,8 @@ class Engine:
                         mem[1] -= b
                 mem[0] = cur
                 mem_events.append((r, env._now, cur))
-            if ins.id in done:
-                done[ins.id].succeed()
+            if ins.id in done:   # done[ins.id].succeed(), inline
+                fifo.append((env._now, fire, done[ins.id]))
         ins = None
         fifo.append((env._now, _noop, None))   # the process's end
         yield   # never resumed
