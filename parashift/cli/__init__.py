@@ -116,6 +116,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     unexpected one); output files are written all or nothing (:mod:`parashift.cli.outputs`).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    # torch's C++ logs (c10d's stacks of frames when a peer or the store goes away or cannot be reached)
+    # stay out of the CLI's output, which says what failed in one line; TORCH_CPP_LOG_LEVEL=WARNING brings
+    # them back
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     cmd = next((a for a in argv if not a.startswith("-")), None)
     try:
         if cmd in COMMANDS:

@@ -71,6 +71,9 @@ def run(args: argparse.Namespace) -> dict:
     if getattr(args, "rollout", None):
         from .run_rl import run_cli as run_rl_cli
         return run_rl_cli(args)
+    if not (args.endpoint or args.live) and (getattr(args, "resume", False) or getattr(args, "snapshot_every", 0)):
+        raise StrategyError("--resume and --snapshot-every are for a multi-host live job (its snapshots restore "
+                            "lost state); add --live --endpoint HOST:PORT, or drop them")
     if args.endpoint:
         if not args.live:
             raise StrategyError("--endpoint starts a multi-host live job; add --live")

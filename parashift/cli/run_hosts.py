@@ -57,6 +57,10 @@ def add_host_arguments(p: argparse.ArgumentParser, first: bool = True) -> None:
         p.add_argument("--snapshot-dir", default="parashift-snapshots", metavar="DIR",
                        help="where snapshots go: a directory every host reaches at the same path (a shared "
                             "filesystem; default ./parashift-snapshots)")
+        p.add_argument("--resume", action="store_true",
+                       help="multi-host live job: start from the newest whole snapshot in --snapshot-dir (a job "
+                            "restarted after its first host was lost), resharded into --strategy; training goes "
+                            "on from that step to --steps")
 
 
 def run_cli(args: argparse.Namespace) -> dict:
@@ -83,6 +87,7 @@ def run_cli(args: argparse.Namespace) -> dict:
                          optim=OptimConfig(lr=args.lr), notice=args.switch_notice, memory_budget=budget,
                          placement=args.switch_placement, on_join=args.on_join,
                          snapshot_every=args.snapshot_every, snapshot_dir=os.path.abspath(args.snapshot_dir),
+                         resume=args.resume,
                          strategy_for=table, device=device,
                          **({} if args.heartbeat_timeout is None else {"heartbeat_timeout": args.heartbeat_timeout}))
     out = {"model": models.get(args.model).name, "strategy": str(s0), "nprocs": s0.world, "endpoint": args.endpoint,

@@ -45,6 +45,9 @@ def run_cli(args) -> dict:
     if getattr(args, "heartbeat_timeout", None) is not None:
         raise StrategyError("--heartbeat-timeout is for a multi-host live job (how fast a silent host is declared "
                             "lost); add --endpoint HOST:PORT, or drop --heartbeat-timeout")
+    if getattr(args, "resume", False):
+        raise StrategyError("--resume restarts a multi-host live job from its snapshots; add --endpoint HOST:PORT, "
+                            "or drop --resume")
     if getattr(args, "snapshot_every", 0):
         raise StrategyError("--snapshot-every is for a multi-host live job (its snapshots restore a lost host's "
                             "state); add --endpoint HOST:PORT, or drop --snapshot-every")
@@ -86,8 +89,10 @@ def run_cli(args) -> dict:
 
 def render_cli(result: dict) -> None:
     """Human-readable summary of :func:`run_cli`'s result."""
+    start = (result.get("resumed") or {}).get("step", 0)
     print(f"{result['model']} live job: {result['strategy']} on {result['nprocs']} processes, "
-          f"{len(result['losses'])} steps")
+          f"{len(result['losses'])} steps" + (f" (steps {start}-{start + len(result['losses']) - 1}, resumed from "
+                                                f"the snapshot of step {start})" if start else ""))
     print(f"  loss          {result['losses'][0]:.6f} -> {result['losses'][-1]:.6f}")
     if result.get("timeline"):
         print(f"  timeline      {result['timeline']}")

@@ -249,6 +249,15 @@ def _local_members(devices: range) -> list[Member]:
     return [Member(d, 0, 0) for d in devices]
 
 
+def _store_gone(store: Any) -> bool:
+    """Whether the job's store no longer answers (its first host ended or failed)."""
+    try:
+        store.check(["hosts/config"])
+    except Exception as e:  # noqa: BLE001 - torch raises DistNetworkError (or RuntimeError) for a closed store
+        return type(e).__name__.startswith("Dist") or isinstance(e, (RuntimeError, OSError))
+    return False
+
+
 def _say(quiet: bool, text: str) -> None:
     if not quiet:
         print(text, file=sys.stderr, flush=True)
@@ -281,6 +290,18 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
     _check_gloo_interface(host)
     gens = generations(spec, strategy, steps, [], live.pop("placement", "keep"))
     world = gens[0].strategy.world
+    if live.pop("resume", False):             # a restarted job: from the newest whole snapshot on disk
+        from .snapshot import latest_on_disk
+        if live.get("device", "cpu") != "cpu":
+            raise StrategyError("--resume restores into CPU state only for now; drop --device or --resume")
+        snap = latest_on_disk(live.get("snapshot_dir") or "parashift-snapshots", spec.name)
+        if snap[0] >= steps:
+            raise StrategyError(f"the newest snapshot in {live.get('snapshot_dir')} is of step {snap[0]}, and the "
+                                f"job ends at --steps {steps}; give --steps above {snap[0]}")
+        gens[0] = type(gens[0])(snap[0], gens[0].strategy, gens[0].devices)
+        live["resume"] = snap
+        _say(quiet, f"resuming from the snapshot of step {snap[0]} (taken under {snap[1]}) in "
+                    f"{live.get('snapshot_dir')}, into {gens[0].strategy}")
     if nprocs > world:
         raise StrategyError(f"--nprocs {nprocs} is more than strategy {gens[0].strategy} runs ({world}); "
                             f"start at most {world} processes here")
@@ -301,6 +322,12 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
     store = job.store
     _liveness(store, host, secret)
     store.set("hosts/heartbeat", repr(float(heartbeat_timeout)))
+    every = int(live.get("snapshot_every", 0) or 0)
+    if live.get("resume") and every and live["resume"][0] % every == 0:    # a loss before the next snapshot restores it
+        from ..strategy import Strategy
+        s, snap_st, opt = live["resume"]
+        for r in range(Strategy.parse(snap_st).world):
+            store.set(f"hosts/snap/{s}/{r}", pickle.dumps((snap_st, r, opt)))
     store.add("hosts/count", 1)
     store.add("hosts/devices", nprocs)
     _say(quiet, f"serving the job at {host}:{port}: devices 0-{nprocs - 1} here; waiting for "
@@ -350,15 +377,15 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
     causes: list[str] = []
     _append(store, gens, causes)
     losses = []
-    for k in range(steps):           # every device's share, as published after each step (dead hosts' too)
+    for k in range(gens[0].step, steps):    # every device's share, as published after each step (dead hosts' too)
         devs = [g for g in gens if g.step <= k][-1].devices
         keys = [f"hosts/loss/{k}/{d}" for d in devs]
         if not store.check(keys):
             break
         losses.append(float(sum(float(store.get(key)) for key in keys)))
     errors = [r["error"] for r in reports.values() if r and r.get("error")]
-    if len(losses) < steps:
-        raise RuntimeFailure(f"the multi-host job stopped after {len(losses)} of {steps} steps"
+    if len(losses) < steps - gens[0].step:
+        raise RuntimeFailure(f"the multi-host job stopped after {gens[0].step + len(losses)} of {steps} steps"
                              + (f": {errors[0]}" if errors else ""))
     switches: list[dict] = []
     ran = 0                                     # the generation each recovery started from
@@ -378,7 +405,8 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
                          "seconds": max(s for s, _ in got), "pause_seconds": max(s for s, _ in got)})
         ran = g
     switches.sort(key=lambda sw: (sw.get("failed_at", sw["step"]), sw["step"]))
-    return LiveResult(losses, switches, reports, gens, survivability=surv), placed
+    resumed = {"step": opts.resume[0], "strategy": opts.resume[1]} if opts.resume else None
+    return LiveResult(losses, switches, reports, gens, survivability=surv, resumed=resumed), placed
 
 
 def _survivability(store: Any, spec: Any, strategy: Any, nprocs: int, opts: Any, timeout: float) -> list[dict]:
@@ -657,7 +685,7 @@ def run_agent(*, endpoint: str, nprocs: int, secret: str, timeout: float = 600.0
         reports = launch_elastic(_live_worker, members, args=(cfg.spec, gens, cfg.steps, cfg.opts),
                                  timeout=timeout, job=job, keep_sigterm=True)
     except BaseException as e:
-        if type(e).__name__.startswith("Dist"):    # the store went away with the first host
+        if type(e).__name__.startswith("Dist") or _store_gone(store):    # the store went away with the first host
             e = RuntimeFailure(f"lost the job's store at {host}:{port} ({str(e).splitlines()[0][:120]}); the "
                                f"first host has ended or failed: see its output")
         try:

@@ -4,8 +4,9 @@ Every ``every`` steps each process hands a copy of its flat state buffers (:data
 of every family) to ``dcp.async_save`` (one checkpoint per rank, ``<dir>/step<s>/rank<r>``, no
 collective: a snapshot never waits for a peer that may be gone) and training goes on while a
 thread writes it. Once written, the writer records ``hosts/snap/<s>/<device>`` (its strategy, rank
-and optimizer step) in the job's store; a snapshot is whole when every rank of its strategy has
-recorded it (:func:`latest`). Restoring (:func:`restore`) reads every rank's checkpoint of the
+and optimizer step) in the job's store and the same beside the checkpoint (``<dir>/step<s>/rank<r>.json``,
+with the model); a snapshot is whole when every rank of its strategy has recorded it (:func:`latest`
+in the store, :func:`latest_on_disk` for a job restarted with ``--resume`` after its store is gone). Restoring (:func:`restore`) reads every rank's checkpoint of the
 snapshot with ``dcp.load``, assembles the global state and cuts the new layout's shard out of it
 (:func:`.switch.stores.store_from_full`): any layout restores from any other.
 
@@ -14,9 +15,11 @@ loopback any local directory). Each process keeps its last :data:`KEEP` snapshot
 """
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
+import threading
 import warnings
 from concurrent.futures import Future
 from typing import Any
@@ -25,7 +28,7 @@ import torch
 
 from ..errors import RuntimeFailure
 
-__all__ = ["Snapshotter", "latest", "restore", "KEEP"]
+__all__ = ["Snapshotter", "latest", "latest_on_disk", "restore", "KEEP"]
 
 #: snapshots each process keeps on disk (the newest may be incomplete when a host is lost)
 KEEP = 3
@@ -68,33 +71,45 @@ class Snapshotter:
         os.makedirs(path, exist_ok=True)
         fut = dcp.async_save(arrays, checkpoint_id=path, no_dist=True)
         meta = pickle.dumps((str(strategy), rank, opt))
+        model = getattr(getattr(state, "spec", None), "name", None)
+        record = json.dumps({"strategy": str(strategy), "rank": rank, "opt_step": opt, "model": model})
+
+        recorded = threading.Event()
 
         def written(f: Future) -> None:        # the writer thread: record it, drop this rank's oldest
-            if f.exception() is not None:
-                return
-            kv.set(f"hosts/snap/{steps_done}/{device}", meta)
-            self.kept.append(steps_done)
-            while len(self.kept) > KEEP:
-                old = _path(self.root, self.kept.pop(0), rank)
-                shutil.rmtree(old, ignore_errors=True)
-                try:
-                    os.rmdir(os.path.dirname(old))           # the last rank out removes the step
-                except OSError:
-                    pass
+            try:
+                if f.exception() is not None:
+                    return
+                with open(path + ".json", "w") as fh:
+                    fh.write(record)
+                kv.set(f"hosts/snap/{steps_done}/{device}", meta)
+                self.kept.append(steps_done)
+                while len(self.kept) > KEEP:
+                    old = _path(self.root, self.kept.pop(0), rank)
+                    shutil.rmtree(old, ignore_errors=True)
+                    for gone in (lambda: os.remove(old + ".json"),
+                                 lambda: os.rmdir(os.path.dirname(old))):    # the last rank out removes the step
+                        try:
+                            gone()
+                        except OSError:
+                            pass
+            finally:
+                recorded.set()
         fut.add_done_callback(written)
-        self.pending = (steps_done, fut)
+        self.pending = (steps_done, fut, recorded)
         return True
 
     def finish(self, wait: bool = False) -> None:
         """Raise if the pending snapshot failed (``wait``: block until it is written)."""
         if self.pending is None:
             return
-        s, fut = self.pending
-        if not wait and not fut.done():
+        s, fut, recorded = self.pending
+        if not wait and not recorded.is_set():
             return
         self.pending = None
         try:
             fut.result()
+            recorded.wait()             # its record is written too (the callback runs after the result is set)
         except Exception as e:  # noqa: BLE001 - a snapshot that failed is not recorded
             raise RuntimeFailure(f"writing the snapshot of step {s} to {self.root} failed ({type(e).__name__}: "
                                  f"{e}); check that --snapshot-dir is writable on every host") from e
@@ -115,6 +130,45 @@ def latest(kv: Any, devices: int, every: int, before: int) -> tuple[int, str, in
             if len(ranks) == Strategy.parse(st).world:
                 return s, st, max(ranks.values())
     return None
+
+
+def latest_on_disk(root: str, model: str | None = None) -> tuple[int, str, int]:
+    """The newest whole snapshot under ``root`` from the records beside its checkpoints: (step, strategy,
+    optimizer step). Whole: every rank of one strategy recorded it (and its checkpoint is there); ``model``:
+    only snapshots of that model. Raises RuntimeFailure naming what was found when there is none."""
+    from ..strategy import Strategy
+    if not os.path.isdir(root):
+        raise RuntimeFailure(f"--resume: the snapshot directory {root} does not exist; give the --snapshot-dir "
+                             f"the job wrote its snapshots to (run with --snapshot-every N)")
+    steps = sorted((int(n[4:]) for n in os.listdir(root) if n.startswith("step") and n[4:].isdigit()), reverse=True)
+    seen = []
+    for s in steps:
+        by: dict[str, dict[int, int]] = {}
+        models_seen = set()
+        for n in os.listdir(os.path.join(root, f"step{s}")):
+            if not (n.startswith("rank") and n.endswith(".json")):
+                continue
+            try:
+                with open(os.path.join(root, f"step{s}", n)) as fh:
+                    rec = json.load(fh)
+                st, rank, opt = str(rec["strategy"]), int(rec["rank"]), int(rec["opt_step"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue                      # a record cut short: this rank did not finish
+            models_seen.add(rec.get("model"))
+            if model is not None and rec.get("model") not in (None, model):
+                continue
+            if os.path.isdir(_path(root, s, rank)):
+                by.setdefault(st, {})[rank] = opt
+        for st, ranks in by.items():
+            if set(ranks) == set(range(Strategy.parse(st).world)):
+                return s, st, max(ranks.values())
+        seen.append(f"step {s}: " + (", ".join(f"{len(r)} of {Strategy.parse(st).world} ranks of {st}"
+                                                 for st, r in by.items()) or
+                                     (f"snapshots of {', '.join(sorted(map(str, models_seen)))}" if models_seen
+                                      else "no records")))
+    raise RuntimeFailure(f"--resume: no whole snapshot{f' of {model}' if model else ''} in {root}"
+                         + (f" ({'; '.join(seen[:4])})" if seen else " (it holds no step<N> folders)")
+                         + "; resume from the directory the job wrote with --snapshot-every N")
 
 
 def restore(root: str, spec: Any, snap_strategy: str, step: int, strategy: Any, rank: int, opt_step: int) -> Any:

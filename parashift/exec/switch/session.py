@@ -86,6 +86,7 @@ class LiveOptions:
     device: str = "cpu"      # "cuda": state and training on this process's GPU, groups and transfers on NCCL
     ordered: Any = None      # switches issued in one global order on the device's streams (None: on NCCL only)
     strategy_for: tuple = ()  # multi-host jobs: (device count, Strategy) pairs to switch to as hosts come and go
+    resume: tuple = ()       # multi-host jobs: (step, strategy, optimizer step) of the snapshot in snapshot_dir to start from
 
 
 @dataclass(frozen=True)
@@ -350,8 +351,15 @@ class LiveSession:
                                    global_batch=self.opts.global_batch, seq_len=self.opts.seq_len)
             worlds = training_worlds(self.manager, [f"{d}.0" for d in g0.devices], rank, prog)
             rctx = RankContext(rank, g0.strategy.world, self.backend, self.torch_device, None)
+            store = None
+            if self.opts.resume:        # a restarted job: this rank's state cut from the snapshot (any layout)
+                from ..snapshot import restore
+                step, snap_st, opt = self.opts.resume
+                store = restore(self.opts.snapshot_dir, self.spec, snap_st, step, g0.strategy, rank, opt)
             self.runtime = Runtime(prog, rctx, seed=self.opts.seed, data_seed=self.opts.data_seed, model=self.spec,
-                                   worlds=worlds, optim=self.opts.optim, timeout=self.ctx.timeout)
+                                   worlds=worlds, optim=self.opts.optim, timeout=self.ctx.timeout, store=store)
+            if self.opts.resume:
+                self.runtime.steps_done = g0.step
             self.gen = 0
             return True
         g = m.first
@@ -395,6 +403,9 @@ class LiveSession:
             losses[step] = float(loss)
             if self.ctx.report is not None and self.opts.progress:
                 self.ctx.report((step, float(loss), self.gens[self.gen].devices))
+        snaps = getattr(self, "_snapshots", None)
+        if snaps is not None and error is None:
+            snaps.finish(wait=True)        # the last snapshot is on disk before the job ends (a later --resume)
         finished = self.runtime is not None and self.runtime.steps_done >= steps
         if finished or error is not None:
             self.ctx.store.set("job/end", "1")
@@ -487,6 +498,9 @@ class LiveResult:
     reports: dict[str, Any] = field(repr=False)
     generations: list[Generation] = field(repr=False)
     survivability: list[dict] = field(default_factory=list, repr=False)   # multi-host jobs (:mod:`..recover`)
+    #: a job restarted with ``--resume``: the snapshot it started from (``step``, ``strategy``); ``losses``
+    #: then begin at that step
+    resumed: dict | None = None
 
     def timeline(self):
         """Training steps and switch phases of every process: ``device, stream, op, step, start, end``
@@ -522,6 +536,8 @@ class LiveResult:
                "strategies": [str(g.strategy) for g in self.generations]}
         if self.survivability:
             out["survivability"] = self.survivability
+        if self.resumed:
+            out["resumed"] = self.resumed
         return out
 
 
