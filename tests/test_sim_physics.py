@@ -218,6 +218,26 @@ def test_a_larger_micro_batch_never_holds_less(case):
     assert all(same_m.peak_activations[d] >= v for d, v in small.peak_activations.items())
 
 
+@_S
+@given(cases(moe=False, recompute=("none", "selective"), tp=1, cp=1, sp=False), st.sampled_from(["head_dim", "kv_heads"]))
+def test_a_wider_attention_stashes_more(case, what):
+    """Doubling the head width (at the same hidden size) or the KV heads (GQA towards MHA) makes the
+    stored Q, K, V and output-projection input larger, so every micro-batch stashes more."""
+    m, s, micro, cluster = case
+    assume(what == "head_dim" or m.kv_heads * 2 <= m.heads)
+    wide = ps.models.gpt(m.layers, m.hidden, m.heads, **{**_gpt_kw(m), what: 2 * getattr(m, what)})
+    narrow = _act_buffers(compile(m, s, global_batch=s.dp * s.mbs * micro))
+    wider = _act_buffers(compile(wide, s, global_batch=s.dp * s.mbs * micro))
+    assert all(wider[k] > v for k, v in narrow.items()), (narrow, wider)
+
+
+def _gpt_kw(m: ps.ModelSpec) -> dict:
+    """The keyword arguments that rebuild dense model ``m`` with :func:`parashift.models.gpt`."""
+    return dict(kv_heads=m.kv_heads, head_dim=m.head_dim, ffn=m.ffn, vocab=m.vocab, seq_len=m.seq_len, gated=m.gated,
+                bias=m.bias, qkv_bias=m.qkv_bias, norm=m.norm, qk_norm=m.qk_norm, pos_emb=m.pos_emb, tied=m.tied,
+                dtype=m.dtype, pad_vocab=1, flash_attention=m.flash_attention, dropout=m.dropout)
+
+
 def _act_buffers(program) -> dict[tuple[int, int], int]:
     """(rank, micro-batch) -> activation bytes its stage allocates for that micro-batch."""
     out: dict[tuple[int, int], int] = {}
