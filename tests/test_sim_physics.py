@@ -3,9 +3,9 @@
 Each example draws a small dense or MoE model (odd shapes included: one layer, GQA, tied or untied,
 unfused attention, fp32), a cluster preset with overrides and a valid strategy over every axis, then
 checks one law: results are finite and in range; a faster link (or more NICs, or less latency), HBM or
-peak never slows a step;
-recomputation, sequence parallelism, the micro-batch size and the ZeRO stage move memory the right way;
-a doubled batch at most doubles the step; the same inputs give the same simulation.
+peak never slows a step; recomputation, sequence parallelism, the micro-batch size, the attention's
+width and the ZeRO stage move memory the right way; a doubled batch at most doubles the step; the same
+inputs give the same simulation.
 """
 from __future__ import annotations
 
