@@ -92,7 +92,7 @@ EXPECTED = {
                            "stage 3: 3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3F4 3B4 3F5 3B5 3F6 3B6 3F7 3B7"],
     "parashift simulate --model llama2-70b": ["step time      6.9471 s", "bubble         17.4 %"],
     "parashift plan --model llama2-70b": ["kept in place   828.36 GiB", "moved           328.10 GiB", "verified: every destination"],
-    "parashift plan-trace": ["hot-switch          1.575e+09",
+    "parashift plan-trace": ["hot-switch          1.578e+09",
                              "18 devices       338,552 tok/s  dp=16,tp=1,pp=1,zero=2,mbs=4"],
     "parashift search --model gpt3-1.3b": ["best           dp=32,tp=1,pp=1,zero=2,mbs=2",
                                            "devices        uses 32 of 38 (6 idle"],

@@ -103,3 +103,17 @@ def test_gradient_accumulation_streams_the_gradients_once_per_later_microbatch()
     t_on = simulate(prog, A100, cm, model=SPEC).step_time
     t_off = simulate(prog, A100, off, model=SPEC).step_time
     assert t_on - t_off == pytest.approx(3 * whole, rel=1e-6)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_2_and_3_buckets_pay_no_gradient_accumulation(zero):
+    """ZeRO-2/3 give every micro-batch a fresh gradient bucket that its reduce-scatter adds into the shard:
+    no later micro-batch reads an earlier one's gradients, so nothing is accumulated at full size (a
+    doubled batch once cost more than twice the step on ZeRO-3, tests/test_sim_physics.py)."""
+    s = Strategy.parse(f"dp=2,zero={zero}")
+    cm = CostModel.for_cluster(A100)
+    assert Workload.of(SPEC, s, 1024).grad_accum(cm, "layer") == 0.0
+    assert Workload.of(SPEC, s.replace(zero=1), 1024).grad_accum(cm, "layer") > 0
+    prog = compile(SPEC, s, global_batch=8, seq_len=1024)
+    off = cm.replace(grad_accum_traffic=0.0)
+    assert simulate(prog, A100, cm, model=SPEC).step_time == simulate(prog, A100, off, model=SPEC).step_time

@@ -85,7 +85,8 @@ class Workload:
     attention's forward (Megatron-LM's selective recomputation), and nothing under ``cp > 1``,
     whose attention backward re-runs the core itself (TransformerEngine's context-parallel
     attention; this runtime's too). ``grad_fusion``: weight-gradient GEMMs accumulate into the gradient
-    buffer (no separate accumulation pass, see :meth:`grad_accum`). ``column_wgrad``
+    buffer (no separate accumulation pass, see :meth:`grad_accum`); so does ``zero`` >= 2, whose
+    micro-batches each write a fresh gradient bucket. ``column_wgrad``
     (:attr:`~parashift.strategy.Strategy.column_wgrad`): an attention or MLP ``bwd_weight`` is only the
     column-parallel GEMM's weight gradient; ``bwd_input`` also computes the row-parallel one's."""
 
@@ -98,16 +99,19 @@ class Workload:
     recompute: str = "full"
     grad_fusion: bool = False
     column_wgrad: bool = False
+    zero: int = 0
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, model: "ModelSpec", strategy: object, seq_len: int, mbs: int | None = None) -> "Workload":
-        """The workload of a strategy (duck-typed: ``tp``, ``mbs``, optional ``sp``/``cp``/``recompute``)."""
+        """The workload of a strategy (duck-typed: ``tp``, ``mbs``, optional ``sp``/``cp``/``recompute``/
+        ``grad_fusion``/``column_wgrad``/``zero``)."""
         sp = getattr(strategy, "sp", False)
         return cls(model, int(getattr(strategy, "tp", 1)), int(mbs or getattr(strategy, "mbs", 1)), int(seq_len),
                    bool(sp) if not isinstance(sp, str) else sp not in ("", "0", "false", "none"),
                    int(getattr(strategy, "cp", 1) or 1), str(getattr(strategy, "recompute", "full") or "full"),
-                   bool(getattr(strategy, "grad_fusion", False)), bool(getattr(strategy, "column_wgrad", False)))
+                   bool(getattr(strategy, "grad_fusion", False)), bool(getattr(strategy, "column_wgrad", False)),
+                   int(getattr(strategy, "zero", 0) or 0))
 
     @property
     def selective(self) -> bool:
@@ -149,8 +153,9 @@ class Workload:
     def grad_accum(self, cm: "CostModel", kind: str) -> float:
         """Seconds of adding one micro-batch's weight gradients of a ``kind`` region into the step's
         gradient buffer (``grad_accum_traffic`` x dtype bytes per parameter on this rank, through HBM);
-        0 under ``grad_fusion`` (the GEMM accumulates as it writes)."""
-        if self.grad_fusion:
+        0 under ``grad_fusion`` (the GEMM accumulates as it writes) and under ZeRO-2/3 (each micro-batch's
+        gradients go to a bucket of their own, which its reduce-scatter adds into the rank's shard)."""
+        if self.grad_fusion or self.zero >= 2:
             return 0.0
         if kind == "layer":
             return self.grad_accum(cm, "attn") + self.grad_accum(cm, "mlp")

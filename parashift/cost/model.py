@@ -93,7 +93,8 @@ class CostModel:
     region on this rank through HBM: its gradient is added into the one the earlier micro-batches
     left (read both, write the sum: 3), as PyTorch's ``AccumulateGrad`` does (Megatron-LM's local DDP
     of 2021 included); a strategy with ``grad_fusion`` (the add fused into the weight-gradient GEMM,
-    Megatron-LM's ``--gradient-accumulation-fusion``) pays none of it.
+    Megatron-LM's ``--gradient-accumulation-fusion``) pays none of it, nor does one with ``zero`` >= 2 (every
+    micro-batch's gradients fill a fresh bucket that is reduce-scattered into the shard).
     Switches: ``switch_overhead`` seconds a hot switch pays on top of its Program (allocating the
     new layout's buffers, starting the transfer), added by ``simulate_switch``.
     ``p2p_posted``: a stream posts each send/recv and goes on without waiting for it (a runtime

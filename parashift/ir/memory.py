@@ -21,7 +21,8 @@ with ``s`` the sequence, ``b`` the micro-batch, ``h`` the hidden size, ``a`` the
 - full recomputation: only the layer input, ``2sbh`` (``2sbh/t`` with sequence parallelism).
 
 Context parallelism divides ``s`` by ``cp`` (each rank holds ``s/cp`` tokens; its scores are
-``s/cp x s``). Gated MLPs and grouped-query attention use their real widths. Under full
+``s/cp x s``). Gated MLPs and grouped-query attention use their real widths, and so do attentions
+whose ``heads x head_dim`` is not the hidden size (Q and the output projection's input are that wide). Under full
 recomputation the output layer (``head``) is recomputed too and keeps its input (Megatron-LM keeps
 its output layer's activations; the runtime rebuilds a chunk's recomputed regions as one graph).
 """
@@ -158,9 +159,9 @@ def _terms(model: ModelSpec, kind: str, *, mbs: int, seq_len: int, tp: int, sp: 
     mats_in = 2 if model.gated else 1
     mask = 1 if model.dropout > 0 else 0   # a dropout mask: one byte per element
     scores = 0.0
-    if kind == "attn":  # norm in 2sbh, QKV in 2sbh, mask sbh; Q, K, V, out-proj in: 2sb(h + 2 kv_dim + h)/t
-        kv = model.kv_heads / model.heads
-        v = (4 + mask) * rep + 2 * sbh * (2 + 2 * kv) / t
+    if kind == "attn":  # norm in 2sbh, QKV in 2sbh, mask sbh; Q, K, V, out-proj in: 2sb(q + 2 kv + q)/t
+        q, kv = model.heads * model.head_dim, model.kv_heads * model.head_dim
+        v = (4 + mask) * rep + 2 * s * b * (2 * q + 2 * kv) / t
         scores = (2 + 3 * mask) * a * s * seq_len * b / t   # softmax out; with dropout its mask and output too
     elif kind == "mlp":  # norm in, fc1 in, mask: 5sbh; fc1 out and activation out
         v = (4 + mask) * rep + 2 * s * b * model.ffn * (mats_in + 1) / t

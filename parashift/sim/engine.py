@@ -193,6 +193,7 @@ class RawRun:
         self.model_flops = 0.0             # model FLOPs of all ranks (summed in record order)
         self.peak: dict[int, float] = {}
         self.peak_parts: dict[int, dict[str, float]] = {}
+        self.peak_activations: dict[int, float] = {}   # rep -> most activation bytes it held at once
         self.static: dict[int, dict[str, float]] = {}
         self.link_bytes: dict[str, float] = {"local": 0.0, "intra": 0.0, "inter": 0.0}
         self.mem_events: list[tuple[int, float, float]] = []  # (rep rank, time, bytes in use after)
@@ -250,7 +251,8 @@ class Engine:
         self.ctime: dict[float, dict[tuple, float]] = {}   # static bytes -> compute key -> seconds
         self.bw = {link: self.cost.link_bw(link) for link in ("local", "intra", "inter")}
         self.group_reps: dict[tuple, tuple[tuple[int, ...], tuple]] = {}
-        self.mem: dict[int, list[float]] = {}   # rep -> [bytes in use, activation bytes, peak, static bytes]
+        # rep -> [bytes in use, activation bytes, peak, static bytes, peak activation bytes]
+        self.mem: dict[int, list[float]] = {}
         self.bufs: dict[int, dict[str, float]] = {}
         self.busy: dict[int, list[float]] = {}   # rep -> [seconds its compute stream ran]
         self.streams: list[tuple[int, str, object]] = []   # (rep, stream, its generator)
@@ -261,7 +263,7 @@ class Engine:
             static = {k: float(rp.static_memory.get(k, 0)) for k in rp.static_memory}
             raw.static[r] = static
             base = sum(static.values())
-            self.mem[r] = [base, 0.0, base, base]
+            self.mem[r] = [base, 0.0, base, base, 0.0]
             self.bufs[r] = {}
             raw.peak_parts[r] = {"activations": 0.0, "buffers": 0.0}
             self.busy[r] = [0.0]
@@ -275,6 +277,7 @@ class Engine:
         self._check_finished()
         for r, m in self.mem.items():
             raw.peak[r] = m[2]
+            raw.peak_activations[r] = m[4]
             raw.busy[r] = self.busy[r][0]
         raw.model_flops = self.flops[0]
         raw.sim_seconds = time.perf_counter() - t0
@@ -369,6 +372,8 @@ class Engine:
                         mem[1] += b
                 mem[0] = cur
                 mem_events.append((r, start, cur))
+                if mem[1] > mem[4]:
+                    mem[4] = mem[1]
                 if cur > mem[2]:
                     mem[2] = cur
                     act = mem[1]

@@ -70,6 +70,14 @@ class SimResult:
         return max(self.peak_memory.values()) if self.peak_memory else 0
 
     @property
+    def peak_activations(self) -> dict[int, int]:
+        """Device -> the most activation bytes (``act``/``rc.`` buffers) it held at once; the
+        ``activations`` of :meth:`memory_frame` are those at the device's memory peak instead."""
+        raw = self.raw
+        return {raw.devices[m]: int(round(raw.peak_activations[r])) for r, ms in raw.folding.members.items()
+                for m in ms}
+
+    @property
     def events_per_s(self) -> float:
         return self.events / self.sim_seconds if self.sim_seconds > 0 else float("nan")
 
