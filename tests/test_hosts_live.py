@@ -183,6 +183,126 @@ def test_a_killed_host(strategy, extra, path, capsys, tmp_path):
     assert _gone(first.pid) and _gone(agent.pid), "processes left behind"
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (its children, theirs, ...), from /proc."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                kids.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(d))
+        except (OSError, ValueError, IndexError):
+            continue
+    out, todo = [], [pid]
+    while todo:
+        got = kids.get(todo.pop(), [])
+        out += got
+        todo += got
+    return out
+
+
+def _newest_step(store, device: int) -> int:
+    k = 0
+    while store.check([f"hosts/loss/{k + 1}/{device}"]):
+        k += 1
+    return k
+
+
+# (strategy, extra options, how the job goes on once host 2's notice ran out, when host 2 is held)
+SHORT = [
+    pytest.param("dp=2", ["--switch-notice", "0"], "replicas", "sw1/noticed/1", id="dp=2"),   # in the switch
+    pytest.param("dp=2,zero=1", ["--snapshot-every", "2"], "snapshot", "hosts/gen/1", id="dp=2,zero=1"),  # before it
+]
+
+
+@pytest.mark.parametrize("strategy,extra,path,hold", SHORT)
+def test_a_notice_shorter_than_the_switch(strategy, extra, path, hold, capsys, tmp_path):
+    """Host 2 (``join --notice-seconds 3``) gets SIGTERM: device 0 reads the deadline and, with no switch
+    measured yet, schedules the switch away from host 2 at the next step boundary (not ``--switch-notice``
+    + 2 steps ahead); host 2's processes are then held (SIGSTOP: a switch slower than the notice) once
+    ``hold`` is in the store: device 1 began the switch (with no notice, in its pause), or device 0
+    scheduled it (device 1 is then training or at a step boundary). The notice runs out; the agent
+    SIGKILLs its own process group, as the platform would; the notice switch is aborted (or never
+    begins) and the job goes on from device 0's replica (dp=2), or from the newest snapshot (ZeRO-1:
+    host 2 held half the moments), with the losses of the static job on every step."""
+    notice = 3.0
+    port = _free_port()
+    env = dict(os.environ, **{SECRET_ENV: SECRET}, PYTHONUNBUFFERED="1")
+    at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", "150", "--nprocs", "1"]
+    job = ["--model", "tiny-gpt", "--strategy", strategy, "--steps", "20", "--live"]
+    first = _host(["run", *job, *at, *extra, "--snapshot-dir", str(tmp_path), "--heartbeat-timeout", "150",
+                   "--json"], env)
+    time.sleep(0.5)
+    agent = _host(["join", *at, "--notice-seconds", str(notice)], env)
+    try:
+        from parashift.exec.jobstore import connect
+        store = connect("127.0.0.1", port, SECRET, 60)
+        _await_key(store, "hosts/loss/4/1", [first, agent], "never trained")
+        held = _descendants(agent.pid)                   # its forkserver and device 1's process
+        t0 = time.monotonic()
+        agent.send_signal(signal.SIGTERM)
+        _await_key(store, "hosts/gen/1", [first, agent], "device 0 never scheduled the switch", notice)
+        read_at = _newest_step(store, 0) + 1             # device 0's step boundary when it scheduled it
+        _await_key(store, hold, [first, agent], f"never {hold}", notice)
+        for pid in held:
+            os.kill(pid, signal.SIGSTOP)
+        (rc, out, err), (rc2, _, err2) = _finish([first, agent], 120)
+    finally:
+        for p in (first, agent):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    assert rc == 0, err[-2000:]
+    assert rc2 == -signal.SIGKILL and time.monotonic() - t0 >= notice, err2[-2000:]
+    assert f"this host is killed {notice:g} s after the SIGTERM" in err2 and f"notice of {notice:g} s ran out" in err2
+    got = json.loads(out)
+    (sw,) = [s for s in got["switches"] if s["cause"] == "notice"]
+    (fail,) = [s for s in got["switches"] if s["cause"] == "failure"]
+    assert "aborted" in sw and sw["dst_devices"] == [0] and sw["step"] <= read_at + 1   # not notice + 2 steps ahead
+    assert fail["recovered_from"] == path and fail["lost_devices"] == [1] and fail["dst_devices"] == [0]
+    # held in the switch; or (scheduled) in the step before it, unless device 1 had finished that step
+    assert fail["failed_at"] == sw["step"] or hold == "hosts/gen/1" and fail["failed_at"] == sw["step"] - 1
+    if path == "replicas":
+        assert fail["steps_lost"] == 0 and fail["step"] == fail["failed_at"]
+    else:
+        assert fail["step"] % 2 == 0 and fail["steps_lost"] == fail["failed_at"] - fail["step"] <= 3
+    assert main(["run", *job, "--json"]) == 0
+    ref = json.loads(capsys.readouterr().out)
+    assert len(got["losses"]) == 20 and got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+    assert _gone(first.pid) and _gone(agent.pid), "processes left behind"
+
+
+def test_a_notice_long_enough(capsys):
+    """``join --notice-seconds 60``: the switch away from host 2 finishes well within the notice; the
+    switch is the clean ``notice`` one, the agent exits 0 and never kills itself."""
+    port = _free_port()
+    env = dict(os.environ, **{SECRET_ENV: SECRET}, PYTHONUNBUFFERED="1")
+    at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", "150", "--nprocs", "1"]
+    job = ["--model", "tiny-gpt", "--strategy", "dp=2", "--steps", "20", "--live"]
+    first = _host(["run", *job, *at, "--json"], env)
+    time.sleep(0.5)
+    agent = _host(["join", *at, "--notice-seconds", "60"], env)
+    try:
+        from parashift.exec.jobstore import connect
+        store = connect("127.0.0.1", port, SECRET, 60)
+        _await_key(store, "hosts/loss/4/1", [first, agent], "never trained")
+        agent.send_signal(signal.SIGTERM)
+        (rc, out, err), (rc2, _, err2) = _finish([first, agent], 120)
+    finally:
+        for p in (first, agent):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    assert rc == 0 and rc2 == 0, (err + err2)[-3000:]
+    assert "killed 60 s after the SIGTERM" in err2 and "ran out" not in err2
+    got = json.loads(out)
+    (sw,) = got["switches"]
+    assert sw["cause"] == "notice" and "aborted" not in sw and got["strategies"] == ["dp=2,tp=1,pp=1", "dp=1,tp=1,pp=1"]
+    assert main(["run", *job, "--json"]) == 0
+    ref = json.loads(capsys.readouterr().out)
+    assert len(got["losses"]) == 20 and got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+    assert _gone(first.pid) and _gone(agent.pid), "processes left behind"
+
+
 def test_secret_never_from_argv(tmp_path, monkeypatch):
     monkeypatch.delenv(SECRET_ENV, raising=False)
     with pytest.raises(StrategyError, match=SECRET_ENV):
