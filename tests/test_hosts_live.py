@@ -303,6 +303,20 @@ def test_a_notice_long_enough(capsys):
     assert _gone(first.pid) and _gone(agent.pid), "processes left behind"
 
 
+def test_a_notice_is_short_when_the_switch_would_outlast_it():
+    """Device 0 switches at the next step boundary when a notice's time left is under ``notice`` + 2 steps
+    and one more (at the last step's duration) plus the last completed switch; with no switch measured, always."""
+    from types import SimpleNamespace
+    from parashift.exec.hosts import notice_is_short
+    from parashift.exec.switch.protocol import SwitchRecord
+    session = SimpleNamespace(records=[], rows=[("train", "step", 0.0, 0.5, 0)], opts=SimpleNamespace(notice=3))
+    assert notice_is_short(1e9, session)
+    session.records.append(SwitchRecord(4, "dp=2", "dp=1", 0, plan_seconds=1.5, transfer_seconds=0.5))
+    assert not notice_is_short(5.01, session) and notice_is_short(4.99, session)      # 6 x 0.5 s + 2 s
+    session.records.append(SwitchRecord(8, "dp=1", "dp=2", 0, plan_seconds=9.0, aborted="peer lost"))
+    assert not notice_is_short(5.01, session)                # an aborted switch says nothing of the time
+
+
 def test_secret_never_from_argv(tmp_path, monkeypatch):
     monkeypatch.delenv(SECRET_ENV, raising=False)
     with pytest.raises(StrategyError, match=SECRET_ENV):
@@ -579,7 +593,7 @@ def test_node_level_replay(capsys):
     from parashift.replay.hosts import replay_hosts
     from parashift.traces.schema import events_frame, finish
     ev = finish(events_frame(np.array([2.0, 8.0, 14.0]), np.array([1, -1, -1]), np.array([3, 2, 1]),
-                             np.array([np.nan, 30.0, np.nan])), source="test", fmt="test", initial=2, duration=20.0)
+                             np.array([np.nan, 120.0, np.nan])), source="test", fmt="test", initial=2, duration=20.0)
     got = replay_hosts(ev, steps=160, seconds_per_step=1.0, global_batch=12, timeout=300)
     job = got["job"]
     assert [a["event"] for a in got["applied"]] == ["add", "preempt", "preempt"]
