@@ -29,7 +29,7 @@ recovery: losing it ends the job.
 Store keys (under the job's secret): ``hosts/devices`` (devices registered), ``hosts/count``
 (hosts), ``hosts/heartbeat`` (the heartbeat window, seconds), ``hosts/live_port`` (the liveness listener),
 ``hosts/config`` (pickled settings), ``hosts/gen/<g>`` (generations after the first, with
-their cause), ``hosts/leave/<h>`` (a SIGTERM notice), ``hosts/beat/<h>`` (heartbeat counters),
+their cause), ``hosts/leave/<h>`` (a SIGTERM notice: its devices and seconds left), ``hosts/beat/<h>`` (heartbeat counters),
 ``hosts/devices_of/<h>``, ``hosts/dead/<h>`` and ``dead/<device>`` (declared lost),
 ``hosts/handled/<h>`` (taken out by recovery round ``g``), ``hosts/report/<h>``, ``hosts/failed/<h>``,
 ``hosts/done``; written by :mod:`.recover`: ``hosts/loss/<step>/<device>`` (loss shares),
