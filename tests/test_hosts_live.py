@@ -127,6 +127,28 @@ def test_two_hosts_train_a_third_joins_one_leaves_with_notice(capsys):
     assert all(_gone(p.pid) for p in (first, second, third)), "processes left behind"
 
 
+def _start_job(strategy: str, nprocs: int, run: list[str], join: list[str]) -> tuple:
+    """The first host (``run --live`` of tiny-gpt for 20 steps, with ``run``'s options) and one agent (with
+    ``join``'s), ``nprocs`` processes each: (first, agent, a connection to the job's store, the job's options)."""
+    from parashift.exec.jobstore import connect
+    port = _free_port()
+    env = dict(os.environ, **{SECRET_ENV: SECRET}, PYTHONUNBUFFERED="1")
+    at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", "150", "--nprocs", str(nprocs)]
+    job = ["--model", "tiny-gpt", "--strategy", strategy, "--steps", "20", "--live"]
+    first = _host(["run", *job, *at, *run, "--json"], env)
+    time.sleep(0.5)
+    agent = _host(["join", *at, *join], env)
+    return first, agent, connect("127.0.0.1", port, SECRET, 60), job
+
+
+def _reap(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL the process group of every host still running (after a failed wait)."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
 # (strategy, extra options, how the job goes on after host 2 (devices 2-3) is killed)
 KILLED = [
     pytest.param("dp=4", [], "replicas", marks=pytest.mark.slow, id="dp=4"),   # every device holds everything
@@ -146,16 +168,8 @@ def test_a_killed_host(strategy, extra, path, capsys, tmp_path):
     every cell of the layout survives, else from the newest DCP snapshot (the steps since are re-run
     and reported lost); with neither it ends non-zero naming the host. The losses equal the static
     job's on every step; nothing is left running."""
-    port = _free_port()
-    env = dict(os.environ, **{SECRET_ENV: SECRET}, PYTHONUNBUFFERED="1")
-    at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", "150", "--nprocs", "2"]
-    job = ["--model", "tiny-gpt", "--strategy", strategy, "--steps", "20", "--live"]
-    first = _host(["run", *job, *at, *extra, "--snapshot-dir", str(tmp_path), "--heartbeat-timeout", "150",
-                   "--json"], env)
-    time.sleep(0.5)
-    agent = _host(["join", *at], env)
-    from parashift.exec.jobstore import connect
-    store = connect("127.0.0.1", port, SECRET, 60)
+    first, agent, store, job = _start_job(strategy, 2, [*extra, "--snapshot-dir", str(tmp_path),
+                                                       "--heartbeat-timeout", "150"], [])
     _await_key(store, "hosts/loss/4/2", [first, agent], "never trained")      # host 2's device 2 in its 5th step
     t0 = time.monotonic()
     os.killpg(agent.pid, signal.SIGKILL)
@@ -225,17 +239,9 @@ def test_a_notice_shorter_than_the_switch(strategy, extra, path, hold, capsys, t
     begins) and the job goes on from device 0's replica (dp=2), or from the newest snapshot (ZeRO-1:
     host 2 held half the moments), with the losses of the static job on every step."""
     notice = 3.0
-    port = _free_port()
-    env = dict(os.environ, **{SECRET_ENV: SECRET}, PYTHONUNBUFFERED="1")
-    at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", "150", "--nprocs", "1"]
-    job = ["--model", "tiny-gpt", "--strategy", strategy, "--steps", "20", "--live"]
-    first = _host(["run", *job, *at, *extra, "--snapshot-dir", str(tmp_path), "--heartbeat-timeout", "150",
-                   "--json"], env)
-    time.sleep(0.5)
-    agent = _host(["join", *at, "--notice-seconds", str(notice)], env)
+    first, agent, store, job = _start_job(strategy, 1, [*extra, "--snapshot-dir", str(tmp_path),
+                                                       "--heartbeat-timeout", "150"], ["--notice-seconds", str(notice)])
     try:
-        from parashift.exec.jobstore import connect
-        store = connect("127.0.0.1", port, SECRET, 60)
         _await_key(store, "hosts/loss/4/1", [first, agent], "never trained")
         held = _descendants(agent.pid)                   # its forkserver and device 1's process
         t0 = time.monotonic()
@@ -247,10 +253,7 @@ def test_a_notice_shorter_than_the_switch(strategy, extra, path, hold, capsys, t
             os.kill(pid, signal.SIGSTOP)
         (rc, out, err), (rc2, _, err2) = _finish([first, agent], 120)
     finally:
-        for p in (first, agent):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        _reap([first, agent])
     assert rc == 0, err[-2000:]
     assert rc2 == -signal.SIGKILL and time.monotonic() - t0 >= notice, err2[-2000:]
     assert f"this host is killed {notice:g} s after the SIGTERM" in err2 and f"notice of {notice:g} s ran out" in err2
@@ -274,24 +277,13 @@ def test_a_notice_shorter_than_the_switch(strategy, extra, path, hold, capsys, t
 def test_a_notice_long_enough(capsys):
     """``join --notice-seconds 60``: the switch away from host 2 finishes well within the notice; the
     switch is the clean ``notice`` one, the agent exits 0 and never kills itself."""
-    port = _free_port()
-    env = dict(os.environ, **{SECRET_ENV: SECRET}, PYTHONUNBUFFERED="1")
-    at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", "150", "--nprocs", "1"]
-    job = ["--model", "tiny-gpt", "--strategy", "dp=2", "--steps", "20", "--live"]
-    first = _host(["run", *job, *at, "--json"], env)
-    time.sleep(0.5)
-    agent = _host(["join", *at, "--notice-seconds", "60"], env)
+    first, agent, store, job = _start_job("dp=2", 1, [], ["--notice-seconds", "60"])
     try:
-        from parashift.exec.jobstore import connect
-        store = connect("127.0.0.1", port, SECRET, 60)
         _await_key(store, "hosts/loss/4/1", [first, agent], "never trained")
         agent.send_signal(signal.SIGTERM)
         (rc, out, err), (rc2, _, err2) = _finish([first, agent], 120)
     finally:
-        for p in (first, agent):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        _reap([first, agent])
     assert rc == 0 and rc2 == 0, (err + err2)[-3000:]
     assert "killed 60 s after the SIGTERM" in err2 and "ran out" not in err2
     got = json.loads(out)
