@@ -87,6 +87,11 @@ def test_replay_hosts_a_notice_that_runs_out(capsys):
     (fail,) = [s for s in job["switches"] if s["cause"] == "failure"]
     assert fail["recovered_from"] == "replicas" and fail["lost_devices"] == [1]
     assert all("aborted" in s for s in job["switches"] if s["cause"] == "notice")   # begun or not, never finished
+    render({"hosts": True, "model": "tiny-gpt", "trace": "test", "seconds_per_step": 1.0, "devices_per_node": 1,
+            "applied": got["applied"], "switches": job["switches"], "losses": job["losses"],
+            "exit_codes": got["exit_codes"]}, None)
+    text = capsys.readouterr().out
+    assert "SIGTERM (notice " in text and "SIGKILL when it ran out: node(s) 2" in text and "(failure from replicas)" in text
     assert main(["run", "--model", "tiny-gpt", "--strategy", "dp=2", "--steps", "20", "--live", "--json"]) == 0
     ref = json.loads(capsys.readouterr().out)
     assert len(job["losses"]) == 20 and job["losses"] == pytest.approx(ref["losses"], abs=1e-5)

@@ -133,7 +133,7 @@ def _render_hosts(result: dict) -> None:
     for a in result["applied"]:
         print(f"  t={a['time']:8.1f}  step {a['step']:>5}  {a['event']:>7} node(s) "
               f"{','.join(map(str, a.get('nodes', [])))}" + (f"  {a['signal']}" if a.get("signal") else "")
-              + (f" (notice {a['notice_seconds']:.2f} s)" if "notice_seconds" in a else "")
+              + (f" (notice {a['notice_seconds']:.2f} s)" if a.get("notice_seconds") is not None else "")
               + (f"; SIGKILL when it ran out: node(s) {','.join(map(str, a['ran_out']))}" if a.get("ran_out") else ""))
     for s in result["switches"]:
         how = f" from {s['recovered_from']}" if s.get("recovered_from") else ""

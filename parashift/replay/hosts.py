@@ -65,10 +65,10 @@ class _Job:
             self.began = self.began or time.monotonic()
         return self.step
 
-    def step_seconds(self) -> float:
-        """Wall seconds of the job's mean step since its first (its first ones while fewer are done)."""
+    def step_seconds(self) -> float | None:
+        """Wall seconds of the job's mean step since its first (None before its first step)."""
         done = self.progress()
-        return (time.monotonic() - self.began) / max(done, 1) if self.began else 0.0
+        return (time.monotonic() - self.began) / max(done, 1) if self.began else None
 
 
 class _Notices:
@@ -242,12 +242,14 @@ def replay_hosts(trace: Any, *, model: str = "tiny-gpt", devices_per_node: int =
                 live = [a for a in job.agents if not a.signalled and a.proc.poll() is None]
                 victims = live[::-1][:int(row.count)]
                 sig = "SIGTERM" if isinstance(row.notice, float) and row.notice > 0 else "SIGKILL"
+                each = job.step_seconds()          # before the job's first step a notice is not timed
                 if sig == "SIGTERM":
-                    rec["notice_seconds"] = float(row.notice) / seconds_per_step * job.step_seconds()
+                    rec["notice_seconds"] = None if each is None else float(row.notice) / seconds_per_step * each
                 for a in victims:
                     if sig == "SIGTERM":
                         a.proc.send_signal(signal.SIGTERM)
-                        notices.add(rec["notice_seconds"], a, rec)
+                        if each is not None:
+                            notices.add(rec["notice_seconds"], a, rec)
                     else:
                         os.killpg(a.proc.pid, signal.SIGKILL)
                     a.signalled = sig
