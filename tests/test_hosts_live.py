@@ -295,6 +295,34 @@ def test_a_notice_long_enough(capsys):
     assert _gone(first.pid) and _gone(agent.pid), "processes left behind"
 
 
+def test_a_kill_after_the_notice_switch_stops_no_step(capsys):
+    """Host 2's processes left through a verified notice switch (dp=4 -> dp=2) but its agent is killed
+    before it reports (held with SIGSTOP until the survivors trained in the new layout): the host is
+    declared lost, and no step stops (its devices wrote ``left/<device>``): no recovery round."""
+    import pickle
+    first, agent, store, job = _start_job("dp=4", 2, [], ["--notice-seconds", "60"])
+    try:
+        _await_key(store, "hosts/loss/4/2", [first, agent], "never trained")
+        agent.send_signal(signal.SIGTERM)
+        _await_key(store, "hosts/leave/2", [first, agent], "host 2 never gave notice")
+        os.kill(agent.pid, signal.SIGSTOP)               # the agent alone: its processes switch and exit
+        _await_key(store, "hosts/gen/1", [first], "device 0 never scheduled the switch")
+        after = pickle.loads(store.get("hosts/gen/1"))[0].step + 1
+        _await_key(store, f"hosts/loss/{after}/1", [first], "the survivors never trained in the new layout")
+        os.killpg(agent.pid, signal.SIGKILL)
+        ((rc, out, err),) = _finish([first], 120)
+    finally:
+        _reap([first, agent])
+    assert rc == 0, err[-2000:]
+    got = json.loads(out)
+    (sw,) = got["switches"]
+    assert sw["cause"] == "notice" and "aborted" not in sw and got["strategies"] == ["dp=4,tp=1,pp=1", "dp=2,tp=1,pp=1"]
+    assert main(["run", *job, "--json"]) == 0
+    ref = json.loads(capsys.readouterr().out)
+    assert len(got["losses"]) == 20 and got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+    assert _gone(first.pid) and _gone(agent.pid), "processes left behind"
+
+
 def test_a_notice_is_short_when_the_switch_would_outlast_it():
     """Device 0 switches at the next step boundary when a notice's time left is under ``notice`` + 2 steps
     and one more (at the last step's duration) plus the last completed switch; with no switch measured, always."""

@@ -495,7 +495,8 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 def _declare_lost(store: Any, h: int) -> bool:
     """Declare agent ``h`` lost unless it reported, failed, was declared already, or the job is over:
     ``dead/<device>`` for its devices (a switch in progress aborts, :mod:`.switch.protocol`),
-    ``hosts/dead/<h>``, and a bump of :data:`.recover.FAULT_KEY` (training steps stop waiting and recover)."""
+    ``hosts/dead/<h>``, and a bump of :data:`.recover.FAULT_KEY` (training steps stop waiting and recover)
+    unless every one of its devices left the job through a verified switch (``left/<device>``)."""
     from .recover import FAULT_KEY
     if store.check(["hosts/done"]) or any(store.check([f"hosts/{k}/{h}"]) for k in ("dead", "report", "failed")) \
             or not store.check([f"hosts/devices_of/{h}"]):
@@ -504,7 +505,8 @@ def _declare_lost(store: Any, h: int) -> bool:
     for d in range(a, b + 1):
         store.set(f"dead/{d}", f"host {h}")
     store.set(f"hosts/dead/{h}", "1")
-    store.add(FAULT_KEY, 1)
+    if not store.check([f"left/{d}" for d in range(a, b + 1)]):     # all left through a verified switch: no step
+        store.add(FAULT_KEY, 1)                                   # needs them (a notice that ran out just after)
     return True
 
 
