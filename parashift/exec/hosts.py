@@ -443,18 +443,38 @@ def _window(store: Any, wait: float = 30.0) -> float:
 
 
 def _beat(host: str, port: int, secret: str, h: int, every: float) -> None:
-    """A daemon thread that bumps ``hosts/beat/<h>`` every ``every`` seconds over its own connection."""
+    """A daemon thread that bumps ``hosts/beat/<h>`` every ``every`` seconds over its own connection, until
+    the interpreter exits (:func:`_halt_at_exit`)."""
     import threading
+    stop = threading.Event()
 
     def loop() -> None:
         try:
             store = connect(host, port, secret, 30.0)
-            while True:
+            while not stop.is_set():
                 store.add(f"hosts/beat/{h}", 1)
-                time.sleep(every)
+                stop.wait(every)
         except Exception:  # noqa: BLE001 - the store is gone: the job is over
             return
-    threading.Thread(target=loop, name="parashift-heartbeat", daemon=True).start()
+    t = threading.Thread(target=loop, name="parashift-heartbeat", daemon=True)
+    t.start()
+    _halt_at_exit(stop, thread=t)
+
+
+def _halt_at_exit(stop: Any, thread: Any = None, lock: Any = None) -> None:
+    """At the interpreter's exit, first stop a daemon thread that calls the job's store: set ``stop`` (holding
+    ``lock``, which the thread holds around its calls), then wait for ``thread``. A daemon thread that the exit
+    finds inside the store's C++ client aborts the process ("terminate called without an active exception")."""
+    import atexit
+
+    def halt() -> None:
+        if lock is not None:
+            with lock:
+                stop.set()
+        stop.set()
+        if thread is not None:
+            thread.join(5.0)
+    atexit.register(halt)
 
 
 def _live_key(secret: str) -> bytes:
@@ -523,7 +543,8 @@ def _liveness(store: Any, host: str, secret: str) -> None:
     srv.listen(64)
     store.set("hosts/live_port", str(srv.getsockname()[1]))
     watch = store.clone()          # the watchers' own connection (the job's is used by the training loop)
-    lock = threading.Lock()
+    lock, stop = threading.Lock(), threading.Event()
+    _halt_at_exit(stop, lock=lock)
 
     def serve_one(conn: socket.socket) -> None:
         with conn:
@@ -545,7 +566,8 @@ def _liveness(store: Any, host: str, secret: str) -> None:
                 pass                        # a reset: closed as well
             try:
                 with lock:
-                    _declare_lost(watch, h)
+                    if not stop.is_set():
+                        _declare_lost(watch, h)
             except Exception:  # noqa: BLE001 - the store is gone: the job is over
                 pass
 
@@ -585,14 +607,15 @@ def _silent_hosts(store: Any, wait: float | None = None) -> list[tuple[int, str]
 
 def _monitor(store: Any, timeout: float) -> None:
     """A daemon thread of the first host: an agent whose heartbeat stood still for ``timeout`` seconds (and
-    that has not reported or failed) is declared lost (:func:`_declare_lost`)."""
+    that has not reported or failed) is declared lost (:func:`_declare_lost`), until the job is done or the
+    interpreter exits (:func:`_halt_at_exit`)."""
     import threading
+    stop = threading.Event()
 
     def loop() -> None:
         seen: dict[int, tuple[int, float]] = {}        # host -> (last count, when it last moved)
         try:
-            while not store.check(["hosts/done"]):
-                time.sleep(beat_every(timeout))
+            while not stop.wait(beat_every(timeout)) and not store.check(["hosts/done"]):
                 now = time.monotonic()
                 for h in range(2, int(store.add("hosts/count", 0)) + 1):
                     if any(store.check([f"hosts/{k}/{h}"]) for k in ("dead", "report", "failed")) or \
@@ -605,7 +628,9 @@ def _monitor(store: Any, timeout: float) -> None:
                         _declare_lost(store, h)
         except Exception:  # noqa: BLE001 - the store is gone: the job is over
             return
-    threading.Thread(target=loop, name="parashift-monitor", daemon=True).start()
+    t = threading.Thread(target=loop, name="parashift-monitor", daemon=True)
+    t.start()
+    _halt_at_exit(stop, thread=t)
 
 
 def _leave_on_sigterm(host: str, port: int, secret: str, h: int, devices: range, quiet: bool,
@@ -622,9 +647,9 @@ def _leave_on_sigterm(host: str, port: int, secret: str, h: int, devices: range,
     got: list[float] = []
 
     def announce(t0: float) -> None:
+        store = connect(host, port, secret, 30.0)
         rest = None if notice_seconds is None else notice_seconds - (time.monotonic() - t0)
-        connect(host, port, secret, 30.0).set(f"hosts/leave/{h}", pickle.dumps(
-            {"devices": list(devices), "seconds": rest}))
+        store.set(f"hosts/leave/{h}", pickle.dumps({"devices": list(devices), "seconds": rest}))
 
     def deadline(t0: float) -> None:
         while not left.is_set() and time.monotonic() < t0 + notice_seconds:
