@@ -127,6 +127,28 @@ def test_two_hosts_train_a_third_joins_one_leaves_with_notice(capsys):
     assert all(_gone(p.pid) for p in (first, second, third)), "processes left behind"
 
 
+def _start_job(strategy: str, nprocs: int, run: list[str], join: list[str]) -> tuple:
+    """The first host (``run --live`` of tiny-gpt for 20 steps, with ``run``'s options) and one agent (with
+    ``join``'s), ``nprocs`` processes each: (first, agent, a connection to the job's store, the job's options)."""
+    from parashift.exec.jobstore import connect
+    port = _free_port()
+    env = dict(os.environ, **{SECRET_ENV: SECRET}, PYTHONUNBUFFERED="1")
+    at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", "150", "--nprocs", str(nprocs)]
+    job = ["--model", "tiny-gpt", "--strategy", strategy, "--steps", "20", "--live"]
+    first = _host(["run", *job, *at, *run, "--json"], env)
+    time.sleep(0.5)
+    agent = _host(["join", *at, *join], env)
+    return first, agent, connect("127.0.0.1", port, SECRET, 60), job
+
+
+def _reap(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL the process group of every host still running (after a failed wait)."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
 # (strategy, extra options, how the job goes on after host 2 (devices 2-3) is killed)
 KILLED = [
     pytest.param("dp=4", [], "replicas", marks=pytest.mark.slow, id="dp=4"),   # every device holds everything
@@ -146,16 +168,8 @@ def test_a_killed_host(strategy, extra, path, capsys, tmp_path):
     every cell of the layout survives, else from the newest DCP snapshot (the steps since are re-run
     and reported lost); with neither it ends non-zero naming the host. The losses equal the static
     job's on every step; nothing is left running."""
-    port = _free_port()
-    env = dict(os.environ, **{SECRET_ENV: SECRET}, PYTHONUNBUFFERED="1")
-    at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", "150", "--nprocs", "2"]
-    job = ["--model", "tiny-gpt", "--strategy", strategy, "--steps", "20", "--live"]
-    first = _host(["run", *job, *at, *extra, "--snapshot-dir", str(tmp_path), "--heartbeat-timeout", "150",
-                   "--json"], env)
-    time.sleep(0.5)
-    agent = _host(["join", *at], env)
-    from parashift.exec.jobstore import connect
-    store = connect("127.0.0.1", port, SECRET, 60)
+    first, agent, store, job = _start_job(strategy, 2, [*extra, "--snapshot-dir", str(tmp_path),
+                                                       "--heartbeat-timeout", "150"], [])
     _await_key(store, "hosts/loss/4/2", [first, agent], "never trained")      # host 2's device 2 in its 5th step
     t0 = time.monotonic()
     os.killpg(agent.pid, signal.SIGKILL)
@@ -181,6 +195,146 @@ def test_a_killed_host(strategy, extra, path, capsys, tmp_path):
         ref = json.loads(capsys.readouterr().out)
         assert got["losses"] == pytest.approx(ref["losses"], abs=1e-5) and len(got["losses"]) == 20
     assert _gone(first.pid) and _gone(agent.pid), "processes left behind"
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (its children, theirs, ...), from /proc."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                kids.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(d))
+        except (OSError, ValueError, IndexError):
+            continue
+    out, todo = [], [pid]
+    while todo:
+        got = kids.get(todo.pop(), [])
+        out += got
+        todo += got
+    return out
+
+
+def _newest_step(store, device: int) -> int:
+    k = 0
+    while store.check([f"hosts/loss/{k + 1}/{device}"]):
+        k += 1
+    return k
+
+
+# (strategy, extra options, how the job goes on once host 2's notice ran out, when host 2 is held)
+SHORT = [
+    pytest.param("dp=2", ["--switch-notice", "0"], "replicas", "sw1/noticed/1", id="dp=2"),   # in the switch
+    pytest.param("dp=2,zero=1", ["--snapshot-every", "2"], "snapshot", "hosts/gen/1", id="dp=2,zero=1"),  # before it
+]
+
+
+@pytest.mark.parametrize("strategy,extra,path,hold", SHORT)
+def test_a_notice_shorter_than_the_switch(strategy, extra, path, hold, capsys, tmp_path):
+    """Host 2 (``join --notice-seconds 3``) gets SIGTERM: device 0 reads the deadline and, with no switch
+    measured yet, schedules the switch away from host 2 at the next step boundary (not ``--switch-notice``
+    + 2 steps ahead); host 2's processes are then held (SIGSTOP: a switch slower than the notice) once
+    ``hold`` is in the store: device 1 began the switch (with no notice, in its pause), or device 0
+    scheduled it (device 1 is then training or at a step boundary). The notice runs out; the agent
+    SIGKILLs its own process group, as the platform would; the notice switch is aborted (or never
+    begins) and the job goes on from device 0's replica (dp=2), or from the newest snapshot (ZeRO-1:
+    host 2 held half the moments), with the losses of the static job on every step."""
+    notice = 3.0
+    first, agent, store, job = _start_job(strategy, 1, [*extra, "--snapshot-dir", str(tmp_path),
+                                                       "--heartbeat-timeout", "150"], ["--notice-seconds", str(notice)])
+    try:
+        _await_key(store, "hosts/loss/4/1", [first, agent], "never trained")
+        held = _descendants(agent.pid)                   # its forkserver and device 1's process
+        t0 = time.monotonic()
+        agent.send_signal(signal.SIGTERM)
+        _await_key(store, "hosts/gen/1", [first, agent], "device 0 never scheduled the switch", notice)
+        read_at = _newest_step(store, 0) + 1             # device 0's step boundary when it scheduled it
+        _await_key(store, hold, [first, agent], f"never {hold}", notice)
+        for pid in held:
+            os.kill(pid, signal.SIGSTOP)
+        (rc, out, err), (rc2, _, err2) = _finish([first, agent], 120)
+    finally:
+        _reap([first, agent])
+    assert rc == 0, err[-2000:]
+    assert rc2 == -signal.SIGKILL and time.monotonic() - t0 >= notice, err2[-2000:]
+    assert f"this host is killed {notice:g} s after the SIGTERM" in err2 and f"notice of {notice:g} s ran out" in err2
+    got = json.loads(out)
+    (sw,) = [s for s in got["switches"] if s["cause"] == "notice"]
+    (fail,) = [s for s in got["switches"] if s["cause"] == "failure"]
+    assert "aborted" in sw and sw["dst_devices"] == [0] and sw["step"] <= read_at + 1   # not notice + 2 steps ahead
+    assert fail["recovered_from"] == path and fail["lost_devices"] == [1] and fail["dst_devices"] == [0]
+    # held in the switch; or (scheduled) in the step before it, unless device 1 had finished that step
+    assert fail["failed_at"] == sw["step"] or hold == "hosts/gen/1" and fail["failed_at"] == sw["step"] - 1
+    if path == "replicas":
+        assert fail["steps_lost"] == 0 and fail["step"] == fail["failed_at"]
+    else:
+        assert fail["step"] % 2 == 0 and fail["steps_lost"] == fail["failed_at"] - fail["step"] <= 3
+    assert main(["run", *job, "--json"]) == 0
+    ref = json.loads(capsys.readouterr().out)
+    assert len(got["losses"]) == 20 and got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+    assert _gone(first.pid) and _gone(agent.pid), "processes left behind"
+
+
+def test_a_notice_long_enough(capsys):
+    """``join --notice-seconds 60``: the switch away from host 2 finishes well within the notice; the
+    switch is the clean ``notice`` one, the agent exits 0 and never kills itself."""
+    first, agent, store, job = _start_job("dp=2", 1, [], ["--notice-seconds", "60"])
+    try:
+        _await_key(store, "hosts/loss/4/1", [first, agent], "never trained")
+        agent.send_signal(signal.SIGTERM)
+        (rc, out, err), (rc2, _, err2) = _finish([first, agent], 120)
+    finally:
+        _reap([first, agent])
+    assert rc == 0 and rc2 == 0, (err + err2)[-3000:]
+    assert "killed 60 s after the SIGTERM" in err2 and "ran out" not in err2
+    got = json.loads(out)
+    (sw,) = got["switches"]
+    assert sw["cause"] == "notice" and "aborted" not in sw and got["strategies"] == ["dp=2,tp=1,pp=1", "dp=1,tp=1,pp=1"]
+    assert main(["run", *job, "--json"]) == 0
+    ref = json.loads(capsys.readouterr().out)
+    assert len(got["losses"]) == 20 and got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+    assert _gone(first.pid) and _gone(agent.pid), "processes left behind"
+
+
+def test_a_kill_after_the_notice_switch_stops_no_step(capsys):
+    """Host 2's processes left through a verified notice switch (dp=4 -> dp=2) but its agent is killed
+    before it reports (held with SIGSTOP until the survivors trained in the new layout): the host is
+    declared lost, and no step stops (its devices wrote ``left/<device>``): no recovery round."""
+    import pickle
+    first, agent, store, job = _start_job("dp=4", 2, [], ["--notice-seconds", "60"])
+    try:
+        _await_key(store, "hosts/loss/4/2", [first, agent], "never trained")
+        agent.send_signal(signal.SIGTERM)
+        _await_key(store, "hosts/leave/2", [first, agent], "host 2 never gave notice")
+        os.kill(agent.pid, signal.SIGSTOP)               # the agent alone: its processes switch and exit
+        _await_key(store, "hosts/gen/1", [first], "device 0 never scheduled the switch")
+        after = pickle.loads(store.get("hosts/gen/1"))[0].step + 1
+        _await_key(store, f"hosts/loss/{after}/1", [first], "the survivors never trained in the new layout")
+        os.killpg(agent.pid, signal.SIGKILL)
+        ((rc, out, err),) = _finish([first], 120)
+    finally:
+        _reap([first, agent])
+    assert rc == 0, err[-2000:]
+    got = json.loads(out)
+    (sw,) = got["switches"]
+    assert sw["cause"] == "notice" and "aborted" not in sw and got["strategies"] == ["dp=4,tp=1,pp=1", "dp=2,tp=1,pp=1"]
+    assert main(["run", *job, "--json"]) == 0
+    ref = json.loads(capsys.readouterr().out)
+    assert len(got["losses"]) == 20 and got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+    assert _gone(first.pid) and _gone(agent.pid), "processes left behind"
+
+
+def test_a_notice_is_short_when_the_switch_would_outlast_it():
+    """Device 0 switches at the next step boundary when a notice's time left is under ``notice`` + 2 steps
+    and one more (at the last step's duration) plus the last completed switch; with no switch measured, always."""
+    from types import SimpleNamespace
+    from parashift.exec.hosts import notice_is_short
+    from parashift.exec.switch.protocol import SwitchRecord
+    session = SimpleNamespace(records=[], rows=[("train", "step", 0.0, 0.5, 0)], opts=SimpleNamespace(notice=3))
+    assert notice_is_short(1e9, session)
+    session.records.append(SwitchRecord(4, "dp=2", "dp=1", 0, plan_seconds=1.5, transfer_seconds=0.5))
+    assert not notice_is_short(5.01, session) and notice_is_short(4.99, session)      # 6 x 0.5 s + 2 s
+    session.records.append(SwitchRecord(8, "dp=1", "dp=2", 0, plan_seconds=9.0, aborted="peer lost"))
+    assert not notice_is_short(5.01, session)                # an aborted switch says nothing of the time
 
 
 def test_secret_never_from_argv(tmp_path, monkeypatch):
@@ -459,7 +613,7 @@ def test_node_level_replay(capsys):
     from parashift.replay.hosts import replay_hosts
     from parashift.traces.schema import events_frame, finish
     ev = finish(events_frame(np.array([2.0, 8.0, 14.0]), np.array([1, -1, -1]), np.array([3, 2, 1]),
-                             np.array([np.nan, 30.0, np.nan])), source="test", fmt="test", initial=2, duration=20.0)
+                             np.array([np.nan, 120.0, np.nan])), source="test", fmt="test", initial=2, duration=20.0)
     got = replay_hosts(ev, steps=160, seconds_per_step=1.0, global_batch=12, timeout=300)
     job = got["job"]
     assert [a["event"] for a in got["applied"]] == ["add", "preempt", "preempt"]

@@ -19,7 +19,7 @@ def test_replay_hosts_plays_join_notice_and_kill_on_agents(tmp_path, capsys):
     nodes): the job grows, shrinks and, when a node is killed, restores its newest snapshot into the
     planner's strategy for the one device left."""
     ev = finish(events_frame(np.array([2.0, 8.0, 14.0]), np.array([1, -1, -1]), np.array([3, 2, 1]),
-                             np.array([np.nan, 30.0, np.nan])), source="test", fmt="test", initial=2, duration=20.0)
+                             np.array([np.nan, 120.0, np.nan])), source="test", fmt="test", initial=2, duration=20.0)
     path = tmp_path / "nodes.csv"
     write_parashift_csv(ev, path)
     assert list(load(str(path))["notice"].isna()) == [True, False, True]      # the file keeps "no notice"
@@ -56,7 +56,7 @@ def test_replay_hosts_switches_between_tp_and_pp_layouts(capsys):
     notice leaves a whole tp=2 replica (recovered from replicas). Losses equal the static job's."""
     from parashift.replay.hosts import replay_hosts
     ev = finish(events_frame(np.array([2.0, 8.0, 14.0]), np.array([-1, 1, -1]), np.array([1, 2, 1]),
-                             np.array([30.0, np.nan, np.nan])), source="test", fmt="test", initial=2, duration=20.0)
+                             np.array([120.0, np.nan, np.nan])), source="test", fmt="test", initial=2, duration=20.0)
     got = replay_hosts(ev, devices_per_node=2, steps=120, seconds_per_step=1.0, global_batch=12, timeout=240,
                        strategies={4: "tp=2,dp=2", 2: "pp=2"})
     job = got["job"]
@@ -70,3 +70,28 @@ def test_replay_hosts_switches_between_tp_and_pp_layouts(capsys):
                  "--live", "--json"]) == 0
     ref = json.loads(capsys.readouterr().out)
     assert len(job["losses"]) == 120 and job["losses"] == pytest.approx(ref["losses"], abs=1e-5)
+
+
+def test_replay_hosts_a_notice_that_runs_out(capsys):
+    """A preemption whose notice (0.5 trace seconds: half a step) runs out long before the switch: the
+    replay sends SIGTERM, then SIGKILLs the agent's process group once the notice has run out; the job
+    recovers from device 0's replica, and its losses equal the static job's."""
+    from parashift.replay.hosts import replay_hosts
+    ev = finish(events_frame(np.array([6.0]), np.array([-1]), np.array([1]), np.array([0.5])), source="test",
+                fmt="test", initial=2, duration=20.0)
+    got = replay_hosts(ev, steps=20, seconds_per_step=1.0, global_batch=8, timeout=150)
+    (a,) = got["applied"]
+    assert a["signal"] == "SIGTERM" and a["ran_out"] == [2] and 0 < a["notice_seconds"] < 5
+    assert got["exit_codes"] == {1: 0, 2: -signal.SIGKILL}
+    job = got["job"]
+    (fail,) = [s for s in job["switches"] if s["cause"] == "failure"]
+    assert fail["recovered_from"] == "replicas" and fail["lost_devices"] == [1]
+    assert all("aborted" in s for s in job["switches"] if s["cause"] == "notice")   # begun or not, never finished
+    render({"hosts": True, "model": "tiny-gpt", "trace": "test", "seconds_per_step": 1.0, "devices_per_node": 1,
+            "applied": got["applied"], "switches": job["switches"], "losses": job["losses"],
+            "exit_codes": got["exit_codes"]}, None)
+    text = capsys.readouterr().out
+    assert "SIGTERM (notice " in text and "SIGKILL when it ran out: node(s) 2" in text and "(failure from replicas)" in text
+    assert main(["run", "--model", "tiny-gpt", "--strategy", "dp=2", "--steps", "20", "--live", "--json"]) == 0
+    ref = json.loads(capsys.readouterr().out)
+    assert len(job["losses"]) == 20 and job["losses"] == pytest.approx(ref["losses"], abs=1e-5)

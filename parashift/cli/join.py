@@ -16,6 +16,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="processes (devices) this host brings to the job")
     p.add_argument("--timeout", type=arg_float(0, 7 * 86400, lo_open=True), default=600.0,
                    help="seconds before this host gives up (default 600)")
+    p.add_argument("--notice-seconds", type=arg_float(0, 7 * 86400, lo_open=True), default=None, metavar="S",
+                   help="the platform kills this host S seconds after its SIGTERM: the agent announces the "
+                        "deadline and, if its processes have not left the job by then, SIGKILLs them and itself "
+                        "(default: none, the notice lasts as long as the switch takes)")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -25,7 +29,7 @@ def run(args: argparse.Namespace) -> dict:
         raise StrategyError("join needs --endpoint HOST:PORT, the address the first host's "
                             "`parashift run ... --live --endpoint` serves")
     return run_agent(endpoint=args.endpoint, nprocs=args.nprocs, secret=read_secret(args.secret_file),
-                     timeout=args.timeout, quiet=bool(args.json))
+                     timeout=args.timeout, quiet=bool(args.json), notice_seconds=args.notice_seconds)
 
 
 def render(result: dict, args: argparse.Namespace) -> None:

@@ -132,10 +132,13 @@ def _render_hosts(result: dict) -> None:
               + ", ".join(f"{n}: {st}" for n, st in result["planned"].items()))
     for a in result["applied"]:
         print(f"  t={a['time']:8.1f}  step {a['step']:>5}  {a['event']:>7} node(s) "
-              f"{','.join(map(str, a.get('nodes', [])))}" + (f"  {a['signal']}" if a.get("signal") else ""))
+              f"{','.join(map(str, a.get('nodes', [])))}" + (f"  {a['signal']}" if a.get("signal") else "")
+              + (f" (notice {a['notice_seconds']:.2f} s)" if a.get("notice_seconds") is not None else "")
+              + (f"; SIGKILL when it ran out: node(s) {','.join(map(str, a['ran_out']))}" if a.get("ran_out") else ""))
     for s in result["switches"]:
         how = f" from {s['recovered_from']}" if s.get("recovered_from") else ""
-        print(f"  step {s['step']:>5}: {s['src']} -> {s['dst']}  ({s.get('cause', '?')}{how})")
+        print(f"  step {s['step']:>5}: {s['src']} -> {s['dst']}  ({s.get('cause', '?')}{how}"
+              + (", aborted)" if s.get("aborted") else ")"))
     print(f"  loss {result['losses'][0]:.6f} -> {result['losses'][-1]:.6f}; agents' exit codes "
           + ", ".join(f"node {k}: {v}" for k, v in result["exit_codes"].items()))
 

@@ -29,7 +29,7 @@ recovery: losing it ends the job.
 Store keys (under the job's secret): ``hosts/devices`` (devices registered), ``hosts/count``
 (hosts), ``hosts/heartbeat`` (the heartbeat window, seconds), ``hosts/live_port`` (the liveness listener),
 ``hosts/config`` (pickled settings), ``hosts/gen/<g>`` (generations after the first, with
-their cause), ``hosts/leave/<h>`` (a SIGTERM notice), ``hosts/beat/<h>`` (heartbeat counters),
+their cause), ``hosts/leave/<h>`` (a SIGTERM notice: its devices and seconds left), ``hosts/beat/<h>`` (heartbeat counters),
 ``hosts/devices_of/<h>``, ``hosts/dead/<h>`` and ``dead/<device>`` (declared lost),
 ``hosts/handled/<h>`` (taken out by recovery round ``g``), ``hosts/report/<h>``, ``hosts/failed/<h>``,
 ``hosts/done``; written by :mod:`.recover`: ``hosts/loss/<step>/<device>`` (loss shares),
@@ -47,7 +47,7 @@ import socket
 import stat
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..errors import RuntimeFailure, StrategyError
@@ -178,6 +178,7 @@ class _Follow:
 
     on_join: str
     steps: int
+    seen: dict = field(default_factory=dict)     # device 0: host -> when it first read that host's notice
 
     def __call__(self, session: Any, step: int) -> None:
         import pickle as pk
@@ -201,16 +202,25 @@ class _Follow:
         _append(store, gens)
 
     def _leave(self, session: Any, step: int) -> None:
-        """Device 0: a host that got SIGTERM (``hosts/leave/<h>``) -> the next generation without its devices."""
+        """Device 0: a host that got SIGTERM (``hosts/leave/<h>``) -> the next generation without its devices,
+        ``notice`` + 2 steps ahead, or at the next step boundary when a notice's deadline comes first
+        (:func:`notice_is_short`)."""
         import pickle as pk
         from .switch.session import Generation
         store, gens = session.ctx.store, session.gens
         cur = gens[-1]
         gone: set[int] = set()
+        rest: list[float] = []               # seconds of each bounded notice left now
         for h in range(2, int(store.add("hosts/count", 0)) + 1):
             if store.check([f"hosts/leave/{h}"]):
-                gone |= set(pk.loads(store.get(f"hosts/leave/{h}"))) & set(cur.devices)
+                got = pk.loads(store.get(f"hosts/leave/{h}"))
+                devs = set(got["devices"]) & set(cur.devices)
+                gone |= devs
+                if devs and got["seconds"] is not None:
+                    rest.append(got["seconds"] - (time.monotonic() - self.seen.setdefault(h, time.monotonic())))
         at = step + session.opts.notice + 2
+        if rest and notice_is_short(min(rest), session):
+            at = step + 1
         if not gone or at >= self.steps:
             return
         left = [d for d in cur.devices if d not in gone]
@@ -220,6 +230,18 @@ class _Follow:
             raise RuntimeFailure(f"devices {sorted(gone)} are leaving and no strategy like {cur.strategy} fits the "
                                  f"{len(left)} that stay")
         store.set(f"hosts/gen/{len(gens)}", pk.dumps((Generation(at, st, tuple(left[:st.world])), "notice")))
+
+
+def notice_is_short(seconds: float, session: Any) -> bool:
+    """Whether a notice with ``seconds`` left is too short for the switch as scheduled (``notice`` + 2 steps
+    ahead): those steps and one more (the notice is read at a step boundary), each as long as the last
+    step, plus the switch, as long as this process's last completed one. With no switch measured yet its
+    length is unknown: short (the switch starts at the next step boundary)."""
+    done = [r.seconds for r in session.records if not r.aborted]
+    if not done:
+        return True
+    last = next((b - a for stream, op, a, b, _ in reversed(session.rows) if op == "step"), 0.0)
+    return seconds < (session.opts.notice + 2 + 1) * last + done[-1]
 
 
 @dataclass(frozen=True)
@@ -391,7 +413,8 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
     ran = 0                                     # the generation each recovery started from
     for g, c in zip(range(1, len(gens)), causes):
         if c != "failure":                      # a planned switch (join, notice): its processes' records
-            for sw in _summarize([gens[g - 1], gens[g]], reports, spec, opts.memory_budget):
+            for sw in _summarize([gens[g - 1], gens[g]], reports, spec, opts.memory_budget) or \
+                    _superseded(store, gens, causes, g, ran):
                 switches.append(dict(sw, cause=c))
                 ran = g if "aborted" not in sw else ran
             continue
@@ -407,6 +430,18 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
     switches.sort(key=lambda sw: (sw.get("failed_at", sw["step"]), sw["step"]))
     resumed = {"step": opts.resume[0], "strategy": opts.resume[1]} if opts.resume else None
     return LiveResult(losses, switches, reports, gens, survivability=surv, resumed=resumed), placed
+
+
+def _superseded(store: Any, gens: list, causes: list, g: int, ran: int) -> list[dict]:
+    """Planned generation ``g`` that no process began because a host was lost first (a notice that ran out
+    before its switch): one entry marked aborted, naming the lost devices; none when no recovery followed."""
+    after = [k for k in range(g + 1, len(gens)) if causes[k - 1] == "failure"]
+    if not after:
+        return []
+    lost = pickle.loads(store.get(f"hosts/plan/{after[0]}"))["lost"]
+    return [{"step": gens[g].step, "src": str(gens[ran].strategy), "dst": str(gens[g].strategy),
+             "src_devices": list(gens[ran].devices), "dst_devices": list(gens[g].devices), "seconds": 0.0,
+             "pause_seconds": 0.0, "aborted": f"never began: devices {lost} were lost before it"}]
 
 
 def _survivability(store: Any, spec: Any, strategy: Any, nprocs: int, opts: Any, timeout: float) -> list[dict]:
@@ -436,18 +471,38 @@ def _window(store: Any, wait: float = 30.0) -> float:
 
 
 def _beat(host: str, port: int, secret: str, h: int, every: float) -> None:
-    """A daemon thread that bumps ``hosts/beat/<h>`` every ``every`` seconds over its own connection."""
+    """A daemon thread that bumps ``hosts/beat/<h>`` every ``every`` seconds over its own connection, until
+    the interpreter exits (:func:`_halt_at_exit`)."""
     import threading
+    stop = threading.Event()
 
     def loop() -> None:
         try:
             store = connect(host, port, secret, 30.0)
-            while True:
+            while not stop.is_set():
                 store.add(f"hosts/beat/{h}", 1)
-                time.sleep(every)
+                stop.wait(every)
         except Exception:  # noqa: BLE001 - the store is gone: the job is over
             return
-    threading.Thread(target=loop, name="parashift-heartbeat", daemon=True).start()
+    t = threading.Thread(target=loop, name="parashift-heartbeat", daemon=True)
+    t.start()
+    _halt_at_exit(stop, thread=t)
+
+
+def _halt_at_exit(stop: Any, thread: Any = None, lock: Any = None) -> None:
+    """At the interpreter's exit, first stop a daemon thread that calls the job's store: set ``stop`` (holding
+    ``lock``, which the thread holds around its calls), then wait for ``thread``. A daemon thread that the exit
+    finds inside the store's C++ client aborts the process ("terminate called without an active exception")."""
+    import atexit
+
+    def halt() -> None:
+        if lock is not None:
+            with lock:
+                stop.set()
+        stop.set()
+        if thread is not None:
+            thread.join(5.0)
+    atexit.register(halt)
 
 
 def _live_key(secret: str) -> bytes:
@@ -488,7 +543,8 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 def _declare_lost(store: Any, h: int) -> bool:
     """Declare agent ``h`` lost unless it reported, failed, was declared already, or the job is over:
     ``dead/<device>`` for its devices (a switch in progress aborts, :mod:`.switch.protocol`),
-    ``hosts/dead/<h>``, and a bump of :data:`.recover.FAULT_KEY` (training steps stop waiting and recover)."""
+    ``hosts/dead/<h>``, and a bump of :data:`.recover.FAULT_KEY` (training steps stop waiting and recover)
+    unless every one of its devices left the job through a verified switch (``left/<device>``)."""
     from .recover import FAULT_KEY
     if store.check(["hosts/done"]) or any(store.check([f"hosts/{k}/{h}"]) for k in ("dead", "report", "failed")) \
             or not store.check([f"hosts/devices_of/{h}"]):
@@ -497,7 +553,8 @@ def _declare_lost(store: Any, h: int) -> bool:
     for d in range(a, b + 1):
         store.set(f"dead/{d}", f"host {h}")
     store.set(f"hosts/dead/{h}", "1")
-    store.add(FAULT_KEY, 1)
+    if not store.check([f"left/{d}" for d in range(a, b + 1)]):     # all left through a verified switch: no step
+        store.add(FAULT_KEY, 1)                                   # needs them (a notice that ran out just after)
     return True
 
 
@@ -514,7 +571,8 @@ def _liveness(store: Any, host: str, secret: str) -> None:
     srv.listen(64)
     store.set("hosts/live_port", str(srv.getsockname()[1]))
     watch = store.clone()          # the watchers' own connection (the job's is used by the training loop)
-    lock = threading.Lock()
+    lock, stop = threading.Lock(), threading.Event()
+    _halt_at_exit(stop, lock=lock)
 
     def serve_one(conn: socket.socket) -> None:
         with conn:
@@ -536,7 +594,8 @@ def _liveness(store: Any, host: str, secret: str) -> None:
                 pass                        # a reset: closed as well
             try:
                 with lock:
-                    _declare_lost(watch, h)
+                    if not stop.is_set():
+                        _declare_lost(watch, h)
             except Exception:  # noqa: BLE001 - the store is gone: the job is over
                 pass
 
@@ -576,14 +635,15 @@ def _silent_hosts(store: Any, wait: float | None = None) -> list[tuple[int, str]
 
 def _monitor(store: Any, timeout: float) -> None:
     """A daemon thread of the first host: an agent whose heartbeat stood still for ``timeout`` seconds (and
-    that has not reported or failed) is declared lost (:func:`_declare_lost`)."""
+    that has not reported or failed) is declared lost (:func:`_declare_lost`), until the job is done or the
+    interpreter exits (:func:`_halt_at_exit`)."""
     import threading
+    stop = threading.Event()
 
     def loop() -> None:
         seen: dict[int, tuple[int, float]] = {}        # host -> (last count, when it last moved)
         try:
-            while not store.check(["hosts/done"]):
-                time.sleep(beat_every(timeout))
+            while not stop.wait(beat_every(timeout)) and not store.check(["hosts/done"]):
                 now = time.monotonic()
                 for h in range(2, int(store.add("hosts/count", 0)) + 1):
                     if any(store.check([f"hosts/{k}/{h}"]) for k in ("dead", "report", "failed")) or \
@@ -596,22 +656,60 @@ def _monitor(store: Any, timeout: float) -> None:
                         _declare_lost(store, h)
         except Exception:  # noqa: BLE001 - the store is gone: the job is over
             return
-    threading.Thread(target=loop, name="parashift-monitor", daemon=True).start()
+    t = threading.Thread(target=loop, name="parashift-monitor", daemon=True)
+    t.start()
+    _halt_at_exit(stop, thread=t)
 
 
-def _leave_on_sigterm(host: str, port: int, secret: str, h: int, devices: range, quiet: bool) -> None:
-    """SIGTERM (a notice) to this agent: announce that its devices leave; its processes then switch
-    away with the job and exit once the survivors have verified their new state."""
+def _leave_on_sigterm(host: str, port: int, secret: str, h: int, devices: range, quiet: bool,
+                      notice_seconds: float | None = None) -> Any:
+    """SIGTERM (a notice) to this agent: announce that its devices leave (``hosts/leave/<h>``: the devices and
+    the seconds of notice left, None when unbounded); its processes then switch away with the job and exit
+    once the survivors have verified their new state. With ``notice_seconds`` the notice is enforced as a
+    platform would: if this host's processes have not exited that long after the SIGTERM, the agent
+    SIGKILLs its process group, itself included (:func:`_reclaim`). Returns an Event to set once the
+    processes have exited (the deadline then does nothing)."""
     import signal
     import threading
+    left = threading.Event()
+    got: list[float] = []
 
-    def announce() -> None:
-        connect(host, port, secret, 30.0).set(f"hosts/leave/{h}", pickle.dumps(list(devices)))
+    def announce(t0: float) -> None:
+        store = connect(host, port, secret, 30.0)
+        rest = None if notice_seconds is None else notice_seconds - (time.monotonic() - t0)
+        store.set(f"hosts/leave/{h}", pickle.dumps({"devices": list(devices), "seconds": rest}))
+
+    def deadline(t0: float) -> None:
+        while not left.is_set() and time.monotonic() < t0 + notice_seconds:
+            time.sleep(min(0.02, max(t0 + notice_seconds - time.monotonic(), 0.0)))
+        if not left.is_set():
+            _say(quiet, f"host {h}: the notice of {notice_seconds:g} s ran out before this host's processes left "
+                        f"the job: SIGKILL to its processes, as the platform would")
+            _reclaim()
 
     def handler(signum, frame) -> None:
-        _say(quiet, f"host {h}: SIGTERM: devices {devices.start}-{devices.stop - 1} leave at the job's next switch")
-        threading.Thread(target=announce, daemon=True).start()
+        if got:                         # one notice: a second SIGTERM changes nothing
+            return
+        got.append(time.monotonic())
+        bound = "" if notice_seconds is None else f"; this host is killed {notice_seconds:g} s after the SIGTERM"
+        _say(quiet, f"host {h}: SIGTERM: devices {devices.start}-{devices.stop - 1} leave at the job's next "
+                    f"switch{bound}")
+        threading.Thread(target=announce, args=(got[0],), daemon=True).start()
+        if notice_seconds is not None:
+            threading.Thread(target=deadline, args=(got[0],), name="parashift-notice", daemon=True).start()
     signal.signal(signal.SIGTERM, handler)
+    return left
+
+
+def _reclaim() -> None:
+    """SIGKILL this agent as a reclaimed machine dies: its whole process group when it leads one (as
+    ``parashift join`` started from a shell or in a process group of its own does), else itself alone,
+    and its processes die with it (their parent-death signal, :func:`.jobstore.die_with_parent`)."""
+    import signal
+    sys.stderr.flush()
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _wait_generation(store: Any, gens: list, devices: range, timeout: float) -> int | None:
@@ -631,9 +729,11 @@ def _wait_generation(store: Any, gens: list, devices: range, timeout: float) -> 
     raise RuntimeFailure(f"timed out after {timeout:.0f} s waiting for the job to use this host's devices")
 
 
-def run_agent(*, endpoint: str, nprocs: int, secret: str, timeout: float = 600.0, quiet: bool = False) -> dict:
+def run_agent(*, endpoint: str, nprocs: int, secret: str, timeout: float = 600.0, quiet: bool = False,
+              notice_seconds: float | None = None) -> dict:
     """Join the job served at ``endpoint`` with ``nprocs`` local processes; returns what this host ran
-    (``host``, ``devices``, per-device step counts)."""
+    (``host``, ``devices``, per-device step counts). ``notice_seconds``: the platform kills this host that long
+    after a SIGTERM (None: unbounded); the agent then SIGKILLs itself and its processes, as a reclaimed machine."""
     host, port = parse_endpoint(endpoint)
     _check_gloo_interface(host)
     try:
@@ -677,13 +777,14 @@ def run_agent(*, endpoint: str, nprocs: int, secret: str, timeout: float = 600.0
                     f"{gens[first].strategy}" + (f" from step {gens[first].step}" if first else ""))
         from .switch.session import _live_worker
         job = JobStore(store, store, host, port, secret)
-        _leave_on_sigterm(host, port, secret, h, devices, quiet)
+        left = _leave_on_sigterm(host, port, secret, h, devices, quiet, notice_seconds)
         members = [Member(d, first, first) for d in devices if d in gens[first].devices]
         if first:     # processes start when the switch that brings them in is announced (notice steps ahead)
             _wait_key(store, f"sw{first}/notice", timeout, f"the notice of the switch at step {gens[first].step}",
                       lambda: None)
         reports = launch_elastic(_live_worker, members, args=(cfg.spec, gens, cfg.steps, cfg.opts),
                                  timeout=timeout, job=job, keep_sigterm=True)
+        left.set()                 # its processes have exited: a notice's deadline is met
     except BaseException as e:
         if type(e).__name__.startswith("Dist") or _store_gone(store):    # the store went away with the first host
             e = RuntimeFailure(f"lost the job's store at {host}:{port} ({str(e).splitlines()[0][:120]}); the "

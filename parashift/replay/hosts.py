@@ -11,7 +11,10 @@ current one with dp widened or narrowed.
 
 - ``add``: starts ``count`` agents; the job grows onto them at a step boundary (``--on-join grow``);
 - ``preempt`` with a notice: SIGTERM to ``count`` agents (the newest first): the job switches away
-  from their devices and they exit 0;
+  from their devices and they exit 0. The notice has a length: its trace seconds are
+  ``notice / seconds_per_step`` steps, in wall time at the job's mean step so far; an agent still
+  running when it has run out is SIGKILLed (its process group, as the platform reclaims the machine) and
+  the job recovers as from a preemption without notice;
 - ``preempt`` without a notice (NaN or 0): SIGKILL of their process groups: the job recovers from the
   survivors' copies or its snapshot, or ends.
 
@@ -54,11 +57,40 @@ class _Job:
     first: subprocess.Popen
     agents: list[_Agent] = field(default_factory=list)
     step: int = -1                # the newest step device 0 stored a loss share of
+    began: float = 0.0            # when device 0's first step was seen (monotonic; 0: not yet)
 
     def progress(self) -> int:
         while self.store.check([f"hosts/loss/{self.step + 1}/0"]):
             self.step += 1
+            self.began = self.began or time.monotonic()
         return self.step
+
+    def step_seconds(self) -> float | None:
+        """Wall seconds of the job's mean step since its first (None before its first step)."""
+        done = self.progress()
+        return (time.monotonic() - self.began) / max(done, 1) if self.began else None
+
+
+class _Notices:
+    """A thread that SIGKILLs the process group of each agent still running when its notice has run out."""
+
+    def __init__(self) -> None:
+        import threading
+        self.due: list[tuple[float, _Agent, dict]] = []
+        self.stop = threading.Event()
+        threading.Thread(target=self._loop, name="parashift-replay-notices", daemon=True).start()
+
+    def add(self, seconds: float, agent: _Agent, rec: dict) -> None:
+        self.due.append((time.monotonic() + seconds, agent, rec))
+
+    def _loop(self) -> None:
+        while not self.stop.wait(0.02):
+            for item in [d for d in self.due if d[0] <= time.monotonic()]:
+                self.due.remove(item)
+                _, a, rec = item
+                if a.proc.poll() is None:
+                    os.killpg(a.proc.pid, signal.SIGKILL)
+                    rec.setdefault("ran_out", []).append(a.node)
 
 
 def _port() -> int:
@@ -114,7 +146,8 @@ def replay_hosts(trace: Any, *, model: str = "tiny-gpt", devices_per_node: int =
     (e.g. :func:`planned_strategies`; the first host's ``--strategy-for``); at other counts it trains the
     current strategy with dp widened or narrowed (dp-only from the start when the table has no entry
     for the first count). Returns ``{"job": the first host's JSON, "applied": [one record per applied
-    event], "exit_codes": {node: exit code}}``."""
+    event; a preemption with notice has ``notice_seconds``, its wall length, and ``ran_out``, the nodes
+    SIGKILLed when it had run out], "exit_codes": {node: exit code}}``."""
     import json
     import secrets as _secrets
     from ..exec.hosts import SECRET_ENV
@@ -179,6 +212,7 @@ def replay_hosts(trace: Any, *, model: str = "tiny-gpt", devices_per_node: int =
         return True
 
     applied: list[dict] = []
+    notices = _Notices()
     try:
         for node in range(2, nodes + 1):
             start(node)
@@ -208,9 +242,14 @@ def replay_hosts(trace: Any, *, model: str = "tiny-gpt", devices_per_node: int =
                 live = [a for a in job.agents if not a.signalled and a.proc.poll() is None]
                 victims = live[::-1][:int(row.count)]
                 sig = "SIGTERM" if isinstance(row.notice, float) and row.notice > 0 else "SIGKILL"
+                each = job.step_seconds()          # before the job's first step a notice is not timed
+                if sig == "SIGTERM":
+                    rec["notice_seconds"] = None if each is None else float(row.notice) / seconds_per_step * each
                 for a in victims:
                     if sig == "SIGTERM":
                         a.proc.send_signal(signal.SIGTERM)
+                        if each is not None:
+                            notices.add(rec["notice_seconds"], a, rec)
                     else:
                         os.killpg(a.proc.pid, signal.SIGKILL)
                     a.signalled = sig
@@ -229,6 +268,7 @@ def replay_hosts(trace: Any, *, model: str = "tiny-gpt", devices_per_node: int =
             raise RuntimeFailure(f"the replayed job failed: {_tail(log)}")
         return {"job": json.loads(out), "applied": applied, "exit_codes": codes}
     finally:
+        notices.stop.set()
         for p in [first] + [a.proc for a in job.agents]:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)

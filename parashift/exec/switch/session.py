@@ -248,6 +248,8 @@ class LiveSession:
             self.exports[f"before{g}"] = before
         t0 = time.time()
         rt = self._rebuild(g, prep, new, meta) if new is not None else None
+        if rt is None:               # left the job through a verified switch: its death from now on stops nothing
+            self.side_store().set(f"left/{self.device}", str(g))
         t1 = time.time()
         rec.rebuild_seconds = t1 - t0
         rec.rows.append(("switch", "rebuild", t0, t1))
