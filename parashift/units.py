@@ -1,4 +1,4 @@
-"""Quantities people type (byte sizes) and the one machine quantity every layer asks for (free memory)."""
+"""Quantities people type and read (byte sizes) and the one machine quantity every layer asks for (free memory)."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,7 @@ import os
 
 from .errors import MemoryBudgetError
 
-__all__ = ["parse_bytes", "available_memory"]
+__all__ = ["parse_bytes", "format_bytes", "available_memory"]
 
 _UNITS = {"": 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
           "TIB": 2**40}
@@ -26,6 +26,16 @@ def parse_bytes(text: str) -> int:
     if value > 2**60:
         raise MemoryBudgetError(f"memory budget {text!r} is over 1 EiB; write bytes such as 60GiB")
     return int(value)
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in the unit that keeps 1-4 digits before the point: ``512 B``, ``3.25 MiB``, ``1.50 GiB``."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} PiB"  # pragma: no cover - unreachable
 
 
 def available_memory() -> int:

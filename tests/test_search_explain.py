@@ -65,6 +65,9 @@ def test_ties_go_to_less_memory_then_to_the_simpler_strategy():
         assert complexity(plain) < complexity(Strategy.parse(f"dp=2,tp=2,{opt}"))
     assert complexity(Strategy.parse("dp=4,zero=1")) < complexity(Strategy.parse("dp=4,zero=1,shard=2"))
     assert "more memory" in lost_on(a, c) and "less simple" in lost_on(b, c)
+    small = Candidate(Strategy.parse("dp=4,mbs=4"), 1.0, 100.0, 3 * GIB + 1.5 * 2**20)   # MiB apart: said in MiB
+    assert lost_on(small, c) == "ties on throughput, needs 1.50 MiB more memory"
+    assert str(c).endswith("peak 3.00 GiB") and str(small).endswith("peak 3.00 GiB")
     res = search.tune("llama2-13b", "a800-16x8", devices=16, global_batch=64, seq_len=4096, n_trials=60, seed=1,
                       evaluate=Flat())
     best = res.best

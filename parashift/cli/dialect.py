@@ -8,6 +8,8 @@ from __future__ import annotations
 import sys
 from typing import Mapping, Sequence
 
+from ..units import format_bytes  # noqa: F401  (the CLI's byte unit, shared with the library)
+
 __all__ = ["rewrite_aliases", "format_bytes", "format_seconds", "eta"]
 
 
@@ -28,16 +30,6 @@ def rewrite_aliases(cmd: str, argv: Sequence[str], aliases: Mapping[str, str]) -
             tok = new + eq + value
         out.append(tok)
     return out
-
-
-def format_bytes(n: float) -> str:
-    """Bytes in the unit that keeps 1-4 digits before the point: ``512 B``, ``3.25 MiB``, ``1.50 GiB``."""
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} PiB"  # pragma: no cover - unreachable
 
 
 def format_seconds(s: float) -> str:

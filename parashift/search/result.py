@@ -13,6 +13,7 @@ from ..cluster import Cluster
 from ..errors import PlanError
 from ..models import ModelSpec
 from ..strategy import Strategy
+from ..units import format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
@@ -97,7 +98,7 @@ class Candidate:
 
     def __str__(self) -> str:
         return (f"{self.strategy}: {self.tokens_per_s:,.0f} tokens/s, step {self.step_time:.3f} s, "
-                f"peak {self.peak_memory / 2**30:.1f} GiB")
+                f"peak {format_bytes(self.peak_memory)}")
 
 
 def rank_key(c: Candidate) -> tuple:
@@ -126,7 +127,7 @@ def lost_on(c: Candidate, best: Candidate) -> str:
         why = ", ".join(f"+{v * 1e3:.1f} ms {k}" for v, k in worse[:2]) or "a longer step"
         return f"{(c.step_time / best.step_time - 1) * 100:.1f}% slower: {why}"
     if c.peak_memory > best.peak_memory:
-        return f"ties on throughput, needs {(c.peak_memory - best.peak_memory) / 2**30:.2f} GiB more memory"
+        return f"ties on throughput, needs {format_bytes(c.peak_memory - best.peak_memory)} more memory"
     return "ties on throughput and memory; a less simple strategy"
 
 
