@@ -94,8 +94,14 @@ EXPECTED = {
     "parashift plan --model llama2-70b": ["kept in place   828.36 GiB", "moved           328.10 GiB", "verified: every destination"],
     "parashift plan-trace": ["hot-switch          1.578e+09",
                              "18 devices       338,552 tok/s  dp=16,tp=1,pp=1,zero=2,mbs=4"],
-    "parashift search --model gpt3-1.3b": ["best           dp=32,tp=1,pp=1,zero=2,mbs=2",
-                                           "devices        uses 32 of 38 (6 idle"],
+    "parashift search --model gpt3-1.3b": ["200 trials (78 feasible, 78 simulated)",
+                                           "best           dp=32,tp=1,pp=1,zero=2,mbs=2",
+                                           "peak memory    10.16 GiB per device; bound by compute",
+                                           "devices        uses 32 of 38 (6 idle",
+                                           "dp=32,tp=1,pp=1,zero=2,mbs=2,recompute=selective: 4.9% slower: +10.6 ms compute",
+                                           "dp=32,tp=1,pp=1,zero=3,mbs=2,recompute=selective: 7.9% slower: "
+                                           "+10.6 ms compute, +6.4 ms exposed communication"],
+    "parashift replay": ["starting on 2 devices with dp=2,tp=1,pp=1,zero=1"],
 }
 
 
