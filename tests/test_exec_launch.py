@@ -113,3 +113,18 @@ def test_torchrun_runs_the_same_entry_point(tmp_path):
     from parashift.exec import run
     local = run("tiny-gpt", "dp=2", steps=2, global_batch=4, seq_len=16, timeout=120)
     assert got["nprocs"] == 2 and got["losses"] == local.losses
+
+
+def test_a_script_without_the_main_guard_is_told_to_add_it(tmp_path):
+    """Workers start with forkserver, which imports the main script again: a script that starts a job at
+    its top level gets the fix in one line, from the worker and from the launcher, instead of
+    multiprocessing's bootstrapping error alone."""
+    import subprocess
+    import sys
+    script = tmp_path / "noguard.py"
+    script.write_text("from parashift.exec import compile_program, run_program\n"
+                      "run_program(compile_program('tiny-gpt', 'dp=2', global_batch=4, seq_len=16), steps=1)\n")
+    got = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert got.returncode != 0
+    assert "a worker process started a parashift job while it imported the main script" in got.stderr
+    assert got.stderr.rstrip().splitlines()[-1].endswith('calls under `if __name__ == "__main__":`)')

@@ -207,7 +207,7 @@ def launch_elastic(fn: Callable, members: list[Member], *, args: tuple = (), tim
     the processes). Raises RuntimeFailure when a process raises, or when the job exceeds ``timeout`` seconds.
     """
     from .jobstore import serve
-    from .launch import _context, _stop, dead_ranks, stop_on_sigterm
+    from .launch import _context, _script_hint, _stop, dead_ranks, stop_on_sigterm
     job = job if job is not None else serve(timeout)
     store = job.store
     ctx = _context()
@@ -269,7 +269,8 @@ def launch_elastic(fn: Callable, members: list[Member], *, args: tuple = (), tim
                     if allow_dead:
                         got[k] = None
                         continue
-                    raise RuntimeFailure(f"process {k} died with exit code {p.exitcode} without reporting")
+                    raise RuntimeFailure(f"process {k} died with exit code {p.exitcode} without reporting"
+                                         f"{_script_hint()}")
             if time.monotonic() > deadline:
                 raise RuntimeFailure(f"the elastic job did not finish within {timeout:.0f} s (done: {sorted(got)}); "
                                      f"raise the timeout or look for a stuck switch")

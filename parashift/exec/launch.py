@@ -113,6 +113,10 @@ def _child(fn: Callable, args: tuple, rank: int, world: int, backend: str, where
 
 
 def _context():
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise RuntimeFailure("a worker process started a parashift job while it imported the main script (workers "
+                             "start with forkserver, which imports it again): put the script's parashift calls "
+                             "under `if __name__ == \"__main__\":`")
     ctx = mp.get_context("forkserver")
     # the forkserver dies with the thread that starts it: only the main thread's gets the guard
     guard = ["parashift.exec._forkserver_guard"] if threading.current_thread() is threading.main_thread() else []
@@ -121,6 +125,14 @@ def _context():
     except Exception:  # noqa: BLE001 - preload is an optimization
         pass
     return ctx
+
+
+def _script_hint() -> str:
+    """A hint for a worker that died at its start under a script (its main module is imported again there)."""
+    main = sys.modules.get("__main__")
+    if getattr(main, "__file__", None) and not getattr(main, "__spec__", None):
+        return " (a script that starts parashift jobs needs its calls under `if __name__ == \"__main__\":`)"
+    return ""
 
 
 @contextlib.contextmanager
@@ -245,7 +257,7 @@ def _supervise(procs: list, results: Any, job: Any, nprocs: int, timeout: float,
                         item = results.get(timeout=0.5)
                     except queue_mod.Empty:
                         raise RuntimeFailure(f"rank {r} died with exit code {p.exitcode} without reporting; "
-                                             f"check its output above") from None
+                                             f"check its output above{_script_hint()}") from None
                     if item[1] == "err":
                         _fail(item, results, procs)
                     if item[1] == "ok":
