@@ -62,6 +62,16 @@ def run(args: argparse.Namespace) -> dict:
     from .run_user import is_user_model
     args.trace = args.timeline   # the name run_user and switch_live read
     check_live(args)
+    if not args.endpoint:   # the multi-host options, on any other run
+        if args.strategy_for:
+            raise StrategyError("--strategy-for is for a multi-host live job (the strategy as hosts come and go); "
+                                "add --endpoint HOST:PORT and --live, or use --switch-at STEP:STRATEGY")
+        if args.heartbeat_timeout is not None:
+            raise StrategyError("--heartbeat-timeout is for a multi-host live job (how fast a silent host is declared "
+                                "lost); add --endpoint HOST:PORT and --live, or drop --heartbeat-timeout")
+        if args.snapshot_every:
+            raise StrategyError("--snapshot-every is for a multi-host live job (its snapshots restore a lost host's "
+                                "state); add --endpoint HOST:PORT and --live, or drop --snapshot-every")
     if is_user_model(args.model):
         from .run_user import run_cli as run_user_cli
         return run_user_cli(args)
