@@ -9,7 +9,7 @@ from ..errors import StrategyError
 from .dialect import format_bytes
 from ..validate import arg_float, arg_int
 from .limits import MAX_LOCAL_PROCS, check_live
-from .options import add_batch_options, resolve_device
+from .options import add_batch_options, resolve_device, strategy_text
 from .run_hosts import add_host_arguments
 
 HELP = "train a model for real on local processes (gloo on CPU, NCCL on GPUs) under a strategy or a saved plan"
@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("plan", nargs="?", help="a deploy plan file (a saved Program); omit to compile --model/--strategy")
     p.add_argument("--model", default="tiny-gpt", help="model preset (default tiny-gpt), or MODULE:NAME of a "
                                                        "parashift.exec.UserModel (your annotated torch model)")
-    p.add_argument("--strategy", default="dp=1,tp=1,pp=1", help="e.g. 'dp=2,pp=2,schedule=1f1b'")
+    p.add_argument("--strategy", default="dp=1,tp=1,pp=1", type=strategy_text, help="e.g. 'dp=2,pp=2,schedule=1f1b'")
     p.add_argument("--directives", metavar="FILE|TEXT", help="directives refining --strategy (parashift.directives), "
                    "a Python file or inline text, e.g. \"Place({'embed': 0, 'layers.0': 0, '*': 1}); Split(microbatches=4)\"")
     p.add_argument("--nprocs", type=arg_int(1, MAX_LOCAL_PROCS), help="processes to start (default: the strategy's world size)")

@@ -14,8 +14,9 @@ __all__ = ["is_user_model", "run_cli", "read_directives"]
 
 
 def is_user_model(ref: str) -> bool:
-    """``--model`` names a UserModel object (``module:NAME``) rather than a preset."""
-    return ":" in ref
+    """``--model`` names a UserModel object (``module:NAME``) rather than a preset or an inline ``gpt:``/``moe:`` spec."""
+    from ..models.parse import KINDS
+    return ":" in ref and ref.split(":", 1)[0].strip().lower() not in KINDS
 
 
 def read_directives(value: "str | None") -> list:

@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from ..validate import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, arg_int
-from .options import add_cost_model, load_cost_model, positive_int
+from .options import add_cost_model, load_cost_model, positive_int, strategy_text
 
 HELP = ("choose the training and rollout layouts of an RL job: simulated training step, rollout (prefill and "
         "decode) and both weight switches per iteration, against one layout for both")
@@ -21,9 +21,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollout-tokens", type=arg_int(1, MAX_SEQ_LEN), required=True,
                    help="tokens generated per sequence")
     p.add_argument("--rollout-dtype", choices=("fp32", "bf16"), default="bf16", help="the rollout copy's (default bf16)")
-    p.add_argument("--train", action="append", metavar="STRATEGY",
+    p.add_argument("--train", action="append", type=strategy_text, metavar="STRATEGY",
                    help="a training layout to consider (repeatable; default: the most promising of the space)")
-    p.add_argument("--rollout", action="append", metavar="STRATEGY",
+    p.add_argument("--rollout", action="append", type=strategy_text, metavar="STRATEGY",
                    help="a rollout layout to consider (repeatable; default: every TP x replicas layout)")
     p.add_argument("--keep-weights", action="store_true",
                    help="the training weights stay during the rollout (no switch back)")
