@@ -92,6 +92,11 @@ CASES = [
     ("run strategy-for without endpoint", ["run", "--strategy-for", "2:dp=2", "--steps", "1"], "multi-host"),
     ("run heartbeat without endpoint", ["run", "--heartbeat-timeout", "3", "--steps", "1"], "multi-host"),
     ("calibrate no strategies", ["calibrate", "--out", "{F}/c.json", "--strategies", ";"], "names no strategy"),
+    ("directives a folder", ["run", "--directives", "{F}", "--steps", "1"], "is a folder"),
+    ("directives blank", ["run", "--directives", "", "--steps", "1"], "--directives is empty"),
+    ("Order of a string", ["run", "--strategy", "pp=2", "--directives", "Order('nope')", "--steps", "1"],
+     "give a dict of stage -> order"),
+    ("demo with no step", ["demo", "--out", "{F}/demo", "--only", ","], "names no step"),
 ]
 
 

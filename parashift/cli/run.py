@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> dict:
     if is_user_model(args.model):
         from .run_user import run_cli as run_user_cli
         return run_user_cli(args)
-    if args.directives and (args.plan or args.switch_at or args.live or getattr(args, "rollout", None)):
+    if args.directives is not None and (args.plan or args.switch_at or args.live or getattr(args, "rollout", None)):
         raise StrategyError("--directives refines --model/--strategy for one run; drop the plan file, --switch-at, "
                             "--live and --rollout")
     if getattr(args, "rollout", None):
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.plan:
         from .inputs import load_plan as load_checked_plan
         program = load_checked_plan(args.plan)
-    elif args.directives:
+    elif args.directives is not None:
         from ..ir.compile import compile as ir_compile
         from .run_user import read_directives
         spec = models.get(args.model)

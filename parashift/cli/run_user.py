@@ -23,8 +23,12 @@ def read_directives(value: "str | None") -> list:
     """Directives from ``--directives``: a Python file (when the path exists) or inline text."""
     import os
     from ..ir.user_directives import parse_directives
-    if not value:
+    if value is None:
         return []
+    if not value.strip():
+        raise StrategyError("--directives is empty; give a Python file or directives inline, or drop --directives")
+    if os.path.isdir(value):
+        raise StrategyError(f"--directives {value!r} is a folder; give a Python file or the directives inline")
     if os.path.isfile(value):
         with open(value) as f:
             return parse_directives(f.read())
