@@ -54,6 +54,8 @@ CASES = [
      "needs them to be a multiple of tp"),
     ("run sp with seq-len not a multiple of tp", ["run", "--strategy", "tp=2,sp", "--seq-len", "3", "--steps", "1"],
      "needs them to be a multiple of tp"),
+    ("seq-len past learned positions", ["simulate", "--model", "gpt3-1.3b", "--cluster", "a100-1x8", "--strategy",
+                                        "dp=8", "--global-batch", "8", "--seq-len", "4096"], "learns positions for 2048"),
     ("zero=4", SCHED + ["--strategy", "zero=4"], "zero=4 is not a ZeRO stage"),
     ("duplicate strategy key", SCHED + ["--strategy", "dp=2,dp=2"], "given twice"),
     ("cpu-local too small", TINY + ["--cluster", "cpu-local", "--strategy", "dp=999"], "e.g. cpu-local:nodes="),
