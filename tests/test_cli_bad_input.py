@@ -162,3 +162,14 @@ def test_inline_spec_runs_and_valid_overrides_stay():
     assert models.get("gpt:layers=2,hidden=8,heads=3,head_dim=4").head_dim == 4   # explicit head_dim: any heads
     assert cluster.get("a100-1x8:nic_bw=12.5GB,inter_latency=8us").nic_bw == 12.5e9
     assert cluster.get("cpu-local").with_devices(10**4).name.startswith("cpu-local:nodes=")
+
+
+def test_json_mode_prints_strict_json(capsys):
+    """A missing number (NaN: a device count where nothing fits) prints as null, so strict parsers (jq) read it."""
+    from parashift.cli import emit
+    emit({"step_time": float("nan"), "rows": [{"t": float("inf")}, (1.5, float("-inf"))]}, True)
+    text = capsys.readouterr().out
+
+    def refuse(const):
+        raise ValueError(const)
+    assert json.loads(text, parse_constant=refuse) == {"step_time": None, "rows": [{"t": None}, [1.5, None]]}
