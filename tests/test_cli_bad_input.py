@@ -94,6 +94,10 @@ CASES = [
     ("run strategy-for without endpoint", ["run", "--strategy-for", "2:dp=2", "--steps", "1"], "multi-host"),
     ("run heartbeat without endpoint", ["run", "--heartbeat-timeout", "3", "--steps", "1"], "multi-host"),
     ("calibrate no strategies", ["calibrate", "--out", "{F}/c.json", "--strategies", ";"], "names no strategy"),
+    ("measured batch text", ["calibrate", "--out", "{F}/c.json", "--cluster", "a100-1x8", "--measured",
+                             "{F}/me_gb.csv"], "global_batch 'x'"),
+    ("measured batch fraction", ["calibrate", "--out", "{F}/c.json", "--cluster", "a100-1x8", "--measured",
+                                 "{F}/me_frac.csv"], "global_batch '32.5'"),
     ("directives a folder", ["run", "--directives", "{F}", "--steps", "1"], "is a folder"),
     ("directives blank", ["run", "--directives", "", "--steps", "1"], "--directives is empty"),
     ("Order of a string", ["run", "--strategy", "pp=2", "--directives", "Order('nope')", "--steps", "1"],
@@ -115,6 +119,8 @@ def bad(tmp_path_factory):
         "cl_inf.json": '{"gpu": "a100", "nodes": 1e400}',
         "tr_bigt.csv": "time,devices\n0,4\n1e300,2\n",
         "tr4.csv": "time,devices\n0,4\n10,2\n20,8\n30,8\n",
+        "me_gb.csv": "model,strategy,global_batch,seq_len,step_seconds\ngpt3-1.3b,dp=8,x,2048,1\n",
+        "me_frac.csv": "model,strategy,global_batch,seq_len,step_seconds\ngpt3-1.3b,dp=8,32.5,2048,1\n",
     }
     for name, text in files.items():
         (d / name).write_text(text)
