@@ -123,6 +123,11 @@ class SimEvaluator:
 
     def __call__(self, strategy: Strategy) -> Outcome:
         t0 = time.perf_counter()
+        try:   # the compiler's size limit first: the memory bound below replays every micro-batch
+            from ..ir.compile import check_size
+            check_size(0, strategy.num_microbatches(self.global_batch), strategy, self.global_batch)
+        except StrategyError as e:
+            return Outcome("invalid", f"the compiler rejects it: {e}", seconds=time.perf_counter() - t0)
         if self.precheck:
             need, have = peak_memory_lower_bound(self.model, strategy, global_batch=self.global_batch,
                                                  seq_len=self.seq_len), self.budget()
