@@ -179,3 +179,17 @@ def test_json_mode_prints_strict_json(capsys):
     def refuse(const):
         raise ValueError(const)
     assert json.loads(text, parse_constant=refuse) == {"step_time": None, "rows": [{"t": None}, [1.5, None]]}
+
+
+def test_search_rejects_oversized_steps_before_bounding_them():
+    """A step over the compiler's micro-batch limit is ruled out at once (the memory bound replayed all of them)."""
+    import time
+
+    from parashift.search.evaluate import SimEvaluator
+    from parashift.strategy import Strategy
+    ev = SimEvaluator("tiny-gpt", "cpu-local", global_batch=2**20, seq_len=32)
+    t0 = time.perf_counter()
+    assert not ev.could_fit(Strategy.parse("dp=1,pp=2"))
+    out = ev(Strategy.parse("dp=1,pp=2"))
+    assert out.status == "invalid" and "micro-batches per step exceed" in out.reason
+    assert time.perf_counter() - t0 < 2.0
