@@ -7,6 +7,7 @@ describes a whole cluster (``{"gpu": "a100", "nodes": 4, "per_node": 8, "nic_bw"
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import asdict, dataclass, replace
@@ -123,15 +124,17 @@ class Cluster:
         if np.any((d < 0) | (d >= self.devices)):
             bad = int(np.asarray(d).ravel()[np.argmax(((d < 0) | (d >= self.devices)).ravel())])
             raise ClusterError(f"device {bad} is not in {self.name} (devices 0-{self.devices - 1}); "
-                               f"use a bigger cluster such as {self.gpu.name}-{self.nodes * 2}x{self.per_node}")
+                               f"use a bigger cluster such as {self.with_devices(bad + 1).name}")
         n = d // self.per_node
         return int(n) if np.ndim(n) == 0 else n
 
     def with_devices(self, n: int) -> "Cluster":
         """The smallest cluster of this GPU kind with at least ``n`` devices."""
         nodes = max(1, -(-n // self.per_node))
-        extra = self.name.partition(":")[2]
-        name = _name(self.gpu.name, nodes, self.per_node) + (f":{extra}" if extra else "")
+        extra = [kv for kv in self.name.partition(":")[2].split(",") if kv and not kv.startswith("nodes=")]
+        if self.gpu.name == "cpu" and nodes > 1:   # cpu-local names no node count: give it as an override
+            extra.insert(0, f"nodes={nodes}")
+        name = _name(self.gpu.name, nodes, self.per_node) + (":" + ",".join(extra) if extra else "")
         return replace(self, nodes=nodes, name=name)
 
     def to_dict(self) -> dict:
@@ -193,12 +196,17 @@ def parse_quantity(text: "str | float | int", unit: str, key: str = "value") -> 
             v = num * _SUFFIX[pre.lower()]
             if suf == "b" or suf.lower() in ("bit", "bits"):   # lower-case b: bits
                 v /= 8
+    if not math.isfinite(v):
+        raise ClusterError(f"cluster key {key}={text!r} must be a finite number")
     if unit == "count":
         if v != int(v) or v < 1:
             raise ClusterError(f"cluster key {key}={text!r} must be a positive integer")
         return int(v)
     if not v > 0:
         raise ClusterError(f"cluster key {key}={text!r} must be positive")
+    if unit != "seconds" and v < 1:   # under one byte or FLOP a second, times overflow to inf
+        raise ClusterError(f"cluster key {key}={text!r} must be at least 1 (in bytes, bytes/s or FLOP/s); "
+                           f"check its unit, e.g. 25GB or 312T")
     return v
 
 
@@ -234,12 +242,8 @@ def _preset(key: str, name: object) -> Cluster:
 
 
 def _from_file(path: str) -> Cluster:
-    import json
-    try:
-        with open(path) as f:
-            obj = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ClusterError(f"cannot read cluster file {path}: {e}") from None
+    from .validate import read_json
+    obj = read_json(path, "cluster file")   # size, encoding and nesting checked
     if not isinstance(obj, dict) or "gpu" not in obj:
         raise ClusterError(f"cluster file {path} must hold a JSON object with at least gpu (one of "
                            f"{', '.join(GPUS)}), nodes and per_node")
@@ -248,7 +252,7 @@ def _from_file(path: str) -> Cluster:
     if gpu not in GPUS:
         raise ClusterError(f"cluster file {path}: unknown gpu {gpu!r}; use one of {', '.join(GPUS)} and override "
                            f"its numbers (peak_flops, hbm_bw, memory, ...)")
-    name = str(obj.pop("name", "")) or os.path.splitext(os.path.basename(path))[0]
+    name = str(obj.pop("name", None) or "") or os.path.splitext(os.path.basename(path))[0]
     nodes, per = obj.pop("nodes", 1), obj.pop("per_node", 8)
     base = Cluster(name, GPUS[gpu], int(parse_quantity(nodes, "count", "nodes")),
                    int(parse_quantity(per, "count", "per_node")))
@@ -278,6 +282,8 @@ def get(name: "str | Cluster") -> Cluster:
             raise ClusterError(f"cluster override {part!r} in {raw!r} is not key=value; write e.g. "
                                f"{key}:nic_bw=25GB,nics_per_node=8")
         k, v = part.split("=", 1)
+        if k in items:
+            raise ClusterError(f"cluster key {k!r} is given twice in {raw!r}; give each key once")
         items[k] = v
     out = _apply(base, items, repr(raw))
     canon = ",".join(f"{k}={v}" for k, v in items.items())

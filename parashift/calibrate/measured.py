@@ -81,9 +81,17 @@ def _checked(frame: pd.DataFrame, where: str = "the measured runs") -> pd.DataFr
     t = pd.to_numeric(frame["step_seconds"], errors="coerce")
     bad = frame.index[~(t > 0) | ~np.isfinite(t)]
     if len(bad):
-        raise CalibrationError(f"{where}: row {int(bad[0]) + 1} has step_seconds {frame.loc[bad[0], 'step_seconds']!r}; "
+        raise CalibrationError(f"{where}: row {int(bad[0]) + 1} has step_seconds {str(frame.loc[bad[0], 'step_seconds'])!r}; "
                                f"give positive seconds")
-    return frame.assign(step_seconds=t.astype(float))
+    ints = {}
+    for col in ("global_batch", "seq_len"):
+        v = pd.to_numeric(frame[col], errors="coerce")
+        bad = frame.index[~np.isfinite(v) | (v < 1) | (v != np.round(v))]
+        if len(bad):
+            raise CalibrationError(f"{where}: row {int(bad[0]) + 1} has {col} {str(frame.loc[bad[0], col])!r}; "
+                                   f"give a whole number >= 1")
+        ints[col] = v.astype(np.int64)
+    return frame.assign(step_seconds=t.astype(float), **ints)
 
 
 def _compile(frame: pd.DataFrame, cluster: Cluster) -> "list[tuple[Program, ModelSpec]]":

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import math
 import os
 import sys
 import traceback
@@ -87,8 +88,8 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
 
 def emit(result: object, as_json: bool, render=None, args=None) -> None:
-    if as_json:
-        print(json.dumps(result, default=_jsonable))
+    if as_json:   # strict JSON: a missing number (NaN, e.g. "nothing fits") is null, not the NaN token
+        print(json.dumps(_strict(result), default=_jsonable, allow_nan=False))
     elif render is not None:
         render(result, args)
     else:
@@ -96,16 +97,27 @@ def emit(result: object, as_json: bool, render=None, args=None) -> None:
             print(f"{k}: {v}")
 
 
+def _strict(o):
+    """``o`` with every non-finite float (NaN, inf) replaced by None, recursively."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _strict(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_strict(v) for v in o]
+    return o
+
+
 def _jsonable(o):
     import numpy as np
     if isinstance(o, np.integer):
         return int(o)
     if isinstance(o, np.floating):
-        return float(o)
+        return _strict(float(o))
     if isinstance(o, np.ndarray):
-        return o.tolist()
+        return _strict(o.tolist())
     if isinstance(o, (set, tuple)):
-        return list(o)
+        return _strict(list(o))
     return str(o)
 
 

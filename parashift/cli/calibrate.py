@@ -49,6 +49,9 @@ def _probe(args: argparse.Namespace, spec) -> list:
     from ..strategy import Strategy
     if args.strategies:
         strategies = [Strategy.parse(s).validate(spec) for s in args.strategies.split(";") if s.strip()]
+        if not strategies:
+            raise CalibrationError(f"--strategies {args.strategies!r} names no strategy; give strategies separated "
+                                   f"by ';', e.g. 'dp=4;tp=2,dp=2', or drop --strategies")
         bad = [str(s) for s in strategies if s.world != args.nprocs]
         if bad:
             raise CalibrationError(f"probe strategies {bad} do not use {args.nprocs} processes; give strategies "

@@ -16,7 +16,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     from ..demo import DemoError, run_demo
-    only = tuple(s.strip() for s in args.only.split(",") if s.strip()) if args.only else None
+    only = tuple(s.strip() for s in args.only.split(",") if s.strip()) if args.only is not None else None
+    if only == ():
+        raise DemoError(f"--only {args.only!r} names no step; give steps such as explore,switch, or drop --only")
 
     def progress(text: str) -> None:
         print(text, file=sys.stderr, flush=True)

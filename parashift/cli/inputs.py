@@ -17,13 +17,16 @@ MAX_TRACE_BYTES = 16 * 2**20
 
 _POS = Num(0, lo_open=True)
 _NONNEG = Num(0)
+_RATE = Num(1)          # FLOP/s or bytes/s: below 1 a step's time overflows to inf
+_EFF = Num(1e-6)        # an efficiency (a fraction of a peak); below it likewise
+_LATENCY = Num(0, 3600)  # seconds a message waits: an hour is already no network
 COST_MODEL_SCHEMA = {
-    "format": str, "gpu": str, "peak_flops!": _POS, "hbm_bw!": _POS, "memory_capacity!": Num(0, lo_open=True),
-    "efficiency": {"*": _POS}, "region_efficiency": {"*": _POS}, "region_floor": {"*": _NONNEG},
-    "phase_floor": {"*": _NONNEG}, "attention_score_bytes": _NONNEG, "memory_efficiency": _POS,
-    "optim_traffic": _NONNEG, "optim_overhead": _NONNEG, "bandwidth": {"*": _POS},
-    "link_efficiency": {"*": _POS}, "latency": {"*": _NONNEG}, "comm_overhead": _NONNEG, "p2p_overhead": _NONNEG,
-    "algorithm": str, "memory_reserved": _NONNEG, "comm_op_overhead": {"*": _NONNEG}, "comm_op_bw": {"*": _POS},
+    "format": str, "gpu": str, "peak_flops!": _RATE, "hbm_bw!": _RATE, "memory_capacity!": Num(0, lo_open=True),
+    "efficiency": {"*": _EFF}, "region_efficiency": {"*": _EFF}, "region_floor": {"*": _NONNEG},
+    "phase_floor": {"*": _NONNEG}, "attention_score_bytes": _NONNEG, "memory_efficiency": _EFF,
+    "optim_traffic": _NONNEG, "optim_overhead": _NONNEG, "bandwidth": {"*": _RATE},
+    "link_efficiency": {"*": _EFF}, "latency": {"*": _LATENCY}, "comm_overhead": _NONNEG, "p2p_overhead": _NONNEG,
+    "algorithm": str, "memory_reserved": _NONNEG, "comm_op_overhead": {"*": _NONNEG}, "comm_op_bw": {"*": _EFF},
     "host_cores": _NONNEG, "p2p_posted": bool, "region_overhead": {"*": _NONNEG}, "phase_overhead": {"*": _NONNEG},
     "switch_overhead": _NONNEG,
 }

@@ -6,7 +6,7 @@ import argparse
 from ..errors import StrategyError
 
 __all__ = ["add_batch_options", "add_space_options", "add_cost_model", "space_options", "load_cost_model",
-           "positive_int", "resolve_device"]
+           "positive_int", "resolve_device", "strategy_text"]
 
 #: the search-space flags: (flag, make_space keyword, element type, help)
 _SPACE = (("schedules", "schedules", str, "restrict the schedules, e.g. 1f1b,zb-h1 (default: all)"),
@@ -32,6 +32,13 @@ def positive_int(text: str) -> int:
     if v < 1:
         raise argparse.ArgumentTypeError(f"{v} must be a positive integer")
     return v
+
+
+def strategy_text(text: str) -> str:
+    """An argparse type: strategy text that is not blank (a blank one would silently mean dp=1)."""
+    if not text.replace(",", "").strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is empty; give a strategy such as dp=2,tp=2 (dp=1: one device)")
+    return text
 
 
 def add_batch_options(p: argparse.ArgumentParser, *, live: bool = False) -> None:

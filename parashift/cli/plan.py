@@ -5,6 +5,7 @@ import argparse
 import time
 
 from ..units import parse_bytes
+from .options import strategy_text
 
 HELP = "plan the in-memory switch of a model's training state from one strategy to another"
 OUTPUTS = {"frame": "file", "program": "file"}
@@ -13,8 +14,8 @@ ALIASES = {"--placement": "--switch-placement", "--memory-budget": "--switch-mem
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model preset, e.g. llama2-70b (see `parashift models`)")
-    p.add_argument("--src", required=True, help='current strategy, e.g. "dp=4,tp=8,pp=4,zero=1"')
-    p.add_argument("--dst", required=True, help='new strategy, e.g. "dp=3,tp=8,pp=5,zero=1"')
+    p.add_argument("--src", required=True, type=strategy_text, help='current strategy, e.g. "dp=4,tp=8,pp=4,zero=1"')
+    p.add_argument("--dst", required=True, type=strategy_text, help='new strategy, e.g. "dp=3,tp=8,pp=5,zero=1"')
     p.add_argument("--cluster", help="cluster preset that places devices on nodes, e.g. a800-16x8 "
                                      "(default: nodes of 8 devices)")
     p.add_argument("--src-devices", help="device of each current rank, e.g. 0-127 (default: rank i on device i)")

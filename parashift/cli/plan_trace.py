@@ -39,6 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="per device count, only strategies that use every device (default: any count up to it)")
 
 
+#: the latest time a ``time,devices`` CSV may hold (about 30 years, in seconds)
+MAX_TRACE_SECONDS = 1e9
+
+
 def load_trace(path: str, fmt: str | None = None):
     """A normalized trace, or a plain ``time,devices`` / ``time,available`` CSV as a DataFrame."""
     from .. import traces
@@ -80,7 +84,32 @@ def _count_csv(name: str, text: str, col: str):
     if np.any(np.diff(t) < 0):
         i = int(np.flatnonzero(np.diff(t) < 0)[0]) + 3
         raise TraceFormatError(f"{name}, row {i}: time goes backwards; sort the rows by time")
+    if t[-1] > MAX_TRACE_SECONDS:
+        i = int(np.flatnonzero(t > MAX_TRACE_SECONDS)[0]) + 2
+        raise TraceFormatError(f"{name}, row {i}: time {t[i - 2]:g} s is beyond {MAX_TRACE_SECONDS:g} s (about 30 "
+                               f"years); give times in seconds from the trace's start")
     return pd.DataFrame({"time": t, col: n.astype(np.int64)})
+
+
+def _count_window(name: str, df, start: float, stop: "float | None"):
+    """The rows of a ``time,devices`` frame in ``[start, stop]``: the count in force at ``start`` opens it and a
+    closing row at ``stop`` (default: the last row's time) ends it."""
+    import numpy as np
+    import pandas as pd
+
+    from ..errors import TraceFormatError
+    t = df["time"].to_numpy()
+    col = df.columns[1]
+    stop = float(t[-1]) if stop is None else min(float(stop), float(t[-1]))
+    start = max(float(start), float(t[0]))
+    if start >= stop:
+        raise TraceFormatError(f"{name}: the window [{start:g}, {stop:g}] s is empty; the trace covers "
+                               f"{t[0]:g}..{t[-1]:g} s, pass --from/--to inside it")
+    n = df[col].to_numpy()
+    at = lambda x: n[int(np.searchsorted(t, x, side="right")) - 1]   # noqa: E731 - the count in force at x
+    inside = (t > start) & (t < stop)
+    return pd.DataFrame({"time": np.concatenate([[start], t[inside], [stop]]),
+                         col: np.concatenate([[at(start)], n[inside], [at(stop)]]).astype(np.int64)})
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -92,8 +121,11 @@ def run(args: argparse.Namespace) -> dict:
         from ..errors import TraceFormatError
         raise TraceFormatError(f"--to {args.stop:g} must be after --from {args.start:g}")
     trace = load_trace(args.trace, args.format)
-    if "event" in trace.columns and (args.start or args.stop is not None):
-        trace = traces.window(trace, args.start, args.stop)
+    if args.start or args.stop is not None:
+        if "event" in trace.columns:
+            trace = traces.window(trace, args.start, args.stop)
+        else:
+            trace = _count_window(args.trace, trace, args.start, args.stop)
     cost = load_cost_model(args.cost_model)
 
     def say(msg: str) -> None:

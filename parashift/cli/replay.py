@@ -61,10 +61,14 @@ def run(args: argparse.Namespace) -> dict:
     trace = str(resolve_trace(args.trace))
     if args.hosts:
         return _run_hosts(trace, args)
+    from ..errors import StrategyError
     if args.policy == "dp":
-        from ..errors import StrategyError
         raise StrategyError("--strategy-policy dp is for the node-level replay; add --hosts or use best or "
                             "switch-aware")
+    for opt, given in (("--seconds-per-step", args.seconds_per_step is not None),
+                       ("--snapshot-every", bool(args.snapshot_every))):
+        if given:
+            raise StrategyError(f"{opt} applies to the node-level replay; add --hosts or drop {opt}")
     cost = load_cost_model(args.cost_model)
     spec = models.get(args.model)
     check_memory(spec, args.global_batch, args.seq_len or spec.seq_len)

@@ -9,7 +9,7 @@ from ..errors import StrategyError
 from .dialect import format_bytes
 from ..validate import arg_float, arg_int
 from .limits import MAX_LOCAL_PROCS, check_live
-from .options import add_batch_options, resolve_device
+from .options import add_batch_options, resolve_device, strategy_text
 from .run_hosts import add_host_arguments
 
 HELP = "train a model for real on local processes (gloo on CPU, NCCL on GPUs) under a strategy or a saved plan"
@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("plan", nargs="?", help="a deploy plan file (a saved Program); omit to compile --model/--strategy")
     p.add_argument("--model", default="tiny-gpt", help="model preset (default tiny-gpt), or MODULE:NAME of a "
                                                        "parashift.exec.UserModel (your annotated torch model)")
-    p.add_argument("--strategy", default="dp=1,tp=1,pp=1", help="e.g. 'dp=2,pp=2,schedule=1f1b'")
+    p.add_argument("--strategy", default="dp=1,tp=1,pp=1", type=strategy_text, help="e.g. 'dp=2,pp=2,schedule=1f1b'")
     p.add_argument("--directives", metavar="FILE|TEXT", help="directives refining --strategy (parashift.directives), "
                    "a Python file or inline text, e.g. \"Place({'embed': 0, 'layers.0': 0, '*': 1}); Split(microbatches=4)\"")
     p.add_argument("--nprocs", type=arg_int(1, MAX_LOCAL_PROCS), help="processes to start (default: the strategy's world size)")
@@ -62,18 +62,28 @@ def run(args: argparse.Namespace) -> dict:
     from .run_user import is_user_model
     args.trace = args.timeline   # the name run_user and switch_live read
     check_live(args)
+    if not args.endpoint:   # the multi-host options, on any other run
+        if args.strategy_for:
+            raise StrategyError("--strategy-for is for a multi-host live job (the strategy as hosts come and go); "
+                                "add --endpoint HOST:PORT and --live, or use --switch-at STEP:STRATEGY")
+        if args.heartbeat_timeout is not None:
+            raise StrategyError("--heartbeat-timeout is for a multi-host live job (how fast a silent host is declared "
+                                "lost); add --endpoint HOST:PORT and --live, or drop --heartbeat-timeout")
+        if args.snapshot_every:
+            raise StrategyError("--snapshot-every is for a multi-host live job (its snapshots restore a lost host's "
+                                "state); add --endpoint HOST:PORT and --live, or drop --snapshot-every")
+        if args.resume:
+            raise StrategyError("--resume restarts a multi-host live job from its snapshots; add --endpoint "
+                                "HOST:PORT and --live, or drop --resume")
     if is_user_model(args.model):
         from .run_user import run_cli as run_user_cli
         return run_user_cli(args)
-    if args.directives and (args.plan or args.switch_at or args.live or getattr(args, "rollout", None)):
+    if args.directives is not None and (args.plan or args.switch_at or args.live or getattr(args, "rollout", None)):
         raise StrategyError("--directives refines --model/--strategy for one run; drop the plan file, --switch-at, "
                             "--live and --rollout")
     if getattr(args, "rollout", None):
         from .run_rl import run_cli as run_rl_cli
         return run_rl_cli(args)
-    if not (args.endpoint or args.live) and (getattr(args, "resume", False) or getattr(args, "snapshot_every", 0)):
-        raise StrategyError("--resume and --snapshot-every are for a multi-host live job (its snapshots restore "
-                            "lost state); add --live --endpoint HOST:PORT, or drop them")
     if args.endpoint:
         if not args.live:
             raise StrategyError("--endpoint starts a multi-host live job; add --live")
@@ -89,7 +99,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.plan:
         from .inputs import load_plan as load_checked_plan
         program = load_checked_plan(args.plan)
-    elif args.directives:
+    elif args.directives is not None:
         from ..ir.compile import compile as ir_compile
         from .run_user import read_directives
         spec = models.get(args.model)

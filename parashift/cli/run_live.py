@@ -39,18 +39,6 @@ def run_cli(args) -> dict:
         raise StrategyError(f"strategy {s0} needs {s0.world} processes, not --nprocs {args.nprocs}; "
                             f"drop --nprocs or change the strategy")
     switches = [parse_switch_at(x) for x in args.switch_at]
-    if getattr(args, "strategy_for", None):
-        raise StrategyError("--strategy-for is for a multi-host live job (the strategy as hosts come and go); "
-                            "add --endpoint HOST:PORT, or use --switch-at STEP:STRATEGY")
-    if getattr(args, "heartbeat_timeout", None) is not None:
-        raise StrategyError("--heartbeat-timeout is for a multi-host live job (how fast a silent host is declared "
-                            "lost); add --endpoint HOST:PORT, or drop --heartbeat-timeout")
-    if getattr(args, "resume", False):
-        raise StrategyError("--resume restarts a multi-host live job from its snapshots; add --endpoint HOST:PORT, "
-                            "or drop --resume")
-    if getattr(args, "snapshot_every", 0):
-        raise StrategyError("--snapshot-every is for a multi-host live job (its snapshots restore a lost host's "
-                            "state); add --endpoint HOST:PORT, or drop --snapshot-every")
 
     def progress(step: int, loss: float) -> None:
         if not args.json:

@@ -14,16 +14,21 @@ __all__ = ["is_user_model", "run_cli", "read_directives"]
 
 
 def is_user_model(ref: str) -> bool:
-    """``--model`` names a UserModel object (``module:NAME``) rather than a preset."""
-    return ":" in ref
+    """``--model`` names a UserModel object (``module:NAME``) rather than a preset or an inline ``gpt:``/``moe:`` spec."""
+    from ..models.parse import KINDS
+    return ":" in ref and ref.split(":", 1)[0].strip().lower() not in KINDS
 
 
 def read_directives(value: "str | None") -> list:
     """Directives from ``--directives``: a Python file (when the path exists) or inline text."""
     import os
     from ..ir.user_directives import parse_directives
-    if not value:
+    if value is None:
         return []
+    if not value.strip():
+        raise StrategyError("--directives is empty; give a Python file or directives inline, or drop --directives")
+    if os.path.isdir(value):
+        raise StrategyError(f"--directives {value!r} is a folder; give a Python file or the directives inline")
     if os.path.isfile(value):
         with open(value) as f:
             return parse_directives(f.read())

@@ -5,6 +5,7 @@ import argparse
 import time
 
 from ..validate import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, arg_int, check_step_size
+from .options import strategy_text
 
 HELP = "compile a strategy into a per-rank Program, validate it, and plot or save it"
 OUTPUTS = {"out": "file", "plot": "image"}
@@ -12,7 +13,7 @@ OUTPUTS = {"out": "file", "plot": "image"}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model preset, e.g. llama2-7b (see `parashift models`)")
-    p.add_argument("--strategy", required=True, help='e.g. "dp=2,tp=2,pp=4,schedule=1f1b"')
+    p.add_argument("--strategy", required=True, type=strategy_text, help='e.g. "dp=2,tp=2,pp=4,schedule=1f1b"')
     p.add_argument("--global-batch", type=arg_int(1, MAX_GLOBAL_BATCH), required=True, help="sequences per step")
     p.add_argument("--seq-len", type=arg_int(1, MAX_SEQ_LEN), default=None, help="tokens per sequence (default: the model's)")
     p.add_argument("--plot", metavar="PNG", help="draw the per-stage order (stage x slot) to this file")

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .options import add_cost_model, positive_int
+from ..validate import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, arg_int
+from .options import add_cost_model, load_cost_model, positive_int, strategy_text
 
 HELP = ("choose the training and rollout layouts of an RL job: simulated training step, rollout (prefill and "
         "decode) and both weight switches per iteration, against one layout for both")
@@ -14,13 +15,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model preset, e.g. llama2-7b (see `parashift models`)")
     p.add_argument("--cluster", required=True, help="cluster preset, e.g. h100-16x8")
     p.add_argument("--devices", type=positive_int, required=True, help="devices the job trains on")
-    p.add_argument("--prompts", type=positive_int, required=True, help="sequences per iteration (the batch)")
-    p.add_argument("--prompt-len", type=positive_int, required=True, help="tokens of each prompt")
-    p.add_argument("--rollout-tokens", type=positive_int, required=True, help="tokens generated per sequence")
+    p.add_argument("--prompts", type=arg_int(1, MAX_GLOBAL_BATCH), required=True,
+                   help="sequences per iteration (the batch)")
+    p.add_argument("--prompt-len", type=arg_int(1, MAX_SEQ_LEN), required=True, help="tokens of each prompt")
+    p.add_argument("--rollout-tokens", type=arg_int(1, MAX_SEQ_LEN), required=True,
+                   help="tokens generated per sequence")
     p.add_argument("--rollout-dtype", choices=("fp32", "bf16"), default="bf16", help="the rollout copy's (default bf16)")
-    p.add_argument("--train", action="append", metavar="STRATEGY",
+    p.add_argument("--train", action="append", type=strategy_text, metavar="STRATEGY",
                    help="a training layout to consider (repeatable; default: the most promising of the space)")
-    p.add_argument("--rollout", action="append", metavar="STRATEGY",
+    p.add_argument("--rollout", action="append", type=strategy_text, metavar="STRATEGY",
                    help="a rollout layout to consider (repeatable; default: every TP x replicas layout)")
     p.add_argument("--keep-weights", action="store_true",
                    help="the training weights stay during the rollout (no switch back)")
@@ -30,8 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     from ..search.rl import plan_rl
-    from ..sim import CostModel
-    cost = CostModel.load(args.cost_model) if args.cost_model else None
+    cost = load_cost_model(args.cost_model)
 
     def progress(msg: str) -> None:
         if not args.json:

@@ -6,7 +6,7 @@ import time
 
 from ..validate import check_step_size
 from .dialect import format_bytes
-from .options import add_batch_options, add_cost_model, load_cost_model
+from .options import add_batch_options, add_cost_model, load_cost_model, strategy_text
 
 HELP = "simulate one training step of a model under a strategy on a cluster (step time, MFU, memory)"
 OUTPUTS = {"timeline": "file", "plot": "image"}
@@ -17,7 +17,7 @@ ALIASES = {"--trace": "--timeline"}
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="model preset, e.g. llama2-70b (see `parashift models`)")
     p.add_argument("--cluster", required=True, help="cluster preset, e.g. a800-16x8")
-    p.add_argument("--strategy", required=True, help='e.g. "dp=4,tp=8,pp=4,zero=1"')
+    p.add_argument("--strategy", required=True, type=strategy_text, help='e.g. "dp=4,tp=8,pp=4,zero=1"')
     add_batch_options(p)
     add_cost_model(p)
     p.add_argument("--timeline", metavar="JSON", help="write the timeline as a Chrome trace JSON file (was --trace)")

@@ -80,6 +80,12 @@ def directives(model: "str | ModelSpec", strategy: "str | Strategy", *, global_b
         raise StrategyError(f"seq_len={seq_len} must be positive")
     if s.cp > 1 and seq_len % (2 * s.cp):
         raise StrategyError(f"cp={s.cp} needs seq_len={seq_len} to be a multiple of 2*cp={2 * s.cp}; change cp or seq_len")
+    if spec.pos_emb == "learned" and seq_len > spec.seq_len:
+        raise StrategyError(f"{spec.name} learns positions for {spec.seq_len} tokens and cannot take sequences of "
+                            f"{seq_len}; use a sequence length of at most {spec.seq_len}")
+    if s.sp and (seq_len // s.cp) % s.tp:
+        raise StrategyError(f"sp splits each rank's {seq_len // s.cp} tokens of a sequence over tp={s.tp} ranks and "
+                            f"needs them to be a multiple of tp; change seq_len, tp or cp, or drop sp")
     tokens = s.mbs * seq_len // s.cp            # tokens one rank holds per micro-batch
     db = spec.dtype_bytes
     act_msg = tokens * spec.hidden * db

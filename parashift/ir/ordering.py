@@ -113,6 +113,11 @@ class Order:
 
     orders: Mapping[int, "str | Sequence[Step | Action]"]
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.orders, Mapping) or not all(str(k).strip().isdigit() for k in self.orders):
+            raise ProgramError(f"Order({self.orders!r}): give a dict of stage -> order, e.g. "
+                               f"Order({{0: '0F0 0B0', 1: '1F0 1B0'}})")
+
     def steps(self) -> dict[int, list[Step]]:
         return {int(st): as_steps(o) for st, o in self.orders.items()}
 

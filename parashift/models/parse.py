@@ -7,7 +7,6 @@ Program compiled from it names a model that :func:`parse_model` rebuilds exactly
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Mapping
 
@@ -37,7 +36,9 @@ def _value(kind: str, key: str, raw: Any) -> Any:
             raise ModelSpecError(f"{kind} model key {key}={raw!r} must be an integer")
         try:
             v = int(raw) if not isinstance(raw, str) else int(raw.replace("_", ""))
-        except (TypeError, ValueError):
+            if isinstance(raw, float) and v != raw:
+                raise ValueError(raw)
+        except (TypeError, ValueError, OverflowError):
             raise ModelSpecError(f"{kind} model key {key}={raw!r} must be an integer, e.g. {key}=4096") from None
         return v
     if key in _FLOAT:
@@ -64,13 +65,16 @@ def model_from_dict(fields: Mapping[str, Any], kind: str | None = None) -> Model
     """Build a model from ``ModelSpec`` fields (``kind`` gpt/moe; by default moe when ``experts`` > 0)."""
     d = dict(fields)
     d.pop("format", None)
-    kind = kind or d.pop("kind", None) or ("moe" if int(d.get("experts", 0) or 0) > 0 else "gpt")
+    if d.get("name", "") is None:   # a JSON null: no name given
+        d.pop("name")
+    experts = _value(kind or "moe", "experts", d["experts"]) if d.get("experts") is not None else 0
+    kind = kind or d.pop("kind", None) or ("moe" if experts > 0 else "gpt")
     d.pop("kind", None)
     if kind not in KINDS:
         raise ModelSpecError(f"unknown model kind {kind!r}; write gpt:... or moe:...")
     known = set(_INT) | set(_BOOL) | set(_STR) | set(_FLOAT)
     if kind == "gpt":
-        if int(d.get("experts", 0) or 0) == 0:
+        if experts == 0:
             for k in _MOE_ONLY:
                 d.pop(k, None)
         known -= set(_MOE_ONLY)
@@ -116,11 +120,8 @@ def _inline(text: str) -> ModelSpec:
 
 
 def _json_file(path: str) -> ModelSpec:
-    try:
-        with open(path) as f:
-            obj = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelSpecError(f"cannot read model file {path}: {e}") from None
+    from ..validate import read_json
+    obj = read_json(path, "model file")   # size, encoding and nesting checked
     if not isinstance(obj, dict):
         raise ModelSpecError(f"model file {path} must hold one JSON object of ModelSpec fields")
     return model_from_dict(obj)

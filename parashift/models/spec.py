@@ -6,9 +6,13 @@ from functools import cached_property
 
 import numpy as np
 
-from ..errors import StrategyError
+from ..errors import LimitError, StrategyError
 
-__all__ = ["TensorSpec", "ModelSpec", "gpt", "moe", "DTYPE_BYTES", "REGIONS"]
+__all__ = ["TensorSpec", "ModelSpec", "gpt", "moe", "DTYPE_BYTES", "REGIONS", "MAX_LAYERS"]
+
+#: The most layers a model may have: 78x the deepest published LLM (Megatron's 1T GPT: 128 layers); one
+#: step of it simulates in seconds, while a million layers take minutes and gigabytes before any check.
+MAX_LAYERS = 10_000
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: Regions a transformer is cut into, in model order within a layer.
@@ -216,14 +220,22 @@ def gpt(layers: int, hidden: int, heads: int, kv_heads: int | None = None, ffn: 
         gated: bool = True, bias: bool = False, qkv_bias: bool = False, norm: str = "rms",
         qk_norm: bool = False, pos_emb: str = "rope", tied: bool = False, dtype: str = "bf16",
         pad_vocab: int = 128, flash_attention: bool = True, dropout: float = 0.1) -> ModelSpec:
-    """A dense decoder. ``ffn`` defaults to 4*hidden; the vocabulary is padded to ``pad_vocab``."""
-    kv_heads = kv_heads or heads
-    ffn = ffn or 4 * hidden
-    head_dim = head_dim or hidden // heads
-    _check(name, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, ffn=ffn, vocab=vocab,
-           seq_len=seq_len, head_dim=head_dim)
+    """A dense decoder. ``ffn`` defaults to 4*hidden, ``head_dim`` to hidden/heads (then ``heads`` must
+    divide ``hidden``); the vocabulary is padded to ``pad_vocab``."""
+    if not str(name).strip():
+        raise StrategyError("a model's name must not be empty; give name=... or leave it out")
+    _check(name, layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq_len=seq_len, pad_vocab=pad_vocab,
+           **{k: v for k, v in (("kv_heads", kv_heads), ("ffn", ffn), ("head_dim", head_dim)) if v is not None})
+    if layers > MAX_LAYERS:
+        raise LimitError(f"model {name!r}: layers={layers} exceeds the limit of {MAX_LAYERS:,} layers; "
+                         f"describe a shallower model")
+    kv_heads = heads if kv_heads is None else kv_heads
     if heads % kv_heads:
         raise StrategyError(f"model {name!r}: kv_heads={kv_heads} must divide heads={heads}")
+    if head_dim is None and hidden % heads:
+        raise StrategyError(f"model {name!r}: heads={heads} must divide hidden={hidden} (or give head_dim=...)")
+    ffn = 4 * hidden if ffn is None else ffn
+    head_dim = hidden // heads if head_dim is None else head_dim
     if dtype not in DTYPE_BYTES:
         raise StrategyError(f"model {name!r}: dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
     if not 0.0 <= dropout < 1.0:
@@ -241,9 +253,12 @@ def moe(layers: int, hidden: int, heads: int, kv_heads: int | None = None, ffn: 
     """A mixture-of-experts decoder: every layer's MLP is ``experts`` routed experts (top-k) plus
     an optional shared expert of width ``shared_ffn``."""
     _check(name, experts=experts, top_k=top_k, expert_ffn=expert_ffn)
+    if isinstance(shared_ffn, bool) or not isinstance(shared_ffn, (int, np.integer)) or shared_ffn < 0:
+        raise StrategyError(f"model {name!r}: shared_ffn={shared_ffn!r} must be a whole number >= 0 (0: no shared "
+                            f"expert)")
     if top_k > experts:
         raise StrategyError(f"model {name!r}: top_k={top_k} exceeds experts={experts}")
-    base = gpt(layers, hidden, heads, kv_heads, ffn or expert_ffn, vocab, seq_len, name=name, **kw)  # type: ignore[arg-type]
+    base = gpt(layers, hidden, heads, kv_heads, expert_ffn if ffn is None else ffn, vocab, seq_len, name=name, **kw)  # type: ignore[arg-type]
     spec = ModelSpec(**{**_fields(base), "experts": experts, "top_k": top_k, "expert_ffn": expert_ffn,
                         "shared_ffn": shared_ffn})
     return _with_tensors(spec)

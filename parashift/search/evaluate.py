@@ -105,8 +105,21 @@ class SimEvaluator:
             self._budget = float(cm.memory_capacity - cm.memory_reserved)
         return self._budget
 
+    def size_problem(self, strategy: Strategy) -> "str | None":
+        """Why the compiler refuses ``strategy``'s step for its size or batch split (checked first: the
+        memory bound replays every micro-batch), or None."""
+        from ..ir.compile import check_size
+        try:
+            check_size(0, strategy.num_microbatches(self.global_batch), strategy, self.global_batch)
+        except StrategyError as e:
+            return f"the compiler rejects it: {e}"
+        return None
+
     def could_fit(self, strategy: Strategy) -> bool:
-        """False when the memory lower bound already exceeds the budget."""
+        """False when the step is over the compiler's size limit or the memory lower bound already exceeds the
+        budget."""
+        if self.size_problem(strategy) is not None:
+            return False
         need = peak_memory_lower_bound(self.model, strategy, global_batch=self.global_batch, seq_len=self.seq_len)
         return need * (1 - 1e-9) <= self.budget()
 
@@ -123,6 +136,9 @@ class SimEvaluator:
 
     def __call__(self, strategy: Strategy) -> Outcome:
         t0 = time.perf_counter()
+        problem = self.size_problem(strategy)
+        if problem is not None:
+            return Outcome("invalid", problem, seconds=time.perf_counter() - t0)
         if self.precheck:
             need, have = peak_memory_lower_bound(self.model, strategy, global_batch=self.global_batch,
                                                  seq_len=self.seq_len), self.budget()

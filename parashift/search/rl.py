@@ -110,6 +110,11 @@ def plan_rl(model: "ModelSpec | str", cluster: "Cluster | str", *, devices: int,
     if min(prompts, prompt_len, rollout_tokens, devices) < 1:
         raise StrategyError("devices, prompts, prompt_len and rollout_tokens must each be at least 1")
     seq = prompt_len + rollout_tokens
+    for what, given in (("training", train), ("rollout", rollout)):
+        for s in [Strategy.parse(x) for x in given or ()]:
+            if s.world > devices:
+                raise StrategyError(f"{what} layout {s} runs {s.world} devices but the job has {devices}; give a "
+                                    f"layout of at most {devices} devices or raise --devices")
     ev = SimEvaluator(spec, clus, global_batch=prompts, seq_len=seq, cost_model=cost_model)
     cm = ev.costs()
     note = progress or (lambda msg: None)

@@ -1,11 +1,12 @@
 """Entry points: simulate a training-step Program or a switch Program."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ..cluster import Cluster, get as get_cluster
-from ..errors import ProgramError
+from ..errors import LimitError, ProgramError
 from ..ir.graph import paused_gc
 from ..ir.program import Program
 from ..cost import CostModel
@@ -39,7 +40,11 @@ def simulate(program: Program, cluster: "Cluster | str", cost_model: CostModel |
     scores = _scores_per_layer(program, model) if cost.attention_score_bytes else 0.0
     with paused_gc():   # millions of short-lived acyclic objects: collecting would only rescan the heap
         raw = Engine(program, cluster, cost, devices, fold, scores, _workload(program, model)).run()
-        return SimResult.from_raw(program, cluster, cost, raw)
+        res = SimResult.from_raw(program, cluster, cost, raw)
+    if not math.isfinite(res.step_time):
+        raise LimitError(f"the simulated step time is {res.step_time}: a rate of the cost model or cluster is near "
+                         f"zero or a latency near infinity; check their numbers and units")
+    return res
 
 
 def _workload(program: Program, model: "ModelSpec | None") -> "Workload | None":

@@ -62,6 +62,9 @@ def resolve(path: str | Path) -> Path:
     """``path`` if it names an existing file (an explicit path is a path), else the shipped trace of
     that relative name, which must lie inside the trace folder (names with ``..`` that escape it,
     and absolute names, are refused)."""
+    if not str(path).strip():
+        raise TraceFormatError("the trace name is empty; pass a trace file or a shipped trace name (see "
+                               "`parashift traces`)")
     p = Path(path).expanduser()
     if p.is_file():
         return p
