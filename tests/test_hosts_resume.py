@@ -50,6 +50,7 @@ def test_a_job_resumes_from_its_newest_whole_snapshot_in_another_layout(tmp_path
     ("missing", "does not exist"),
     ("empty", "holds no step<N> folders"),
     ("partial", "1 of 2 ranks of dp=2,tp=1,pp=1"),
+    ("foreign", "step 4: no records"),            # records whose strategy does not parse are skipped
     ("other-model", "snapshots of tiny-moe"),
     ("too-late", "give --steps above 4"),
     ("no-endpoint", "add --endpoint HOST:PORT"),
@@ -60,11 +61,11 @@ def test_resume_refuses_what_it_cannot_restore(case, needle, tmp_path, capsys, m
     snaps = tmp_path / "snaps"
     if case != "missing":
         snaps.mkdir()
-    if case in ("partial", "other-model", "too-late"):
+    if case in ("partial", "other-model", "too-late", "foreign"):
         for r in (0, 1) if case != "partial" else (0,):
             (snaps / "step4" / f"rank{r}").mkdir(parents=True)
             (snaps / "step4" / f"rank{r}.json").write_text(json.dumps(
-                {"strategy": "dp=2,tp=1,pp=1", "rank": r, "opt_step": 4,
+                {"strategy": "warp=9" if case == "foreign" else "dp=2,tp=1,pp=1", "rank": r, "opt_step": 4,
                  "model": "tiny-moe" if case == "other-model" else "tiny-gpt"}))
     argv = ["run", *JOB, "--strategy", "dp=1", "--steps", "4" if case == "too-late" else "8", "--nprocs", "1",
             "--resume", "--snapshot-dir", str(snaps)]

@@ -39,6 +39,7 @@ their cause), ``hosts/leave/<h>`` (a SIGTERM notice: its devices and seconds lef
 """
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import pickle
@@ -496,10 +497,8 @@ def _halt_at_exit(stop: Any, thread: Any = None, lock: Any = None) -> None:
     import atexit
 
     def halt() -> None:
-        if lock is not None:
-            with lock:
-                stop.set()
-        stop.set()
+        with lock if lock is not None else contextlib.nullcontext():
+            stop.set()
         if thread is not None:
             thread.join(5.0)
     atexit.register(halt)
@@ -680,9 +679,7 @@ def _leave_on_sigterm(host: str, port: int, secret: str, h: int, devices: range,
         store.set(f"hosts/leave/{h}", pickle.dumps({"devices": list(devices), "seconds": rest}))
 
     def deadline(t0: float) -> None:
-        while not left.is_set() and time.monotonic() < t0 + notice_seconds:
-            time.sleep(min(0.02, max(t0 + notice_seconds - time.monotonic(), 0.0)))
-        if not left.is_set():
+        if not left.wait(max(t0 + notice_seconds - time.monotonic(), 0.0)):
             _say(quiet, f"host {h}: the notice of {notice_seconds:g} s ran out before this host's processes left "
                         f"the job: SIGKILL to its processes, as the platform would")
             _reclaim()

@@ -15,6 +15,7 @@ loopback any local directory). Each process keeps its last :data:`KEEP` snapshot
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -87,12 +88,10 @@ class Snapshotter:
                 while len(self.kept) > KEEP:
                     old = _path(self.root, self.kept.pop(0), rank)
                     shutil.rmtree(old, ignore_errors=True)
-                    for gone in (lambda: os.remove(old + ".json"),
-                                 lambda: os.rmdir(os.path.dirname(old))):    # the last rank out removes the step
-                        try:
-                            gone()
-                        except OSError:
-                            pass
+                    with contextlib.suppress(OSError):
+                        os.remove(old + ".json")
+                    with contextlib.suppress(OSError):
+                        os.rmdir(os.path.dirname(old))           # the last rank out removes the step
             finally:
                 recorded.set()
         fut.add_done_callback(written)
@@ -136,6 +135,7 @@ def latest_on_disk(root: str, model: str | None = None) -> tuple[int, str, int]:
     """The newest whole snapshot under ``root`` from the records beside its checkpoints: (step, strategy,
     optimizer step). Whole: every rank of one strategy recorded it (and its checkpoint is there); ``model``:
     only snapshots of that model. Raises RuntimeFailure naming what was found when there is none."""
+    from ..errors import StrategyError
     from ..strategy import Strategy
     if not os.path.isdir(root):
         raise RuntimeFailure(f"--resume: the snapshot directory {root} does not exist; give the --snapshot-dir "
@@ -152,18 +152,19 @@ def latest_on_disk(root: str, model: str | None = None) -> tuple[int, str, int]:
                 with open(os.path.join(root, f"step{s}", n)) as fh:
                     rec = json.load(fh)
                 st, rank, opt = str(rec["strategy"]), int(rec["rank"]), int(rec["opt_step"])
-            except (OSError, ValueError, KeyError, TypeError):
-                continue                      # a record cut short: this rank did not finish
+                world = Strategy.parse(st).world
+            except (OSError, ValueError, KeyError, TypeError, StrategyError):
+                continue                      # a record cut short (this rank did not finish) or not ours
             models_seen.add(rec.get("model"))
             if model is not None and rec.get("model") not in (None, model):
                 continue
             if os.path.isdir(_path(root, s, rank)):
-                by.setdefault(st, {})[rank] = opt
-        for st, ranks in by.items():
-            if set(ranks) == set(range(Strategy.parse(st).world)):
+                by.setdefault((st, world), {})[rank] = opt
+        for (st, world), ranks in by.items():
+            if set(ranks) == set(range(world)):
                 return s, st, max(ranks.values())
-        seen.append(f"step {s}: " + (", ".join(f"{len(r)} of {Strategy.parse(st).world} ranks of {st}"
-                                                 for st, r in by.items()) or
+        seen.append(f"step {s}: " + (", ".join(f"{len(r)} of {world} ranks of {st}"
+                                                 for (st, world), r in by.items()) or
                                      (f"snapshots of {', '.join(sorted(map(str, models_seen)))}" if models_seen
                                       else "no records")))
     raise RuntimeFailure(f"--resume: no whole snapshot{f' of {model}' if model else ''} in {root}"
