@@ -11,9 +11,11 @@ of a wide GPT in a source layout; each case moves it to a destination layout:
   into a destination store allocated beforehand too. On disk the save is made durable (fsync) and
   the files are dropped from the page cache before the load, as for a job restarted on a
   replacement node (without that, "disk" reads back from memory and equals /dev/shm);
-- ``floor``: the same cross-device bytes pre-packed through one gloo all_to_all, plus each
-  rank's on-device bytes as one memcpy, with no planning, into destination buffers allocated
-  (and faulted in) beforehand with the same allocator as the switch's store.
+- ``floor``: the same cross-device bytes with the same carriers, pre-packed: one gloo all_to_all
+  between hosts and one local read per same-host pair (as the switch moves them, see
+  ``parashift.exec.switch.local``), plus each rank's on-device bytes as one memcpy, with no
+  planning, into destination buffers allocated (and faulted in) beforehand with the same
+  allocator as the switch's store.
 
 Two more cases run on two "hosts" on loopback (``--set two-hosts`` runs only them): the script
 starts itself once per host, each in a process group of its own with two processes (devices 0-1
@@ -70,6 +72,7 @@ import torch
 from parashift import models
 from parashift.exec.elastic import ElasticManager, Member, launch_elastic
 from parashift.exec.state import StateStore
+from parashift.exec.switch.local import negotiate, read_bytes as local_read
 from parashift.exec.switch import (BufferPool, Prepared, SwitchRecord, bytes_of, crc, execute_switch, kind_tensor,
                                    layout_store, lazy_alloc, piece_view, reserve_waiters, state_alloc)
 from parashift.vps.transition import SwitchMeta, place, plan_live_switch
@@ -268,27 +271,41 @@ def _digest(store: StateStore | None) -> list[int]:
     return [crc(getattr(b, k)) for _, b in sorted(store.buffers.items()) for k in ("param", "exp_avg", "exp_avg_sq")]
 
 
-def _floor(planned, device: int, world, index) -> float:
-    """Pre-packed cross-device bytes through one all_to_all, plus one memcpy of the kept bytes."""
+def _floor(planned, device: int, world, index, local) -> float:
+    """The same carriers with none of the switch's work: pre-packed bytes through one all_to_all
+    between hosts and one local read per same-host peer (``local``: the switch's), plus one
+    memcpy of the kept bytes."""
     P = SwitchMeta.of(planned.program).pieces           # every destination piece, kept ones included
     src, dst, nb = P.src, P.dst, P.nbytes
-    n = len(index)
     parts = planned.participants
-    send = [int(nb[(src == device) & (dst == d)].sum()) if d != device else 0 for d in parts]
-    recv = [int(nb[(src == d) & (dst == device)].sum()) if d != device else 0 for d in parts]
+    assert len(index) == len(parts)
+
+    def size(a: int, b: int) -> int:
+        return int(nb[(src == a) & (dst == b)].sum()) if a != b else 0
+    send = [size(device, d) if d not in local.readers else 0 for d in parts]
+    recv = [size(d, device) if d not in local.sources else 0 for d in parts]
     kept = int(nb[(src == device) & (dst == device)].sum())
     cpu = torch.device("cpu")       # destinations allocated (and faulted in) beforehand, as the switch's are
     inp = torch.ones(sum(send), dtype=torch.uint8)
     out = state_alloc(sum(recv), torch.uint8, cpu)
+    lent = {d: torch.ones(size(device, d), dtype=torch.uint8) for d in local.readers if d in index}
+    got = {d: state_alloc(size(d, device), torch.uint8, cpu) for d in local.sources if d in index}
+    addrs = torch.zeros(len(parts), dtype=torch.int64)  # where each reader finds what this device lends it
+    for d, t in lent.items():
+        addrs[index[d]] = t.data_ptr()
+    table = [torch.zeros_like(addrs) for _ in parts]
+    world.allgather([table], [addrs]).wait()
     a, b = torch.ones(kept, dtype=torch.uint8), state_alloc(kept, torch.uint8, cpu)
     _allmax(world, 0.0)
     threads = _thread_cpu()
     t0, c0 = time.perf_counter(), time.process_time()
-    world.alltoall_base(out, inp, recv, send, torch.distributed.AllToAllOptions()).wait()
+    work = world.alltoall_base(out, inp, recv, send, torch.distributed.AllToAllOptions())
+    for d, t in got.items():
+        local_read(local.sources[d], t.data_ptr(), int(table[index[d]][index[device]]), t.numel())
+    work.wait()
     b.copy_(a)
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     split = _cpu_split(threads)
-    assert n == len(parts)
     return _allmax(world, dt), _allsum(world, cpu), {k: _allsum(world, v) for k, v in split.items()}
 
 
@@ -346,6 +363,14 @@ def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict, staged: float
         import parashift.exec.switch.executor as executor
         executor.checksum = lambda t: 0
         executor.SwitchExecutor._hot = lambda self, buf: None     # no sums taken while packing either
+        import parashift.exec.switch.local as local
+
+        def unsummed(pid, addr, part, chunk):       # same-host reads, not summed
+            b = part.view(-1).view(torch.uint8)
+            local.read_bytes(pid, b.data_ptr(), addr, b.numel())
+            return 0
+        local.read_into = unsummed
+        local.checksum = lambda t: 0
     device = ctx.device
     mgr = ElasticManager(ctx.store, ctx.member.key, 120.0)
     keys = {d: f"{d}.0" for d in range(4)}
@@ -371,7 +396,8 @@ def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict, staged: float
         groups = {g: mgr.group(tuple(keys[d] for d in g)) for g in planned.collective_groups(device)}
         reserve_waiters(planned.program, device)
         world_s = time.perf_counter() - t0
-        prep = Prepared(planned, world, {d: i for i, d in enumerate(parts)}, groups, keys, None, plan_s, world_s, 0, 0)
+        prep = Prepared(planned, world, {d: i for i, d in enumerate(parts)}, groups, keys, None, plan_s, world_s, 0, 0,
+                        local=negotiate(ctx.store, ctx.member.key, {d: keys[d] for d in parts}))
         sw, al, phases, recs, fl, sw_cpu, fl_cpu, sw_split, fl_split = [], [], [], [], [], [], [], [], []
         for rep in range(repeats + 1):
             t0 = time.perf_counter()      # the destination store: allocated when the switch is announced
@@ -400,7 +426,7 @@ def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict, staged: float
             want = _digest(new)
             del new
             if rep:                       # interleaved, so that a busy host slows both alike
-                a, b, c = _floor(planned, device, world, prep.index)
+                a, b, c = _floor(planned, device, world, prep.index, prep.local)
                 fl.append(a)
                 fl_cpu.append(b)
                 fl_split.append(c)
@@ -412,6 +438,7 @@ def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict, staged: float
                "alloc_seconds": statistics.median(al),
                "bytes_moved": SwitchMeta.of(planned.program).bytes_moved,
                "bytes_kept": SwitchMeta.of(planned.program).bytes_kept, "switch_runs": sw, "floor_runs": fl,
+               "bytes_local": int(_allsum(world, float(recs[-1].bytes_local))),
                "cpu_seconds": statistics.median(sw_cpu), "floor_cpu_seconds": statistics.median(fl_cpu),
                "cpu_split": {k: statistics.median(x[k] for x in sw_split) for k in sw_split[0]},
                "floor_cpu_split": {k: statistics.median(x[k] for x in fl_split) for k in fl_split[0]},
@@ -542,7 +569,7 @@ def _merge(rounds: list[dict]) -> dict:
         c.update({f"{k}_range": [min(r[k] for r in rs), max(r[k] for r in rs)] for k in RATIOS if k in rs[0]})
         c.update({k: {t: statistics.median(r[k][t] for r in rs) for t in rs[0][k]}
                   for k in ("cpu_split", "floor_cpu_split") if k in rs[0]})
-        c.update({k: rs[0][k] for k in ("dst_devices", "bytes_moved", "bytes_kept", "hosts", "bytes_cross_host")
+        c.update({k: rs[0][k] for k in ("dst_devices", "bytes_moved", "bytes_kept", "bytes_local", "hosts", "bytes_cross_host")
                   if k in rs[0]})
         c["rounds"] = rs
         out[name] = c

@@ -19,6 +19,7 @@ import queue as queue_mod
 import threading
 import time
 import traceback
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -162,10 +163,12 @@ def _nccl_group(store: Any, rank: int, size: int, timeout: float, device: Any) -
 
 # ---- launcher -------------------------------------------------------------------------------------------
 def _child(fn: Callable, args: tuple, member: Member, where: tuple, results: Any, timeout: float,
-           threads: int | None, backend: str) -> None:
+           threads: int | None, backend: str, node: str) -> None:
     from .jobstore import connect, die_with_parent
+    from .switch.local import NODE_ENV
     die_with_parent(os.getppid())   # dies with the forkserver, which dies with the launcher
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ[NODE_ENV] = node     # processes of one launch are one host (same-host switch transfers)
     key = member.key
 
     def report_err(e: BaseException) -> None:
@@ -207,13 +210,15 @@ def launch_elastic(fn: Callable, members: list[Member], *, args: tuple = (), tim
     the processes). Raises RuntimeFailure when a process raises, or when the job exceeds ``timeout`` seconds.
     """
     from .jobstore import serve
+    from .switch.local import LOCAL_READS_ENV
     from .launch import _context, _script_hint, _stop, dead_ranks, stop_on_sigterm
     job = job if job is not None else serve(timeout)
     store = job.store
     ctx = _context()
     results = ctx.Queue()
+    node = f"{os.getpid()}.{uuid.uuid4().hex[:12]}" if os.environ.get(LOCAL_READS_ENV, "1") != "0" else ""
     procs = {m.key: ctx.Process(target=_child, args=(fn, args, m, job.client_args(), results, timeout, threads,
-                                                     backend),
+                                                     backend, node),
                                 name=f"parashift-dev{m.key}", daemon=True) for m in members}
     procs_members = {m.key: m for m in members}
     got: dict[str, Any] = {}

@@ -20,6 +20,10 @@ tensor copies.
   them apart), in parts of at most ``CHUNK`` bytes; while they are on the wire the driver copies
   the kept pieces (in slices of ``SLICE`` bytes) and checksums each part as soon as it has been
   sent or has landed;
+- *same-host messages by local reads* (:mod:`.local`): between processes of one host the gloo
+  driver lends each part's address instead of sending its bytes; the receiver copies it out of
+  the sender's memory (one kernel copy, no socket) and sums it a block at a time in cache, while
+  the sender sums its part as it is read;
 - *cheap checks*: a checksum is one vectorized 64-bit sum per part (memory speed), folded per
   transfer (or chunk), so verification publishes one value per transfer; the caller compares
   them (see :mod:`.protocol`). A part sent straight from the old state to several peers (a ZeRO
@@ -46,6 +50,7 @@ from ...ir.program import Instr, Program
 from ...vps.transition import SwitchMeta, parse_switch_name, switch_name
 from ...collectives import op as op_of
 from ..state import StateStore
+from .local import LocalPeers, LocalRecv, LocalSend
 from .memory import BufferPool
 from .stores import piece_view
 from .wire import (BIG, BLOCK, CHUNK, MAX_MSGS, SLICE, PartSums, checksum, checksum_device, fold, parts, resolve,
@@ -166,6 +171,7 @@ class ExecStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     bytes_copied: int = 0
+    bytes_local: int = 0                                        # received by reading a same-host sender's memory
     zero_copy: int = 0
     sums_reused: int = 0                                        # sent parts whose checksum an earlier send computed
     packs_shared: int = 0                                       # sends that reused another send's packed messages
@@ -218,6 +224,8 @@ class SwitchExecutor:
     NCCL needs (see :meth:`run`); None: the gloo driver. ``host_wire``: messages must be host
     memory (gloo moving device state): every piece of a device store travels through a staging
     buffer of the pool (pinned host memory there), none straight from or into the state.
+    ``local`` (:func:`~.local.negotiate`): same-host peers whose point-to-point messages the
+    gloo driver moves by local reads instead of through gloo's sockets.
     """
 
     def __init__(self, program: Program, device: int, old: StateStore | None, new: StateStore | None,
@@ -226,8 +234,9 @@ class SwitchExecutor:
                  on_received: Callable[[str, torch.Tensor], None] | None = None,
                  on_issue: Callable[[Instr], None] | None = None,
                  peer_gone: Callable[[], int | None] | None = None, big: int = BIG, chunk: int = CHUNK,
-                 streams: Any = None, host_wire: bool = False) -> None:
+                 streams: Any = None, host_wire: bool = False, local: LocalPeers | None = None) -> None:
         self.program, self.device, self.old, self.new = program, device, old, new
+        self.local = local if local is not None and streams is None and not host_wire else LocalPeers()
         self.streams, self.host_wire = streams, bool(host_wire)
         self._order: dict[tuple[int, int], int] | None = None
         self._cur: Any = None             # (ordered driver) the key whose work a buffer handed back waits for
@@ -567,6 +576,7 @@ class SwitchExecutor:
         in order, into the transfer's checksum; a sender's staging goes back to the pool when all
         are out."""
         pieces = parts(msgs, self.chunk)
+        works: list = []
         acc: list = []            # part checksums, folded in order when the run ends
         # parts whose checksums were taken while packing (None: summed here)
         sums = (self.presums.get(ins.tag) if sending else None) or [None] * len(msgs)
@@ -579,19 +589,24 @@ class SwitchExecutor:
         def part(j: int) -> None:
             if not sending and self.on_received is not None:
                 self.on_received(ins.tag, pieces[j])
+            elif not sending and isinstance(works[j], LocalRecv):      # summed as it was read
+                acc.append(works[j].sum)
+                return
             if pre[j] is not None:
                 acc.append(pre[j])
                 return
             if sending and j < len(shared) and shared[j]:
                 key = (pieces[j].data_ptr(), pieces[j].numel())
                 v = self.sent_sums.get(key)
-                if v is None:
+                if v is None and isinstance(works[j], LocalSend):   # summed while the reader read it
+                    v = self.sent_sums[key] = works[j].sum
+                elif v is None:
                     v = self.sent_sums[key] = self._sum(pieces[j])
                 else:
                     self.stats.sums_reused += 1
                 acc.append(v)
                 return
-            acc.append(self._sum(pieces[j]))
+            acc.append(works[j].sum if isinstance(works[j], LocalSend) else self._sum(pieces[j]))
 
         def done() -> None:
             (self.stats.sent_crc if sending else self.stats.recv_crc)[ins.tag] = acc
@@ -604,7 +619,11 @@ class SwitchExecutor:
             self._cur = ins.id
             done()
             return _Flight(ins, ins.stream, works, t0)
-        return _Flight(ins, ins.stream, [post(j, m) for j, m in enumerate(pieces)], t0, done, on_part=part)
+        works.extend(post(j, m) for j, m in enumerate(pieces))
+        for j, w in enumerate(works):
+            if isinstance(w, LocalSend):
+                w.summed = pre[j] is not None
+        return _Flight(ins, ins.stream, works, t0, done, on_part=part)
 
     # ---- one handler per op --------------------------------------------------------------------------
     def _issue(self, ins: Instr) -> _Flight:
@@ -633,10 +652,16 @@ class SwitchExecutor:
 
     def _send(self, ins: Instr) -> Callable:
         base, peer = self.tag_id[ins.tag] * MAX_MSGS, self.index[ins.peer]
+        if ins.peer in self.local.readers:            # the same-host receiver reads the part itself
+            return lambda j, m: LocalSend(self.world, peer, base + j, m)
         return lambda j, m: self.world.send([m], peer, base + j)
 
     def _recv(self, ins: Instr) -> Callable:
         base, peer = self.tag_id[ins.tag] * MAX_MSGS, self.index[ins.peer]
+        pid = self.local.sources.get(ins.peer)
+        if pid is not None:
+            self.stats.bytes_local += ins.nbytes
+            return lambda j, m: LocalRecv(self.world, peer, base + j, m, pid, self.chunk)
         return lambda j, m: self.world.recv([m], peer, base + j)
 
     def _broadcast(self, ins: Instr) -> Callable:

@@ -53,6 +53,7 @@ from ...strategy import Strategy
 from ...vps.transition import SwitchMeta, SwitchPlanned, parse_switch_name, plan_live_switch
 from ..state import StateStore
 from .executor import SwitchExecutor
+from .local import negotiate
 from .memory import BufferPool, bytes_of, reset_rss_peak, rss_bytes
 from .staged import Releases, restore
 from .wire import BIG, CHUNK, reserve_waiters
@@ -80,6 +81,7 @@ class Prepared:
     manager: Any = None                      # the ElasticManager that built the groups
     train_world_start: float = 0.0
     train_world_end: float = 0.0
+    local: Any = None                        # same-host peers moved by local reads (:func:`.local.negotiate`)
 
 
 def prepare(manager, spec: ModelSpec, src: Strategy, dst: Strategy, src_devices: tuple[int, ...],
@@ -107,9 +109,10 @@ def prepare(manager, spec: ModelSpec, src: Strategy, dst: Strategy, src_devices:
     groups = {g: manager.group(tuple(keys[d] for d in g))
               for g in sorted(planned.collective_groups(device), key=lambda g: (len(g), g))}
     reserve_waiters(planned.program, device)
+    local = negotiate(manager.store, keys[device], {d: keys[d] for d in parts}) if world is not None else None
     t2 = time.time()
     prep = Prepared(planned, world, {d: i for i, d in enumerate(parts)}, groups, keys, program,
-                    t1 - t0, t2 - t1, t1, t2, manager=manager)
+                    t1 - t0, t2 - t1, t1, t2, manager=manager, local=local)
     if program is not None:
         prep.worlds = training_worlds(manager, [keys[d] for d in dst_devices], dst_devices.index(device), program)
         prep.train_world_start, prep.train_world_end = t2, time.time()
@@ -152,6 +155,7 @@ class SwitchRecord:
     alloc_seconds: float = 0.0     # the destination store's allocation (in the background when announced)
     bytes_sent: int = 0
     bytes_received: int = 0
+    bytes_local: int = 0           # received by reading a same-host sender's memory (no socket)
     zero_copy: int = 0
     sums_reused: int = 0           # sent parts of the old state summed once for several peers
     packs_shared: int = 0          # sends whose packed messages an identical send had packed (packed once)
@@ -208,7 +212,7 @@ def execute_switch(prep: Prepared, store, prefix: str, device: int, old: StateSt
     ex = SwitchExecutor(prep.planned.program, device, old, new, prep.world, prep.index,
                         lambda g: prep.groups[g], timeout=timeout, pool=pool, on_received=on_received, on_issue=on_issue,
                         peer_gone=lambda: _gone(store, parts), big=big, chunk=chunk, streams=streams,
-                        host_wire=host_wire)
+                        host_wire=host_wire, local=prep.local)
     meta = None if old is None else {"steps_done": steps_done,
                                      "opt_step": max(b.step for b in old.buffers.values())}
     gc_clock = _GcClock()
@@ -273,6 +277,7 @@ def _transfer(ex: SwitchExecutor, stage: int | None) -> str | None:
 
 def _stats(record: SwitchRecord, stats) -> None:
     record.bytes_sent, record.bytes_received, record.zero_copy = stats.bytes_sent, stats.bytes_received, stats.zero_copy
+    record.bytes_local = stats.bytes_local
     record.sums_reused, record.packs_shared = stats.sums_reused, stats.packs_shared
     record.phases = {k: round(v, 6) for k, v in stats.seconds.items()}
 
