@@ -23,6 +23,8 @@ and 2-3); host 1 serves the job's store on a loopback port under the job's secre
 joins it, as ``parashift run --live --endpoint`` and ``parashift join`` do, so the two hosts'
 processes meet only through that endpoint. ``dp=4,zero=1 -> tp=2,dp=2`` and ``dp=2,pp=2 -> tp=4``
 move state between the hosts (``bytes_cross_host``); DCP runs on the same processes.
+``bytes_local``: what the switch moved between processes of one host by local reads
+(``parashift.exec.switch.local``; ``PARASHIFT_LOCAL_READS=0`` sends it through gloo too).
 
 The destination devices are ordered as a live job orders them (``--placement keep``: the order
 that keeps the most state in place, reported as ``dst_devices``); ``--placement given`` runs
