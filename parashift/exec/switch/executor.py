@@ -587,10 +587,11 @@ class SwitchExecutor:
                   for _ in range(0, max(m.numel(), 1), self.chunk)]
 
         def part(j: int) -> None:
+            local = works[j] if j < len(works) and isinstance(works[j], (LocalRecv, LocalSend)) else None
             if not sending and self.on_received is not None:
                 self.on_received(ins.tag, pieces[j])
-            elif not sending and isinstance(works[j], LocalRecv):      # summed as it was read
-                acc.append(works[j].sum)
+            elif local is not None and not sending:                   # summed as it was read
+                acc.append(local.sum)
                 return
             if pre[j] is not None:
                 acc.append(pre[j])
@@ -598,15 +599,15 @@ class SwitchExecutor:
             if sending and j < len(shared) and shared[j]:
                 key = (pieces[j].data_ptr(), pieces[j].numel())
                 v = self.sent_sums.get(key)
-                if v is None and isinstance(works[j], LocalSend):   # summed while the reader read it
-                    v = self.sent_sums[key] = works[j].sum
+                if v is None and local is not None:                   # summed while the reader read it
+                    v = self.sent_sums[key] = local.sum
                 elif v is None:
                     v = self.sent_sums[key] = self._sum(pieces[j])
                 else:
                     self.stats.sums_reused += 1
                 acc.append(v)
                 return
-            acc.append(works[j].sum if isinstance(works[j], LocalSend) else self._sum(pieces[j]))
+            acc.append(local.sum if local is not None else self._sum(pieces[j]))
 
         def done() -> None:
             (self.stats.sent_crc if sending else self.stats.recv_crc)[ins.tag] = acc
