@@ -70,7 +70,7 @@ def test_negotiate_pairs_processes_of_one_launch_only(monkeypatch):
 def test_negotiate_reads_a_peer_whose_probe_matches(monkeypatch):
     monkeypatch.setenv(NODE_ENV, "launch-c")       # keys of its own: pairs are probed once per process
     store = _Store()
-    probe = local._PROBE
+    probe = local._probe_buffer()
     store.set("local/info/6.0", json.dumps({"node": node_token(), "pid": os.getpid(), "addr": int(probe.ctypes.data),
                                            "probe": probe.tolist()}))
     store.set("local/can/6.0/5.0", b"0")

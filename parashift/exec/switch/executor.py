@@ -607,7 +607,7 @@ class SwitchExecutor:
                     self.stats.sums_reused += 1
                 acc.append(v)
                 return
-            acc.append(local.sum if local is not None else self._sum(pieces[j]))
+            acc.append(local.sum if sending and local is not None else self._sum(pieces[j]))   # a hook re-sums
 
         def done() -> None:
             (self.stats.sent_crc if sending else self.stats.recv_crc)[ins.tag] = acc

@@ -42,7 +42,7 @@ READ_BLOCK = 1 << 18
 LOCAL_READS_ENV = "PARASHIFT_LOCAL_READS"
 
 _LIBC: Any = None
-_PROBE = np.random.default_rng().integers(0, 1 << 62, size=64, dtype=np.int64)   # what peers read back
+_PROBE: tuple[int, np.ndarray] | None = None     # (pid, what peers read back): drawn in each process
 _PAIRS: dict[tuple[str, str], bool] = {}          # (reader key, source key) -> it can read (this process's cache)
 _LOCK = threading.Lock()
 
@@ -124,8 +124,16 @@ class LocalPeers:
     readers: frozenset = frozenset()
 
 
+def _probe_buffer() -> np.ndarray:
+    """This process's probe (drawn after a fork, so no two processes share one)."""
+    global _PROBE
+    if _PROBE is None or _PROBE[0] != os.getpid():
+        _PROBE = (os.getpid(), np.random.default_rng().integers(0, 1 << 62, size=64, dtype=np.int64))
+    return _PROBE[1]
+
+
 def _probe(info: dict) -> bool:
-    got = np.zeros_like(_PROBE)
+    got = np.zeros(64, dtype=np.int64)
     try:
         read_bytes(int(info["pid"]), got.ctypes.data, int(info["addr"]), got.nbytes)
     except SwitchAborted:
@@ -137,8 +145,8 @@ def negotiate(store: Any, me: str, keys: dict[int, str]) -> LocalPeers:
     """Agree with the other participants (``keys``: device -> incarnation key, this process's is
     ``me``) which pairs of processes of one host move messages by local reads. Every participant
     calls it (it publishes, then waits for the others); each pair is probed once per process."""
-    node = node_token()
-    mine = {"node": node, "pid": os.getpid(), "addr": int(_PROBE.ctypes.data), "probe": _PROBE.tolist()}
+    node, probe = node_token(), _probe_buffer()
+    mine = {"node": node, "pid": os.getpid(), "addr": int(probe.ctypes.data), "probe": probe.tolist()}
     store.set(f"local/info/{me}", json.dumps(mine))
     if node is None:
         return LocalPeers()
