@@ -290,8 +290,8 @@ def _floor(planned, device: int, world, index, local) -> float:
     cpu = torch.device("cpu")       # destinations allocated (and faulted in) beforehand, as the switch's are
     inp = torch.ones(sum(send), dtype=torch.uint8)
     out = state_alloc(sum(recv), torch.uint8, cpu)
-    lent = {d: torch.ones(size(device, d), dtype=torch.uint8) for d in local.readers if d in index}
-    got = {d: state_alloc(size(d, device), torch.uint8, cpu) for d in local.sources if d in index}
+    lent = {d: torch.ones(size(device, d), dtype=torch.uint8) for d in local.readers}
+    got = {d: state_alloc(size(d, device), torch.uint8, cpu) for d in local.sources}
     addrs = torch.zeros(len(parts), dtype=torch.int64)  # where each reader finds what this device lends it
     for d, t in lent.items():
         addrs[index[d]] = t.data_ptr()

@@ -286,13 +286,19 @@ def test_a_notice_long_enough(capsys):
         _reap([first, agent])
     assert rc == 0 and rc2 == 0, (err + err2)[-3000:]
     assert "killed 60 s after the SIGTERM" in err2 and "ran out" not in err2
+    _assert_clean_notice(out, ["dp=2,tp=1,pp=1", "dp=1,tp=1,pp=1"], job, capsys, [first, agent])
+
+
+def _assert_clean_notice(out: str, strategies: list[str], job: list[str], capsys, procs) -> None:
+    """The first host's JSON has one clean ``notice`` switch through ``strategies``, its 20 losses
+    equal the static job's within 1e-5, and no process is left."""
     got = json.loads(out)
     (sw,) = got["switches"]
-    assert sw["cause"] == "notice" and "aborted" not in sw and got["strategies"] == ["dp=2,tp=1,pp=1", "dp=1,tp=1,pp=1"]
+    assert sw["cause"] == "notice" and "aborted" not in sw and got["strategies"] == strategies
     assert main(["run", *job, "--json"]) == 0
     ref = json.loads(capsys.readouterr().out)
     assert len(got["losses"]) == 20 and got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
-    assert _gone(first.pid) and _gone(agent.pid), "processes left behind"
+    assert all(_gone(p.pid) for p in procs), "processes left behind"
 
 
 def test_a_kill_after_the_notice_switch_stops_no_step(capsys):
@@ -314,13 +320,7 @@ def test_a_kill_after_the_notice_switch_stops_no_step(capsys):
     finally:
         _reap([first, agent])
     assert rc == 0, err[-2000:]
-    got = json.loads(out)
-    (sw,) = got["switches"]
-    assert sw["cause"] == "notice" and "aborted" not in sw and got["strategies"] == ["dp=4,tp=1,pp=1", "dp=2,tp=1,pp=1"]
-    assert main(["run", *job, "--json"]) == 0
-    ref = json.loads(capsys.readouterr().out)
-    assert len(got["losses"]) == 20 and got["losses"] == pytest.approx(ref["losses"], abs=1e-5)
-    assert _gone(first.pid) and _gone(agent.pid), "processes left behind"
+    _assert_clean_notice(out, ["dp=4,tp=1,pp=1", "dp=2,tp=1,pp=1"], job, capsys, [first, agent])
 
 
 def test_a_notice_is_short_when_the_switch_would_outlast_it():

@@ -97,3 +97,39 @@ def test_one_host_switch_moves_by_local_reads_bit_exactly(monkeypatch):
     off = run_live(GPT, "dp=2,tp=2,zero=1", steps=3, switches=[(1, "tp=4", None)], timeout=180, switch_timeout=30)
     assert _local_bytes(off) == (0, received)
     assert off.losses == res.losses
+
+
+class _Done:
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
+class _Pair:
+    """One end of a gloo pair whose receives are filled with ``replies`` in order."""
+
+    def __init__(self, *replies: list[int]) -> None:
+        self.replies, self.sent = list(replies), []
+
+    def send(self, tensors, peer, tag):
+        self.sent.append(tensors[0].clone())
+        return _Done()
+
+    def recv(self, tensors, peer, tag):
+        tensors[0].copy_(torch.tensor(self.replies.pop(0), dtype=torch.int64))
+        return _Done()
+
+
+def test_a_lent_part_of_another_length_or_a_short_ack_is_refused():
+    src = torch.arange(16, dtype=torch.uint8)
+    part = torch.zeros(16, dtype=torch.uint8)
+    ok = local.LocalRecv(_Pair([src.data_ptr(), 16]), 1, 7, part, os.getpid(), CHUNK)
+    assert ok.wait(None) and torch.equal(part, src) and ok.sum == checksum(src)
+    assert ok.world.sent[-1].tolist() == [16]                       # acknowledged with the length it read
+    bad = local.LocalRecv(_Pair([src.data_ptr(), 8]), 1, 7, part, os.getpid(), CHUNK)
+    with pytest.raises(SwitchAborted, match="Programs differ"):
+        bad.wait(None)
+    lent = local.LocalSend(_Pair([8]), 1, 7, src)
+    assert lent.desc.tolist() == [src.data_ptr(), 16]
+    with pytest.raises(SwitchAborted, match="acknowledged 8 bytes of a 16-byte part"):
+        lent.wait(None)
+    assert lent.sum == checksum(src)                                 # summed while the reader read it

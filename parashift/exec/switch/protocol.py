@@ -53,7 +53,7 @@ from ...strategy import Strategy
 from ...vps.transition import SwitchMeta, SwitchPlanned, parse_switch_name, plan_live_switch
 from ..state import StateStore
 from .executor import SwitchExecutor
-from .local import negotiate
+from .local import LocalPeers, negotiate
 from .memory import BufferPool, bytes_of, reset_rss_peak, rss_bytes
 from .staged import Releases, restore
 from .wire import BIG, CHUNK, reserve_waiters
@@ -81,7 +81,7 @@ class Prepared:
     manager: Any = None                      # the ElasticManager that built the groups
     train_world_start: float = 0.0
     train_world_end: float = 0.0
-    local: Any = None                        # same-host peers moved by local reads (:func:`.local.negotiate`)
+    local: LocalPeers | None = None          # same-host peers moved by local reads (:func:`.local.negotiate`)
 
 
 def prepare(manager, spec: ModelSpec, src: Strategy, dst: Strategy, src_devices: tuple[int, ...],
