@@ -381,17 +381,18 @@ def _worker(ctx, spec, repeats: int, dcp_repeats: int, dirs: dict, staged: float
                                          world_size=4, timeout=datetime.timedelta(seconds=600))
     pool = BufferPool()
     out = {}
+    hosts = tuple(host_of[d] for d in range(max(host_of) + 1)) if host_of is not None else None
     for ci, (name, src, dst, sdev, ddev) in enumerate(cases):
         src, dst = Strategy.parse(src), Strategy.parse(dst)
-        if placement == "keep":        # as a live job orders the destination devices
-            ddev = place(spec, src, dst, sdev, ddev)
+        if placement == "keep":        # as a live job orders the destination devices (on their hosts)
+            ddev = place(spec, src, dst, sdev, ddev, hosts)
         if staged is not None:
             out[name] = _staged_case(spec, ctx, world, keys, mgr, ci, src, dst, sdev, ddev, staged, repeats)
             continue
         old = StateStore(spec, src, sdev.index(device), torch.device("cpu"), init=False)
         _fill(old, spec)
         t0 = time.perf_counter()
-        planned = plan_live_switch(spec, src, dst, sdev, ddev)
+        planned = plan_live_switch(spec, src, dst, sdev, ddev, hosts=hosts)
         plan_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         parts = planned.participants

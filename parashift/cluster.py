@@ -80,6 +80,8 @@ class Cluster:
     ``nics_per_node`` NICs of ``nic_bw`` bytes/s each (one direction) connect a node to the others,
     rail-aligned (NIC ``i`` serves local devices ``i, i + nics, ...``); 0 takes the GPU kind's
     defaults. :attr:`inter_bw` is one device's share when every device of a node sends off-node.
+    ``node_map``: the node of each device id, for nodes of unequal sizes (a live job's hosts, see
+    :meth:`on_hosts`); empty: device ``d`` on node ``d // per_node``.
     """
 
     name: str
@@ -88,8 +90,16 @@ class Cluster:
     per_node: int
     nics_per_node: int = 0
     nic_bw: float = 0.0
+    node_map: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.node_map:
+            m = np.asarray(self.node_map)
+            if m.ndim != 1 or m.min() < 0 or len(np.unique(m)) != self.nodes or m.max() >= self.nodes \
+                    or np.bincount(m).max() != self.per_node:
+                raise ClusterError(f"cluster {self.name!r}: node_map must number its {self.nodes} nodes 0.."
+                                   f"{self.nodes - 1} with at most {self.per_node} devices each; build it with "
+                                   f"Cluster.on_hosts")
         if self.nodes < 1 or self.per_node < 1:
             raise ClusterError(f"cluster {self.name!r} needs at least one node of one device")
         if not self.nics_per_node:
@@ -101,7 +111,7 @@ class Cluster:
 
     @property
     def devices(self) -> int:
-        return self.nodes * self.per_node
+        return len(self.node_map) if self.node_map else self.nodes * self.per_node
 
     @property
     def memory(self) -> int:
@@ -119,17 +129,35 @@ class Cluster:
         return max(1, -(-self.per_node // self.nics_per_node))
 
     def node_of(self, device: "int | np.ndarray") -> "int | np.ndarray":
-        """Node index of device id(s); device d sits on node d // per_node."""
+        """Node index of device id(s): ``node_map[d]``, or ``d // per_node`` without a map."""
         d = np.asarray(device)
         if np.any((d < 0) | (d >= self.devices)):
             bad = int(np.asarray(d).ravel()[np.argmax(((d < 0) | (d >= self.devices)).ravel())])
             raise ClusterError(f"device {bad} is not in {self.name} (devices 0-{self.devices - 1}); "
                                f"use a bigger cluster such as {self.with_devices(bad + 1).name}")
-        n = d // self.per_node
+        n = np.asarray(self.node_map, dtype=np.int64)[d] if self.node_map else d // self.per_node
         return int(n) if np.ndim(n) == 0 else n
 
+    def on_hosts(self, node_map: "list[int] | tuple[int, ...] | np.ndarray") -> "Cluster":
+        """This cluster's devices placed on hosts of any sizes: device ``d`` on node ``node_map[d]``
+        (hosts renumbered 0.. in order of first appearance; ``per_node``: the largest host)."""
+        m = np.asarray(node_map, dtype=np.int64).ravel()
+        if len(m) == 0 or m.min() < 0:
+            raise ClusterError(f"a host map needs a host number >= 0 for every device id, got {list(m)[:16]}")
+        _, first, inv = np.unique(m, return_index=True, return_inverse=True)
+        rank = np.empty(len(first), dtype=np.int64)
+        rank[np.argsort(first, kind="stable")] = np.arange(len(first))
+        nm = tuple(int(x) for x in rank[inv.ravel()])
+        sizes = np.bincount(nm)
+        name = f"{self.name.partition(':')[0]}:hosts={'+'.join(str(int(x)) for x in sizes)}"
+        return replace(self, nodes=len(sizes), per_node=int(sizes.max()), node_map=nm, name=name)
+
     def with_devices(self, n: int) -> "Cluster":
-        """The smallest cluster of this GPU kind with at least ``n`` devices."""
+        """The smallest cluster of this GPU kind with at least ``n`` devices (a host-mapped cluster
+        places devices beyond its map on new nodes of ``per_node``)."""
+        if self.node_map:
+            extra = max(0, n - len(self.node_map))
+            return self.on_hosts(list(self.node_map) + [self.nodes + i // self.per_node for i in range(extra)])
         nodes = max(1, -(-n // self.per_node))
         extra = [kv for kv in self.name.partition(":")[2].split(",") if kv and not kv.startswith("nodes=")]
         if self.gpu.name == "cpu" and nodes > 1:   # cpu-local names no node count: give it as an override
@@ -140,7 +168,7 @@ class Cluster:
     def to_dict(self) -> dict:
         return {"name": self.name, "nodes": self.nodes, "per_node": self.per_node,
                 "nics_per_node": self.nics_per_node, "nic_bw": self.nic_bw, "inter_bw_per_device": self.inter_bw,
-                "gpu": asdict(self.gpu)}
+                "gpu": asdict(self.gpu), **({"node_map": list(self.node_map)} if self.node_map else {})}
 
 
 def _name(gpu: str, nodes: int, per_node: int) -> str:

@@ -117,6 +117,8 @@ def test_two_hosts_train_a_third_joins_one_leaves_with_notice(capsys):
     join, notice = got["switches"]
     assert join["cause"] == "join" and notice["cause"] == "notice" and join["step"] < notice["step"] < 30
     assert "aborted" not in join and "aborted" not in notice
+    # planned with the hosts: the joiners' state comes from the other hosts; dp=4 -> dp=3 moves nothing
+    assert join["bytes_between_hosts"] > 0 and notice["bytes_between_hosts"] == 0
     assert "SIGTERM: devices 1-1 leave" in err2
     assert SECRET not in out1 + err1 + err2 + err3
     # the same job on one host, never switching

@@ -12,9 +12,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from parashift import models, vps
-from parashift.errors import PlanError
+from parashift import cluster as clusters, models, vps
+from parashift.cost import CostModel
+from parashift.errors import ClusterError, PlanError
+from parashift.strategy import Strategy
 from parashift.vps.placement import assign_max, keep_matrix
+from parashift.vps.transition import SwitchMeta, place, plan_live_switch
+from parashift.vps.transition.sources import select_sources
 from test_vps_layout import reference_holdings, strategies_for, tiny_models
 
 
@@ -56,6 +60,9 @@ def placements(draw):
     pool = max(src.world, dst.world) + draw(st.integers(0, 2))
     sdev = tuple(draw(st.permutations(range(pool)))[:src.world])
     ddev = tuple(draw(st.permutations(range(pool)))[:dst.world])
+    if draw(st.booleans()):          # a live job's hosts: any sizes, in any order of the device ids
+        hosts = draw(st.lists(st.integers(0, 3), min_size=pool, max_size=pool))
+        return model, src, dst, sdev, ddev, clusters.get("a100-1x8").on_hosts(hosts)
     per_node = draw(st.sampled_from([2, 4, 8]))
     return model, src, dst, sdev, ddev, f"a100-{-(-pool // per_node)}x{per_node}"
 
@@ -94,3 +101,59 @@ def test_keep_placement_halves_the_bytes_of_a_tp_merge():
     assert kept.stats()["bytes_moved"] * 1.9 < plain.stats()["bytes_moved"]
     with pytest.raises(PlanError, match="placement"):
         vps.plan_switch(model, src, dst, placement="best")
+
+
+def test_a_host_map_places_devices_on_hosts_of_any_size():
+    c = clusters.get("cpu-local").on_hosts([7, 7, 7, 3, 3, 9])
+    assert (c.nodes, c.per_node, c.devices, c.node_map) == (3, 3, 6, (0, 0, 0, 1, 1, 2))
+    assert c.node_of(4) == 1 and c.node_of(np.array([0, 3, 5])).tolist() == [0, 1, 2]
+    assert c.name == "cpu-local:hosts=3+2+1"
+    assert c.with_devices(8).node_map == (0, 0, 0, 1, 1, 2, 3, 3)     # extra devices on new nodes
+    with pytest.raises(ClusterError, match="device 6"):
+        c.node_of(6)
+    for bad in ([], [-1, 0]):
+        with pytest.raises(ClusterError, match="host"):
+            clusters.get("cpu-local").on_hosts(bad)
+
+
+@settings(max_examples=40, deadline=None)
+@given(placements())
+def test_moved_pieces_come_from_the_receivers_node_when_it_holds_a_copy(case):
+    """Brute force over the pieces: a piece with a holder on its receiver's node (host) is taken
+    from that node, by the router and still after the lowering's source selection."""
+    model, src, dst, sdev, ddev, clus = case
+    plan = vps.plan_switch(model, src, dst, cluster=clus, src_devices=sdev, dst_devices=ddev)
+    chosen = select_sources(plan, plan.cluster, CostModel.for_cluster(plan.cluster))
+    node = plan.cluster.node_of
+    for p in (plan, chosen):
+        for i in np.flatnonzero(p.moved):
+            holders = p.holder_devices(i).tolist()
+            assert int(p.src[i]) in holders
+            if any(node(h) == node(int(p.dst[i])) for h in holders):
+                assert node(int(p.src[i])) == node(int(p.dst[i])), f"piece {i} crossed nodes with a copy on its own"
+
+
+def _cross_host(planned, hosts) -> int:
+    h = np.asarray(hosts)
+    return sum(ins.nbytes for d, rp in planned.program.ranks.items() for ins in rp.instrs()
+               if ins.op == "send" and h[d] != h[ins.peer])
+
+
+def test_a_live_switch_keeps_tensor_parallel_groups_on_their_hosts():
+    """Two hosts of two processes, tp=4 -> tp=2,dp=2: without the host map the kept order (0,2,1,3)
+    puts each TP pair on two hosts (every step's TP traffic off-host); with it each pair stays on
+    its host. Three hosts, pp=2,dp=3 -> tp=2,dp=2: every piece has a copy on its receiver's host
+    or on another, and the host-aware plan takes the near one (fewer bytes between hosts)."""
+    model = models.gpt(4, 256, 8, ffn=1024, vocab=1024, seq_len=64, name="h-gpt", dtype="fp32", pad_vocab=64)
+    hosts = (1, 1, 2, 2, 3, 3)
+    tp4, tp2 = Strategy.parse("tp=4"), Strategy.parse("tp=2,dp=2")
+    assert place(model, tp4, tp2, (0, 1, 2, 3), (0, 1, 2, 3)) == (0, 2, 1, 3)
+    order = place(model, tp4, tp2, (0, 1, 2, 3), (0, 1, 2, 3), hosts)
+    assert [{hosts[d] for d in order[i:i + 2]} for i in (0, 2)] == [{1}, {2}]
+    src = Strategy.parse("pp=2,dp=3")
+    blind = plan_live_switch(model, src, tp2, tuple(range(6)), (0, 1, 2, 3))
+    aware = plan_live_switch(model, src, tp2, tuple(range(6)), (0, 1, 2, 3), hosts=hosts)
+    assert SwitchMeta.of(aware.program).bytes_moved == SwitchMeta.of(blind.program).bytes_moved
+    assert _cross_host(aware, hosts) < 0.9 * _cross_host(blind, hosts)
+    with pytest.raises(PlanError, match="host map"):
+        plan_live_switch(model, src, tp2, tuple(range(6)), (0, 1, 2, 3), hosts=(1, 1, 2))

@@ -196,7 +196,7 @@ class _Follow:
                 st = next_strategy(session.spec, cur.strategy, len(cur.devices) + have - top,
                                    session.opts.global_batch, session.opts.strategy_for, above=len(cur.devices))
                 if st is not None:
-                    new = tuple(cur.devices) + tuple(range(top, have))[:st.world - len(cur.devices)]
+                    new = _placed(session, cur, st, tuple(cur.devices) + tuple(range(top, have))[:st.world - len(cur.devices)])
                     store.set(f"hosts/gen/{len(gens)}", pk.dumps((Generation(at, st, new), "join")))
         if session.device == 0 and session.gen == len(gens) - 1 and len(gens) - 1 == _count(store, gens):
             self._leave(session, step)
@@ -230,7 +230,17 @@ class _Follow:
         if st is None:
             raise RuntimeFailure(f"devices {sorted(gone)} are leaving and no strategy like {cur.strategy} fits the "
                                  f"{len(left)} that stay")
-        store.set(f"hosts/gen/{len(gens)}", pk.dumps((Generation(at, st, tuple(left[:st.world])), "notice")))
+        store.set(f"hosts/gen/{len(gens)}", pk.dumps((Generation(at, st, _placed(session, cur, st, tuple(left[:st.world]))),
+                                                      "notice")))
+
+
+def _placed(session: Any, cur: Any, st: Any, devices: tuple[int, ...]) -> tuple[int, ...]:
+    """``devices`` in the order that keeps the most state in place, each on its host (``--switch-placement
+    keep``), or as given."""
+    if session.opts.placement != "keep":
+        return devices
+    from ..vps.transition.live import place
+    return place(session.spec, cur.strategy, st, cur.devices, devices, session.host_map(cur.devices + devices))
 
 
 def notice_is_short(seconds: float, session: Any) -> bool:
@@ -266,6 +276,23 @@ def _wait_key(store: Any, key: str, timeout: float, what: str, alive: Callable[[
             raise RuntimeFailure(f"timed out after {timeout:.0f} s waiting for {what}; raise --timeout or check "
                                  f"that every host runs its command against the same --endpoint and secret")
         time.sleep(0.05)
+
+
+def host_map(store: Any, devices, timeout: float = 60.0) -> tuple[int, ...]:
+    """The host number of each device id up to ``max(devices)`` (``LiveOptions.hosts`` of a
+    multi-host job), from ``hosts/devices_of/<h>``; a host that has taken its device ids but not yet
+    published them is waited for. The same on every process: a device's host never changes."""
+    top = max(devices) + 1
+    out = [0] * top
+    left, h = top, 1
+    while left > 0:
+        _wait_key(store, f"hosts/devices_of/{h}", timeout, f"host {h}'s devices")
+        a, b = (int(x) for x in store.get(f"hosts/devices_of/{h}").decode().split("-"))
+        for d in range(a, min(b + 1, top)):
+            out[d] = h
+            left -= 1
+        h += 1
+    return tuple(out)
 
 
 def _local_members(devices: range) -> list[Member]:
@@ -311,7 +338,8 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
     spec = models.get(model)
     host, port = parse_endpoint(endpoint)
     _check_gloo_interface(host)
-    gens = generations(spec, strategy, steps, [], live.pop("placement", "keep"))
+    placement = live.pop("placement", "keep")
+    gens = generations(spec, strategy, steps, [], placement)
     world = gens[0].strategy.world
     if live.pop("resume", False):             # a restarted job: from the newest whole snapshot on disk
         from .snapshot import latest_on_disk
@@ -340,7 +368,8 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
         raise StrategyError(f"--heartbeat-timeout {heartbeat_timeout:g} must be above 0 and at most --timeout "
                             f"({timeout:g} s)")
     from .recover import after_switch
-    opts = LiveOptions(seq_len=seq_len, on_step=_Follow(on_join, steps), recover=after_switch, **live)
+    opts = LiveOptions(seq_len=seq_len, on_step=_Follow(on_join, steps), recover=after_switch, placement=placement,
+                       hosts=host_map, **live)
     job = serve(timeout, host, port, secret)
     store = job.store
     _liveness(store, host, secret)
@@ -353,6 +382,7 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
             store.set(f"hosts/snap/{s}/{r}", pickle.dumps((snap_st, r, opt)))
     store.add("hosts/count", 1)
     store.add("hosts/devices", nprocs)
+    store.set("hosts/devices_of/1", f"0-{nprocs - 1}")
     _say(quiet, f"serving the job at {host}:{port}: devices 0-{nprocs - 1} here; waiting for "
                 f"{world - nprocs} more from `parashift join --endpoint {host}:{port}`")
     end = time.monotonic() + timeout
@@ -414,7 +444,8 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
     ran = 0                                     # the generation each recovery started from
     for g, c in zip(range(1, len(gens)), causes):
         if c != "failure":                      # a planned switch (join, notice): its processes' records
-            for sw in _summarize([gens[g - 1], gens[g]], reports, spec, opts.memory_budget) or \
+            for sw in _summarize([gens[g - 1], gens[g]], reports, spec, opts.memory_budget,
+                                 hosts=host_map(store, gens[g - 1].devices + gens[g].devices)) or \
                     _superseded(store, gens, causes, g, ran):
                 switches.append(dict(sw, cause=c))
                 ran = g if "aborted" not in sw else ran

@@ -86,19 +86,20 @@ class Prepared:
 
 def prepare(manager, spec: ModelSpec, src: Strategy, dst: Strategy, src_devices: tuple[int, ...],
             dst_devices: tuple[int, ...], keys: dict[int, str], device: int, *, global_batch: int, seq_len: int,
-            memory_budget=None, cost_model: Any = None) -> Prepared:
+            memory_budget=None, cost_model: Any = None, hosts: "tuple[int, ...] | None" = None) -> Prepared:
     """Plan the switch and compile the new training Program (planning), then build the switch's
     process groups and, on a device of the new layout, its training world (world creation).
 
     ``keys``: incarnation key of every participating device (see :mod:`..elastic`); ``cost_model``:
-    what the lowering's promotions are scored with (default: the local machine's). Every
+    what the lowering's promotions are scored with (default: the local machine's); ``hosts``: the
+    host of each device id (None: one host, see :func:`.live_cluster`). Every
     participant creates the groups in the same order (the switch's world, its collective groups
     sorted, then the training world's groups sorted), so creation never waits crosswise.
     """
     from ..runtime import compile_program
     t0 = time.time()
     planned = plan_live_switch(spec, src, dst, src_devices, dst_devices, memory_budget=memory_budget,
-                               cost_model=cost_model)
+                               cost_model=cost_model, hosts=hosts)
     program = None
     if device in dst_devices:
         program = compile_program(spec if not _is_preset(spec) else spec.name, dst, global_batch=global_batch,
@@ -156,6 +157,7 @@ class SwitchRecord:
     bytes_sent: int = 0
     bytes_received: int = 0
     bytes_local: int = 0           # received by reading a same-host sender's memory (no socket)
+    bytes_between_hosts: int = 0   # the whole switch's bytes from one host to another, as planned (multi-host jobs)
     zero_copy: int = 0
     sums_reused: int = 0           # sent parts of the old state summed once for several peers
     packs_shared: int = 0          # sends whose packed messages an identical send had packed (packed once)

@@ -87,6 +87,7 @@ class LiveOptions:
     ordered: Any = None      # switches issued in one global order on the device's streams (None: on NCCL only)
     strategy_for: tuple = ()  # multi-host jobs: (device count, Strategy) pairs to switch to as hosts come and go
     resume: tuple = ()       # multi-host jobs: (step, strategy, optimizer step) of the snapshot in snapshot_dir to start from
+    hosts: Any = None        # multi-host jobs: hosts(store, devices) -> the host of each device id (None: one host)
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,11 @@ class LiveSession:
         self.rows: list[tuple] = []            # (stream, op, start, end, step)
         self.exports: dict[str, Any] = {}
 
+    def host_map(self, devices) -> "tuple[int, ...] | None":
+        """The host of each device id up to ``max(devices)`` (a multi-host job's, read from its store;
+        the same on every process), or None on one host."""
+        return self.opts.hosts(self.ctx.store, devices) if self.opts.hosts is not None else None
+
     def side_store(self) -> Any:
         """A second connection to the job's store, for short calls that must not queue behind a
         blocking one of the background preparation (a world's rendezvous holds ``ctx.store``)."""
@@ -188,11 +194,12 @@ class LiveSession:
             try:
                 if self.torch_device.type == "cuda":      # the current device is per thread
                     torch.cuda.set_device(self.torch_device)
+                hosts = self.host_map(src.devices + dst.devices)
                 budget = o.memory_budget if o.memory_budget is not None else \
-                    switch_fit(self.spec, src, dst, device=o.device)["memory_budget"]   # automatic: under its memory
+                    switch_fit(self.spec, src, dst, device=o.device, hosts=hosts)["memory_budget"]   # under its memory
                 prep = prepare(self.manager, self.spec, src.strategy, dst.strategy, src.devices, dst.devices,
                                _keys(self.gens, g), self.device, global_batch=o.global_batch, seq_len=o.seq_len,
-                               memory_budget=budget, cost_model=o.cost_model)
+                               memory_budget=budget, cost_model=o.cost_model, hosts=hosts)
                 if self.device in dst.devices:     # the destination store, faulted in while training goes on
                     t0 = time.time()            # (a staged switch's fills stage by stage: lazily allocated)
                     prep.new_store = StateStore(self.spec, dst.strategy, dst.devices.index(self.device),
@@ -288,6 +295,7 @@ class LiveSession:
             raise SwitchAborted(f"switch at step {rec.step} aborted before moving anything: {rec.aborted}",
                                 rec.aborted, peer_failed=not isinstance(e, MemoryBudgetError)) from e
         rec.plan_seconds = prep.plan_seconds
+        rec.bytes_between_hosts = int(prep.planned.program.meta.get("bytes_inter_node", 0))
         rec.world_seconds = prep.world_seconds + (prep.train_world_end - prep.train_world_start)
         rec.alloc_seconds = prep.alloc_seconds
         rec.rows += [("elastic", "plan", prep.world_start - prep.plan_seconds, prep.world_start),
@@ -335,7 +343,7 @@ class LiveSession:
                                 f"growing needs joining processes: schedule the switch with run_live(switches=...) "
                                 f"or parashift run --switch-at")
         if self.opts.placement == "keep":
-            devs = place(self.spec, cur.strategy, st, cur.devices, devs)
+            devs = place(self.spec, cur.strategy, st, cur.devices, devs, self.host_map(cur.devices + devs))
         gen = Generation(step, st, devs)
         self.gens.append(gen)
         return self.switch(len(self.gens) - 1)
@@ -544,21 +552,21 @@ class LiveResult:
 
 
 def switch_fit(spec: models.ModelSpec, src: Generation, dst: Generation, memory_budget=None,
-               device: str = "cpu") -> dict:
+               device: str = "cpu", hosts: "tuple[int, ...] | None" = None) -> dict:
     """Whether the switch from ``src`` to ``dst`` fits each process's memory (on CPU this machine's
     available memory shared among the switch's processes; on ``device="cuda"`` one GPU's total
     memory, the same figure on every participant, so that all plan alike) and its staging budget:
     ``memory_budget`` when given, else chosen under that memory when one stage does not fit (see
-    :func:`.live_fit`)."""
+    :func:`.live_fit`; ``hosts``: the host of each device id, None for one host)."""
     from ...units import available_memory
     from ...vps.transition import live_fit
     n = len(set(src.devices) | set(dst.devices))
     mem = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else available_memory() // n
-    return live_fit(spec, src.strategy, dst.strategy, src.devices, dst.devices, mem, memory_budget)
+    return live_fit(spec, src.strategy, dst.strategy, src.devices, dst.devices, mem, memory_budget, hosts)
 
 
 def _summarize(gens: list[Generation], reports: dict[str, Any], spec: "models.ModelSpec | None" = None,
-               memory_budget=None, device: str = "cpu") -> list[dict]:
+               memory_budget=None, device: str = "cpu", hosts: "tuple[int, ...] | None" = None) -> list[dict]:
     """One entry a switch that ran; with ``spec``, its planned fit too (``fits``, ``planned_peak_bytes``,
     ``device_memory``, ``memory_budget``, ``budget_auto``)."""
     out = []
@@ -572,11 +580,12 @@ def _summarize(gens: list[Generation], reports: dict[str, Any], spec: "models.Mo
                  "seconds": max(SwitchRecord(**{k: v for k, v in r.items()}).seconds for r in recs),
                  "pause_seconds": max(r["pause_seconds"] for r in recs if not r["joining"])}
         for k in ("plan_seconds", "world_seconds", "transfer_seconds", "verify_seconds", "rebuild_seconds",
-                  "alloc_seconds", "peak_bytes", "staging_peak_bytes", "released_bytes", "stages"):
+                  "alloc_seconds", "peak_bytes", "staging_peak_bytes", "released_bytes", "stages",
+                  "bytes_between_hosts"):
             entry[k] = max(r[k] for r in recs)      # the slowest process's phase; the largest high-water mark
         entry["bytes_moved"] = sum(r["bytes_sent"] for r in recs)
         if spec is not None:
-            fit = switch_fit(spec, gens[g - 1], gens[g], memory_budget, device)
+            fit = switch_fit(spec, gens[g - 1], gens[g], memory_budget, device, hosts)
             entry.update({"fits": fit["fits"], "planned_peak_bytes": fit["peak_bytes"],
                           "device_memory": fit["device_memory"], "memory_budget": fit["memory_budget"],
                           "budget_auto": fit["budget_auto"]})

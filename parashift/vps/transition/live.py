@@ -18,6 +18,7 @@ from ...models import ModelSpec
 from ...strategy import Strategy
 from ..plan import plan_switch
 from ...collectives import COLLECTIVE_OPS
+from ...errors import PlanError
 from .lower import lower
 from .staging import budget_array, check_fit, state_buffers
 
@@ -51,18 +52,28 @@ class SwitchPlanned:
         return out
 
 
-def live_cluster(devices) -> "_cluster.Cluster":
-    """This machine's worker processes as a cluster holding every device id of a live switch."""
-    return _cluster.get("cpu-local").with_devices(max(max(devices) + 1, 8))
+def live_cluster(devices, hosts: "tuple[int, ...] | None" = None) -> "_cluster.Cluster":
+    """The worker processes of a live switch as a cluster holding every device id in ``devices``:
+    one node, or with ``hosts`` (the host of each device id, index = id) a node per host, so that
+    placement keeps ranks on their hosts and pieces come from a holder on the receiver's host."""
+    top = max(devices) + 1
+    if hosts is None:
+        return _cluster.get("cpu-local").with_devices(max(top, 8))
+    if len(hosts) < top:
+        raise PlanError(f"the host map covers devices 0-{len(hosts) - 1} but the switch uses device {top - 1}; "
+                        f"give the host of every device id")
+    return _cluster.get("cpu-local").on_hosts(list(hosts))
 
 
 def plan_live_switch(spec: ModelSpec, src: "Strategy | str", dst: "Strategy | str", src_devices: tuple[int, ...],
-                     dst_devices: tuple[int, ...], *, memory_budget=None, **options: Any) -> SwitchPlanned:
+                     dst_devices: tuple[int, ...], *, memory_budget=None, hosts: "tuple[int, ...] | None" = None,
+                     **options: Any) -> SwitchPlanned:
     """Plan and lower the switch of ``spec``'s live state (deterministic: every rank gets the same).
-    ``options`` go to :func:`.lower` (its passes, ``cost_model``)."""
+    ``hosts``: the host of each device id (see :func:`live_cluster`; None: one host). ``options``
+    go to :func:`.lower` (its passes, ``cost_model``)."""
     t0 = time.perf_counter()
     devs = sorted(set(src_devices) | set(dst_devices))
-    clus = live_cluster(devs)
+    clus = live_cluster(devs, hosts)
     plan = plan_switch(spec, src, dst, cluster=clus, src_devices=list(src_devices), dst_devices=list(dst_devices))
     staged = memory_budget is not None and _over_budget(plan, memory_budget, devs)
     prog = lower(plan, clus, memory_budget=memory_budget, staged=staged, **options)
@@ -71,12 +82,13 @@ def plan_live_switch(spec: ModelSpec, src: "Strategy | str", dst: "Strategy | st
 
 
 def live_fit(spec: ModelSpec, src: "Strategy | str", dst: "Strategy | str", src_devices: tuple[int, ...],
-             dst_devices: tuple[int, ...], device_memory: float, memory_budget=None) -> dict:
+             dst_devices: tuple[int, ...], device_memory: float, memory_budget=None,
+             hosts: "tuple[int, ...] | None" = None) -> dict:
     """:func:`.check_fit` of a live switch: whether its peak fits ``device_memory`` bytes a process,
     and the staging budget to use (``memory_budget`` when given, else the device's memory when
     one stage does not fit it; ``memory_budget`` None in the result: one stage)."""
     devs = sorted(set(src_devices) | set(dst_devices))
-    plan = plan_switch(spec, src, dst, cluster=live_cluster(devs), src_devices=list(src_devices),
+    plan = plan_switch(spec, src, dst, cluster=live_cluster(devs, hosts), src_devices=list(src_devices),
                        dst_devices=list(dst_devices))
     fit = check_fit(plan, device_memory, memory_budget)
     if fit["budget_auto"] and not fit["stages"]:
@@ -85,11 +97,12 @@ def live_fit(spec: ModelSpec, src: "Strategy | str", dst: "Strategy | str", src_
 
 
 def place(spec: ModelSpec, src: Strategy, dst: Strategy, src_devices: tuple[int, ...],
-          dst_devices: tuple[int, ...]) -> tuple[int, ...]:
-    """``dst_devices`` reordered (within each node) so that the switch keeps the most state in
-    place (deterministic; the given order when it is already best)."""
+          dst_devices: tuple[int, ...], hosts: "tuple[int, ...] | None" = None) -> tuple[int, ...]:
+    """``dst_devices`` reordered so that the switch keeps the most state in place, each rank on a
+    device of its given device's host (``hosts``, see :func:`live_cluster`; deterministic; the
+    given order when it is already best)."""
     devs = sorted(set(src_devices) | set(dst_devices))
-    return plan_switch(spec, src, dst, cluster=live_cluster(devs), src_devices=list(src_devices),
+    return plan_switch(spec, src, dst, cluster=live_cluster(devs, hosts), src_devices=list(src_devices),
                        dst_devices=list(dst_devices), placement="keep").dst_devices
 
 

@@ -99,7 +99,12 @@ def lower(plan: SwitchPlan, cluster: "Cluster | str | None" = None, *, memory_bu
     xf = build_transfers(p, staging.piece_stage, clus, cost, coalesce=opts.coalesce, promote=opts.promote,
                          memory_safe=budget is not None)
     ranks = _emit(p, staging, xf, opts, devices)
+    node = np.asarray(clus.node_of(np.asarray(devices)), dtype=np.int64)
+    at = np.zeros(devices[-1] + 1, dtype=np.int64)
+    at[devices] = node
+    inter = p.moved & (at[p.src] != at[p.dst])
     meta = replace(_meta(p, staging, xf), staged=staged, cluster=clus.name, options=asdict(opts),
+                   bytes_inter_node=int(p.nbytes[inter].sum()),
                    lower_seconds=time.perf_counter() - t0, memory_budget=None if memory_budget is None else
                    (float(memory_budget) if np.ndim(memory_budget) == 0 and not isinstance(memory_budget, dict)
                     else "per-device"))

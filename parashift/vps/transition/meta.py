@@ -102,7 +102,8 @@ class SwitchMeta:
     """What a switch Program moves: names, pieces, transfers and totals (module doc); ``staged``:
     old and new state exceed the memory budget (release old state stage by stage); then how it
     was lowered: ``cluster``, ``options``, ``lower_seconds``, ``memory_budget`` (bytes per device,
-    ``"per-device"`` or None)."""
+    ``"per-device"`` or None); ``bytes_inter_node``: moved bytes whose source and destination sit on
+    different nodes (hosts) of that cluster."""
 
     model: str
     src: str
@@ -125,6 +126,7 @@ class SwitchMeta:
     options: Mapping[str, Any] = field(default_factory=dict)
     lower_seconds: float = 0.0
     memory_budget: "float | str | None" = None
+    bytes_inter_node: int = 0
 
     def encode(self) -> dict:
         """The JSON-able ``Program.meta`` of a switch (``kind == "switch"``)."""

@@ -55,32 +55,34 @@ def select_sources(plan: SwitchPlan, cluster: Cluster, cost: CostModel) -> Switc
     size_l = plan.nbytes[order].astype(float).tolist()
     hold_l = plan.holders[order].tolist()
     src_l = plan.src[order].tolist()
-    n_dev = int(max(plan.hs_dev.max(initial=0), plan.dst.max(initial=0))) + 1
+    n_dev = int(max(plan.hs_dev.max(initial=0), plan.dst.max(initial=0), plan.src.max(initial=0))) + 1
+    node_a = np.asarray(cluster.node_of(np.arange(n_dev)), dtype=np.int64)
+    node = node_a.tolist()
     intra = [0.0] * n_dev
     inter = [0.0] * n_dev
-    nic = [0.0] * (n_dev // per + 1)
+    nic = [0.0] * (int(node_a.max()) + 1)
     if not cluster.gpu.duplex:      # receives are fixed by the destinations; they share the senders' links
         m = plan.moved
-        local = (plan.src[m] // per) == (plan.dst[m] // per)
+        local = node_a[plan.src[m]] == node_a[plan.dst[m]]
         got = plan.nbytes[m].astype(float)
         intra = (np.bincount(plan.dst[m][local], weights=got[local], minlength=n_dev)[:n_dev] / bw_intra).tolist()
         inter = (np.bincount(plan.dst[m][~local], weights=got[~local], minlength=n_dev)[:n_dev] / bw_inter).tolist()
     out = list(src_l)
     for i, (d, b, h) in enumerate(zip(dst_l, size_l, hold_l)):
         cands = hs_dev[hs_ptr[h]:hs_ptr[h + 1]]
-        nd = d // per
-        local = [c for c in cands if c // per == nd]
+        nd = node[d]
+        local = [c for c in cands if node[c] == nd]
         if local:
             best = min(local, key=lambda c: (intra[c], c))
             intra[best] += b / bw_intra
         else:
             best, score = -1, float("inf")
             for c in cands:
-                s = max(inter[c] + b / bw_inter, nic[c // per] + b / bw_nic)
+                s = max(inter[c] + b / bw_inter, nic[node[c]] + b / bw_nic)
                 if s < score:
                     best, score = c, s
             inter[best] += b / bw_inter
-            nic[best // per] += b / bw_nic
+            nic[node[best]] += b / bw_nic
         out[i] = best
     src = plan.src.copy()
     src[order] = out

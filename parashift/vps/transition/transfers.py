@@ -173,11 +173,11 @@ class _Loads:
 
     def __init__(self, plan: SwitchPlan, rows: np.ndarray, stage: np.ndarray, cluster: Cluster,
                  cost: CostModel) -> None:
-        self.per = cluster.per_node
         self.bw_intra, self.bw_inter = cost.link_bw("intra"), cost.link_bw("inter")
         self.fixed_intra = cost.comm_overhead + cost.latency["intra"]
         self.fixed_inter = cost.comm_overhead + cost.latency["inter"]
         n = int(max(plan.src.max(initial=0), plan.dst.max(initial=0))) + 1
+        self.node = np.asarray(cluster.node_of(np.arange(n)), dtype=np.int64)
         src, dst = plan.src[rows], plan.dst[rows]
         sec = plan.nbytes[rows] / self.bw(src, dst)
         # plus the fixed cost of one message per device pair and stage
@@ -189,10 +189,10 @@ class _Loads:
         self.inn = np.bincount(dst, weights=sec, minlength=n) + np.bincount(pair[:, 2], weights=fixed, minlength=n)
 
     def fixed(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        return np.where(np.asarray(a) // self.per == np.asarray(b) // self.per, self.fixed_intra, self.fixed_inter)
+        return np.where(self.node[a] == self.node[b], self.fixed_intra, self.fixed_inter)
 
     def bw(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-        return np.where(np.asarray(a) // self.per == np.asarray(b) // self.per, self.bw_intra, self.bw_inter)
+        return np.where(self.node[a] == self.node[b], self.bw_intra, self.bw_inter)
 
     def try_replace(self, stage: int, p2p: list[tuple[int, int, int]], group: tuple[int, ...],
                     out_bytes: dict[int, int], in_bytes: dict[int, int], fixed: float) -> bool:
@@ -201,7 +201,7 @@ class _Loads:
         keep the swap only if no member's link gets busier. A pair's message (and its fixed
         cost) disappears when none of its bytes are left."""
         g = np.asarray(group)
-        bwg = self.bw_inter if len(set((g // self.per).tolist())) > 1 else self.bw_intra
+        bwg = self.bw_inter if len(np.unique(self.node[g])) > 1 else self.bw_intra
         d_out = {m: fixed for m in group}
         d_in = {m: fixed for m in group}
         for s, d, b in p2p:
