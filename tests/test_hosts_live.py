@@ -658,3 +658,27 @@ def test_the_strategy_table_decides_joins_leaves_and_snapshot_restores(capsys):
             parse_strategy_for([bad], spec, 12)
     assert main(["run", "--live", "--strategy", "dp=2", "--strategy-for", "2:tp=2"]) != 0
     assert "add --endpoint" in capsys.readouterr().err
+
+
+def test_joins_and_leaves_keep_tensor_parallel_groups_on_one_host():
+    """Hosts of 2, 3 and 3 processes under tp=2: growing onto host 3 uses whole TP pairs of each host
+    (dp=3 on 0,1,2,3,5,6: devices 4 and 7 idle) where widening dp over every device would pair 4 with
+    5 across hosts 2 and 3; a leave keeps the pairs of the hosts that stay; a strategy-table entry
+    whose groups do not fit the hosts falls back to a narrower one that does."""
+    from parashift import models
+    from parashift.exec.hosts import choose_devices, host_cells
+    from parashift.exec.switch.session import Generation
+    from parashift.strategy import Strategy
+    spec, S = models.get("tiny-gpt"), Strategy.parse
+    hosts = (1, 1, 2, 2, 2, 3, 3, 3)
+    assert host_cells(range(8), hosts, 2) == [0, 1, 2, 3, 5, 6]
+    assert host_cells((5, 0, 6, 1, 7), hosts, 2) == [5, 6, 0, 1]       # hosts in order of their first device
+    cur = Generation(3, S("tp=2,dp=2"), (0, 1, 2, 3))
+    st, devs = choose_devices(spec, cur, (0, 1, 2, 3, 4, 5, 6, 7), hosts, 12, grow=True)
+    assert (st, devs) == (S("tp=2,dp=3"), (0, 1, 2, 3, 5, 6))
+    assert all(hosts[a] == hosts[b] for a, b in zip(devs[::2], devs[1::2]))
+    big = Generation(9, st, devs)
+    assert choose_devices(spec, big, (0, 1, 5, 6), hosts, 12) == (S("tp=2,dp=2"), (0, 1, 5, 6))   # host 2 left
+    assert choose_devices(spec, cur, (0, 1, 2, 3, 4), hosts, 12, grow=True) is None   # no wider layout on whole pairs
+    table = ((4, S("tp=4")),)               # 4 devices for tp=4, but no host holds four
+    assert choose_devices(spec, big, (0, 1, 5, 6), hosts, 12, table) == (S("tp=2,dp=2"), (0, 1, 5, 6))

@@ -172,6 +172,32 @@ def next_strategy(spec: Any, current: Any, devices: int, global_batch: int, tabl
     return fit_strategy(spec, current, devices, global_batch, above=current.dp if above else 0)
 
 
+def host_cells(devices, hosts: "tuple[int, ...]", cell: int) -> list[int]:
+    """The devices of ``devices`` (in order of preference) that hold whole groups of ``cell`` consecutive
+    ranks on one host: each host's devices in their given order, a multiple of ``cell`` of them (the
+    rest left out), hosts in the order of their first device."""
+    by: dict[int, list[int]] = {}
+    for d in devices:
+        by.setdefault(hosts[d], []).append(d)
+    return [d for ds in by.values() for d in ds[:len(ds) // cell * cell]]
+
+
+def choose_devices(spec: Any, current: Any, pool: "tuple[int, ...]", hosts: "tuple[int, ...]", global_batch: int,
+                   table: tuple = (), grow: bool = False) -> "tuple[Any, tuple[int, ...]] | None":
+    """The next strategy on devices of ``pool`` (current devices first) and the devices it runs on, so
+    that each tp x cp group sits on one host (:func:`host_cells`; a host's odd devices stay idle):
+    :func:`next_strategy` for the most devices that allow it (``table``'s entry, else ``current``
+    widened or narrowed). ``grow``: only a wider strategy than ``current``. None when none fits."""
+    above = len(current.devices) if grow else 0
+    for n in range(len(pool), above, -1):
+        for tab in dict.fromkeys((tuple(table), ())):
+            st = next_strategy(spec, current.strategy, n, global_batch, tab, above=above)
+            got = host_cells(pool, hosts, st.tp * st.cp) if st is not None else []
+            if st is not None and len(got) >= st.world:
+                return st, tuple(got[:st.world])
+    return None
+
+
 @dataclass
 class _Follow:
     """Called by every process at each step boundary (``LiveOptions.on_step``): device 0 turns newly
@@ -193,10 +219,11 @@ class _Follow:
             top = max(max(g.devices) for g in gens) + 1      # devices once used (lost ones) never come back
             at = step + session.opts.notice + 2
             if have > top and at < self.steps:
-                st = next_strategy(session.spec, cur.strategy, len(cur.devices) + have - top,
-                                   session.opts.global_batch, session.opts.strategy_for, above=len(cur.devices))
-                if st is not None:
-                    new = _placed(session, cur, st, tuple(cur.devices) + tuple(range(top, have))[:st.world - len(cur.devices)])
+                pool = tuple(cur.devices) + tuple(range(top, have))
+                got = choose_devices(session.spec, cur, pool, session.host_map(pool), session.opts.global_batch,
+                                     session.opts.strategy_for, grow=True)
+                if got is not None:
+                    st, new = got[0], _placed(session, cur, *got)
                     store.set(f"hosts/gen/{len(gens)}", pk.dumps((Generation(at, st, new), "join")))
         if session.device == 0 and session.gen == len(gens) - 1 and len(gens) - 1 == _count(store, gens):
             self._leave(session, step)
@@ -224,14 +251,13 @@ class _Follow:
             at = step + 1
         if not gone or at >= self.steps:
             return
-        left = [d for d in cur.devices if d not in gone]
-        st = next_strategy(session.spec, cur.strategy, len(left), session.opts.global_batch,
-                           session.opts.strategy_for)
-        if st is None:
+        left = tuple(d for d in cur.devices if d not in gone)
+        got = choose_devices(session.spec, cur, left, session.host_map(left), session.opts.global_batch,
+                             session.opts.strategy_for) if left else None
+        if got is None:
             raise RuntimeFailure(f"devices {sorted(gone)} are leaving and no strategy like {cur.strategy} fits the "
                                  f"{len(left)} that stay")
-        store.set(f"hosts/gen/{len(gens)}", pk.dumps((Generation(at, st, _placed(session, cur, st, tuple(left[:st.world]))),
-                                                      "notice")))
+        store.set(f"hosts/gen/{len(gens)}", pk.dumps((Generation(at, got[0], _placed(session, cur, *got)), "notice")))
 
 
 def _placed(session: Any, cur: Any, st: Any, devices: tuple[int, ...]) -> tuple[int, ...]:
@@ -394,6 +420,11 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
         time.sleep(0.05)
     store.set("hosts/config", pickle.dumps(_Config(spec, gens, steps, opts, world, on_join)))
     _say(quiet, f"{int(store.add('hosts/count', 0))} hosts, {world} devices: training {spec.name} under {gens[0].strategy}")
+    s0 = gens[0].strategy
+    split = len(host_cells(range(world), host_map(store, range(world), timeout), s0.tp * s0.cp)) < world
+    if split:
+        _say(False, f"warning: a tp x cp group of {s0} spans two hosts (each step's tensor-parallel traffic crosses "
+                    f"the network); give every host an --nprocs that is a multiple of tp*cp={s0.tp * s0.cp}")
     surv = _survivability(store, spec, gens[0].strategy, nprocs, opts, timeout)
     for row in surv:
         _say(quiet, f"  if host {row['host']} (devices {row['devices'][0]}-{row['devices'][-1]}) is lost without notice: "

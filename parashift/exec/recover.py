@@ -333,7 +333,7 @@ def _declare(session: Any, err: Exception) -> int:
 
 def _plan(session: Any, g: int, gone: list[int], err: Exception) -> None:
     """Device 0: read every survivor's report and publish the round's plan and generation."""
-    from .hosts import next_strategy
+    from .hosts import choose_devices
     from .snapshot import latest
     from .switch.session import Generation
     store, cur, o = session.side_store(), session.gens[session.gen], session.opts
@@ -364,9 +364,11 @@ def _plan(session: Any, g: int, gone: list[int], err: Exception) -> None:
             got = None
     if got is None:
         snap = latest(store, int(store.add("hosts/devices", 0)), getattr(o, "snapshot_every", 0), top)
-        st = next_strategy(session.spec, cur.strategy, len(survivors), o.global_batch, o.strategy_for)
-        if snap is not None and st is not None:
-            plan.update(kind="snapshot", strategy=st, devices=tuple(survivors[:st.world]), snapshot=snap,
+        chosen = choose_devices(session.spec, cur, tuple(survivors), session.host_map(survivors), o.global_batch,
+                                o.strategy_for) if survivors else None
+        st = chosen[0] if chosen is not None else None
+        if snap is not None and chosen is not None:
+            plan.update(kind="snapshot", strategy=st, devices=chosen[1], snapshot=snap,
                         step=snap[0], steps_lost=top - snap[0], opt_step=snap[2])
         else:
             plan["message"] = (

@@ -167,7 +167,7 @@ class LiveSession:
     def host_map(self, devices) -> "tuple[int, ...] | None":
         """The host of each device id up to ``max(devices)`` (a multi-host job's, read from its store;
         the same on every process), or None on one host."""
-        return self.opts.hosts(self.ctx.store, devices) if self.opts.hosts is not None else None
+        return self.opts.hosts(self.side_store(), devices) if self.opts.hosts is not None else None
 
     def side_store(self) -> Any:
         """A second connection to the job's store, for short calls that must not queue behind a
