@@ -682,3 +682,26 @@ def test_joins_and_leaves_keep_tensor_parallel_groups_on_one_host():
     assert choose_devices(spec, cur, (0, 1, 2, 3, 4), hosts, 12, grow=True) is None   # no wider layout on whole pairs
     table = ((4, S("tp=4")),)               # 4 devices for tp=4, but no host holds four
     assert choose_devices(spec, big, (0, 1, 5, 6), hosts, 12, table) == (S("tp=2,dp=2"), (0, 1, 5, 6))
+
+
+def test_the_first_hosts_text_report_names_each_kind_of_switch(capsys):
+    """Without --json the first host prints every switch: a planned one with its cause and the bytes
+    between hosts, one that never began, and a recovery (whose entry has no phase timings)."""
+    from parashift.cli.run_live import render_cli
+    planned = dict(step=3, src="dp=2", dst="dp=4", src_devices=[0, 1], dst_devices=[0, 1, 2, 3], seconds=0.2,
+                   pause_seconds=0.05, plan_seconds=0.1, world_seconds=0.02, transfer_seconds=0.01,
+                   verify_seconds=0.01, rebuild_seconds=0.001, bytes_moved=2**21, peak_bytes=2**22, stages=1,
+                   released_bytes=0, fits=True, cause="join", bytes_between_hosts=2**20)
+    never = {"step": 9, "src": "dp=4", "dst": "dp=3", "src_devices": [0, 1, 2, 3], "dst_devices": [0, 2, 3],
+             "seconds": 0.0, "pause_seconds": 0.0, "aborted": "never began: devices [1] were lost before it",
+             "cause": "notice"}
+    failure = {"step": 8, "src": "dp=4", "dst": "dp=2", "src_devices": [0, 1, 2, 3], "dst_devices": [0, 2],
+               "cause": "failure", "lost_devices": [1, 3], "failed_at": 8, "recovered_from": "replicas",
+               "steps_lost": 0, "seconds": 0.3, "pause_seconds": 0.3}
+    render_cli({"model": "tiny-gpt", "strategy": "dp=2", "nprocs": 2, "losses": [5.5, 5.4],
+                "switches": [planned, failure, never]})
+    out = capsys.readouterr().out.splitlines()
+    assert "step    3 (join): dp=2 on [0,1] -> dp=4 on [0,1,2,3]" in out[2] and "(1.0 between hosts)" in out[2]
+    assert out[3] == ("  step    8: devices [1,3] lost at step 8: dp=4 on [0,1,2,3] -> dp=2 on [0,2], recovered from "
+                      "replicas, 0 steps lost, pause 300 ms")
+    assert out[4].endswith("ABORTED: never began: devices [1] were lost before it") and "(notice)" in out[4]

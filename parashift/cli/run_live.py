@@ -85,13 +85,24 @@ def render_cli(result: dict) -> None:
     if result.get("timeline"):
         print(f"  timeline      {result['timeline']}")
     for s in result["switches"]:
+        if s.get("cause") == "failure":      # a multi-host job's recovery from a lost host
+            print(f"  step {s['step']:>4}: devices {_devs(s['lost_devices'])} lost at step {s['failed_at']}: "
+                  f"{s['src']} on {_devs(s['src_devices'])} -> {s['dst']} on {_devs(s['dst_devices'])}, recovered "
+                  f"from {s['recovered_from']}, {s['steps_lost']} steps lost, pause {s['pause_seconds'] * 1e3:.0f} ms")
+            continue
+        cause = f" ({s['cause']})" if s.get("cause") else ""
+        if "plan_seconds" not in s:          # planned, never begun
+            print(f"  step {s['step']:>4}{cause}: {s['src']} on {_devs(s['src_devices'])} -> {s['dst']} on "
+                  f"{_devs(s['dst_devices'])}  ABORTED: {s.get('aborted', 'never began')}")
+            continue
         tag = f"  ABORTED: {s['aborted']}" if s.get("aborted") else ""
-        print(f"  step {s['step']:>4}: {s['src']} on {_devs(s['src_devices'])} -> {s['dst']} on "
+        between = f" ({s['bytes_between_hosts'] / 2**20:.1f} between hosts)" if s.get("bytes_between_hosts") else ""
+        print(f"  step {s['step']:>4}{cause}: {s['src']} on {_devs(s['src_devices'])} -> {s['dst']} on "
               f"{_devs(s['dst_devices'])}  pause {s['pause_seconds'] * 1e3:.0f} ms of "
               f"{s['seconds'] * 1e3:.0f} ms (plan {s['plan_seconds'] * 1e3:.0f}, world {s['world_seconds'] * 1e3:.0f}, "
               f"transfer {s['transfer_seconds'] * 1e3:.0f}, verify {s['verify_seconds'] * 1e3:.0f}, "
               f"rebuild {s['rebuild_seconds'] * 1e3:.0f})  "
-              f"{s['bytes_moved'] / 2**20:.1f} MiB moved, peak {s['peak_bytes'] / 2**20:.1f} MiB/process"
+              f"{s['bytes_moved'] / 2**20:.1f} MiB moved{between}, peak {s['peak_bytes'] / 2**20:.1f} MiB/process"
               + (f", {s['stages']} stages freeing {s['released_bytes'] / 2**20:.1f} MiB of old state"
                  if s["stages"] > 1 else "")
               + ("" if s["fits"] else f"  DOES NOT FIT: planned peak {s['planned_peak_bytes'] / 2**20:.1f} MiB of "
