@@ -130,6 +130,8 @@ class Cluster:
 
     def node_of(self, device: "int | np.ndarray") -> "int | np.ndarray":
         """Node index of device id(s): ``node_map[d]``, or ``d // per_node`` without a map."""
+        if isinstance(device, (int, np.integer)) and 0 <= device < self.devices:     # the scalar fast path
+            return self.node_map[device] if self.node_map else int(device) // self.per_node
         d = np.asarray(device)
         if np.any((d < 0) | (d >= self.devices)):
             bad = int(np.asarray(d).ravel()[np.argmax(((d < 0) | (d >= self.devices)).ravel())])

@@ -368,15 +368,15 @@ def link_class(cluster: "Cluster", a: int, b: int) -> str:
     """``local`` (same device), ``intra`` (same node) or ``inter``."""
     if a == b:
         return "local"
-    return "intra" if a // cluster.per_node == b // cluster.per_node else "inter"
+    return "intra" if cluster.node_of(a) == cluster.node_of(b) else "inter"
 
 
 def topology(cluster: "Cluster", devices: Sequence[int]) -> tuple[int, int, int, bool]:
     """``(members, nodes, max members per node, all on one device)`` of a device group."""
-    per = cluster.per_node
     counts: dict[int, int] = {}
     for d in devices:
-        counts[d // per] = counts.get(d // per, 0) + 1
+        n = cluster.node_of(d)
+        counts[n] = counts.get(n, 0) + 1
     return (len(devices), len(counts), max(counts.values()) if counts else 0, len(set(devices)) <= 1)
 
 

@@ -235,7 +235,7 @@ class Engine:
         self.net = FluidNetwork(env)
         if host:
             for d in set(self.devices.values()):
-                self.net.capacity[("host", d // self.cluster.per_node)] = float(self.cost.host_cores)
+                self.net.capacity[("host", self.cluster.node_of(d))] = float(self.cost.host_cores)
         self.done: dict[int, dict[int, Event]] = {}
         self.p2p: dict[tuple, tuple] = {}
         self.coll: dict[tuple, list] = {}
@@ -329,7 +329,7 @@ class Engine:
         dev = self.devices[r]
         ctime = self.ctime.setdefault(static_bytes, {})   # compute durations on this rank's static state
         rec = raw.records
-        cres = (("compute", dev), ("host", dev // self.cluster.per_node)) if self.cost.host_cores > 0 \
+        cres = (("compute", dev), ("host", self.cluster.node_of(dev))) if self.cost.host_cores > 0 \
             else (("compute", dev),)
         posted = self.cost.p2p_posted or (self.cost.step_p2p_posted and self.tp_step)
         queue = env._queue
