@@ -151,7 +151,10 @@ class Cluster:
         rank[np.argsort(first, kind="stable")] = np.arange(len(first))
         nm = tuple(int(x) for x in rank[inv.ravel()])
         sizes = np.bincount(nm)
-        name = f"{self.name.partition(':')[0]}:hosts={'+'.join(str(int(x)) for x in sizes)}"
+        extra = [kv for kv in self.name.partition(":")[2].split(",")
+                 if kv and kv.partition("=")[0] not in ("nodes", "per_node", "hosts")]
+        name = ":".join([_name(self.gpu.name, 1, int(sizes.max())),
+                         ",".join([f"hosts={'+'.join(str(int(x)) for x in sizes)}", *extra])])
         return replace(self, nodes=len(sizes), per_node=int(sizes.max()), node_map=nm, name=name)
 
     def with_devices(self, n: int) -> "Cluster":
@@ -292,7 +295,8 @@ def _from_file(path: str) -> Cluster:
 
 def get(name: "str | Cluster") -> Cluster:
     """A cluster: a preset (``a800-16x8``, ``a100-64x8``, ``h100-4x8``, ``cpu-local``), a preset with
-    overrides (``a100-64x8:nic_bw=12.5GB,nics_per_node=4``; keys in :data:`OVERRIDES`) or a JSON file."""
+    overrides (``a100-64x8:nic_bw=12.5GB,nics_per_node=4``; keys in :data:`OVERRIDES`, plus
+    ``hosts=8+8+4`` for nodes of unequal sizes, see :meth:`Cluster.on_hosts`) or a JSON file."""
     if isinstance(name, Cluster):
         return name
     raw = str(name).strip()
@@ -315,9 +319,25 @@ def get(name: "str | Cluster") -> Cluster:
         if k in items:
             raise ClusterError(f"cluster key {k!r} is given twice in {raw!r}; give each key once")
         items[k] = v
+    hosts = items.pop("hosts", None)
+    if hosts is not None and ("nodes" in items or "per_node" in items):
+        raise ClusterError(f"{raw!r}: hosts= gives the nodes and their sizes; drop nodes= and per_node=")
     out = _apply(base, items, repr(raw))
     canon = ",".join(f"{k}={v}" for k, v in items.items())
-    return replace(out, name=f"{_name(out.gpu.name, out.nodes, out.per_node)}:{canon}")
+    out = replace(out, name=f"{_name(out.gpu.name, out.nodes, out.per_node)}" + (f":{canon}" if canon else ""))
+    return out.on_hosts(_host_sizes(str(hosts), raw)) if hosts is not None else out
+
+
+def _host_sizes(text: str, raw: str) -> list[int]:
+    """The node map of ``hosts=A+B+...`` (hosts of A, B, ... devices, in device-id order)."""
+    try:
+        sizes = [int(x) for x in text.split("+")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise ClusterError(f"cluster key hosts={text!r} in {raw!r} must list each host's device count joined "
+                           f"by '+', e.g. hosts=8+8+4")
+    return [h for h, n in enumerate(sizes) for _ in range(n)]
 
 
 def names() -> list[str]:

@@ -114,6 +114,14 @@ def test_a_host_map_places_devices_on_hosts_of_any_size():
     for bad in ([], [-1, 0]):
         with pytest.raises(ClusterError, match="host"):
             clusters.get("cpu-local").on_hosts(bad)
+    named = clusters.get("a100-4x8:nic_bw=25GB,hosts=8+8+4")          # the same by name; the name round-trips
+    assert (named.nodes, named.per_node, named.devices, named.nic_bw) == (3, 8, 20, 25e9)
+    assert named.node_of(np.array([7, 8, 16])).tolist() == [0, 1, 2]
+    assert clusters.get(named.name).node_map == named.node_map
+    for bad, what in (("a100-1x8:hosts=8+x", "joined by"), ("a100-1x8:hosts=0+2", "joined by"),
+                      ("a100-1x8:hosts=4+4,per_node=4", "drop nodes")):
+        with pytest.raises(ClusterError, match=what):
+            clusters.get(bad)
 
 
 @settings(max_examples=40, deadline=None)
@@ -157,3 +165,18 @@ def test_a_live_switch_keeps_tensor_parallel_groups_on_their_hosts():
     assert _cross_host(aware, hosts) < 0.9 * _cross_host(blind, hosts)
     with pytest.raises(PlanError, match="host map"):
         plan_live_switch(model, src, tp2, tuple(range(6)), (0, 1, 2, 3), hosts=(1, 1, 2))
+
+
+def test_plan_takes_hosts_of_unequal_sizes(capsys):
+    """``parashift plan --cluster ...:hosts=2+2+2``: three hosts of two, and half the moved bytes cross
+    them (each new TP pair takes the other pipeline stage's layers from another host)."""
+    import json
+    from parashift.cli import main
+    argv = ["plan", "--model", "tiny-gpt", "--src", "pp=2,dp=3", "--dst", "tp=2,dp=2", "--src-devices", "0-5",
+            "--dst-devices", "0-3", "--json", "--cluster"]
+    assert main([*argv, "a100-1x2:hosts=2+2+2"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["cluster"] == "a100-1x2:hosts=2+2+2"
+    assert 0 < got["bytes_inter_node"] < got["bytes_moved"]
+    assert main([*argv, "a100-1x8"]) == 0
+    assert json.loads(capsys.readouterr().out)["bytes_inter_node"] == 0        # one node of 8
