@@ -68,8 +68,8 @@ def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, st
 
 def test_two_hosts_train_a_third_joins_one_leaves_with_notice(capsys):
     """Hosts 1 and 2 (one process each) train dp=2; host 3 (two processes) joins the running job,
-    which grows to dp=4 at a step boundary; then host 2 gets SIGTERM and the job shrinks to dp=3
-    without it. The losses equal the static dp=2 job on one host; every host exits 0.
+    which grows to dp=4 at a step boundary; then host 2 gets SIGTERM (a notice of 600 s) and the job
+    shrinks to dp=3 without it. The losses equal the static dp=2 job on one host; every host exits 0.
 
     The moments are made, not raced (as in :func:`test_a_host_killed_mid_switch`): host 2 is held
     (SIGSTOP, before its process starts: the first world waits for it) until host 3 has registered,
@@ -87,7 +87,7 @@ def test_two_hosts_train_a_third_joins_one_leaves_with_notice(capsys):
     procs = [first]
     try:
         time.sleep(0.5)
-        second = _host(["join", *at, "--nprocs", "1"], env)
+        second = _host(["join", *at, "--nprocs", "1", "--notice-seconds", "600"], env)
         procs.append(second)
         _await_line(second, "host 2: devices 1-1, training", "host 2 never got the job")   # the first world is whole
         os.killpg(second.pid, signal.SIGSTOP)
@@ -119,7 +119,10 @@ def test_two_hosts_train_a_third_joins_one_leaves_with_notice(capsys):
     assert "aborted" not in join and "aborted" not in notice
     # planned with the hosts: the joiners' state comes from the other hosts; dp=4 -> dp=3 moves nothing
     assert join["bytes_between_hosts"] > 0 and notice["bytes_between_hosts"] == 0
-    assert "SIGTERM: devices 1-1 leave" in err2
+    # device 0 reads the bounded notice (600 s) at the boundary right after the join switch, which it
+    # has measured: long enough, so the switch comes --switch-notice + 2 steps later, not at the next step
+    assert notice["step"] == join["step"] + 1 + 2
+    assert "SIGTERM: devices 1-1 leave" in err2 and "killed 600 s after the SIGTERM" in err2
     assert SECRET not in out1 + err1 + err2 + err3
     # the same job on one host, never switching
     assert main(["run", *job, "--json"]) == 0
