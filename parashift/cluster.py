@@ -286,10 +286,18 @@ def _from_file(path: str) -> Cluster:
         raise ClusterError(f"cluster file {path}: unknown gpu {gpu!r}; use one of {', '.join(GPUS)} and override "
                            f"its numbers (peak_flops, hbm_bw, memory, ...)")
     name = str(obj.pop("name", None) or "") or os.path.splitext(os.path.basename(path))[0]
-    nodes, per = obj.pop("nodes", 1), obj.pop("per_node", 8)
-    base = Cluster(name, GPUS[gpu], int(parse_quantity(nodes, "count", "nodes")),
-                   int(parse_quantity(per, "count", "per_node")))
+    size = {k: int(parse_quantity(obj.pop(k), "count", k)) for k in ("nodes", "per_node") if k in obj}
+    hosts = obj.pop("hosts", None)
+    if hosts is not None and size:
+        raise ClusterError(f"cluster file {path}: hosts gives the nodes and their sizes; drop nodes and per_node")
+    if hosts is None and len(size) < 2:
+        raise ClusterError(f"cluster file {path} gives no {' or '.join(k for k in ('nodes', 'per_node') if k not in size)}"
+                           f": a cluster needs nodes and per_node (or hosts, the devices of each node: [8, 8, 4])")
+    base = Cluster(name, GPUS[gpu], size.get("nodes", 1), size.get("per_node", 1))
     out = _apply(base, obj, f"cluster file {path}")
+    if hosts is not None:
+        text = "+".join(str(h) for h in hosts) if isinstance(hosts, list) else str(hosts)
+        out = out.on_hosts(_host_sizes(text, path))
     return replace(out, name=name)
 
 

@@ -85,6 +85,15 @@ def test_cluster_json_file(tmp_path):
     f.write_text(json.dumps({"gpu": "z100", "nodes": 4}))
     with pytest.raises(ClusterError, match="unknown gpu 'z100'"):
         clusters.get(str(f))
+    f.write_text(json.dumps({"gpu": "a100", "hosts": [8, 8, 4], "nic_bw": "200Gb"}))   # nodes of unequal sizes
+    c = clusters.get(str(f))
+    assert (c.name, c.nodes, c.per_node, c.devices, c.node_of(16), c.nic_bw) == ("mine", 3, 8, 20, 2, 25e9)
+    for obj, what in (({"gpu": "a100", "nodes": 4}, "gives no per_node"),      # no silent default size
+                      ({"gpu": "a100"}, "gives no nodes or per_node"),
+                      ({"gpu": "a100", "hosts": [8], "nodes": 1}, "drop nodes and per_node")):
+        f.write_text(json.dumps(obj))
+        with pytest.raises(ClusterError, match=what):
+            clusters.get(str(f))
 
 
 def test_clusters_command_lists_presets_and_described_clusters(capsys):
