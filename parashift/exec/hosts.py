@@ -13,7 +13,9 @@ agent sends its processes' reports back through the store; the first host assemb
 A host that joins a running job (its devices beyond the first world) is announced through
 ``hosts/devices``; with ``on_join="grow"`` the process of device 0 (:class:`_Follow`, called at
 every step boundary) picks the next strategy for the larger device set (:func:`next_strategy`: the
-job's ``--strategy-for`` entry of that count, else :func:`grow_strategy`)
+job's ``--strategy-for`` entry of that count, else :func:`grow_strategy`) and its devices, each
+tp x cp group on one host (:func:`choose_devices`), ordered to keep the most state on each host
+(``--switch-placement keep``, with the hosts of :func:`host_map`),
 and publishes the next generation ``hosts/gen/<g>`` with a switch step ``notice + 2`` steps
 ahead; every process appends it to its schedule at its next step boundary, so the world is built
 in the background during the notice and the switch happens between iterations; the joining
@@ -30,7 +32,8 @@ Store keys (under the job's secret): ``hosts/devices`` (devices registered), ``h
 (hosts), ``hosts/heartbeat`` (the heartbeat window, seconds), ``hosts/live_port`` (the liveness listener),
 ``hosts/config`` (pickled settings), ``hosts/gen/<g>`` (generations after the first, with
 their cause), ``hosts/leave/<h>`` (a SIGTERM notice: its devices and seconds left), ``hosts/beat/<h>`` (heartbeat counters),
-``hosts/devices_of/<h>``, ``hosts/dead/<h>`` and ``dead/<device>`` (declared lost),
+``hosts/devices_of/<h>`` (each host's device ids, the first host's too), ``hosts/dead/<h>`` and
+``dead/<device>`` (declared lost),
 ``hosts/handled/<h>`` (taken out by recovery round ``g``), ``hosts/report/<h>``, ``hosts/failed/<h>``,
 ``hosts/done``; written by :mod:`.recover`: ``hosts/loss/<step>/<device>`` (loss shares),
 ``hosts/fault`` (failed steps), ``hosts/recovery`` (the open round), ``hosts/lost/<g>``,
