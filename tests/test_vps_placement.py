@@ -147,6 +147,13 @@ def _cross_host(planned, hosts) -> int:
                if ins.op == "send" and h[d] != h[ins.peer])
 
 
+def test_a_one_host_live_switch_is_one_node_however_many_processes():
+    from parashift.vps.transition import live_cluster
+    for n in (4, 12, 40):
+        c = live_cluster(range(n))
+        assert c.nodes == 1 and c.devices >= n and int(np.max(c.node_of(np.arange(n)))) == 0
+
+
 def test_a_live_switch_keeps_tensor_parallel_groups_on_their_hosts():
     """Two hosts of two processes, tp=4 -> tp=2,dp=2: without the host map the kept order (0,2,1,3)
     puts each TP pair on two hosts (every step's TP traffic off-host); with it each pair stays on

@@ -57,8 +57,9 @@ def live_cluster(devices, hosts: "tuple[int, ...] | None" = None) -> "_cluster.C
     one node, or with ``hosts`` (the host of each device id, index = id) a node per host, so that
     placement keeps ranks on their hosts and pieces come from a holder on the receiver's host."""
     top = max(devices) + 1
-    if hosts is None:
-        return _cluster.get("cpu-local").with_devices(max(top, 8))
+    if hosts is None:                   # one host: one node, however many processes it runs
+        base = _cluster.get("cpu-local")
+        return base if top <= base.per_node else base.on_hosts([0] * top)
     if len(hosts) < top:
         raise PlanError(f"the host map covers devices 0-{len(hosts) - 1} but the switch uses device {top - 1}; "
                         f"give the host of every device id")
