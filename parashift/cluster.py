@@ -336,6 +336,10 @@ def get(name: "str | Cluster") -> Cluster:
     return out.on_hosts(_host_sizes(str(hosts), raw)) if hosts is not None else out
 
 
+#: The most devices a ``hosts=`` cluster lists (its node map holds one entry per device).
+MAX_HOST_DEVICES = 1 << 20
+
+
 def _host_sizes(text: str, raw: str) -> list[int]:
     """The node map of ``hosts=A+B+...`` (hosts of A, B, ... devices, in device-id order)."""
     try:
@@ -345,6 +349,9 @@ def _host_sizes(text: str, raw: str) -> list[int]:
     if not sizes or min(sizes) < 1:
         raise ClusterError(f"cluster key hosts={text!r} in {raw!r} must list each host's device count joined "
                            f"by '+', e.g. hosts=8+8+4")
+    if sum(sizes) > MAX_HOST_DEVICES:
+        raise ClusterError(f"cluster key hosts= in {raw!r} lists {sum(sizes)} devices; at most {MAX_HOST_DEVICES} "
+                           f"(each device's node is stored); describe a bigger cluster with nodes= and per_node=")
     return [h for h, n in enumerate(sizes) for _ in range(n)]
 
 

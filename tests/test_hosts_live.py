@@ -669,7 +669,7 @@ def test_joins_and_leaves_keep_tensor_parallel_groups_on_one_host():
     5 across hosts 2 and 3; a leave keeps the pairs of the hosts that stay; a strategy-table entry
     whose groups do not fit the hosts falls back to a narrower one that does."""
     from parashift import models
-    from parashift.exec.hosts import choose_devices, host_cells
+    from parashift.exec.hosts import choose_devices, host_cells, splits_groups
     from parashift.exec.switch.session import Generation
     from parashift.strategy import Strategy
     spec, S = models.get("tiny-gpt"), Strategy.parse
@@ -680,6 +680,7 @@ def test_joins_and_leaves_keep_tensor_parallel_groups_on_one_host():
     st, devs = choose_devices(spec, cur, (0, 1, 2, 3, 4, 5, 6, 7), hosts, 12, grow=True)
     assert (st, devs) == (S("tp=2,dp=3"), (0, 1, 2, 3, 5, 6))
     assert all(hosts[a] == hosts[b] for a, b in zip(devs[::2], devs[1::2]))
+    assert not splits_groups(st, devs, hosts) and splits_groups(S("tp=2,dp=4"), range(8), hosts)  # the first host warns
     big = Generation(9, st, devs)
     assert choose_devices(spec, big, (0, 1, 5, 6), hosts, 12) == (S("tp=2,dp=2"), (0, 1, 5, 6))   # host 2 left
     assert choose_devices(spec, cur, (0, 1, 2, 3, 4), hosts, 12, grow=True) is None   # no wider layout on whole pairs

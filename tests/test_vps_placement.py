@@ -119,7 +119,8 @@ def test_a_host_map_places_devices_on_hosts_of_any_size():
     assert named.node_of(np.array([7, 8, 16])).tolist() == [0, 1, 2]
     assert clusters.get(named.name).node_map == named.node_map
     for bad, what in (("a100-1x8:hosts=8+x", "joined by"), ("a100-1x8:hosts=0+2", "joined by"),
-                      ("a100-1x8:hosts=4+4,per_node=4", "drop nodes")):
+                      ("a100-1x8:hosts=4+4,per_node=4", "drop nodes"),
+                      ("a100-1x8:hosts=99999999999", "at most")):
         with pytest.raises(ClusterError, match=what):
             clusters.get(bad)
 

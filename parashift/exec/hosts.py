@@ -185,6 +185,13 @@ def host_cells(devices, hosts: "tuple[int, ...]", cell: int) -> list[int]:
     return [d for ds in by.values() for d in ds[:len(ds) // cell * cell]]
 
 
+def splits_groups(strategy: Any, devices, hosts: "tuple[int, ...]") -> bool:
+    """Whether ``strategy`` on ``devices`` (rank order) puts some tp x cp group on two hosts."""
+    cell = strategy.tp * strategy.cp
+    devs = list(devices)
+    return any(len({hosts[d] for d in devs[i:i + cell]}) > 1 for i in range(0, len(devs), cell))
+
+
 def choose_devices(spec: Any, current: Any, pool: "tuple[int, ...]", hosts: "tuple[int, ...]", global_batch: int,
                    table: tuple = (), grow: bool = False) -> "tuple[Any, tuple[int, ...]] | None":
     """The next strategy on devices of ``pool`` (current devices first) and the devices it runs on, so
@@ -424,8 +431,7 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
     store.set("hosts/config", pickle.dumps(_Config(spec, gens, steps, opts, world, on_join)))
     _say(quiet, f"{int(store.add('hosts/count', 0))} hosts, {world} devices: training {spec.name} under {gens[0].strategy}")
     s0 = gens[0].strategy
-    split = len(host_cells(range(world), host_map(store, range(world), timeout), s0.tp * s0.cp)) < world
-    if split:
+    if splits_groups(s0, gens[0].devices, host_map(store, gens[0].devices, timeout)):
         _say(False, f"warning: a tp x cp group of {s0} spans two hosts (each step's tensor-parallel traffic crosses "
                     f"the network); give every host an --nprocs that is a multiple of tp*cp={s0.tp * s0.cp}")
     surv = _survivability(store, spec, gens[0].strategy, nprocs, opts, timeout)
