@@ -188,3 +188,32 @@ def test_plan_takes_hosts_of_unequal_sizes(capsys):
     assert 0 < got["bytes_inter_node"] < got["bytes_moved"]
     assert main([*argv, "a100-1x8"]) == 0
     assert json.loads(capsys.readouterr().out)["bytes_inter_node"] == 0        # one node of 8
+
+
+def test_a_live_switch_on_gpus_is_priced_with_their_links():
+    """``cluster=`` prices the live switch (a job on cuda plans with its GPU kind, not cpu-local): the
+    host map is kept, and the faster intra-host links change the lowering (here an all_gather that
+    gloo processes are given becomes point-to-point sends under H100 links)."""
+    from parashift.exec.switch.session import switch_cluster
+    model = models.gpt(4, 256, 8, ffn=1024, vocab=1024, seq_len=64, name="h-gpt", dtype="fp32", pad_vocab=64)
+    hosts = (1, 1, 2, 2)
+    src, dst = Strategy.parse("dp=4,zero=1"), Strategy.parse("dp=4")
+    cpu = plan_live_switch(model, src, dst, (0, 1, 2, 3), (0, 1, 2, 3), hosts=hosts)
+    gpu = plan_live_switch(model, src, dst, (0, 1, 2, 3), (0, 1, 2, 3), hosts=hosts,
+                           cluster=switch_cluster("cuda", "NVIDIA H100 80GB HBM3"))
+    assert cpu.meta.cluster == "cpu-local:hosts=2+2" and gpu.meta.cluster == "h100-1x2:hosts=2+2"
+    assert cpu.meta.bytes_inter_node == gpu.meta.bytes_inter_node > 0
+    assert cpu.meta.collectives["all_gather"] == 1 and sum(gpu.meta.collectives.values()) == 0
+    names = {"NVIDIA H200": "h200", "NVIDIA H800 PCIe": "h100", "NVIDIA A800-SXM4-80GB": "a800",
+             "NVIDIA A100-SXM4-40GB": "a100", "Tesla V100-SXM2-32GB": "a100"}
+    assert {n: switch_cluster("cuda", n).gpu.name for n in names} == names
+    assert switch_cluster("cpu").name == "cpu-local"
+
+
+def test_switch_cluster_option_is_checked_before_a_job_starts(capsys):
+    from parashift.cli import main
+    assert main(["run", "--strategy", "dp=2", "--steps", "2", "--switch-cluster", "h100-1x8"]) != 0
+    assert "add --live" in capsys.readouterr().err
+    assert main(["run", "--strategy", "dp=2", "--steps", "2", "--live", "--switch-cluster", "z900-1x8"]) != 0
+    err = capsys.readouterr().err
+    assert "z900" in err and len(err.strip().splitlines()) == 1

@@ -64,6 +64,11 @@ def check_live(args: argparse.Namespace) -> None:
         if step >= args.steps:
             raise StrategyError(f"--switch-at {text!r}: step {step} is not before the last step (--steps "
                                 f"{args.steps}); switch earlier or train longer")
+    if getattr(args, "switch_cluster", None):
+        if not (args.live or args.switch_at or args.endpoint):
+            raise StrategyError("--switch-cluster prices a live job's switches; add --live (or --switch-at)")
+        from ..cluster import get as get_cluster
+        get_cluster(args.switch_cluster)          # a bad name or file fails here, before any process starts
     if args.plan:
         return
     from ..strategy import Strategy

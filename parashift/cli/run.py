@@ -52,6 +52,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--switch-placement", choices=("keep", "given"), default="keep",
                    help="keep (default): order each switch's devices (within a node) so that they keep the most "
                         "state in place; given: rank i runs on the i-th listed device")
+    p.add_argument("--switch-cluster", metavar="CLUSTER",
+                   help="cluster preset or JSON file whose links price a live job's switches (e.g. h100-1x8); its "
+                        "node sizes become the job's hosts (default: cpu-local, or this machine's GPU kind on cuda)")
     from .run_rl import add_arguments as add_rl_arguments
     add_rl_arguments(p)
 

@@ -88,7 +88,7 @@ def run_cli(args: argparse.Namespace) -> dict:
                          placement=args.switch_placement, on_join=args.on_join,
                          snapshot_every=args.snapshot_every, snapshot_dir=os.path.abspath(args.snapshot_dir),
                          resume=args.resume,
-                         strategy_for=table, device=device,
+                         strategy_for=table, device=device, cluster=args.switch_cluster,
                          **({} if args.heartbeat_timeout is None else {"heartbeat_timeout": args.heartbeat_timeout}))
     out = {"model": models.get(args.model).name, "strategy": str(s0), "nprocs": s0.world, "endpoint": args.endpoint,
            "schedule": None, **res.to_json(), "step_times": step_times(res), "switches": res.switches,

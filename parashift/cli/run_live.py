@@ -50,7 +50,7 @@ def run_cli(args) -> dict:
                    seq_len=args.seq_len or spec.seq_len, optim=OptimConfig(lr=args.lr), timeout=args.timeout,
                    notice=getattr(args, "switch_notice", 3), memory_budget=budget or None,
                    placement=getattr(args, "switch_placement", "keep"), progress=progress,
-                   device=resolve_device(args))
+                   device=resolve_device(args), cluster=getattr(args, "switch_cluster", None))
     aborted = [s for s in res.switches if s.get("aborted")]
     out = {"model": spec.name, "strategy": str(s0), "nprocs": s0.world, "schedule": None, **res.to_json(),
            "step_times": step_times(res),

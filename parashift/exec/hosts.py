@@ -404,6 +404,9 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
         raise StrategyError(f"--heartbeat-timeout {heartbeat_timeout:g} must be above 0 and at most --timeout "
                             f"({timeout:g} s)")
     from .recover import after_switch
+    from .switch.session import switch_cluster
+    from ..cluster import get as get_cluster
+    live["cluster"] = get_cluster(live["cluster"]) if live.get("cluster") else switch_cluster(live.get("device", "cpu"))
     opts = LiveOptions(seq_len=seq_len, on_step=_Follow(on_join, steps), recover=after_switch, placement=placement,
                        hosts=host_map, **live)
     job = serve(timeout, host, port, secret)

@@ -27,6 +27,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from ... import models
+from ...cluster import Cluster, get as get_cluster
 from ...errors import MemoryBudgetError, StrategyError, SwitchAborted
 from ...ir.program import Program
 from ...strategy import Strategy
@@ -88,6 +89,7 @@ class LiveOptions:
     strategy_for: tuple = ()  # multi-host jobs: (device count, Strategy) pairs to switch to as hosts come and go
     resume: tuple = ()       # multi-host jobs: (step, strategy, optimizer step) of the snapshot in snapshot_dir to start from
     hosts: Any = None        # multi-host jobs: hosts(store, devices) -> the host of each device id (None: one host)
+    cluster: Any = None      # what prices the switches (a Cluster or its name; None: switch_cluster(device))
 
 
 @dataclass(frozen=True)
@@ -199,7 +201,8 @@ class LiveSession:
                     switch_fit(self.spec, src, dst, device=o.device, hosts=hosts)["memory_budget"]   # under its memory
                 prep = prepare(self.manager, self.spec, src.strategy, dst.strategy, src.devices, dst.devices,
                                _keys(self.gens, g), self.device, global_batch=o.global_batch, seq_len=o.seq_len,
-                               memory_budget=budget, cost_model=o.cost_model, hosts=hosts)
+                               memory_budget=budget, cost_model=o.cost_model, hosts=hosts,
+                               cluster=o.cluster or switch_cluster(o.device))
                 if self.device in dst.devices:     # the destination store, faulted in while training goes on
                     t0 = time.time()            # (a staged switch's fills stage by stage: lazily allocated)
                     prep.new_store = StateStore(self.spec, dst.strategy, dst.devices.index(self.device),
@@ -295,7 +298,7 @@ class LiveSession:
             raise SwitchAborted(f"switch at step {rec.step} aborted before moving anything: {rec.aborted}",
                                 rec.aborted, peer_failed=not isinstance(e, MemoryBudgetError)) from e
         rec.plan_seconds = prep.plan_seconds
-        rec.bytes_between_hosts = int(prep.planned.program.meta.get("bytes_inter_node", 0))
+        rec.bytes_between_hosts = prep.planned.meta.bytes_inter_node
         rec.world_seconds = prep.world_seconds + (prep.train_world_end - prep.train_world_start)
         rec.alloc_seconds = prep.alloc_seconds
         rec.rows += [("elastic", "plan", prep.world_start - prep.plan_seconds, prep.world_start),
@@ -551,6 +554,26 @@ class LiveResult:
         return out
 
 
+#: GPU kinds by the words of their device names (``torch.cuda.get_device_name``), checked in order
+GPU_NAMES = (("H200", "h200"), ("H100", "h100"), ("H800", "h100"), ("A800", "a800"), ("A100", "a100"))
+
+
+def switch_cluster(device: str = "cpu", name: "str | None" = None, count: int = 8) -> Cluster:
+    """The cluster whose links price a live job's switches: ``cpu-local`` for gloo processes; on
+    ``device="cuda"`` the preset of the GPU named ``name`` (default: this process's GPU, from
+    :data:`GPU_NAMES`; another GPU of compute capability 9 or more is priced as an H100, an older one
+    as an A100), ``count`` devices a node. Live planning replaces its node sizes with the job's hosts."""
+    if device != "cuda":
+        return get_cluster("cpu-local")
+    if name is None:
+        name = torch.cuda.get_device_name(0)
+        major = torch.cuda.get_device_capability(0)[0]
+    else:
+        major = 0
+    kind = next((k for word, k in GPU_NAMES if word in name.upper()), "h100" if major >= 9 else "a100")
+    return get_cluster(f"{kind}-1x{max(1, int(count))}")
+
+
 def switch_fit(spec: models.ModelSpec, src: Generation, dst: Generation, memory_budget=None,
                device: str = "cpu", hosts: "tuple[int, ...] | None" = None) -> dict:
     """Whether the switch from ``src`` to ``dst`` fits each process's memory (on CPU this machine's
@@ -602,7 +625,7 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
              export: bool = False, faults: "SwitchFaults | None" = None, big_piece: int = BIG,
              message_part: int = CHUNK, placement: str = "keep", cost_model: Any = None,
              progress: Callable[[int, float], None] | None = None, device: str = "cpu",
-             ordered: bool | None = None) -> LiveResult:
+             ordered: bool | None = None, cluster: "str | Cluster | None" = None) -> LiveResult:
     """Train ``model`` for ``steps`` steps, hot-switching at the scheduled steps.
 
     ``switches``: (step, strategy, devices or None). ``notice``: steps of warning before each switch
@@ -615,6 +638,7 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
     ``device``: ``"cpu"`` (gloo) or ``"cuda"`` (state and training on one GPU per process, NCCL;
     written for GPUs, see the README for what has run). ``ordered``: issue each switch in one global
     order on the device's streams (the NCCL driver; default on NCCL only, True runs its CPU twin).
+    ``cluster``: what prices the switches' links (default: :func:`switch_cluster` of ``device``).
     """
     spec = models.get(model)
     if notice < 0:
@@ -625,7 +649,8 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
     opts = LiveOptions(global_batch=global_batch, seq_len=seq_len or spec.seq_len, seed=seed, data_seed=data_seed,
                        optim=optim, notice=notice, switch_timeout=switch_timeout, memory_budget=memory_budget,
                        export=export, progress=progress is not None, big_piece=big_piece, message_part=message_part,
-                       placement=placement, cost_model=cost_model, faults=faults, device=device, ordered=ordered)
+                       placement=placement, cost_model=cost_model, faults=faults, device=device, ordered=ordered,
+                       cluster=get_cluster(cluster) if cluster is not None else switch_cluster(device))
     parts: dict[int, dict[str, float]] = {}
 
     def on_report(key: str, payload: tuple) -> None:
