@@ -101,13 +101,13 @@ def test_moe_chain_changes_ep_bit_exactly():
 
 def test_grow_from_one_device_and_shrink_to_one_through_promoted_collectives():
     chain = [(1, "dp=4,zero=1", None), (2, "tp=4", None), (3, "dp=1", (2,))]
-    planned = [plan_live_switch(GPT, Strategy.parse(a), Strategy.parse(b), da, db) for a, da, b, db in
+    planned = [plan_live_switch(GPT, Strategy.parse(a), Strategy.parse(b), da, db, promote=True) for a, da, b, db in
                [("dp=1", (0,), "dp=4,zero=1", (0, 1, 2, 3)), ("tp=4", (0, 1, 2, 3), "dp=1", (2,))]]
     assert planned[0].program.meta["collectives"]["scatter"] >= 1
     assert planned[0].program.meta["collectives"]["broadcast"] >= 1
     assert planned[1].program.meta["collectives"]["gather"] >= 1
     res = run_live(GPT, "dp=1", steps=5, switches=chain, export=True, timeout=240, switch_timeout=30,
-                   big_piece=4096)
+                   big_piece=4096, promote=True)        # collectives, as a GPU job's switches take them
     assert [s.get("aborted") for s in res.switches] == [None] * len(chain)
     assert check_switches(GPT, res) == len(chain)
     for r in res.reports.values():
@@ -127,10 +127,13 @@ def test_grow_from_one_device_and_shrink_to_one_through_promoted_collectives():
 
 def test_tp_to_replicas_through_an_all_gather_is_bit_exact():
     """tp=4 -> dp=4: each device sends its quarter to the three others; the planner promotes the
-    twelve messages to one all_gather (the op table's newest entry), which gloo runs bit-exactly."""
-    planned = plan_live_switch(GPT, "tp=4", "dp=4", (0, 1, 2, 3), (0, 1, 2, 3))
+    twelve messages to one all_gather (the op table's newest entry; gloo jobs take it only when
+    asked, ``promote=True``, as GPU jobs do by default), which gloo runs bit-exactly."""
+    planned = plan_live_switch(GPT, "tp=4", "dp=4", (0, 1, 2, 3), (0, 1, 2, 3), promote=True)
     assert SwitchMeta.of(planned.program).collectives["all_gather"] == 1
-    res = run_live(GPT, "tp=4", steps=3, switches=[(1, "dp=4", None)], export=True, timeout=120, switch_timeout=30)
+    assert sum(plan_live_switch(GPT, "tp=4", "dp=4", (0, 1, 2, 3), (0, 1, 2, 3)).meta.collectives.values()) == 0
+    res = run_live(GPT, "tp=4", steps=3, switches=[(1, "dp=4", None)], export=True, timeout=120, switch_timeout=30,
+                   promote=True)
     assert [s.get("aborted") for s in res.switches] == [None]
     assert check_switches(GPT, res) == 1
     # every device sent its own chunk once and received the full buffer
@@ -138,7 +141,7 @@ def test_tp_to_replicas_through_an_all_gather_is_bit_exact():
     assert len(sent) == 4 and len(set(sent)) == 1 and sent[0] > 0
     # a corrupted chunk is caught by its owner's checksum and the job rolls back
     bad = run_live(GPT, "tp=4", steps=3, switches=[(1, "dp=4", None)], timeout=120, switch_timeout=30,
-                   faults=Corrupt(device=2, switch=1, op="all_gather"))
+                   faults=Corrupt(device=2, switch=1, op="all_gather"), promote=True)
     (sw,) = bad.switches
     assert "checksum" in sw["aborted"] and "rolled back" in sw["aborted"], sw["aborted"]
     assert len(bad.losses) == 3
@@ -198,9 +201,9 @@ def test_corrupted_buffer_rolls_back_and_training_continues_unchanged():
 def test_broadcast_goes_message_by_message_from_the_state_and_a_corrupted_part_rolls_back():
     # the benchmark's shrink: the leaving device broadcasts its TP half to two of the three new ranks
     src, dst, chain = "dp=2,tp=2,zero=1", "dp=3,zero=1", [(1, "dp=3,zero=1", (0, 1, 2))]
-    planned = plan_live_switch(GPT, Strategy.parse(src), Strategy.parse(dst), (0, 1, 2, 3), (0, 1, 2))
+    planned = plan_live_switch(GPT, Strategy.parse(src), Strategy.parse(dst), (0, 1, 2, 3), (0, 1, 2), promote=True)
     (bcast,) = [i for v in planned.program.ranks[3].streams.values() for i in v if i.op == "broadcast"]
-    kw = dict(steps=3, export=True, timeout=120, global_batch=12)
+    kw = dict(steps=3, export=True, timeout=120, global_batch=12, promote=True)
     ok = run_live(GPT, src, switches=chain, switch_timeout=20, big_piece=4096, **kw)
     assert check_switches(GPT, ok) == 1
     (root,) = [sw for r in ok.reports.values() if r for sw in r["switches"] if sw["device"] == 3]

@@ -87,21 +87,23 @@ class Prepared:
 def prepare(manager, spec: ModelSpec, src: Strategy, dst: Strategy, src_devices: tuple[int, ...],
             dst_devices: tuple[int, ...], keys: dict[int, str], device: int, *, global_batch: int, seq_len: int,
             memory_budget=None, cost_model: Any = None, hosts: "tuple[int, ...] | None" = None,
-            cluster: Any = "cpu-local") -> Prepared:
+            cluster: Any = "cpu-local", promote: "bool | None" = None) -> Prepared:
     """Plan the switch and compile the new training Program (planning), then build the switch's
     process groups and, on a device of the new layout, its training world (world creation).
 
     ``keys``: incarnation key of every participating device (see :mod:`..elastic`); ``cost_model``:
     what the lowering's promotions are scored with (default: the local machine's); ``hosts``: the
     host of each device id (None: one host) and ``cluster`` what prices the switch (see
-    :func:`.live_cluster`). Every
+    :func:`.live_cluster`); ``promote``: messages may become collectives (None: the cluster's
+    default, see :func:`.lower`). Every
     participant creates the groups in the same order (the switch's world, its collective groups
     sorted, then the training world's groups sorted), so creation never waits crosswise.
     """
     from ..runtime import compile_program
     t0 = time.time()
     planned = plan_live_switch(spec, src, dst, src_devices, dst_devices, memory_budget=memory_budget,
-                               cost_model=cost_model, hosts=hosts, cluster=cluster)
+                               cost_model=cost_model, hosts=hosts, cluster=cluster,
+                               **({} if promote is None else {"promote": bool(promote)}))
     program = None
     if device in dst_devices:
         program = compile_program(spec if not _is_preset(spec) else spec.name, dst, global_batch=global_batch,

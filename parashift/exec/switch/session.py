@@ -90,6 +90,7 @@ class LiveOptions:
     resume: tuple = ()       # multi-host jobs: (step, strategy, optimizer step) of the snapshot in snapshot_dir to start from
     hosts: Any = None        # multi-host jobs: hosts(store, devices) -> the host of each device id (None: one host)
     cluster: Any = None      # what prices the switches (a Cluster or its name; None: switch_cluster(device))
+    promote: Any = None      # switches may use collectives (None: the cluster's default: on GPUs only)
 
 
 @dataclass(frozen=True)
@@ -202,7 +203,7 @@ class LiveSession:
                 prep = prepare(self.manager, self.spec, src.strategy, dst.strategy, src.devices, dst.devices,
                                _keys(self.gens, g), self.device, global_batch=o.global_batch, seq_len=o.seq_len,
                                memory_budget=budget, cost_model=o.cost_model, hosts=hosts,
-                               cluster=o.cluster or switch_cluster(o.device))
+                               cluster=o.cluster or switch_cluster(o.device), promote=o.promote)
                 if self.device in dst.devices:     # the destination store, faulted in while training goes on
                     t0 = time.time()            # (a staged switch's fills stage by stage: lazily allocated)
                     prep.new_store = StateStore(self.spec, dst.strategy, dst.devices.index(self.device),
@@ -625,7 +626,8 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
              export: bool = False, faults: "SwitchFaults | None" = None, big_piece: int = BIG,
              message_part: int = CHUNK, placement: str = "keep", cost_model: Any = None,
              progress: Callable[[int, float], None] | None = None, device: str = "cpu",
-             ordered: bool | None = None, cluster: "str | Cluster | None" = None) -> LiveResult:
+             ordered: bool | None = None, cluster: "str | Cluster | None" = None,
+             promote: bool | None = None) -> LiveResult:
     """Train ``model`` for ``steps`` steps, hot-switching at the scheduled steps.
 
     ``switches``: (step, strategy, devices or None). ``notice``: steps of warning before each switch
@@ -638,7 +640,8 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
     ``device``: ``"cpu"`` (gloo) or ``"cuda"`` (state and training on one GPU per process, NCCL;
     written for GPUs, see the README for what has run). ``ordered``: issue each switch in one global
     order on the device's streams (the NCCL driver; default on NCCL only, True runs its CPU twin).
-    ``cluster``: what prices the switches' links (default: :func:`switch_cluster` of ``device``).
+    ``cluster``: what prices the switches' links (default: :func:`switch_cluster` of ``device``);
+    ``promote``: let switches use collectives (default: on GPU clusters only, see :func:`.lower`).
     """
     spec = models.get(model)
     if notice < 0:
@@ -650,7 +653,8 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
                        optim=optim, notice=notice, switch_timeout=switch_timeout, memory_budget=memory_budget,
                        export=export, progress=progress is not None, big_piece=big_piece, message_part=message_part,
                        placement=placement, cost_model=cost_model, faults=faults, device=device, ordered=ordered,
-                       cluster=get_cluster(cluster) if cluster is not None else switch_cluster(device))
+                       cluster=get_cluster(cluster) if cluster is not None else switch_cluster(device),
+                       promote=promote)
     parts: dict[int, dict[str, float]] = {}
 
     def on_report(key: str, payload: tuple) -> None:
