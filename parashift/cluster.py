@@ -11,6 +11,7 @@ import math
 import os
 import re
 from dataclasses import asdict, dataclass, replace
+from functools import cached_property
 
 import numpy as np
 
@@ -137,8 +138,15 @@ class Cluster:
             bad = int(np.asarray(d).ravel()[np.argmax(((d < 0) | (d >= self.devices)).ravel())])
             raise ClusterError(f"device {bad} is not in {self.name} (devices 0-{self.devices - 1}); "
                                f"use a bigger cluster such as {self.with_devices(bad + 1).name}")
-        n = np.asarray(self.node_map, dtype=np.int64)[d] if self.node_map else d // self.per_node
+        n = self._node_array[d] if self.node_map else d // self.per_node
         return int(n) if np.ndim(n) == 0 else n
+
+    @cached_property
+    def _node_array(self) -> np.ndarray:
+        """``node_map`` as an array (built once per cluster, not per call)."""
+        a = np.asarray(self.node_map, dtype=np.int64)
+        a.flags.writeable = False
+        return a
 
     def on_hosts(self, node_map: "list[int] | tuple[int, ...] | np.ndarray") -> "Cluster":
         """This cluster's devices placed on hosts of any sizes: device ``d`` on node ``node_map[d]``
