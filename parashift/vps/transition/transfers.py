@@ -280,7 +280,11 @@ def _promote_all_gathers(plan, stage, cluster, cost, free, add, loads: _Loads) -
         chunk = max(size for _, size in layouts)
         total = chunk * len(group)
         pairs = [(m, d, size) for m, (_, size) in zip(group, layouts) for d in group if d != m]
-        if _coll_time(cost, cluster, "all_gather", total, group) >= _p2p_time(cost, cluster, pairs):
+        # the members' messages run side by side: the busiest member's link sets their time (its
+        # sends, or with half-duplex links its sends and receives together)
+        share = (lambda m, p: p[0] == m) if cluster.gpu.duplex else (lambda m, p: m in p[:2])
+        t_p2p = max(_p2p_time(cost, cluster, [p for p in pairs if share(m, p)]) for m in group)
+        if _coll_time(cost, cluster, "all_gather", total, group) >= t_p2p:
             continue
         exact = [(m, d, int(plan.nbytes[rows[np.array(bundles[key])]].sum()))
                  for m, key in zip(group, keys) for d in group if d != m]
