@@ -7,7 +7,10 @@ a *scatter* (one source, distinct pieces per member), a *gather* (distinct piece
 member converge on the root) or an *all_gather* (every member sends its distinct pieces to
 every other). What each op means (senders, receivers, bytes per member, offsets, link load) is
 the table in :mod:`parashift.collectives`. Collectives are issued only where the cost model says they
-beat the point-to-point messages they replace. Each piece records its transfer and its byte
+beat the point-to-point messages they replace, counting what each side cannot overlap: messages run
+side by side (the busiest member's link sets their time) and overlap their packs and unpacks with
+each other, where a chunked collective's member packs or unpacks every chunk on one side of it.
+Each piece records its transfer and its byte
 offset in the transfer's full buffer (offsets aligned to ``ALIGN`` bytes); for chunked ops the
 full buffer is ``members`` chunks of ``chunk`` bytes in group order.
 """
@@ -90,6 +93,11 @@ def _p2p_time(cost: CostModel, cluster: Cluster, pairs: list[tuple[int, int, int
 
 def _coll_time(cost: CostModel, cluster: Cluster, op: str, nbytes: int, group: tuple[int, ...]) -> float:
     return cost.time(Instr(0, op, "comm", nbytes=int(nbytes), group=group, root=group[0], tag="x"), cluster, group)
+
+
+def _copy_time(cost: CostModel, cluster: Cluster, device: int, nbytes: int) -> float:
+    """Seconds of one on-device copy (a pack or an unpack) of ``nbytes``."""
+    return cost.time(Instr(0, "copy", "comm", nbytes=int(nbytes)), cluster, (device, device))
 
 
 def build_transfers(plan: SwitchPlan, stage: np.ndarray, cluster: Cluster, cost: CostModel, *,
@@ -284,7 +292,10 @@ def _promote_all_gathers(plan, stage, cluster, cost, free, add, loads: _Loads) -
         # sends, or with half-duplex links its sends and receives together)
         share = (lambda m, p: p[0] == m) if cluster.gpu.duplex else (lambda m, p: m in p[:2])
         t_p2p = max(_p2p_time(cost, cluster, [p for p in pairs if share(m, p)]) for m in group)
-        if _coll_time(cost, cluster, "all_gather", total, group) >= t_p2p:
+        # a member packs its chunk before the collective and unpacks the others' after it, while
+        # messages overlap their copies with each other (only the first pack and last unpack show)
+        t_ag = _coll_time(cost, cluster, "all_gather", total, group) + _copy_time(cost, cluster, group[0], total)
+        if t_ag >= t_p2p + 2 * _copy_time(cost, cluster, group[0], chunk):
             continue
         exact = [(m, d, int(plan.nbytes[rows[np.array(bundles[key])]].sum()))
                  for m, key in zip(group, keys) for d in group if d != m]
@@ -350,9 +361,11 @@ def _promote_rooted(plan, stage, cluster, cost, free, add, op: str, loads: _Load
         chunk = int(per.max())
         group = tuple(sorted([r] + uniq.tolist()))
         total = chunk * len(group)
-        t_c = _coll_time(cost, cluster, op, total, group)
+        # the root packs (scatter) or unpacks (gather) every chunk on one side of the collective,
+        # where messages overlap their copies with each other (only the first and last show)
+        t_c = _coll_time(cost, cluster, op, total, group) + _copy_time(cost, cluster, r, total + chunk)
         pairs = [(r, int(p), int(x)) if out else (int(p), r, int(x)) for p, x in zip(uniq, per)]
-        if t_c >= _p2p_time(cost, cluster, pairs):
+        if t_c >= _p2p_time(cost, cluster, pairs) + 2 * _copy_time(cost, cluster, r, chunk):
             continue
         out_b, in_b = op_of(op).link_bytes(r, group, total, chunk)
         raw = np.bincount(np.searchsorted(uniq, other[a:b]), weights=plan.nbytes[rows[a:b]]).astype(np.int64)
