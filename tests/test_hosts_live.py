@@ -119,6 +119,7 @@ def test_two_hosts_train_a_third_joins_one_leaves_with_notice(capsys):
     assert "aborted" not in join and "aborted" not in notice
     # planned with the hosts: the joiners' state comes from the other hosts; dp=4 -> dp=3 moves nothing
     assert join["bytes_between_hosts"] > 0 and notice["bytes_between_hosts"] == 0
+    assert join["cluster"] == notice["cluster"] == "cpu-local:hosts=1+1+2"      # priced on these hosts
     # device 0 reads the bounded notice (600 s) at the boundary right after the join switch, which it
     # has measured: long enough, so the switch comes --switch-notice + 2 steps later, not at the next step
     assert notice["step"] == join["step"] + 1 + 2

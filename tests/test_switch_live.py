@@ -110,6 +110,7 @@ def test_grow_from_one_device_and_shrink_to_one_through_promoted_collectives():
                    big_piece=4096, cluster="a100-1x8")
     assert [s.get("aborted") for s in res.switches] == [None] * len(chain)
     assert check_switches(GPT, res) == len(chain)
+    assert [s["cluster"] for s in res.switches] == ["a100-1x8"] * len(chain)       # priced as asked
     for r in res.reports.values():
         for sw in (r or {}).get("switches", []):
             # the memory high-water mark: both layouts' states whole, plus the staging in use at once

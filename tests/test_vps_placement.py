@@ -193,11 +193,10 @@ def test_plan_takes_hosts_of_unequal_sizes(capsys):
 def test_a_live_switch_on_gpus_is_priced_with_their_links():
     """``cluster=`` prices the live switch (a job on cuda plans with its GPU kind, not cpu-local): the
     host map is kept, and the links change the lowering. gloo processes move everything point to
-    point (no collective by default: see ``GLOO_PROMOTES``); under H100 links ``dp=3,zero=1 ->
+    point (no collective by default: see ``lower``); under H100 links ``dp=3,zero=1 ->
     pp=2,dp=2`` sends one piece to several devices as a broadcast, and ``dp=4,zero=1 -> dp=4``, whose
     all_gather gloo takes only when asked, stays point to point (its messages are cheap on NVLink)."""
     from parashift.exec.switch.session import switch_cluster
-    from parashift.vps.transition.lower import GLOO_PROMOTES
     model = models.gpt(4, 256, 8, ffn=1024, vocab=1024, seq_len=64, name="h-gpt", dtype="fp32", pad_vocab=64)
     hosts, h100 = (1, 1, 2, 2), switch_cluster("cuda", "NVIDIA H100 80GB HBM3")
 
@@ -208,7 +207,7 @@ def test_a_live_switch_on_gpus_is_priced_with_their_links():
     gpu, bcast = colls("dp=3,zero=1", "pp=2,dp=2", (0, 1, 2), cluster=h100)
     assert cpu.cluster == "cpu-local:hosts=2+2" and gpu.cluster == "h100-1x2:hosts=2+2"
     assert cpu.bytes_inter_node == gpu.bytes_inter_node > 0 and cpu.bytes_moved == gpu.bytes_moved
-    assert not GLOO_PROMOTES and none == {} and bcast == {"broadcast": 1}
+    assert none == {} and bcast == {"broadcast": 1}
     assert colls("dp=4,zero=1", "dp=4", (0, 1, 2, 3), promote=True)[1] == {"all_gather": 1}
     assert colls("dp=4,zero=1", "dp=4", (0, 1, 2, 3), cluster=h100)[1] == {}
     names = {"NVIDIA H200": "h200", "NVIDIA H800 PCIe": "h100", "NVIDIA A800-SXM4-80GB": "a800",

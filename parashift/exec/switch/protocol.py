@@ -162,6 +162,7 @@ class SwitchRecord:
     bytes_received: int = 0
     bytes_local: int = 0           # received by reading a same-host sender's memory (no socket)
     bytes_between_hosts: int = 0   # the whole switch's bytes from one host to another, as planned (multi-host jobs)
+    cluster: str = ""              # what the switch was planned and priced on (its hosts and link kinds)
     zero_copy: int = 0
     sums_reused: int = 0           # sent parts of the old state summed once for several peers
     packs_shared: int = 0          # sends whose packed messages an identical send had packed (packed once)

@@ -300,6 +300,7 @@ class LiveSession:
                                 rec.aborted, peer_failed=not isinstance(e, MemoryBudgetError)) from e
         rec.plan_seconds = prep.plan_seconds
         rec.bytes_between_hosts = prep.planned.meta.bytes_inter_node
+        rec.cluster = prep.planned.meta.cluster
         rec.world_seconds = prep.world_seconds + (prep.train_world_end - prep.train_world_start)
         rec.alloc_seconds = prep.alloc_seconds
         rec.rows += [("elastic", "plan", prep.world_start - prep.plan_seconds, prep.world_start),
@@ -561,9 +562,10 @@ GPU_NAMES = (("H200", "h200"), ("H100", "h100"), ("H800", "h100"), ("A800", "a80
 
 def switch_cluster(device: str = "cpu", name: "str | None" = None, count: int = 8) -> Cluster:
     """The cluster whose links price a live job's switches: ``cpu-local`` for gloo processes; on
-    ``device="cuda"`` the preset of the GPU named ``name`` (default: this process's GPU, from
-    :data:`GPU_NAMES`; another GPU of compute capability 9 or more is priced as an H100, an older one
-    as an A100), ``count`` devices a node. Live planning replaces its node sizes with the job's hosts."""
+    ``device="cuda"`` the preset of the GPU named ``name`` (by :data:`GPU_NAMES`; default: this
+    process's GPU, where another kind of compute capability 9 or more is priced as an H100, an older
+    one as an A100; a given unknown name as an A100), ``count`` devices a node. Live planning
+    replaces its node sizes with the job's hosts."""
     if device != "cuda":
         return get_cluster("cpu-local")
     if name is None:
@@ -608,6 +610,7 @@ def _summarize(gens: list[Generation], reports: dict[str, Any], spec: "models.Mo
                   "bytes_between_hosts"):
             entry[k] = max(r[k] for r in recs)      # the slowest process's phase; the largest high-water mark
         entry["bytes_moved"] = sum(r["bytes_sent"] for r in recs)
+        entry["cluster"] = next((r["cluster"] for r in recs if r["cluster"]), "")
         if spec is not None:
             fit = switch_fit(spec, gens[g - 1], gens[g], memory_budget, device, hosts)
             entry.update({"fits": fit["fits"], "planned_peak_bytes": fit["peak_bytes"],

@@ -71,16 +71,6 @@ class Options:
         return cls(**{k: bool(v) for k, v in kw.items()}, lanes=int(lanes))
 
 
-#: Whether switches between CPU (gloo) processes promote messages to collectives by default. They
-#: do not: gloo's broadcast is the root sending to each member in turn (no bytes saved), and a
-#: collective cannot use the same-host local reads that point-to-point messages take
-#: (:mod:`parashift.exec.switch.local`). Measured on 4 gloo processes of one host (a 2-layer GPT
-#: of width 768, ``parashift.exec.switch.switch_check``, medians of 5): ``dp=4,zero=1 -> dp=4`` 1.48 s
-#: through one all_gather against 0.43 s point to point; ``dp=2,zero=1 -> dp=4`` 0.55 s through two
-#: broadcasts against 0.43 s. GPU clusters (NCCL's pipelined rings and trees) keep promoting.
-GLOO_PROMOTES = False
-
-
 def lower(plan: SwitchPlan, cluster: "Cluster | str | None" = None, *, memory_budget=None,
           cost_model: "CostModel | None" = None, staged: bool = False, **options: object) -> Program:
     """Lower ``plan`` to a switch Program (deadlock-free by construction; ``Program.validate()``
@@ -89,14 +79,19 @@ def lower(plan: SwitchPlan, cluster: "Cluster | str | None" = None, *, memory_bu
     ``memory_budget``: bytes of switch state each device may hold (a number, a device ->
     bytes mapping, or None for no limit); ``cost_model``: the simulator's cost model (default:
     the cluster's). ``options``: ``select_sources``, ``promote``, ``stage``, ``coalesce``,
-    ``xor_order`` (each True by default, but ``promote`` is False on a cluster of CPU processes:
-    see :data:`GLOO_PROMOTES`) and ``lanes`` (concurrent streams per direction, 4).
+    ``xor_order`` (each True by default, but ``promote`` is False on a cluster of CPU processes,
+    see below) and ``lanes`` (concurrent streams per direction, 4).
     ``staged``: recorded in the meta for runtimes that must release old state stage by stage.
     Raises MemoryBudgetError when the budget cannot hold the new layout, before anything moves.
     """
     t0 = time.perf_counter()
     clus = _cluster.get(cluster) if cluster is not None else plan.cluster
-    opts = Options.make(**{"promote": clus.gpu.name != "cpu" or GLOO_PROMOTES, **options})
+    # CPU (gloo) processes move everything point to point unless asked: gloo's broadcast is the root
+    # sending to each member in turn (no bytes saved), and a collective cannot use the same-host local
+    # reads that messages take (exec.switch.local). Measured on 4 gloo processes of one host (a 2-layer
+    # GPT of width 768, switch_check, medians of 5): dp=4,zero=1 -> dp=4 1.48 s through one all_gather
+    # against 0.43 s point to point; dp=2,zero=1 -> dp=4 0.55 s through two broadcasts against 0.43 s.
+    opts = Options.make(**{"promote": clus.gpu.name != "cpu", **options})
     devices = sorted(set(plan.src_devices) | set(plan.dst_devices))
     clus.node_of(np.asarray(devices))          # every device must be in the cluster
     if cost_model is None:

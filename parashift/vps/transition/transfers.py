@@ -361,8 +361,9 @@ def _promote_rooted(plan, stage, cluster, cost, free, add, op: str, loads: _Load
         chunk = int(per.max())
         group = tuple(sorted([r] + uniq.tolist()))
         total = chunk * len(group)
-        # the root packs (scatter) or unpacks (gather) every chunk on one side of the collective,
-        # where messages overlap their copies with each other (only the first and last show)
+        # the root packs (scatter) or unpacks (gather) every chunk on one side of the collective and a
+        # member its own chunk on the other, where messages overlap their copies with each other
+        # (only the first pack and the last unpack show)
         t_c = _coll_time(cost, cluster, op, total, group) + _copy_time(cost, cluster, r, total + chunk)
         pairs = [(r, int(p), int(x)) if out else (int(p), r, int(x)) for p, x in zip(uniq, per)]
         if t_c >= _p2p_time(cost, cluster, pairs) + 2 * _copy_time(cost, cluster, r, chunk):
