@@ -32,8 +32,8 @@ Store keys (under the job's secret): ``hosts/devices`` (devices registered), ``h
 (hosts), ``hosts/heartbeat`` (the heartbeat window, seconds), ``hosts/live_port`` (the liveness listener),
 ``hosts/config`` (pickled settings), ``hosts/gen/<g>`` (generations after the first, with
 their cause), ``hosts/leave/<h>`` (a SIGTERM notice: its devices and seconds left), ``hosts/beat/<h>`` (heartbeat counters),
-``hosts/devices_of/<h>`` (each host's device ids, the first host's too), ``hosts/dead/<h>`` and
-``dead/<device>`` (declared lost),
+``hosts/devices_of/<h>`` (each host's device ids, the first host's too), ``hosts/declared/<h>`` (who
+declares it lost, once), ``hosts/dead/<h>`` and ``dead/<device>`` (declared lost),
 ``hosts/handled/<h>`` (taken out by recovery round ``g``), ``hosts/report/<h>``, ``hosts/failed/<h>``,
 ``hosts/done``; written by :mod:`.recover`: ``hosts/loss/<step>/<device>`` (loss shares),
 ``hosts/fault`` (failed steps), ``hosts/recovery`` (the open round), ``hosts/lost/<g>``,
@@ -622,12 +622,14 @@ def _declare_lost(store: Any, h: int) -> bool:
     if store.check(["hosts/done"]) or any(store.check([f"hosts/{k}/{h}"]) for k in ("dead", "report", "failed")) \
             or not store.check([f"hosts/devices_of/{h}"]):
         return False
+    if store.add(f"hosts/declared/{h}", 1) != 1:       # the monitor and the liveness listener may both try
+        return False
     a, b = (int(x) for x in store.get(f"hosts/devices_of/{h}").decode().split("-"))
     for d in range(a, b + 1):
         store.set(f"dead/{d}", f"host {h}")
-    store.set(f"hosts/dead/{h}", "1")
     if not store.check([f"left/{d}" for d in range(a, b + 1)]):     # all left through a verified switch: no step
         store.add(FAULT_KEY, 1)                                   # needs them (a notice that ran out just after)
+    store.set(f"hosts/dead/{h}", "1")                  # last: whoever sees it sees the fault counted too
     return True
 
 
