@@ -27,6 +27,17 @@ def __getattr__(name: str):  # SCHEDULES lives in the schedule registry (parashi
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _defaults() -> tuple:
+    """(name, default) of every field but dp, tp and pp, in declaration order."""
+    global _DEFAULTS
+    if _DEFAULTS is None:
+        _DEFAULTS = tuple((f.name, f.default) for f in fields(Strategy) if f.name not in ("dp", "tp", "pp"))
+    return _DEFAULTS
+
+
+_DEFAULTS: "tuple | None" = None
+
+
 def _schedule(name: str):
     from .ir.schedules import get_schedule
     return get_schedule(name)
@@ -84,15 +95,17 @@ class Strategy:
     def __post_init__(self) -> None:
         for name in _BOOL_FIELDS:
             v = getattr(self, name)
-            if not isinstance(v, (bool, np.bool_)):
-                raise StrategyError(f"{name}={v!r} must be a boolean; write '{name}' or '{name}=1' to turn it on")
-            object.__setattr__(self, name, bool(v))
+            if type(v) is not bool:
+                if not isinstance(v, np.bool_):
+                    raise StrategyError(f"{name}={v!r} must be a boolean; write '{name}' or '{name}=1' to turn it on")
+                object.__setattr__(self, name, bool(v))
         for name in _INT_FIELDS:
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-                raise StrategyError(f"{name}={v!r} must be an integer; write e.g. '{name}=2'")
-            object.__setattr__(self, name, int(v))
-            if name not in ("zero", "shard") and v < 1:
+            if type(v) is not int:
+                if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                    raise StrategyError(f"{name}={v!r} must be an integer; write e.g. '{name}=2'")
+                object.__setattr__(self, name, int(v))
+            if v < 1 and name not in ("zero", "shard"):
                 raise StrategyError(f"{name}={v} must be at least 1")
         if not 0 <= self.zero <= 3:
             raise StrategyError(f"zero={self.zero} is not a ZeRO stage; use 0, 1, 2 or 3")
@@ -173,15 +186,16 @@ class Strategy:
         return cls(**kw)  # type: ignore[arg-type]
 
     def __str__(self) -> str:
-        default = Strategy()
-        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
-        for f in fields(self):
-            if f.name in ("dp", "tp", "pp"):
-                continue
-            v = getattr(self, f.name)
-            if v != getattr(default, f.name):
-                parts.append(f.name if f.name in _BOOL_FIELDS else f"{f.name}={v}")
-        return ",".join(parts)
+        text = self.__dict__.get("_text")          # frozen: the text is computed once per instance
+        if text is None:
+            parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
+            for name, default in _defaults():
+                v = getattr(self, name)
+                if v != default:
+                    parts.append(name if name in _BOOL_FIELDS else f"{name}={v}")
+            text = ",".join(parts)
+            object.__setattr__(self, "_text", text)
+        return text
 
     def replace(self, **changes: object) -> "Strategy":
         return replace(self, **changes)

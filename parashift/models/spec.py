@@ -1,6 +1,7 @@
 """Model specifications: the tensor inventory and the architecture numbers the cost model needs."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -41,7 +42,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:
