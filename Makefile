@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# pytest-xdist workers: the suite waits on worker processes and timeouts about half of its wall time,
+# so two workers on two cores cut it by a quarter or more (override with `make test JOBS=1`).
+JOBS ?= $(shell $(PYTHON) -c "import os; print(min(4, max(2, len(os.sched_getaffinity(0)))))" 2>/dev/null || echo 2)
 
 .PHONY: demo test install clean
 
@@ -20,7 +23,7 @@ demo: $(STAMP)
 	$(VENV)/bin/parashift demo --out demo-out
 
 test: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider --durations=20
+	$(PY) -m pytest -q -p no:cacheprovider -n $(JOBS) --dist worksteal --durations=20
 
 clean:
 	rm -rf $(VENV) demo-out
