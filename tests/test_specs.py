@@ -1,6 +1,8 @@
 """Specs: model presets, Strategy text and validation, the rank grid, clusters and device lists."""
 from __future__ import annotations
 
+import pickle
+
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -69,6 +71,11 @@ def any_strategy(draw):
 def test_strategy_text_round_trips(s):
     assert Strategy.parse(str(s)) == s
     assert Strategy.parse(s) is s
+    t = Strategy.parse(str(s))
+    assert hash(t) == hash(s) and str(t) == str(s) == str(s)       # the text is kept, not part of equality
+    assert pickle.loads(pickle.dumps(s)) == s and str(pickle.loads(pickle.dumps(s))) == str(s)
+    other = s.replace(mbs=s.mbs + 1)                                # a replaced strategy has its own text
+    assert other != s and Strategy.parse(str(other)) == other and f"mbs={s.mbs + 1}" in str(other)
 
 
 def test_parse_defaults_and_examples():
