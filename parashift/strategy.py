@@ -27,17 +27,6 @@ def __getattr__(name: str):  # SCHEDULES lives in the schedule registry (parashi
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _defaults() -> tuple:
-    """(name, default) of every field but dp, tp and pp, in declaration order."""
-    global _DEFAULTS
-    if _DEFAULTS is None:
-        _DEFAULTS = tuple((f.name, f.default) for f in fields(Strategy) if f.name not in ("dp", "tp", "pp"))
-    return _DEFAULTS
-
-
-_DEFAULTS: "tuple | None" = None
-
-
 def _schedule(name: str):
     from .ir.schedules import get_schedule
     return get_schedule(name)
@@ -189,7 +178,7 @@ class Strategy:
         text = self.__dict__.get("_text")          # frozen: the text is computed once per instance
         if text is None:
             parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
-            for name, default in _defaults():
+            for name, default in _TEXT_DEFAULTS:
                 v = getattr(self, name)
                 if v != default:
                     parts.append(name if name in _BOOL_FIELDS else f"{name}={v}")
@@ -421,3 +410,7 @@ class Strategy:
         else:
             out = c % self.pp
         return int(out) if np.ndim(out) == 0 else out
+
+
+#: (name, default) of every field but dp, tp and pp, in declaration order: what str() leaves out at its default
+_TEXT_DEFAULTS = tuple((f.name, f.default) for f in fields(Strategy) if f.name not in ("dp", "tp", "pp"))
