@@ -262,3 +262,17 @@ def test_readme_and_report_links_resolve(tmp_path):
     bad.write_text("# Top\n[a](missing.md) [b](#top) [c](#nowhere) [d](https://example.com) ![i](x.png)\n")
     assert broken_links(bad) == ["missing.md", "#nowhere"]
     assert slug("The GPU path: written for NCCL, never run on a GPU") == "the-gpu-path-written-for-nccl-never-run-on-a-gpu"
+
+
+def test_strategies_page_has_one_row_per_strategy_key_with_its_default():
+    import dataclasses
+
+    from parashift import Strategy
+    rows = re.findall(r"^\| `(\w+)` \|(.*)\|\s*$", (ROOT / "docs" / "strategies.md").read_text(), flags=re.M)
+    keys = [k for k, _ in rows]
+    fields = {f.name: f.default for f in dataclasses.fields(Strategy) if not f.name.startswith("_")}
+    assert sorted(keys) == sorted(fields) and len(keys) == len(set(keys))
+    for key, rest in rows:                         # columns: meaning | values | default | constraints
+        default = rest.split("|")[2].strip()
+        want = ("off" if fields[key] is False else "on") if isinstance(fields[key], bool) else f"{fields[key]}"
+        assert default.strip("`").startswith(want), f"{key}: the page says {default!r}, the code {fields[key]!r}"

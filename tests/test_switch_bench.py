@@ -1,4 +1,4 @@
-"""``benchmarks/switch_live_bench.py`` end to end on its small model: the JSON the README quotes."""
+"""``benchmarks/switch_live_bench.py`` end to end on its small model: the JSON the switch reports in benchmarks/reports/ quote."""
 import importlib.util
 import json
 import os
