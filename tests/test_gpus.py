@@ -143,3 +143,9 @@ def test_clusters_command_shows_every_kind(capsys):
     assert {r["gpu"] for r in rows} == set(gpus.GPUS)
     nvl = next(r for r in rows if r["name"] == "gb200-nvl72")
     assert nvl["devices"] == 72 and nvl["peak_fp8"] == 5e15
+
+
+def test_calibration_never_fits_a_gpus_datasheet_rates():
+    from parashift.calibrate.params import compute_candidates
+    cm = CostModel.for_cluster(clusters.get("b200-1x8"))
+    assert cm.dtype_peaks and not [p for p in compute_candidates(cm) if p.field == "dtype_peaks"]
