@@ -18,7 +18,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 
-from .errors import UnknownGPUError
+from .errors import ClusterError, UnknownGPUError
 
 __all__ = ["GPU", "GPUS", "DTYPES", "get", "by_device_name", "power_capped"]
 
@@ -36,7 +36,7 @@ class GPU:
     ``nics_per_node`` NICs of ``nic_bw`` bytes/s serve a node of ``node`` devices (the kind's
     standard server or rack), rail-aligned; ``nvlink_domain``: devices one NVLink/NVSwitch domain
     joins at ``intra_bw`` (1: the devices of a node talk over PCIe, ``intra_bw`` is then PCIe's).
-    A peak of 0 means the GPU has no such unit (see :meth:`peak`).
+    A peak of 0 means the kind has no such units (fp8, fp4; see :meth:`peak`).
     """
 
     name: str
@@ -69,24 +69,23 @@ class GPU:
         return self.nic_bw * min(self.nics_per_node, self.node) / self.node
 
     def has(self, dtype: str) -> bool:
-        """Whether the kind runs ``dtype`` GEMMs on their own units (fp8 on Hopper and later, fp4 on Blackwell)."""
+        """Whether the kind has a rate for ``dtype`` (fp8 on Hopper and later, fp4 on Blackwell; the others on all)."""
+        if dtype not in DTYPES:
+            raise ClusterError(f"unknown dtype {dtype!r} for GPU {self.name}; use one of {', '.join(DTYPES)}")
         return {"fp8": self.peak_fp8, "fp4": self.peak_fp4}.get(dtype, 1.0) > 0
 
     def peak(self, dtype: str) -> float:
-        """Dense FLOP/s of one device in ``dtype`` (bf16/fp16 at ``peak_flops``; fp32 and tf32
-        default to 1/16 and 1/2 of it; fp8 and fp4 where the kind has them, else its next wider
-        rate: fp4 -> fp8 -> bf16, as a framework falls back when the units are missing)."""
+        """Dense FLOP/s of one device in ``dtype`` (bf16/fp16 at ``peak_flops``; fp32 and tf32 default
+        to 1/16 and 1/2 of it). A dtype the kind has no units for (fp8 on an A100) raises."""
+        if not self.has(dtype):
+            raise ClusterError(f"GPU {self.name} has no {dtype} units (kinds with them: "
+                               f"{', '.join(g for g, v in GPUS.items() if v.has(dtype))}); run {dtype} on one of "
+                               f"those or give the cluster peak_{dtype}=...")
         if dtype == "fp32":
             return self.peak_fp32 or self.peak_flops / 16
         if dtype == "tf32":
             return self.peak_tf32 or self.peak_flops / 2
-        if dtype == "fp4":
-            return self.peak_fp4 or self.peak("fp8")
-        if dtype == "fp8":
-            return self.peak_fp8 or self.peak_flops
-        if dtype in ("bf16", "fp16"):
-            return self.peak_flops
-        raise UnknownGPUError(f"unknown dtype {dtype!r} for GPU {self.name}; use one of {', '.join(DTYPES)}")
+        return {"fp8": self.peak_fp8, "fp4": self.peak_fp4}.get(dtype, self.peak_flops)
 
     def sustained(self, dtype: str) -> float:
         """FLOP/s a large dense GEMM in ``dtype`` holds at the power limit (the tile model's ceiling)."""
@@ -100,7 +99,7 @@ def power_capped(gpu: GPU, watts: float, name: str, reference: GPU) -> GPU:
     datasheet peaks stay (MFU is quoted against them); ``clock`` carries the loss, which the cost
     model applies to every compute rate."""
     if not 0 < watts < gpu.power or not reference.power or gpu.power / gpu.sms == reference.power / reference.sms:
-        raise UnknownGPUError(f"cannot cap {gpu.name} ({gpu.power:g} W) at {watts:g} W against {reference.name}; "
+        raise ClusterError(f"cannot cap {gpu.name} ({gpu.power:g} W) at {watts:g} W against {reference.name}; "
                               f"give a cap between 0 and the rated power and a reference part of another power")
     k = math.log((reference.power / reference.sms) / (gpu.power / gpu.sms)) / \
         math.log((reference.peak_flops / reference.sms) / (gpu.peak_flops / gpu.sms))

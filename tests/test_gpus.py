@@ -41,6 +41,11 @@ def test_the_records_keep_the_relations_of_their_datasheets():
     assert G["gb200"].nvlink_domain == G["gb200"].node == 72 and G["b200"].nvlink_domain == 8
     assert G["gb200"].inter_bw == G["b200"].inter_bw == G["h100"].inter_bw      # one 400 Gb/s NIC per GPU
     assert not G["a100"].has("fp8") and not G["h100"].has("fp4") and G["b200"].has("fp4")
+    with pytest.raises(ClusterError, match="GPU a100 has no fp8 units .*h100.*peak_fp8=") as e:   # not bf16's rate
+        G["a100"].peak("fp8")
+    assert "\n" not in str(e.value) and clusters.get("a100-1x8:peak_fp8=624T").gpu.peak("fp8") == 624e12
+    with pytest.raises(ClusterError, match="unknown dtype 'int3'"):
+        G["h100"].has("int3")
     assert G["a800"].inter_bw == G["a100"].inter_bw / 2          # 4 NICs for 8 GPUs
     assert [g.name for g in KINDS if not g.has("fp8")] == ["a100", "a100-40gb", "a800", "v100", "v100-16gb"]
 
@@ -59,7 +64,7 @@ def test_a_power_cap_lowers_the_clock_by_the_dies_power_law():
     big = gemm_time(cm, 16384, 16384, 16384)
     assert gemm_time(cmc, 16384, 16384, 16384) / big == pytest.approx(1 / cap.clock, rel=0.01)
     assert gemm_time(cmc, 1, 8192, 8192) == gemm_time(cm, 1, 8192, 8192)       # a GEMV: HBM-bound
-    with pytest.raises(UnknownGPUError, match="between 0 and the rated power"):
+    with pytest.raises(ClusterError, match="between 0 and the rated power"):
         gpus.power_capped(h, 800, "h100-800w", pcie)
 
 
