@@ -219,7 +219,9 @@ def _apply(base: Cluster, items: "dict[str, object]", source: str) -> Cluster:
                    float(cl_kw.get("nic_bw", base.nic_bw)))
 
 
-def _preset(key: str, name: object) -> Cluster:
+def _preset(key: str, name: object, domain_check: bool = True) -> Cluster:
+    """The preset ``key``; ``domain_check``: a node larger than the kind's NVLink domain raises (a
+    host map's name, whose largest host sets its node size, skips it)."""
     if key == "cpu-local":
         return Cluster("cpu-local", GPUS["cpu"], 1, max(8, os.cpu_count() or 1))
     nvl = _NVL.match(key)
@@ -236,7 +238,13 @@ def _preset(key: str, name: object) -> Cluster:
     nodes, per = int(m.group(2)), int(m.group(3))
     if nodes < 1 or per < 1:
         raise ClusterError(f"cluster {name!r} needs at least one node of one device")
-    return Cluster(key, GPUS[m.group(1)], nodes, per)
+    gpu = GPUS[m.group(1)]
+    if domain_check and 1 < gpu.nvlink_domain < per:
+        raise ClusterError(f"cluster {name!r}: one {gpu.name} NVLink domain joins at most {gpu.nvlink_domain} devices, "
+                           f"so a node of {per} would price them all on NVLink; use "
+                           f"{gpu.name}-{-(-nodes * per // gpu.nvlink_domain)}x{gpu.nvlink_domain}, or "
+                           f"{gpu.name}-{nodes}x{gpu.nvlink_domain}:per_node={per} to price such a node anyway")
+    return Cluster(key, gpu, nodes, per)
 
 
 def _from_file(path: str) -> Cluster:
@@ -278,7 +286,7 @@ def get(name: "str | Cluster") -> Cluster:
             raise ClusterError(f"cluster file {raw} does not exist; give a preset such as a100-4x8 or a JSON file")
         return _from_file(raw)
     key, _, extra = raw.partition(":")
-    base = _preset(key.strip().lower(), name)
+    base = _preset(key.strip().lower(), name, domain_check="hosts=" not in extra.replace(" ", ""))
     if not extra.strip():
         return base
     items: dict[str, object] = {}

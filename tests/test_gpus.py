@@ -91,6 +91,12 @@ def test_nvl72_is_one_nvlink_domain_of_72_with_a_nic_per_gpu(tmp_path):
     assert (c.nodes, c.per_node, c.devices, c.nics_per_node, c.inter_bw) == (1, 72, 72, 72, 50e9)
     assert c.with_devices(144).name == "gb200-2x72" and clusters.get("gb200-4x72").devices == 288
     assert clusters.get("gb200-nvl72:nic_bw=800Gb").nic_bw == 100e9
+    with pytest.raises(ClusterError, match="joins at most 8 devices.*use b200-9x8") as e:    # not an NVL72
+        clusters.get("b200-1x72")
+    assert "\n" not in str(e.value) and clusters.get("b200-1x8:per_node=72").per_node == 72
+    assert clusters.get("h100-pcie-1x16").per_node == 16                                        # PCIe: no domain
+    hosted = clusters.get("b200-1x8").on_hosts([0] * 16 + [1] * 8)        # a host map's name round-trips
+    assert clusters.get(hosted.name) == hosted and hosted.name == "b200-1x16:hosts=16+8"
     for bad in ("gb200-nvl8", "h100-nvl72", "b200-nvl72"):
         with pytest.raises(UnknownPresetError, match="gb200-nvl72"):
             clusters.get(bad)
