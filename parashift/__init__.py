@@ -5,19 +5,19 @@ optuna) load only when their subpackages are used.
 """
 from __future__ import annotations
 
-from . import cluster, models
+from . import cluster, gpus, models
 from .cluster import Cluster
 from .errors import (ClusterError, DeadlockError, DeviceListError, MemoryBudgetError, ParashiftError,
                      PlanError, ProgramError, RuntimeFailure, StrategyError, SwitchAborted,
-                     TraceFormatError, UnknownPresetError)
+                     TraceFormatError, UnknownGPUError, UnknownPresetError)
 from .models import ModelSpec, TensorSpec
 from .strategy import Strategy
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "cluster", "models", "Cluster", "ModelSpec", "TensorSpec", "Strategy",
-    "ParashiftError", "UnknownPresetError", "StrategyError", "ClusterError", "DeviceListError",
+    "cluster", "gpus", "models", "Cluster", "ModelSpec", "TensorSpec", "Strategy",
+    "ParashiftError", "UnknownPresetError", "UnknownGPUError", "StrategyError", "ClusterError", "DeviceListError",
     "PlanError", "MemoryBudgetError", "ProgramError", "DeadlockError", "TraceFormatError",
     "RuntimeFailure", "SwitchAborted", "region",
 ]

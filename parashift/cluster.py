@@ -1,6 +1,8 @@
 """Cluster presets: nodes of GPUs with their compute, memory and links.
 
-Names follow ``<gpu>-<nodes>x<per-node>`` (``a800-16x8``, ``h100-64x8``); any counts parse.
+Names follow ``<gpu>-<nodes>x<per-node>`` (``a800-16x8``, ``h100-pcie-4x8``), with ``<gpu>`` a kind of
+:data:`parashift.gpus.GPUS`; any counts parse. ``<gpu>-nvl<N>`` is one NVLink domain of ``N`` devices
+where the kind has one that large (``gb200-nvl72``: one NVL72 rack).
 ``cpu-local`` describes this machine's worker processes for gloo runs. A preset takes overrides
 after a colon (``a100-64x8:nic_bw=12.5GB,nics_per_node=4``, see :data:`OVERRIDES`), and a JSON file
 describes a whole cluster (``{"gpu": "a100", "nodes": 4, "per_node": 8, "nic_bw": 2.5e10, ...}``).
@@ -16,62 +18,10 @@ from functools import cached_property
 import numpy as np
 
 from .errors import ClusterError, UnknownPresetError
+from .gpus import GPU, GPUS
 
-__all__ = ["Cluster", "GPUS", "get", "names", "parse_devices", "format_devices", "OVERRIDES", "parse_quantity"]
-
-GB = 1e9
-GiB = 2**30
-
-
-@dataclass(frozen=True)
-class GPU:
-    """One accelerator kind, from public datasheets (dense bf16, unidirectional link bandwidths)."""
-
-    name: str
-    memory: int            # bytes of device memory
-    peak_flops: float      # dense bf16 FLOP/s
-    hbm_bw: float          # bytes/s
-    intra_bw: float        # bytes/s one direction per device over NVLink
-    intra_latency: float   # seconds
-    inter_bw: float        # bytes/s one direction per device over the NIC(s)
-    inter_latency: float   # seconds
-    interconnect: str
-    duplex: bool = True    # sending and receiving at once each get the full bandwidth (False: they share it)
-    peak_fp32: float = 0.0  # dense fp32 FLOP/s (0: 1/16 of peak_flops)
-    peak_tf32: float = 0.0  # dense tf32 FLOP/s (0: half of peak_flops)
-    peak_fp8: float = 0.0   # dense fp8 FLOP/s (0: none; fp8 runs at peak_flops)
-    sms: int = 108          # streaming multiprocessors (the waves of a GEMM's tiles)
-    nics_per_node: int = 8  # NICs of a node (rail-aligned: NIC i serves the devices i, i + nics, ...)
-
-    def peak(self, dtype: str) -> float:
-        """Dense FLOP/s of one device in ``dtype`` (bf16/fp16 at ``peak_flops``)."""
-        if dtype == "fp32":
-            return self.peak_fp32 or self.peak_flops / 16
-        if dtype == "tf32":
-            return self.peak_tf32 or self.peak_flops / 2
-        if dtype == "fp8":
-            return self.peak_fp8 or self.peak_flops
-        return self.peak_flops
-
-
-GPUS: dict[str, GPU] = {
-    # A800: A100 with NVLink cut to 400 GB/s bidirectional; 4x200 Gb/s HDR NICs per node in the testbed.
-    "a800": GPU("a800", 80 * GiB, 312e12, 2.0e12, 200 * GB, 3e-6, 100e9 / 8 * 1.0, 8e-6, "NVLink 400 GB/s, HDR IB",
-                 peak_fp32=19.5e12, peak_tf32=156e12, sms=108, nics_per_node=4),
-    # A100-80GB SXM: NVLink3 600 GB/s bidirectional, one HDR 200 Gb/s NIC per GPU.
-    "a100": GPU("a100", 80 * GiB, 312e12, 2.0e12, 300 * GB, 3e-6, 25 * GB, 8e-6, "NVLink 600 GB/s, HDR IB",
-                 peak_fp32=19.5e12, peak_tf32=156e12, sms=108, nics_per_node=8),
-    # H100 SXM: NVLink4 900 GB/s bidirectional, one NDR 400 Gb/s NIC per GPU.
-    "h100": GPU("h100", 80 * GiB, 989e12, 3.35e12, 450 * GB, 2.5e-6, 50 * GB, 6e-6, "NVLink 900 GB/s, NDR IB",
-                 peak_fp32=67e12, peak_tf32=494e12, peak_fp8=1979e12, sms=132, nics_per_node=8),
-    # H200 SXM: H100 compute with 141 GB HBM3e at 4.8 TB/s.
-    "h200": GPU("h200", 141 * GB, 989e12, 4.8e12, 450 * GB, 2.5e-6, 50 * GB, 6e-6, "NVLink 900 GB/s, NDR IB",
-                 peak_fp32=67e12, peak_tf32=494e12, peak_fp8=1979e12, sms=132, nics_per_node=8),
-    # This machine's worker processes: one core each, gloo over loopback TCP/shared memory.
-    # Both directions are copies by the same cores, so a process's sends and receives share them.
-    "cpu": GPU("cpu", 2 * GiB, 2.0e10, 1.0e10, 1.5 * GB, 6e-5, 1.5 * GB, 6e-5, "gloo over loopback", duplex=False,
-                peak_fp32=2.0e10, peak_tf32=2.0e10, sms=1, nics_per_node=1),
-}
+__all__ = ["Cluster", "GPU", "GPUS", "get", "names", "parse_devices", "format_devices", "OVERRIDES",
+           "parse_quantity"]
 
 
 @dataclass(frozen=True)
@@ -106,7 +56,7 @@ class Cluster:
         if not self.nics_per_node:
             object.__setattr__(self, "nics_per_node", self.gpu.nics_per_node)
         if not self.nic_bw:
-            object.__setattr__(self, "nic_bw", self.gpu.inter_bw * 8 / self.gpu.nics_per_node)
+            object.__setattr__(self, "nic_bw", self.gpu.nic_bw)
         if self.nics_per_node < 1 or self.nic_bw <= 0:
             raise ClusterError(f"cluster {self.name!r}: nics_per_node and nic_bw must be positive")
 
@@ -188,7 +138,8 @@ def _name(gpu: str, nodes: int, per_node: int) -> str:
     return "cpu-local" if gpu == "cpu" else f"{gpu}-{nodes}x{per_node}"
 
 
-_PATTERN = re.compile(r"^([a-z0-9]+)-(\d+)x(\d+)$")
+_PATTERN = re.compile(r"^([a-z0-9][a-z0-9-]*)-(\d+)x(\d+)$")
+_NVL = re.compile(r"^([a-z0-9][a-z0-9-]*)-nvl(\d+)$")
 
 #: Override keys (``preset:key=value,...`` or JSON file fields): key -> (where, field, unit, meaning).
 OVERRIDES: dict[str, tuple[str, str, str, str]] = {
@@ -209,6 +160,7 @@ OVERRIDES: dict[str, tuple[str, str, str, str]] = {
     "peak_tf32": ("gpu", "peak_tf32", "flops", "dense tf32 FLOP/s"),
     "peak_fp32": ("gpu", "peak_fp32", "flops", "dense fp32 FLOP/s"),
     "peak_fp8": ("gpu", "peak_fp8", "flops", "dense fp8 FLOP/s"),
+    "peak_fp4": ("gpu", "peak_fp4", "flops", "dense fp4 FLOP/s"),
     "sms": ("gpu", "sms", "count", "streaming multiprocessors"),
 }
 
@@ -267,19 +219,32 @@ def _apply(base: Cluster, items: "dict[str, object]", source: str) -> Cluster:
                    float(cl_kw.get("nic_bw", base.nic_bw)))
 
 
-def _preset(key: str, name: object) -> Cluster:
+def _preset(key: str, name: object, domain_check: bool = True) -> Cluster:
+    """The preset ``key``; ``domain_check``: a node larger than the kind's NVLink domain raises (a
+    host map's name, whose largest host sets its node size, skips it)."""
     if key == "cpu-local":
         return Cluster("cpu-local", GPUS["cpu"], 1, max(8, os.cpu_count() or 1))
+    nvl = _NVL.match(key)
+    if nvl and nvl.group(1) in GPUS and GPUS[nvl.group(1)].nvlink_domain == int(nvl.group(2)) > 1:
+        return Cluster(key, GPUS[nvl.group(1)], 1, int(nvl.group(2)))
     m = _PATTERN.match(key)
     if not m or m.group(1) not in GPUS or m.group(1) == "cpu":
+        kinds = [g for g in GPUS if g != "cpu"]
+        domains = [f"{g}-nvl{v.nvlink_domain}" for g, v in GPUS.items() if v.nvlink_domain > 8]
         raise UnknownPresetError(
-            f"unknown cluster {name!r}; use <gpu>-<nodes>x<per-node> with gpu in "
-            f"{', '.join(g for g in GPUS if g != 'cpu')} (e.g. a800-16x8), cpu-local, a preset with overrides "
+            f"unknown cluster {name!r}; use <gpu>-<nodes>x<per-node> with gpu in {', '.join(kinds)} (e.g. "
+            f"a800-16x8), {', '.join(domains + ['cpu-local'])}, a preset with overrides "
             f"(a100-64x8:nic_bw=25GB,nics_per_node=8) or a JSON file")
     nodes, per = int(m.group(2)), int(m.group(3))
     if nodes < 1 or per < 1:
         raise ClusterError(f"cluster {name!r} needs at least one node of one device")
-    return Cluster(key, GPUS[m.group(1)], nodes, per)
+    gpu = GPUS[m.group(1)]
+    if domain_check and 1 < gpu.nvlink_domain < per:
+        raise ClusterError(f"cluster {name!r}: one {gpu.name} NVLink domain joins at most {gpu.nvlink_domain} devices, "
+                           f"so a node of {per} would price them all on NVLink; use "
+                           f"{gpu.name}-{-(-nodes * per // gpu.nvlink_domain)}x{gpu.nvlink_domain}, or "
+                           f"{gpu.name}-{nodes}x{gpu.nvlink_domain}:per_node={per} to price such a node anyway")
+    return Cluster(key, gpu, nodes, per)
 
 
 def _from_file(path: str) -> Cluster:
@@ -321,7 +286,7 @@ def get(name: "str | Cluster") -> Cluster:
             raise ClusterError(f"cluster file {raw} does not exist; give a preset such as a100-4x8 or a JSON file")
         return _from_file(raw)
     key, _, extra = raw.partition(":")
-    base = _preset(key.strip().lower(), name)
+    base = _preset(key.strip().lower(), name, domain_check="hosts=" not in extra.replace(" ", ""))
     if not extra.strip():
         return base
     items: dict[str, object] = {}
@@ -364,8 +329,10 @@ def _host_sizes(text: str, raw: str) -> list[int]:
 
 
 def names() -> list[str]:
-    """Example preset names (any node counts parse; see :data:`GPUS` for the GPU kinds)."""
-    return ["a800-16x8", "a800-128x8", "a100-1x8", "a100-64x8", "h100-16x8", "h200-16x8", "cpu-local"]
+    """Example preset names, one or more per GPU kind (any node counts parse; see :data:`GPUS`)."""
+    return ["a800-16x8", "a800-128x8", "a100-1x8", "a100-64x8", "a100-40gb-1x8", "h100-16x8", "h100-pcie-1x8",
+            "h100-nvl-1x8", "h100-500w-16x8", "h800-16x8", "h200-16x8", "b200-16x8", "gb200-nvl72", "gb200-4x72",
+            "v100-1x8", "v100-16gb-1x8", "mi300x-1x8", "cpu-local"]
 
 
 def parse_devices(text: "str | list[int] | tuple[int, ...] | np.ndarray | None", default: int | None = None) -> tuple[int, ...]:

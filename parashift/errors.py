@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 __all__ = [
-    "ParashiftError", "UnknownPresetError", "StrategyError", "ClusterError", "DeviceListError",
+    "ParashiftError", "UnknownPresetError", "UnknownGPUError", "StrategyError", "ClusterError", "DeviceListError",
     "PlanError", "MemoryBudgetError", "ProgramError", "DeadlockError", "TraceFormatError",
     "RuntimeFailure", "SwitchAborted", "InputError", "OutputError", "LimitError",
 ]
@@ -17,6 +17,10 @@ class UnknownPresetError(ParashiftError, KeyError):
 
     def __str__(self) -> str:  # KeyError quotes its message; keep it readable
         return str(self.args[0]) if self.args else ""
+
+
+class UnknownGPUError(UnknownPresetError):
+    """A GPU kind or device name that is not in parashift's GPU table (:mod:`parashift.gpus`)."""
 
 
 class StrategyError(ParashiftError, ValueError):

@@ -182,8 +182,8 @@ def test_cluster_presets_and_errors():
         assert clusters.get(n).devices >= 1
     assert clusters.get("cpu-local").gpu.name == "cpu"
     assert clusters.get("a800-16x8").gpu.memory == 80 * 2**30
-    with pytest.raises(UnknownPresetError, match="unknown cluster 'v100-2x8'"):
-        clusters.get("v100-2x8")
+    with pytest.raises(UnknownPresetError, match="unknown cluster 'k80-2x8'"):
+        clusters.get("k80-2x8")
     with pytest.raises(UnknownPresetError, match="e.g. a800-16x8"):
         clusters.get("a800-16")
     with pytest.raises(ClusterError, match="at least one node"):

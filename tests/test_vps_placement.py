@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 from parashift import cluster as clusters, models, vps
 from parashift.cost import CostModel
-from parashift.errors import ClusterError, PlanError
+from parashift.errors import ClusterError, PlanError, UnknownGPUError
 from parashift.strategy import Strategy
 from parashift.vps.placement import assign_max, keep_matrix
 from parashift.vps.transition import SwitchMeta, place, plan_live_switch
@@ -210,10 +210,13 @@ def test_a_live_switch_on_gpus_is_priced_with_their_links():
     assert none == {} and bcast == {"broadcast": 1}
     assert colls("dp=4,zero=1", "dp=4", (0, 1, 2, 3), promote=True)[1] == {"all_gather": 1}
     assert colls("dp=4,zero=1", "dp=4", (0, 1, 2, 3), cluster=h100)[1] == {}
-    names = {"NVIDIA H200": "h200", "NVIDIA H800 PCIe": "h100", "NVIDIA A800-SXM4-80GB": "a800",
-             "NVIDIA A100-SXM4-40GB": "a100", "Tesla V100-SXM2-32GB": "a100"}
+    names = {"NVIDIA H200": "h200", "NVIDIA H800": "h800", "NVIDIA A800-SXM4-80GB": "a800",
+             "NVIDIA A100-SXM4-40GB": "a100-40gb", "Tesla V100-SXM2-32GB": "v100", "NVIDIA H100 PCIe": "h100-pcie"}
     assert {n: switch_cluster("cuda", n).gpu.name for n in names} == names
     assert switch_cluster("cpu").name == "cpu-local"
+    with pytest.raises(UnknownGPUError, match="--switch-cluster PRESET") as e:   # never priced as another kind
+        switch_cluster("cuda", "NVIDIA H800 PCIe")
+    assert "\n" not in str(e.value)
 
 
 def test_switch_cluster_option_is_checked_before_a_job_starts(capsys):

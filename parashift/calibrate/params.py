@@ -73,7 +73,7 @@ def apply(cm: CostModel, params: Sequence[Param], values: Iterable[float]) -> Co
 #: fields that describe the hardware or the model's bookkeeping, not something a run measures
 _STRUCTURAL = {"gpu", "peak_flops", "hbm_bw", "memory_capacity", "memory_reserved", "algorithm", "optim_traffic",
                "host_cores", "switch_overhead", "compute_model", "gemm_tile_m", "gemm_tile_n", "sms",
-               "pp_scatter_gather", "step_p2p_posted", "gemm_sustained",
+               "pp_scatter_gather", "step_p2p_posted", "gemm_sustained", "dtype_peaks",
                "bandwidth", "link_efficiency"}
 _COMM = {"comm_overhead", "latency"}
 #: products that only act together: (phase-keyed field, region-kind-keyed field)

@@ -2,8 +2,8 @@
 
 ``A100_VTRAIN`` was fitted by ``python benchmarks/vtrain_bench.py --fit`` on the fit half of vTrain's
 1440 single-node A100 iterations (traces/vtrain-a100); that command rewrites the block below. The
-A100 and A800 presets start from these numbers, so every multi-node prediction on them uses a model
-fitted on one node only.
+presets of the ``a100`` family (A100 80GB and 40GB, A800; :mod:`parashift.gpus`) start from these
+numbers, so every multi-node prediction on them uses a model fitted on one node only.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["KNOBS", "A100_VTRAIN", "apply_knobs", "knobs_of"]
 
 #: The fitted knobs: the shape model's largest-tile GEMM efficiency and short-k penalty (the sustained
-#: ceiling ``gemm_sustained`` is not fitted: it comes from published A100 figures, see the cost model's
-#: per-GPU tuning), the dispatch floor per layer
+#: ceiling ``gemm_sustained`` is not fitted: it comes from published A100 figures, see the A100's record in
+#: :mod:`parashift.gpus`), the dispatch floor per layer
 #: (split 5:3 between attention and MLP), the backward floor multiplier (a split backward's input and
 #: weight halves take half of it each), the floor per micro-batch
 #: (embedding + head), HBM bytes per unfused attention score element, the elementwise traffic scale,

@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ..collectives import OPS as SWITCH_OPS
 from ..errors import ParashiftError
+from ..gpus import DTYPES
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..cluster import Cluster, GPU
+    from ..cluster import Cluster
+    from ..gpus import GPU
     from ..ir.program import Instr
     from .compute import Workload
 
@@ -95,6 +97,8 @@ class CostModel:
     of 2021 included); a strategy with ``grad_fusion`` (the add fused into the weight-gradient GEMM,
     Megatron-LM's ``--gradient-accumulation-fusion``) pays none of it, nor does one with ``zero`` >= 2 (every
     micro-batch's gradients fill a fresh bucket that is reduce-scattered into the shard).
+    ``dtype_peaks``: dense FLOP/s per GEMM dtype (fp32, tf32, fp8, fp4 where the GPU has them; see
+    :meth:`peak`), from the GPU's record.
     Switches: ``switch_overhead`` seconds a hot switch pays on top of its Program (allocating the
     new layout's buffers, starting the transfer), added by ``simulate_switch``.
     ``p2p_posted``: a stream posts each send/recv and goes on without waiting for it (a runtime
@@ -145,6 +149,7 @@ class CostModel:
     step_p2p_posted: bool = False
     recompute_tp_comm: bool = True
     grad_accum_traffic: float = 3.0
+    dtype_peaks: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.compute_model not in ("shape", "flops"):
@@ -173,16 +178,28 @@ class CostModel:
     # ---- construction -----------------------------------------------------------------------
     @classmethod
     def for_gpu(cls, gpu: "GPU", fitted: bool = True) -> "CostModel":
-        """Defaults from a GPU kind's public datasheet numbers (``parashift.cluster.GPUS``) and, with
-        ``fitted``, the knobs fitted on that GPU's measurements (:mod:`parashift.cost.fitted`)."""
+        """Defaults from a GPU kind's record (:mod:`parashift.gpus`: datasheet numbers, its sustained
+        GEMM ceiling; a ``clock`` below 1 scales every compute efficiency), the tuning of its ``family`` (:data:`GPU_TUNING`) and, with ``fitted``, the knobs
+        fitted on that family's measurements (:mod:`parashift.cost.fitted`). A family this table does
+        not know raises: no GPU is priced with another's tuning by default."""
+        tuning = GPU_TUNING.get(gpu.family)
+        if tuning is None:
+            raise CostModelError(f"GPU kind {gpu.name} names cost tuning family {gpu.family!r}, which "
+                                 f"parashift.cost does not know; give it one of {', '.join(GPU_TUNING)}")
         base = cls(gpu=gpu.name, peak_flops=gpu.peak_flops, hbm_bw=gpu.hbm_bw, memory_capacity=int(gpu.memory),
-                   sms=gpu.sms,
+                   sms=gpu.sms, gemm_sustained=gpu.gemm_sustained,
+                   dtype_peaks={d: gpu.peak(d) for d in DTYPES if gpu.has(d)},
                    bandwidth=_d(local=gpu.hbm_bw / 2, intra=gpu.intra_bw, inter=gpu.inter_bw),
                    latency=_d(local=1e-6, intra=gpu.intra_latency, inter=gpu.inter_latency))
-        out = replace(base, **_GPU_TUNING.get(gpu.name, {}))
-        if fitted and gpu.name in ("a100", "a800"):
+        out = replace(base, **tuning)
+        if fitted and gpu.family == "a100":
             from .fitted import A100_VTRAIN, apply_knobs
             out = apply_knobs(out, A100_VTRAIN)
+        if gpu.clock != 1.0:    # a part held below its rated clock: every compute rate of the datasheet peak falls
+            c = gpu.clock
+            out = replace(out, gemm_efficiency=out.gemm_efficiency * c, gemm_sustained=out.gemm_sustained * c,
+                          flash_efficiency=out.flash_efficiency * c,
+                          efficiency={k: v * c for k, v in out.efficiency.items()})
         return out
 
     @classmethod
@@ -283,6 +300,17 @@ class CostModel:
         if self.compute_model == "shape":
             rate = max(rate, self.peak_flops * max(min(self.gemm_efficiency, self.gemm_sustained), self.flash_efficiency))
         return rate
+
+    def peak(self, dtype: str) -> float:
+        """Dense FLOP/s of one device's ``dtype`` GEMMs (the GPU record's rates in ``dtype_peaks``;
+        bf16/fp16 at ``peak_flops``); a dtype the GPU has no rate for raises."""
+        if dtype in ("bf16", "fp16"):
+            return self.peak_flops
+        if dtype not in self.dtype_peaks:
+            raise CostModelError(f"the {self.gpu} cost model has no {dtype} rate (it has "
+                                 f"{', '.join(['bf16', 'fp16', *sorted(set(self.dtype_peaks) - {'bf16', 'fp16'})])}); "
+                                 f"run {dtype} on a GPU kind that has it or add dtype_peaks.{dtype} to the cost model file")
+        return float(self.dtype_peaks[dtype])
 
     def _shape_time(self, units: tuple, phase: str, work: "Workload") -> float | None:
         total = 0.0
@@ -471,28 +499,22 @@ def region_units(region: str | None) -> tuple[tuple[str, int], ...]:
     return tuple(out.items())
 
 
-_A100_GEMM_SUSTAINED = 271.2 / 312 * 1305 / 1410
-
-#: Per-GPU adjustments of the generic defaults (public measurements: NCCL bus bandwidth, GEMM rates).
-_GPU_TUNING: dict[str, dict] = {
+#: Cost-model tuning by GPU family (:attr:`parashift.gpus.GPU.family`), from public measurements (NCCL bus
+#: bandwidth, runtimes); a family's sustained GEMM ceiling lives in its GPU records.
+GPU_TUNING: dict[str, dict] = {
     # nccl-tests all-reduce on 2-8 A100s (traces/vtrain-a100 LUT, 1 MiB-1 GiB) fit within 4% by a fixed
     # 62 us per operation, ~0 per ring step and 218 GB/s (73% of the 300 GB/s NVLink).
     # GPU runtimes (Megatron's batched isend/irecv, torch.distributed.pipelining) post their pipeline
     # sends and receives and go on computing: step_p2p_posted.
-    # GEMMs sustain at most 0.804 of the 312 TFLOP/s peak: the best-shape bf16 matmul reaches 271.2
-    # (0.869; S. Bekman, ml-engineering, "Maximum Achievable Matmul FLOPS", A100 SXM) at the 1410 MHz
-    # boost clock, and a GPU at its 400 W limit on dense math holds about 1305 MHz (the clock NVIDIA
-    # rates A100 HPL runs at): 0.869 * 1305 / 1410.
     "a100": {"link_efficiency": _d(local=0.8, intra=0.726, inter=0.9), "comm_overhead": 6.2e-5,
-             "latency": _d(local=1e-6, intra=0.0, inter=8e-6), "step_p2p_posted": True,
-             "gemm_sustained": _A100_GEMM_SUSTAINED},
-    "a800": {"link_efficiency": _d(local=0.8, intra=0.726, inter=0.9), "comm_overhead": 6.2e-5,
-             "latency": _d(local=1e-6, intra=0.0, inter=8e-6), "step_p2p_posted": True,
-             "gemm_sustained": _A100_GEMM_SUSTAINED},
+             "latency": _d(local=1e-6, intra=0.0, inter=8e-6), "step_p2p_posted": True},
     "h100": {"efficiency": _d(fwd=0.55, bwd=0.55, bwd_input=0.55, bwd_weight=0.55, recompute=0.55, optim=0.55),
              "link_efficiency": _d(local=0.8, intra=0.8, inter=0.9), "step_p2p_posted": True},
     "h200": {"efficiency": _d(fwd=0.58, bwd=0.58, bwd_input=0.58, bwd_weight=0.58, recompute=0.58, optim=0.58),
              "link_efficiency": _d(local=0.8, intra=0.8, inter=0.9), "step_p2p_posted": True},
+    # Kinds without measurements of their own: the generic defaults, with the link efficiency the H100
+    # measurements give (80% of a link's datasheet bandwidth) and posted pipeline sends, as every GPU runtime.
+    "datasheet": {"link_efficiency": _d(local=0.8, intra=0.8, inter=0.9), "step_p2p_posted": True},
     # gloo over loopback on one core per process: ~1 GFLOP/s effective matmuls with big per-op costs.
     "cpu": {"efficiency": _d(fwd=0.3, bwd=0.3, bwd_input=0.3, bwd_weight=0.3, recompute=0.3, optim=0.3),
             "region_floor": _d(embed=5e-5, attn=2e-4, mlp=1e-4, moe=3e-4, head=1e-4, layer=3e-4),

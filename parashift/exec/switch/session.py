@@ -26,7 +26,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from ... import models
+from ... import gpus, models
 from ...cluster import Cluster, get as get_cluster
 from ...errors import MemoryBudgetError, StrategyError, SwitchAborted
 from ...ir.program import Program
@@ -556,25 +556,18 @@ class LiveResult:
         return out
 
 
-#: GPU kinds by the words of their device names (``torch.cuda.get_device_name``), checked in order
-GPU_NAMES = (("H200", "h200"), ("H100", "h100"), ("H800", "h100"), ("A800", "a800"), ("A100", "a100"))
-
-
 def switch_cluster(device: str = "cpu", name: "str | None" = None, count: int = 8) -> Cluster:
     """The cluster whose links price a live job's switches: ``cpu-local`` for gloo processes; on
-    ``device="cuda"`` the preset of the GPU named ``name`` (by :data:`GPU_NAMES`; default: this
-    process's GPU, where another kind of compute capability 9 or more is priced as an H100, an older
-    one as an A100; a given unknown name as an A100), ``count`` devices a node. Live planning
-    replaces its node sizes with the job's hosts."""
+    ``device="cuda"`` the preset of the GPU named ``name`` (default: this process's GPU), found by its
+    device name in :mod:`parashift.gpus`, ``count`` devices a node. A GPU the table does not know
+    raises :class:`~parashift.errors.UnknownGPUError` (name the cluster with ``--switch-cluster``).
+    Live planning replaces its node sizes with the job's hosts."""
     if device != "cuda":
         return get_cluster("cpu-local")
-    if name is None:
-        name = torch.cuda.get_device_name(0)
-        major = torch.cuda.get_device_capability(0)[0]
-    else:
-        major = 0
-    kind = next((k for word, k in GPU_NAMES if word in name.upper()), "h100" if major >= 9 else "a100")
-    return get_cluster(f"{kind}-1x{max(1, int(count))}")
+    gpu = gpus.by_device_name(torch.cuda.get_device_name(0) if name is None else name,
+                              fix="name its cluster with --switch-cluster PRESET|FILE (e.g. h100-1x8:"
+                                  "memory=94GB, or a JSON file of its numbers; `parashift clusters` lists the presets)")
+    return get_cluster(f"{gpu.name}-1x{max(1, int(count))}")
 
 
 def switch_fit(spec: models.ModelSpec, src: Generation, dst: Generation, memory_budget=None,
