@@ -19,13 +19,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "parashift"
 
-PLANNING = ("models", "strategy", "cluster", "vps", "ir", "cost", "sim", "units", "states", "collectives")
+PLANNING = ("models", "strategy", "cluster", "vps", "ir", "cost", "sim", "units", "states", "collectives",
+            "schedules")
 RULES = [(p, ("torch.distributed", "parashift.exec", "parashift.search", "parashift.replay", "parashift.cli"))
          for p in PLANNING]
 RULES += [("vps", ("parashift.sim",)), ("ir", ("parashift.sim",)),
           ("cost", ("parashift.vps", "parashift.ir.graph", "parashift.ir.compile", "parashift.sim")),
           *[(b, ("parashift.models", "parashift.strategy", "parashift.cluster", "parashift.vps", "parashift.ir",
-                 "parashift.cost", "parashift.sim")) for b in ("units", "states", "collectives")],
+                 "parashift.cost", "parashift.sim")) for b in ("units", "states", "collectives", "schedules")],
           ("exec", ("parashift.cli", "parashift.search", "parashift.replay"))]
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from parashift import Strategy, cluster, models, search
+from parashift import schedules as registry
 from parashift.cost import CostModel
 from parashift.errors import StrategyError
 from parashift.ir import compile
@@ -45,7 +46,7 @@ def test_a_registered_schedule_reaches_every_layer():
                            zero=(0,), recompute=("none",))
         assert any(x.schedule == "1f1b-copy" for x in space.enumerate())
     finally:
-        S._REGISTRY.pop("1f1b-copy")
+        registry._REGISTRY.pop("1f1b-copy")
     with pytest.raises(StrategyError, match="unknown schedule '1f1b-copy'"):
         Strategy.parse("pp=2,schedule=1f1b-copy")
 
