@@ -13,6 +13,8 @@ again; shared records sit below their users (as ``collectives`` does), not behin
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,7 +104,8 @@ def import_graph(root: Path = ROOT) -> Graph:
     submodule) is an edge to ``pkg.sub`` alone, ``from pkg import name`` an edge to ``pkg``'s
     ``__init__`` and ``import a.b.c`` an edge to ``a.b.c``; the parent packages' ``__init__`` modules
     Python runs on the way are not edges (they re-export their children, so counting them would make
-    every child that imports a sibling look like a cycle through its package)."""
+    every child that imports a sibling look like a cycle through its package). Imports under
+    ``if TYPE_CHECKING:`` count like any other: a type two modules share sits below both too."""
     files = {_module(f, root): f for f in sorted(root.rglob("*.py"))}
 
     def known(name: str) -> str | None:           # the longest prefix of ``name`` that is one of our modules
@@ -223,3 +226,12 @@ def test_a_cycle_through_a_package_init_counts(tmp_path):
     root = _package(tmp_path, {"__init__.py": "from .a import f\n",
                                "a.py": "def f():\n    from pkg import VERSION\n"})
     assert cycles(import_graph(root)) == [frozenset({"pkg", "pkg.a"})]
+
+
+def test_parsing_a_strategy_loads_no_ir():
+    """The schedule records sit below ``strategy``: a cold ``Strategy.parse`` imports none of the IR."""
+    code = ("import sys; from parashift.strategy import Strategy; Strategy.parse('dp=2,pp=2,schedule=zb-h1'); "
+            "print(sorted(m for m in sys.modules if m.startswith(('parashift.ir', 'parashift.cost', 'parashift.sim'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=ROOT.parent, timeout=60)
+    assert out.stdout.strip() == "[]"
