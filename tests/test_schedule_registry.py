@@ -51,6 +51,24 @@ def test_a_registered_schedule_reaches_every_layer():
         Strategy.parse("pp=2,schedule=1f1b-copy")
 
 
+def test_a_schedule_carries_its_recipe_or_names_a_built_in_one():
+    """A record names a built-in recipe of ir.schedules or carries its own callable; a name no recipe
+    has is refused with the choices."""
+    s = Strategy.parse("dp=1,pp=2")
+    gpipe = S.schedule_steps(s.replace(schedule="gpipe"), 4)
+    own = dataclasses.replace(S.get_schedule("1f1b"), name="own", recipe=lambda st, m, c: S.gpipe(st.pp, m))
+    typo = dataclasses.replace(S.get_schedule("1f1b"), name="typo", recipe="1f1bb")
+    S.register(own)
+    S.register(typo)
+    try:
+        assert S.schedule_steps(s.replace(schedule="own"), 4) == gpipe
+        with pytest.raises(StrategyError, match="schedule typo names no known recipe \\('1f1bb'\\).*1f1b"):
+            S.schedule_steps(s.replace(schedule="typo"), 4)
+    finally:
+        registry._REGISTRY.pop("own")
+        registry._REGISTRY.pop("typo")
+
+
 # ---- rules ----------------------------------------------------------------------------------------------
 def test_interleaved_rejects_uneven_splits_with_the_fix():
     spec = models.gpt(12, 256, 4, vocab=128, seq_len=64, name="l12", pad_vocab=128)
