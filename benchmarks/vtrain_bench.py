@@ -22,7 +22,8 @@ import numpy as np
 
 from parashift import cluster as clusters
 from parashift.sim import CostModel, simulate
-from parashift.cost.fitted import KNOBS, apply_knobs, knobs_of
+from parashift.cost.fitted import KNOBS
+from parashift.cost.model import apply_knobs, knobs_of
 from parashift.sim.vtrain import load_iterations, program_of
 
 CLUSTER = clusters.get("a100-1x8")

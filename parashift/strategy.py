@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .errors import StrategyError
+from .schedules import get_schedule as _schedule, schedule_names
 
 if TYPE_CHECKING:  # pragma: no cover
     from .models import ModelSpec
@@ -20,16 +21,10 @@ _KEYS = _INT_FIELDS + _BOOL_FIELDS + ("schedule", "recompute")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def __getattr__(name: str):  # SCHEDULES lives in the schedule registry (parashift.ir.schedules)
+def __getattr__(name: str):  # SCHEDULES: the schedule registry's names (parashift.schedules), read when asked
     if name == "SCHEDULES":
-        from .ir.schedules import schedule_names
         return schedule_names()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _schedule(name: str):
-    from .ir.schedules import get_schedule
-    return get_schedule(name)
 
 
 @dataclass(frozen=True)
@@ -249,7 +244,7 @@ class Strategy:
             raise StrategyError(f"global batch {global_batch} is not divisible by dp*mbs={per}; "
                                 f"use a multiple of {per}")
         m = global_batch // per
-        problems = _schedule(self.schedule).microbatch_problems(self, m)
+        problems = _schedule(self.schedule).microbatch_problems(self.pp, m)
         if problems:
             raise StrategyError("; ".join(problems))
         return m
@@ -380,7 +375,7 @@ class Strategy:
         if self.stages > model.layers:
             out.append(f"pp*vpp={self.stages} exceeds the {model.layers} layers; lower pp or vpp")
         else:
-            out += _schedule(self.schedule).layer_problems(self, model.layers)
+            out += _schedule(self.schedule).layer_problems(self.pp, self.vpp, model.layers)
         if self.cp > 1 and model.seq_len % (2 * self.cp):
             out.append(f"cp={self.cp} needs the sequence length ({model.seq_len}) to be a multiple of "
                        f"2*cp={2 * self.cp} (each rank holds two balanced causal chunks); pick cp accordingly")

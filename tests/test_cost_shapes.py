@@ -10,7 +10,8 @@ from hypothesis import given, settings, strategies as st
 from parashift import cluster as clusters, models
 from parashift.cost import CostModel, Workload, gemm_time
 from parashift.cost.compute import tiles
-from parashift.cost.fitted import A100_VTRAIN, KNOBS, knobs_of
+from parashift.cost.fitted import A100_VTRAIN, KNOBS
+from parashift.cost.model import knobs_of
 from parashift.ir.program import Instr
 
 A100 = CostModel.for_cluster(clusters.get("a100-1x8"))

@@ -199,7 +199,7 @@ def test_graph_clone_copies_rows_with_overrides():
 
 
 def test_apply_all_rewrites_only_its_own_scratch_graphs():
-    from parashift.ir.compile import _base
+    from parashift.ir.recipe import base_graph as _base
     from parashift.ir.directives import apply_all
     s = Strategy.parse("dp=2,tp=2,pp=2,recompute=full")
     g = _base(SPEC, s, 64)

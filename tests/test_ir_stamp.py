@@ -12,7 +12,7 @@ from parashift import Strategy, models
 from parashift.errors import StrategyError
 from parashift.ir import Graph, Split, compile, compile_graph, model_graph
 from parashift.ir import stamp as S
-from parashift.ir.compile import _base
+from parashift.ir.recipe import base_graph as _base
 from parashift.ir.compile import directives as recipe
 
 D = importlib.import_module("parashift.ir.directives")

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from parashift import Strategy, cluster, models, search
+from parashift import schedules as registry
 from parashift.cost import CostModel
 from parashift.errors import StrategyError
 from parashift.ir import compile
@@ -45,9 +46,27 @@ def test_a_registered_schedule_reaches_every_layer():
                            zero=(0,), recompute=("none",))
         assert any(x.schedule == "1f1b-copy" for x in space.enumerate())
     finally:
-        S._REGISTRY.pop("1f1b-copy")
+        registry._REGISTRY.pop("1f1b-copy")
     with pytest.raises(StrategyError, match="unknown schedule '1f1b-copy'"):
         Strategy.parse("pp=2,schedule=1f1b-copy")
+
+
+def test_a_schedule_carries_its_recipe_or_names_a_built_in_one():
+    """A record names a built-in recipe of ir.schedules or carries its own callable; a name no recipe
+    has is refused with the choices."""
+    s = Strategy.parse("dp=1,pp=2")
+    gpipe = S.schedule_steps(s.replace(schedule="gpipe"), 4)
+    own = dataclasses.replace(S.get_schedule("1f1b"), name="own", recipe=lambda st, m, c: S.gpipe(st.pp, m))
+    typo = dataclasses.replace(S.get_schedule("1f1b"), name="typo", recipe="1f1bb")
+    S.register(own)
+    S.register(typo)
+    try:
+        assert S.schedule_steps(s.replace(schedule="own"), 4) == gpipe
+        with pytest.raises(StrategyError, match="schedule typo names no known recipe \\('1f1bb'\\).*1f1b"):
+            S.schedule_steps(s.replace(schedule="typo"), 4)
+    finally:
+        registry._REGISTRY.pop("own")
+        registry._REGISTRY.pop("typo")
 
 
 # ---- rules ----------------------------------------------------------------------------------------------

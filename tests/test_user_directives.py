@@ -185,7 +185,7 @@ def test_a_preset_with_a_custom_place_runs_like_one_process():
     import sys
 
     import parashift as ps
-    from parashift.ir.compile import _base, directives
+    from parashift.ir.recipe import base_graph as _base, directives
     from parashift.ir.memory import static_memory
     D = sys.modules["parashift.ir.directives"]
     spec, s = ps.models.get("tiny-gpt"), ps.Strategy.parse("pp=2")

@@ -23,13 +23,47 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..models import ModelSpec
-    from .model import CostModel
 
-__all__ = ["Workload", "gemm_time", "tiles", "KINDS", "TILE_FRACTIONS"]
+__all__ = ["Workload", "ShapeKnobs", "gemm_time", "tiles", "KINDS", "TILE_FRACTIONS"]
+
+
+class ShapeKnobs(Protocol):
+    """The knobs the shape model reads: a :class:`~parashift.cost.model.CostModel` has them all, read-only (the
+    cost model sits above this module and hands itself in)."""
+
+    @property
+    def peak_flops(self) -> float: ...
+    @property
+    def hbm_bw(self) -> float: ...
+    @property
+    def sms(self) -> int: ...
+    @property
+    def memory_efficiency(self) -> float: ...
+    @property
+    def gemm_efficiency(self) -> float: ...
+    @property
+    def gemm_sustained(self) -> float: ...
+    @property
+    def gemm_tile_m(self) -> int: ...
+    @property
+    def gemm_tile_n(self) -> int: ...
+    @property
+    def gemm_k_half(self) -> float: ...
+    @property
+    def gemm_overhead(self) -> float: ...
+    @property
+    def flash_efficiency(self) -> float: ...
+    @property
+    def attention_score_bytes(self) -> float: ...
+    @property
+    def elementwise_bytes(self) -> float: ...
+    @property
+    def grad_accum_traffic(self) -> float: ...
+
 
 #: Region kinds the shape model knows (others fall back to FLOPs at ``gemm_efficiency``).
 KINDS = ("embed", "attn", "mlp", "head", "layer")
@@ -39,7 +73,7 @@ KINDS = ("embed", "attn", "mlp", "head", "layer")
 TILE_FRACTIONS = ((1, 1), (2, 1), (2, 2), (4, 2))
 
 
-def tiles(cm: "CostModel") -> tuple[tuple[int, int, float], ...]:
+def tiles(cm: ShapeKnobs) -> tuple[tuple[int, int, float], ...]:
     """Candidate tiles ``(tm, tn, efficiency)``: a smaller tile reuses each operand byte less, so it
     reaches ``gemm_efficiency`` times the square root of its arithmetic intensity over the largest's."""
     big_m, big_n = cm.gemm_tile_m, cm.gemm_tile_n
@@ -51,7 +85,7 @@ def tiles(cm: "CostModel") -> tuple[tuple[int, int, float], ...]:
     return tuple(out)
 
 
-def _waves_time(cm: "CostModel", batch: float, m: float, n: float, k: float, peak: float) -> float:
+def _waves_time(cm: ShapeKnobs, batch: float, m: float, n: float, k: float, peak: float) -> float:
     """Compute-bound seconds of ``batch`` GEMMs ``(m, n, k)`` in one kernel, best tile of :func:`tiles`,
     at most ``gemm_sustained`` of ``peak`` on the FLOPs it does."""
     sms = max(1, cm.sms)
@@ -62,12 +96,12 @@ def _waves_time(cm: "CostModel", batch: float, m: float, n: float, k: float, pea
     return max(best, batch * 2.0 * m * n * k / (peak * cm.gemm_sustained))
 
 
-def gemm_time(cm: "CostModel", m: float, n: float, k: float, dtype_bytes: int = 2, peak: float | None = None) -> float:
+def gemm_time(cm: ShapeKnobs, m: float, n: float, k: float, dtype_bytes: int = 2, peak: float | None = None) -> float:
     """Seconds of one ``(m x k) @ (k x n)`` GEMM under ``cm``'s shape parameters."""
     return _batched_gemm(cm, 1, m, n, k, dtype_bytes, peak or cm.peak_flops)
 
 
-def _batched_gemm(cm: "CostModel", batch: float, m: float, n: float, k: float, db: int, peak: float) -> float:
+def _batched_gemm(cm: ShapeKnobs, batch: float, m: float, n: float, k: float, db: int, peak: float) -> float:
     """A batch of equal GEMMs launched as one kernel: the tiles of all of them share the waves; the
     kernel is memory-bound instead when moving its operands and results through HBM takes longer."""
     if batch <= 0 or m <= 0 or n <= 0 or k <= 0:
@@ -118,7 +152,7 @@ class Workload:
         """Whether a recompute re-runs only the core attention (see the class docstring)."""
         return self.recompute == "selective"
 
-    def time(self, cm: "CostModel", kind: str, phase: str) -> float | None:
+    def time(self, cm: ShapeKnobs, kind: str, phase: str) -> float | None:
         """Seconds of one region of ``kind`` in ``phase`` (fwd, bwd, bwd_input, bwd_weight,
         recompute); None for a kind the shape model does not know (MoE)."""
         key = (id(cm), kind, phase)
@@ -128,7 +162,7 @@ class Workload:
         return v
 
     # ---- internals ---------------------------------------------------------------------------
-    def _time(self, cm: "CostModel", kind: str, phase: str) -> float | None:
+    def _time(self, cm: ShapeKnobs, kind: str, phase: str) -> float | None:
         if kind == "layer":
             if self.model.is_moe:
                 return None
@@ -150,7 +184,7 @@ class Workload:
         rest = dgrad + core[1] + 2.0 * ew + early
         return rest if phase == "bwd_input" else rest + wgrad
 
-    def grad_accum(self, cm: "CostModel", kind: str) -> float:
+    def grad_accum(self, cm: ShapeKnobs, kind: str) -> float:
         """Seconds of adding one micro-batch's weight gradients of a ``kind`` region into the step's
         gradient buffer (``grad_accum_traffic`` x dtype bytes per parameter on this rank, through HBM);
         0 under ``grad_fusion`` (the GEMM accumulates as it writes) and under ZeRO-2/3 (each micro-batch's
@@ -167,11 +201,11 @@ class Workload:
                   "head": md.vocab * h, "embed": md.vocab * h}.get(kind, 0) / tp
         return params * cm.grad_accum_traffic * md.dtype_bytes / (cm.hbm_bw * cm.memory_efficiency)
 
-    def _dt(self, cm: "CostModel") -> tuple[int, float]:
+    def _dt(self, cm: ShapeKnobs) -> tuple[int, float]:
         db = self.model.dtype_bytes
         return db, (cm.peak_flops if db == 2 else cm.peak_flops / 2)
 
-    def _parts(self, cm: "CostModel", kind: str) -> tuple[list, tuple[float, float], float]:
+    def _parts(self, cm: ShapeKnobs, kind: str) -> tuple[list, tuple[float, float], float]:
         """GEMM shapes ``(m, n, k)``, attention core (fwd, bwd) seconds and elementwise seconds."""
         md, tp = self.model, self.tp
         s = self.seq_len / self.cp

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 from ..collectives import OPS as SWITCH_OPS
 from ..errors import ParashiftError
 from ..gpus import DTYPES
+from .fitted import A100_VTRAIN
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..cluster import Cluster
@@ -27,7 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..ir.program import Instr
     from .compute import Workload
 
-__all__ = ["CostModel", "Phase", "LINK_CLASSES", "ALGORITHMS", "region_units", "topology"]
+__all__ = ["CostModel", "Phase", "LINK_CLASSES", "ALGORITHMS", "region_units", "topology", "apply_knobs", "knobs_of"]
 
 LINK_CLASSES = ("local", "intra", "inter")
 ALGORITHMS = ("auto", "ring", "tree", "hierarchical")
@@ -193,7 +194,6 @@ class CostModel:
                    latency=_d(local=1e-6, intra=gpu.intra_latency, inter=gpu.inter_latency))
         out = replace(base, **tuning)
         if fitted and gpu.family == "a100":
-            from .fitted import A100_VTRAIN, apply_knobs
             out = apply_knobs(out, A100_VTRAIN)
         if gpu.clock != 1.0:    # a part held below its rated clock: every compute rate of the datasheet peak falls
             c = gpu.clock
@@ -522,3 +522,30 @@ GPU_TUNING: dict[str, dict] = {
             "optim_overhead": 1e-3, "memory_reserved": 0, "compute_model": "flops",
             "pp_scatter_gather": False},  # parashift's own runtime sends whole activations
 }
+
+
+def apply_knobs(base: CostModel, knobs: Mapping[str, float]) -> CostModel:
+    """``base`` with the knobs of :data:`~parashift.cost.fitted.KNOBS` set (missing ones keep ``base``'s values)."""
+    k = {**knobs_of(base), **knobs}
+    layer, mb = float(k["layer_floor"]), float(k["microbatch_floor"])
+    floor = {**base.region_floor, "attn": layer * 5 / 8, "mlp": layer * 3 / 8, "layer": layer,
+             "embed": mb / 2, "head": mb / 2}
+    return base.replace(gemm_efficiency=min(float(k["gemm_efficiency"]), 1.0), gemm_k_half=float(k["gemm_k_half"]),
+                        region_floor=floor, phase_floor={**base.phase_floor, "bwd": float(k["bwd_floor"]),
+                                                         "bwd_input": float(k["bwd_floor"]) / 2,
+                                                         "bwd_weight": float(k["bwd_floor"]) / 2},
+                        attention_score_bytes=float(k["attention_score_bytes"]),
+                        elementwise_bytes=float(k["elementwise_bytes"]), optim_overhead=float(k["optim_overhead"]),
+                        latency={**base.latency, "intra": float(k["intra_latency"])},
+                        p2p_overhead=float(k["p2p_overhead"]), comm_overhead=float(k["comm_overhead"]))
+
+
+def knobs_of(cm: CostModel) -> dict[str, float]:
+    """The values of :data:`~parashift.cost.fitted.KNOBS` in ``cm``."""
+    f = cm.region_floor
+    return {"gemm_efficiency": cm.gemm_efficiency, "gemm_k_half": cm.gemm_k_half,
+            "layer_floor": f["attn"] + f["mlp"], "bwd_floor": cm.phase_floor["bwd"],
+            "microbatch_floor": f["embed"] + f["head"], "attention_score_bytes": cm.attention_score_bytes,
+            "elementwise_bytes": cm.elementwise_bytes, "optim_overhead": cm.optim_overhead,
+            "intra_latency": cm.latency["intra"], "p2p_overhead": cm.p2p_overhead,
+            "comm_overhead": cm.comm_overhead}

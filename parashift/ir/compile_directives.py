@@ -17,9 +17,11 @@ from ..errors import ProgramError
 from ..strategy import Strategy
 from .memory import static_memory
 from .model_graph import model_graph
-from .directives import Split
+from .directives import Split, apply_all
 from .ordering import Order
 from .placement import PlacedStrategy, base_strategy, placed, placement_order
+from .recipe import base_graph, step_costs
+from .recipe import directives as recipe
 from .program import Program
 from .scheduler import lower
 from .schedules import split_backward
@@ -50,9 +52,6 @@ def compile_preset(model: "str | _models.ModelSpec", strategy: "str | Strategy",
                    global_batch: int, seq_len: "int | None" = None, costs: Any = None,
                    validate: bool = False) -> Program:
     """One training step of preset ``model`` under ``strategy`` refined by ``directives``."""
-    from .compile import _base, _costs
-    from .compile import directives as recipe
-    from .directives import apply_all
     spec = _models.get(model)
     names = list(model_graph(spec).col("region"))
     res = resolve(list(directives), Strategy.parse(strategy), names, global_batch=global_batch,
@@ -77,11 +76,11 @@ def compile_preset(model: "str | _models.ModelSpec", strategy: "str | Strategy",
         steps.insert(1, Split(backward=True))
     at = next(i for i, d in enumerate(steps) if isinstance(d, Order))
     steps[at:at] = list(res.streams)                         # user streams, before the order (as compile's own)
-    g = apply_all(_base(spec, s, seq), steps)
+    g = apply_all(base_graph(spec, s, seq), steps)
     meta = {"model": spec.name, "strategy": str(s), "schedule": s.schedule, "global_batch": int(global_batch),
             "seq_len": int(seq), "microbatches": m, "mbs": s.mbs, "kind": "train_step",
             "directives": format_directives(list(directives))}
-    timing = _costs(spec, s, seq, costs).of if s.tp > 1 or s.ep > 1 or s.cp > 1 else None
+    timing = step_costs(spec, s, seq, costs).of if s.tp > 1 or s.ep > 1 or s.cp > 1 else None
     prog = lower(g, s, static_memory=static_memory(spec, s), meta=meta, step_time=timing)
     if validate:
         prog.validate()

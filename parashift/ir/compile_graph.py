@@ -25,13 +25,13 @@ import numpy as np
 
 from ..errors import ProgramError, StrategyError
 from ..strategy import Strategy
-from .compile import check_size
 from .directives import Fuse, Order, Place, Recompute, Replicate, Split, apply_all
 from .graph import Graph
 from .memory import OPTIM_FLOPS_PER_ELEMENT
 from .program import Program
 from .scheduler import lower
 from .placement import placed, placement_order
+from .recipe import check_size
 from .schedules import get_schedule, schedule_order, split_backward
 from .user_directives import format_directives, resolve
 

@@ -1,8 +1,8 @@
 """Pipeline schedules as data: each recipe returns every stage's order of actions, which
 :class:`~parashift.ir.directives.Order` applies to the graph, and each schedule is one
-:class:`Schedule` record in a registry (its recipe, chunks per stage, V shape, split backward, the
-rules it checks and its published bubble formula) that strategy validation, compile, the cost
-estimate and the search space all read: a new schedule is one :func:`register` call.
+:class:`~parashift.schedules.Schedule` record in the registry of :mod:`parashift.schedules` (chunks per
+stage, V shape, split backward, the rules it checks, its published bubble formula), which names its
+recipe here (:data:`BUILTIN_RECIPES`) or carries it: a new schedule is one :func:`register` call.
 
 - ``gpipe``: all forwards, then all backwards.
 - ``1f1b``: stage s runs ``pp - s - 1`` warm-up forwards, alternates one forward and one backward,
@@ -30,13 +30,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import StrategyError
+from ..schedules import Schedule, get_schedule, register, schedule_names
 from ..strategy import Strategy
 from .actions import Action, Step
 from .directives import Order
 
 __all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "dualpipev", "RECIPES", "schedule_steps",
            "schedule_order", "ScheduleCosts", "Schedule", "register", "get_schedule", "schedule_names",
-           "split_backward"]
+           "split_backward", "BUILTIN_RECIPES"]
 
 Orders = dict[int, list[Step]]
 
@@ -289,80 +290,8 @@ def dualpipev(pp: int, m: int, costs: "ScheduleCosts | None" = None) -> Orders:
     return _list_schedule(pp, m, stages, lambda s: 2 * pp, lambda s: pp, overlap=True, costs=costs)
 
 
-# ---- the registry ---------------------------------------------------------------------------------
+# ---- the recipes behind the registry's records (parashift.schedules) --------------------------------
 Recipe = Callable[[Strategy, int, "ScheduleCosts | None"], Orders]
-
-
-def _flat_bubble(p: int, m: int, v: int, f: float, i: float, w: float) -> float:
-    return (p - 1) / m
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """Everything the rest of parashift knows about one pipeline schedule.
-
-    ``chunks``: chunks per stage (1; a fixed count such as DualPipeV's 2; None: any ``vpp >= 2``).
-    ``costs``: whether the recipe is list-scheduled with F/I/W durations (``"never"``, ``"always"``,
-    or ``"given"``: only when the caller passes some). ``hides_ep_comm``: expert all-to-alls run on
-    the comm stream, overlapped with the other micro-batch's compute. ``layers_divisible``: Megatron
-    rejects layer counts not divisible by ``pp * vpp``; ``microbatches_multiple_of_pp``: Megatron
-    rejects micro-batch counts that are not a multiple of ``pp``. ``bubble(p, m, v, f, i, w)``: the
-    published idle fraction of a stage (idle time over busy time) on uniform stages with per-chunk
-    forward ``f``, input-grad ``i`` and weight-grad ``w`` durations.
-    """
-
-    name: str
-    recipe: Recipe
-    summary: str
-    bubble: Callable[[int, int, int, float, float, float], float]
-    source: str
-    chunks: "int | None" = 1
-    vshape: bool = False
-    split_backward: bool = False
-    costs: str = "never"
-    hides_ep_comm: bool = False
-    layers_divisible: bool = False
-    microbatches_multiple_of_pp: bool = False
-
-    @property
-    def chunked(self) -> bool:
-        """Whether a stage runs more than one chunk."""
-        return self.chunks != 1
-
-    def vpp_choices(self, vpps: "tuple[int, ...]") -> tuple[int, ...]:
-        """The ``vpp`` values this schedule can run, out of ``vpps`` for a free choice."""
-        if self.chunks is None:
-            return tuple(v for v in vpps if v >= 2)
-        return (self.chunks,)
-
-    def vpp_problems(self, vpp: int) -> list[str]:
-        if self.chunks is None and vpp < 2:
-            return [f"schedule {self.name} needs vpp >= 2; set vpp=2 or use schedule=1f1b"]
-        if self.chunks == 1 and vpp != 1:
-            return [f"schedule {self.name} runs one chunk per stage (vpp=1); "
-                    f"use schedule=interleaved-1f1b or dualpipev for vpp={vpp}"]
-        if self.chunks not in (None, 1) and vpp != self.chunks:
-            return [f"schedule {self.name} places exactly {self.chunks} chunks per stage; set vpp={self.chunks}, "
-                    f"not {vpp}"]
-        return []
-
-    def microbatch_problems(self, s: Strategy, m: int) -> list[str]:
-        if self.microbatches_multiple_of_pp and s.pp > 1 and m % s.pp:
-            return [f"{self.name} needs the micro-batch count ({m}) to be a multiple of pp={s.pp} (as "
-                    f"Megatron-LM requires); change the global batch or mbs so that it is"]
-        return []
-
-    def layer_problems(self, s: Strategy, layers: int) -> list[str]:
-        if self.layers_divisible and s.pp > 1 and layers % s.stages:
-            ok = [v for v in range(2, 9) if layers % (s.pp * v) == 0]
-            fix = f"use vpp={ok[0]}" if ok else "use schedule=1f1b"
-            return [f"{self.name} needs the {layers} layers to split evenly over pp*vpp={s.stages} chunks (as "
-                    f"Megatron-LM requires); {fix} or change pp"]
-        return []
-
-    def order(self, s: Strategy, m: int, costs: "ScheduleCosts | None" = None) -> Orders:
-        """Every stage's steps for ``m`` micro-batches (``costs`` for list-scheduled recipes)."""
-        return self.recipe(s, m, costs if self.costs != "never" else None)
 
 
 def _interleaved(s: Strategy, m: int, costs: "ScheduleCosts | None") -> Orders:
@@ -372,65 +301,40 @@ def _interleaved(s: Strategy, m: int, costs: "ScheduleCosts | None") -> Orders:
     return interleaved_1f1b(s.pp, s.vpp, m)
 
 
-_REGISTRY: dict[str, Schedule] = {}
+BUILTIN_RECIPES: dict[str, Recipe] = {
+    "gpipe": lambda s, m, c: gpipe(s.pp, m),
+    "1f1b": lambda s, m, c: one_f_one_b(s.pp, m),
+    "interleaved-1f1b": _interleaved,
+    "zb-h1": lambda s, m, c: zb_h1(s.pp, m, c),
+    "dualpipev": lambda s, m, c: dualpipev(s.pp, m, c),
+}
 
 
-def register(schedule: Schedule) -> Schedule:
-    """Add a schedule to the registry (strategy parsing, compile, costs and search read it)."""
-    _REGISTRY[schedule.name] = schedule
-    return schedule
-
-
-for _s in (
-    Schedule("gpipe", lambda s, m, c: gpipe(s.pp, m), "all forwards, then all backwards",
-             _flat_bubble, "Huang et al. 2019 (GPipe): (p-1)/m"),
-    Schedule("1f1b", lambda s, m, c: one_f_one_b(s.pp, m), "one forward, one backward (PipeDream-flush)",
-             _flat_bubble, "Narayanan et al. 2021: (p-1)/m"),
-    Schedule("interleaved-1f1b", _interleaved, "Megatron-LM's interleaved 1F1B over vpp chunks per stage",
-             lambda p, m, v, f, i, w: (p - 1) / (v * m), "Narayanan et al. 2021: (p-1)/(v*m)",
-             chunks=None, layers_divisible=True, microbatches_multiple_of_pp=True),
-    Schedule("zb-h1", lambda s, m, c: zb_h1(s.pp, m, c), "zero-bubble H1: split backward, W fills the bubbles",
-             lambda p, m, v, f, i, w: (p - 1) * (f + i - w) / (m * (f + i + w)),
-             "Qi et al. 2024 (Zero Bubble PP), ZB-H1: (p-1)(F+B-W) over m(F+B+W)",
-             split_backward=True, costs="always"),
-    Schedule("dualpipev", lambda s, m, c: dualpipev(s.pp, m, c),
-             "DualPipeV: V-shaped chunks, split backward, forward overlapped with input-grad backward",
-             lambda p, m, v, f, i, w: (p - 1) * ((f + i) + (i + w) - 3 * w) / (m * v * (f + i + w)),
-             "DeepSeek-V3 report / DualPipe: (PP/2-1)(F&B+B-3W) with PP/2 = p ranks, F&B = F+I unoverlapped",
-             chunks=2, vshape=True, split_backward=True, costs="given", hides_ep_comm=True),
-):
-    register(_s)
-
-
-def get_schedule(name: str) -> Schedule:
-    """The registered schedule called ``name`` (StrategyError naming the choices otherwise)."""
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise StrategyError(f"unknown schedule {name!r}; use one of {', '.join(_REGISTRY)}") from None
-
-
-def schedule_names() -> tuple[str, ...]:
-    """Every registered schedule, in registration order."""
-    return tuple(_REGISTRY)
+def _order(sched: Schedule, s: Strategy, m: int, costs: "ScheduleCosts | None" = None) -> Orders:
+    """Every stage's steps of ``sched`` for ``m`` micro-batches (``costs`` for list-scheduled recipes)."""
+    recipe = BUILTIN_RECIPES.get(sched.recipe) if isinstance(sched.recipe, str) else sched.recipe
+    if recipe is None:
+        raise StrategyError(f"schedule {sched.name} names no known recipe ({sched.recipe!r}); pass a callable "
+                            f"or one of {', '.join(BUILTIN_RECIPES)}")
+    return recipe(s, m, costs if sched.costs != "never" else None)
 
 
 class _Recipes(dict):
     """``RECIPES[name](strategy, m)``: the registry's order recipes (kept for callers of the old table)."""
 
     def __missing__(self, key: str):
-        return lambda s, m: get_schedule(key).order(s, m)
+        return lambda s, m: _order(get_schedule(key), s, m)
 
 
 RECIPES: dict[str, Callable[[Strategy, int], Orders]] = _Recipes()
-for _n in list(_REGISTRY):
-    RECIPES[_n] = (lambda n: lambda s, m: get_schedule(n).order(s, m))(_n)
+for _n in schedule_names():
+    RECIPES[_n] = (lambda n: lambda s, m: _order(get_schedule(n), s, m))(_n)
 
 
 def schedule_steps(strategy: Strategy, m: int, costs: "ScheduleCosts | None" = None) -> Orders:
     """Every stage's steps for ``strategy.schedule`` with ``m`` micro-batches; the list-scheduled
     recipes (zb-h1, dualpipev) plan with ``costs`` (unit costs when None)."""
-    return get_schedule(strategy.schedule).order(strategy, m, costs)
+    return _order(get_schedule(strategy.schedule), strategy, m, costs)
 
 
 def schedule_order(strategy: Strategy, m: int, costs: "ScheduleCosts | None" = None) -> Order:

@@ -19,22 +19,23 @@ one representative per class, which is exact because all ranks of a class evolve
 from __future__ import annotations
 
 from collections import deque
+from typing import Mapping
 
 import numpy as np
 
 from ..errors import DeadlockError, ProgramError
-from .program import COMM_OPS, COMPUTE, PHASES, Instr, Program, RankProgram
+from ..strategy import Strategy
+from .instr import COMM_OPS, COMPUTE, PHASES, Instr, RankProgram
 
-__all__ = ["validate_program"]
+__all__ = ["validate_ranks"]
 
 
 class _Resolver:
     """Vectorized resolution of symbolic peers and groups for many ranks."""
 
-    def __init__(self, program: Program) -> None:
-        self.p = program
-        self.s = program.strategy
-        self.world = program.world
+    def __init__(self, strategy: "Strategy | None", world: int) -> None:
+        self.s = strategy
+        self.world = world
         self._groups: dict[str, tuple[np.ndarray, np.ndarray]] = {}
 
     def peers(self, rank_arr: np.ndarray, peer: "int | str | None", who: str) -> np.ndarray:
@@ -128,19 +129,20 @@ def _check_rank_program(rp: RankProgram, ranks: list[int]) -> dict[int, tuple[st
     return where
 
 
-def validate_program(program: Program) -> None:
-    """Raise ProgramError / DeadlockError unless ``program`` satisfies every invariant."""
-    world = program.world
-    if sorted(program.ranks) != list(range(world)):
-        raise ProgramError(f"ranks must be 0..{world - 1}; got {sorted(program.ranks)[:8]}...")
-    res = _Resolver(program)
+def validate_ranks(ranks: Mapping[int, RankProgram], strategy: "Strategy | None") -> None:
+    """Raise ProgramError / DeadlockError unless a Program of ``ranks`` (rank -> its RankProgram), whose
+    symbolic peers and groups ``strategy`` resolves, satisfies every invariant."""
+    world = len(ranks)
+    if sorted(ranks) != list(range(world)):
+        raise ProgramError(f"ranks must be 0..{world - 1}; got {sorted(ranks)[:8]}...")
+    res = _Resolver(strategy, world)
     # ---- classes by shared RankProgram, structural checks once per program ------------------------
     prog_ids: dict[int, int] = {}
     progs: list[RankProgram] = []
     cls = np.empty(world, np.int64)
     members: dict[int, list[int]] = {}
     for r in range(world):
-        rp = program.ranks[r]
+        rp = ranks[r]
         k = prog_ids.setdefault(id(rp), len(progs))
         if k == len(progs):
             progs.append(rp)
@@ -161,7 +163,7 @@ def validate_program(program: Program) -> None:
             rk = order[bounds[k]:bounds[k + 1]]
             if not len(rk):
                 continue
-            specs = specs_of[prog_ids[id(program.ranks[int(rk[0])])]]
+            specs = specs_of[prog_ids[id(ranks[int(rk[0])])]]
             if len(rk) == 1 or not specs:  # a single rank (or no comm) cannot split
                 new[rk] = nxt
                 nxt += 1
@@ -183,7 +185,7 @@ def validate_program(program: Program) -> None:
     ncls = int(cls.max()) + 1
     rep = np.full(ncls, -1, np.int64)
     rep[cls[::-1]] = np.arange(world)[::-1]
-    cprog = [prog_ids[id(program.ranks[int(rep[k])])] for k in range(ncls)]
+    cprog = [prog_ids[id(ranks[int(rep[k])])] for k in range(ncls)]
     cranks = [np.flatnonzero(cls == k) for k in range(ncls)]
     # ---- matching, per class and instruction over all its ranks ---------------------------------------
     index: list[dict[tuple[str, str], list[Instr]]] = []
@@ -279,10 +281,10 @@ def validate_program(program: Program) -> None:
                                        f"{y} to other ranks; all members must name the same group")
                 parts.append((kb, y.id))
             partners[k][x.id] = parts
-    _replay(program, progs, cprog, cranks, cls, where, partners, res)
+    _replay(progs, cprog, cranks, cls, where, partners, res)
 
 
-def _replay(program: Program, progs: list[RankProgram], cprog: list[int], cranks: list[np.ndarray],
+def _replay(progs: list[RankProgram], cprog: list[int], cranks: list[np.ndarray],
             cls: np.ndarray, where: list[dict], partners: list[dict], res: _Resolver) -> None:
     """Replay one representative per class; raise DeadlockError with the wait-for cycle."""
     ncls = len(cprog)
@@ -346,10 +348,10 @@ def _replay(program: Program, progs: list[RankProgram], cprog: list[int], cranks
                     break
                 pk_[si] = i
     if finished < total:
-        _deadlock(program, progs, cprog, cls, where, partners, ptr, done, arrived, streams, res)
+        _deadlock(progs, cprog, cls, where, partners, ptr, done, arrived, streams, res)
 
 
-def _deadlock(program, progs, cprog, cls, where, partners, ptr, done, arrived, streams, res) -> None:
+def _deadlock(progs, cprog, cls, where, partners, ptr, done, arrived, streams, res) -> None:
     """Follow wait-for edges from a blocked instruction on concrete ranks until one repeats."""
     ncls = len(cprog)
     start = None

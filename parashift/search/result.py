@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +13,7 @@ from ..errors import PlanError
 from ..models import ModelSpec
 from ..strategy import Strategy
 from ..units import format_bytes
+from .plots import pyplot, render
 
 if TYPE_CHECKING:  # pragma: no cover
     import optuna
@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .evaluate import Outcome
 
-__all__ = ["Candidate", "SearchResult", "pareto_mask", "rank_key", "complexity", "lost_on", "TRIAL_COLUMNS",
+__all__ = ["Candidate", "SearchResult", "plot_search", "pareto_mask", "rank_key", "complexity", "lost_on", "TRIAL_COLUMNS",
            "PLAN_FORMAT"]
 
 NAN = float("nan")
@@ -269,7 +269,6 @@ class SearchResult:
     def plot(self, path: str) -> str:
         """Optuna's optimization history (Pareto front when multi-objective) next to the parameter
         importances for tokens/s, as one image."""
-        from .plots import plot_search
         return plot_search(self, path)
 
     # ---- helpers -------------------------------------------------------------------------------------
@@ -329,10 +328,53 @@ def trials_frame(study: "optuna.Study", devices: int) -> "pd.DataFrame":
     return df.astype({a: "Int64" for a in ("tp", "pp", "dp", "ep", "zero", "vpp", "mbs")})
 
 
-def _pyplot() -> Any:
-    """pyplot on the Agg backend (unless the caller already chose one)."""
-    if "matplotlib.pyplot" not in sys.modules:
-        import matplotlib
-        matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
+def plot_search(result: "SearchResult", path: str) -> str:
+    """History (or Pareto front) and parameter importances of ``result.study`` side by side."""
+    plt = pyplot()
+    from optuna.trial import TrialState
+    from optuna.visualization import matplotlib as ovm
+    study = result.study
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    multi = len(result.objective) > 1
+    panels: list[tuple[str, Any]] = []
+    if multi:
+        panels.append(("Pareto front", render(lambda: _pareto(result, plt), plt)))
+    else:
+        panels.append(("Optimization history", render(lambda: ovm.plot_optimization_history(
+            study, target_name="tokens/s"), plt)))
+    if len(done) >= 2:
+        img = render(lambda: ovm.plot_param_importances(study, target_name="tokens/s"), plt)
+    else:
+        img = f"only {len(done)} completed trial(s): parameter importances need at least 2"
+    panels.append(("Parameter importances", img))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.6))
+    for ax, (title, img) in zip(np.ravel(axes), panels):
+        ax.axis("off")
+        if isinstance(img, str):
+            ax.set_title(title)
+            ax.text(0.5, 0.5, img, ha="center", va="center", wrap=True)
+        else:
+            ax.imshow(img)
+    b = result.best
+    head = f"{result.model.name} on {result.devices} x {result.cluster.gpu.name}, {len(result.trials)} trials"
+    if b is not None:
+        head += f" - best {b.strategy} ({b.tokens_per_s:,.0f} tokens/s)"
+    fig.suptitle(head)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _pareto(result: "SearchResult", plt: Any) -> Any:
+    """Every feasible trial's peak memory against tokens/s, the Pareto front joined."""
+    ok = result.trials[result.trials["status"] == "ok"]
+    fig, ax = plt.subplots()
+    ax.scatter(ok["peak_memory"] / 2**30, ok["tokens_per_s"], s=12, color="tab:gray", label="feasible trials")
+    front = result.pareto
+    ax.plot([c.peak_memory / 2**30 for c in front], [c.tokens_per_s for c in front], "o-", color="tab:red",
+            label="Pareto front")
+    ax.set_xlabel("peak memory per device (GiB)")
+    ax.set_ylabel("tokens/s")
+    ax.legend(fontsize=8)
+    return ax

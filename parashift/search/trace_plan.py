@@ -28,13 +28,14 @@ from ..models import ModelSpec, get as get_model
 from ..strategy import Strategy
 from .evaluate import CachedEvaluator, Evaluator, SimEvaluator
 from .exhaustive import exhaustive
+from .plots import pyplot
 from .policies import IDLE, PathResult, best_path, greedy_path, run_path
 from .result import Candidate, rank_key
 from .space import make_space
 from .switch_cost import HotSwitchCost, RestartCost, SwitchCost
 from .tune import tune
 
-__all__ = ["plan_trace", "TracePlan", "trace_segments", "plan_work", "POLICIES", "MAX_PATH_STEPS"]
+__all__ = ["plan_trace", "TracePlan", "plot_trace_plan", "trace_segments", "plan_work", "POLICIES", "MAX_PATH_STEPS"]
 
 #: the most label steps (segments x (candidates + 1)^2) one switch-aware path may take (about a minute here)
 MAX_PATH_STEPS = 50_000_000
@@ -202,7 +203,6 @@ class TracePlan:
 
     def plot(self, path: str) -> str:
         """Device count and the switch-aware strategy over time; cumulative tokens per policy."""
-        from .plots import plot_trace_plan
         return plot_trace_plan(self, path)
 
 
@@ -335,3 +335,41 @@ def _transitions(seg: pd.DataFrame, per: dict[int, list[int]], cands: list[Candi
                      "restart_seconds": r.seconds})
     cols = ["src_devices", "dst_devices", "src", "dst", "switch_seconds", "method", "bytes_moved", "restart_seconds"]
     return pd.DataFrame(rows, columns=cols)
+
+
+def plot_trace_plan(plan: "TracePlan", path: str) -> str:
+    """Device count and the switch-aware plan's strategy over time (top), cumulative tokens per
+    policy (bottom)."""
+    plt = pyplot()
+    seg = plan.segments
+    span = float(seg["end"].iloc[-1] - seg["start"].iloc[0])
+    unit, scale = ("hours", 3600.0) if span >= 3 * 3600 else (("minutes", 60.0) if span >= 180 else ("seconds", 1.0))
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(11, 7), sharex=True, gridspec_kw={"height_ratios": [1, 1.2]})
+    t = np.append(seg["start"].to_numpy(), seg["end"].to_numpy()[-1:]) / scale
+    avail = np.append(seg["devices"].to_numpy(), seg["devices"].to_numpy()[-1:])
+    ax1.step(t, avail, where="post", color="black", lw=1.5, label="available devices")
+    path_df = plan.policy_frame("switch-aware")
+    names = list(dict.fromkeys(path_df["strategy"].dropna()))
+    cmap = plt.get_cmap("tab10")
+    for _, r in path_df.iterrows():
+        if r["strategy"] is None or not isinstance(r["strategy"], str):
+            continue
+        k = names.index(r["strategy"])
+        ax1.fill_between([r["start"] / scale, r["end"] / scale], 0, r["world"], step="post",
+                         color=cmap(k % 10), alpha=0.45, lw=0)
+    for k, n in enumerate(names):
+        ax1.fill_between([], [], color=cmap(k % 10), alpha=0.45, label=f"switch-aware: {n}")
+    ax1.set_ylabel("devices")
+    ax1.set_ylim(0, max(1, float(avail.max())) * 1.1)
+    ax1.legend(loc="lower left", fontsize=7, ncol=2)
+    for pol in plan.policies:
+        ct, ctok = plan.cumulative_tokens(pol)
+        ax2.plot(ct / scale, ctok, label=f"{pol} ({plan.summary().loc[pol, 'tokens']:.3g} tokens)")
+    ax2.set_xlabel(f"time ({unit})")
+    ax2.set_ylabel("tokens trained")
+    ax2.legend(loc="upper left", fontsize=8)
+    fig.suptitle(f"{plan.model.name} on {plan.cluster.name}: trace plan")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
