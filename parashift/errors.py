@@ -4,7 +4,7 @@ from __future__ import annotations
 __all__ = [
     "ParashiftError", "UnknownPresetError", "UnknownGPUError", "StrategyError", "ClusterError", "DeviceListError",
     "PlanError", "MemoryBudgetError", "ProgramError", "DeadlockError", "TraceFormatError",
-    "RuntimeFailure", "SwitchAborted", "InputError", "OutputError", "LimitError",
+    "RuntimeFailure", "SwitchAborted", "InputError", "OutputError", "LimitError", "DataError",
 ]
 
 
@@ -84,3 +84,7 @@ class OutputError(ParashiftError, OSError):
 
 class LimitError(ParashiftError, ValueError):
     """Work or memory estimated beyond a limit before starting; the message names the limit."""
+
+
+class DataError(InputError):
+    """A token file (or its sidecar) that is missing, truncated, corrupt or too short for the run."""

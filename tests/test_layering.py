@@ -5,7 +5,8 @@ bottom modules ``units``, ``states``, ``collectives``, ``gpus``) never
 imports torch.distributed, the runtime (``exec``), ``search``, ``replay`` or ``cli``; ``vps`` and
 ``ir`` never import the simulator; ``cost`` imports neither ``vps``, ``ir`` nor ``sim``; the bottom
 modules import nothing of parashift but its errors; ``exec`` never imports ``cli``, ``search`` or
-``replay``.
+``replay``; ``data`` (token files and the sampler) imports neither torch nor the runtime, ``search``,
+``replay`` or ``cli``.
 
 No module-level cycle either: counting every import (function-level ones too), no module reaches itself
 again; shared records sit below their users (as ``collectives`` does), not behind imports in functions.
@@ -29,7 +30,8 @@ RULES += [("vps", ("parashift.sim",)), ("ir", ("parashift.sim",)),
           ("cost", ("parashift.vps", "parashift.ir.graph", "parashift.ir.compile", "parashift.sim")),
           *[(b, ("parashift.models", "parashift.strategy", "parashift.cluster", "parashift.vps", "parashift.ir",
                  "parashift.cost", "parashift.sim")) for b in ("units", "states", "collectives", "schedules", "gpus")],
-          ("exec", ("parashift.cli", "parashift.search", "parashift.replay"))]
+          ("exec", ("parashift.cli", "parashift.search", "parashift.replay")),
+          ("data", ("torch", "parashift.exec", "parashift.search", "parashift.replay", "parashift.cli"))]
 
 
 def _module(path: Path, root: Path = ROOT) -> str:

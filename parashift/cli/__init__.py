@@ -38,6 +38,7 @@ COMMANDS = {
     "calibrate": "calibrate",
     "demo": "demo",
     "traces": "traces",
+    "data": "data",
 }
 
 
