@@ -5,7 +5,7 @@ bottom modules ``units``, ``states``, ``collectives``, ``gpus``) never
 imports torch.distributed, the runtime (``exec``), ``search``, ``replay`` or ``cli``; ``vps`` and
 ``ir`` never import the simulator; ``cost`` imports neither ``vps``, ``ir`` nor ``sim``; the bottom
 modules import nothing of parashift but its errors; ``exec`` never imports ``cli``, ``search`` or
-``replay``; ``data`` (token files and the sampler) and ``train`` (schedules) import neither torch nor the runtime, ``search``,
+``replay``; ``data`` (token files and the sampler), ``train`` (schedules) and ``export`` import neither torch nor the runtime, ``search``,
 ``replay`` or ``cli``.
 
 No module-level cycle either: counting every import (function-level ones too), no module reaches itself
@@ -32,7 +32,7 @@ RULES += [("vps", ("parashift.sim",)), ("ir", ("parashift.sim",)),
                  "parashift.cost", "parashift.sim")) for b in ("units", "states", "collectives", "schedules", "gpus")],
           ("exec", ("parashift.cli", "parashift.search", "parashift.replay")),
           *[(p, ("torch", "parashift.exec", "parashift.search", "parashift.replay", "parashift.cli"))
-            for p in ("data", "train")]]
+            for p in ("data", "train", "export")]]
 
 
 def _module(path: Path, root: Path = ROOT) -> str:

@@ -39,6 +39,7 @@ COMMANDS = {
     "demo": "demo",
     "traces": "traces",
     "data": "data",
+    "export": "export",
 }
 
 
