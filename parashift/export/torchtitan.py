@@ -93,10 +93,13 @@ def _parallel(job: Job, out: Export) -> None:
     if job.model.experts:
         out.set("parallelism.expert_parallel_degree", s.ep)
         out.set("parallelism.expert_tensor_parallel_degree", s.tp)
-    if s.tp_async or s.overlap_grad or s.overlap_param or s.grad_fusion:
-        on = [k for k in ("tp_async", "overlap_grad", "overlap_param", "grad_fusion") if getattr(s, k)]
-        out.notes.append(f"{', '.join(on)}: torchtitan's FSDP2 prefetches and overlaps its collectives by itself; "
-                         "there is no option to set")
+    if s.overlap_grad or s.overlap_param:
+        out.notes.append("overlap_grad/overlap_param: torchtitan's FSDP2 prefetches and overlaps its gathers and "
+                         "reductions by itself; there is no option to set")
+    if s.tp_async and s.tp > 1:
+        out.unsupported.append("tp_async: torchtitan has no option to overlap the backward's tensor-parallel "
+                               "reduction with the weight-gradient GEMM (enable_async_tensor_parallel is a "
+                               "different, compiled micro-pipelining)")
     if s.recompute == "none":
         out.set("activation_checkpoint.mode", "none")
     else:
