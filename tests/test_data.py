@@ -71,6 +71,9 @@ def test_sequences_overlap_by_one_target_token(corpus):
     assert s[1].tolist() == raw[48:65].tolist()                  # tokens [i*L, i*L + L], both ends included
     with pytest.raises(DataError, match="outside the"):
         tf.sequences([tf.num_sequences(16)], 16)
+    smp = tf.sampler(16, seed=5)
+    assert smp.n == tf.num_sequences(16) and smp.start().source == meta["sha256"]
+    assert tf.sequences(smp.global_batch(0, 4), 16).shape == (4, 17)
 
 
 def test_uint32_when_the_vocabulary_needs_it(tmp_path):
@@ -190,6 +193,11 @@ def test_position_round_trips_and_resumes():
         Sampler(37, seed=12).batch_at(back, 8)
     with pytest.raises(DataError, match="disagree"):
         DataPosition.from_dict({**pos.to_dict(), "epoch": 0})
+    a, b = Sampler(37, 11, source="a" * 64), Sampler(37, 11, source="b" * 64)
+    mine = a.start().advance(8)
+    assert DataPosition.from_dict(mine.to_dict()).source == "a" * 64
+    with pytest.raises(DataError, match="same token file"):
+        b.batch_at(mine, 8)
 
 
 def test_rank_rows_cut_the_batch_into_dp_blocks_and_microbatches():

@@ -35,13 +35,14 @@ __all__ = ["Sampler", "DataPosition", "rank_rows"]
 class DataPosition:
     """Where training stands in the stream: ``step`` steps done, ``consumed`` sequences used by them.
 
-    ``seed`` and ``num_sequences`` identify the stream. Resuming from a position made for another seed
-    or another file is refused."""
+    ``seed``, ``num_sequences`` and ``source`` (the token file's SHA-256, or "") identify the stream.
+    Resuming from a position made for another seed or another file is refused."""
 
     seed: int
     num_sequences: int
     step: int = 0
     consumed: int = 0
+    source: str = ""
 
     @property
     def epoch(self) -> int:
@@ -53,16 +54,17 @@ class DataPosition:
         return self.consumed % self.num_sequences
 
     def advance(self, global_batch: int) -> "DataPosition":
-        return DataPosition(self.seed, self.num_sequences, self.step + 1, self.consumed + global_batch)
+        return DataPosition(self.seed, self.num_sequences, self.step + 1, self.consumed + global_batch, self.source)
 
     def to_dict(self) -> dict:
         return {"seed": self.seed, "num_sequences": self.num_sequences, "step": self.step,
-                "consumed": self.consumed, "epoch": self.epoch, "offset": self.offset}
+                "consumed": self.consumed, "epoch": self.epoch, "offset": self.offset, "source": self.source}
 
     @classmethod
     def from_dict(cls, d: dict) -> "DataPosition":
         try:
-            pos = cls(int(d["seed"]), int(d["num_sequences"]), int(d["step"]), int(d["consumed"]))
+            pos = cls(int(d["seed"]), int(d["num_sequences"]), int(d["step"]), int(d["consumed"]),
+                      str(d.get("source", "")))
         except (KeyError, TypeError, ValueError) as e:
             raise DataError(f"a data position needs integer seed, num_sequences, step and consumed; got {d!r}") from e
         if pos.num_sequences < 1 or pos.step < 0 or pos.consumed < 0:
@@ -73,12 +75,13 @@ class DataPosition:
 
 
 class Sampler:
-    """Sequence indices of every step, from ``seed`` over ``num_sequences`` sequences (see the module doc)."""
+    """Sequence indices of every step, from ``seed`` over ``num_sequences`` sequences (see the module doc);
+    ``source`` names the token file (its SHA-256) so that positions from another file are refused."""
 
-    def __init__(self, num_sequences: int, seed: int = 0) -> None:
+    def __init__(self, num_sequences: int, seed: int = 0, source: str = "") -> None:
         if num_sequences < 1:
             raise DataError(f"the data holds {num_sequences} sequences; it needs at least one")
-        self.n, self.seed = int(num_sequences), int(seed)
+        self.n, self.seed, self.source = int(num_sequences), int(seed), str(source)
         self._perms: dict[int, np.ndarray] = {}
 
     def order(self, epoch: int) -> np.ndarray:
@@ -116,10 +119,13 @@ class Sampler:
         return self.take(position.consumed, global_batch)
 
     def start(self) -> DataPosition:
-        return DataPosition(self.seed, self.n)
+        return DataPosition(self.seed, self.n, source=self.source)
 
     def check(self, position: DataPosition) -> None:
-        """Refuse a position made for another stream (seed or sequence count)."""
+        """Refuse a position made for another stream (seed, sequence count or token file)."""
+        if position.source and self.source and position.source != self.source:
+            raise DataError(f"the data position was saved for token file {position.source[:16]}..., but --data is "
+                            f"{self.source[:16]}...; resume with the same token file")
         if (position.seed, position.num_sequences) != (self.seed, self.n):
             raise DataError(f"the data position was saved for seed {position.seed} over {position.num_sequences} "
                             f"sequences, but this run has seed {self.seed} over {self.n}; resume with the same "

@@ -13,10 +13,14 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import DataError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .sampler import Sampler
 
 __all__ = ["TokenFile", "open_tokens", "sidecar_path", "dtype_for_vocab", "FORMAT", "VERSION"]
 
@@ -67,6 +71,12 @@ class TokenFile:
         if seq_len < 1:
             raise DataError(f"sequence length {seq_len} must be at least 1")
         return (len(self) - 1) // seq_len
+
+    def sampler(self, seq_len: int, seed: int = 0) -> "Sampler":
+        """The :class:`~parashift.data.sampler.Sampler` over this file's sequences of ``seq_len``, tied to
+        the file by its SHA-256."""
+        from .sampler import Sampler
+        return Sampler(self.num_sequences(seq_len), seed, source=str(self.meta["sha256"]))
 
     def sequences(self, indices: "np.ndarray | list[int]", seq_len: int) -> np.ndarray:
         """Tokens ``[B, seq_len + 1]`` (int64) of sequences ``indices``; ``[:, :-1]`` are the inputs and
