@@ -27,6 +27,10 @@ class StrategyError(ParashiftError, ValueError):
     """A strategy that cannot run the model (divisibility, unknown field, bad schedule)."""
 
 
+class ModelError(StrategyError):
+    """A model description (inline, JSON or Hugging Face config) that cannot be built."""
+
+
 class ClusterError(ParashiftError, ValueError):
     """A cluster description that is malformed or too small."""
 

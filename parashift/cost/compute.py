@@ -196,9 +196,10 @@ class Workload:
         md, tp = self.model, self.tp
         if kind == "mlp" and md.is_moe:
             return 0.0
-        h, q, kv = md.hidden, md.heads * md.head_dim, md.kv_heads * md.head_dim
-        params = {"attn": h * (q + 2 * kv) + q * h, "mlp": (3 if md.gated else 2) * h * md.ffn,
-                  "head": md.vocab * h, "embed": md.vocab * h}.get(kind, 0) / tp
+        h = md.hidden
+        attn = sum(o * i / (1 if split is None else tp) for o, i, split in md.attn_matrices())
+        params = {"attn": attn, "mlp": (3 if md.gated else 2) * h * md.ffn / tp,
+                  "head": md.vocab * h / tp, "embed": md.vocab * h / tp}.get(kind, 0)
         return params * cm.grad_accum_traffic * md.dtype_bytes / (cm.hbm_bw * cm.memory_efficiency)
 
     def _dt(self, cm: ShapeKnobs) -> tuple[int, float]:
@@ -219,10 +220,10 @@ class Workload:
         bda = 3 * row + row / db                           # bias-dropout-add: 2 reads, 1 write, a byte mask
         ew_scale = cm.elementwise_bytes
         if kind == "attn":
-            gemms = [(T, (q + 2 * kv) / tp, h), (T, h, q / tp)]
+            gemms = [(T, o / tp if split == 0 else o, i / tp if split == 1 else i) for o, i, split in md.attn_matrices()]
             heads = md.heads / tp
             if md.flash_attention:
-                f = 4.0 * T * self.seq_len * q / tp / (peak * cm.flash_efficiency)
+                f = md.core_flops(T, self.seq_len) / tp / (peak * cm.flash_efficiency)
                 core = (f, 2.5 * f)
             else:
                 b = self.mbs * heads

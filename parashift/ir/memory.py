@@ -159,9 +159,8 @@ def _terms(model: ModelSpec, kind: str, *, mbs: int, seq_len: int, tp: int, sp: 
     mats_in = 2 if model.gated else 1
     mask = 1 if model.dropout > 0 else 0   # a dropout mask: one byte per element
     scores = 0.0
-    if kind == "attn":  # norm in 2sbh, QKV in 2sbh, mask sbh; Q, K, V, out-proj in: 2sb(q + 2 kv + q)/t
-        q, kv = model.heads * model.head_dim, model.kv_heads * model.head_dim
-        v = (4 + mask) * rep + 2 * s * b * (2 * q + 2 * kv) / t
+    if kind == "attn":  # norm in 2sbh, QKV in 2sbh, mask sbh; Q, K, V, out-proj in: 2sb(q + 2 kv + q)/t (MLA:
+        v = (4 + mask) * rep + 2 * s * b * model.attn_stash(t)   # its latents and per-head q, k, v too)
         scores = (2 + 3 * mask) * a * s * seq_len * b / t   # softmax out; with dropout its mask and output too
     elif kind == "mlp":  # norm in, fc1 in, mask: 5sbh; fc1 out and activation out
         v = (4 + mask) * rep + 2 * s * b * model.ffn * (mats_in + 1) / t

@@ -34,7 +34,7 @@ def region_flops(model: ModelSpec, kind: str, tokens: int, seq_len: int) -> floa
 
 def core_attention_flops(model: ModelSpec, tokens: int, seq_len: int) -> float:
     """FLOPs of QK^T and AV (what selective recomputation re-runs)."""
-    return float(4 * tokens * seq_len * model.heads * model.head_dim)
+    return model.core_flops(tokens, seq_len)
 
 
 def region_param_bytes(model: ModelSpec) -> dict[tuple[int, str], int]:

@@ -86,7 +86,7 @@ def directives(model: "str | ModelSpec", strategy: "str | Strategy", *, global_b
     tokens = s.mbs * seq_len // s.cp            # tokens one rank holds per micro-batch
     db = spec.dtype_bytes
     act_msg = tokens * spec.hidden * db
-    kv_block = 2 * tokens * spec.kv_heads * spec.head_dim // s.tp * db
+    kv_block = tokens * spec.kv_width // s.tp * db
     cp = chunk_params(spec, s)
     opt_el = optimizer_elements(spec, s)
     opt_bytes_per_el = spec.kind_bytes("param") + spec.kind_bytes("grad") + 2 * 3 * 4 if spec.dtype != "fp32" \

@@ -1,5 +1,6 @@
 """Models from text: a preset name, a JSON file of ``ModelSpec`` fields, or an inline spec.
 
+``hf:DIR`` or ``hf:PATH/config.json`` reads a local Hugging Face config (:mod:`parashift.models.hf`).
 Inline specs read ``gpt:layers=96,hidden=12288,heads=96,vocab=51200`` or ``moe:...,experts=8,top_k=2,
 expert_ffn=...``; keys are the keyword arguments of :func:`~parashift.models.gpt` /
 :func:`~parashift.models.moe`. A spec without ``name=`` is named by its own canonical text, so a
@@ -10,24 +11,26 @@ from __future__ import annotations
 import os
 from typing import Any, Mapping
 
-from ..errors import StrategyError, UnknownPresetError
-from .spec import ModelSpec, gpt, moe
+from ..errors import ModelError, UnknownPresetError
+from .spec import ATTENTIONS, NORMS, ROUTERS, ModelSpec, gpt, moe
 
 __all__ = ["parse_model", "model_from_dict", "KINDS", "inline_text"]
 
 KINDS = ("gpt", "moe")
 _INT = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "head_dim", "pad_vocab", "experts",
-        "top_k", "expert_ffn", "shared_ffn")
-_BOOL = ("gated", "bias", "qkv_bias", "qk_norm", "tied", "flash_attention")
-_STR = ("name", "norm", "pos_emb", "dtype")
-_FLOAT = ("dropout",)
-_CHOICES = {"norm": ("rms", "ln"), "pos_emb": ("rope", "learned"), "dtype": ("bf16", "fp16", "fp32")}
+        "top_k", "expert_ffn", "shared_ffn", "q_lora", "kv_lora", "rope_dim", "v_head_dim", "sliding_window",
+        "full_every", "mtp_layers", "dense_layers", "expert_groups", "group_top_k")
+_BOOL = ("gated", "bias", "qkv_bias", "qk_norm", "tied", "flash_attention", "attn_sinks", "shared_gate")
+_STR = ("name", "norm", "pos_emb", "dtype", "attention", "router", "rope_scaling")
+_FLOAT = ("dropout", "norm_eps", "rope_theta")
+_CHOICES = {"norm": NORMS, "pos_emb": ("rope", "learned"), "dtype": ("bf16", "fp16", "fp32"),
+            "attention": ATTENTIONS, "router": ROUTERS}
 _REQUIRED = ("layers", "hidden", "heads")
-_MOE_ONLY = ("experts", "top_k", "expert_ffn", "shared_ffn")
+_MOE_ONLY = ("experts", "top_k", "expert_ffn", "shared_ffn", "dense_layers", "shared_gate", "router", "expert_groups",
+             "group_top_k")
 
 
-class ModelSpecError(StrategyError):
-    """A model description (inline or JSON) that cannot be built."""
+ModelSpecError = ModelError   # the name this module used before ModelError covered every model source
 
 
 def _value(kind: str, key: str, raw: Any) -> Any:
@@ -132,6 +135,9 @@ def parse_model(text: "str | ModelSpec", presets: Mapping[str, Any]) -> ModelSpe
     if isinstance(text, ModelSpec):
         return text
     raw = str(text).strip()
+    if raw[:3].lower() == "hf:":
+        from .hf import load_hf
+        return load_hf(raw[3:])
     if raw.split(":", 1)[0].strip().lower() in KINDS and ":" in raw:
         return _inline(raw)
     if raw.lower().endswith(".json") or os.path.sep in raw:
@@ -139,4 +145,5 @@ def parse_model(text: "str | ModelSpec", presets: Mapping[str, Any]) -> ModelSpe
             raise ModelSpecError(f"model file {raw} does not exist; give a preset, a JSON file or gpt:layers=...")
         return _json_file(raw)
     raise UnknownPresetError(f"unknown model {text!r}; presets are {', '.join(presets)}, or give a JSON file of "
-                             f"ModelSpec fields or an inline spec such as gpt:layers=24,hidden=2048,heads=16")
+                             f"ModelSpec fields, hf:DIR (a Hugging Face config.json) or an inline spec such as "
+                             f"gpt:layers=24,hidden=2048,heads=16")

@@ -26,6 +26,23 @@ _PRESETS: dict[str, Callable[[], ModelSpec]] = {
                                  expert_ffn=768, head_dim=128, qk_norm=True, name="qwen3-30b-a3b"),
     "qwen3-235b-a22b": lambda: moe(94, 4096, 64, kv_heads=4, vocab=151936, seq_len=4096, experts=128, top_k=8,
                                    expert_ffn=1536, head_dim=128, qk_norm=True, name="qwen3-235b-a22b"),
+    # Llama 3 (config.json of the public checkpoints): GQA, 128K vocabulary, rope theta 5e5.
+    "llama3-8b": lambda: gpt(32, 4096, 32, kv_heads=8, ffn=14336, vocab=128256, seq_len=8192, name="llama3-8b",
+                             rope_theta=500000.0),
+    "llama3-70b": lambda: gpt(80, 8192, 64, kv_heads=8, ffn=28672, vocab=128256, seq_len=8192, name="llama3-70b",
+                              rope_theta=500000.0),
+    # Mixtral 8x7B: 8 experts of Mistral-7B's MLP, top-2.
+    "mixtral-8x7b": lambda: moe(32, 4096, 32, kv_heads=8, vocab=32000, seq_len=4096, experts=8, top_k=2,
+                                expert_ffn=14336, rope_theta=1e6, name="mixtral-8x7b"),
+    # DeepSeek-V3: MLA, 3 dense layers, 1 shared + 256 routed experts (top-8 within 4 of 8 groups), one MTP module.
+    "deepseek-v3": lambda: moe(61, 7168, 128, ffn=18432, vocab=129280, seq_len=4096, experts=256, top_k=8,
+                               expert_ffn=2048, shared_ffn=2048, shared_gate=False, router="sigmoid", dense_layers=3,
+                               expert_groups=8, group_top_k=4, head_dim=192, attention="mla", q_lora=1536,
+                               kv_lora=512, rope_dim=64, v_head_dim=128, mtp_layers=1, name="deepseek-v3"),
+    # GPT-OSS 120B: sliding-window (128) and full attention alternating, sinks, biases, 128 experts top-4.
+    "gpt-oss-120b": lambda: moe(36, 2880, 64, kv_heads=8, vocab=201088, seq_len=4096, experts=128, top_k=4,
+                                expert_ffn=2880, head_dim=64, bias=True, attn_sinks=True, sliding_window=128,
+                                full_every=2, rope_theta=150000.0, name="gpt-oss-120b"),
     # Tiny CPU models that the runtime trains for real (fp32, no dropout, as the runtime trains).
     "tiny-gpt": lambda: gpt(4, 64, 4, kv_heads=2, ffn=128, vocab=256, seq_len=32, name="tiny-gpt",
                             dtype="fp32", pad_vocab=8, dropout=0.0),
@@ -43,6 +60,11 @@ PUBLIC_PARAMS = {
     "qwen1.5-moe-a2.7b": 14.3e9,
     "qwen3-30b-a3b": 30.5e9,
     "qwen3-235b-a22b": 235e9,
+    "llama3-8b": 8.03e9,
+    "llama3-70b": 70.6e9,
+    "mixtral-8x7b": 46.7e9,
+    "deepseek-v3": 685e9,    # the checkpoint: 671B main model + 14B MTP (whose embedding and head copies it shares)
+    "gpt-oss-120b": 116.83e9,
 }
 
 _CACHE: dict[str, ModelSpec] = {}
@@ -59,7 +81,7 @@ def get(name: "str | ModelSpec") -> ModelSpec:
         return name
     key = str(name).strip().lower()
     if key not in _PRESETS:
-        if ":" not in key:  # a file may change between calls: read it each time
+        if ":" not in key or key.startswith("hf:"):  # a file may change between calls: read it each time
             return parse_model(str(name).strip(), _PRESETS)
         if key not in _CACHE:
             _CACHE[key] = parse_model(str(name).strip(), _PRESETS)

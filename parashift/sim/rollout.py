@@ -66,7 +66,7 @@ def rollout_program(model: "ModelSpec | str", strategy: "Strategy | str", *, pro
     kv_local = max(spec.kv_heads // tp, 1) * spec.head_dim * 2 * wb        # K and V bytes per token per layer
     hid = T * spec.hidden * wb
     attn_core = 2 * 2 * T * L * spec.heads * spec.head_dim / tp / (2 if past == 0 and tokens > 1 else 1)
-    attn_proj = spec.attn_flops(T, 1) - 2 * 2 * T * spec.heads * spec.head_dim
+    attn_proj = spec.attn_flops(T, 1) - spec.core_flops(T, 1)
     instrs: list[Instr] = []
 
     def add(**kw: Any) -> None:
