@@ -226,7 +226,8 @@ class Interpreter(CPHandlers):
         self.rc_core = {k for k in rc if region_kind(k[2])[0] == "attn"} if sel and s.cp == 1 else set()
         self.ctx = RegionCtx(spec, s.tp, self.coords["tp"], s.ep, self.coords["ep"], 1.0 / (self.gb * seq),
                              self.store.param, self.store.grad,
-                             tuple(t.to(_DT[spec.dtype]) for t in rope_tables(seq, spec.head_dim, device=device)),
+                             tuple(t.to(_DT[spec.dtype]) for t in rope_tables(seq, spec.head_dim, spec.rope_theta,
+                                                                                 device=device)),
                              chain=s.tp == 1 and not spec.is_moe and s.cp == 1 and s.zero < 2
                              and not s.overlap_param,   # ZeRO-2/3, overlap_param: unfused region buckets
                              grad_leaf=self._grad_leaf, grad_fusion=s.grad_fusion)

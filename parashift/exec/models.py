@@ -46,18 +46,24 @@ def check_supported(spec: ModelSpec, strategy: "Strategy | None" = None) -> None
     """Raise StrategyError when ``spec`` uses a feature the runtime's torch model does not implement
     (``strategy``: checked by the strategy itself)."""
     bad = []
+    for key, value, ok in (("attention", spec.attention, "gqa"), ("sliding_window", spec.sliding_window, 0),
+                           ("attn_sinks", spec.attn_sinks, False), ("dense_layers", spec.dense_layers, 0),
+                           ("mtp_layers", spec.mtp_layers, 0), ("router", spec.router, "softmax"),
+                           ("expert_groups", spec.expert_groups, 0), ("rope_scaling", spec.rope_scaling, "")):
+        if value != ok:
+            bad.append(f"{key}={value!r} (use {ok!r})")
+    if spec.shared_ffn and not spec.shared_gate:
+        bad.append("an ungated shared expert (use shared_gate=True)")
     if spec.norm != "rms":
         bad.append(f"norm={spec.norm!r} (use 'rms')")
     if spec.pos_emb != "rope":
         bad.append(f"pos_emb={spec.pos_emb!r} (use 'rope')")
     if not spec.gated:
         bad.append("gated=False (use SwiGLU, gated=True)")
-    if spec.bias or spec.qkv_bias:
-        bad.append("linear biases (use bias=False, qkv_bias=False)")
-    if spec.qk_norm:
-        bad.append("qk_norm=True")
-    if spec.tied:
-        bad.append("tied embeddings (use tied=False)")
+    if spec.bias:
+        bad.append("linear biases beyond q/k/v (use bias=False; qkv_bias=True is supported)")
+    if spec.tied and (spec.is_moe or (strategy is not None and strategy.pp > 1)):
+        bad.append("tied embeddings with pp > 1 or experts (use tied=False)")
     if bad:
         raise StrategyError(f"the runtime cannot execute model {spec.name!r}: it uses " + ", ".join(bad)
                             + "; describe it with parashift.models.gpt/moe defaults or use tiny-gpt / tiny-moe")
@@ -80,7 +86,7 @@ def init_tensor(t: TensorSpec, layers: int, seed: int = 0) -> torch.Tensor:
 @dataclass
 class _Use:
     key: tuple[str, int | None]
-    kind: str  # "lin" | "scale" | "norm" (x: the norm's input; the normalized input is x * r)
+    kind: str  # "lin" | "scale" | "bias" | "norm" (x: the norm's input; the normalized input is x * r)
     x: torch.Tensor
     y: torch.Tensor
     r: torch.Tensor | None = None   # "norm": the per-token reciprocal RMS ``[..., 1]``
@@ -109,12 +115,20 @@ class Tape:
         self.uses.append(_Use((name, None), "scale", x, y))
         return y
 
-    def norm(self, h: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
+    def norm(self, h: torch.Tensor, w: torch.Tensor, name: str, eps: float = NORM_EPS) -> torch.Tensor:
         """``rms_norm(h) * w`` keeping only ``h`` and its per-token reciprocal RMS for the weight
         gradient (as fused norms do: the normalized input is rebuilt from them in the backward, not stashed)."""
-        r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+        r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         y = (h * r) * w
         self.uses.append(_Use((name, None), "norm", h, y, r.detach()))
+        return y
+
+    def bias(self, x: torch.Tensor, b: torch.Tensor, name: str) -> torch.Tensor:
+        """``x + b`` (``b`` a gradient leaf: as :meth:`linear`); its gradient is the output gradient summed."""
+        y = x + b
+        self.uses.append(_Use((name, None), "bias", _NO_Y, y))
+        if b.requires_grad:
+            self.leaves.append(b)
         return y
 
     def record(self, x: torch.Tensor, name: str, index: int | None = None) -> None:
@@ -168,6 +182,8 @@ def weight_grad(u: _Use, dy: torch.Tensor | None, acc: Callable[[str, int | None
         accumulate_linear_grad(g, dy, x, fused)
     elif u.kind == "norm":
         g.add_((x * u.r).mul_(dy).reshape(-1, dy.shape[-1]).sum(0))
+    elif u.kind == "bias":
+        g.add_(dy.reshape(-1, dy.shape[-1]).sum(0))
     else:
         g.add_((dy * x).reshape(-1, dy.shape[-1]).sum(0))
 
@@ -181,9 +197,9 @@ def accumulate_linear_grad(g: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, f
         g.add_(torch.mm(d2, x2))
 
 
-def rms_norm(x: torch.Tensor) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, eps: float = NORM_EPS) -> torch.Tensor:
     """RMS-normalized ``x`` (no weight; the weight is a Tape scale)."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def rope_tables(seq: int, dim: int, theta: float = 10000.0, device=None) -> tuple[torch.Tensor, torch.Tensor]:

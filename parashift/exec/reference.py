@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from ..models import ModelSpec
 from .models import apply_rope, check_supported, init_tensor, rms_norm, rope_tables, swiglu
 
-__all__ = ["OptimConfig", "make_batch", "microbatch_rows", "reference_loss", "reference_train", "init_params"]
+__all__ = ["OptimConfig", "make_batch", "microbatch_rows", "reference_logits", "reference_loss", "reference_train",
+           "init_params"]
 
 
 @dataclass(frozen=True)
@@ -75,29 +76,39 @@ def _moe(spec: ModelSpec, P: dict, p: str, z: torch.Tensor) -> torch.Tensor:
     return out.view(z.shape)
 
 
-def reference_loss(spec: ModelSpec, P: dict[str, torch.Tensor], tokens: torch.Tensor, targets: torch.Tensor,
-                   total_tokens: int) -> torch.Tensor:
-    """Sum of token losses of this batch divided by ``total_tokens`` (full tensors, plain autograd)."""
+def reference_logits(spec: ModelSpec, P: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """Logits ``[b, n, vocab]`` of ``tokens`` (full tensors, plain autograd)."""
     b, n = tokens.shape
-    d, r = spec.head_dim, spec.heads // spec.kv_heads
-    cos, sin = rope_tables(n, d)
+    d, r, eps = spec.head_dim, spec.heads // spec.kv_heads, spec.norm_eps
+    cos, sin = rope_tables(n, d, spec.rope_theta)
     h = P["embed.word"][tokens]
     for i in range(spec.layers):
         p = f"layers.{i}"
-        z = rms_norm(h) * P[f"{p}.attn.norm.weight"]
-        qkv = (z @ P[f"{p}.attn.qkv.weight"].t()).view(b, n, spec.kv_heads, r + 2, d)
-        q = qkv[:, :, :, :r].reshape(b, n, spec.heads, d).transpose(1, 2)
-        k = qkv[:, :, :, r].transpose(1, 2)
-        v = qkv[:, :, :, r + 1].transpose(1, 2)
+        z = rms_norm(h, eps) * P[f"{p}.attn.norm.weight"]
+        qkv = z @ P[f"{p}.attn.qkv.weight"].t()
+        if spec.qkv_bias:
+            qkv = qkv + P[f"{p}.attn.qkv.bias"]
+        qkv = qkv.view(b, n, spec.kv_heads, r + 2, d)
+        q, k, v = qkv[:, :, :, :r].reshape(b, n, spec.heads, d), qkv[:, :, :, r], qkv[:, :, :, r + 1]
+        if spec.qk_norm:
+            q = rms_norm(q, eps) * P[f"{p}.attn.q_norm.weight"]
+            k = rms_norm(k, eps) * P[f"{p}.attn.k_norm.weight"]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = F.scaled_dot_product_attention(q, k.repeat_interleave(r, 1), v.repeat_interleave(r, 1), is_causal=True)
         h = h + o.transpose(1, 2).reshape(b, n, -1) @ P[f"{p}.attn.out.weight"].t()
         if spec.is_moe:
-            h = h + _moe(spec, P, f"{p}.moe", rms_norm(h) * P[f"{p}.moe.norm.weight"])
+            h = h + _moe(spec, P, f"{p}.moe", rms_norm(h, eps) * P[f"{p}.moe.norm.weight"])
         else:
-            z = rms_norm(h) * P[f"{p}.mlp.norm.weight"]
+            z = rms_norm(h, eps) * P[f"{p}.mlp.norm.weight"]
             h = h + swiglu(z @ P[f"{p}.mlp.fc1.weight"].t()) @ P[f"{p}.mlp.fc2.weight"].t()
-    logits = (rms_norm(h) * P["head.norm.weight"]) @ P["head.out"].t()
+    return (rms_norm(h, eps) * P["head.norm.weight"]) @ P["embed.word" if spec.tied else "head.out"].t()
+
+
+def reference_loss(spec: ModelSpec, P: dict[str, torch.Tensor], tokens: torch.Tensor, targets: torch.Tensor,
+                   total_tokens: int) -> torch.Tensor:
+    """Sum of token losses of this batch divided by ``total_tokens`` (full tensors, plain autograd)."""
+    logits = reference_logits(spec, P, tokens)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum") / total_tokens
 
 

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 
 from ..models import ModelSpec
-from .models import Tape, apply_rope, swiglu
+from .models import Tape, apply_rope, swiglu, weight_grad
 
 __all__ = ["RegionCtx", "Rec", "KINDS", "CoreRecompute", "chain_residual", "finish_weights", "atomic_regions",
            "region_kind", "head_logit_grad", "cp_attn_pre", "cp_attn_core", "cp_attn_bwd_out", "cp_attn_bwd_core",
@@ -174,22 +174,35 @@ class _Core(torch.autograd.Function):
         return (*torch.autograd.grad([out], list(ins), [do]), None)
 
 
-def _attn_body(c: RegionCtx, tape: Tape, z: torch.Tensor, p: str,
-               core: "CoreRecompute | None" = None) -> torch.Tensor:
+def _qkv(c: RegionCtx, tape: Tape, z: torch.Tensor, p: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's query, key and value heads ``[b, heads, n, d]`` of ``z``: the QKV projection (and its
+    bias, Qwen2), per-head RMS norms of q and k (Qwen3), then rotary embeddings of q and k."""
     s = c.spec
     b, n, _ = z.shape
     d, r = s.head_dim, s.heads // s.kv_heads
     groups = s.kv_heads // c.tp
-    qkv = tape.linear(z, c.w(f"{p}.qkv.weight"), f"{p}.qkv.weight").view(b, n, groups, r + 2, d)
-    q = qkv[:, :, :, :r].reshape(b, n, groups * r, d).transpose(1, 2)
-    k = qkv[:, :, :, r].transpose(1, 2)
-    v = qkv[:, :, :, r + 1].transpose(1, 2)
+    y = tape.linear(z, c.w(f"{p}.qkv.weight"), f"{p}.qkv.weight")
+    if s.qkv_bias:
+        y = tape.bias(y, c.w(f"{p}.qkv.bias"), f"{p}.qkv.bias")
+    qkv = y.view(b, n, groups, r + 2, d)
+    q, k, v = qkv[:, :, :, :r].reshape(b, n, groups * r, d), qkv[:, :, :, r], qkv[:, :, :, r + 1]
+    if s.qk_norm:
+        q = tape.norm(q, c.param(f"{p}.q_norm.weight"), f"{p}.q_norm.weight", s.norm_eps)
+        k = tape.norm(k, c.param(f"{p}.k_norm.weight"), f"{p}.k_norm.weight", s.norm_eps)
     cos, sin = c.rope[0][:n], c.rope[1][:n]
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+
+
+def _attn_body(c: RegionCtx, tape: Tape, z: torch.Tensor, p: str,
+               core: "CoreRecompute | None" = None) -> torch.Tensor:
+    s = c.spec
+    b, n, _ = z.shape
+    r = s.heads // s.kv_heads
+    q, k, v = _qkv(c, tape, z, p)
     k = k.repeat_interleave(r, dim=1)
     v = v.repeat_interleave(r, dim=1)
     o = (core or _core)(q, k, v)
-    o = o.transpose(1, 2).reshape(b, n, groups * r * d)
+    o = o.transpose(1, 2).reshape(b, n, -1)
     return tape.linear(o, c.w(f"{p}.out.weight"), f"{p}.out.weight")
 
 
@@ -201,7 +214,7 @@ def _mlp_body(c: RegionCtx, tape: Tape, z: torch.Tensor, p: str) -> torch.Tensor
 def _norm(c: RegionCtx, rec: Rec, h: torch.Tensor, name: str, grad: bool) -> torch.Tensor:
     """Graph A of a block: h (leaf) -> z = rms(h) * w; returns a fresh leaf for z."""
     h_leaf = c.leaf(h, grad)
-    z = rec.tape_a.norm(h_leaf, c.param(name), name)
+    z = rec.tape_a.norm(h_leaf, c.param(name), name, c.spec.norm_eps)
     rec.t.update(h=h_leaf, z=z)
     return z if c.chain else z.detach().requires_grad_(grad)
 
@@ -263,8 +276,7 @@ def _block_bwd_input(c: RegionCtx, rec: Rec, genv: dict) -> None:
     ins = [rec.t["z_leaf"]] + rec.tape.outputs()
     grads = _grad_from(rec.t["out"], ins, dh)
     rec.t["dh_out"] = dh
-    rec.dys = list(grads[1:])
-    rec.pending = grads[0]
+    _partial_grads(c, rec, list(grads[1:]), grads[0])
     del rec.t["out"], rec.t["z_leaf"]
 
 
@@ -278,8 +290,54 @@ def _norm_bwd(c: RegionCtx, rec: Rec, dz: torch.Tensor) -> torch.Tensor:
 
 
 def _block_bwd_done(c: RegionCtx, rec: Rec, genv: dict) -> None:
-    genv["h"] = rec.t.pop("dh_out") + _norm_bwd(c, rec, rec.pending)
+    genv["h"] = rec.t.pop("dh_out") + _norm_bwd(c, rec, _split_partial(rec))
     rec.pending = None
+
+
+#: Replicated (not TP-sharded) weights whose gradients are TP-partial: the route's (they multiply
+#: partial expert / shared outputs) and q/k norms (each TP rank normalizes its own heads); they ride
+#: along with the region's input-gradient all-reduce.
+_PARTIAL_GRAD = ("router.weight", "shared.gate", "q_norm.weight", "k_norm.weight")
+
+
+def _partial_grads(c: RegionCtx, rec: Rec, dys: list, dz: torch.Tensor) -> None:
+    """Set the region's weight output gradients ``dys`` and its TP-partial input gradient ``dz`` as
+    ``pending``; with tp > 1 the TP-partial weight gradients (:data:`_PARTIAL_GRAD`) are computed now
+    and appended to it (flat), so one all-reduce sums both (:func:`_split_partial` takes them apart)."""
+    extra: list[tuple[str, torch.Tensor]] = []
+    if c.tp > 1:
+        live = [u for u in rec.tape.uses if u.y.requires_grad]
+        for k, (u, dy) in enumerate(zip(live, dys)):
+            if dy is not None and u.key[0].endswith(_PARTIAL_GRAD):
+                if u.kind == "lin":
+                    x = u.x.detach()
+                    g = dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+                else:
+                    g = torch.zeros(c.param(u.key[0]).shape, dtype=dy.dtype, device=dy.device)
+                    weight_grad(u, dy, lambda *_: g)
+                extra.append((u.key[0], g))
+                dys[k] = None
+    rec.dys = dys
+    if extra:
+        rec.t["extra"] = [(n, g.shape) for n, g in extra]
+        rec.t["dz_shape"] = dz.shape
+        dz = torch.cat([dz.reshape(-1)] + [g.reshape(-1) for _, g in extra])
+    rec.pending = dz
+
+
+def _split_partial(rec: Rec) -> torch.Tensor:
+    """The reduced input gradient of ``pending``; reduced partial weight gradients go to ``sinks``."""
+    if "extra" not in rec.t:
+        return rec.pending
+    flat = rec.pending.reshape(-1)
+    shape = rec.t.pop("dz_shape")
+    n = math.prod(shape)
+    dz = flat[:n].view(shape)
+    for name, gshape in rec.t.pop("extra"):
+        g = flat[n:n + math.prod(gshape)].view(gshape)
+        n += g.numel()
+        rec.t.setdefault("sinks", []).append((name, g))     # summed in by the weight-gradient phase
+    return dz
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,15 +351,7 @@ def cp_attn_pre(c: RegionCtx, rec: Rec, env: dict, grad: bool) -> torch.Tensor:
     h = env["h"]
     rec.saved.update(h=h)
     z = _norm(c, rec, h, f"{p}.norm.weight", grad)
-    b, n, _ = z.shape
-    d, r = s.head_dim, s.heads // s.kv_heads
-    groups = s.kv_heads // c.tp
-    qkv = rec.tape.linear(z, c.param(f"{p}.qkv.weight"), f"{p}.qkv.weight").view(b, n, groups, r + 2, d)
-    q = qkv[:, :, :, :r].reshape(b, n, groups * r, d).transpose(1, 2)
-    k = qkv[:, :, :, r].transpose(1, 2)
-    v = qkv[:, :, :, r + 1].transpose(1, 2)
-    cos, sin = c.rope[0][:n], c.rope[1][:n]
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = _qkv(c, rec.tape, z, p)
     rec.t.update(z_leaf=z, q=q, k=k, v=v)
     rec.saved["kv_local"] = torch.stack([k.detach(), v.detach()])
     return rec.saved["kv_local"]
@@ -351,12 +401,12 @@ def cp_attn_bwd_core(c: RegionCtx, rec: Rec, kv_all: torch.Tensor) -> torch.Tens
 def cp_attn_bwd_qkv(c: RegionCtx, rec: Rec, dkv: torch.Tensor) -> None:
     """Backward of rope and the QKV projection from dq and this rank's summed K/V gradients
     ``[2, b, groups, n, d]``; leaves the (TP-partial) input gradient at ``z`` in ``pending`` and the
-    projections' output gradients in ``dys`` (tape order: qkv, out)."""
+    parameter uses' output gradients in ``dys`` (tape order: qkv and its bias and norms, out)."""
     t = rec.t
     outs = [t.pop("q"), t.pop("k"), t.pop("v")]
-    grads = torch.autograd.grad(outs, [t["z_leaf"], rec.tape.uses[0].y], [t.pop("dq"), dkv[0], dkv[1]])
-    rec.dys = [grads[1], t.pop("dy_out")]
-    rec.pending = grads[0]
+    live = rec.tape.outputs()[:-1]          # the last: the output projection, recorded by the core's backward
+    grads = torch.autograd.grad(outs, [t["z_leaf"]] + live, [t.pop("dq"), dkv[0], dkv[1]], allow_unused=True)
+    _partial_grads(c, rec, list(grads[1:]) + [t.pop("dy_out")], grads[0])
     del t["z_leaf"]
 
 
@@ -395,8 +445,9 @@ def _head_fwd(c: RegionCtx, rec: Rec, env: dict, grad: bool) -> None:
     h = env["h"]
     rec.saved.update(h=h, targets=env["targets"])
     z = _norm(c, rec, h, "head.norm.weight", grad)
-    w = c.w("head.out")
-    logits = rec.tape.linear(z, w, "head.out")
+    out = "embed.word" if c.spec.tied else "head.out"    # tied: the embedding is the output layer (pp = 1)
+    w = c.w(out)
+    logits = rec.tape.linear(z, w, out)
     with torch.no_grad():
         lg = logits.detach().float()          # loss statistics in fp32 whatever the model dtype
         m = lg.amax(-1)
@@ -476,44 +527,20 @@ def _route_fwd(c: RegionCtx, rec: Rec, env: dict, grad: bool) -> None:
     env["moe.recv_counts"] = env["moe.counts"]          # replaced by the dispatch all-to-all when ep > 1
 
 
-#: Replicated (not TP-sharded) route weights whose gradients are TP-partial (they multiply
-#: partial expert / shared outputs); they ride along with the input-gradient all-reduce.
-_PARTIAL_GRAD = ("router.weight", "shared.gate")
-
-
 def _route_bwd_input(c: RegionCtx, rec: Rec, genv: dict) -> None:
     names = list(rec.t["outs"])
     outs = [rec.t["outs"][k] for k in names]
     gouts = [genv.pop(f"moe.{k}") for k in names]
     ins = [rec.t["z_leaf"]] + rec.tape.outputs()
     grads = torch.autograd.grad(outs, ins, gouts, allow_unused=True)
-    dz, dys = grads[0], list(grads[1:])
-    extra: list[tuple[str, torch.Tensor]] = []
-    if c.tp > 1:
-        live = [u for u in rec.tape.uses if u.y.requires_grad]
-        for k, (u, dy) in enumerate(zip(live, dys)):
-            if dy is not None and u.key[0].endswith(_PARTIAL_GRAD):
-                x = u.x.detach()
-                extra.append((u.key[0], dy.reshape(-1, dy.shape[-1]).t() @ x.reshape(-1, x.shape[-1])))
-                dys[k] = None
-    rec.dys = dys
+    _partial_grads(c, rec, list(grads[1:]), grads[0])
     rec.t["res_grad"] = genv.pop("moe.res")
-    rec.t["extra"] = [(n, g.shape) for n, g in extra]
-    rec.t["dz_shape"] = dz.shape
-    rec.pending = torch.cat([dz.reshape(-1)] + [g.reshape(-1) for _, g in extra]) if extra else dz
     for k in ("outs", "z_leaf"):
         del rec.t[k]
 
 
 def _route_bwd_done(c: RegionCtx, rec: Rec, genv: dict) -> None:
-    flat = rec.pending.reshape(-1)
-    shape = rec.t.pop("dz_shape")
-    n = math.prod(shape)
-    dz = flat[:n].view(shape)
-    for name, gshape in rec.t.pop("extra"):
-        g = flat[n:n + math.prod(gshape)].view(gshape)
-        n += g.numel()
-        rec.t.setdefault("sinks", []).append((name, g))     # summed in by the weight-gradient phase
+    dz = _split_partial(rec)
     genv["h"] = rec.t.pop("res_grad") + _norm_bwd(c, rec, dz)
     rec.pending = None
 

@@ -64,12 +64,13 @@ def _common(c: _Cfg, name: str) -> dict[str, Any]:
         layers=c.int("num_hidden_layers"), hidden=h, heads=a, kv_heads=c.int("num_key_value_heads", a),
         vocab=c.int("vocab_size"), seq_len=min(c.int("max_position_embeddings", SEQ_LEN_CAP), SEQ_LEN_CAP),
         name=name, head_dim=c.get("head_dim") or h // a, norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(c.get("rope_theta", 10000.0)), tied=bool(c.get("tie_word_embeddings", False)),
-        pad_vocab=1, dropout=float(c.get("attention_dropout", 0.0)))
+        tied=bool(c.get("tie_word_embeddings", False)), pad_vocab=1, dropout=float(c.get("attention_dropout", 0.0)))
     kw["dtype"] = _DTYPES.get(c.get("torch_dtype") or c.get("dtype") or "bfloat16", "bf16")
-    scaling = c.get("rope_scaling")
-    if scaling:
-        kw["rope_scaling"] = str(scaling.get("rope_type") or scaling.get("type") or "")
+    # transformers < 5 writes rope_theta and rope_scaling; 5 writes both into rope_parameters
+    rope = {**c.get("rope_parameters", {}), **c.get("rope_scaling", {})}
+    kw["rope_theta"] = float(c.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    kw["rope_scaling"] = "" if kind == "default" else str(kind)
     return kw
 
 

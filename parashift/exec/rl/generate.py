@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ...errors import StrategyError
 from ...models import ModelSpec
 from ..models import apply_rope, check_supported, rms_norm, rope_tables, swiglu
 from ..state import StateStore

@@ -1,0 +1,89 @@
+"""Llama-family models from transformers configs: parashift's forward equals transformers' own on
+the same weights (fp32, CPU), weights convert both ways exactly, and TP / SP runs train exactly like
+one process."""
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from parashift import models                                    # noqa: E402
+from parashift.errors import ModelError                          # noqa: E402
+from parashift.exec import run                                   # noqa: E402
+from parashift.exec.hf import load_hf_weights, to_hf, to_parashift   # noqa: E402
+from parashift.exec.reference import OptimConfig, reference_logits, reference_train   # noqa: E402
+
+SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**SMALL, rope_theta=500000.0),
+    "llama-tied": lambda: transformers.LlamaConfig(**SMALL, tie_word_embeddings=True),
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL, rope_theta=1e6),
+    "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=16, rope_theta=1e6),
+}
+
+
+def _save(kind: str, path) -> tuple:
+    torch.manual_seed(0)
+    cfg = CONFIGS[kind]()
+    model = transformers.AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():            # norm weights start at one and biases at zero: move them so they count
+        for n, p in model.named_parameters():
+            if "norm" in n or n.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path)
+    return model, models.get(f"hf:{path}")
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_logits_equal_transformers(kind, tmp_path):
+    model, spec = _save(kind, tmp_path)
+    assert spec.vocab == 96 and spec.norm_eps == 1e-6 and spec.tied == (kind == "llama-tied")
+    P = load_hf_weights(spec, str(tmp_path))
+    tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(tokens).logits
+        got = reference_logits(spec, P, tokens)
+    assert float((got - want).abs().max()) < 1e-5
+    back = to_hf(spec, P)        # and back: the same state dict, bit for bit
+    sd = {k: v for k, v in model.state_dict().items() if not (spec.tied and k == "lm_head.weight")}
+    assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_bad_weights_are_one_line_errors(tmp_path):
+    model, spec = _save("qwen3", tmp_path)
+    sd = model.state_dict()
+    with pytest.raises(ModelError, match="q_norm"):
+        to_parashift(spec, {k: v for k, v in sd.items() if "layers.1.self_attn.q_norm" not in k})
+    with pytest.raises(ModelError, match="extra.weight"):
+        to_parashift(spec, {**sd, "model.extra.weight": torch.zeros(1)})
+    with pytest.raises(ModelError, match="use_sliding_window"):
+        cfg = json.loads((tmp_path / "config.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, "use_sliding_window": True}))
+        models.get(f"hf:{tmp_path}")
+
+
+STEPS, GB, SEQ = 3, 4, 16
+OPT = OptimConfig(lr=1e-3)
+
+
+@functools.lru_cache(maxsize=None)
+def _spec(kind: str, path: str):
+    return _save(kind, path)[1]
+
+
+@pytest.mark.parametrize("kind,strategy", [("qwen3", "tp=2"), ("qwen2", "tp=2,sp"), ("llama-tied", "dp=2,zero=1"),
+                                           ("qwen3", "tp=2,pp=2"), ("qwen3", "cp=2")])
+def test_parallel_runs_train_like_one_process(kind, strategy, tmp_path_factory):
+    torch.set_num_threads(1)
+    spec = _spec(kind, str(tmp_path_factory.mktemp(kind)))
+    ref_losses, ref_params = reference_train(spec, STEPS, GB, SEQ, optim=OPT)
+    res = run(spec, strategy, steps=STEPS, global_batch=GB, seq_len=SEQ, optim=OPT, params=True, timeout=120)
+    for a, b in zip(res.losses, ref_losses):
+        assert abs(a - b) <= 1e-5 * abs(b), (strategy, res.losses, ref_losses)
+    for name, ref in ref_params.items():
+        assert float((res.params[name] - ref).abs().max()) <= 0.05 * OPT.lr, (strategy, name)
