@@ -87,3 +87,41 @@ def test_parallel_runs_train_like_one_process(kind, strategy, tmp_path_factory):
         assert abs(a - b) <= 1e-5 * abs(b), (strategy, res.losses, ref_losses)
     for name, ref in ref_params.items():
         assert float((res.params[name] - ref).abs().max()) <= 0.05 * OPT.lr, (strategy, name)
+
+
+@pytest.mark.parametrize("kind,strategy", [("qwen3", "tp=2,sp"), ("llama", "pp=2")])
+def test_runtime_from_hf_weights_matches_transformers(kind, strategy, tmp_path):
+    """Started from the saved safetensors, the runtime's first loss is transformers' loss on the same tokens."""
+    from parashift.exec import compile_program, run_program
+    from parashift.exec.reference import make_batch
+    torch.set_num_threads(1)
+    model, spec = _save(kind, tmp_path)
+    tokens, targets = make_batch(spec, 0, GB, SEQ)
+    with torch.no_grad():
+        want = float(torch.nn.functional.cross_entropy(model(tokens).logits.reshape(-1, spec.vocab),
+                                                       targets.reshape(-1)))
+    prog = compile_program(spec, strategy, global_batch=GB, seq_len=SEQ)
+    res = run_program(prog, steps=1, optim=OPT, model=spec, weights=str(tmp_path), timeout=120)
+    assert abs(res.losses[0] - want) <= 1e-5 * want, (res.losses, want)
+
+
+def test_tied_embeddings_need_one_stage(tmp_path):
+    from parashift.errors import StrategyError
+    _, spec = _save("llama-tied", tmp_path)
+    with pytest.raises(StrategyError, match="tied"):
+        run(spec, "pp=2", steps=1, global_batch=GB, seq_len=SEQ)
+
+
+def test_cli_run_starts_from_the_hf_weights(tmp_path, capsys):
+    """`parashift run --model hf:DIR` reads the folder's safetensors: its first loss is transformers'."""
+    from parashift.cli import main
+    from parashift.exec.reference import make_batch
+    model, spec = _save("qwen2", tmp_path)
+    tokens, targets = make_batch(spec, 0, GB, SEQ)
+    with torch.no_grad():
+        want = float(torch.nn.functional.cross_entropy(model(tokens).logits.reshape(-1, spec.vocab),
+                                                       targets.reshape(-1)))
+    assert main(["run", "--model", f"hf:{tmp_path}", "--strategy", "tp=2", "--global-batch", str(GB), "--seq-len",
+                 str(SEQ), "--steps", "1", "--json", "--force"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert abs(out["losses"][0] - want) <= 1e-5 * want

@@ -20,8 +20,9 @@ ALIASES = {"--trace": "--timeline"}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("plan", nargs="?", help="a deploy plan file (a saved Program); omit to compile --model/--strategy")
-    p.add_argument("--model", default="tiny-gpt", help="model preset (default tiny-gpt), or MODULE:NAME of a "
-                                                       "parashift.exec.UserModel (your annotated torch model)")
+    p.add_argument("--model", default="tiny-gpt", help="model preset (default tiny-gpt), hf:DIR (a Hugging Face "
+                   "config.json, and its safetensors weights when present), or MODULE:NAME of a "
+                   "parashift.exec.UserModel (your annotated torch model)")
     p.add_argument("--strategy", default="dp=1,tp=1,pp=1", type=strategy_text, help="e.g. 'dp=2,pp=2,schedule=1f1b'")
     p.add_argument("--directives", metavar="FILE|TEXT", help="directives refining --strategy (parashift.directives), "
                    "a Python file or inline text, e.g. \"Place({'embed': 0, 'layers.0': 0, '*': 1}); Split(microbatches=4)\"")
@@ -126,8 +127,13 @@ def run(args: argparse.Namespace) -> dict:
         if not args.json:
             print(f"step {step + 1}/{args.steps}  loss {loss:.6f}  {seconds * 1e3:.1f} ms", file=sys.stderr, flush=True)
 
+    weights = None
+    if not args.plan and str(args.model).strip()[:3].lower() == "hf:":   # a Hugging Face model's own weights
+        from ..exec.hf import weights_folder
+        weights = weights_folder(str(args.model).strip()[3:])
     res = run_program(program, steps=args.steps, optim=OptimConfig(lr=args.lr), timeout=args.timeout,
-                      progress=progress, backend={"cpu": "gloo", "cuda": "nccl"}[resolve_device(args)])
+                      progress=progress, backend={"cpu": "gloo", "cuda": "nccl"}[resolve_device(args)],
+                      weights=weights)
     if args.trace and not (under_torchrun() and int(os.environ["RANK"]) != 0):
         res.to_chrome_trace(args.trace)
     out = res.to_json()

@@ -14,9 +14,10 @@ __all__ = ["is_user_model", "run_cli", "read_directives"]
 
 
 def is_user_model(ref: str) -> bool:
-    """``--model`` names a UserModel object (``module:NAME``) rather than a preset or an inline ``gpt:``/``moe:`` spec."""
+    """``--model`` names a UserModel object (``module:NAME``) rather than a preset, an inline ``gpt:``/``moe:``
+    spec or a Hugging Face config (``hf:DIR``)."""
     from ..models.parse import KINDS
-    return ":" in ref and ref.split(":", 1)[0].strip().lower() not in KINDS
+    return ":" in ref and ref.split(":", 1)[0].strip().lower() not in (*KINDS, "hf")
 
 
 def read_directives(value: "str | None") -> list:

@@ -17,7 +17,8 @@ import torch
 from ..errors import ModelError
 from ..models import ModelSpec
 
-__all__ = ["LAYER", "GLOBAL", "to_parashift", "to_hf", "load_hf_weights", "check_convertible"]
+__all__ = ["LAYER", "GLOBAL", "to_parashift", "to_hf", "load_hf_weights", "check_convertible", "hf_store",
+           "weights_folder"]
 
 _A, _M = "model.layers.{i}.self_attn", "model.layers.{i}.mlp"
 #: (Hugging Face name, parashift name, part) per layer ``{i}``; part: None (the whole tensor), q/k/v
@@ -114,6 +115,14 @@ def to_hf(spec: ModelSpec, params: Mapping[str, torch.Tensor]) -> dict[str, torc
     return out
 
 
+def weights_folder(path: str) -> str | None:
+    """The folder of the Hugging Face model at ``path`` (its folder or ``config.json``) when it holds
+    ``*.safetensors`` weights, else None."""
+    from ..models.hf import config_path
+    folder = os.path.dirname(config_path(path))
+    return folder if glob.glob(os.path.join(folder, "*.safetensors")) else None
+
+
 def load_hf_weights(spec: ModelSpec, path: str) -> dict[str, torch.Tensor]:
     """``spec``'s tensors from the ``*.safetensors`` files of the folder ``path`` (nothing downloaded)."""
     from safetensors.torch import load_file
@@ -126,3 +135,14 @@ def load_hf_weights(spec: ModelSpec, path: str) -> dict[str, torch.Tensor]:
     for f in files:
         hf.update(load_file(f))
     return to_parashift(spec, hf)
+
+
+def hf_store(spec: ModelSpec, strategy, rank: int, device, path: str):
+    """Rank ``rank``'s state store of ``strategy`` with its parameters read from Hugging Face weights
+    (every rank reads the files and keeps its own pieces)."""
+    from .state import StateStore
+    store = StateStore(spec, strategy, rank, device, init=False)
+    values = {k: v for k, v in load_hf_weights(spec, path).items() if k in store.pieces}
+    for b in store.buffers.values():
+        b.load(values)
+    return store

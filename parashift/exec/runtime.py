@@ -176,9 +176,14 @@ def _train_job(ctx: RankContext, program_json: dict, steps: int, opts: dict) -> 
     """What every rank runs under :func:`run_program`."""
     torch.manual_seed(0)
     program = Program.from_json(program_json)
+    store = None
+    if opts.get("weights"):
+        from .hf import hf_store
+        store = hf_store(_spec(program, opts.get("model")), program.strategy, ctx.rank, ctx.device, opts["weights"])
     rt = Runtime(program, ctx, seed=opts.get("seed", 0), data_seed=opts.get("data_seed", 0),
                  optim=OptimConfig(**opts.get("optim", {})), timeout=opts.get("timeout", 300.0),
-                 model=opts.get("model"), profile=opts.get("profile", True), memory=opts.get("memory", True))
+                 model=opts.get("model"), profile=opts.get("profile", True), memory=opts.get("memory", True),
+                 store=store)
     rt.worlds.prepare(export_keys(program))
     losses, times = [], []
     for _ in range(steps):
@@ -267,16 +272,20 @@ def run_program(program: Program, *, steps: int = 1, seed: int = 0, data_seed: i
                 optim: OptimConfig = OptimConfig(), params: bool = False, profile: bool = True,
                 memory: bool = True, timeout: float = 300.0, backend: str | None = None,
                 progress: Callable[[int, float, float], None] | None = None,
-                model: "models.ModelSpec | None" = None) -> RunResult:
+                model: "models.ModelSpec | None" = None, weights: str | None = None) -> RunResult:
     """Execute a compiled training-step Program on ``program.world`` local processes.
 
     ``progress(step, loss, seconds)`` is called in this process as each step completes on all ranks;
     ``model``: the ModelSpec when the program's model is not a preset; ``memory`` off: no peak
-    memory (``peak_memory`` is empty) and no accounting cost.
+    memory (``peak_memory`` is empty) and no accounting cost; ``weights``: a folder of Hugging Face
+    ``*.safetensors`` to start from (else initial values from ``seed``).
     """
     _check(program, model)
+    if weights:
+        from .hf import check_convertible
+        check_convertible(_spec(program, model))
     opts = {"seed": seed, "data_seed": data_seed, "optim": optim.__dict__, "params": params, "profile": profile,
-            "memory": memory, "timeout": timeout, "progress": progress is not None, "model": model}
+            "memory": memory, "timeout": timeout, "progress": progress is not None, "model": model, "weights": weights}
     outs = launch_local(_train_job, program.world, args=(program.to_json(), steps, opts), timeout=timeout,
                         backend=backend, on_report=StepProgress(program.world, progress) if progress else None,
                         gather=True)
