@@ -24,6 +24,11 @@ CONFIGS = {
     "llama-tied": lambda: transformers.LlamaConfig(**SMALL, tie_word_embeddings=True),
     "qwen2": lambda: transformers.Qwen2Config(**SMALL, rope_theta=1e6),
     "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=16, rope_theta=1e6),
+    "qwen3-moe": lambda: transformers.Qwen3MoeConfig(**SMALL, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                                     moe_intermediate_size=24, norm_topk_prob=False),
+    "qwen3-moe-norm": lambda: transformers.Qwen3MoeConfig(**SMALL, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                                          moe_intermediate_size=24, norm_topk_prob=True),
+    "mixtral": lambda: transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2),
 }
 
 
@@ -54,6 +59,28 @@ def test_logits_equal_transformers(kind, tmp_path):
     assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
 
 
+def test_hub_per_expert_names_read_the_same(tmp_path):
+    """The Hub's per-expert names (Qwen3-MoE's experts.{e}.gate_proj, Mixtral's block_sparse_moe...w1)
+    give the same tensors as transformers 5's fused experts."""
+    for kind, names in (("qwen3-moe", ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight",
+                                       "mlp.experts.{e}.down_proj.weight", "mlp.gate.weight")),
+                        ("mixtral", ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight",
+                                     "block_sparse_moe.experts.{e}.w2.weight", "block_sparse_moe.gate.weight"))):
+        model, spec = _save(kind, tmp_path / kind)
+        sd = dict(model.state_dict())
+        for i in range(spec.layers):
+            p = f"model.layers.{i}."
+            gu, down = sd.pop(p + "mlp.experts.gate_up_proj"), sd.pop(p + "mlp.experts.down_proj")
+            f = gu.shape[1] // 2
+            for e in range(spec.experts):
+                sd[p + names[0].format(e=e)], sd[p + names[1].format(e=e)] = gu[e, :f], gu[e, f:]
+                sd[p + names[2].format(e=e)] = down[e]
+            sd[p + names[3]] = sd.pop(p + "mlp.gate.weight")
+        want = to_parashift(spec, model.state_dict())
+        got = to_parashift(spec, sd)
+        assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), kind
+
+
 def test_bad_weights_are_one_line_errors(tmp_path):
     model, spec = _save("qwen3", tmp_path)
     sd = model.state_dict()
@@ -77,7 +104,7 @@ def _spec(kind: str, path: str):
 
 
 @pytest.mark.parametrize("kind,strategy", [("qwen3", "tp=2"), ("qwen2", "tp=2,sp"), ("llama-tied", "dp=2,zero=1"),
-                                           ("qwen3", "cp=2")])
+                                           ("qwen3", "cp=2"), ("mixtral", "dp=2,ep=2"), ("qwen3-moe-norm", "tp=2")])
 def test_parallel_runs_train_like_one_process(kind, strategy, tmp_path_factory):
     torch.set_num_threads(1)
     spec = _spec(kind, str(tmp_path_factory.mktemp(kind)))

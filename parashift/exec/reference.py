@@ -63,6 +63,8 @@ def init_params(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor]:
 def _moe(spec: ModelSpec, P: dict, p: str, z: torch.Tensor) -> torch.Tensor:
     zf = z.reshape(-1, z.shape[-1])
     w, idx = torch.softmax(zf @ P[f"{p}.router.weight"].t(), -1).topk(spec.top_k, dim=-1)
+    if spec.norm_topk:
+        w = w / w.sum(-1, keepdim=True)
     out = torch.zeros_like(zf)
     for e in range(spec.experts):
         tok, slot = (idx == e).nonzero(as_tuple=True)

@@ -508,6 +508,8 @@ def _route_fwd(c: RegionCtx, rec: Rec, env: dict, grad: bool) -> None:
     zf = z.reshape(-1, z.shape[-1])
     logits = rec.tape.linear(zf, c.param(f"{p}.router.weight"), f"{p}.router.weight")
     w, idx = torch.softmax(logits, -1).topk(s.top_k, dim=-1)
+    if s.norm_topk:
+        w = w / w.sum(-1, keepdim=True)
     order = torch.argsort(idx.reshape(-1), stable=True)
     tok = order // s.top_k
     xs = zf[tok]

@@ -112,14 +112,16 @@ def _qwen3_moe(c: _Cfg, name: str) -> ModelSpec:
         raise ModelError(f"{c.where}: unsupported mlp_only_layers={c.get('mlp_only_layers')!r} (parashift reads "
                          f"dense layers only as the first n, as DeepSeek's first_k_dense_replace)")
     kw = _qwen(c, name)
-    return moe(kw.pop("layers"), kw.pop("hidden"), kw.pop("heads"), qk_norm=True, experts=c.int("num_experts"),
-               top_k=c.int("num_experts_per_tok"), expert_ffn=c.int("moe_intermediate_size"), **kw)
+    experts = c.int("num_experts") if "num_experts" in c.d else c.int("num_local_experts")   # transformers 5's name
+    return moe(kw.pop("layers"), kw.pop("hidden"), kw.pop("heads"), qk_norm=True, experts=experts,
+               top_k=c.int("num_experts_per_tok"), expert_ffn=c.int("moe_intermediate_size"),
+               norm_topk=bool(c.get("norm_topk_prob", False)), **kw)
 
 
 def _mixtral(c: _Cfg, name: str) -> ModelSpec:
     kw = _common(c, name)
     return moe(kw.pop("layers"), kw.pop("hidden"), kw.pop("heads"), experts=c.int("num_local_experts"),
-               top_k=c.int("num_experts_per_tok"), expert_ffn=c.int("intermediate_size"),
+               top_k=c.int("num_experts_per_tok"), expert_ffn=c.int("intermediate_size"), norm_topk=True,
                sliding_window=c.int("sliding_window", 0), **kw)
 
 
@@ -141,6 +143,7 @@ def _deepseek(c: _Cfg, name: str) -> ModelSpec:
                experts=c.int("n_routed_experts"), top_k=c.int("num_experts_per_tok"), expert_ffn=f,
                shared_ffn=c.int("n_shared_experts", 0) * f, shared_gate=False, router=scoring,
                dense_layers=c.int("first_k_dense_replace", 0), expert_groups=groups if groups > 1 else 0,
+               norm_topk=bool(c.get("norm_topk_prob", False)),
                group_top_k=c.int("topk_group", 0) if groups > 1 else 0, **kw, **arch)
 
 
@@ -156,7 +159,7 @@ def _gpt_oss(c: _Cfg, name: str) -> ModelSpec:
                          f"alternating, sliding first)")
     return moe(kw.pop("layers"), kw.pop("hidden"), kw.pop("heads"), experts=c.int("num_local_experts"),
                top_k=c.int("num_experts_per_tok", c.int("experts_per_token", 4)),
-               expert_ffn=c.int("intermediate_size"), bias=True, attn_sinks=True, sliding_window=window,
+               expert_ffn=c.int("intermediate_size"), bias=True, attn_sinks=True, sliding_window=window, norm_topk=True,
                full_every=2, **kw)
 
 

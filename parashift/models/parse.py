@@ -20,14 +20,14 @@ KINDS = ("gpt", "moe")
 _INT = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len", "head_dim", "pad_vocab", "experts",
         "top_k", "expert_ffn", "shared_ffn", "q_lora", "kv_lora", "rope_dim", "v_head_dim", "sliding_window",
         "full_every", "mtp_layers", "dense_layers", "expert_groups", "group_top_k")
-_BOOL = ("gated", "bias", "qkv_bias", "qk_norm", "tied", "flash_attention", "attn_sinks", "shared_gate")
+_BOOL = ("gated", "bias", "qkv_bias", "qk_norm", "tied", "flash_attention", "attn_sinks", "shared_gate", "norm_topk")
 _STR = ("name", "norm", "pos_emb", "dtype", "attention", "router", "rope_scaling")
 _FLOAT = ("dropout", "norm_eps", "rope_theta")
 _CHOICES = {"norm": NORMS, "pos_emb": ("rope", "learned"), "dtype": ("bf16", "fp16", "fp32"),
             "attention": ATTENTIONS, "router": ROUTERS}
 _REQUIRED = ("layers", "hidden", "heads")
 _MOE_ONLY = ("experts", "top_k", "expert_ffn", "shared_ffn", "dense_layers", "shared_gate", "router", "expert_groups",
-             "group_top_k")
+             "group_top_k", "norm_topk")
 
 
 ModelSpecError = ModelError   # the name this module used before ModelError covered every model source

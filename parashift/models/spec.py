@@ -94,6 +94,7 @@ class ModelSpec:
     dense_layers: int = 0       # MoE: the first n layers have a dense MLP of width ffn (DeepSeek)
     shared_gate: bool = True    # MoE: the shared expert's output has a sigmoid gate (Qwen-MoE)
     router: str = "softmax"     # softmax | sigmoid (DeepSeek-V3, with a per-expert score bias)
+    norm_topk: bool = False     # the top-k routing weights are rescaled to sum to one (Mixtral)
     expert_groups: int = 0      # node-limited routing: experts in n groups ...
     group_top_k: int = 0        # ... of which each token reaches at most this many
     mtp_layers: int = 0         # multi-token prediction modules on the last stage
@@ -397,11 +398,13 @@ def gpt(layers: int, hidden: int, heads: int, kv_heads: int | None = None, ffn: 
 def moe(layers: int, hidden: int, heads: int, kv_heads: int | None = None, ffn: int | None = None,
         vocab: int = 50257, seq_len: int = 2048, *, experts: int, top_k: int, expert_ffn: int,
         shared_ffn: int = 0, name: str = "custom-moe", dense_layers: int = 0, shared_gate: bool = True,
-        router: str = "softmax", expert_groups: int = 0, group_top_k: int = 0, **kw: object) -> ModelSpec:
+        router: str = "softmax", expert_groups: int = 0, group_top_k: int = 0, norm_topk: bool = False,
+        **kw: object) -> ModelSpec:
     """A mixture-of-experts decoder: every layer's MLP is ``experts`` routed experts (top-k) plus
     an optional shared expert of width ``shared_ffn`` (gated by a sigmoid when ``shared_gate``),
     except the first ``dense_layers``, whose MLP is dense of width ``ffn``. ``expert_groups`` /
-    ``group_top_k``: node-limited routing (each token's experts lie in at most that many groups)."""
+    ``group_top_k``: node-limited routing (each token's experts lie in at most that many groups);
+    ``norm_topk``: a token's top-k routing weights are rescaled to sum to one."""
     _check(name, experts=experts, top_k=top_k, expert_ffn=expert_ffn)
     _whole(name, dense_layers=dense_layers, expert_groups=expert_groups, group_top_k=group_top_k)
     if router not in ROUTERS:
@@ -419,7 +422,8 @@ def moe(layers: int, hidden: int, heads: int, kv_heads: int | None = None, ffn: 
     base = gpt(layers, hidden, heads, kv_heads, expert_ffn if ffn is None else ffn, vocab, seq_len, name=name, **kw)  # type: ignore[arg-type]
     spec = ModelSpec(**{**_fields(base), "experts": experts, "top_k": top_k, "expert_ffn": expert_ffn,
                         "shared_ffn": shared_ffn, "dense_layers": dense_layers, "shared_gate": bool(shared_gate),
-                        "router": router, "expert_groups": expert_groups, "group_top_k": group_top_k})
+                        "router": router, "expert_groups": expert_groups, "group_top_k": group_top_k,
+                        "norm_topk": bool(norm_topk)})
     return _with_tensors(spec)
 
 

@@ -110,6 +110,10 @@ def greedy_generate(spec: ModelSpec, weights: dict[str, torch.Tensor], prompts: 
     ``weights``: this rank's TP shards (``tp`` ranks in ``group``, this one ``tp_rank``); every
     rank of the group must call it with the same prompts."""
     check_supported(spec)
+    if spec.qkv_bias or spec.qk_norm or spec.tied or spec.norm_topk or spec.norm_eps != 1e-5 \
+            or spec.rope_theta != 10000.0:
+        raise StrategyError(f"generation runs the preset architecture only; {spec.name!r} has q/k/v biases, q/k "
+                            f"norms, tied embeddings, renormalized routing or its own norm eps / rope theta")
     t = _TP(group, tp, tp_rank)
     cache: list = [[] for _ in range(spec.layers)]
     out = [prompts]
