@@ -103,6 +103,13 @@ def test_simulate_hf_config_from_the_cli(tmp_path, capsys):
                      "--global-batch", "8", "--seq-len", "4096", "--json"]) == 0
         out = json.loads(capsys.readouterr().out)
         assert out["step_time"] > 0 and out["model"] == spec.name
+    for name, strategy in (("deepseek-v3", "dp=8,ep=8,zero=1"), ("gpt-oss-120b", "dp=2,tp=4,zero=1,sp"),
+                           ("qwen3-235b-a22b", "dp=8,ep=8,zero=3")):   # MLA + MTP, windows + sinks, GQA MoE
+        (tmp_path / f"{name}.json").write_text(json.dumps(CONFIGS[name]))
+        assert main(["simulate", "--model", f"hf:{tmp_path / name}.json", "--cluster", "h100-1x8", "--strategy",
+                     strategy, "--global-batch", "8", "--seq-len", "4096", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["step_time"] > 0 and 0 < out["mfu"] < 1, (name, out["mfu"])
     assert main(["simulate", "--model", f"hf:{tmp_path}/none", "--cluster", "h100-1x8", "--strategy", "dp=8", "--global-batch", "8",
                  "--seq-len", "4096"]) != 0
     assert "no config.json there" in capsys.readouterr().err
