@@ -72,7 +72,7 @@ import numpy as np
 import torch
 
 from parashift import models
-from parashift.exec.elastic import ElasticManager, Member, launch_elastic
+from parashift.exec.job.elastic import ElasticManager, Member, launch_elastic
 from parashift.exec.state import StateStore
 from parashift.exec.switch.local import negotiate, read_bytes as local_read
 from parashift.exec.switch import (BufferPool, Prepared, SwitchRecord, bytes_of, crc, execute_switch, kind_tensor,
@@ -509,7 +509,7 @@ def _two_hosts(args, dirs: dict) -> dict:
     import signal
     import socket
     import subprocess
-    from parashift.exec.hosts import SECRET_ENV
+    from parashift.exec.job.hosts import SECRET_ENV
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -533,7 +533,7 @@ def _two_hosts(args, dirs: dict) -> dict:
 
 def _host(h: int, cfg: dict) -> None:
     """One host of :func:`_two_hosts`: its two processes run :data:`HOST_CASES` with the other host's."""
-    from parashift.exec.hosts import SECRET_ENV
+    from parashift.exec.job.hosts import SECRET_ENV
     from parashift.exec.jobstore import JobStore, connect, die_with_parent, serve
     die_with_parent()               # a host (and its processes) never outlives the benchmark
     secret, port = os.environ[SECRET_ENV], cfg["port"]

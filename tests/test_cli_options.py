@@ -73,7 +73,7 @@ def test_device_auto_follows_the_machine(monkeypatch):
 
 def test_a_cuda_host_needs_a_gpu_per_process(monkeypatch):
     import torch
-    from parashift.exec.hosts import _check_local_gpus
+    from parashift.exec.job.hosts import _check_local_gpus
     _check_local_gpus("cpu", 8)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

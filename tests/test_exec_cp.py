@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from parashift import Strategy, models
 from parashift.errors import StrategyError
 from parashift.exec import run
-from parashift.exec.cp import cp_mask, cp_positions
+from parashift.exec.parallel.cp import cp_mask, cp_positions
 from parashift.exec.models import init_tensor
 from parashift.exec.regions import Rec, RegionCtx, cp_attn_pre
 from parashift.ir import compile

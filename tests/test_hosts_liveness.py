@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from parashift.exec import hosts
+from parashift.exec.job import hosts
 from parashift.exec.jobstore import serve
-from parashift.exec.recover import FAULT_KEY
+from parashift.exec.job.recover import FAULT_KEY
 
 SECRET = "liveness-test-secret-0123456789"
 

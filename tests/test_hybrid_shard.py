@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 
 from parashift import Strategy, models
 from parashift.errors import StrategyError
-from parashift.exec.recover import memory_plan, survivability, uncovered
+from parashift.exec.job.recover import memory_plan, survivability, uncovered
 
 from test_vps_layout import reference_holdings, strategies_for, tiny_models
 

@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     from ..errors import StrategyError
-    from ..exec.hosts import read_secret, run_agent
+    from ..exec.job.hosts import read_secret, run_agent
     if not args.endpoint:
         raise StrategyError("join needs --endpoint HOST:PORT, the address the first host's "
                             "`parashift run ... --live --endpoint` serves")

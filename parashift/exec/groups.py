@@ -8,7 +8,7 @@ collectives issued by different streams never interleave on one communicator.
 
 A live job's worlds are not made by ``new_group`` (collective over torch's default world, which
 cannot grow, and exists once per process): they come from a *factory*, the job's
-:class:`~parashift.exec.elastic.ElasticManager`, which builds each communicator on the job's
+:class:`~parashift.exec.job.elastic.ElasticManager`, which builds each communicator on the job's
 TCPStore. That lets the next layout's world be built in the background while the current
 layout trains on its own.
 """

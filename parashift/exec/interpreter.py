@@ -33,7 +33,7 @@ numbers come from :mod:`parashift.exec.regions` and the state store. Sequence pa
 reduction as the Program's reduce-scatter along the sequence (the residual add on this rank's rows)
 and all-gather; the column-parallel GEMMs keep their input's rows only, re-gathered on the comm
 stream for their weight gradients (a gradient whose input has not landed waits for it). Context
-parallelism (:mod:`parashift.exec.cp`) runs attention around the Program's K/V all-gathers and
+parallelism (:mod:`parashift.exec.parallel.cp`) runs attention around the Program's K/V all-gathers and
 K/V-gradient reduce-scatters. A failing instruction raises RuntimeFailure naming the rank, stream, instruction
 and its neighbours.
 """
@@ -56,13 +56,13 @@ from ..ir.program import Instr, Program
 from ..ir.tags import CPTag, EPTag, P2PTag, Payload, SPTag, StepTag, Sync, SyncTag, TPTag, Z3Tag, parse_tag
 from ..models import ModelSpec
 from .comm import Flight, Poller, a2a, all_gather, all_gather_flat, reduce_scatter, reduce_scatter_flat
-from .cp import CPHandlers
+from .parallel.cp import CPHandlers
 from .reference import OptimConfig, microbatch_rows
 from .models import accumulate_linear_grad, weight_grad
 from .regions import (KINDS, CoreRecompute, Rec, RegionCtx, atomic_regions, chain_residual, finish_weights,
                       head_logit_grad, region_kind)
 from .state import _DT, StateStore
-from .zero import LiveTensors, alloc_grads, reduce_scatter_microbatch
+from .parallel.zero import LiveTensors, alloc_grads, reduce_scatter_microbatch
 
 __all__ = ["Interpreter", "Prepared", "StepState", "chunk_atoms", "group_keys"]
 
@@ -117,7 +117,7 @@ class StepState:
     sp_x: dict = field(default_factory=dict)       # (chunk, mb, region) -> (use index, this rank's rows of its input)
     sp_dy: dict = field(default_factory=dict)      # (chunk, mb, region) -> (param key, output grad) awaiting the re-gather
     sp_full: dict = field(default_factory=dict)    # (chunk, mb, region) -> re-gathered input awaiting its recompute
-    cp: dict = field(default_factory=dict)         # context parallelism's mailboxes (see exec.cp)
+    cp: dict = field(default_factory=dict)         # context parallelism's mailboxes (see exec.parallel.cp)
     loss: float = 0.0
     heads: int = 0                                 # head forwards done (the loss share is whole at n_heads)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from .. import models
 from ..errors import StrategyError, SwitchAborted
-from ..exec.elastic import ElasticContext, incarnations, launch_elastic
+from ..exec.job.elastic import ElasticContext, incarnations, launch_elastic
 from ..exec.reference import OptimConfig
 from ..exec.switch import Generation, LiveOptions, LiveSession, store_arrays
 

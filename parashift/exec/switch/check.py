@@ -45,7 +45,7 @@ def _full_state(spec: ModelSpec, seed: int) -> dict:
 
 def _worker(ctx, spec: ModelSpec, src: Strategy, sd: tuple, dst: Strategy, dd: tuple, transport: str,
             ordered: bool, repeats: int, timeout: float, seed: int) -> dict:
-    from ..elastic import ElasticManager
+    from ..job.elastic import ElasticManager
     from ..state import StateStore
     from ..streams import Streams, backend_for
     from .memory import BufferPool, lazy_alloc, state_alloc
@@ -106,7 +106,7 @@ def switch_check(model: "str | ModelSpec", src: "str | Strategy", dst: "str | St
     process), "verify_seconds", "bytes_moved", "mismatches", "reports"}``. ``ordered``: the ordered
     driver (default: on NCCL only). Raises StrategyError for a transport this host cannot run."""
     from ... import models
-    from ..elastic import Member, launch_elastic
+    from ..job.elastic import Member, launch_elastic
     spec = models.get(model)
     src, dst = Strategy.parse(src), Strategy.parse(dst)
     src.validate(spec)

@@ -9,7 +9,7 @@ Phases:
    announced (``prepare``), while training goes on: the switch Program is lowered, the new
    layout's training Program is compiled, and the process groups the switch needs (the
    participants' world and one group per promoted collective) and the new layout's training
-   world are built on the job's TCPStore by the :class:`~parashift.exec.elastic.ElasticManager`.
+   world are built on the job's TCPStore by the :class:`~parashift.exec.job.elastic.ElasticManager`.
 3. *transfer*: between iterations, :class:`~.executor.SwitchExecutor` runs this
    device's streams of the switch Program from the old state store into a new one (allocated,
    and faulted in, in the background once the switch is announced).

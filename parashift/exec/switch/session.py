@@ -33,7 +33,7 @@ from ...ir.program import Program
 from ...strategy import Strategy
 from ...traces.chrome import write_chrome_trace
 from ...vps.transition import place
-from ..elastic import ElasticContext, ElasticManager, incarnations, launch_elastic
+from ..job.elastic import ElasticContext, ElasticManager, incarnations, launch_elastic
 from ..launch import RankContext
 from ..reference import OptimConfig
 from ..state import StateStore
@@ -368,7 +368,7 @@ class LiveSession:
             rctx = RankContext(rank, g0.strategy.world, self.backend, self.torch_device, None)
             store = None
             if self.opts.resume:        # a restarted job: this rank's state cut from the snapshot (any layout)
-                from ..snapshot import restore
+                from ..job.snapshot import restore
                 step, snap_st, opt = self.opts.resume
                 store = restore(self.opts.snapshot_dir, self.spec, snap_st, step, g0.strategy, rank, opt)
             self.runtime = Runtime(prog, rctx, seed=self.opts.seed, data_seed=self.opts.data_seed, model=self.spec,

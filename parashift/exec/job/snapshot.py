@@ -1,6 +1,6 @@
 """Periodic snapshots of a multi-host live job, written with torch.distributed.checkpoint (DCP).
 
-Every ``every`` steps each process hands a copy of its flat state buffers (:data:`.switch.stores.STATE_KINDS`
+Every ``every`` steps each process hands a copy of its flat state buffers (:data:`..switch.stores.STATE_KINDS`
 of every family) to ``dcp.async_save`` (one checkpoint per rank, ``<dir>/step<s>/rank<r>``, no
 collective: a snapshot never waits for a peer that may be gone) and training goes on while a
 thread writes it. Once written, the writer records ``hosts/snap/<s>/<device>`` (its strategy, rank
@@ -8,7 +8,7 @@ and optimizer step) in the job's store and the same beside the checkpoint (``<di
 with the model); a snapshot is whole when every rank of its strategy has recorded it (:func:`latest`
 in the store, :func:`latest_on_disk` for a job restarted with ``--resume`` after its store is gone). Restoring (:func:`restore`) reads every rank's checkpoint of the
 snapshot with ``dcp.load``, assembles the global state and cuts the new layout's shard out of it
-(:func:`.switch.stores.store_from_full`): any layout restores from any other.
+(:func:`..switch.stores.store_from_full`): any layout restores from any other.
 
 The directory must be one that every host reaches (a shared filesystem on a real cluster; on
 loopback any local directory). Each process keeps its last :data:`KEEP` snapshots.
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..errors import RuntimeFailure
+from ...errors import RuntimeFailure
 
 __all__ = ["Snapshotter", "latest", "latest_on_disk", "restore", "KEEP"]
 
@@ -58,7 +58,7 @@ class Snapshotter:
         self.finish(wait=due)
         if not due:
             return False
-        from .switch.stores import STATE_KINDS
+        from ..switch.stores import STATE_KINDS
         import torch.distributed.checkpoint as dcp
         arrays = {}
         opt = 0
@@ -117,7 +117,7 @@ class Snapshotter:
 def latest(kv: Any, devices: int, every: int, before: int) -> tuple[int, str, int] | None:
     """The newest whole snapshot at or before step ``before``: (step, strategy, optimizer step), or None.
     ``devices``: device ids ever registered (0..devices-1)."""
-    from ..strategy import Strategy
+    from ...strategy import Strategy
     if every <= 0:
         return None
     for s in range(before - before % every, 0, -every):
@@ -135,8 +135,8 @@ def latest_on_disk(root: str, model: str | None = None) -> tuple[int, str, int]:
     """The newest whole snapshot under ``root`` from the records beside its checkpoints: (step, strategy,
     optimizer step). Whole: every rank of one strategy recorded it (and its checkpoint is there); ``model``:
     only snapshots of that model. Raises RuntimeFailure naming what was found when there is none."""
-    from ..errors import StrategyError
-    from ..strategy import Strategy
+    from ...errors import StrategyError
+    from ...strategy import Strategy
     if not os.path.isdir(root):
         raise RuntimeFailure(f"--resume: the snapshot directory {root} does not exist; give the --snapshot-dir "
                              f"the job wrote its snapshots to (run with --snapshot-every N)")
@@ -175,9 +175,9 @@ def latest_on_disk(root: str, model: str | None = None) -> tuple[int, str, int]:
 def restore(root: str, spec: Any, snap_strategy: str, step: int, strategy: Any, rank: int, opt_step: int) -> Any:
     """Rank ``rank`` of ``strategy``'s StateStore from the snapshot of step ``step`` (taken under ``snap_strategy``)."""
     import torch.distributed.checkpoint as dcp
-    from ..strategy import Strategy
-    from .state import StateStore
-    from .switch.stores import STATE_KINDS, full_from_arrays, store_from_full
+    from ...strategy import Strategy
+    from ..state import StateStore
+    from ..switch.stores import STATE_KINDS, full_from_arrays, store_from_full
     src = Strategy.parse(snap_strategy)
     arrays: dict[int, dict] = {}
     for r in range(src.world):

@@ -54,9 +54,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..errors import RuntimeFailure, StrategyError
+from ...errors import RuntimeFailure, StrategyError
 from .elastic import Member, launch_elastic
-from .jobstore import JobStore, connect, serve
+from ..jobstore import JobStore, connect, serve
 
 __all__ = ["SECRET_ENV", "parse_endpoint", "read_secret", "run_first_host", "run_agent", "next_strategy"]
 
@@ -220,7 +220,7 @@ class _Follow:
     def __call__(self, session: Any, step: int) -> None:
         import pickle as pk
         from .recover import guard
-        from .switch.session import Generation
+        from ..switch.session import Generation
         store, gens = session.ctx.store, session.gens
         guard(session)
         if self.on_join == "grow" and session.device == 0 and session.gen == len(gens) - 1:
@@ -244,7 +244,7 @@ class _Follow:
         ``notice`` + 2 steps ahead, or at the next step boundary when a notice's deadline comes first
         (:func:`notice_is_short`)."""
         import pickle as pk
-        from .switch.session import Generation
+        from ..switch.session import Generation
         store, gens = session.ctx.store, session.gens
         cur = gens[-1]
         gone: set[int] = set()
@@ -275,7 +275,7 @@ def _placed(session: Any, cur: Any, st: Any, devices: tuple[int, ...]) -> tuple[
     keep``), or as given."""
     if session.opts.placement != "keep":
         return devices
-    from ..vps.transition.live import place
+    from ...vps.transition.live import place
     return place(session.spec, cur.strategy, st, cur.devices, devices, session.host_map(cur.devices + devices))
 
 
@@ -366,11 +366,11 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
                    timeout: float = 600.0, quiet: bool = False, on_join: str = "grow",
                    heartbeat_timeout: float = HEARTBEAT_TIMEOUT, **live) -> tuple[Any, dict[int, list[int]]]:
     """Serve the job at ``endpoint``, wait for agents to bring the strategy's world, train, and
-    return the whole job's :class:`.switch.LiveResult` and {host number: its devices} (this host is 1). ``live``: :func:`.switch.run_live`'s
+    return the whole job's :class:`..switch.LiveResult` and {host number: its devices} (this host is 1). ``live``: :func:`..switch.run_live`'s
     options (global_batch, seq_len, optim, notice, memory_budget, placement, ...). ``heartbeat_timeout``: seconds
     of heartbeat silence after which an agent is declared lost (one whose process dies is declared at once)."""
-    from .. import models
-    from .switch.session import LiveOptions, LiveResult, _live_worker, _summarize, generations
+    from ... import models
+    from ..switch.session import LiveOptions, LiveResult, _live_worker, _summarize, generations
     spec = models.get(model)
     host, port = parse_endpoint(endpoint)
     _check_gloo_interface(host)
@@ -404,8 +404,8 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
         raise StrategyError(f"--heartbeat-timeout {heartbeat_timeout:g} must be above 0 and at most --timeout "
                             f"({timeout:g} s)")
     from .recover import after_switch
-    from .switch.session import switch_cluster
-    from ..cluster import get as get_cluster
+    from ..switch.session import switch_cluster
+    from ...cluster import get as get_cluster
     live["cluster"] = get_cluster(live["cluster"]) if live.get("cluster") else switch_cluster(live.get("device", "cpu"))
     opts = LiveOptions(seq_len=seq_len, on_step=_Follow(on_join, steps), recover=after_switch, placement=placement,
                        hosts=host_map, **live)
@@ -415,7 +415,7 @@ def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, s
     store.set("hosts/heartbeat", repr(float(heartbeat_timeout)))
     every = int(live.get("snapshot_every", 0) or 0)
     if live.get("resume") and every and live["resume"][0] % every == 0:    # a loss before the next snapshot restores it
-        from ..strategy import Strategy
+        from ...strategy import Strategy
         s, snap_st, opt = live["resume"]
         for r in range(Strategy.parse(snap_st).world):
             store.set(f"hosts/snap/{s}/{r}", pickle.dumps((snap_st, r, opt)))
@@ -615,7 +615,7 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 
 def _declare_lost(store: Any, h: int) -> bool:
     """Declare agent ``h`` lost unless it reported, failed, was declared already, or the job is over:
-    ``dead/<device>`` for its devices (a switch in progress aborts, :mod:`.switch.protocol`),
+    ``dead/<device>`` for its devices (a switch in progress aborts, :mod:`..switch.protocol`),
     ``hosts/dead/<h>``, and a bump of :data:`.recover.FAULT_KEY` (training steps stop waiting and recover)
     unless every one of its devices left the job through a verified switch (``left/<device>``)."""
     from .recover import FAULT_KEY
@@ -777,7 +777,7 @@ def _leave_on_sigterm(host: str, port: int, secret: str, h: int, devices: range,
 def _reclaim() -> None:
     """SIGKILL this agent as a reclaimed machine dies: its whole process group when it leads one (as
     ``parashift join`` started from a shell or in a process group of its own does), else itself alone,
-    and its processes die with it (their parent-death signal, :func:`.jobstore.die_with_parent`)."""
+    and its processes die with it (their parent-death signal, :func:`..jobstore.die_with_parent`)."""
     import signal
     sys.stderr.flush()
     if os.getpgrp() == os.getpid():
@@ -848,7 +848,7 @@ def run_agent(*, endpoint: str, nprocs: int, secret: str, timeout: float = 600.0
                 return {"host": h, "devices": list(devices), "steps": {}}
         _say(quiet, f"host {h}: devices {devices.start}-{devices.stop - 1}, training {cfg.spec.name} under "
                     f"{gens[first].strategy}" + (f" from step {gens[first].step}" if first else ""))
-        from .switch.session import _live_worker
+        from ..switch.session import _live_worker
         job = JobStore(store, store, host, port, secret)
         left = _leave_on_sigterm(host, port, secret, h, devices, quiet, notice_seconds)
         members = [Member(d, first, first) for d in devices if d in gens[first].devices]

@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import RuntimeFailure
+from ...errors import RuntimeFailure
 
 __all__ = ["Member", "ElasticContext", "ElasticManager", "launch_elastic", "incarnations"]
 
@@ -164,8 +164,8 @@ def _nccl_group(store: Any, rank: int, size: int, timeout: float, device: Any) -
 # ---- launcher -------------------------------------------------------------------------------------------
 def _child(fn: Callable, args: tuple, member: Member, where: tuple, results: Any, timeout: float,
            threads: int | None, backend: str, node: str) -> None:
-    from .jobstore import connect, die_with_parent
-    from .switch.local import NODE_ENV
+    from ..jobstore import connect, die_with_parent
+    from ..switch.local import NODE_ENV
     die_with_parent(os.getppid())   # dies with the forkserver, which dies with the launcher
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ[NODE_ENV] = node     # processes of one launch are one host (same-host switch transfers)
@@ -209,9 +209,9 @@ def launch_elastic(fn: Callable, members: list[Member], *, args: tuple = (), tim
     loopback one). ``keep_sigterm``: leave the caller's SIGTERM handler in place (default: SIGTERM stops
     the processes). Raises RuntimeFailure when a process raises, or when the job exceeds ``timeout`` seconds.
     """
-    from .jobstore import serve
-    from .switch.local import LOCAL_READS_ENV
-    from .launch import _context, _script_hint, _stop, dead_ranks, stop_on_sigterm
+    from ..jobstore import serve
+    from ..switch.local import LOCAL_READS_ENV
+    from ..launch import _context, _script_hint, _stop, dead_ranks, stop_on_sigterm
     job = job if job is not None else serve(timeout)
     store = job.store
     ctx = _context()

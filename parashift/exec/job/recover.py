@@ -37,7 +37,7 @@ import time
 import zlib
 from typing import Any
 
-from ..errors import RuntimeFailure
+from ...errors import RuntimeFailure
 
 __all__ = ["guard", "after_switch", "replicated", "uncovered", "memory_plan", "survivability", "copies_axis",
            "FAULT_KEY"]
@@ -69,8 +69,8 @@ def uncovered(spec: Any, strategy: Any, lost_ranks: "list[int] | set[int]") -> d
     piece of the state has a surviving copy). Boxes of one tensor and kind in a layout are equal (replicas)
     or disjoint, so the distinct boxes of the survivors measure what they cover."""
     import numpy as np
-    from ..vps.boxes import volume
-    from ..vps.layout import layout
+    from ...vps.boxes import volume
+    from ...vps.layout import layout
     lay = layout(spec, strategy)
     reg = lay.regions(kinds=[k for k in lay.kinds if k != "grad"])     # gradients are empty between steps
     alive = ~np.isin(reg.rank, np.asarray(sorted(lost_ranks), dtype=np.int64))
@@ -239,7 +239,7 @@ def _snapshotter(session: Any) -> Any:
 
 
 def _checksum(store: Any) -> str:
-    from .switch.stores import STATE_KINDS
+    from ..switch.stores import STATE_KINDS
     h = 0
     for fam in sorted(store.buffers):
         b = store.buffers[fam]
@@ -335,7 +335,7 @@ def _plan(session: Any, g: int, gone: list[int], err: Exception) -> None:
     """Device 0: read every survivor's report and publish the round's plan and generation."""
     from .hosts import choose_devices
     from .snapshot import latest
-    from .switch.session import Generation
+    from ..switch.session import Generation
     store, cur, o = session.side_store(), session.gens[session.gen], session.opts
     survivors = [d for d in cur.devices if d not in gone]
     reports = {d: pickle.loads(_wait(store, f"hosts/state/{g}/{d}", session.timeout, f"device {d}'s report", err))
@@ -388,11 +388,11 @@ def _rebuild(session: Any, g: int, old: Any, plan: dict) -> Any:
     source where this one lags) or from the snapshot; its world built over the job's store."""
     import torch
     import torch.distributed as dist
-    from .launch import RankContext
-    from .runtime import Runtime, compile_program
-    from .state import StateStore
-    from .switch.protocol import training_worlds
-    from .switch.stores import STATE_KINDS
+    from ..launch import RankContext
+    from ..runtime import Runtime, compile_program
+    from ..state import StateStore
+    from ..switch.protocol import training_worlds
+    from ..switch.stores import STATE_KINDS
     gens, o = session.gens, session.opts
     gen = gens[g]
     rank = gen.devices.index(session.device)

@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import RuntimeFailure
-from ..ir.tags import CPTag
-from .comm import Flight, all_gather_flat, reduce_scatter_flat
-from .regions import KINDS, Rec, cp_attn_bwd_core, cp_attn_bwd_out, cp_attn_bwd_qkv, cp_attn_core, cp_attn_pre
+from ...errors import RuntimeFailure
+from ...ir.tags import CPTag
+from ..comm import Flight, all_gather_flat, reduce_scatter_flat
+from ..regions import KINDS, Rec, cp_attn_bwd_core, cp_attn_bwd_out, cp_attn_bwd_qkv, cp_attn_core, cp_attn_pre
 
 if TYPE_CHECKING:
-    from .interpreter import Prepared
+    from ..interpreter import Prepared
 
 __all__ = ["cp_positions", "cp_mask", "CPHandlers"]
 

@@ -12,9 +12,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..ir.tags import StepBuffer
-from .comm import reduce_scatter_flat
-from .state import Buffer, StateStore
+from ...ir.tags import StepBuffer
+from ..comm import reduce_scatter_flat
+from ..state import Buffer, StateStore
 
 __all__ = ["reduce_scatter_microbatch", "alloc_grads"]
 

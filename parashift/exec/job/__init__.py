@@ -1,0 +1,1 @@
+"""Job control: a live job across hosts, its elastic world, recovery from a lost host and snapshots."""

@@ -1,0 +1,1 @@
+"""The interpreter's handlers, one module per parallelism."""
