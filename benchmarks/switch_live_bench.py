@@ -509,7 +509,7 @@ def _two_hosts(args, dirs: dict) -> dict:
     import signal
     import socket
     import subprocess
-    from parashift.exec.job.hosts import SECRET_ENV
+    from parashift.exec.job.endpoint import SECRET_ENV
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -533,7 +533,7 @@ def _two_hosts(args, dirs: dict) -> dict:
 
 def _host(h: int, cfg: dict) -> None:
     """One host of :func:`_two_hosts`: its two processes run :data:`HOST_CASES` with the other host's."""
-    from parashift.exec.job.hosts import SECRET_ENV
+    from parashift.exec.job.endpoint import SECRET_ENV
     from parashift.exec.jobstore import JobStore, connect, die_with_parent, serve
     die_with_parent()               # a host (and its processes) never outlives the benchmark
     secret, port = os.environ[SECRET_ENV], cfg["port"]

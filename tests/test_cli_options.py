@@ -73,16 +73,16 @@ def test_device_auto_follows_the_machine(monkeypatch):
 
 def test_a_cuda_host_needs_a_gpu_per_process(monkeypatch):
     import torch
-    from parashift.exec.job.hosts import _check_local_gpus
-    _check_local_gpus("cpu", 8)
+    from parashift.exec.job.endpoint import check_local_gpus
+    check_local_gpus("cpu", 8)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    _check_local_gpus("cuda", 2)
+    check_local_gpus("cuda", 2)
     with pytest.raises(StrategyError, match="has 2 GPU.*use --nprocs 2 here"):
-        _check_local_gpus("cuda", 4)
+        check_local_gpus("cuda", 4)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(StrategyError, match="no CUDA GPU.*--device cpu"):
-        _check_local_gpus("cuda", 1)
+        check_local_gpus("cuda", 1)
 
 
 def test_static_run_on_cpu_by_choice(capsys):

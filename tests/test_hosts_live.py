@@ -15,7 +15,7 @@ from hypothesis import given, settings, strategies as st
 
 from parashift.cli import main
 from parashift.errors import StrategyError
-from parashift.exec.job.hosts import SECRET_ENV, parse_endpoint, read_secret
+from parashift.exec.job.endpoint import SECRET_ENV, parse_endpoint, read_secret
 
 SECRET = "hosts-test-secret-0123456789"
 
@@ -333,7 +333,7 @@ def test_a_notice_is_short_when_the_switch_would_outlast_it():
     """Device 0 switches at the next step boundary when a notice's time left is under ``notice`` + 2 steps
     and one more (at the last step's duration) plus the last completed switch; with no switch measured, always."""
     from types import SimpleNamespace
-    from parashift.exec.job.hosts import notice_is_short
+    from parashift.exec.job.follow import notice_is_short
     from parashift.exec.switch.protocol import SwitchRecord
     session = SimpleNamespace(records=[], rows=[("train", "step", 0.0, 0.5, 0)], opts=SimpleNamespace(notice=3))
     assert notice_is_short(1e9, session)
@@ -378,7 +378,7 @@ def test_cli_errors(capsys):
        batch=st.sampled_from([8, 12, 16]))
 def test_grow_strategy_is_the_widest_dp_that_fits(tp, pp, dp, extra, batch):
     from parashift import models
-    from parashift.exec.job.hosts import grow_strategy
+    from parashift.exec.job.fit import grow_strategy
     from parashift.strategy import Strategy
     spec = models.get("tiny-gpt")
     cur = Strategy(dp=dp, tp=tp, pp=pp)
@@ -640,7 +640,7 @@ def test_the_strategy_table_decides_joins_leaves_and_snapshot_restores(capsys):
     survivability report says so."""
     from parashift import models
     from parashift.cli.run_hosts import parse_strategy_for
-    from parashift.exec.job.hosts import next_strategy
+    from parashift.exec.job.fit import next_strategy
     from parashift.exec.job.recover import survivability
     from parashift.strategy import Strategy
     spec = models.get("tiny-gpt")
@@ -670,7 +670,7 @@ def test_joins_and_leaves_keep_tensor_parallel_groups_on_one_host():
     5 across hosts 2 and 3; a leave keeps the pairs of the hosts that stay; a strategy-table entry
     whose groups do not fit the hosts falls back to a narrower one that does."""
     from parashift import models
-    from parashift.exec.job.hosts import choose_devices, host_cells, splits_groups
+    from parashift.exec.job.fit import choose_devices, host_cells, splits_groups
     from parashift.exec.switch.session import Generation
     from parashift.strategy import Strategy
     spec, S = models.get("tiny-gpt"), Strategy.parse

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from parashift.cli import main
-from parashift.exec.job.hosts import SECRET_ENV
+from parashift.exec.job.endpoint import SECRET_ENV
 from test_hosts_live import SECRET, _await_key, _finish, _free_port, _gone, _host
 
 JOB = ["--model", "tiny-gpt", "--global-batch", "8", "--live"]

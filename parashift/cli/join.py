@@ -24,7 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     from ..errors import StrategyError
-    from ..exec.job.hosts import read_secret, run_agent
+    from ..exec.job.agent import run_agent
+    from ..exec.job.endpoint import read_secret
     if not args.endpoint:
         raise StrategyError("join needs --endpoint HOST:PORT, the address the first host's "
                             "`parashift run ... --live --endpoint` serves")

@@ -66,7 +66,8 @@ def add_host_arguments(p: argparse.ArgumentParser, first: bool = True) -> None:
 def run_cli(args: argparse.Namespace) -> dict:
     """The first host: serve the store, wait for the agents, train, print the whole job's result."""
     from .. import models
-    from ..exec.job.hosts import read_secret, run_first_host
+    from ..exec.job.endpoint import read_secret
+    from ..exec.job.first_host import run_first_host
     from ..exec.reference import OptimConfig
     from ..exec.switch import step_times
     from ..strategy import Strategy

@@ -54,7 +54,7 @@ class Poller:
 
     def __init__(self, gloo: bool, pool: ThreadPoolExecutor | None = None, wait_only: bool = False,
                  eager: bool = True, interrupt: Callable[[], bool] | None = None) -> None:
-        self.interrupt = interrupt     # polled while waiting: true raises RuntimeFailure (a lost host, :mod:`.recover`)
+        self.interrupt = interrupt     # polled while waiting: true raises RuntimeFailure (a lost host, :mod:`.job.recover`)
         self.flights: list[Flight] = []
         self.gloo = gloo
         self.wait_only = wait_only     # backends whose works never report completion by polling (fake)

@@ -204,7 +204,7 @@ class Interpreter(CPHandlers):
         self.lanes = install(self)      # user-named streams: CUDA streams of their own on GPUs (the CPU twin elsewhere)
         self.n_heads = sum(1 for q in self.seqs for p in q if p.kind == _COMPUTE and p.ins.phase == "fwd"
                            and "head" in p.atoms)
-        #: multi-host jobs (:mod:`.recover`): ``on_loss(share)`` once the step's loss share is whole (before
+        #: multi-host jobs (:mod:`.job.recover`): ``on_loss(share)`` once the step's loss share is whole (before
         #: any gradient leaves this rank); ``interrupt()`` true ends a blocked wait (a peer's host was lost)
         self.on_loss: Callable[[float], None] | None = None
         self.interrupt: Callable[[], bool] | None = None

@@ -150,7 +150,7 @@ def replay_hosts(trace: Any, *, model: str = "tiny-gpt", devices_per_node: int =
     SIGKILLed when it had run out], "exit_codes": {node: exit code}}``."""
     import json
     import secrets as _secrets
-    from ..exec.job.hosts import SECRET_ENV
+    from ..exec.job.endpoint import SECRET_ENV
     from ..exec.jobstore import connect
     from ..traces.schema import initial_of
     if seconds_per_step <= 0 or steps < 1 or devices_per_node < 1:

@@ -11,7 +11,7 @@
   until its timeout);
 - every process then takes part in one recovery round (:func:`_recover`) run by device 0: it names
   the hosts declared lost (their liveness connection closed) or whose heartbeats stopped
-  (:func:`.hosts._silent_hosts`), every survivor reports its step
+  (:func:`.liveness.silent_hosts`), every survivor reports its step
   counter, a checksum of its state and its optimizer step, and device 0 publishes a plan that all
   follow (``hosts/plan/<g>``, then the generation ``hosts/gen/<g>`` with cause ``failure``):
 
@@ -24,7 +24,7 @@
     survivors at that step must agree), broadcast to members that lag;
   * ``snapshot`` (:mod:`.snapshot`): otherwise, the newest whole DCP snapshot, resharded into the
     job's strategy for the survivors' count (``--strategy-for``) or else the widest layout like the
-    current one that fits them (:func:`.hosts.next_strategy`); the steps since are lost (re-run);
+    current one that fits them (:func:`.fit.next_strategy`); the steps since are lost (re-run);
   * otherwise the job ends with an error naming the lost host.
 
 A survivor that the smaller layout leaves out stops training (its host's agent then exits 0).
@@ -38,12 +38,11 @@ import zlib
 from typing import Any
 
 from ...errors import RuntimeFailure
+from .fit import choose_devices, fit_strategy, next_strategy
+from .liveness import FAULT_KEY, silent_hosts
 
-__all__ = ["guard", "after_switch", "replicated", "uncovered", "memory_plan", "survivability", "copies_axis",
-           "FAULT_KEY"]
+__all__ = ["guard", "after_switch", "replicated", "uncovered", "memory_plan", "survivability", "copies_axis"]
 
-#: store counter bumped by every process whose step failed
-FAULT_KEY = "hosts/fault"
 #: seconds between a process's looks at :data:`FAULT_KEY`
 WATCH_SECONDS = 0.1
 
@@ -91,7 +90,6 @@ def memory_plan(spec: Any, strategy: Any, devices: tuple[int, ...], survivors: l
     no surviving copy, or the layout shards state across its copies (ZeRO without replicas of the
     shards, expert parallelism). ``prefer``: device -> priority (higher first) among a cell's copies.
     Under ZeRO the shard group size stays (dp becomes a multiple of it), so each survivor keeps its shard."""
-    from .hosts import fit_strategy
     if strategy.ep > 1 or uncovered(spec, strategy, [r for r, d in enumerate(devices) if d not in survivors]):
         return None
     cells: dict[tuple[int, int, int, int], list[int]] = {}
@@ -116,9 +114,8 @@ def survivability(spec: Any, strategy: Any, hosts: dict[int, list[int]], global_
     row per host: ``host``, ``devices``, ``recovers_from`` (``replicas``, ``snapshot`` or ``none``),
     ``layout`` (the strategy the job goes on with), ``missing`` (the state kinds left without a copy).
     Losing host 1 (it serves the store) always ends the job. ``table``: the job's strategy per device
-    count (:func:`.hosts.next_strategy`), which a snapshot restores into."""
+    count (:func:`.fit.next_strategy`), which a snapshot restores into."""
     import pandas as pd
-    from .hosts import next_strategy
     devices = tuple(range(strategy.world))
     rows = []
     for h, devs in sorted(hosts.items()):
@@ -309,9 +306,8 @@ def _recover(session: Any, err: Exception) -> None:
 
 def _declare(session: Any, err: Exception) -> int:
     """Device 0: name the lost hosts (``hosts/lost/<g>``: their devices, or why the job ends) and open round ``g``."""
-    from .hosts import _silent_hosts
     store, gens = session.side_store(), session.gens
-    dead = _silent_hosts(store)
+    dead = silent_hosts(store)
     g = len(gens)
     while store.check([f"hosts/gen/{g}"]):
         g += 1
@@ -333,7 +329,6 @@ def _declare(session: Any, err: Exception) -> int:
 
 def _plan(session: Any, g: int, gone: list[int], err: Exception) -> None:
     """Device 0: read every survivor's report and publish the round's plan and generation."""
-    from .hosts import choose_devices
     from .snapshot import latest
     from ..switch.session import Generation
     store, cur, o = session.side_store(), session.gens[session.gen], session.opts

@@ -1,6 +1,6 @@
 """A switch between processes whose state lives on a device, checked byte for byte.
 
-:func:`switch_check` starts one process per participating device (:func:`..elastic.launch_elastic`),
+:func:`switch_check` starts one process per participating device (:func:`..job.elastic.launch_elastic`),
 fills every source rank's store from one random global state, runs the live switch protocol
 (:func:`.protocol.prepare`, then :func:`.protocol.execute_switch`: transfer and verification) and
 compares each destination store with what a job started in the new layout from that state would

@@ -34,7 +34,7 @@ from .wire import PartSums, checksum
 __all__ = ["LocalPeers", "LocalSend", "LocalRecv", "negotiate", "read_bytes", "read_into", "node_token", "NODE_ENV",
            "LOCAL_READS_ENV"]
 
-#: set by the launcher in every process it starts (:func:`..elastic.launch_elastic`): one id per launch
+#: set by the launcher in every process it starts (:func:`..job.elastic.launch_elastic`): one id per launch
 NODE_ENV = "PARASHIFT_NODE"
 #: local reads copy and sum this many bytes at a time (the sum finds them in cache)
 READ_BLOCK = 1 << 18

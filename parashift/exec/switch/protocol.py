@@ -91,7 +91,7 @@ def prepare(manager, spec: ModelSpec, src: Strategy, dst: Strategy, src_devices:
     """Plan the switch and compile the new training Program (planning), then build the switch's
     process groups and, on a device of the new layout, its training world (world creation).
 
-    ``keys``: incarnation key of every participating device (see :mod:`..elastic`); ``cost_model``:
+    ``keys``: incarnation key of every participating device (see :mod:`..job.elastic`); ``cost_model``:
     what the lowering's promotions are scored with (default: the local machine's); ``hosts``: the
     host of each device id (None: one host) and ``cluster`` what prices the switch (see
     :func:`.live_cluster`); ``promote``: messages may become collectives (None: the cluster's

@@ -1,7 +1,7 @@
 """Live jobs that hot-switch: ``run_live(model, strategy, steps=..., switches=[...])``.
 
 A job is a sequence of *generations* (strategy, devices), each starting at a global step.
-:func:`run_live` starts one fresh process per device incarnation (see :mod:`.elastic`): the
+:func:`run_live` starts one fresh process per device incarnation (see :mod:`..job.elastic`): the
 devices of generation 0 train at once; a joining device's process is started when its switch is
 announced, rendezvous with the job through the shared TCPStore, and receives its state. A switch
 is announced ``notice`` steps ahead (as spot instances get a notice): the participants plan it,
@@ -81,7 +81,7 @@ class LiveOptions:
     cost_model: Any = None
     faults: "SwitchFaults | None" = None
     on_step: Any = None      # called as on_step(session, step) at every step boundary (multi-host jobs)
-    snapshot_every: int = 0  # multi-host jobs: a DCP snapshot every this many steps (0: none; :mod:`..snapshot`)
+    snapshot_every: int = 0  # multi-host jobs: a DCP snapshot every this many steps (0: none; :mod:`..job.snapshot`)
     snapshot_dir: str = ""   # where snapshots go (a directory every host reaches)
     recover: Any = None      # recover(session, SwitchAborted) -> bool after a peer failed mid-switch (multi-host)
     device: str = "cpu"      # "cuda": state and training on this process's GPU, groups and transfers on NCCL
@@ -406,7 +406,7 @@ class LiveSession:
                         self.switch_to(self.gens[nxt].strategy, self.gens[nxt].devices)
                     except SwitchAborted as e:
                         if e.peer_failed and self.opts.recover is not None and self.opts.recover(self, e):
-                            continue           # recovered from the old layout (a lost host, :mod:`..recover`)
+                            continue           # recovered from the old layout (a lost host, :mod:`..job.recover`)
                         if e.peer_failed:
                             error = str(e)
                             break
@@ -512,7 +512,7 @@ class LiveResult:
     switches: list[dict]
     reports: dict[str, Any] = field(repr=False)
     generations: list[Generation] = field(repr=False)
-    survivability: list[dict] = field(default_factory=list, repr=False)   # multi-host jobs (:mod:`..recover`)
+    survivability: list[dict] = field(default_factory=list, repr=False)   # multi-host jobs (:mod:`..job.recover`)
     #: a job restarted with ``--resume``: the snapshot it started from (``step``, ``strategy``); ``losses``
     #: then begin at that step
     resumed: dict | None = None
