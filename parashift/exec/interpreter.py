@@ -22,10 +22,10 @@ transfers only when several could unblock work). Nothing is timed or synchronize
 Structure: :meth:`Interpreter._prepare` turns each instruction into a :class:`Prepared` once (its
 kind, parsed tag, peer, group, gloo tag, recv buffer, dense dependency indices, regions); the step
 loop (:meth:`Interpreter.run_step`) walks the streams' prepared lists with flat done flags, hands
-compute to :meth:`_compute` (dispatch on phase) and communication to :meth:`_comm` (dispatch on
-kind: one small method per payload, ``_tp``, ``_sp``, ``_ep``, ``_dp``, ``_z3``), and finishes
-transfers through their ``then`` callbacks. New instruction kinds add a kind in :meth:`_kind_of`
-and a method called from :meth:`_comm`.
+compute to :meth:`_compute` (dispatch on phase) and communication to the handler of its kind
+(:data:`HANDLERS`: one module per parallelism under :mod:`.parallel`, each handler a function of the
+interpreter and the prepared instruction), and finishes transfers through their ``then`` callbacks.
+New instruction kinds add a kind in :meth:`_kind_of` and a handler in :data:`HANDLERS`.
 
 What each instruction does is decided by its op, phase, region and tag, parsed once at load (the
 grammar is :mod:`parashift.ir.tags`, the conventions :mod:`parashift.ir.conventions`); the
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import math
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -49,22 +48,22 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from ..errors import RuntimeFailure
 from ..ir.program import Instr, Program
-from ..ir.tags import CPTag, EPTag, P2PTag, Payload, SPTag, StepTag, Sync, SyncTag, TPTag, Z3Tag, parse_tag
+from ..ir.tags import CPTag, EPTag, P2PTag, SPTag, StepTag, Sync, SyncTag, TPTag, Z3Tag, parse_tag
 from ..models import ModelSpec
-from .comm import Flight, Poller, a2a, all_gather, all_gather_flat, reduce_scatter, reduce_scatter_flat
-from .parallel.cp import CPHandlers
+from .comm import Flight, Poller
+from .parallel import cp, dp, ep, pipeline, tp, zero
+from .prepared import COMPUTE, CP, DP, EP, RECV, SEND, SP, TP, Z3, Prepared
 from .reference import OptimConfig, microbatch_rows
-from .models import accumulate_linear_grad, weight_grad
+from .models import weight_grad
 from .regions import (KINDS, CoreRecompute, Rec, RegionCtx, atomic_regions, chain_residual, finish_weights,
                       head_logit_grad, region_kind)
 from .state import _DT, StateStore
-from .parallel.zero import LiveTensors, alloc_grads, reduce_scatter_microbatch
+from .parallel.zero import LiveTensors, alloc_grads
 
-__all__ = ["Interpreter", "Prepared", "StepState", "chunk_atoms", "group_keys"]
+__all__ = ["Interpreter", "Prepared", "StepState", "HANDLERS", "chunk_atoms", "group_keys"]
 
 _P2P_ORDER = ("p2p", "comm")   # streams issued before compute, so communication starts early
 
@@ -136,30 +135,13 @@ def _grad_mode(on: bool):
     return _NULL if torch.is_grad_enabled() == on else torch.set_grad_enabled(on)
 
 
-_COMPUTE, _SEND, _RECV, _TPK, _EPK, _DPK, _Z3K, _SPK, _CPK = range(9)
+#: the communication handler of each instruction kind: ``handler(interpreter, prepared) -> Flight``
+HANDLERS: dict[int, Callable[[Any, Prepared], Flight]] = {
+    SEND: pipeline.send, RECV: pipeline.post_recv, TP: tp.reduce, SP: tp.sequence, EP: ep.exchange,
+    DP: dp.sync, Z3: zero.gather_params, CP: cp.exchange}
 
 
-@dataclass(eq=False)
-class Prepared:
-    """One instruction resolved when the Program is loaded: what a step needs, and nothing to look up."""
-
-    ins: Instr
-    idx: int                         # dense index (done flags, deps)
-    stream: int                      # index into the interpreter's streams
-    deps: tuple[int, ...]
-    kind: int
-    tag: StepTag | None = None
-    group: Any = None                # the process group of a collective or p2p
-    peer: int = -1                   # p2p peer (group rank = global rank)
-    itag: int = 0                    # gloo message tag
-    atoms: tuple[str, ...] = ()
-    z3_free: tuple[str, ...] = ()
-    sync_chunk: int = -1             # a DP gradient sync's chunk (waits for TP backward reductions)
-    buf: torch.Tensor | None = None  # a recv's reusable buffer
-    watched: bool = True             # something depends on its completion (a send nobody waits for is reaped at the end)
-
-
-class Interpreter(CPHandlers):
+class Interpreter:
     """Executes one rank's RankProgram for one training step at a time.
 
     Everything that does not change between steps (parsed tags, peers, process groups, recv
@@ -202,7 +184,7 @@ class Interpreter(CPHandlers):
         self.clock = Streams(backend_for(device), profile=record is not None)
         self._stamps: list[tuple[Instr, str, Any, Any]] = []
         self.lanes = install(self)      # user-named streams: CUDA streams of their own on GPUs (the CPU twin elsewhere)
-        self.n_heads = sum(1 for q in self.seqs for p in q if p.kind == _COMPUTE and p.ins.phase == "fwd"
+        self.n_heads = sum(1 for q in self.seqs for p in q if p.kind == COMPUTE and p.ins.phase == "fwd"
                            and "head" in p.atoms)
         #: multi-host jobs (:mod:`.job.recover`): ``on_loss(share)`` once the step's loss share is whole (before
         #: any gradient leaves this rank); ``interrupt()`` true ends a blocked wait (a peer's host was lost)
@@ -236,7 +218,7 @@ class Interpreter(CPHandlers):
         self._auto = {(i.chunk, i.microbatch, a) for i in self.rp.instrs() if i.op == "compute" and i.phase == "bwd"
                       for a in atomic_regions(i.region, spec)} if self.ctx.chain else set()
         if s.cp > 1:
-            self._cp_setup(seq)
+            cp.setup(self, seq)
 
     def _grad_leaf(self, name: str) -> torch.Tensor:
         """Parameter ``name`` as a tensor that requires grad and whose ``.grad`` is its gradient
@@ -282,19 +264,19 @@ class Interpreter(CPHandlers):
             for ins in self.rp.streams[s]:
                 deps = tuple(index[d] for d in ins.deps)
                 needed.update(deps)
-                p = Prepared(ins, index[ins.id], k, deps, _COMPUTE)
+                p = Prepared(ins, index[ins.id], k, deps, COMPUTE)
                 if ins.op == "compute":
                     if ins.region is not None:
                         p.atoms = tuple(self._atoms_of(ins.region))
                 else:
                     p.tag = parse_tag(ins.tag or "")
                     p.kind = self._kind_of(ins, p.tag)
-                    if p.kind in (_SEND, _RECV):
+                    if p.kind in (SEND, RECV):
                         if p2p_group is None:
                             p2p_group = self.worlds.get(range(self.program.world), "p2p")   # group rank = global rank
                         p.group, p.peer = p2p_group, self.program.resolve_peer(self.rank, ins)
                         p.itag = zlib.crc32(ins.tag.encode()) & 0x7FFFFFFF
-                        if p.kind == _RECV:
+                        if p.kind == RECV:
                             p.buf = self._recv_buffer(p.tag.chunk)
                     else:
                         p.group = self.worlds.get(self.program.resolve_group(self.rank, ins), s)
@@ -308,7 +290,7 @@ class Interpreter(CPHandlers):
         for seq in self.seqs:
             for p in seq:
                 self.stream_of[p.idx] = p.stream
-                p.watched = p.idx in needed or p.kind != _SEND
+                p.watched = p.idx in needed or p.kind != SEND
 
     def _atoms_of(self, region: str) -> list[str]:
         return atomic_regions(region, self.spec)
@@ -318,19 +300,19 @@ class Interpreter(CPHandlers):
         if ins.op in ("send", "recv"):
             if not isinstance(tag, P2PTag):
                 raise RuntimeFailure(f"p2p instruction {ins} has tag {ins.tag!r}, not act|grad.c<chunk>.m<mb>")
-            return _SEND if ins.op == "send" else _RECV
+            return SEND if ins.op == "send" else RECV
         if isinstance(tag, TPTag) and (ins.op == "all_reduce" or ins.key == "ce_stats"):
-            return _TPK
+            return TP
         if isinstance(tag, EPTag) and ins.op == "all_to_all":
-            return _EPK
+            return EP
         if isinstance(tag, SPTag) and ins.op == ("reduce_scatter" if tag.hop == "rs" else "all_gather"):
-            return _SPK
+            return SP
         if isinstance(tag, SyncTag):
-            return _DPK
+            return DP
         if isinstance(tag, Z3Tag) and ins.op == "all_gather":
-            return _Z3K
+            return Z3
         if isinstance(tag, CPTag) and ins.op == ("all_gather" if tag.part == "kv" else "reduce_scatter"):
-            return _CPK
+            return CP
         raise RuntimeFailure(f"the runtime does not know what {ins.op} with tag {ins.tag!r} carries "
                              f"(instruction {ins}); rebuild the Program with parashift.ir.compile")
 
@@ -378,8 +360,8 @@ class Interpreter(CPHandlers):
             if fast:
                 for q in seqs:
                     for p in q:
-                        if p.kind == _RECV and not p.deps:
-                            fl = self._post_recv(p)
+                        if p.kind == RECV and not p.deps:
+                            fl = pipeline.post_recv(self, p)
                             early[p.idx] = 1
                             inflight[p.idx] = fl
                             poller.submit(fl)
@@ -410,7 +392,7 @@ class Interpreter(CPHandlers):
                         done[p.idx] = 1
                         left -= 1
                     else:
-                        if p.kind not in (_SEND, _RECV):   # p2p is posted in order, never waited on in line
+                        if p.kind not in (SEND, RECV):   # p2p is posted in order, never waited on in line
                             busy[s] = fl
                             nbusy += 1
                         inflight[p.idx] = fl
@@ -445,8 +427,8 @@ class Interpreter(CPHandlers):
         between (export, switch, snapshot) calls this on every rank first."""
         for q in self.seqs:
             for p in q:
-                if p.kind == _DPK and p.tag.what is Sync.PARAM:
-                    fl = self._dp(p, p.tag.axis.value, "param", p.tag.chunk)
+                if p.kind == DP and p.tag.what is Sync.PARAM:
+                    fl = dp.sync(self, p)
                     for w in fl.works:
                         w.wait()
                     if fl.then is not None:
@@ -498,7 +480,7 @@ class Interpreter(CPHandlers):
         ins = p.ins
         t0 = self.clock.stamp()
         try:
-            if p.kind == _COMPUTE:
+            if p.kind == COMPUTE:
                 if self.strategy.zero >= 2 and ins.phase != "optim":
                     self._grad_buckets(ins)
                 self._compute(ins)
@@ -569,7 +551,7 @@ class Interpreter(CPHandlers):
         elif ph == "bwd_weight":
             for a in reversed(atoms):
                 rec = self.st.recs[(c, mb)][a]
-                self._sp_defer(c, mb, rec)
+                tp.defer_weight_grad(self, c, mb, rec)
                 if "_drop" in rec.t:    # tp_async: its input gradient is still being reduced (stream "tp")
                     rec.tape.weight_grads(rec.dys or [], self.ctx.acc, self.ctx.grad_fusion)
                     rec.dys = None
@@ -586,12 +568,12 @@ class Interpreter(CPHandlers):
         if first:
             if c == 0:
                 rows = microbatch_rows(self.gb, self.strategy.dp, self.coords["dp"], self.strategy.mbs, mb)
-                env["tokens"] = self._cp_take(self.tokens[rows]).to(self.device)
+                env["tokens"] = cp.take(self, self.tokens[rows]).to(self.device)
             else:
                 env["h"] = st.act.pop((c - 1, mb))
         if atom == "head":
             rows = microbatch_rows(self.gb, self.strategy.dp, self.coords["dp"], self.strategy.mbs, mb)
-            env["targets"] = self._cp_take(self.targets[rows]).to(self.device)
+            env["targets"] = cp.take(self, self.targets[rows]).to(self.device)
         kl = self._kinds.get(atom)
         if kl is None:
             kl = self._kinds[atom] = region_kind(atom)
@@ -605,23 +587,16 @@ class Interpreter(CPHandlers):
         cp_attn = kind == "attn" and self.strategy.cp > 1     # finished when its K/V gather lands
         with _grad_mode(graph):
             if cp_attn:
-                self._cp_fwd(c, mb, rec, env, graph)
+                cp.attn_fwd(self, c, mb, rec, env, graph)
             else:
                 self.ctx.auto = graph and key in self._auto
                 KINDS[kind].fwd(self.ctx, rec, env, graph)
         rec.built = graph
-        self._sp_keep_rows(c, mb, rec)
-        if not cp_attn and not self._needs_tp("fwd", kind):
-            self._fwd_done(c, mb, rec)
+        tp.keep_rows(self, c, mb, rec)
+        if not cp_attn and not tp.needs_reduction(self.strategy, "fwd", kind):
+            self.fwd_done(c, mb, rec)
 
-    def _needs_tp(self, phase: str, kind: str) -> bool:
-        if self.strategy.tp == 1:
-            return False
-        if phase == "fwd":
-            return kind in ("embed", "attn", "mlp", "moe.combine", "head")
-        return kind in ("head", "mlp", "attn", "moe.route")
-
-    def _fwd_done(self, c: int, mb: int, rec: Rec, h: torch.Tensor | None = None) -> None:
+    def fwd_done(self, c: int, mb: int, rec: Rec, h: torch.Tensor | None = None) -> None:
         """Finish a region's forward; ``h``: its output residual stream, already complete (SP)."""
         env = self.st.e(c, mb)
         if h is not None:
@@ -672,7 +647,7 @@ class Interpreter(CPHandlers):
             tmp["h"] = carry["h"]
         with torch.enable_grad():
             if rec.kind == "attn" and self.strategy.cp > 1:
-                self._cp_recompute(rec, tmp)
+                cp.attn_recompute(self, rec, tmp)
             else:
                 self.ctx.auto = (c, mb, atom) in self._auto
                 KINDS[rec.kind].fwd(self.ctx, rec, tmp, True)
@@ -680,7 +655,7 @@ class Interpreter(CPHandlers):
                 carry["h"] = chain_residual(rec)
         rec.pending = None
         rec.built = True
-        self._sp_keep_rows(c, mb, rec)
+        tp.keep_rows(self, c, mb, rec)
         if self.memory:
             self._account(c, mb, rec, recomputed=True)
 
@@ -695,16 +670,16 @@ class Interpreter(CPHandlers):
                                f"its forward ran without one and no recompute instruction rebuilt it")
         kd = KINDS[rec.kind]
         if rec.kind == "attn" and self.strategy.cp > 1:   # finished when its K/V gradients are scattered
-            self._cp_bwd(c, mb, rec, full)
+            cp.attn_bwd(self, c, mb, rec, full)
             return
         kd.bwd_input(self.ctx, rec, genv)
         if not full and self.strategy.column_wgrad and rec.kind in ("attn", "mlp"):
             self._row_parallel_wgrad(rec)
         if full:
-            self._sp_defer(c, mb, rec)
+            tp.defer_weight_grad(self, c, mb, rec)
             kd.bwd_weight(self.ctx, rec)
-        if not self._needs_tp("bwd", rec.kind):
-            self._bwd_done(c, mb, rec, drop=full)
+        if not tp.needs_reduction(self.strategy, "bwd", rec.kind):
+            self.bwd_done(c, mb, rec, drop=full)
         else:
             rec.t["_drop"] = full
             self.st.open_bwd[c] = self.st.open_bwd.get(c, 0) + 1
@@ -802,7 +777,7 @@ class Interpreter(CPHandlers):
                 KINDS[r.kind].bwd_weight(self.ctx, r)
                 self._drop(c, mb, r.region)
 
-    def _bwd_done(self, c: int, mb: int, rec: Rec, drop: bool) -> None:
+    def bwd_done(self, c: int, mb: int, rec: Rec, drop: bool) -> None:
         genv = self.st.g(c, mb)
         self.store.grad_mb[c] = mb
         KINDS[rec.kind].bwd_done(self.ctx, rec, genv)
@@ -825,240 +800,9 @@ class Interpreter(CPHandlers):
 
     # ---- communication ------------------------------------------------------------------------------
     def _comm(self, p: Prepared) -> Flight:
-        k, tag, ins = p.kind, p.tag, p.ins
-        if k == _SEND:
-            box = self.st.act if tag.payload is Payload.ACT else self.st.gout
-            t = box.pop((tag.chunk, tag.mb)).contiguous()
-            kw = {} if self.nccl else {"tag": p.itag}
-            return Flight(ins, ins.stream, [dist.isend(t, group_dst=p.peer, group=p.group, **kw)], keep=t, prep=p)
-        if k == _RECV:
-            return self._post_recv(p)
-        if k == _TPK:
-            return self._tp(p, tag.region, tag.phase, tag.mb)
-        if k == _EPK:
-            return self._ep(p, tag.layer, tag.which.value, tag.phase, tag.mb)
-        if k == _DPK:
-            return self._dp(p, tag.axis.value, tag.what.value, tag.chunk)
-        if k == _SPK:
-            return self._sp(p, tag)
-        if k == _CPK:
-            return self._cp_comm(p)
-        return self._z3(p, "eparam" if tag.expert else "param", tag.chunk, tag.phase, tag.mb)
-
-    def _post_recv(self, p: Prepared) -> Flight:
-        """Post a receive into its reusable buffer; it lands in the step's mailbox when it completes."""
-        tag, buf = p.tag, p.buf
-        box = self.st.act if tag.payload is Payload.ACT else self.st.gout
-        kw = {} if self.nccl else {"tag": p.itag}
-        work = dist.irecv(buf, group_src=p.peer, group=p.group, **kw)
-        key = (tag.chunk, tag.mb)
-
-        def then() -> None:
-            box[key] = buf
-        fl = Flight(p.ins, p.ins.stream, [work], then=then, prep=p)
-        fl.t0 = self.clock.stamp()
-        return fl
+        return HANDLERS[p.kind](self, p)
 
     def _recv_buffer(self, chunk: int) -> torch.Tensor:
         """A tensor (allocated once, when the Program is loaded) for chunk ``chunk``'s output activation (or its gradient) arriving by p2p."""
         shape = (self.strategy.mbs, self.seq, self.spec.hidden)
         return torch.empty(shape, dtype=self.store.buffers["dense"].dtype, device=self.device)
-
-    def _tp(self, p: Prepared, region: str, phase: str, mb: int) -> Flight:
-        ins, stream, g = p.ins, p.ins.stream, p.group
-        c = ins.chunk
-        rec = self.st.recs[(c, mb)][region]
-        if phase == "fwd":
-            if ins.key == "ce_stats" or ins.op == "all_gather":
-                local = rec.pending
-                out = torch.empty((self.strategy.tp,) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
-                work = all_gather_flat(out, local.contiguous(), group=g, async_op=True)
-
-                def then_ce() -> None:
-                    rec.pending = out
-                    self._fwd_done(c, mb, rec)
-                return Flight(ins, stream, [work], then=then_ce)
-            work = dist.all_reduce(rec.pending, group=g, async_op=True)
-            return Flight(ins, stream, [work], then=lambda: self._fwd_done(c, mb, rec))
-        work = dist.all_reduce(rec.pending, group=g, async_op=True)
-
-        def then_b() -> None:
-            self.st.open_bwd[c] -= 1
-            self._bwd_done(c, mb, rec, rec.t.pop("_drop", True))
-        return Flight(ins, stream, [work], then=then_b)
-
-    # ---- sequence parallelism: the TP all-reduce as reduce-scatter + all-gather along the sequence ----
-    def _rows(self) -> slice:
-        L = self.seq // self.strategy.tp
-        return slice(self.coords["tp"] * L, (self.coords["tp"] + 1) * L)
-
-    def _sp_keep_rows(self, c: int, mb: int, rec: Rec) -> None:
-        """SP: the column-parallel GEMM of a block (qkv, fc1, the output layer) keeps only this rank's
-        sequence rows of its input; the backward's ``sp ... input`` all-gather restores the rest."""
-        if not self.strategy.sp or rec.kind not in ("attn", "mlp", "head"):
-            return
-        key, z = (c, mb, rec.region), rec.t["z_leaf"]
-        k = next(j for j, u in enumerate(rec.tape.uses) if u.x is z)
-        if key in self.st.sp_full:       # a recompute after the re-gather landed
-            rec.tape.uses[k].x = self.st.sp_full.pop(key)
-            return
-        self.st.sp_x[key] = (k, z.detach()[:, self._rows()].transpose(0, 1).contiguous())
-        rec.tape.uses[k].x = None
-
-    def _sp_defer(self, c: int, mb: int, rec: Rec) -> None:
-        """Before a region's weight gradients: the GEMM whose input is not re-gathered yet gets its
-        gradient when the re-gather lands (its output gradient is kept until then)."""
-        key = (c, mb, rec.region)
-        if key not in self.st.sp_x or rec.dys is None:
-            return
-        k = self.st.sp_x[key][0]
-        live = [j for j, u in enumerate(rec.tape.uses) if u.y.requires_grad]
-        if k in live and rec.dys[live.index(k)] is not None:
-            i = live.index(k)
-            self.st.sp_dy[key] = (rec.tape.uses[k].key, rec.dys[i])
-            rec.dys[i] = None
-
-    def _sp(self, p: Prepared, tag: SPTag) -> Flight:
-        ins, g, tp = p.ins, p.group, self.strategy.tp
-        c, mb, key = ins.chunk, tag.mb, (ins.chunk, tag.mb, tag.region)
-        if tag.hop == "input":
-            k, mine = self.st.sp_x[key]       # popped when it lands: until then weight gradients wait for it
-            full = mine.new_empty((tp * mine.shape[0],) + tuple(mine.shape[1:]))
-            work = all_gather_flat(full, mine, group=g, async_op=True)
-
-            def then_in() -> None:
-                del self.st.sp_x[key]
-                x = full.transpose(0, 1)
-                if key in self.st.sp_dy:
-                    name, dy = self.st.sp_dy.pop(key)
-                    self.store.grad_mb[c] = mb
-                    accumulate_linear_grad(self.ctx.acc(*name), dy, x, self.ctx.grad_fusion)
-                else:
-                    rec = self.st.recs.get((c, mb), {}).get(tag.region)
-                    if rec is not None and rec.built and len(rec.tape.uses) > k:
-                        rec.tape.uses[k].x = x
-                    else:                 # its forward ran without a graph: the recompute takes it
-                        self.st.sp_full[key] = x
-            return Flight(ins, ins.stream, [work], then=then_in, keep=mine)
-        rec = self.st.recs[(c, mb)][tag.region]
-        t = rec.pending
-        seq_dim = t.dim() == 3 and t.shape[1] == self.seq     # [b, n, h]; else a flat buffer (MoE route)
-        if tag.hop == "rs":
-            if seq_dim:
-                inp = t.transpose(0, 1).contiguous()
-            else:
-                inp = t.new_zeros(-(-t.numel() // tp) * tp)
-                inp[:t.numel()] = t.reshape(-1)
-            out = inp.new_empty((inp.shape[0] // tp,) + tuple(inp.shape[1:]))
-            work = reduce_scatter_flat(out, inp, group=g, async_op=True)
-            shape = tuple(t.shape)
-
-            def then_rs() -> None:
-                if tag.phase == "fwd" and rec.kind != "embed":    # the residual add, on this rank's rows only
-                    res = rec.saved["moe.res"] if rec.kind == "moe.combine" else rec.t["h"].detach()
-                    out.add_(res.transpose(0, 1)[self._rows()])
-                rec.pending = out
-                rec.t["sp_shape"] = shape
-            return Flight(ins, ins.stream, [work], then=then_rs, keep=inp)
-        mine = t
-        full = mine.new_empty((tp * mine.shape[0],) + tuple(mine.shape[1:]))
-        work = all_gather_flat(full, mine, group=g, async_op=True)
-        shape = rec.t.pop("sp_shape")
-
-        def then_ag() -> None:
-            x = full.transpose(0, 1).contiguous() if len(shape) == 3 and shape[1] == self.seq \
-                else full[:math.prod(shape)].view(shape)
-            if tag.phase == "fwd":
-                self._fwd_done(c, mb, rec, h=x)
-                return
-            rec.pending = x
-            self.st.open_bwd[c] -= 1
-            self._bwd_done(c, mb, rec, rec.t.pop("_drop", True))
-        return Flight(ins, ins.stream, [work], then=then_ag, keep=mine)
-
-    def _ep(self, p: Prepared, layer: int, which: str, phase: str, mb: int) -> Flight:
-        ins, stream, g = p.ins, p.ins.stream, p.group
-        c = ins.chunk
-        env, genv = self.st.e(c, mb), self.st.g(c, mb)
-        skey = f"moe.splits.{layer}"
-        if phase == "fwd" and which == "dispatch":
-            counts = env["moe.counts"]
-            recv_counts = torch.empty_like(counts)
-            dist.all_to_all_single(recv_counts, counts.contiguous(), group=g)
-            ins_, outs = counts.sum(1).tolist(), recv_counts.sum(1).tolist()
-            env[skey] = (ins_, outs)
-            work, out = a2a(env["moe.xs"], ins_, outs, g)
-
-            def then_d() -> None:
-                env["moe.xr"], env["moe.recv_counts"] = out, recv_counts
-            return Flight(ins, stream, [work], then=then_d, keep=env["moe.xs"])
-        sends, recvs = env[skey]
-        if phase == "fwd":            # combine: expert outputs go back to the tokens' owners
-            src, dst, box, i_s, o_s = "moe.yr", "moe.ys", env, recvs, sends
-        elif which == "combine":      # bwd of combine: output grads travel like the dispatch
-            src, dst, box, i_s, o_s = "moe.ys", "moe.yr", genv, sends, recvs
-        else:                         # bwd of dispatch: input grads travel like the combine
-            src, dst, box, i_s, o_s = "moe.xr", "moe.xs", genv, recvs, sends
-        t = box.pop(src)
-        work, out = a2a(t, i_s, o_s, g)
-
-        def then() -> None:
-            box[dst] = out
-        return Flight(ins, stream, [work], then=then, keep=t)
-
-    def _dp(self, p: Prepared, axis: str, what: str, c: int) -> Flight:
-        ins, stream, g = p.ins, p.ins.stream, p.group
-        works, thens, keep = [], [], []
-        for b in self.store.families(axis):
-            if c not in b.ranges:
-                continue
-            if what == "grad" and ins.op == "all_reduce":
-                a, e = b.ranges[c]
-                works.append(dist.all_reduce(b.grad_buffer()[a:e], group=g, async_op=True))
-            elif what == "replica":          # hybrid sharding: the chunk's part of the shard, summed over replicas
-                if b.n == 1:
-                    a, e = b.ranges[c]
-                    works.append(dist.all_reduce(b.grad_buffer()[a:e], group=g, async_op=True))
-                    continue
-                lo, hi = b.segments(c)[0][b.index]
-                if hi > lo:                  # the replicas hold the same shard: the same segment, or none
-                    works.append(dist.all_reduce(b.grad_shard_buffer()[lo - b.lo:hi - b.lo], group=g,
-                                                 async_op=True))
-            elif what == "grad":
-                mb = p.tag.mb
-                w, then, k = reduce_scatter(b, c, g) if mb is None else \
-                    reduce_scatter_microbatch(b, c, mb, p.tag.region, g)
-                works.append(w)
-                thens.append(then)
-                keep.append(k)
-            elif what == "param":
-                # overlap_param gathers a region (tag region) while the step's forward runs: written
-                # through .data, whose version counter is its own, so the earlier regions' saved
-                # views of the same buffer stay valid for their backward (the ranges are disjoint)
-                w, then, k = all_gather(b, c, g, b.param.data, b.param_shard(), base=0,
-                                        span=None if p.tag.region is None else b.bucket_span(c, p.tag.region))
-                works.append(w)
-                thens.append(then)
-                keep.append(k)
-            else:
-                raise RuntimeError(f"unknown DP payload {what!r}")
-        return Flight(ins, stream, [w for w in works if w is not None], then=lambda: [f() for f in thens],
-                      keep=keep)
-
-    def _z3(self, p: Prepared, what: str, c: int, phase: str, mb: int) -> Flight:
-        ins, stream, g = p.ins, p.ins.stream, p.group
-        region = p.tag.region
-        name = f"z3.c{c}.{phase}.m{mb}" + ("" if region is None else f".{region}")
-        fams = self.store.families("edp" if what == "eparam" else "dp")
-        works, thens, keep = [], [], []
-        for b in fams:
-            if c not in b.ranges:
-                continue
-            copy = b.new_copy(c, name, region)
-            w, then, k = all_gather(b, c, g, copy, b.param, base=b.bucket_span(c, region)[0],
-                                    span=None if region is None else b.bucket_span(c, region))
-            works.append(w)
-            thens.append(then)
-            keep.append(k)
-        return Flight(ins, stream, [w for w in works if w is not None], then=lambda: [f() for f in thens],
-                      keep=keep)

@@ -205,7 +205,7 @@ def launch_elastic(fn: Callable, members: list[Member], *, args: tuple = (), tim
     the switch a joining device comes in at; a member whose key never appears (every started
     process has finished) gets the result None. ``allow_dead``: a process that dies
     without reporting (a fault test kills it) gets the result None instead of failing the job.
-    ``job``: the :class:`.jobstore.JobStore` to use (a multi-host job's, :mod:`.hosts`; default a new
+    ``job``: the :class:`.jobstore.JobStore` to use (a multi-host job's, :mod:`.first_host`; default a new
     loopback one). ``keep_sigterm``: leave the caller's SIGTERM handler in place (default: SIGTERM stops
     the processes). Raises RuntimeFailure when a process raises, or when the job exceeds ``timeout`` seconds.
     """

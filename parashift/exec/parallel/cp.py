@@ -26,19 +26,18 @@ What each instruction does (the Program's ``Shard("cp")`` orders them as Transfo
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from ...errors import RuntimeFailure
 from ...ir.tags import CPTag
 from ..comm import Flight, all_gather_flat, reduce_scatter_flat
+from ..prepared import Prepared
 from ..regions import KINDS, Rec, cp_attn_bwd_core, cp_attn_bwd_out, cp_attn_bwd_qkv, cp_attn_core, cp_attn_pre
+from .tp import defer_weight_grad, needs_reduction
 
-if TYPE_CHECKING:
-    from ..interpreter import Prepared
-
-__all__ = ["cp_positions", "cp_mask", "CPHandlers"]
+__all__ = ["cp_positions", "cp_mask", "setup", "take", "attn_fwd", "attn_bwd", "attn_recompute", "exchange"]
 
 
 def cp_positions(seq: int, cp: int, rank: int) -> torch.Tensor:
@@ -58,78 +57,84 @@ def cp_mask(seq: int, cp: int, rank: int) -> torch.Tensor:
     return k.unsqueeze(0) <= q.unsqueeze(1)
 
 
-class CPHandlers:
-    """Interpreter methods for context parallelism (mixed into the Interpreter; the step's state lives
-    in ``self.st.cp``: ``("kv"|"bkv"|"dkv", chunk, mb, region) -> tensor``, the local K/V to gather,
-    the K/V gathered for a backward and the K/V gradients to scatter)."""
+# The interpreter's context parallelism: functions of the interpreter ``it``; the step's state lives in
+# ``it.st.cp``: ``("kv"|"bkv"|"dkv", chunk, mb, region) -> tensor``, the local K/V to gather, the K/V
+# gathered for a backward and the K/V gradients to scatter.
 
-    def _cp_setup(self, seq: int) -> None:
-        """This rank's positions, rope tables and attention mask for a global sequence of ``seq``."""
-        cp, r = self.strategy.cp, self.coords["cp"]
-        self.cp_pos = cp_positions(seq, cp, r).to(self.device)
-        self.ctx.rope = tuple(t[self.cp_pos] for t in self.ctx.rope)
-        self.ctx.cp, self.ctx.cp_mask = cp, cp_mask(seq, cp, r).to(self.device)
+def setup(it: Any, seq: int) -> None:
+    """This rank's positions, rope tables and attention mask for a global sequence of ``seq``."""
+    cp, r = it.strategy.cp, it.coords["cp"]
+    it.cp_pos = cp_positions(seq, cp, r).to(it.device)
+    it.ctx.rope = tuple(t[it.cp_pos] for t in it.ctx.rope)
+    it.ctx.cp, it.ctx.cp_mask = cp, cp_mask(seq, cp, r).to(it.device)
 
-    def _cp_take(self, rows: torch.Tensor) -> torch.Tensor:
-        """This rank's sequence positions of ``[b, seq]`` tokens or targets."""
-        return rows[:, self.cp_pos] if self.strategy.cp > 1 else rows
 
-    def _cp_fwd(self, c: int, mb: int, rec: Rec, env: dict, grad: bool) -> None:
-        """Attention forward up to its K/V (the gather's completion finishes it)."""
-        self.st.cp[("kv", c, mb, rec.region)] = cp_attn_pre(self.ctx, rec, env, grad)
+def take(it: Any, rows: torch.Tensor) -> torch.Tensor:
+    """This rank's sequence positions of ``[b, seq]`` tokens or targets."""
+    return rows[:, it.cp_pos] if it.strategy.cp > 1 else rows
 
-    def _cp_bwd(self, c: int, mb: int, rec: Rec, full: bool) -> None:
-        """Attention backward up to the K/V gradients (the reduce-scatter's completion finishes it)."""
-        cp_attn_bwd_out(self.ctx, rec, self.st.g(c, mb))
-        rec.t["_drop"] = full
-        self.st.open_bwd[c] = self.st.open_bwd.get(c, 0) + 1     # the DP sync waits for the qkv weight grads
-        kv = self.st.cp.pop(("bkv", c, mb, rec.region), None)
-        if kv is None:
-            raise RuntimeFailure(f"the backward of {rec.region} (chunk {c}, micro-batch {mb}) ran before its "
-                                 f"cp K/V all-gather landed; rebuild the Program with parashift.ir.compile")
-        self.st.cp[("dkv", c, mb, rec.region)] = cp_attn_bwd_core(self.ctx, rec, kv)
 
-    def _cp_recompute(self, rec: Rec, saved: dict) -> None:
-        """A recompute of the attention rebuilds its QKV graph from the saved input (the core is
-        re-run by the backward anyway)."""
-        cp_attn_pre(self.ctx, rec, saved, True)
+def attn_fwd(it: Any, c: int, mb: int, rec: Rec, env: dict, grad: bool) -> None:
+    """Attention forward up to its K/V (the gather's completion finishes it)."""
+    it.st.cp[("kv", c, mb, rec.region)] = cp_attn_pre(it.ctx, rec, env, grad)
 
-    def _cp_comm(self, p: "Prepared") -> Flight:
-        ins, tag, g, cp = p.ins, p.tag, p.group, self.strategy.cp
-        assert isinstance(tag, CPTag)
-        c, mb = ins.chunk, tag.mb
-        key = (c, mb, tag.region)
-        if tag.part == "kv":
-            rec = self.st.recs[(c, mb)][tag.region]
-            mine = self.st.cp.pop(("kv",) + key) if tag.phase == "fwd" else rec.saved["kv_local"]
-            full = mine.new_empty((cp * mine.shape[0],) + tuple(mine.shape[1:]))
-            work = all_gather_flat(full, mine, group=g, async_op=True)
-            kv_all = full.view((cp,) + tuple(mine.shape))
 
-            def then_kv() -> None:
-                if tag.phase == "fwd":
-                    cp_attn_core(self.ctx, rec, kv_all)
-                    if not self._needs_tp("fwd", rec.kind):
-                        self._fwd_done(c, mb, rec)
-                    return
-                self.st.cp[("bkv",) + key] = kv_all
-            return Flight(ins, ins.stream, [work], then=then_kv, keep=mine)
-        if tag.part != "dkv":
-            raise RuntimeFailure(f"unknown CP exchange {tag.part!r} in {ins}")
-        rec = self.st.recs[(c, mb)][tag.region]
-        inp = self.st.cp.pop(("dkv",) + key).contiguous()
-        out = inp.new_empty(tuple(inp.shape[1:]))
-        work = reduce_scatter_flat(out.view(-1), inp.view(-1), group=g, async_op=True)
+def attn_bwd(it: Any, c: int, mb: int, rec: Rec, full: bool) -> None:
+    """Attention backward up to the K/V gradients (the reduce-scatter's completion finishes it)."""
+    cp_attn_bwd_out(it.ctx, rec, it.st.g(c, mb))
+    rec.t["_drop"] = full
+    it.st.open_bwd[c] = it.st.open_bwd.get(c, 0) + 1     # the DP sync waits for the qkv weight grads
+    kv = it.st.cp.pop(("bkv", c, mb, rec.region), None)
+    if kv is None:
+        raise RuntimeFailure(f"the backward of {rec.region} (chunk {c}, micro-batch {mb}) ran before its "
+                             f"cp K/V all-gather landed; rebuild the Program with parashift.ir.compile")
+    it.st.cp[("dkv", c, mb, rec.region)] = cp_attn_bwd_core(it.ctx, rec, kv)
 
-        def then_dkv() -> None:
-            cp_attn_bwd_qkv(self.ctx, rec, out)
-            full = rec.t.pop("_drop")
-            if full:
-                self._sp_defer(c, mb, rec)
-                KINDS[rec.kind].bwd_weight(self.ctx, rec)
-            if self._needs_tp("bwd", rec.kind):       # the open count now stands for the TP reduction
-                rec.t["_drop"] = full
-            else:
-                self.st.open_bwd[c] -= 1
-                self._bwd_done(c, mb, rec, drop=full)
-        return Flight(ins, ins.stream, [work], then=then_dkv, keep=inp)
+
+def attn_recompute(it: Any, rec: Rec, saved: dict) -> None:
+    """A recompute of the attention rebuilds its QKV graph from the saved input (the core is
+    re-run by the backward anyway)."""
+    cp_attn_pre(it.ctx, rec, saved, True)
+
+
+def exchange(it: Any, p: Prepared) -> Flight:
+    """A ``cp.*`` collective: the K/V all-gather (forward: its landing runs the core attention) or the
+    K/V-gradient reduce-scatter (its landing runs the QKV backward)."""
+    ins, tag, g, cp = p.ins, p.tag, p.group, it.strategy.cp
+    assert isinstance(tag, CPTag)
+    c, mb = ins.chunk, tag.mb
+    key = (c, mb, tag.region)
+    if tag.part == "kv":
+        rec = it.st.recs[(c, mb)][tag.region]
+        mine = it.st.cp.pop(("kv",) + key) if tag.phase == "fwd" else rec.saved["kv_local"]
+        full = mine.new_empty((cp * mine.shape[0],) + tuple(mine.shape[1:]))
+        work = all_gather_flat(full, mine, group=g, async_op=True)
+        kv_all = full.view((cp,) + tuple(mine.shape))
+
+        def then_kv() -> None:
+            if tag.phase == "fwd":
+                cp_attn_core(it.ctx, rec, kv_all)
+                if not needs_reduction(it.strategy, "fwd", rec.kind):
+                    it.fwd_done(c, mb, rec)
+                return
+            it.st.cp[("bkv",) + key] = kv_all
+        return Flight(ins, ins.stream, [work], then=then_kv, keep=mine)
+    if tag.part != "dkv":
+        raise RuntimeFailure(f"unknown CP exchange {tag.part!r} in {ins}")
+    rec = it.st.recs[(c, mb)][tag.region]
+    inp = it.st.cp.pop(("dkv",) + key).contiguous()
+    out = inp.new_empty(tuple(inp.shape[1:]))
+    work = reduce_scatter_flat(out.view(-1), inp.view(-1), group=g, async_op=True)
+
+    def then_dkv() -> None:
+        cp_attn_bwd_qkv(it.ctx, rec, out)
+        full = rec.t.pop("_drop")
+        if full:
+            defer_weight_grad(it, c, mb, rec)
+            KINDS[rec.kind].bwd_weight(it.ctx, rec)
+        if needs_reduction(it.strategy, "bwd", rec.kind):       # the open count now stands for the TP reduction
+            rec.t["_drop"] = full
+        else:
+            it.st.open_bwd[c] -= 1
+            it.bwd_done(c, mb, rec, drop=full)
+    return Flight(ins, ins.stream, [work], then=then_dkv, keep=inp)

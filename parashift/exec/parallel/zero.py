@@ -1,4 +1,7 @@
-"""ZeRO-2/3 gradient handling under pipelining: one micro-batch's reduce-scatter into the shard.
+"""ZeRO in the runtime: ZeRO-3's parameter gathers and ZeRO-2/3 gradient buckets under pipelining.
+
+A ``z3.*`` all-gather (:func:`gather_params`) fills a named copy of a chunk's (or one region's)
+parameters from every rank's shard, which the compute that uses it selects and the Program frees.
 
 The Program allocates each micro-batch's gradient bucket (one region's parameters, or a chunk's)
 at its first backward instruction (buffer ``zg.c<c>.m<mb>[.<region>]``) and reduce-scatters it right
@@ -13,10 +16,11 @@ from typing import Any, Callable
 import torch
 
 from ...ir.tags import StepBuffer
-from ..comm import reduce_scatter_flat
+from ..comm import Flight, all_gather, reduce_scatter_flat
+from ..prepared import Prepared
 from ..state import Buffer, StateStore
 
-__all__ = ["reduce_scatter_microbatch", "alloc_grads"]
+__all__ = ["reduce_scatter_microbatch", "alloc_grads", "gather_params"]
 
 
 def reduce_scatter_microbatch(b: Buffer, chunk: int, mb: int, region: str | None, group
@@ -49,6 +53,26 @@ def alloc_grads(store: StateStore, names: tuple[str, ...]) -> None:
         for b in store.families("edp" if buf.kind == "zge" else "dp"):
             if b.per_mb and buf.chunk in b.ranges:
                 b.alloc_mb_grad(buf.chunk, buf.mb, buf.region)
+
+
+def gather_params(it: Any, p: Prepared) -> Flight:
+    """ZeRO-3 (``z3.*``): all-gather a chunk's (or the tag's region's) parameters, dense or expert, into
+    the copy ``z3.c<chunk>.<phase>.m<mb>[.<region>]``."""
+    ins, stream, g, tag = p.ins, p.ins.stream, p.group, p.tag
+    c, region = tag.chunk, tag.region
+    name = f"z3.c{c}.{tag.phase}.m{tag.mb}" + ("" if region is None else f".{region}")
+    works, thens, keep = [], [], []
+    for b in it.store.families("edp" if tag.expert else "dp"):
+        if c not in b.ranges:
+            continue
+        copy = b.new_copy(c, name, region)
+        w, then, k = all_gather(b, c, g, copy, b.param, base=b.bucket_span(c, region)[0],
+                                span=None if region is None else b.bucket_span(c, region))
+        works.append(w)
+        thens.append(then)
+        keep.append(k)
+    return Flight(ins, stream, [w for w in works if w is not None], then=lambda: [f() for f in thens],
+                  keep=keep)
 
 
 class LiveTensors:
