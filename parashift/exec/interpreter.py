@@ -103,6 +103,20 @@ def group_keys(program: Program) -> set[tuple[tuple[int, ...], str]]:
     return keys
 
 
+def _connected_pieces(recs: list[Rec]) -> list[list[Rec]]:
+    """An instruction's regions (the embedding aside) cut where a region's input is not the previous
+    region's output: each piece is one connected autograd graph."""
+    pieces: list[list[Rec]] = []
+    for r in recs:
+        if r.kind == "embed":
+            continue
+        if pieces and r.t["h"] is pieces[-1][-1].t.get("h_out"):
+            pieces[-1].append(r)
+        else:
+            pieces.append([r])
+    return pieces
+
+
 @dataclass
 class StepState:
     """Per-step state: activation / gradient environments per (chunk, mb) and the mailboxes."""
@@ -319,13 +333,7 @@ class Interpreter:
     # ---- the loop ---------------------------------------------------------------------------------
     def run_step(self, step: int) -> float:
         """Execute the program once; returns this rank's share of the step's loss."""
-        self.st = StepState()
-        if self._leaves and any(x is not y for old, new in zip(self._leaves_of, self._flat_buffers())
-                                for x, y in zip(old, new)):
-            self._leaves.clear()         # the store's buffers were replaced: alias the new ones
-        if self.memory:
-            self.live = LiveTensors()
-        self._step, self._data = step, None
+        self._begin(step)
         if self.record is not None:
             self._stamps = []
             host0 = self.clock.begin()
@@ -337,10 +345,7 @@ class Interpreter:
         nbusy = 0                                        # streams whose head is in flight
         inflight: dict[int, Flight] = {}
         fast = self.record is None and not self.nccl     # profiling off (gloo): post receives early, reap sends late
-        if self.pool is None and not self.nccl:
-            self.pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="parashift-p2p")
-        poller = Poller(gloo=not self.nccl, pool=self.pool, wait_only=self.worlds.backend == "fake",
-                        eager=not fast, interrupt=self.interrupt)
+        poller = self._poller(fast)
         left = self.n
         loose: list[Flight] = []          # sends nothing waits for: waited on at the step's end
         early = bytearray(self.n)         # receives posted at the start of the step
@@ -358,13 +363,7 @@ class Interpreter:
                 left -= 1
         try:
             if fast:
-                for q in seqs:
-                    for p in q:
-                        if p.kind == RECV and not p.deps:
-                            fl = pipeline.post_recv(self, p)
-                            early[p.idx] = 1
-                            inflight[p.idx] = fl
-                            poller.submit(fl)
+                self._post_early(poller, early, inflight)
             while left:
                 progressed = False
                 for s in range(nstreams):
@@ -402,24 +401,63 @@ class Interpreter:
                 if left and not progressed:
                     got = poller.wait(self.timeout, self._root(ptr, busy, inflight, done) if fast else None)
                     if not got:
-                        heads = {self.streams[s]: str(seqs[s][ptr[s]].ins) for s in range(nstreams) if ptr[s] < ends[s]}
-                        raise RuntimeFailure(f"rank {self.rank} made no progress for {self.timeout:.0f} s; in flight: "
-                                             f"{ {self.streams[s]: str(f.instr) for s, f in enumerate(busy) if f} }; "
-                                             f"next: {heads}")
+                        raise self._stalled(ptr, busy)
                     finish(got)
-            limit = datetime.timedelta(seconds=self.timeout)
-            for fl in loose:
-                err = _drain(fl, limit)
-                if err is not None:
-                    raise RuntimeFailure(f"rank {self.rank}: a send failed: {type(err).__name__}: {err}")
+            self._reap(loose)
         finally:
             poller.close()
-        if self.record is not None:     # one synchronize for the step's stamps, none per instruction
-            secs = self.clock.seconds([t for row in self._stamps for t in row[2:]])
-            for k, (ins, stream, _, _) in enumerate(self._stamps):
-                self.record(ins, stream, host0 + secs[2 * k], host0 + secs[2 * k + 1])
+        if self.record is not None:
+            self._report_stamps(host0)
         self.store_release_all()
         return self.st.loss
+
+    def _begin(self, step: int) -> None:
+        """A fresh step's state; the gradient leaves are made again when the store's buffers were replaced."""
+        self.st = StepState()
+        if self._leaves and any(x is not y for old, new in zip(self._leaves_of, self._flat_buffers())
+                                for x, y in zip(old, new)):
+            self._leaves.clear()         # the store's buffers were replaced: alias the new ones
+        if self.memory:
+            self.live = LiveTensors()
+        self._step, self._data = step, None
+
+    def _poller(self, fast: bool) -> Poller:
+        """The step's poller of in-flight transfers (gloo: helper threads of one pool wait on p2p)."""
+        if self.pool is None and not self.nccl:
+            self.pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="parashift-p2p")
+        return Poller(gloo=not self.nccl, pool=self.pool, wait_only=self.worlds.backend == "fake",
+                      eager=not fast, interrupt=self.interrupt)
+
+    def _post_early(self, poller: Poller, early: bytearray, inflight: dict) -> None:
+        """Fast path: post every receive without deps when the step starts."""
+        for q in self.seqs:
+            for p in q:
+                if p.kind == RECV and not p.deps:
+                    fl = pipeline.post_recv(self, p)
+                    early[p.idx] = 1
+                    inflight[p.idx] = fl
+                    poller.submit(fl)
+
+    def _stalled(self, ptr: list[int], busy: list) -> RuntimeFailure:
+        """The error of a step that made no progress within the timeout: what was in flight, what was next."""
+        heads = {self.streams[s]: str(q[ptr[s]].ins) for s, q in enumerate(self.seqs) if ptr[s] < len(q)}
+        return RuntimeFailure(f"rank {self.rank} made no progress for {self.timeout:.0f} s; in flight: "
+                              f"{ {self.streams[s]: str(f.instr) for s, f in enumerate(busy) if f} }; "
+                              f"next: {heads}")
+
+    def _reap(self, loose: list[Flight]) -> None:
+        """Wait for the sends nothing depended on (fast path), at the step's end."""
+        limit = datetime.timedelta(seconds=self.timeout)
+        for fl in loose:
+            err = _drain(fl, limit)
+            if err is not None:
+                raise RuntimeFailure(f"rank {self.rank}: a send failed: {type(err).__name__}: {err}")
+
+    def _report_stamps(self, host0: float) -> None:
+        """Profiling: one synchronize for the step's stamps (none per instruction), then ``record`` each."""
+        secs = self.clock.seconds([t for row in self._stamps for t in row[2:]])
+        for k, (ins, stream, _, _) in enumerate(self._stamps):
+            self.record(ins, stream, host0 + secs[2 * k], host0 + secs[2 * k + 1])
 
     def sync_params(self) -> None:
         """Run this rank's ZeRO-1/2 parameter gathers now, outside a step, in stream order. Under
@@ -713,46 +751,14 @@ class Interpreter:
             out, gout = logits, head_logit_grad(self.ctx, last)
         else:
             out, gout = last.t["h_out"], st.gout.pop((c, mb))
-        pieces: list[list[Rec]] = []
-        for r in recs:
-            if r.kind == "embed":
-                continue
-            if pieces and r.t["h"] is pieces[-1][-1].t.get("h_out"):
-                pieces[-1].append(r)
-            else:
-                pieces.append([r])
+        pieces = _connected_pieces(recs)
         dh = None
         for k in range(len(pieces) - 1, -1, -1):
             first = pieces[k][0].t["h"]
             ins: list[torch.Tensor] = [first] if first.requires_grad and (k > 0 or first.grad_fn is None) else []
             lead = len(ins)
             if full and lead:
-                # every parameter use lies between ``first`` and ``out``. Built on gradient leaves:
-                # one backward accumulates the linears' weight gradients and keeps the norms'
-                # output gradients (the norm weights' then follow); else a hook takes each weight
-                # gradient as soon as its output gradient exists
-                auto = all(len(r.tape.leaves) == len(r.tape.uses) for r in pieces[k])
-                leaves = [w for r in pieces[k] for w in r.tape.leaves] if auto else []
-                if leaves:
-                    norms = [u for r in pieces[k] for u in r.tape_a.uses if u.y.requires_grad]
-                    torch.autograd.backward(out, gout, inputs=(first, *leaves, *(u.y for u in norms)))
-                    grads, first.grad = (first.grad,), None
-                    fired, want = [0], len(norms)
-                    for u in norms:
-                        if u.y.grad is not None:
-                            fired[0] += 1
-                            weight_grad(u, u.y.grad, self.ctx.acc, self.ctx.grad_fusion)
-                else:
-                    fired, want = [0], 0
-                    for r in pieces[k]:
-                        want += r.tape_a.hook_weight_grads(self.ctx.acc, fired, fused=self.ctx.grad_fusion)
-                        want += r.tape.hook_weight_grads(self.ctx.acc, fired, skip=logits, fused=self.ctx.grad_fusion)
-                    grads = torch.autograd.grad([out], ins, [gout], allow_unused=True)
-                if fired[0] != want:
-                    raise RuntimeError(f"backward of {pieces[k][0].region} (chunk {c}, micro-batch {mb}): "
-                                       f"{want - fired[0]} parameter uses got no gradient")
-                for r in pieces[k]:     # the logits' weight gradient, unless autograd took it
-                    r.dys = None if leaves else [gout if t is logits else None for t in r.tape.outputs()]
+                grads = self._piece_backward_with_weights(pieces[k], out, gout, first, logits, c, mb)
             else:
                 for r in pieces[k]:
                     ins += r.tape_a.outputs() + [t for t in r.tape.outputs() if t is not logits]
@@ -776,6 +782,37 @@ class Interpreter:
             if full:
                 KINDS[r.kind].bwd_weight(self.ctx, r)
                 self._drop(c, mb, r.region)
+
+    def _piece_backward_with_weights(self, piece: list[Rec], out: torch.Tensor, gout: torch.Tensor,
+                                     first: torch.Tensor, logits: Any, c: int, mb: int) -> tuple:
+        """A full backward of one connected piece of a chain: its input gradient (the 1-tuple returned),
+        every parameter use's weight gradient accumulated on the way. Every parameter use lies between
+        ``first`` and ``out``. Built on gradient leaves: one backward accumulates the linears' weight
+        gradients and keeps the norms' output gradients (the norm weights' then follow); else a hook
+        takes each weight gradient as soon as its output gradient exists."""
+        auto = all(len(r.tape.leaves) == len(r.tape.uses) for r in piece)
+        leaves = [w for r in piece for w in r.tape.leaves] if auto else []
+        if leaves:
+            norms = [u for r in piece for u in r.tape_a.uses if u.y.requires_grad]
+            torch.autograd.backward(out, gout, inputs=(first, *leaves, *(u.y for u in norms)))
+            grads, first.grad = (first.grad,), None
+            fired, want = [0], len(norms)
+            for u in norms:
+                if u.y.grad is not None:
+                    fired[0] += 1
+                    weight_grad(u, u.y.grad, self.ctx.acc, self.ctx.grad_fusion)
+        else:
+            fired, want = [0], 0
+            for r in piece:
+                want += r.tape_a.hook_weight_grads(self.ctx.acc, fired, fused=self.ctx.grad_fusion)
+                want += r.tape.hook_weight_grads(self.ctx.acc, fired, skip=logits, fused=self.ctx.grad_fusion)
+            grads = torch.autograd.grad([out], [first], [gout], allow_unused=True)
+        if fired[0] != want:
+            raise RuntimeError(f"backward of {piece[0].region} (chunk {c}, micro-batch {mb}): "
+                               f"{want - fired[0]} parameter uses got no gradient")
+        for r in piece:     # the logits' weight gradient, unless autograd took it
+            r.dys = None if leaves else [gout if t is logits else None for t in r.tape.outputs()]
+        return grads
 
     def bwd_done(self, c: int, mb: int, rec: Rec, drop: bool) -> None:
         genv = self.st.g(c, mb)

@@ -193,6 +193,50 @@ def _child(fn: Callable, args: tuple, member: Member, where: tuple, results: Any
         os._exit(0)
 
 
+def _on_message(item: tuple, procs: dict, got: dict, allow_dead: bool,
+                on_report: Callable[[str, Any], None] | None) -> None:
+    """A message from a process: its result (into ``got``), a progress report (to ``on_report``), or its
+    error, raised as RuntimeFailure (naming first a process that died without reporting: the cause)."""
+    from ..launch import dead_ranks
+    k, kind = item[0], item[1]
+    if kind == "err":
+        keys = list(procs)
+        dead = [(keys[i], c) for i, c in dead_ranks(list(procs.values()), {keys.index(k)})
+                if not (allow_dead and keys[i] in got)]
+        if dead and not allow_dead:
+            raise RuntimeFailure(f"process {dead[0][0]} died (exit code {dead[0][1]}) without reporting; "
+                                 f"then process {k} failed: {item[2].splitlines()[0][:160]}")
+        raise RuntimeFailure(f"process {k} failed: {item[2]}\n--- traceback of {k} ---\n{item[3]}")
+    if kind == "progress":
+        if on_report is not None:
+            on_report(k, item[2])
+        return
+    got[k] = item[2]
+
+
+def _reap_silent(procs: dict, got: dict, waiting: dict, results: Any, store: Any, members: dict,
+                 allow_dead: bool) -> None:
+    """A started process that exited without reporting: ``dead/<device>`` in the store (survivors stop
+    waiting for it), then the result None (``allow_dead``) or a RuntimeFailure. A message still in the
+    queue is put back for the caller to read first."""
+    from ..launch import _script_hint
+    for k, p in procs.items():
+        if k not in got and k not in waiting and not p.is_alive() and p.exitcode is not None:
+            try:
+                item = results.get(timeout=0.5)
+            except queue_mod.Empty:
+                item = None
+            if item is not None:
+                results.put(item)
+                return
+            store.set(f"dead/{members[k].device}", k)   # survivors stop waiting for it
+            if allow_dead:
+                got[k] = None
+                continue
+            raise RuntimeFailure(f"process {k} died with exit code {p.exitcode} without reporting"
+                                 f"{_script_hint()}")
+
+
 def launch_elastic(fn: Callable, members: list[Member], *, args: tuple = (), timeout: float = 300.0,
                    backend: str = "gloo", threads: int | None = 1, allow_dead: bool = False,
                    on_report: Callable[[str, Any], None] | None = None,
@@ -211,7 +255,7 @@ def launch_elastic(fn: Callable, members: list[Member], *, args: tuple = (), tim
     """
     from ..jobstore import serve
     from ..switch.local import LOCAL_READS_ENV
-    from ..launch import _context, _script_hint, _stop, dead_ranks, stop_on_sigterm
+    from ..launch import _context, _stop, stop_on_sigterm
     job = job if job is not None else serve(timeout)
     store = job.store
     ctx = _context()
@@ -246,36 +290,9 @@ def launch_elastic(fn: Callable, members: list[Member], *, args: tuple = (), tim
             except queue_mod.Empty:
                 item = None
             if item is not None:
-                k, kind = item[0], item[1]
-                if kind == "err":   # a process that died without reporting is the cause, not a peer's error
-                    keys = list(procs)
-                    dead = [(keys[i], c) for i, c in dead_ranks(list(procs.values()), {keys.index(k)})
-                            if not (allow_dead and keys[i] in got)]
-                    if dead and not allow_dead:
-                        raise RuntimeFailure(f"process {dead[0][0]} died (exit code {dead[0][1]}) without reporting; "
-                                             f"then process {k} failed: {item[2].splitlines()[0][:160]}")
-                    raise RuntimeFailure(f"process {k} failed: {item[2]}\n--- traceback of {k} ---\n{item[3]}")
-                if kind == "progress":
-                    if on_report is not None:
-                        on_report(k, item[2])
-                    continue
-                got[k] = item[2]
+                _on_message(item, procs, got, allow_dead, on_report)
                 continue
-            for k, p in procs.items():
-                if k not in got and k not in waiting and not p.is_alive() and p.exitcode is not None:
-                    try:
-                        item = results.get(timeout=0.5)
-                    except queue_mod.Empty:
-                        item = None
-                    if item is not None:
-                        results.put(item)
-                        break
-                    store.set(f"dead/{procs_members[k].device}", k)   # survivors stop waiting for it
-                    if allow_dead:
-                        got[k] = None
-                        continue
-                    raise RuntimeFailure(f"process {k} died with exit code {p.exitcode} without reporting"
-                                         f"{_script_hint()}")
+            _reap_silent(procs, got, waiting, results, store, procs_members, allow_dead)
             if time.monotonic() > deadline:
                 raise RuntimeFailure(f"the elastic job did not finish within {timeout:.0f} s (done: {sorted(got)}); "
                                      f"raise the timeout or look for a stuck switch")
