@@ -91,12 +91,6 @@ def test_the_checker_sees_relative_and_function_level_imports(tmp_path):
 
 
 # ---- cycles -------------------------------------------------------------------------------------------
-# Cycles the exec/ re-layout (helper "execlayout": exec/job/, exec/parallel/) removes; the lead empties this
-# after merging it. Each entry excuses one strongly connected set of modules exactly, nothing larger.
-KNOWN_EXEC_CYCLES = (
-    frozenset({"parashift.exec.cp", "parashift.exec.interpreter"}),
-    frozenset({"parashift.exec.hosts", "parashift.exec.recover"}),
-)
 
 Graph = dict[str, dict[str, list[tuple[str, int]]]]
 
@@ -190,7 +184,7 @@ def describe(graph: Graph, scc: frozenset[str]) -> str:
 
 def test_no_module_level_import_cycles():
     graph = import_graph()
-    found = [c for c in cycles(graph) if c not in KNOWN_EXEC_CYCLES]
+    found = cycles(graph)
     assert not found, ("import cycles (move the shared record below its users instead of importing inside a "
                        "function):\n" + "\n".join(describe(graph, c) for c in found))
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..ir.program import Instr
+from ..ir.instr import Instr
 from ..ir.tags import StepTag
 
 __all__ = ["Prepared", "COMPUTE", "SEND", "RECV", "TP", "EP", "DP", "Z3", "SP", "CP"]
