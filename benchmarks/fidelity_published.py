@@ -13,7 +13,8 @@ Reports per source file and overall: rows, rows expressed, median APE, mean and 
 predicted too fast) and the share too fast; within-job pairs whose measured step times differ by more than
 ``--gap`` (5%) and how many the prediction orders the same way; schedule pairs (two rows of one job that differ
 in schedule, among 1F1B, interleaved, ZB-1p, ZB-2p, ZB-V and DualPipeV) ordered as measured; the Spearman rank
-correlation of tokens/s per GPU; and why rows were not expressed. Compiled Programs are cached by (model,
+correlation of tokens/s per GPU; and why rows were not expressed: the first error (``not_expressed``) and
+every feature a row lacks (``blockers``: a GPU or model without a preset, a strategy key or schedule). Compiled Programs are cached by (model,
 strategy, batch, sequence), so a thousand rows run in minutes; progress goes to stderr.
 
 ``--model-kind flops`` predicts with the FLOPs-at-one-efficiency compute model; ``--files`` picks CSVs by name;
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 import sys
 import time
 from dataclasses import fields
@@ -156,6 +158,36 @@ class Predictor:
                 "bubble_fraction": res.bubble_fraction}
 
 
+def blockers(row: pd.Series) -> "list[str]":
+    """Every feature that keeps a row from being expressed, not only the first: the model or cluster that has no
+    preset, and each strategy item the parser rejects (an unknown key, flag or schedule), found by dropping
+    rejected items until the rest parses. Short names, so rows count together: ``cluster a100-40gb``,
+    ``strategy precision``, ``schedule zb-v``, ``model gpt-oss-120b``."""
+    out = []
+    for kind, get, text in (("model", models.get, str(row.model)), ("cluster", clusters.get, str(row.cluster))):
+        try:
+            get(text)
+        except ParashiftError:
+            out.append(f"{kind} {re.sub(r'-[0-9]+x[0-9]+$', '', text.split(':')[0])}")
+    items = [t.strip() for t in str(row.strategy).split(",") if t.strip()]
+    for _ in range(len(items) + 1):
+        try:
+            Strategy.parse(",".join(items))
+            break
+        except ParashiftError as e:
+            quoted = re.findall(r"'([^']+)'", str(e))
+            bad = [t for t in items if quoted and (t == quoted[0] or t.split("=")[0] == quoted[0]
+                                                   or t.partition("=")[2] == quoted[0])]
+            if not bad:
+                out.append(f"strategy {str(e).split(';')[0][:80]}")
+                break
+            for t in bad:
+                key, _, val = t.partition("=")
+                out.append(f"schedule {val}" if key == "schedule" else f"strategy {key}")
+                items.remove(t)
+    return out
+
+
 def evaluate(df: pd.DataFrame, predictor: "Predictor | None" = None, progress: bool = True) -> pd.DataFrame:
     """One result per row: measured and predicted seconds, signed error, or the reason it is not expressed."""
     predictor = predictor or Predictor()
@@ -171,7 +203,7 @@ def evaluate(df: pd.DataFrame, predictor: "Predictor | None" = None, progress: b
                "cluster": row.cluster, "gpus": int(row.gpus),
                "tokens_per_gpu": int(row.global_batch) * int(row.seq_len) / int(row.gpus), "measured_s": meas}
         if "reason" in p:
-            rec.update(expressed=False, reason=p["reason"])
+            rec.update(expressed=False, reason=p["reason"], blockers=blockers(row))
         else:
             err = p["predicted_s"] / meas - 1
             rec.update(expressed=True, predicted_s=p["predicted_s"], ape=abs(err), signed_error=err,
@@ -229,8 +261,10 @@ def summary(res: pd.DataFrame, gap: float = 0.05) -> dict:
     out["within_job_pairs"] = pairs(res, gap)
     out["schedule_pairs"] = pairs(res, gap, schedules=True)
     if len(res) > len(ex):
-        reasons = res[~res.expressed].reason.map(_reason_kind).value_counts()
-        out["not_expressed"] = {k: int(v) for k, v in reasons.items()}
+        left = res[~res.expressed]
+        out["not_expressed"] = {k: int(v) for k, v in left.reason.map(_reason_kind).value_counts().items()}
+        counts = pd.Series([b for bs in left.blockers for b in bs]).value_counts()
+        out["blockers"] = {k: int(v) for k, v in counts.items()}
     return out
 
 
@@ -238,7 +272,7 @@ def _reason_kind(reason: str) -> str:
     """A reason cut to its stage and the first clause of its message, so equal causes count together."""
     stage, _, msg = reason.partition(": ")
     msg = msg.split(": ", 1)[-1]
-    return f"{stage}: {msg.split(';')[0][:90]}"
+    return re.sub(r"-[0-9]+x[0-9]+'", "-NxM'", f"{stage}: {msg.split(';')[0][:90]}")
 
 
 def report(res: pd.DataFrame, gap: float = 0.05) -> dict:
