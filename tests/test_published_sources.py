@@ -76,8 +76,8 @@ def test_llmfoundry_times_give_the_tables_mfu():
 
 
 def _res(rows):
-    return pd.DataFrame([{"job": j, "schedule": s, "measured_s": m, "predicted_s": p, "expressed": e}
-                         for j, s, m, p, e in rows])
+    return pd.DataFrame([{"job": j, "schedule": s, "measured_s": m, "predicted_s": p, "expressed": e,
+                          "strategy": f"dp={i + 1}", "cluster": "a100-1x8"} for i, (j, s, m, p, e) in enumerate(rows)])
 
 
 def test_pairs_count_order_above_the_gap_and_schedule_pairs():
@@ -87,7 +87,9 @@ def test_pairs_count_order_above_the_gap_and_schedule_pairs():
                 ("c", "1F1B", 3.0, float("nan"), False), ("c", "ZB-2p", 2.0, 1.0, True)])
     jp = fp.pairs(res, 0.05)
     assert (jp["pairs_measured"], jp["pairs_expressed"], jp["ordered_right"]) == (4, 3, 1)
-    assert jp["fraction_right"] == pytest.approx(1 / 3)
+    assert jp["fraction_right"] == pytest.approx(1 / 3) and jp["same_plan_pairs_left_out"] == 0
+    res.loc[4, "strategy"] = res.loc[3, "strategy"]       # job b's two rows: one plan (e.g. with and without compile)
+    assert fp.pairs(res, 0.05)["same_plan_pairs_left_out"] == 1 and fp.pairs(res, 0.05)["pairs_measured"] == 3
     sp = fp.pairs(res, schedules=True)
     assert (sp["pairs_measured"], sp["pairs_expressed"], sp["ordered_right"]) == (4, 3, 1)
     assert sp["by_pair"]["1F1B vs ZB-V"] == {"pairs": 1, "ordered_right": 1}
