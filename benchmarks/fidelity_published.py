@@ -203,7 +203,7 @@ def evaluate(df: pd.DataFrame, predictor: "Predictor | None" = None, progress: b
                "cluster": row.cluster, "gpus": int(row.gpus),
                "tokens_per_gpu": int(row.global_batch) * int(row.seq_len) / int(row.gpus), "measured_s": meas}
         if "reason" in p:
-            rec.update(expressed=False, reason=p["reason"], blockers=blockers(row))
+            rec.update(expressed=False, reason=p["reason"], blockers=blockers(row) or [_reason_kind(p["reason"])])
         else:
             err = p["predicted_s"] / meas - 1
             rec.update(expressed=True, predicted_s=p["predicted_s"], ape=abs(err), signed_error=err,
@@ -274,9 +274,9 @@ def summary(res: pd.DataFrame, gap: float = 0.05) -> dict:
 
 
 def _reason_kind(reason: str) -> str:
-    """A reason cut to its stage and the first clause of its message, so equal causes count together."""
+    """A reason cut to its stage and the first clause of its innermost message, so equal causes count together."""
     stage, _, msg = reason.partition(": ")
-    msg = msg.split(": ", 1)[-1]
+    msg = msg.rsplit(": ", 1)[-1]
     return re.sub(r"-[0-9]+x[0-9]+'", "-NxM'", f"{stage}: {msg.split(';')[0][:90]}")
 
 
