@@ -16,7 +16,7 @@ import torch
 from .. import models
 from ..errors import ProgramError
 from ..ir.program import Program
-from ..ir.step_meta import StepMeta, spec_json
+from ..ir.step_meta import StepMeta
 from ..strategy import Strategy
 from .groups import Worlds
 from .interpreter import Interpreter, group_keys
@@ -33,7 +33,7 @@ __all__ = ["Runtime", "RunResult", "run", "run_program", "compile_program", "loa
 def _spec(program: Program, model: "models.ModelSpec | None") -> "models.ModelSpec":
     """The model the program carries (its StepMeta); ``model``, when given, must be that model."""
     step = StepMeta.of(program)
-    if model is not None and (step.model is None or spec_json(model) != spec_json(step.model)):
+    if model is not None and (step.model is None or model != step.model or model.tensors != step.model.tensors):
         raise ProgramError(f"the program was compiled for {step.name!r}, not the given {model.name!r} (or that "
                            f"model differs from the one it carries); leave model= out: the program carries its model")
     if step.model is None:

@@ -13,6 +13,7 @@ values they had before the type existed, so JSON readers of a Program see the sa
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -31,27 +32,27 @@ _RECOMPILE = ("recompile it with this parashift: `parashift search ... --out pla
               "`parashift schedule ... --out plan.json` or parashift.ir.compile(...)")
 
 # Encoding a spec writes one JSON object per tensor: a spec shared by many Programs (a search) is
-# encoded once, and a Program compiled in this process decodes back to the very spec it was given.
-_ENCODED: dict[int, tuple[ModelSpec, dict]] = {}
+# encoded to text once (each Program gets its own copy), and a Program compiled in this process
+# decodes back to the very spec it was given.
+_ENCODED: dict[int, tuple[ModelSpec, str]] = {}
 _DECODED: dict[int, tuple[dict, ModelSpec]] = {}
 _MEMO = 32
 
 
-def _remember(spec: ModelSpec, obj: dict) -> None:
-    for memo in (_ENCODED, _DECODED):
-        if len(memo) >= _MEMO:
-            memo.pop(next(iter(memo)))
-    _ENCODED[id(spec)] = (spec, obj)
-    _DECODED[id(obj)] = (obj, spec)
+def _remember(memo: dict, key: int, value: tuple) -> None:
+    if len(memo) >= _MEMO:
+        memo.pop(next(iter(memo)))
+    memo[key] = value
 
 
 def spec_json(spec: ModelSpec) -> dict:
-    """``spec.to_json()``, computed once per spec object (treat it as read-only)."""
+    """``spec.to_json()`` (a fresh object; the encoding is done once per spec object)."""
     hit = _ENCODED.get(id(spec))
-    if hit is not None and hit[0] is spec:
-        return hit[1]
-    obj = spec.to_json()
-    _remember(spec, obj)
+    if hit is None or hit[0] is not spec:
+        hit = (spec, json.dumps(spec.to_json(), separators=(",", ":")))
+        _remember(_ENCODED, id(spec), hit)
+    obj = json.loads(hit[1])
+    _remember(_DECODED, id(obj), (obj, spec))
     return obj
 
 
@@ -64,7 +65,7 @@ def spec_of(meta: Mapping[str, Any]) -> "ModelSpec | None":
     if hit is not None and hit[0] is obj:
         return hit[1]
     spec = ModelSpec.from_json(obj)
-    _remember(spec, obj)
+    _remember(_DECODED, id(obj), (obj, spec))
     return spec
 
 
