@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
 
 from ..cluster import Cluster, get as get_cluster
 from ..errors import LimitError, ProgramError
 from ..ir.graph import paused_gc
 from ..ir.program import Program
+from ..ir.step_meta import StepMeta, spec_of
 from ..cost import CostModel
 from .engine import Engine
 from .result import SimResult
@@ -48,24 +49,26 @@ def simulate(program: Program, cluster: "Cluster | str", cost_model: CostModel |
     return res
 
 
-_Shape = "tuple[ModelSpec, int | None, int | None] | None"
+class _Shape(NamedTuple):
+    model: "ModelSpec"
+    seq_len: "int | None"
+    mbs: "int | None"
 
 
-def _shape(program: Program, model: "ModelSpec | None") -> _Shape:
+def _shape(program: Program, model: "ModelSpec | None") -> "_Shape | None":
     """The program's model with its sequence length and micro-batch size (None when the Program
     carries no model and none is given): a training step's from its StepMeta, a rollout's spec from
     its meta; ``model`` overrides the spec."""
-    from ..ir.step_meta import StepMeta, spec_of
     step = StepMeta.maybe(program)
     if step is not None:
         spec, seq, mbs = step.model, step.seq_len, step.mbs
     else:       # a rollout or a hand-made Program: its own numbers, when it has them
         spec, seq, mbs = spec_of(program.meta), program.meta.get("seq_len"), program.meta.get("mbs")
     spec = model if model is not None else spec
-    return None if spec is None else (spec, seq, mbs)
+    return None if spec is None else _Shape(spec, seq, mbs)
 
 
-def _workload(program: Program, shape: _Shape) -> "Workload | None":
+def _workload(program: Program, shape: "_Shape | None") -> "Workload | None":
     """Kernel shapes of the program's micro-batch (None without a known model or strategy, and for a
     rollout Program: a decode step attends to a cache the training shapes do not describe, so its
     instructions are priced by their own FLOPs and bytes)."""
@@ -77,7 +80,7 @@ def _workload(program: Program, shape: _Shape) -> "Workload | None":
     return Workload.of(model, s, seq or model.seq_len, mbs)
 
 
-def _scores_per_layer(program: Program, shape: _Shape) -> float:
+def _scores_per_layer(program: Program, shape: "_Shape | None") -> float:
     """Attention score elements of one layer on one rank: mbs x heads/tp x seq^2 (0 if unknown)."""
     if shape is None:
         return 0.0
