@@ -22,7 +22,7 @@ def _json(obj):
     return json.loads(json.dumps(obj))
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", SPECS + [ps.models.get(n) for n in ps.models.names()], ids=lambda s: s.name)
 def test_model_spec_codec_is_lossless(spec):
     back = ModelSpec.from_json(_json(spec.to_json()))
     assert back == spec and back.tensors == spec.tensors and back.params == spec.params
