@@ -14,7 +14,7 @@ layer i; ``embed`` regions go to the first chunk and ``head`` regions to the las
 names every other region is its own layer, in order. A ``Place`` directive (``directives=``, see
 :mod:`parashift.ir.user_directives`) maps regions to chunks and stages instead; where it splits a
 layer, every region becomes its own layer (in chunk, then model order) and the Program's strategy
-carries the placement (:class:`~parashift.ir.placement.PlacedStrategy`). ``meta["regions"]`` records
+carries the placement (:class:`~parashift.ir.placement.PlacedStrategy`). ``StepMeta.regions`` records
 every region's chunk, which the runtime cuts the model by.
 """
 from __future__ import annotations
