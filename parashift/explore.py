@@ -127,11 +127,11 @@ def lower_and_simulate(plan: "SwitchPlan", **options: object) -> dict:
     prog = transition.lower(plan, plan.cluster, **options)
     prog.validate()
     res = sim.simulate_switch(prog, plan.cluster)
-    meta = prog.meta
-    return {"switch_s": res.switch_time, "stages": meta["stages"], "switch_messages": meta["messages"],
-            "collectives": int(sum(meta["collectives"].values())), "instructions": prog.num_instructions(),
+    meta = transition.SwitchMeta.of(prog)
+    return {"switch_s": res.switch_time, "stages": meta.stages, "switch_messages": meta.messages,
+            "collectives": int(sum(meta.collectives.values())), "instructions": prog.num_instructions(),
             "peak_memory_gib": res.peak_memory_max / 2**30, "bytes_inter_gib": res.link_bytes["inter"] / 2**30,
-            "lower_s": meta["lower_seconds"], "fits": res.fits}
+            "lower_s": meta.lower_seconds, "fits": res.fits}
 
 
 def ablation(plan: "SwitchPlan", passes: Sequence[str] = PASSES) -> "pd.DataFrame":

@@ -245,7 +245,8 @@ def test_tied_embedding_sync():
 def test_meta_and_activation_buffers():
     prog = compile("tiny-gpt", "dp=2,pp=2,recompute=full", global_batch=8, seq_len=SEQ)
     assert prog.meta == {"model": "tiny-gpt", "strategy": "dp=2,tp=1,pp=2,recompute=full", "schedule": "1f1b",
-                         "global_batch": 8, "seq_len": SEQ, "microbatches": 4, "mbs": 1, "kind": "train_step"}
+                         "global_batch": 8, "seq_len": SEQ, "microbatches": 4, "mbs": 1, "kind": "train_step",
+                         "precision": "fp32", "model_spec": models.get("tiny-gpt").to_json()}
     names = [n for i in prog.ranks[0].instrs() for n, _ in i.alloc]
     assert "act.c0.m3" in names and any(n.startswith("rc.") for n in names)
 

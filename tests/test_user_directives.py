@@ -15,6 +15,7 @@ from parashift.exec.user_model import compile_user_model, run_user_model
 from parashift.ir.annotate import trace
 from parashift.ir.compile_graph import compile_graph
 from parashift.ir.placement import PlacedStrategy
+from parashift.ir.step_meta import StepMeta
 
 from test_exec_user_model import _CLI_MODULE, EXAMPLE, GB, OPT, batches, check_mlp_losses, lm_loss, reference, tiny_lm
 
@@ -191,8 +192,7 @@ def test_a_preset_with_a_custom_place_runs_like_one_process():
     spec, s = ps.models.get("tiny-gpt"), ps.Strategy.parse("pp=2")
     ds = [D.Place((0, 1, 1, 1), x.chunk_stage, x.act_bytes, x.optim) if isinstance(x, D.Place) else x
           for x in directives(spec, s, global_batch=4, seq_len=spec.seq_len)]
-    meta = {"model": spec.name, "strategy": str(s), "schedule": s.schedule, "global_batch": 4,
-            "seq_len": spec.seq_len, "microbatches": 4, "mbs": 1, "kind": "train_step"}
+    meta = StepMeta.build(spec, s, global_batch=4, seq_len=spec.seq_len, microbatches=4).encode()
     prog = ps.ir.lower(D.apply_all(_base(spec, s, spec.seq_len), ds), s, static_memory=static_memory(spec, s),
                        meta=meta)
     prog = ps.ir.Program.from_json(prog.to_json())

@@ -32,23 +32,29 @@ def _job(args: argparse.Namespace):
     from ..strategy import Strategy
     from ..train import LRSchedule
     model, gb, seq = args.model, args.global_batch, args.seq_len
+    spec = None
     if Path(args.plan).is_file():
+        from ..ir.program import Program
+        from ..ir.step_meta import StepMeta
         from ..validate import read_json
         obj = read_json(args.plan, "plan")
         meta = obj.get("meta") if isinstance(obj, dict) else None
         if not isinstance(meta, dict) or "model" not in meta or "strategy" not in obj:
             raise InputError(f"plan {args.plan} is not a parashift plan (a Program JSON with meta.model); write "
                              f"one with `parashift search --out`")
-        deploy = meta.get("deploy", {})
-        strategy = Strategy.parse(deploy.get("strategy", obj["strategy"]))
-        model = model or deploy.get("model", meta["model"])
-        gb = gb or deploy.get("global_batch", meta.get("global_batch"))
-        seq = seq or deploy.get("seq_len", meta.get("seq_len"))
+        step = StepMeta.of(Program.from_json(obj))      # the plan carries its model
+        if step.model is None and model is None:
+            raise InputError(f"plan {args.plan} was compiled from a traced user model, which has no architecture "
+                             f"to export; give --model")
+        strategy = Strategy.parse(meta.get("deploy", {}).get("strategy", obj["strategy"]))
+        spec = None if model else step.model
+        gb = gb or step.global_batch
+        seq = seq or step.seq_len
     else:
         strategy = Strategy.parse(args.plan)
         if model is None or gb is None:
             raise InputError("a strategy needs --model and --global-batch (a plan file carries both)")
-    spec = models.get(model)
+    spec = spec or models.get(model)
     schedule = None
     if args.lr is not None:
         schedule = LRSchedule(lr=args.lr, warmup_steps=args.lr_warmup_steps, decay=args.lr_decay,

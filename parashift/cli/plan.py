@@ -100,9 +100,9 @@ def _lower(plan, args: argparse.Namespace, budget) -> dict:
     off = {k.strip(): False for k in args.off.split(",") if k.strip()}
     prog = transition.lower(plan, plan.cluster, memory_budget=budget, **off)
     prog.validate()
-    meta = prog.meta
-    out = {"lower_seconds": meta["lower_seconds"], "stages": meta["stages"], "switch_messages": meta["messages"],
-           "collectives": dict(meta["collectives"]), "instructions": prog.num_instructions(),
+    meta = transition.SwitchMeta.of(prog)
+    out = {"lower_seconds": meta.lower_seconds, "stages": meta.stages, "switch_messages": meta.messages,
+           "collectives": dict(meta.collectives), "instructions": prog.num_instructions(),
            "memory_budget": budget}
     if args.program:
         prog.save(args.program)

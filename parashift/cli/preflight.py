@@ -49,7 +49,8 @@ def preflight(program: "Program", *, cores: int | None = None, memory: int | Non
     need = world * (float(peak_per_device) + PROCESS_BYTES)
     out = {"processes": world, "cores": cores, "processes_per_core": world / cores,
            "memory_estimate": need, "memory_available": memory}
-    model = program.meta.get("model", "the model")
+    from ..ir.step_meta import StepMeta
+    model = StepMeta.of(program).name
     problems = []
     if world > MAX_PROCS_PER_CORE * cores:
         problems.append(f"{world} processes on {cores} cores ({world / cores:.1f} per core, limit "

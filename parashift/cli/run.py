@@ -63,6 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     from .. import models
     from ..exec import OptimConfig, compile_program, run_program, under_torchrun
+    from ..ir.step_meta import StepMeta
     from .run_user import is_user_model
     args.trace = args.timeline   # the name run_user and switch_live read
     check_live(args)
@@ -138,7 +139,7 @@ def run(args: argparse.Namespace) -> dict:
         res.to_chrome_trace(args.trace)
     out = res.to_json()
     if args.directives:
-        out["directives"] = program.meta["directives"].splitlines()
+        out["directives"] = (StepMeta.of(program).directives or "").splitlines()
         out["streams"] = sorted({s for rp in program.ranks.values() for s in rp.streams})
     if args.trace:
         out["timeline"] = args.trace

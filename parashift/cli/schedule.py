@@ -26,6 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     from .. import ir
     from ..ir.plot import plot_order, stage_orders
+    from ..ir.step_meta import StepMeta
 
     from ..strategy import Strategy
     s = Strategy.parse(args.strategy)
@@ -41,21 +42,21 @@ def run(args: argparse.Namespace) -> dict:
         for ins in rp.instrs():
             counts[ins.op] = counts.get(ins.op, 0) + len(ranks)
     orders = stage_orders(prog)
+    step = StepMeta.of(prog)
     out = {
-        "valid": True, "model": prog.meta["model"], "strategy": prog.meta["strategy"],
-        "schedule": prog.meta["schedule"], "microbatches": prog.meta["microbatches"], "ranks": prog.world,
+        "valid": True, "model": step.name, "strategy": step.strategy,
+        "schedule": step.schedule, "microbatches": step.microbatches, "ranks": prog.world,
         "distinct_programs": len(prog.classes()), "instructions": dict(sorted(counts.items())),
         "instructions_per_program": max(len(p) for p in {id(p): p for p in prog.ranks.values()}.values()),
         "compile_seconds": round(t1 - t0, 4), "validate_seconds": round(t2 - t1, 4),
         "order": {str(st): " ".join(map(str, a)) for st, a in orders.items()},
     }
     if args.directives:
-        from .. import models
         from ..ir.compile import planning_costs
         from ..ir.schedules import schedule_order
         from ..ir.user_directives import format_directives, strategy_directives
-        spec = models.get(args.model)
-        order = schedule_order(s, prog.meta["microbatches"],
+        spec = step.model
+        order = schedule_order(s, step.microbatches,
                                planning_costs(spec, s, args.seq_len or spec.seq_len))   # the order compile used
         out["directives"] = format_directives(strategy_directives(s, layers=spec.layers, global_batch=args.global_batch,
                                                                   order=order)).splitlines()

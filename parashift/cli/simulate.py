@@ -28,6 +28,7 @@ def run(args: argparse.Namespace) -> dict:
     from .. import cluster as clusters, models
     from ..errors import ClusterError
     from ..ir import compile as ir_compile
+    from ..ir.step_meta import StepMeta
     from ..sim import CostModel, simulate
     from ..strategy import Strategy
 
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> dict:
         res.plot_timeline(args.plot, ranks=trace_ranks)
     mem = res.memory_summary()
     out.update({"model": model.name, "cluster": cl.name, "strategy": str(strategy), "devices": strategy.world,
-                "microbatches": program.meta.get("microbatches"), "events": res.events,
+                "microbatches": StepMeta.of(program).microbatches, "events": res.events,
                 "memory_dominant": mem["dominant"], "memory_states": mem["states"],
                 "memory_activations": mem["activations"]})
     return out

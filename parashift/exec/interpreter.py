@@ -51,6 +51,7 @@ import torch
 
 from ..errors import RuntimeFailure
 from ..ir.program import Instr, Program
+from ..ir.step_meta import StepMeta
 from ..ir.tags import CPTag, EPTag, P2PTag, SPTag, StepTag, Sync, SyncTag, TPTag, Z3Tag, parse_tag
 from ..models import ModelSpec
 from .comm import Flight, Poller
@@ -177,7 +178,8 @@ class Interpreter:
         self.strategy = program.strategy
         self.rp = program.ranks[rank]
         self.coords = self.strategy.coords(rank)
-        self.gb = int(program.meta["global_batch"])
+        self.step_meta = StepMeta.of(program)
+        self.gb = self.step_meta.global_batch
         self.st = StepState()
         self.live = LiveTensors()
         self._step, self._data = 0, None
@@ -209,7 +211,7 @@ class Interpreter:
         """The preset model's region context (subclasses running other models override it)."""
         from .models import rope_tables
         spec, s, device = self.spec, self.strategy, self.device
-        seq = int(self.program.meta["seq_len"])
+        seq = int(self.step_meta.seq_len)
         self.seq = seq // s.cp          # tokens of a sequence this rank holds
         self.atoms = chunk_atoms(spec, s)
         rc = {(i.chunk, i.microbatch, a) for i in self.rp.instrs() if i.phase == "recompute"

@@ -16,6 +16,7 @@ import torch
 from .. import models
 from ..errors import ProgramError
 from ..ir.program import Program
+from ..ir.step_meta import StepMeta
 from ..strategy import Strategy
 from .groups import Worlds
 from .interpreter import Interpreter, group_keys
@@ -30,28 +31,23 @@ __all__ = ["Runtime", "RunResult", "run", "run_program", "compile_program", "loa
 
 
 def _spec(program: Program, model: "models.ModelSpec | None") -> "models.ModelSpec":
-    """The program's model: ``model`` when given (a custom ModelSpec), else the preset in its meta."""
-    if model is not None:
-        if model.name != program.meta.get("model"):
-            raise ProgramError(f"the program was compiled for {program.meta.get('model')!r}, not {model.name!r}")
-        return model
-    return models.get(program.meta["model"])
+    """The model the program carries (its StepMeta); ``model``, when given, must be that model."""
+    step = StepMeta.of(program)
+    if model is not None and (step.model is None or model != step.model or model.tensors != step.model.tensors):
+        raise ProgramError(f"the program was compiled for {step.name!r}, not the given {model.name!r} (or that "
+                           f"model differs from the one it carries); leave model= out: the program carries its model")
+    if step.model is None:
+        raise ProgramError("this program was compiled from a traced user model: run it with "
+                           "parashift.exec.run_user_model(factory, strategy, example_input=..., data=..., "
+                           "loss_fn=...), which also maps the model's parameters onto the program's chunks")
+    return step.model
 
 
 def _check(program: Program, model: "models.ModelSpec | None" = None) -> None:
     if program.strategy is None:
         raise ProgramError("the program has no strategy; compile it with parashift.ir.compile")
-    meta = program.meta
-    for k in ("model", "global_batch", "seq_len"):
-        if k not in meta:
-            raise ProgramError(f"program meta lacks {k!r}; the runtime executes training-step programs from "
-                               f"parashift.ir.compile")
-    if meta.get("model") == "custom" and model is None:
-        raise ProgramError("this program was compiled from a traced user model: run it with "
-                           "parashift.exec.run_user_model(factory, strategy, example_input=..., data=..., "
-                           "loss_fn=...), which also maps the model's parameters onto the program's chunks")
-    if meta.get("kind", "train_step") != "train_step":
-        raise ProgramError(f"program kind {meta.get('kind')!r} is not a training step")
+    if program.meta.get("kind", "train_step") != "train_step":
+        raise ProgramError(f"program kind {program.meta.get('kind')!r} is not a training step")
     check_supported(_spec(program, model), program.strategy)
 
 
@@ -84,7 +80,8 @@ class Runtime:
         self.store = store if store is not None else StateStore(self.spec, program.strategy, ctx.rank, ctx.device,
                                                                 seed=seed)
         self.profiler = Profiler(ctx.rank, ctx.rank)
-        gb, seq = int(program.meta["global_batch"]), int(program.meta["seq_len"])
+        step = StepMeta.of(program)
+        gb, seq = step.global_batch, step.seq_len
         self.memory = memory
         self.interp = Interpreter(program, ctx.rank, self.worlds, self.store, self.spec, ctx.device,
                                   lambda step: make_batch(self.spec, step, gb, seq, data_seed), optim,
@@ -219,6 +216,11 @@ class RunResult:
     def nprocs(self) -> int:
         return self.program.world
 
+    @property
+    def step(self) -> StepMeta:
+        """The training step that ran (the Program's typed metadata)."""
+        return StepMeta.of(self.program)
+
     def to_frame(self, step: int | None = None):
         """The measured timeline (TIMELINE_COLUMNS) of ``step`` (default: the last step)."""
         return timeline_frame(self.rows, step)
@@ -229,8 +231,8 @@ class RunResult:
 
     def to_json(self) -> dict:
         return {"losses": self.losses, "step_times": self.step_times, "peak_memory": self.peak_memory,
-                "strategy": self.strategy, "nprocs": self.nprocs, "model": self.program.meta.get("model"),
-                "schedule": self.program.meta.get("schedule")}
+                "strategy": self.strategy, "nprocs": self.nprocs, "model": self.step.name,
+                "schedule": self.step.schedule}
 
 
 def assemble_params(spec, parts: list[dict]) -> dict[str, torch.Tensor]:
@@ -275,10 +277,11 @@ def run_program(program: Program, *, steps: int = 1, seed: int = 0, data_seed: i
                 model: "models.ModelSpec | None" = None, weights: str | None = None) -> RunResult:
     """Execute a compiled training-step Program on ``program.world`` local processes.
 
-    ``progress(step, loss, seconds)`` is called in this process as each step completes on all ranks;
-    ``model``: the ModelSpec when the program's model is not a preset; ``memory`` off: no peak
-    memory (``peak_memory`` is empty) and no accounting cost; ``weights``: a folder of Hugging Face
-    ``*.safetensors`` to start from (else initial values from ``seed``).
+    The program carries its model, batch and sequence length (:class:`~parashift.ir.step_meta.StepMeta`);
+    nothing else is needed. ``progress(step, loss, seconds)`` is called in this process as each step
+    completes on all ranks; ``model``: optional, checked to be the model the program carries;
+    ``memory`` off: no peak memory (``peak_memory`` is empty) and no accounting cost; ``weights``: a
+    folder of Hugging Face ``*.safetensors`` to start from (else initial values from ``seed``).
     """
     _check(program, model)
     if weights:

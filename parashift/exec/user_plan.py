@@ -1,12 +1,12 @@
 """How a user model annotated with ``parashift.region`` maps onto a compiled Program's chunks.
 
 A Program compiled from a traced model (``parashift.ir.annotate.trace`` + ``compile_graph``) places
-regions on pipeline chunks (by layer, or as a ``Place`` directive says; ``meta["regions"]``). To execute a chunk, the runtime needs a forward that is a
-function of the previous chunk's output alone, so with more than one chunk (pp * vpp > 1) the model
+regions on pipeline chunks (by layer, or as a ``Place`` directive says; ``StepMeta.regions``). To
+execute a chunk, the runtime needs a forward that is a function of the previous chunk's output alone, so with more than one chunk (pp * vpp > 1) the model
 must be a ``torch.nn.Sequential`` whose every child's regions fall in one chunk (each chunk is a
 contiguous run of children, as in ``torch.distributed.pipelining``). With one chunk (DP and ZeRO)
 any annotated model runs: the whole module is the chunk. Chunks sit on stages as the Program's
-``meta["chunk_stages"]`` says (uneven splits and V shapes included).
+``StepMeta.chunk_stages`` says (uneven splits and V shapes included).
 
 :func:`plan_user_model` finds, on meta tensors, which child runs which region, each child's chunk,
 the activation shape crossing every chunk boundary, and the parameter inventory as a ModelSpec
@@ -25,6 +25,7 @@ from ..errors import StrategyError
 from ..ir.annotate import _ACTIVE as _RECORDER
 from ..ir.placement import placed
 from ..ir.program import Program
+from ..ir.step_meta import StepMeta
 from ..models import ModelSpec, TensorSpec
 from ..strategy import Strategy
 
@@ -129,11 +130,15 @@ def _spec(model: torch.nn.Module, name: str, s: Strategy, child_chunk: list[int]
 def plan_user_model(model: torch.nn.Module, program: Program, example_input: Any, *,
                     name: str = "custom") -> UserPlan:
     """Map ``model`` onto the chunks of ``program`` (compiled from its trace by ``compile_graph``, whose
-    ``meta["regions"]`` gives every region's chunk); raises StrategyError with the fix when a chunk's
+    ``StepMeta.regions`` gives every region's chunk); raises StrategyError with the fix when a chunk's
     forward cannot be cut out of the model (see module docstring)."""
     s = program.strategy
-    region_chunk = dict(program.meta["regions"])
-    chunk_stages = tuple(program.meta["chunk_stages"])
+    step = StepMeta.of(program)
+    if step.regions is None or step.chunk_stages is None:
+        raise StrategyError(f"this program was compiled from model {step.name!r}, not traced from a user model; "
+                            f"run it with parashift.exec.run_program")
+    region_chunk = dict(step.regions)
+    chunk_stages = step.chunk_stages
     chunks = len(chunk_stages)
     run = placed(s, range(chunks), chunk_stages) if chunks > 1 else s
     if chunks == 1:

@@ -25,6 +25,7 @@ from .recipe import (MAX_CELLS, MAX_MICROBATCHES, check_size, directives, distri
                      model_and_strategy, planning_costs, step_costs)
 from .scheduler import lower
 from .schedules import ScheduleCosts
+from .step_meta import StepMeta
 
 __all__ = ["compile", "directives", "distributed_graph", "planning_costs", "check_size", "MAX_MICROBATCHES",
            "MAX_CELLS"]
@@ -69,8 +70,7 @@ def _compile(model: "str | ModelSpec", strategy: "str | Strategy", *, global_bat
     if callable(order) and not isinstance(order, Order):
         order = order(s, m)
     g = distributed_graph(spec, s, global_batch=global_batch, seq_len=seq, order=order, costs=costs)
-    meta = {"model": spec.name, "strategy": str(s), "schedule": s.schedule, "global_batch": int(global_batch),
-            "seq_len": int(seq), "microbatches": m, "mbs": s.mbs, "kind": "train_step"}
+    meta = StepMeta.build(spec, s, global_batch=global_batch, seq_len=seq, microbatches=m).encode()
     # with communication on the compute stream FLOPs misjudge step times: order p2p pairs by durations
     timing = step_costs(spec, s, seq, costs).of if s.tp > 1 or s.ep > 1 or s.cp > 1 else None
     prog = lower(g, s, static_memory=static_memory(spec, s), meta=meta, step_time=timing)

@@ -24,6 +24,7 @@ from .recipe import base_graph, step_costs
 from .recipe import directives as recipe
 from .program import Program
 from .scheduler import lower
+from .step_meta import StepMeta
 from .schedules import split_backward
 from .user_directives import PRESET_AXES, format_directives, resolve
 
@@ -77,9 +78,8 @@ def compile_preset(model: "str | _models.ModelSpec", strategy: "str | Strategy",
     at = next(i for i, d in enumerate(steps) if isinstance(d, Order))
     steps[at:at] = list(res.streams)                         # user streams, before the order (as compile's own)
     g = apply_all(base_graph(spec, s, seq), steps)
-    meta = {"model": spec.name, "strategy": str(s), "schedule": s.schedule, "global_batch": int(global_batch),
-            "seq_len": int(seq), "microbatches": m, "mbs": s.mbs, "kind": "train_step",
-            "directives": format_directives(list(directives))}
+    meta = StepMeta.build(spec, s, global_batch=global_batch, seq_len=seq, microbatches=m,
+                          directives=format_directives(list(directives))).encode()
     timing = step_costs(spec, s, seq, costs).of if s.tp > 1 or s.ep > 1 or s.cp > 1 else None
     prog = lower(g, s, static_memory=static_memory(spec, s), meta=meta, step_time=timing)
     if validate:

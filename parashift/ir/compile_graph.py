@@ -14,7 +14,7 @@ layer i; ``embed`` regions go to the first chunk and ``head`` regions to the las
 names every other region is its own layer, in order. A ``Place`` directive (``directives=``, see
 :mod:`parashift.ir.user_directives`) maps regions to chunks and stages instead; where it splits a
 layer, every region becomes its own layer (in chunk, then model order) and the Program's strategy
-carries the placement (:class:`~parashift.ir.placement.PlacedStrategy`). ``meta["regions"]`` records
+carries the placement (:class:`~parashift.ir.placement.PlacedStrategy`). ``StepMeta.regions`` records
 every region's chunk, which the runtime cuts the model by.
 """
 from __future__ import annotations
@@ -30,6 +30,7 @@ from .graph import Graph
 from .memory import OPTIM_FLOPS_PER_ELEMENT
 from .program import Program
 from .scheduler import lower
+from .step_meta import StepMeta
 from .placement import placed, placement_order
 from .recipe import check_size
 from .schedules import get_schedule, schedule_order, split_backward
@@ -142,11 +143,9 @@ def compile_graph(graph: Graph, strategy: "str | Strategy" = "dp=1", *, global_b
     ]
     dist = apply_all(g, steps)
     region_chunk = {c["region"][i]: int(node_chunk[i]) for i in range(len(g))}
-    meta = {"model": name, "strategy": str(s), "schedule": s.schedule, "global_batch": int(global_batch),
-            "seq_len": None, "microbatches": m, "mbs": s.mbs, "kind": "train_step", "regions": region_chunk,
-            "chunk_stages": list(chunk_stage)}
-    if directives:
-        meta["directives"] = format_directives(list(directives))
+    meta = StepMeta.build(None, s, global_batch=global_batch, seq_len=None, microbatches=m, name=name,
+                          regions=region_chunk, chunk_stages=tuple(chunk_stage),
+                          directives=format_directives(list(directives)) if directives else None).encode()
     prog = lower(dist, run, static_memory=mem, meta=meta)
     if validate:
         prog.validate()

@@ -7,8 +7,9 @@ the runtime use that module, never string formatting or regular expressions of t
 # Training-step Program conventions (shared contract of ir.compile, sim and exec)
 
 `ir.compile(model, strategy, *, global_batch, seq_len)` returns a `Program` (parashift/ir/program.py) with
-`strategy` set, `meta` = {"model": name, "strategy": str, "schedule": name, "global_batch", "seq_len",
-"microbatches": m, "mbs", "kind": "train_step"}. Ranks 0..world-1; ranks with identical programs SHARE one
+`strategy` set, `meta` = `StepMeta.encode()` (parashift/ir/step_meta.py: {"model": name, "model_spec": the
+full ModelSpec, "strategy": str, "schedule": name, "global_batch", "seq_len", "microbatches": m, "mbs",
+"kind": "train_step", "precision"}; read it with `StepMeta.of(program)`). Ranks 0..world-1; ranks with identical programs SHARE one
 RankProgram object (all DP replicas and TP peers of one pipeline stage normally do, and EP ranks too, since
 they differ only by which experts they hold, which comes from the strategy). Groups are symbolic axis
 names ("tp", "dp", "ep", "edp", plus "embed" = first and last pipeline stage of the same (tp, dp) for tied
@@ -150,7 +151,8 @@ DP grad sync position on "comm": after the chunk's last backward step, behind th
 Traced user models: `ir.compile(graph, strategy, global_batch=...)` accepts a region Graph from
   `parashift.ir.annotate.trace(model, one_microbatch_input)`; dp/pp/vpp/zero/schedules/recompute only
   (tp = ep = 1); regions are fused per chunk exactly as for presets (region names from the trace, e.g.
-  "embed+layers.0-1"); meta["model"] = "custom", meta["seq_len"] = None.
+  "embed+layers.0-1"); StepMeta: model None (no spec; name "custom" unless given), seq_len None,
+  regions and chunk_stages set.
 Static memory: RankProgram.static_memory comes from parashift.vps.layout (ZeRO buffers incl. padding):
   "param", "grad", "master" (0 for fp32 models), "optim" = exp_avg + exp_avg_sq bytes.
 """

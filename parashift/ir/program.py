@@ -20,7 +20,8 @@ from .validate import validate_ranks
 __all__ = ["Instr", "RankProgram", "Program", "COMPUTE", "COMM_OPS", "COLLECTIVES", "PHASES", "FORMAT_VERSION",
            "TIMELINE_COLUMNS", "TIMELINE_KINDS", "instrs_from_columns"]
 
-FORMAT_VERSION = 1
+#: 2: a training step carries its model's spec and recipe (:class:`~parashift.ir.step_meta.StepMeta`)
+FORMAT_VERSION = 2
 
 #: A timeline records one executed instruction per row (simulated by ``parashift.sim``, measured by
 #: ``parashift.exec``'s profiler), times in seconds; the column kinds are int, float, text, and
@@ -125,16 +126,20 @@ class Program:
 
     @classmethod
     def from_json(cls, obj: dict) -> "Program":
+        """The Program :meth:`to_json` wrote, in this format version or an older one it still reads
+        (a format-1 training step, which names its model instead of carrying it, is refused)."""
         if obj.get("format") != "parashift.program":
             raise ProgramError("not a parashift program file (missing format: parashift.program)")
-        if obj.get("version") != FORMAT_VERSION:
-            raise ProgramError(f"program format version {obj.get('version')} is not {FORMAT_VERSION}; "
-                               f"recompile it with this parashift")
+        _check_version(obj)
         progs = [RankProgram.from_json(p) for p in obj["programs"]]
         ranks = {int(r): progs[i] for r, i in obj["ranks"].items()}
         strat = Strategy.parse(obj["strategy"]) if obj.get("strategy") else None
         from .placement import placed_from_meta   # a Place directive's explicit placement
-        return cls(ranks, placed_from_meta(strat, obj.get("meta", {})), obj.get("meta", {}))
+        meta = obj.get("meta", {})
+        if meta.get("kind") == "train_step":      # refuse an incomplete training step here, naming the fix
+            from .step_meta import StepMeta
+            StepMeta.decode(meta)
+        return cls(ranks, placed_from_meta(strat, meta), meta)
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -159,3 +164,17 @@ class Program:
 
     def replace(self, **kw: Any) -> "Program":
         return replace(self, **kw)
+
+
+def _check_version(obj: dict) -> None:
+    """Refuse, in one line naming the fix, a Program file this version cannot read."""
+    v = obj.get("version")
+    meta = obj.get("meta") or {}
+    if v == FORMAT_VERSION or (v == 1 and isinstance(meta, Mapping) and meta.get("kind") != "train_step"):
+        return      # format 1 differs only in a training step's meta: switch and rollout Programs read as before
+    if v == 1:
+        raise ProgramError(f"this plan of {meta.get('model')!r} was written by an older parashift (format 1: no step "
+                           f"meta, it names its model instead of carrying it); recompile it with this parashift: "
+                           f"`parashift search ... --out plan.json` or `parashift schedule ... --out plan.json`")
+    raise ProgramError(f"program format version {v!r} is not {FORMAT_VERSION} (this parashift reads 1 and "
+                       f"{FORMAT_VERSION}); recompile it with this parashift, or upgrade parashift to read it")

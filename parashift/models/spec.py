@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from functools import cached_property
+from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import LimitError, StrategyError
+from ..errors import LimitError, ProgramError, StrategyError
 
 __all__ = ["TensorSpec", "ModelSpec", "gpt", "moe", "DTYPE_BYTES", "REGIONS", "MAX_LAYERS"]
 
@@ -50,6 +51,14 @@ class TensorSpec:
     @property
     def nbytes(self) -> int:
         return self.numel * DTYPE_BYTES[self.dtype]
+
+    def to_json(self) -> dict:
+        """Every field, JSON-able (tuples as lists); :meth:`from_json` inverts it."""
+        return _encode(self)
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> "TensorSpec":
+        return _decode(cls, obj)
 
 
 @dataclass(frozen=True)
@@ -99,6 +108,18 @@ class ModelSpec:
     group_top_k: int = 0        # ... of which each token reaches at most this many
     mtp_layers: int = 0         # multi-token prediction modules on the last stage
     tensors: tuple[TensorSpec, ...] = field(default=(), repr=False, compare=False)
+
+    # ---- codec -------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        """Every field (tensors included), JSON-able; :meth:`from_json` inverts it losslessly.
+        Built from the dataclass fields, so a field added later is carried without more code."""
+        return _encode(self)
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> "ModelSpec":
+        """The spec :meth:`to_json` wrote (a field it lacks takes its default: a newer parashift reads an
+        older spec; a field this version does not know is refused)."""
+        return _decode(cls, obj)
 
     # ---- inventory ---------------------------------------------------------------------------
     @cached_property
@@ -231,6 +252,42 @@ class ModelSpec:
 
     def __str__(self) -> str:
         return f"{self.name} ({self.params / 1e9:.2f}B params)"
+
+
+def _encode(obj: Any) -> dict:
+    out: dict[str, Any] = {}
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        if f.name == "tensors":
+            v = [t.to_json() for t in v]
+        elif isinstance(v, tuple):
+            v = list(v)
+        out[f.name] = v
+    return out
+
+
+def _decode(cls: type, obj: Mapping[str, Any]) -> Any:
+    what = cls.__name__
+    if not isinstance(obj, Mapping):
+        raise ProgramError(f"a {what} is stored as a JSON object, got {type(obj).__name__}; recompile the plan")
+    known = {f.name: f for f in fields(cls)}
+    extra = sorted(set(obj) - set(known))
+    if extra:
+        raise ProgramError(f"{what} field(s) {', '.join(map(repr, extra))} are unknown to this parashift (written "
+                           f"by a newer one); upgrade parashift or recompile the plan with this one")
+    kw: dict[str, Any] = {}
+    for name, f in known.items():
+        if name not in obj:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise ProgramError(f"{what} lacks field {name!r}; recompile the plan")
+            continue
+        v = obj[name]
+        if name == "tensors":
+            v = tuple(TensorSpec.from_json(t) for t in v)
+        elif isinstance(v, list):
+            v = tuple(v)
+        kw[name] = v
+    return cls(**kw)
 
 
 def _inventory(spec: ModelSpec) -> tuple[TensorSpec, ...]:

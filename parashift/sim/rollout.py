@@ -23,6 +23,7 @@ from ..cluster import Cluster, get as get_cluster
 from ..cost import CostModel
 from ..errors import StrategyError
 from ..ir.program import Instr, Program, RankProgram
+from ..ir.step_meta import spec_json
 from ..models import ModelSpec, get as get_model
 from ..strategy import Strategy
 
@@ -98,7 +99,7 @@ def rollout_program(model: "ModelSpec | str", strategy: "Strategy | str", *, pro
                   + spec.layers * sum(v for k, v in reg.items() if k not in ("embed", "head")))
     cache = int(spec.layers * b * (max_len or L) * kv_local)
     rp = RankProgram({"compute": tuple(instrs)}, {"weights": weights, "kv_cache": cache})
-    meta = {"kind": "rollout", "model": spec.name, "prompts": prompts, "tokens": tokens, "past": past,
+    meta = {"kind": "rollout", "model": spec.name, "model_spec": spec_json(spec), "prompts": prompts, "tokens": tokens, "past": past,
             "dtype": dtype, "global_batch": prompts, "seq_len": L, "mbs": b}
     return Program({r: rp for r in range(s.world)}, s, meta)
 

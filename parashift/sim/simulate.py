@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
 
 from ..cluster import Cluster, get as get_cluster
 from ..errors import LimitError, ProgramError
 from ..ir.graph import paused_gc
 from ..ir.program import Program
+from ..ir.step_meta import StepMeta, spec_of
 from ..cost import CostModel
 from .engine import Engine
 from .result import SimResult
@@ -30,16 +31,17 @@ def simulate(program: Program, cluster: "Cluster | str", cost_model: CostModel |
     ``devices``: rank -> device (a mapping, or a list in rank order); rank i on device i by default.
     ``fold``: simulate symmetric ranks once (exact; turn off only to check it).
     ``model``: the program's model, for costs that need its shape (unfused attention); by default
-    the preset named in ``program.meta["model"]``, if any.
+    the model the Program carries (its :class:`~parashift.ir.step_meta.StepMeta`), if any.
     """
     if not isinstance(program, Program):
         raise ProgramError(f"simulate() needs a parashift Program, got {type(program).__name__}; "
                            f"build one with parashift.ir.compile(...)")
     cluster = get_cluster(cluster)
     cost = cost_model if cost_model is not None else CostModel.for_cluster(cluster)
-    scores = _scores_per_layer(program, model) if cost.attention_score_bytes else 0.0
+    shape = _shape(program, model)
+    scores = _scores_per_layer(program, shape) if cost.attention_score_bytes else 0.0
     with paused_gc():   # millions of short-lived acyclic objects: collecting would only rescan the heap
-        raw = Engine(program, cluster, cost, devices, fold, scores, _workload(program, model)).run()
+        raw = Engine(program, cluster, cost, devices, fold, scores, _workload(program, shape)).run()
         res = SimResult.from_raw(program, cluster, cost, raw)
     if not math.isfinite(res.step_time):
         raise LimitError(f"the simulated step time is {res.step_time}: a rate of the cost model or cluster is near "
@@ -47,43 +49,45 @@ def simulate(program: Program, cluster: "Cluster | str", cost_model: CostModel |
     return res
 
 
-def _workload(program: Program, model: "ModelSpec | None") -> "Workload | None":
+class _Shape(NamedTuple):
+    model: "ModelSpec"
+    seq_len: "int | None"
+    mbs: "int | None"
+
+
+def _shape(program: Program, model: "ModelSpec | None") -> "_Shape | None":
+    """The program's model with its sequence length and micro-batch size (None when the Program
+    carries no model and none is given): a training step's from its StepMeta, a rollout's spec from
+    its meta; ``model`` overrides the spec."""
+    step = StepMeta.maybe(program)
+    if step is not None:
+        spec, seq, mbs = step.model, step.seq_len, step.mbs
+    else:       # a rollout or a hand-made Program: its own numbers, when it has them
+        spec, seq, mbs = spec_of(program.meta), program.meta.get("seq_len"), program.meta.get("mbs")
+    spec = model if model is not None else spec
+    return None if spec is None else _Shape(spec, seq, mbs)
+
+
+def _workload(program: Program, shape: "_Shape | None") -> "Workload | None":
     """Kernel shapes of the program's micro-batch (None without a known model or strategy, and for a
     rollout Program: a decode step attends to a cache the training shapes do not describe, so its
     instructions are priced by their own FLOPs and bytes)."""
     from ..cost import Workload
-    if program.meta.get("kind") == "rollout":
-        return None
-    if model is None:
-        model = _model_of(program)
     s = program.strategy
-    if model is None or s is None:
+    if program.meta.get("kind") == "rollout" or shape is None or s is None:
         return None
-    return Workload.of(model, s, program.meta.get("seq_len") or model.seq_len, program.meta.get("mbs"))
+    model, seq, mbs = shape
+    return Workload.of(model, s, seq or model.seq_len, mbs)
 
 
-def _model_of(program: Program) -> "ModelSpec | None":
-    """The model a program names (a preset or an inline spec), or None."""
-    from .. import models
-    from ..errors import ParashiftError
-    name = program.meta.get("model")
-    if not name:
-        return None
-    try:
-        return models.get(name)
-    except ParashiftError:
-        return None
-
-
-def _scores_per_layer(program: Program, model: "ModelSpec | None") -> float:
+def _scores_per_layer(program: Program, shape: "_Shape | None") -> float:
     """Attention score elements of one layer on one rank: mbs x heads/tp x seq^2 (0 if unknown)."""
-    if model is None:
-        model = _model_of(program)
-        if model is None:
-            return 0.0
+    if shape is None:
+        return 0.0
+    model, seq, mbs = shape
     s = program.strategy
-    seq = program.meta.get("seq_len") or model.seq_len
-    mbs = program.meta.get("mbs") or (s.mbs if s else 1)
+    seq = seq or model.seq_len
+    mbs = mbs or (s.mbs if s else 1)
     tp = s.tp if s else 1
     return float(mbs) * model.heads / tp * float(seq) ** 2
 
