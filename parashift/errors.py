@@ -4,7 +4,8 @@ from __future__ import annotations
 __all__ = [
     "ParashiftError", "UnknownPresetError", "UnknownGPUError", "StrategyError", "ClusterError", "DeviceListError",
     "PlanError", "MemoryBudgetError", "ProgramError", "DeadlockError", "TraceFormatError",
-    "RuntimeFailure", "SwitchAborted", "InputError", "OutputError", "LimitError", "DataError",
+    "RuntimeFailure", "SwitchAborted", "StoreError", "StoreTimeout", "InputError", "OutputError", "LimitError",
+    "DataError",
 ]
 
 
@@ -76,6 +77,14 @@ class SwitchAborted(RuntimeFailure):
 
     def __reduce__(self):  # keep reason and peer_failed across processes
         return type(self), (str(self), self.reason, self.peer_failed)
+
+
+class StoreError(RuntimeFailure):
+    """The job's store (an etcd cluster) cannot be reached, or refused a request; the message names which."""
+
+
+class StoreTimeout(StoreError):
+    """A key of the job's store was not set within the timeout (a ``wait`` or a blocking ``get``)."""
 
 
 class InputError(ParashiftError, ValueError):
