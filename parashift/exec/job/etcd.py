@@ -155,6 +155,10 @@ class Etcd:
                          f"(or point --store at a running cluster) and check the addresses")
 
     # -- keys -------------------------------------------------------------------------------
+    def revision(self) -> int:
+        """The store's revision now (a watch from ``revision() + 1`` sees every later change)."""
+        return int(self.call("/v3/kv/range", {"key": _b64(b"\0"), "count_only": True})["header"]["revision"])
+
     def put(self, key: bytes | str, value: bytes | str, lease: int = 0) -> int:
         """Set ``key``; returns the store's revision after the write."""
         body = {"key": _b64(key), "value": _b64(value)}
