@@ -1,4 +1,4 @@
-"""``parashift join --endpoint HOST:PORT --nprocs N``: bring this host's processes into a live job."""
+"""``parashift join --endpoint HOST:PORT --nprocs N`` (or ``--store etcd://...``): bring this host's processes into a live job."""
 from __future__ import annotations
 
 import argparse
@@ -26,11 +26,16 @@ def run(args: argparse.Namespace) -> dict:
     from ..errors import StrategyError
     from ..exec.job.agent import run_agent
     from ..exec.job.endpoint import read_secret
-    if not args.endpoint:
+    if not args.endpoint and not args.store:
         raise StrategyError("join needs --endpoint HOST:PORT, the address the first host's "
-                            "`parashift run ... --live --endpoint` serves")
+                            "`parashift run ... --live --endpoint` serves, or --store etcd://HOST:PORT,... when the "
+                            "job's store is on etcd")
+    if args.store:
+        from ..exec.job.etcd import parse_url
+        parse_url(args.store)
     return run_agent(endpoint=args.endpoint, nprocs=args.nprocs, secret=read_secret(args.secret_file),
-                     timeout=args.timeout, quiet=bool(args.json), notice_seconds=args.notice_seconds)
+                     timeout=args.timeout, quiet=bool(args.json), notice_seconds=args.notice_seconds,
+                     store_url=args.store)
 
 
 def render(result: dict, args: argparse.Namespace) -> None:

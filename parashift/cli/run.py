@@ -89,6 +89,9 @@ def run(args: argparse.Namespace) -> dict:
     if getattr(args, "rollout", None):
         from .run_rl import run_cli as run_rl_cli
         return run_rl_cli(args)
+    if args.store and not args.endpoint:
+        raise StrategyError("--store keeps a multi-host live job's store on etcd; add --endpoint HOST:PORT (this "
+                            "host's address, where its agents' liveness connections arrive) and --live")
     if args.endpoint:
         if not args.live:
             raise StrategyError("--endpoint starts a multi-host live job; add --live")

@@ -36,6 +36,10 @@ def add_host_arguments(p: argparse.ArgumentParser, first: bool = True) -> None:
     p.add_argument("--endpoint", metavar="HOST:PORT",
                    help="multi-host live job: serve (run) or reach (join) the job's store at this address; "
                         "with run, --nprocs is the number of processes on this host")
+    p.add_argument("--store", metavar="etcd://HOST:PORT[,HOST:PORT...]",
+                   help="multi-host live job: keep the job's store on this etcd cluster instead of a TCPStore on the "
+                        "first host (values sealed under the job's secret alike); run still takes --endpoint (where "
+                        "its liveness listener listens), join needs no --endpoint")
     p.add_argument("--secret-file", metavar="PATH",
                    help="the job's secret, in a file only you can read (mode 0600; run creates it if missing); "
                         "default: the PARASHIFT_JOB_SECRET environment variable")
@@ -77,6 +81,9 @@ def run_cli(args: argparse.Namespace) -> dict:
                             "strategy on the hosts that joined); drop --switch-at or --endpoint")
     if args.plan:
         raise StrategyError("--endpoint runs a live job from --model/--strategy; drop the plan file")
+    if args.store:
+        from ..exec.job.etcd import parse_url
+        parse_url(args.store)
     s0 = Strategy.parse(args.strategy)
     device = resolve_device(args)
     table = parse_strategy_for(args.strategy_for, models.get(args.model), args.global_batch)
@@ -88,10 +95,10 @@ def run_cli(args: argparse.Namespace) -> dict:
                          optim=OptimConfig(lr=args.lr), notice=args.switch_notice, memory_budget=budget,
                          placement=args.switch_placement, on_join=args.on_join,
                          snapshot_every=args.snapshot_every, snapshot_dir=os.path.abspath(args.snapshot_dir),
-                         resume=args.resume,
+                         resume=args.resume, store_url=args.store,
                          strategy_for=table, device=device, cluster=args.switch_cluster,
                          **({} if args.heartbeat_timeout is None else {"heartbeat_timeout": args.heartbeat_timeout}))
-    out = {"model": models.get(args.model).name, "strategy": str(s0), "nprocs": s0.world, "endpoint": args.endpoint,
+    out = {"model": models.get(args.model).name, "strategy": str(s0), "nprocs": s0.world, "endpoint": args.endpoint, "store": args.store,
            "schedule": None, **res.to_json(), "step_times": step_times(res), "switches": res.switches,
            "hosts": {str(h): devs for h, devs in placed.items()}}
     if args.trace:

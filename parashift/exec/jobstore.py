@@ -11,7 +11,8 @@ a member reads it (:class:`~parashift.errors.RuntimeFailure` naming the key), ne
 Counters (``add``) are plain integers by the store's nature: their names are sealed, their values
 are not. :func:`die_with_parent` makes a process receive SIGKILL when its parent dies (Linux
 ``PR_SET_PDEATHSIG``), the first link of the chain launcher -> forkserver -> worker that leaves no
-orphan when the launcher is killed.
+orphan when the launcher is killed. :func:`attach` puts the job's store on an etcd cluster instead
+(:mod:`.job.etcd`), sealed alike; :func:`connect` reaches either.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from typing import Any
 
 from ..errors import RuntimeFailure
 
-__all__ = ["JobStore", "serve", "connect", "sealed", "namespace", "die_with_parent", "HOST_ENV"]
+__all__ = ["JobStore", "serve", "attach", "connect", "sealed", "namespace", "die_with_parent", "HOST_ENV"]
 
 #: environment variable naming the address the store listens on (default loopback)
 HOST_ENV = "PARASHIFT_STORE_HOST"
@@ -178,9 +179,22 @@ def serve(timeout: float, host: str | None = None, port: int = 0, secret: str | 
     return JobStore(server, sealed(server, secret), host, port, secret)
 
 
+def attach(url: str, timeout: float, secret: str) -> JobStore:
+    """The job's store on the etcd cluster of ``url`` (``etcd://HOST:PORT[,HOST:PORT...][/PREFIX]``) instead of a
+    TCPStore served here; what an earlier job with the same secret left under the job's namespace is deleted."""
+    from .job.etcd import store as etcd_store
+    raw = etcd_store(url, timeout)
+    raw.client.delete(raw.prefix + namespace(secret) + "/", prefix=True)
+    return JobStore(raw, sealed(raw, secret), url, 0, secret)
+
+
 def connect(host: str, port: int, secret: str, timeout: float) -> Any:
-    """A worker's view of the job's store: a client, sealed by the job's secret."""
+    """A worker's view of the job's store: a client, sealed by the job's secret (``host`` an ``etcd://`` URL and
+    ``port`` 0: the store is on that etcd cluster, :func:`attach`)."""
     import torch.distributed as dist
+    if host.startswith("etcd://"):
+        from .job.etcd import store as etcd_store
+        return sealed(etcd_store(host, timeout), secret)
     client = dist.TCPStore(host, port, None, False, timeout=datetime.timedelta(seconds=timeout))
     return sealed(client, secret)
 

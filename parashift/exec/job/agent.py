@@ -89,26 +89,43 @@ def _wait_generation(store: Any, gens: list, devices: range, timeout: float) -> 
     raise RuntimeFailure(f"timed out after {timeout:.0f} s waiting for the job to use this host's devices")
 
 
-def run_agent(*, endpoint: str, nprocs: int, secret: str, timeout: float = 600.0, quiet: bool = False,
-              notice_seconds: float | None = None) -> dict:
-    """Join the job served at ``endpoint`` with ``nprocs`` local processes; returns what this host ran
-    (``host``, ``devices``, per-device step counts). ``notice_seconds``: the platform kills this host that long
-    after a SIGTERM (None: unbounded); the agent then SIGKILLs itself and its processes, as a reclaimed machine."""
-    host, port = parse_endpoint(endpoint)
-    check_gloo_interface(host)
-    try:
+def _reach(endpoint: str | None, store_url: str | None, secret: str, timeout: float) -> tuple[str, int, Any]:
+    """(host, port, the job's store) for ``connect``: the first host's TCPStore at ``endpoint``, or the etcd
+    cluster of ``store_url`` (host the URL, port 0) once the first host has published its heartbeat window there
+    (it clears the job's keys when it starts: registering earlier would be lost)."""
+    if store_url:
+        host, port = store_url, 0
         store = connect(host, port, secret, timeout)
+        wait_key(store, "hosts/heartbeat", timeout, f"the first host to start the job on {store_url}")
+        if endpoint is None:
+            check_gloo_interface(store.get("hosts/live_host").decode())
+        return host, port, store
+    host, port = parse_endpoint(endpoint)
+    try:
+        return host, port, connect(host, port, secret, timeout)
     except Exception as e:  # noqa: BLE001 - torch raises several kinds for an unreachable store
         raise RuntimeFailure(f"cannot reach the job's store at {host}:{port} ({type(e).__name__}: "
                              f"{str(e).splitlines()[0][:120]}); start `parashift run ... --live --endpoint "
                              f"{host}:{port}` on the first host first") from None
+
+
+def run_agent(*, endpoint: str | None, nprocs: int, secret: str, timeout: float = 600.0, quiet: bool = False,
+              notice_seconds: float | None = None, store_url: str | None = None) -> dict:
+    """Join the job served at ``endpoint`` (or whose store is the etcd cluster of ``store_url``) with ``nprocs``
+    local processes; returns what this host ran (``host``, ``devices``, per-device step counts).
+    ``notice_seconds``: the platform kills this host that long after a SIGTERM (None: unbounded); the agent then
+    SIGKILLs itself and its processes, as a reclaimed machine."""
+    if endpoint is not None:
+        check_gloo_interface(parse_endpoint(endpoint)[0])
+    host, port, store = _reach(endpoint, store_url, secret, timeout)
+    where = store_url or f"{host}:{port}"
     h = int(store.add("hosts/count", 1))
     end = int(store.add("hosts/devices", nprocs))
     devices = range(end - nprocs, end)
     store.set(f"hosts/devices_of/{h}", f"{devices.start}-{devices.stop - 1}")
     beat(host, port, secret, h, beat_every(heartbeat_window(store, timeout)))
     try:
-        hold_liveness(store, host, secret, h)
+        hold_liveness(store, None if store_url else host, secret, h)
     except OSError as e:
         say(False, f"host {h}: no liveness connection to the first host ({e}); a loss of this host is detected "
                     f"by its heartbeat alone (--heartbeat-timeout on the first host)")
@@ -147,7 +164,7 @@ def run_agent(*, endpoint: str, nprocs: int, secret: str, timeout: float = 600.0
         left.set()                 # its processes have exited: a notice's deadline is met
     except BaseException as e:
         if type(e).__name__.startswith("Dist") or store_gone(store):    # the store went away with the first host
-            e = RuntimeFailure(f"lost the job's store at {host}:{port} ({str(e).splitlines()[0][:120]}); the "
+            e = RuntimeFailure(f"lost the job's store at {where} ({str(e).splitlines()[0][:120]}); the "
                                f"first host has ended or failed: see its output")
         try:
             store.set(f"hosts/failed/{h}", f"{type(e).__name__}: {e}"[:500])
@@ -155,6 +172,6 @@ def run_agent(*, endpoint: str, nprocs: int, secret: str, timeout: float = 600.0
             pass
         raise e from None
     store.set(f"hosts/report/{h}", pickle.dumps(reports))
-    say(quiet, f"host {h}: done; report sent to {host}:{port}")
+    say(quiet, f"host {h}: done; report sent to {where}")
     return {"host": h, "devices": list(devices),
             "steps": {k: len(r["losses"]) for k, r in reports.items() if r}}

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from ...errors import RuntimeFailure, StrategyError
-from ..jobstore import serve
+from ..jobstore import attach, serve
 from .elastic import Member, launch_elastic
 from .endpoint import check_gloo_interface, check_local_gpus, parse_endpoint, say
 from .fit import splits_groups
@@ -34,25 +34,29 @@ def _local_members(devices: range) -> list[Member]:
 
 def run_first_host(model, strategy, *, steps: int, endpoint: str, nprocs: int, secret: str,
                    timeout: float = 600.0, quiet: bool = False, on_join: str = "grow",
-                   heartbeat_timeout: float = HEARTBEAT_TIMEOUT, **live) -> tuple[Any, dict[int, list[int]]]:
+                   heartbeat_timeout: float = HEARTBEAT_TIMEOUT, store_url: str | None = None,
+                   **live) -> tuple[Any, dict[int, list[int]]]:
     """Serve the job at ``endpoint``, wait for agents to bring the strategy's world, train, and
     return the whole job's :class:`..switch.LiveResult` and {host number: its devices} (this host is 1). ``live``: :func:`..switch.run_live`'s
     options (global_batch, seq_len, optim, notice, memory_budget, placement, ...). ``heartbeat_timeout``: seconds
-    of heartbeat silence after which an agent is declared lost (one whose process dies is declared at once)."""
+    of heartbeat silence after which an agent is declared lost (one whose process dies is declared at once).
+    ``store_url``: the job's store is on that etcd cluster (``etcd://HOST:PORT,...``), and ``endpoint`` is where
+    this host's liveness listener listens (agents find it in the store)."""
     from ..switch.session import LiveResult
     host, port = parse_endpoint(endpoint)
     check_gloo_interface(host)
     spec, gens, opts = _settings(model, strategy, steps, nprocs, timeout, quiet, on_join, heartbeat_timeout, live)
-    job = serve(timeout, host, port, secret)
+    job = attach(store_url, timeout, secret) if store_url else serve(timeout, host, port, secret)
     store = job.store
-    serve_liveness(store, host, secret)
+    serve_liveness(store, host, secret, port if store_url else 0)
     store.set("hosts/heartbeat", repr(float(heartbeat_timeout)))
     _publish_resumed_snapshot(store, opts)
-    _wait_for_world(store, spec, gens, steps, opts, nprocs, on_join, f"{host}:{port}", timeout, quiet)
+    where = store_url or f"{host}:{port}"
+    _wait_for_world(store, spec, gens, steps, opts, nprocs, on_join, where, timeout, quiet)
     surv = _survivability(store, spec, gens[0].strategy, nprocs, opts, timeout)
     _say_survivability(surv, quiet)
     monitor(store, heartbeat_timeout)
-    reports = _train(job, spec, gens, steps, opts, nprocs, f"{host}:{port}", timeout)
+    reports = _train(job, spec, gens, steps, opts, nprocs, where, timeout)
     placed = _collect_reports(store, reports, nprocs, timeout)
     store.set("hosts/done", "1")
     causes: list[str] = []
@@ -125,13 +129,14 @@ def _wait_for_world(store: Any, spec: Any, gens: list, steps: int, opts: Any, np
     store.add("hosts/count", 1)
     store.add("hosts/devices", nprocs)
     store.set("hosts/devices_of/1", f"0-{nprocs - 1}")
+    join = f"--store {endpoint}" if endpoint.startswith("etcd://") else f"--endpoint {endpoint}"
     say(quiet, f"serving the job at {endpoint}: devices 0-{nprocs - 1} here; waiting for "
-               f"{world - nprocs} more from `parashift join --endpoint {endpoint}`")
+               f"{world - nprocs} more from `parashift join {join}`")
     end = time.monotonic() + timeout
     while store.add("hosts/devices", 0) < world:
         if time.monotonic() > end:
             raise RuntimeFailure(f"only {store.add('hosts/devices', 0)} of the {world} devices of {gens[0].strategy} "
-                                 f"joined within {timeout:.0f} s; start `parashift join --endpoint {endpoint} "
+                                 f"joined within {timeout:.0f} s; start `parashift join {join} "
                                  f"--nprocs N` on the other hosts")
         time.sleep(0.05)
     store.set("hosts/config", pickle.dumps(JobConfig(spec, gens, steps, opts, world, on_join)))

@@ -1,7 +1,7 @@
 """The job's store as the hosts share it: the published settings, generations and device map.
 
 Store keys (under the job's secret): ``hosts/devices`` (devices registered), ``hosts/count``
-(hosts), ``hosts/heartbeat`` (the heartbeat window, seconds), ``hosts/live_port`` (the liveness listener),
+(hosts), ``hosts/heartbeat`` (the heartbeat window, seconds), ``hosts/live_host`` and ``hosts/live_port`` (the liveness listener),
 ``hosts/config`` (pickled :class:`JobConfig`), ``hosts/gen/<g>`` (generations after the first, with
 their cause), ``hosts/leave/<h>`` (a SIGTERM notice: its devices and seconds left), ``hosts/beat/<h>`` (heartbeat counters),
 ``hosts/devices_of/<h>`` (each host's device ids, the first host's too), ``hosts/declared/<h>`` (who

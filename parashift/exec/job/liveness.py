@@ -86,9 +86,12 @@ def _proof(secret: str, nonce: bytes, h: int) -> bytes:
 _LIVE: list = []
 
 
-def hold_liveness(store: Any, host: str, secret: str, h: int) -> None:
-    """Open this agent's liveness connection to the first host (``hosts/live_port``) and prove the job's
-    secret; the kernel closes it when this process dies, however it dies, which the first host sees at once."""
+def hold_liveness(store: Any, host: str | None, secret: str, h: int) -> None:
+    """Open this agent's liveness connection to the first host (``hosts/live_host``, else ``host``, and
+    ``hosts/live_port``) and prove the job's secret; the kernel closes it when this process dies, however it
+    dies, which the first host sees at once."""
+    if store.check(["hosts/live_host"]):
+        host = store.get("hosts/live_host").decode()
     port = int(store.get("hosts/live_port"))
     conn = socket.create_connection((host, port), timeout=30.0)
     nonce = _recv_exact(conn, 16)
@@ -126,8 +129,9 @@ def _declare_lost(store: Any, h: int) -> bool:
     return True
 
 
-def serve_liveness(store: Any, host: str, secret: str) -> None:
-    """The first host's liveness listener (port published as ``hosts/live_port``): each agent holds one
+def serve_liveness(store: Any, host: str, secret: str, port: int = 0) -> None:
+    """The first host's liveness listener on ``host`` and ``port`` (0: a free one), published as
+    ``hosts/live_host`` and ``hosts/live_port``: each agent holds one
     connection, authenticated by the job's secret; when it closes (the agent's process died: SIGKILL, a
     crash, the machine went down with a reset) before the agent reported or failed, the agent is declared
     lost at once (:func:`_declare_lost`). A host cut off without a reset is caught by the heartbeat window."""
@@ -135,8 +139,10 @@ def serve_liveness(store: Any, host: str, secret: str) -> None:
     import threading
     info = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
     srv = socket.socket(info[0], socket.SOCK_STREAM)
-    srv.bind((info[4][0], 0))
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind((info[4][0], port))
     srv.listen(64)
+    store.set("hosts/live_host", host)
     store.set("hosts/live_port", str(srv.getsockname()[1]))
     watch = store.clone()          # the watchers' own connection (the job's is used by the training loop)
     lock, stop = threading.Lock(), threading.Event()
