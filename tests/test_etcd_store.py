@@ -72,6 +72,57 @@ def test_client_operations(one):
     assert c.watch("ops/w", c.get_kv("ops/w")["revision"] + 1, 0.2) == []
 
 
+def _reply_dropping_proxy(port: int, path: str) -> int:
+    """A loopback HTTP proxy to etcd at ``port`` that forwards every request and returns every reply, except the
+    first reply to ``path``: that request reaches etcd, then the connection is closed (a member that died after
+    applying a request, before answering it). Returns the proxy's port."""
+    import http.client
+    import socket
+    srv = socket.create_server(("127.0.0.1", 0))
+    dropped = []
+
+    def serve(conn: socket.socket) -> None:
+        f = conn.makefile("rb")
+        with conn:
+            while True:
+                line = f.readline()
+                if not line:
+                    return
+                method, target, _ = line.decode().split(" ", 2)
+                headers = {}
+                while (h := f.readline().decode().strip()):
+                    k, _, v = h.partition(":")
+                    headers[k.strip().lower()] = v.strip()
+                body = f.read(int(headers.get("content-length", 0)))
+                up = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                up.request(method, target, body, {"Content-Type": "application/json"})
+                r = up.getresponse()
+                data = r.read()
+                up.close()
+                if target == path and not dropped:
+                    dropped.append(target)
+                    return
+                conn.sendall(b"HTTP/1.1 %d OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                             % (r.status, len(data)) + data)
+
+    def accept() -> None:
+        while True:
+            c, _ = srv.accept()
+            threading.Thread(target=serve, args=(c,), daemon=True).start()
+    threading.Thread(target=accept, daemon=True).start()
+    return srv.getsockname()[1]
+
+
+def test_add_counts_once_when_a_reply_is_lost(one):
+    """The first endpoint applies add's swap and loses the reply; the retry on the next endpoint finds the try's
+    marker and adds nothing more (without it the counter would read 2)."""
+    direct = one.client_ports[0]
+    c = etcd.Etcd([("127.0.0.1", _reply_dropping_proxy(direct, "/v3/kv/txn")), ("127.0.0.1", direct)])
+    assert c.add("once/n", 1) == 1
+    assert etcd.Etcd(one.url()).get("once/n") == b"1"
+    assert c.add("once/n", 1) == 2 and c.count("once/") == 1          # markers lie outside every prefix
+
+
 def test_wait_times_out_cleanly_and_wakes_on_the_key(one):
     s = etcd.store(one.url(), timeout=0.5, prefix="waits")
     t0 = time.monotonic()

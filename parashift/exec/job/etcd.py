@@ -19,6 +19,7 @@ import datetime
 import functools
 import http.client
 import json
+import secrets
 import socket
 import threading
 import time
@@ -30,6 +31,9 @@ __all__ = ["SCHEME", "parse_url", "Etcd", "store", "is_url"]
 
 #: the URL scheme of a job's store on etcd: ``etcd://HOST:PORT[,HOST:PORT...][/PREFIX]``
 SCHEME = "etcd://"
+
+#: where ``add`` leaves its markers (outside every prefix a store uses: keys there never start with NUL)
+_MARKS = b"\0parashift-add/"
 
 #: gRPC status codes after which the next endpoint is tried (unavailable, deadline exceeded)
 _RETRY_CODES = {14, 4}
@@ -228,7 +232,11 @@ class Etcd:
         return False, _kv(r["kvs"][0], r) if r.get("kvs") else None
 
     def add(self, key: bytes | str, amount: int) -> int:
-        """Add ``amount`` to the decimal counter at ``key`` (0 when absent), atomically; returns the new value."""
+        """Add ``amount`` to the decimal counter at ``key`` (0 when absent), atomically and exactly once; returns
+        the new value. Each compare-and-swap also writes a marker (under :data:`_MARKS`, on a 60 s lease) named
+        by a token of this call, holding the value it wrote: when a reply is lost (a member died mid-request) and
+        the request is retried, a failed swap finds the marker if an earlier try landed, and adds nothing more."""
+        token = _MARKS + secrets.token_hex(12).encode()
         kv = self.get_kv(key)
         while True:
             try:
@@ -236,9 +244,32 @@ class Etcd:
             except ValueError:
                 raise StoreError(f"etcd key {key!r} holds {kv['value'][:40]!r}, not a counter; it was set by "
                                  f"something else than add(): use another key for the counter") from None
-            ok, kv = self.replace(key, kv["mod_revision"] if kv else 0, str(now + amount))
+            cmp = ({"key": _b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": str(kv["mod_revision"])}
+                   if kv else {"key": _b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"})
+            new = str(now + amount)
+            try:
+                ok, resp = self.txn([cmp], [{"request_put": {"key": _b64(key), "value": _b64(new)}},
+                                            {"request_put": {"key": _b64(token), "value": _b64(new),
+                                                             "lease": str(self._mark_lease())}}],
+                                    [{"request_range": {"key": _b64(key)}}, {"request_range": {"key": _b64(token)}}])
+            except StoreError as e:
+                if "lease not found" not in str(e):
+                    raise
+                self._marks = (0, 0.0)                   # the markers' lease is gone (a restarted cluster)
+                continue
             if ok:
                 return now + amount
+            here, mark = (r.get("response_range", {}) for r in resp)
+            if mark.get("kvs"):                          # a try whose reply was lost has landed
+                return int(_unb64(mark["kvs"][0].get("value")))
+            kv = _kv(here["kvs"][0], here) if here.get("kvs") else None
+
+    def _mark_lease(self) -> int:
+        """The lease of this client's add markers (60 s; a new one every 30 s)."""
+        lease, since = getattr(self, "_marks", (0, 0.0))
+        if not lease or time.monotonic() - since > 30.0:
+            self._marks = (self.grant(60), time.monotonic())
+        return self._marks[0]
 
     # -- leases -----------------------------------------------------------------------------
     def grant(self, ttl: float) -> int:
