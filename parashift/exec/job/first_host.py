@@ -8,6 +8,8 @@ store, and their groups are built over that store by the elastic device manager:
 restarted. Joins and notices turn into new generations (:mod:`.follow`); a host lost without notice
 is declared by :mod:`.liveness` and the survivors recover (:mod:`.recover`) from their copies or from
 a snapshot (:mod:`.snapshot`). Device 0 runs every recovery: losing this host ends the job.
+With ``store_url`` the job's store is on an etcd cluster (:func:`..jobstore.attach`) rather than in
+this process; the coordination still runs here.
 """
 from __future__ import annotations
 
