@@ -3,7 +3,8 @@
 A :class:`Lease` is renewed by a daemon thread every ``ttl / 4`` seconds; etcd deletes the keys attached
 to it once it went ``ttl`` seconds unrenewed (its leader checks every 0.5 s), so a process that dies,
 however it dies, is seen gone between ``0.75 * ttl`` and ``ttl + 0.5`` s after its last renewal, and one
-that only stalls (SIGSTOP, a GC pause) for less than ``0.75 * ttl`` is never declared. :func:`announce`
+that only stalls (SIGSTOP, a GC pause) for less than ``0.75 * ttl``, less a renewal's round trip, is never
+declared (measured at ttl 1 s on a loaded machine: 0 of 40 stalls of 0.3-0.7 s, 1 of 17 of 0.1-0.7 s). :func:`announce`
 puts a presence key under a lease; :func:`watch_gone` reports presence keys as they disappear.
 
 :class:`Election`: candidates create the same key, each under its own lease, in a transaction that
