@@ -58,7 +58,7 @@ def canonical(strategy: Strategy) -> Strategy:
     s = strategy
     if s.pp == 1 and (s.schedule != "1f1b" or s.vpp != 1):
         s = s.replace(schedule="1f1b", vpp=1)
-    if s.dpcp == 1 and s.zero:
+    if s.dpcp == 1 and s.zero_stage.sharded:
         s = s.replace(zero=0, overlap_param=False)
     return s
 
