@@ -26,6 +26,7 @@ from typing import ClassVar, Mapping, Sequence
 
 import numpy as np
 
+from ..collectives import ACTIVATION_PHASES, BACKWARD_PHASES
 from ..errors import ProgramError
 from ..states import ZeroStage, zero_stage
 from .actions import AFTER, END, OPTIM, POST, Action
@@ -37,7 +38,7 @@ __all__ = ["Split", "Place", "Shard", "Recompute", "Replicate", "Order", "Stream
            "END", "OPTIM", "POST", "AFTER"]
 
 _TYPE_OF_PHASE = {"fwd": "F", "bwd": "B", "bwd_input": "I", "bwd_weight": "W"}
-_BWD = ("bwd", "bwd_input", "bwd_weight")
+_BWD = BACKWARD_PHASES
 
 
 def _comm(g: Graph, u: int, *, op: str, tag: str, group: "str | None" = None, peer: "str | None" = None,
@@ -450,7 +451,7 @@ class Shard:
                 continue
             c["flops"][i] /= self.ways
             ph = c["phase"][i]
-            if c["kind"][i] != "attn" or ph not in ("fwd", "bwd", "bwd_input"):
+            if c["kind"][i] != "attn" or ph not in ACTIVATION_PHASES:
                 continue
             reg, mb = c["region"][i], c["mb"][i]
             kv = _comm(out, i, op="all_gather", tag=_tag(made, mb, T.CPTag, reg, ph, "kv"), group="cp",

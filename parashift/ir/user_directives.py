@@ -33,6 +33,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
+from ..collectives import PROGRAM_OPS
 from ..errors import ProgramError
 from ..states import ZERO
 from ..strategy import Strategy
@@ -44,7 +45,8 @@ __all__ = ["Place", "Replicate", "Shard", "Split", "Order", "Stream", "Recompute
            "strategy_directives", "matches", "format_directives", "parse_directives"]
 
 _RANGE = re.compile(r"^(?P<pre>.*?)(?P<a>\d+)-(?P<b>\d+)(?P<post>(\..*)?)$")
-_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+#: the collectives a user Stream may move: a training step's, over a group with no root
+_COLLECTIVES = tuple(n for n, o in PROGRAM_OPS.items() if o.collective and not o.rooted)
 
 
 def _expand(pattern: str) -> list[str]:
