@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..explore import (SCHEDULE_VPP, ScheduleRun, compare_schedules, schedule_strategy, simulate_fitting,
+from ..explore import (ScheduleRun, compare_schedules, schedule_strategy, simulate_fitting,
                        stage_ranks)
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # pragma: no cover
 MODEL, CLUSTER, BASE = "llama2-70b", "a800-16x8", "dp=4,tp=8,pp=4,zero=1"
 GLOBAL_BATCH, SEQ_LEN = 128, 4096
 
-__all__ = ["SCHEDULE_VPP", "ScheduleRun", "schedule_strategy", "simulate_fitting", "compare_schedules",
+__all__ = ["ScheduleRun", "schedule_strategy", "simulate_fitting", "compare_schedules",
            "stage_ranks", "step_explore"]
 
 
