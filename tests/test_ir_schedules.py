@@ -7,7 +7,7 @@ from parashift import Strategy, models
 from parashift.errors import ProgramError, StrategyError
 from parashift.ir import Action, Order, compile, format_order, parse_order, schedule_steps
 from parashift.ir import schedules as S
-from parashift.ir.plot import stage_orders
+from parashift.ir.actions import stage_orders
 
 #: 8 layers so pp * vpp = 8 fits; fp32 like the tiny presets.
 GPT8 = models.gpt(8, 64, 4, kv_heads=2, ffn=128, vocab=256, seq_len=16, name="gpt8", dtype="fp32", pad_vocab=8)

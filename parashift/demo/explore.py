@@ -20,7 +20,7 @@ __all__ = ["ScheduleRun", "schedule_strategy", "simulate_fitting", "compare_sche
 
 def step_explore(ctx: "DemoContext", res: "StepResult") -> None:
     """Step 1: llama2-70b on a800-16x8, dp=4,tp=8,pp=4,zero=1 under four schedules."""
-    from .plots import plot_gantt, plot_memory
+    from ..plots import plot_gantt, plot_memory
     table, runs = compare_schedules(MODEL, CLUSTER, BASE, global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN,
                                     progress=ctx.say)
     table.to_csv(ctx.path("explore_schedules.csv"), index=False)
