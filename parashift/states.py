@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .errors import StrategyError
 
-__all__ = ["KINDS", "ZERO", "ZERO_STAGE", "ZeroStage", "zero_stage"]
+__all__ = ["KINDS", "ZERO", "ZERO_LEVELS", "ZERO_STAGE", "ZeroStage", "zero_stage"]
 
 #: Every VPS state kind, in canonical order.
 KINDS = ("param", "grad", "master", "exp_avg", "exp_avg_sq")
@@ -76,6 +76,8 @@ class ZeroStage:
 #: The ZeRO stages, indexed by level.
 ZERO = (ZeroStage(0, False, False, False), ZeroStage(1, True, False, False),
         ZeroStage(2, True, True, False), ZeroStage(3, True, True, True))
+#: Every ZeRO stage's level (what ``zero=`` takes).
+ZERO_LEVELS = tuple(z.level for z in ZERO)
 #: Smallest ZeRO stage that shards each kind.
 ZERO_STAGE = {k: min(z.level for z in ZERO if z.shards(k)) for k in KINDS}
 
