@@ -9,14 +9,11 @@ micro-batch's communication hides behind the other's compute (DualPipe's F&B blo
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Iterable, NamedTuple, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
 from ..errors import ProgramError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .program import Program
 
 __all__ = ["Action", "Step", "action_ids", "parse_order", "format_order", "stage_orders", "TYPES", "PHASES_OF", "AFTER",
            "END", "OPTIM", "POST"]
@@ -113,9 +110,10 @@ def as_steps(order: "str | Iterable[Step | Action]") -> list[Step]:
 _TYPE_OF = {"fwd": "F", "bwd": "B", "recompute": "B", "bwd_input": "I", "bwd_weight": "W"}
 
 
-def stage_orders(program: "Program") -> dict[int, list[Action]]:
-    """Each stage's compute actions in stream order, read back from a compiled Program (consecutive
-    instructions of one action merged; a recompute counts as its backward)."""
+def stage_orders(program: Any) -> dict[int, list[Action]]:
+    """Each stage's compute actions in stream order, read back from a compiled
+    :class:`~parashift.ir.program.Program` (consecutive instructions of one action merged; a
+    recompute counts as its backward). Typed loosely: this module sits below the Program."""
     s = program.strategy
     per = (s.world // s.pp) if s is not None else 1
     stages = (s.pp if s is not None else 1)
