@@ -8,6 +8,7 @@ import numpy as np
 
 from .errors import StrategyError
 from .schedules import get_schedule as _schedule, schedule_names
+from .states import ZeroStage, zero_stage
 
 if TYPE_CHECKING:  # pragma: no cover
     from .models import ModelSpec
@@ -91,8 +92,7 @@ class Strategy:
                 object.__setattr__(self, name, int(v))
             if v < 1 and name not in ("zero", "shard"):
                 raise StrategyError(f"{name}={v} must be at least 1")
-        if not 0 <= self.zero <= 3:
-            raise StrategyError(f"zero={self.zero} is not a ZeRO stage; use 0, 1, 2 or 3")
+        z = zero_stage(self.zero)
         self._check_shard()
         sched = _schedule(self.schedule)
         if self.recompute not in RECOMPUTE:
@@ -106,10 +106,10 @@ class Strategy:
         if self.tp_async and self.tp == 1:
             raise StrategyError("tp_async overlaps the backward's tensor-parallel reduction with the weight-gradient "
                                 "compute and needs tp > 1; set tp=2 or more, or drop tp_async")
-        if self.overlap_param and self.zero not in (1, 2):
+        if self.overlap_param and not z.gathers_after_step:
             raise StrategyError(f"overlap_param overlaps the distributed optimizer's parameter all-gather and needs "
                                 f"zero=1 or zero=2 (zero={self.zero}: "
-                                + ("ZeRO-3 already gathers each use's parameters" if self.zero == 3
+                                + ("ZeRO-3 already gathers each use's parameters" if z.gathers_around_use
                                    else "nothing is gathered") + "); set zero=1 or drop overlap_param")
         if self.cp > 1 and self.ep > 1:
             raise StrategyError(f"cp={self.cp} with ep={self.ep} is not supported (experts would span the "
@@ -128,7 +128,7 @@ class Strategy:
         if n == self.dp:
             object.__setattr__(self, "shard", 0)      # one group of all dp ranks: plain ZeRO
             return
-        if n and self.zero == 0:
+        if n and not self.zero_stage.sharded:
             raise StrategyError(f"shard={n} shards ZeRO state over groups of {n} DP ranks and needs zero>=1; "
                                 f"set zero=1, or drop shard")
         if n and (self.cp > 1 or self.ep > 1):
@@ -211,6 +211,11 @@ class Strategy:
     def shard_size(self) -> int:
         """DP ranks of one ZeRO shard group (``shard``, or the whole ``dp`` when not hybrid)."""
         return self.shard or self.dp
+
+    @property
+    def zero_stage(self) -> ZeroStage:
+        """The ZeRO stage record: what ``zero`` shards and how it moves parameters and gradients."""
+        return zero_stage(self.zero)
 
     @property
     def zero_ways(self) -> int:

@@ -6,7 +6,8 @@ import pytest
 
 from parashift import vps
 from parashift.demo import ablation, bytes_matrix, compare_schedules, node_bytes, schedule_strategy, stage_ranks
-from parashift.demo.plots import plot_bars, plot_bytes_heatmap, plot_gantt, plot_losses, plot_memory
+from parashift.ir import parse_order
+from parashift.plots import plot_bars, plot_bytes_heatmap, plot_gantt, plot_losses, plot_memory, plot_order
 from parashift.errors import StrategyError
 
 
@@ -56,5 +57,7 @@ def test_plots_write_pngs(tmp_path):
     plot_bytes_heatmap(np.array([[0, 2**30], [0, 0]]), str(tmp_path / "h.png"))
     plot_bars(["a", "b"], [1.0, 100.0], str(tmp_path / "b.png"), ylabel="s", log=True)
     plot_losses({"run": [3.0, 2.0, 1.5]}, str(tmp_path / "l.png"), marks=[(1, "switch")])
-    for name in ("g", "m", "h", "b", "l"):
+    orders = {st: [a for step in parse_order(text) for a in step] for st, text in enumerate(("0F0 0I0 0W0", "1F0 1B0"))}
+    plot_order(orders, str(tmp_path / "o.png"), chunked=True, title="two stages")
+    for name in ("g", "m", "h", "b", "l", "o"):
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"

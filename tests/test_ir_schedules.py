@@ -7,7 +7,7 @@ from parashift import Strategy, models
 from parashift.errors import ProgramError, StrategyError
 from parashift.ir import Action, Order, compile, format_order, parse_order, schedule_steps
 from parashift.ir import schedules as S
-from parashift.ir.plot import stage_orders
+from parashift.ir.actions import stage_orders
 
 #: 8 layers so pp * vpp = 8 fits; fp32 like the tiny presets.
 GPT8 = models.gpt(8, 64, 4, kv_heads=2, ffn=128, vocab=256, seq_len=16, name="gpt8", dtype="fp32", pad_vocab=8)
@@ -107,7 +107,7 @@ def test_every_schedule_is_complete_and_causal(name, pp, vpp):
                 assert s.chunk_rank_stage(a.chunk) == st
                 assert a not in seen
                 seen[a] = (st, k)
-    split = name in ("zb-h1", "dualpipev")
+    split = S.get_schedule(name).split_backward
     types = "FIW" if split else "FB"
     assert len(seen) == chunks * m * len(types)
     for a, (st, k) in seen.items():
@@ -117,18 +117,18 @@ def test_every_schedule_is_complete_and_causal(name, pp, vpp):
             assert seen[Action(a.chunk, "I", a.mb)][1] < k
 
 
-@pytest.mark.parametrize("name", ["interleaved-1f1b", "zb-h1", "dualpipev"])
+@pytest.mark.parametrize("name", [n for n in S.schedule_names() if n not in ("gpipe", "1f1b")])
 @pytest.mark.parametrize("pp", [2, 4])
 @pytest.mark.parametrize("mult", [1, 2])
 @pytest.mark.parametrize("model", [GPT8, MOE8], ids=["gpt", "moe"])
 def test_advanced_schedules_validate(name, pp, mult, model):
-    vpp = 1 if name == "zb-h1" else 2
+    vpp = S.get_schedule(name).vpp_choices((2,))[0]
     ep = 2 if model.is_moe else 1
     strat = Strategy(dp=2, pp=pp, vpp=vpp, ep=ep, schedule=name)
     prog = compile(model, strat, global_batch=2 * pp * mult, seq_len=16).validate()
     assert prog.meta["microbatches"] == pp * mult
     phases = {i.phase for p in prog.ranks.values() for i in p.instrs() if i.op == "compute"}
-    if name in ("zb-h1", "dualpipev"):
+    if S.get_schedule(name).split_backward:
         assert {"bwd_input", "bwd_weight"} <= phases and "bwd" not in phases
     if name == "dualpipev":
         # V shape: stage 0 holds the first and the last chunk (embedding and head)

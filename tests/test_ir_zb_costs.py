@@ -12,7 +12,7 @@ from parashift.errors import StrategyError
 from parashift.ir import Action, compile
 from parashift.ir import schedules as S
 from parashift.ir.costs import estimate_costs
-from parashift.ir.plot import stage_orders
+from parashift.ir.actions import stage_orders
 
 
 def _step(model: str, strategy: str, cluster: str, global_batch: int, seq_len: int | None) -> float:

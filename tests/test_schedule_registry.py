@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from parashift import Strategy, cluster, models, search
+from parashift import Strategy, cluster, explore, models, search
 from parashift import schedules as registry
 from parashift.cost import CostModel
 from parashift.errors import StrategyError
@@ -45,6 +45,8 @@ def test_a_registered_schedule_reaches_every_layer():
         space = make_space(TINY, "a100-1x8", devices=4, global_batch=8, seq_len=32, pp=(2,), tp=(1,), mbs=(1,),
                            zero=(0,), recompute=("none",))
         assert any(x.schedule == "1f1b-copy" for x in space.enumerate())
+        assert explore.schedule_strategy("dp=2,pp=2", "1f1b-copy").vpp == 1
+        assert "1f1b-copy" in explore.compared_schedules()
     finally:
         registry._REGISTRY.pop("1f1b-copy")
     with pytest.raises(StrategyError, match="unknown schedule '1f1b-copy'"):
@@ -67,6 +69,19 @@ def test_a_schedule_carries_its_recipe_or_names_a_built_in_one():
     finally:
         registry._REGISTRY.pop("own")
         registry._REGISTRY.pop("typo")
+
+
+@pytest.mark.parametrize("name", S.schedule_names())
+def test_explore_runs_every_registered_schedule(name):
+    s = explore.schedule_strategy("dp=2,pp=2,zero=1", name, recompute="full")
+    assert (s.schedule, s.recompute, s.dp, s.zero) == (name, "full", 2, 1)
+    assert s.vpp in S.get_schedule(name).vpp_choices((2, 4))
+    assert (name in explore.compared_schedules()) == (name != "gpipe")
+
+
+def test_explore_names_the_registered_schedules_for_an_unknown_one():
+    with pytest.raises(StrategyError, match="unknown schedule 'zb-h2'; use one of " + ", ".join(S.schedule_names())):
+        explore.schedule_strategy("pp=2", "zb-h2")
 
 
 # ---- rules ----------------------------------------------------------------------------------------------

@@ -25,6 +25,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from ..states import zero_stage
+
 if TYPE_CHECKING:  # pragma: no cover
     from ..models import ModelSpec
 
@@ -189,7 +191,7 @@ class Workload:
         gradient buffer (``grad_accum_traffic`` x dtype bytes per parameter on this rank, through HBM);
         0 under ``grad_fusion`` (the GEMM accumulates as it writes) and under ZeRO-2/3 (each micro-batch's
         gradients go to a bucket of their own, which its reduce-scatter adds into the rank's shard)."""
-        if self.grad_fusion or self.zero >= 2:
+        if self.grad_fusion or zero_stage(self.zero).grad_buckets:
             return 0.0
         if kind == "layer":
             return self.grad_accum(cm, "attn") + self.grad_accum(cm, "mlp")

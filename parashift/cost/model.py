@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from ..collectives import OPS as SWITCH_OPS
+from ..collectives import OPS as SWITCH_OPS, P2P_OPS, TWO_ENDED_OPS
 from ..errors import ParashiftError
 from ..gpus import DTYPES
 from .fitted import A100_VTRAIN
@@ -365,7 +365,7 @@ class CostModel:
     def op_overhead(self, op: str) -> float:
         """Fixed seconds of one ``op`` (``send``/``recv`` also pay ``p2p_overhead``)."""
         base = self.comm_op_overhead.get(op, self.comm_overhead)
-        return base + self.p2p_overhead if op in ("send", "recv") else base
+        return base + self.p2p_overhead if op in P2P_OPS else base
 
     def op_bw(self, op: str, link: str) -> float:
         """Achieved bytes/s of ``op`` on one link class."""
@@ -385,7 +385,7 @@ class CostModel:
         """
         if instr.op == "compute":
             return self.compute_time(instr, state_bytes)
-        if instr.op in ("send", "recv", "copy"):
+        if instr.op in TWO_ENDED_OPS:
             if len(devices) != 2:
                 raise CostModelError(f"{instr.op} needs devices=(src, dst), got {tuple(devices)}")
             return self.op_time(instr.op, self.p2p_phases(instr.nbytes, link_class(cluster, devices[0], devices[1])))

@@ -226,7 +226,7 @@ class Interpreter:
                              self.store.param, self.store.grad,
                              tuple(t.to(_DT[spec.dtype]) for t in rope_tables(seq, spec.head_dim, spec.rope_theta,
                                                                                  device=device)),
-                             chain=s.tp == 1 and not spec.is_moe and s.cp == 1 and s.zero < 2
+                             chain=s.tp == 1 and not spec.is_moe and s.cp == 1 and not s.zero_stage.grad_buckets
                              and not s.overlap_param,   # ZeRO-2/3, overlap_param: unfused region buckets
                              grad_leaf=self._grad_leaf, grad_fusion=s.grad_fusion)
         # chain mode: the regions whose backward is a full one build their linears on gradient leaves
@@ -521,7 +521,7 @@ class Interpreter:
         t0 = self.clock.stamp()
         try:
             if p.kind == COMPUTE:
-                if self.strategy.zero >= 2 and ins.phase != "optim":
+                if self.strategy.zero_stage.grad_buckets and ins.phase != "optim":
                     self._grad_buckets(ins)
                 self._compute(ins)
                 if p.z3_free:
@@ -572,7 +572,7 @@ class Interpreter:
             return
         c, mb = ins.chunk, ins.microbatch
         atoms = self.regions.get(ins.id) or atomic_regions(ins.region, self.spec)
-        if self.strategy.zero == 3:         # the gathered copy this compute uses: its region's, else its chunk's
+        if self.strategy.zero_stage.gathers_around_use:   # the gathered copy this compute uses: its region's, else its chunk's
             name = f"z3.c{c}.{'fwd' if ph == 'fwd' else 'bwd'}.m{mb}"
             own = f"{name}.{ins.region}"
             self.store.active[c] = own if any(b.has_copy(c, own) for b in self.store.buffers.values()) else name

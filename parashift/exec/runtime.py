@@ -126,7 +126,7 @@ class Runtime:
         from .comm import all_gather
         self.sync_params()
         s = self.program.strategy
-        if s.zero == 3:
+        if s.zero_stage.gathers_around_use:
             works = []
             for fam, b in self.store.buffers.items():
                 axis = "edp" if fam == "expert" and s.ep > 1 else s.zero_axis     # dp, dp x cp or shard
@@ -143,7 +143,7 @@ class Runtime:
                     then()
                     works.append(keep)
         out = {k: (off, v.numpy()) for k, (off, v) in self.store.local_params().items()}
-        if s.zero == 3:
+        if s.zero_stage.gathers_around_use:
             self.store.release("export")
         return out
 
@@ -160,7 +160,7 @@ def export_keys(program: Program) -> set:
     """The process groups :meth:`Runtime.gathered_parameters` needs (ZeRO-3 DP groups)."""
     s = program.strategy
     keys = set()
-    if s.zero == 3:
+    if s.zero_stage.gathers_around_use:
         for r in range(s.world):
             for axis in (s.zero_axis, "edp"):
                 g = s.group(r, axis)

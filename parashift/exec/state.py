@@ -20,6 +20,7 @@ import torch
 
 from ..ir.memory import grad_bucket
 from ..models import ModelSpec
+from ..states import zero_stage
 from ..strategy import Strategy
 from .models import init_tensor
 from .reference import OptimConfig
@@ -114,6 +115,7 @@ class Buffer:
                  dtype: torch.dtype, device: torch.device, mem: MemoryTracker, alloc=None) -> None:
         zeros = alloc or (lambda n_, dt, dev: torch.zeros(n_, dtype=dt, device=dev))
         self.family, self.pieces, self.n, self.index, self.zero = family, pieces, n, index, zero
+        self.zero_stage = z = zero_stage(zero)
         self.numel = sum(p.numel for p in pieces)
         self.padded = -(-self.numel // n) * n
         self.q = self.padded // n
@@ -123,15 +125,15 @@ class Buffer:
         for p in pieces:
             a, b = self.ranges.get(p.chunk, (p.start, p.start))
             self.ranges[p.chunk] = (min(a, p.start), max(b, p.start + p.numel))
-        self.param = zeros(self.padded if zero < 3 else self.q, dtype, device)
+        self.param = zeros(self.q if z.shards_params else self.padded, dtype, device)
         self.copies: dict[int, list[tuple[str, torch.Tensor, int]]] = {}   # zero 3: chunk -> (name, copy, offset)
-        osz = self.q if zero >= 1 else self.padded
+        osz = self.q if z.shards_optim else self.padded
         self.master = None if dtype == torch.float32 else zeros(osz, torch.float32, device)
         self.exp_avg = zeros(osz, torch.float32, device)
         self.exp_avg_sq = zeros(osz, torch.float32, device)
         self.grad: torch.Tensor | None = None          # full local accumulation buffer
         self.grad_shard: torch.Tensor | None = None    # reduce-scattered shard (zero >= 1)
-        self.per_mb = zero >= 2 and n > 1                # gradients reduce-scattered per micro-batch
+        self.per_mb = z.grad_buckets and n > 1                # gradients reduce-scattered per micro-batch
         self.mb_grads: dict[tuple[int, int], dict[str | None, tuple[int, torch.Tensor]]] = {}
         #   (chunk, mb) -> bucket (region, None: the chunk) -> (buffer offset, gradient)
         self.step = 0
@@ -151,19 +153,19 @@ class Buffer:
         for p in self.pieces:
             full[p.start:p.start + p.numel] = values[p.name][p.box()].reshape(-1)
         full = full.to(self.device)
-        self.param.copy_((full if self.zero < 3 else full[self.lo:self.hi]).to(self.dtype))
+        self.param.copy_((full[self.lo:self.hi] if self.zero_stage.shards_params else full).to(self.dtype))
         if self.master is not None:
-            self.master.copy_(full[self.lo:self.hi] if self.zero >= 1 else full)
+            self.master.copy_(full[self.lo:self.hi] if self.zero_stage.shards_optim else full)
 
     def param_shard(self) -> torch.Tensor:
-        return self.param if self.zero == 3 else self.param[self.lo:self.hi]
+        return self.param if self.zero_stage.shards_params else self.param[self.lo:self.hi]
 
     def chunk_param(self, chunk: int, name: str | None = None) -> tuple[torch.Tensor, int] | None:
         """(flat tensor, offset of buffer element 0 in it) holding chunk's parameters, or None.
 
         ZeRO-3: the gathered copy called ``name`` (the copy of the running action), else the latest.
         """
-        if self.zero < 3 or self.n == 1:      # a group of one holds everything: no gather exists
+        if not self.zero_stage.shards_params or self.n == 1:      # a group of one holds everything: no gather exists
             return self.param, 0
         copies = self.copies.get(chunk)
         if not copies:
@@ -271,18 +273,18 @@ class Buffer:
     # ---- optimizer ----------------------------------------------------------------------------
     def optimizer_step(self, cfg: OptimConfig) -> None:
         """AdamW on this rank's optimizer shard, then write the new values into the parameters."""
-        if self.zero >= 1 and self.n == 1:   # no DP peers: no reduce-scatter, the shard is the buffer
+        if self.zero_stage.shards_optim and self.n == 1:   # no DP peers: no reduce-scatter, the shard is the buffer
             g = self.grad_buffer()
-        elif self.zero >= 1:
+        elif self.zero_stage.shards_optim:
             g = self.grad_shard if self.grad_shard is not None else torch.zeros(self.q, dtype=self.dtype,
                                                                                 device=self.device)
         else:
             g = self.grad_buffer()
-        target = self.master if self.master is not None else (self.param_shard() if self.zero >= 1 else self.param)
+        target = self.master if self.master is not None else (self.param_shard() if self.zero_stage.shards_optim else self.param)
         self.step += 1
         adamw_(target, g.float(), self.exp_avg, self.exp_avg_sq, self.step, cfg)
         if self.master is not None:
-            (self.param_shard() if self.zero >= 1 else self.param).copy_(self.master.to(self.dtype))
+            (self.param_shard() if self.zero_stage.shards_optim else self.param).copy_(self.master.to(self.dtype))
         self.zero_grad()
 
     def zero_grad(self) -> None:
@@ -293,7 +295,7 @@ class Buffer:
             self.grad_shard_buffer().zero_()
             return
         if self.grad is not None:
-            if self.zero >= 2:
+            if self.zero_stage.grad_buckets:
                 self.grad = None
                 self.mem.free(f"grad:{self.family}")
             else:

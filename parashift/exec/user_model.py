@@ -177,16 +177,16 @@ class UserInterpreter(Interpreter):
             for b in self.store.buffers.values():
                 b.optimizer_step(self.optim)
             return
-        if self.strategy.zero == 3:
+        if self.strategy.zero_stage.gathers_around_use:
             self.store.active[c] = f"z3.c{c}.{'fwd' if ph == 'fwd' else 'bwd'}.m{mb}"
         if ph == "fwd":
             x = self._to(rows_of(self.tokens, self._rows(mb))) if c == 0 else self.st.act.pop((c - 1, mb))
             self.st.recs[(c, mb)] = {"x": x}
-            self._forward(c, mb, grad=(c, mb) not in self.rc and self.strategy.zero != 3)
+            self._forward(c, mb, grad=(c, mb) not in self.rc and not self.strategy.zero_stage.gathers_around_use)
         elif ph == "recompute":
             self._forward(c, mb, grad=True)
         elif ph in ("bwd", "bwd_input", "bwd_weight"):
-            if self.strategy.zero == 3 and not self.st.recs[(c, mb)]["out"].requires_grad:
+            if self.strategy.zero_stage.gathers_around_use and not self.st.recs[(c, mb)]["out"].requires_grad:
                 self._forward(c, mb, grad=True)    # rebuild the graph on the backward's gathered parameters
             self._backward(c, mb, ph)
         else:

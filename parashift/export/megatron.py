@@ -47,11 +47,12 @@ def _parallel(job: Job, out: Export) -> None:
             out.set("--pipeline-model-parallel-layout", _layout(job))
         else:
             out.set("--num-virtual-stages-per-pipeline-rank", s.vpp)
-    if s.zero == 1:
+    z = s.zero_stage
+    if z.sharded and not z.shards_grads:
         out.set("--use-distributed-optimizer")
-    elif s.zero in (2, 3):
+    elif z.shards_grads:
         out.set("--use-megatron-fsdp")
-        out.set("--data-parallel-sharding-strategy", "optim_grads" if s.zero == 2 else "optim_grads_params")
+        out.set("--data-parallel-sharding-strategy", "optim_grads_params" if z.shards_params else "optim_grads")
         out.notes.append(f"zero={s.zero} maps to Megatron-FSDP, which checkpoints with --ckpt-format fsdp_dtensor")
     if s.shard:
         out.set("--num-distributed-optimizer-instances", s.dp_replicas)

@@ -63,16 +63,17 @@ def _fqns(job: Job) -> list[list[str]]:
 
 def _parallel(job: Job, out: Export) -> None:
     s = job.strategy
-    if s.zero == 0:
+    z = s.zero_stage
+    if not z.sharded:
         out.set("parallelism.data_parallel_replicate_degree", s.dp)
         out.set("parallelism.data_parallel_shard_degree", 1)
     else:
         shard = s.shard or s.dp
         out.set("parallelism.data_parallel_replicate_degree", s.dp // shard)
         out.set("parallelism.data_parallel_shard_degree", shard)
-        if s.zero in (1, 2):
+        if z.gathers_after_step:      # full parameters kept between steps
             out.set("parallelism.fsdp_reshard_after_forward", "never")
-        if s.zero == 1:
+        if not z.shards_grads:
             out.unsupported.append("zero=1: torchtitan shards with FSDP2, which also shards gradients; with "
                                    "fsdp_reshard_after_forward = never it is ZeRO-2 (less memory, the same traffic)")
     out.set("parallelism.tensor_parallel_degree", s.tp)

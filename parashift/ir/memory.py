@@ -33,7 +33,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..models import ModelSpec
-from ..states import zero_shards
 from ..strategy import Strategy
 
 __all__ = ["ChunkParams", "chunk_params", "static_memory", "optimizer_elements", "region_activation",
@@ -128,7 +127,7 @@ def static_memory(model: ModelSpec, strategy: Strategy) -> list[dict[str, int]]:
         dense, exp_ = int(cp.dense[mask].sum()), int(cp.expert[mask].sum())
 
         def z(n: int, ways: int, kind: str) -> int:
-            return _shard(n, ways) if zero_shards(kind, s.zero) else n
+            return _shard(n, ways) if s.zero_stage.shards(kind) else n
 
         elems = {k: z(dense, dense_g, k) + z(exp_, expert_g, k) for k in ("param", "grad", "master")}
         out.append({"param": elems["param"] * pb, "grad": elems["grad"] * gb,
@@ -146,7 +145,7 @@ def optimizer_elements(model: ModelSpec, strategy: Strategy) -> list[int]:
     for st in range(s.pp):
         mask = stage_of == st
         d, e = int(cp.dense[mask].sum()), int(cp.expert[mask].sum())
-        out.append(_shard(d, dense_g) + _shard(e, expert_g) if s.zero >= 1 else d + e)
+        out.append(_shard(d, dense_g) + _shard(e, expert_g) if s.zero_stage.shards_optim else d + e)
     return out
 
 

@@ -117,12 +117,12 @@ def directives(model: "str | ModelSpec", strategy: "str | Strategy", *, global_b
                          tuple(int(x) * pb for x in (cp.expert if s.ep > 1 else cp.expert * 0)),
                          tuple(int(x) * gb for x in grad_dense), tuple(int(x) * gb for x in cp.expert),
                          ep=s.ep, tied_bytes=cp.tied * gb, axis=s.zero_axis, overlap=s.overlap_grad,
-                         buckets=region_state_bytes(spec, s) if s.zero >= 2 or s.overlap_param else (),
+                         buckets=region_state_bytes(spec, s) if s.zero_stage.grad_buckets or s.overlap_param else (),
                          replicas=s.dp_replicas, overlap_param=s.overlap_param))
     if sched.hides_ep_comm and s.ep > 1:
         out.append(Stream("comm", ops=("all_to_all",), tag_prefix="ep."))
     out.append(order if order is not None else schedule_order(s, m, planning_costs(spec, s, seq_len, costs)))
-    if s.tp == 1 and s.ep == 1 and s.cp == 1 and not ((s.zero >= 2 or s.overlap_param) and not spec.is_moe):
+    if s.tp == 1 and s.ep == 1 and s.cp == 1 and not ((s.zero_stage.grad_buckets or s.overlap_param) and not spec.is_moe):
         # ZeRO-2/3 and overlap_param: region buckets
         out.append(Fuse())
     return out

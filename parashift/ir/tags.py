@@ -46,15 +46,15 @@ from operator import add
 from typing import Any, Callable, Union
 
 from ..errors import ProgramError
-from ..collectives import OPS
+from ..collectives import ACTIVATION_PHASES, OPS
 
 __all__ = ["mb_namer", "mb_head", "mb_names", "Payload", "Axis", "Sync", "A2A", "P2PTag", "TPTag", "EPTag", "SyncTag",
            "Z3Tag", "EmbedTag",
            "SPTag", "CPTag", "StepTag", "parse_tag", "StepKey", "StepBuffer", "TransferTag", "SwitchKey", "StateBuffer",
            "TP_PHASES", "EP_PHASES", "Z3_PHASES", "SP_HOPS", "CP_PARTS", "FLAT_KEYS"]
 
-TP_PHASES = ("fwd", "bwd", "bwd_input")
-EP_PHASES = ("fwd", "bwd", "bwd_input")
+TP_PHASES = ACTIVATION_PHASES
+EP_PHASES = ACTIVATION_PHASES
 Z3_PHASES = ("fwd", "bwd")
 SP_HOPS = ("rs", "ag", "input")
 CP_PARTS = ("kv", "dkv")
