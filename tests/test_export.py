@@ -31,6 +31,7 @@ MEGATRON_OPTIONS = {
     "--normalization", "--position-embedding-type", "--disable-bias-linear", "--add-qkv-bias", "--qk-layernorm",
     "--untie-embeddings-and-output-weights", "--attention-dropout", "--hidden-dropout", "--attention-backend",
     "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size", "--moe-router-pre-softmax",
+    "--moe-router-score-function",    # TransformerConfig.moe_router_score_function: softmax or sigmoid
     "--moe-router-load-balancing-type", "--moe-shared-expert-intermediate-size", "--moe-shared-expert-gate",
     "--bf16", "--fp16", "--fp8-format", "--fp8-recipe", "--lr", "--min-lr", "--lr-decay-style", "--lr-warmup-iters",
     "--lr-warmup-init", "--lr-decay-iters", "--train-iters", "--clip-grad", "--weight-decay",
@@ -202,3 +203,14 @@ def test_cli_errors_are_one_line(capsys):
     assert "needs --steps" in capsys.readouterr().err
     with pytest.raises(InputError, match="not one of"):
         export(_job("tiny-gpt", "dp=1", 2, 8, Training()), "deepspeed")
+
+
+def test_moe_routing_follows_the_model():
+    """Renormalised top-k routing (Mixtral, Qwen3-MoE) is Megatron's default order (top-k, then softmax);
+    softmax over every expert before top-k is --moe-router-pre-softmax; DeepSeek-V3 scores by sigmoid."""
+    def args(model):
+        job = Job(models.get(model), Strategy.parse("dp=8,ep=8"), 64, 4096)
+        return export(job, "megatron").text
+    assert "--moe-router-pre-softmax" not in args("mixtral-8x7b")
+    assert "--moe-router-pre-softmax" in args("moe:layers=2,hidden=256,heads=4,experts=8,top_k=2,expert_ffn=512,vocab=512")
+    assert "--moe-router-score-function sigmoid" in args("deepseek-v3")

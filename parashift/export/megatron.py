@@ -106,7 +106,10 @@ def _model(job: Job, out: Export) -> None:
         out.set("--num-experts", m.experts)
         out.set("--moe-router-topk", m.top_k)
         out.set("--moe-ffn-hidden-size", m.expert_ffn)
-        out.set("--moe-router-pre-softmax")                      # softmax over all experts, then top-k
+        if m.router == "sigmoid":                                  # DeepSeek-V3's scores
+            out.set("--moe-router-score-function", "sigmoid")
+        if not m.norm_topk:     # softmax over all experts, then top-k; Megatron's default (top-k, then softmax
+            out.set("--moe-router-pre-softmax")   # over those k) is the renormalised routing of Mixtral and Qwen3
         out.set("--moe-router-load-balancing-type", "none")      # the plan's model has no auxiliary loss
         if m.shared_ffn:
             out.set("--moe-shared-expert-intermediate-size", m.shared_ffn)

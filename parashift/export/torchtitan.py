@@ -30,10 +30,23 @@ def model_args(job: Job) -> dict:
             "max_seq_len": max(job.seq_len, m.seq_len)}
 
 
+def flavor_name(name: str) -> str:
+    """A flavor key for a model name: a Hugging Face config's folder (``hf:/x/llama3-8b/config.json`` ->
+    ``llama3-8b``), else the name itself."""
+    if name.startswith("hf:"):
+        path = name[3:].rstrip("/")
+        parts = [p for p in path.split("/") if p]
+        if parts and parts[-1] == "config.json":
+            parts = parts[:-1]
+        return parts[-1] if parts else name
+    return name
+
+
 def _model(job: Job, out: Export) -> None:
     m = job.model
+    flavor = flavor_name(m.name)
     out.set("model.name", "llama3")
-    out.set("model.flavor", m.name)
+    out.set("model.flavor", flavor)
     misfits = [what for bad, what in [
         (not m.gated, "a GELU MLP (llama3 has SwiGLU)"), (m.norm != "rms", "LayerNorm (llama3 has RMSNorm)"),
         (m.pos_emb != "rope", "learned position embeddings (llama3 has RoPE)"),
@@ -43,7 +56,7 @@ def _model(job: Job, out: Export) -> None:
         (m.dropout > 0, f"dropout {m.dropout} (torchtitan trains without dropout)")] if bad]
     if misfits:
         out.unsupported.append(f"model {m.name}: torchtitan's llama3 cannot express " + "; ".join(misfits))
-    out.notes.append(f"register flavor {m.name!r} in torchtitan/models/llama3/__init__.py: llama3_args[{m.name!r}] = "
+    out.notes.append(f"register flavor {flavor!r} in torchtitan/models/llama3/__init__.py: llama3_args[{flavor!r}] = "
                      "TransformerModelArgs(" + ", ".join(f"{k}={v!r}" for k, v in model_args(job).items()) + ")")
     if m.dtype == "fp16":
         out.unsupported.append("fp16: torchtitan trains in bfloat16 or float32 only")
