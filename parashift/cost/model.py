@@ -272,6 +272,8 @@ class CostModel:
                 t = self._with_floor(t_shape, units, phase)
                 if phase == "recompute" and self.recompute_tp_comm and work.tp > 1:
                     t += self._recompute_comm(units, work)
+                if phase == "fwd" and not instr.microbatch and work.fp8 != "none":   # the step's FP8 weight copies
+                    t += sum(work.fp8_weight_cast(self, k) * n for k, n in units if n)
                 if phase in ("bwd", "bwd_weight") and instr.microbatch and self.grad_accum_traffic:
                     t += sum(work.grad_accum(self, k) * n for k, n in units if n)
                 return t
