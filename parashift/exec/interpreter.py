@@ -49,7 +49,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import RuntimeFailure
+from ..errors import RuntimeFailure, StrategyError
 from ..ir.program import Instr, Program
 from ..ir.step_meta import StepMeta
 from ..ir.tags import CPTag, EPTag, P2PTag, SPTag, StepTag, Sync, SyncTag, TPTag, Z3Tag, parse_tag
@@ -59,6 +59,7 @@ from .parallel import cp, dp, ep, pipeline, tp, zero
 from .prepared import COMPUTE, CP, DP, EP, RECV, SEND, SP, TP, Z3, Prepared
 from .reference import OptimConfig, microbatch_rows
 from .models import weight_grad
+from .fp8 import Fp8Gemms
 from .regions import (KINDS, CoreRecompute, Rec, RegionCtx, atomic_regions, chain_residual, finish_weights,
                       head_logit_grad, region_kind)
 from .state import _DT, StateStore
@@ -187,6 +188,7 @@ class Interpreter:
         self._auto: set[tuple[int, int, str]] = set()
         self._leaves: dict[str, torch.Tensor] = {}            # parameter -> its gradient leaf (_grad_leaf)
         self._leaves_of: list[tuple[Any, Any]] = []           # the store's flat buffers they alias
+        self.fp8: Fp8Gemms | None = None    # set by _init_model under an fp8 recipe
         self._init_model()
         self.streams = sorted(self.rp.streams, key=lambda n: (n not in _P2P_ORDER, _P2P_ORDER.index(n)
                                                               if n in _P2P_ORDER else 0, n))
@@ -212,6 +214,11 @@ class Interpreter:
         from .models import rope_tables
         spec, s, device = self.spec, self.strategy, self.device
         seq = int(self.step_meta.seq_len)
+        if s.fp8 != "none" and (s.sp or s.cp > 1):
+            raise StrategyError(f"the runtime runs fp8 without sp and cp (strategy {s}): their re-gathered inputs are "
+                                f"not the FP8 ones; drop sp/cp or fp8")
+        #: the fp8 recipe's GEMMs (:mod:`parashift.exec.fp8`); its amax history lives across steps
+        self.fp8 = Fp8Gemms(s.fp8, spec) if s.fp8 != "none" else None
         self.seq = seq // s.cp          # tokens of a sequence this rank holds
         self.atoms = chunk_atoms(spec, s)
         rc = {(i.chunk, i.microbatch, a) for i in self.rp.instrs() if i.phase == "recompute"
@@ -228,7 +235,8 @@ class Interpreter:
                                                                                  device=device)),
                              chain=s.tp == 1 and not spec.is_moe and s.cp == 1 and not s.zero_stage.grad_buckets
                              and not s.overlap_param,   # ZeRO-2/3, overlap_param: unfused region buckets
-                             grad_leaf=self._grad_leaf, grad_fusion=s.grad_fusion)
+                             grad_leaf=self._grad_leaf, grad_fusion=s.grad_fusion,
+                             fp8=self.fp8)
         # chain mode: the regions whose backward is a full one build their linears on gradient leaves
         # (autograd accumulates those weight gradients itself; see _bwd_chain)
         self._auto = {(i.chunk, i.microbatch, a) for i in self.rp.instrs() if i.op == "compute" and i.phase == "bwd"
