@@ -69,3 +69,20 @@ def test_tiny_gpt_trains_under_fp8_like_the_reference(strategy):
         assert abs(a - b) <= 1e-5 * abs(b), f"{strategy}: step {k} loss {a} != fp8 reference {b}"
     # the recipe is really on: from step 1 the scales come from the history and the losses leave the fp32 run's
     assert max(abs(a - b) / b for a, b in zip(res.losses[1:], bf[1:])) > 1e-4
+
+
+def test_live_switch_bf16_fp8_bf16_moves_the_state_exactly():
+    import numpy as np
+    from test_switch_live import GPT, check_switches
+
+    from parashift.exec.switch.session import run_live
+    chain = [(1, "dp=2,zero=1,fp8", None), (3, "dp=2,zero=1", None)]
+    res = run_live(GPT, "dp=2,zero=1", steps=4, switches=chain, export=True, timeout=240, switch_timeout=30)
+    assert [s.get("aborted") for s in res.switches] == [None, None]
+    # each switch left byte for byte the params, master weights and AdamW moments a fresh job of the new
+    # recipe would hold: the recipe changes the compute, not the layout
+    assert check_switches(GPT, res) == 2
+    ref, _ = reference_train(GPT, 4, 8, GPT.seq_len, fp8=["none", "delayed", "delayed", "none"])
+    assert np.allclose(res.losses, ref, rtol=1e-5, atol=0), (res.losses, ref)
+    plain, _ = reference_train(GPT, 4, 8, GPT.seq_len)
+    assert abs(res.losses[1] - plain[1]) > 1e-4 * plain[1]      # the FP8 steps really ran in FP8
