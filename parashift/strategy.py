@@ -306,8 +306,9 @@ class Strategy:
         return np.arange(self.world).reshape(self.pp, self.dp, self.cp, self.tp)
 
     def group(self, rank: int, axis: str) -> tuple[int, ...]:
-        """Members of ``rank``'s group along ``axis`` (tp, cp, dp, dpcp, pp, ep, edp, embed, shard or replica),
-        ascending. ``shard``: the DP ranks of its ZeRO shard group; ``replica``: the DP ranks holding the same shard."""
+        """Members of ``rank``'s group along ``axis`` (tp, cp, dp, dpcp, pp, ep, edp, embed, shard, replica or
+        stage), ascending. ``shard``: the DP ranks of its ZeRO shard group; ``replica``: the DP ranks holding the
+        same shard; ``stage``: every rank of its pipeline stage."""
         c = self.coords(rank)
         tp, dp, pp, cp = c["tp"], c["dp"], c["pp"], c["cp"]
         if axis == "tp":
@@ -329,11 +330,13 @@ class Strategy:
             r = self.rank(tp, c["replica"] * S + np.arange(S), pp, cp)
         elif axis == "replica":
             r = self.rank(tp, c["shard"] + self.shard_size * np.arange(self.dp_replicas), pp, cp)
+        elif axis == "stage":  # every rank of this pipeline stage (the FP8 amax reduction's group)
+            r = self.grid()[pp].ravel()
         elif axis == "embed":  # first and last pipeline stage of this (tp, cp, dp): tied embeddings
             r = np.unique([self.rank(tp, dp, 0, cp), self.rank(tp, dp, self.pp - 1, cp)])
         else:
-            raise StrategyError(f"unknown group axis {axis!r}; use tp, cp, dp, dpcp, pp, ep, edp, embed, shard "
-                                f"or replica")
+            raise StrategyError(f"unknown group axis {axis!r}; use tp, cp, dp, dpcp, pp, ep, edp, embed, shard, "
+                                f"replica or stage")
         return tuple(int(x) for x in np.atleast_1d(r))
 
     def groups(self, axis: str) -> np.ndarray:
@@ -360,9 +363,12 @@ class Strategy:
             if axis == "shard":
                 return h.transpose(0, 1, 3, 4, 2).reshape(-1, self.shard_size)
             return h.transpose(0, 2, 3, 4, 1).reshape(-1, self.dp_replicas)
+        if axis == "stage":
+            return g.reshape(pp, -1)
         if axis == "embed":
             return np.unique(g[[0, -1]].transpose(1, 2, 3, 0).reshape(-1, 2), axis=1)
-        raise StrategyError(f"unknown group axis {axis!r}; use tp, cp, dp, dpcp, pp, ep, edp, embed, shard or replica")
+        raise StrategyError(f"unknown group axis {axis!r}; use tp, cp, dp, dpcp, pp, ep, edp, embed, shard, replica "
+                           f"or stage")
 
     # ---- model-dependent checks ------------------------------------------------------------
     def validate(self, model: "ModelSpec", devices: int | None = None) -> "Strategy":

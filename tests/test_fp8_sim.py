@@ -67,3 +67,20 @@ def test_fp8_weight_copies_in_static_memory_and_fp8_gathers_halve_the_bytes():
     assert gathered(p8) == gathered(p16)
     # the GEMM weights travel at 1 byte instead of 2; norms, embedding and head stay BF16
     assert gathered(p8g) / gathered(p8) == pytest.approx((gemm + 2 * other) / (2 * gemm + 2 * other), rel=1e-3)
+
+
+def test_delayed_scaling_reduces_each_chunks_amaxes_once_a_step_over_its_stage():
+    m = ps.models.get("tiny-gpt")
+    p = ps.ir.compile(m, Strategy.parse("dp=2,tp=2,pp=2,fp8"), global_batch=8, seq_len=16)
+    for r in range(8):
+        red = [i for s in p.ranks[r].streams.values() for i in s if (i.tag or "").startswith("fp8.")]
+        assert [(i.op, i.tag, i.stream, i.group) for i in red] == \
+            [("all_reduce", f"fp8.amax.c{r // 4}", "comm", "stage")]
+        assert p.resolve_group(r, red[0]) == tuple(range(4 * (r // 4), 4 * (r // 4) + 4))
+        # three fp32 amaxes (input, weight, output gradient) of each FP8 weight of the chunk's two layers
+        assert red[0].nbytes == 2 * 4 * 3 * 4
+    ps.sim.simulate(p, "h100-1x8")
+    for strategy in ("dp=2,tp=2,pp=2,fp8=current", "dp=2,tp=2,pp=2", "pp=2,fp8"):   # no step-end reduction
+        q = ps.ir.compile(m, Strategy.parse(strategy), global_batch=8, seq_len=16)
+        assert not [i for rp in q.ranks.values() for s in rp.streams.values() for i in s
+                    if (i.tag or "").startswith("fp8.")]

@@ -7,10 +7,10 @@ up to their accumulation order. On a GPU the forward runs through ``torch._scale
 operands with their inverse scales.
 
 Delayed scaling: a tensor's scale is ``fp8_max / max(amax history)`` (1 before any history); every use
-in a step records its amax, and :meth:`Fp8Gemms.end_step` max-reduces the step's amaxes over the whole
-job (every rank fills the tensors it holds: TP shards, DP replicas and pipeline stages all end with the
-global amax, as a single process has) and pushes them into the history. One scale per tensor and role
-(input, weight, output gradient); a stacked expert tensor shares one.
+in a step records its amax, the Program's ``fp8.amax.c<chunk>`` all-reduce (:func:`reduce_amax`) takes
+the chunk's amaxes to their MAX over its pipeline stage (TP shards and DP replicas then hold the global
+amax, as a single process has), and :meth:`Fp8Gemms.end_step` pushes them into the history. One scale per
+tensor and role (input, weight, output gradient); a stacked expert tensor shares one.
 """
 from __future__ import annotations
 
@@ -22,8 +22,10 @@ import torch.distributed as dist
 from ..errors import StrategyError
 from ..fp8 import FP8_GEMMS, FP8_MAX, get as get_recipe
 from ..models import ModelSpec
+from ..strategy import Strategy
+from .comm import Flight
 
-__all__ = ["Fp8Gemms", "qdq", "DTYPES", "fp8_tensors"]
+__all__ = ["Fp8Gemms", "qdq", "reduce_amax", "DTYPES", "fp8_tensors"]
 
 #: torch dtype of each FP8 format.
 DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -45,7 +47,8 @@ def qdq(t: torch.Tensor, scale: float, fmt: str) -> torch.Tensor:
 class Fp8Gemms:
     """One rank's FP8 GEMMs under ``recipe`` (scales, the step's amaxes, the amax history)."""
 
-    def __init__(self, recipe: str, spec: ModelSpec) -> None:
+    def __init__(self, recipe: str, spec: ModelSpec, strategy: "Strategy | None" = None) -> None:
+        """``strategy``: where the chunks' amax rows are (None: one chunk holds every layer)."""
         r = get_recipe(recipe)
         if r is None:
             raise StrategyError("Fp8Gemms needs an fp8 recipe, not 'none'")
@@ -53,8 +56,16 @@ class Fp8Gemms:
             raise StrategyError(f"the runtime runs fp8=delayed; fp8={recipe} is priced by the simulator only "
                                 f"(its per-cast amax reductions are not in the Program); use fp8=delayed to run it")
         self.recipe = r
-        self.index = {n: i for i, n in enumerate(fp8_tensors(spec))}
-        self.amax = torch.zeros(len(self.index), len(_ROLES), dtype=torch.float64)   # this step's, per use
+        names = fp8_tensors(spec)
+        self.index = {n: i for i, n in enumerate(names)}
+        self.amax = torch.zeros(len(self.index), len(_ROLES), dtype=torch.float32)   # this step's, per use
+        chunk = (strategy or Strategy()).layer_stages(spec.layers)
+        layer = {t.name: t.layer for t in spec.tensors}
+        self.rows: dict[int, tuple[int, int]] = {}            # chunk -> its rows of ``amax`` (model order)
+        for i, n in enumerate(names):
+            c = int(chunk[layer[n]])
+            lo, _ = self.rows.get(c, (i, i))
+            self.rows[c] = (lo, i + 1)
         self.history: list[torch.Tensor] = []
 
     def covers(self, name: str) -> bool:
@@ -84,13 +95,17 @@ class Fp8Gemms:
         xq, wq = self.cast(x, name, 0), self.cast(w, name, 1)
         return _Fp8Linear.apply(x, w, xq, wq, self, name), xq
 
-    def end_step(self, group: Any = None) -> None:
-        """Max-reduce this step's amaxes over ``group`` (None: a single process) and push them into the history."""
-        a = self.amax.to(torch.float32)
-        if group is not None:
-            dist.all_reduce(a, op=dist.ReduceOp.MAX, group=group)
-        self.history = (self.history + [a.to(torch.float64)])[-self.recipe.amax_history:]
+    def end_step(self) -> None:
+        """Push this step's amaxes (reduced by then) into the history and start the next step's."""
+        self.history = (self.history + [self.amax.clone()])[-self.recipe.amax_history:]
         self.amax.zero_()
+
+
+def reduce_amax(it: Any, p: Any) -> Flight:
+    """The Program's ``fp8.amax.c<chunk>`` all-reduce: the chunk's amax rows to their MAX over the group."""
+    lo, hi = it.fp8.rows[p.tag.chunk]
+    w = dist.all_reduce(it.fp8.amax[lo:hi], op=dist.ReduceOp.MAX, group=p.group, async_op=True)
+    return Flight(p.ins, p.ins.stream, [w])
 
 
 class _Fp8Linear(torch.autograd.Function):

@@ -52,14 +52,14 @@ import torch
 from ..errors import RuntimeFailure, StrategyError
 from ..ir.program import Instr, Program
 from ..ir.step_meta import StepMeta
-from ..ir.tags import CPTag, EPTag, P2PTag, SPTag, StepTag, Sync, SyncTag, TPTag, Z3Tag, parse_tag
+from ..ir.tags import CPTag, EPTag, Fp8Tag, P2PTag, SPTag, StepTag, Sync, SyncTag, TPTag, Z3Tag, parse_tag
 from ..models import ModelSpec
 from .comm import Flight, Poller
 from .parallel import cp, dp, ep, pipeline, tp, zero
-from .prepared import COMPUTE, CP, DP, EP, RECV, SEND, SP, TP, Z3, Prepared
+from .prepared import COMPUTE, CP, DP, EP, FP8, RECV, SEND, SP, TP, Z3, Prepared
 from .reference import OptimConfig, microbatch_rows
 from .models import weight_grad
-from .fp8 import Fp8Gemms
+from .fp8 import Fp8Gemms, reduce_amax
 from .regions import (KINDS, CoreRecompute, Rec, RegionCtx, atomic_regions, chain_residual, finish_weights,
                       head_logit_grad, region_kind)
 from .state import _DT, StateStore
@@ -154,7 +154,7 @@ def _grad_mode(on: bool):
 #: the communication handler of each instruction kind: ``handler(interpreter, prepared) -> Flight``
 HANDLERS: dict[int, Callable[[Any, Prepared], Flight]] = {
     SEND: pipeline.send, RECV: pipeline.post_recv, TP: tp.reduce, SP: tp.sequence, EP: ep.exchange,
-    DP: dp.sync, Z3: zero.gather_params, CP: cp.exchange}
+    DP: dp.sync, Z3: zero.gather_params, CP: cp.exchange, FP8: reduce_amax}
 
 
 class Interpreter:
@@ -218,7 +218,7 @@ class Interpreter:
             raise StrategyError(f"the runtime runs fp8 without sp and cp (strategy {s}): their re-gathered inputs are "
                                 f"not the FP8 ones; drop sp/cp or fp8")
         #: the fp8 recipe's GEMMs (:mod:`parashift.exec.fp8`); its amax history lives across steps
-        self.fp8 = Fp8Gemms(s.fp8, spec) if s.fp8 != "none" else None
+        self.fp8 = Fp8Gemms(s.fp8, spec, s) if s.fp8 != "none" else None
         self.seq = seq // s.cp          # tokens of a sequence this rank holds
         self.atoms = chunk_atoms(spec, s)
         rc = {(i.chunk, i.microbatch, a) for i in self.rp.instrs() if i.phase == "recompute"
@@ -331,6 +331,8 @@ class Interpreter:
             return EP
         if isinstance(tag, SPTag) and ins.op == ("reduce_scatter" if tag.hop == "rs" else "all_gather"):
             return SP
+        if isinstance(tag, Fp8Tag) and ins.op == "all_reduce":
+            return FP8
         if isinstance(tag, SyncTag):
             return DP
         if isinstance(tag, Z3Tag) and ins.op == "all_gather":

@@ -14,6 +14,7 @@ from ..cluster import Cluster
 from ..models import ModelSpec
 from ..strategy import Strategy
 from .directives import TP_BWD_KINDS, Fuse, Order, Place, Recompute, Replicate, Shard, Split, Stream, apply_all
+from .fp8 import amax_directives
 from .graph import Graph
 from .memory import (OPTIM_FLOPS_PER_ELEMENT, chunk_params, fp8_params, gather_bytes, optimizer_elements,
                      recompute_bytes, region_activation, region_state_bytes)
@@ -122,6 +123,7 @@ def directives(model: "str | ModelSpec", strategy: "str | Strategy", *, global_b
                          ep=s.ep, tied_bytes=cp.tied * gb, axis=s.zero_axis, overlap=s.overlap_grad,
                          buckets=region_state_bytes(spec, s) if s.zero_stage.grad_buckets or s.overlap_param else (),
                          replicas=s.dp_replicas, overlap_param=s.overlap_param))
+    out += amax_directives(spec, s)
     if sched.hides_ep_comm and s.ep > 1:
         out.append(Stream("comm", ops=("all_to_all",), tag_prefix="ep."))
     out.append(order if order is not None else schedule_order(s, m, planning_costs(spec, s, seq_len, costs)))
