@@ -86,3 +86,20 @@ def test_live_switch_bf16_fp8_bf16_moves_the_state_exactly():
     assert np.allclose(res.losses, ref, rtol=1e-5, atol=0), (res.losses, ref)
     plain, _ = reference_train(GPT, 4, 8, GPT.seq_len)
     assert abs(res.losses[1] - plain[1]) > 1e-4 * plain[1]      # the FP8 steps really ran in FP8
+
+
+@pytest.mark.gpu
+def test_scaled_mm_forward_equals_the_dequantized_product_on_a_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU with FP8 tensor cores")
+    torch.manual_seed(2)
+    g8 = Fp8Gemms("delayed", get("tiny-gpt"))
+    name = "layers.0.mlp.fc2.weight"
+    x = torch.randn(4, 32, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)
+    g8.linear(x, w, name)
+    g8.end_step()                       # scales from the amaxes, not 1
+    y, xq = g8.linear(x, w, name)
+    wq = qdq(w, g8.scale(name, 1), "e4m3")
+    want = xq.float() @ wq.float().t()
+    assert y.dtype == torch.bfloat16 and torch.allclose(y.float(), want, rtol=2e-2, atol=2e-2)

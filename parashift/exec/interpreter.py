@@ -190,6 +190,9 @@ class Interpreter:
         self._leaves_of: list[tuple[Any, Any]] = []           # the store's flat buffers they alias
         self.fp8: Fp8Gemms | None = None    # set by _init_model under an fp8 recipe
         self._init_model()
+        if self.strategy.fp8 != "none" and self.fp8 is None:
+            raise StrategyError(f"fp8={self.strategy.fp8} runs on the preset and Hugging Face transformer models only; "
+                                f"this model's linears are its own: drop fp8 from the strategy")
         self.streams = sorted(self.rp.streams, key=lambda n: (n not in _P2P_ORDER, _P2P_ORDER.index(n)
                                                               if n in _P2P_ORDER else 0, n))
         self.pos = {i.id: (st, k) for st, ins in self.rp.streams.items() for k, i in enumerate(ins)}
