@@ -84,3 +84,20 @@ def test_delayed_scaling_reduces_each_chunks_amaxes_once_a_step_over_its_stage()
         q = ps.ir.compile(m, Strategy.parse(strategy), global_batch=8, seq_len=16)
         assert not [i for rp in q.ranks.values() for s in rp.streams.values() for i in s
                     if (i.tag or "").startswith("fp8.")]
+
+
+def test_exports_carry_the_recipe():
+    from parashift.errors import InputError
+    from parashift.export import export
+    from parashift.export.common import Job, Training
+    job = Job(ps.models.get("tiny-gpt"), Strategy.parse("dp=4,zero=3,fp8,fp8_gather"), 8, 32)
+    meg = dict(export(job, "megatron").options)
+    assert (meg["--fp8-format"], meg["--fp8-recipe"], meg["--fp8-amax-history-len"], meg["--fp8-amax-compute-algo"],
+            meg["--fp8-param-gather"]) == ("hybrid", "delayed", 16, "max", True)
+    cur = dict(export(Job(job.model, Strategy.parse("dp=4,fp8=current"), 8, 32), "megatron").options)
+    assert cur["--fp8-recipe"] == "tensorwise" and "--fp8-amax-history-len" not in cur
+    tt = export(job, "torchtitan")
+    assert dict(tt.options)["quantize.linear.float8.enable_fsdp_float8_all_gather"] is True
+    assert any("fp8=delayed: torchao's tensorwise" in u for u in tt.unsupported)
+    with pytest.raises(InputError, match="fp8 is given twice"):
+        Job(job.model, job.strategy, 8, 32, Training(fp8="hybrid"))
