@@ -101,3 +101,16 @@ def test_exports_carry_the_recipe():
     assert any("fp8=delayed: torchao's tensorwise" in u for u in tt.unsupported)
     with pytest.raises(InputError, match="fp8 is given twice"):
         Job(job.model, job.strategy, 8, 32, Training(fp8="hybrid"))
+
+
+def test_moe_expert_gemms_run_at_the_fp8_rate_under_the_flops_rule():
+    from parashift.cost.compute import Workload
+    m = ps.models.get("mixtral-8x7b")
+    w = Workload.of(m, Strategy.parse("dp=8,ep=8,fp8"), 4096)
+    mats = 2 * 3 * m.hidden * (m.top_k * m.expert_ffn)
+    # routed experts are FP8, the router is not: the share is theirs of the block's FLOPs
+    assert w.fp8_share((("moe", 1),)) == pytest.approx(mats / m.mlp_flops(1))
+    assert 0.9 < w.fp8_share((("moe", 1),)) < 1 and w.fp8_share((("head", 1),)) == 0
+    _, bf16 = _sim("dp=8,ep=8,zero=1", model="mixtral-8x7b")
+    _, f8 = _sim("dp=8,ep=8,zero=1,fp8", model="mixtral-8x7b")
+    assert 1.2 < bf16.step_time / f8.step_time < 1.8      # expert GEMMs dominate; attention, casts, all-to-alls stay

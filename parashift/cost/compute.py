@@ -227,6 +227,48 @@ class Workload:
             return 0.0
         return n * self._cast_bytes(r) / (cm.hbm_bw * cm.memory_efficiency)
 
+    def fp8_share(self, units: tuple) -> float:
+        """The fraction of a region's FLOPs (``units``: kinds and counts) an fp8 recipe runs in FP8: the
+        attention projections, dense MLPs, routed and shared experts; not the attention core, router, head
+        or embedding (for the FLOPs rule, which prices what the shape model does not: MoE)."""
+        if self.fp8 == "none":
+            return 0.0
+        md = self.model
+        mats = 3 if md.gated else 2
+        attn8 = sum(2 * o * i for o, i, _ in md.attn_matrices())
+        if md.is_moe:
+            mlp8 = 2 * mats * md.hidden * (md.top_k * md.expert_ffn + md.shared_ffn)
+        else:
+            mlp8 = 2 * mats * md.hidden * md.ffn
+        attn, mlp = md.attn_flops(1, self.seq_len), md.mlp_flops(1)
+        parts = {"attn": (attn8, attn), "mlp": (mlp8, mlp), "moe": (mlp8, mlp), "layer": (attn8 + mlp8, attn + mlp),
+                 "head": (0.0, md.head_flops(1)), "embed": (0.0, 0.0)}
+        f8 = sum(parts.get(k, (0.0, 0.0))[0] * n for k, n in units)
+        total = sum(parts.get(k, (0.0, 0.0))[1] * n for k, n in units)
+        return min(1.0, f8 / total) if total else 0.0
+
+    def fp8_flops_casts(self, cm: ShapeKnobs, units: tuple, phase: str) -> float:
+        """Seconds of the FP8 casts of the regions the FLOPs rule prices (MoE blocks, and the attention of a
+        MoE model's whole layers): each expert GEMM's input forward (routed ones see ``top_k`` copies of
+        each token, balanced over the EP ranks) and output gradient backward (input-gradient phase)."""
+        md = self.model
+        if self.fp8 == "none" or not md.is_moe or phase == "bwd_weight":
+            return 0.0
+        T = self.mbs * self.seq_len / self.cp
+        gi = 2 if md.gated else 1
+        per = self._cast_bytes(fp8_recipe(self.fp8)) / (cm.hbm_bw * cm.memory_efficiency)
+        fwd = phase in ("fwd", "recompute")
+        t = 0.0
+        for k, n in units:
+            if k in ("moe", "layer"):
+                for tokens, f in ((T * md.top_k, md.expert_ffn / self.tp), (T, md.shared_ffn / self.tp)):
+                    if f:
+                        t += n * tokens * ((md.hidden + f) if fwd else (gi * f + md.hidden)) * per
+            if k == "layer":
+                cast_in, cast_dy = self._casts(cm, "attn", self._parts(cm, "attn")[0])
+                t += n * (cast_in if fwd else cast_dy)
+        return t
+
     def _fp8_kind(self, kind: str) -> bool:
         """Whether a region's GEMMs run in FP8 (attention projections and MLPs; never embedding or head)."""
         return self.fp8 != "none" and kind in ("attn", "mlp")
