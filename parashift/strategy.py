@@ -7,18 +7,19 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .errors import StrategyError
+from .fp8 import NAMES as FP8_RECIPES, get as _fp8_recipe
 from .schedules import get_schedule as _schedule, schedule_names
 from .states import ZeroStage, zero_stage
 
 if TYPE_CHECKING:  # pragma: no cover
     from .models import ModelSpec
 
-__all__ = ["Strategy", "SCHEDULES", "RECOMPUTE"]
+__all__ = ["Strategy", "SCHEDULES", "RECOMPUTE", "FP8_RECIPES"]
 
 RECOMPUTE = ("none", "selective", "full")
 _INT_FIELDS = ("dp", "tp", "pp", "ep", "zero", "vpp", "mbs", "cp", "shard")
-_BOOL_FIELDS = ("sp", "overlap_grad", "overlap_param", "tp_async", "grad_fusion")
-_KEYS = _INT_FIELDS + _BOOL_FIELDS + ("schedule", "recompute")
+_BOOL_FIELDS = ("sp", "overlap_grad", "overlap_param", "tp_async", "grad_fusion", "fp8_gather")
+_KEYS = _INT_FIELDS + _BOOL_FIELDS + ("schedule", "recompute", "fp8")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -58,6 +59,9 @@ class Strategy:
     ``--gradient-accumulation-fusion``, default on since February 2022); off: a separate pass adds each
     micro-batch's gradient into the buffer (priced by the cost model's ``grad_accum_traffic``). Both off by
     default: the 2021 software the SC21 and vTrain anchors ran.
+    ``fp8``: the FP8 training recipe (:mod:`parashift.fp8`): ``none`` (BF16 GEMMs), ``delayed``, ``current`` or
+    ``mx`` scaling of the transformer's GEMMs; a bare ``fp8`` is ``delayed``. ``fp8_gather``: ZeRO's parameter
+    all-gathers move the FP8 copies (half the bytes of BF16; TransformerEngine's and torchao's FP8 all-gather).
     """
 
     dp: int = 1
@@ -76,6 +80,8 @@ class Strategy:
     overlap_param: bool = False
     tp_async: bool = False
     grad_fusion: bool = False
+    fp8: str = "none"
+    fp8_gather: bool = False
 
     def __post_init__(self) -> None:
         for name in _BOOL_FIELDS:
@@ -111,6 +117,10 @@ class Strategy:
                                 f"zero=1 or zero=2 (zero={self.zero}: "
                                 + ("ZeRO-3 already gathers each use's parameters" if z.gathers_around_use
                                    else "nothing is gathered") + "); set zero=1 or drop overlap_param")
+        _fp8_recipe(self.fp8)
+        if self.fp8_gather and (self.fp8 == "none" or self.zero == 0):
+            raise StrategyError(f"fp8_gather all-gathers ZeRO's parameters in FP8 and needs an fp8 recipe and zero>=1 "
+                                f"(fp8={self.fp8}, zero={self.zero}); set fp8 and zero, or drop fp8_gather")
         if self.cp > 1 and self.ep > 1:
             raise StrategyError(f"cp={self.cp} with ep={self.ep} is not supported (experts would span the "
                                 f"dp x cp ranks); use cp=1 for mixture-of-experts strategies")
@@ -147,6 +157,8 @@ class Strategy:
                 continue
             if part in _BOOL_FIELDS:
                 part += "=1"
+            elif part == "fp8":
+                part = "fp8=delayed"
             if "=" not in part:
                 raise StrategyError(f"strategy item {part!r} is not key=value; write e.g. 'dp=4,tp=2'")
             key, val = part.split("=", 1)
@@ -294,8 +306,9 @@ class Strategy:
         return np.arange(self.world).reshape(self.pp, self.dp, self.cp, self.tp)
 
     def group(self, rank: int, axis: str) -> tuple[int, ...]:
-        """Members of ``rank``'s group along ``axis`` (tp, cp, dp, dpcp, pp, ep, edp, embed, shard or replica),
-        ascending. ``shard``: the DP ranks of its ZeRO shard group; ``replica``: the DP ranks holding the same shard."""
+        """Members of ``rank``'s group along ``axis`` (tp, cp, dp, dpcp, pp, ep, edp, embed, shard, replica or
+        stage), ascending. ``shard``: the DP ranks of its ZeRO shard group; ``replica``: the DP ranks holding the
+        same shard; ``stage``: every rank of its pipeline stage."""
         c = self.coords(rank)
         tp, dp, pp, cp = c["tp"], c["dp"], c["pp"], c["cp"]
         if axis == "tp":
@@ -317,11 +330,13 @@ class Strategy:
             r = self.rank(tp, c["replica"] * S + np.arange(S), pp, cp)
         elif axis == "replica":
             r = self.rank(tp, c["shard"] + self.shard_size * np.arange(self.dp_replicas), pp, cp)
+        elif axis == "stage":  # every rank of this pipeline stage (the FP8 amax reduction's group)
+            r = self.grid()[pp].ravel()
         elif axis == "embed":  # first and last pipeline stage of this (tp, cp, dp): tied embeddings
             r = np.unique([self.rank(tp, dp, 0, cp), self.rank(tp, dp, self.pp - 1, cp)])
         else:
-            raise StrategyError(f"unknown group axis {axis!r}; use tp, cp, dp, dpcp, pp, ep, edp, embed, shard "
-                                f"or replica")
+            raise StrategyError(f"unknown group axis {axis!r}; use tp, cp, dp, dpcp, pp, ep, edp, embed, shard, "
+                                f"replica or stage")
         return tuple(int(x) for x in np.atleast_1d(r))
 
     def groups(self, axis: str) -> np.ndarray:
@@ -348,9 +363,12 @@ class Strategy:
             if axis == "shard":
                 return h.transpose(0, 1, 3, 4, 2).reshape(-1, self.shard_size)
             return h.transpose(0, 2, 3, 4, 1).reshape(-1, self.dp_replicas)
+        if axis == "stage":
+            return g.reshape(pp, -1)
         if axis == "embed":
             return np.unique(g[[0, -1]].transpose(1, 2, 3, 0).reshape(-1, 2), axis=1)
-        raise StrategyError(f"unknown group axis {axis!r}; use tp, cp, dp, dpcp, pp, ep, edp, embed, shard or replica")
+        raise StrategyError(f"unknown group axis {axis!r}; use tp, cp, dp, dpcp, pp, ep, edp, embed, shard, replica "
+                           f"or stage")
 
     # ---- model-dependent checks ------------------------------------------------------------
     def validate(self, model: "ModelSpec", devices: int | None = None) -> "Strategy":

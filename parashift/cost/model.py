@@ -272,6 +272,8 @@ class CostModel:
                 t = self._with_floor(t_shape, units, phase)
                 if phase == "recompute" and self.recompute_tp_comm and work.tp > 1:
                     t += self._recompute_comm(units, work)
+                if phase == "fwd" and not instr.microbatch and work.fp8 != "none":   # the step's FP8 weight copies
+                    t += sum(work.fp8_weight_cast(self, k) * n for k, n in units if n)
                 if phase in ("bwd", "bwd_weight") and instr.microbatch and self.grad_accum_traffic:
                     t += sum(work.grad_accum(self, k) * n for k, n in units if n)
                 return t
@@ -282,6 +284,9 @@ class CostModel:
         elif kinds:
             eff *= self.region_efficiency.get("layer", 1.0)
         t = instr.flops / (self.peak_flops * eff) if instr.flops else 0.0
+        if t and work is not None and work.fp8 != "none" and "fp8" in self.dtype_peaks:
+            f = work.fp8_share(units)            # the FP8 GEMMs' FLOPs at the FP8 rate
+            t = t * (1 - f + f * self.peak_flops / self.peak("fp8")) + work.fp8_flops_casts(self, units, phase)
         if instr.nbytes:
             t = max(t, instr.nbytes / (self.hbm_bw * self.memory_efficiency))
         pf = self.phase_floor.get(phase, 1.0)

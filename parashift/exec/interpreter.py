@@ -49,16 +49,17 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import RuntimeFailure
+from ..errors import RuntimeFailure, StrategyError
 from ..ir.program import Instr, Program
 from ..ir.step_meta import StepMeta
-from ..ir.tags import CPTag, EPTag, P2PTag, SPTag, StepTag, Sync, SyncTag, TPTag, Z3Tag, parse_tag
+from ..ir.tags import CPTag, EPTag, Fp8Tag, P2PTag, SPTag, StepTag, Sync, SyncTag, TPTag, Z3Tag, parse_tag
 from ..models import ModelSpec
 from .comm import Flight, Poller
 from .parallel import cp, dp, ep, pipeline, tp, zero
-from .prepared import COMPUTE, CP, DP, EP, RECV, SEND, SP, TP, Z3, Prepared
+from .prepared import COMPUTE, CP, DP, EP, FP8, RECV, SEND, SP, TP, Z3, Prepared
 from .reference import OptimConfig, microbatch_rows
 from .models import weight_grad
+from .fp8 import Fp8Gemms, reduce_amax
 from .regions import (KINDS, CoreRecompute, Rec, RegionCtx, atomic_regions, chain_residual, finish_weights,
                       head_logit_grad, region_kind)
 from .state import _DT, StateStore
@@ -153,7 +154,7 @@ def _grad_mode(on: bool):
 #: the communication handler of each instruction kind: ``handler(interpreter, prepared) -> Flight``
 HANDLERS: dict[int, Callable[[Any, Prepared], Flight]] = {
     SEND: pipeline.send, RECV: pipeline.post_recv, TP: tp.reduce, SP: tp.sequence, EP: ep.exchange,
-    DP: dp.sync, Z3: zero.gather_params, CP: cp.exchange}
+    DP: dp.sync, Z3: zero.gather_params, CP: cp.exchange, FP8: reduce_amax}
 
 
 class Interpreter:
@@ -187,7 +188,11 @@ class Interpreter:
         self._auto: set[tuple[int, int, str]] = set()
         self._leaves: dict[str, torch.Tensor] = {}            # parameter -> its gradient leaf (_grad_leaf)
         self._leaves_of: list[tuple[Any, Any]] = []           # the store's flat buffers they alias
+        self.fp8: Fp8Gemms | None = None    # set by _init_model under an fp8 recipe
         self._init_model()
+        if self.strategy.fp8 != "none" and self.fp8 is None:
+            raise StrategyError(f"fp8={self.strategy.fp8} runs on the preset and Hugging Face transformer models only; "
+                                f"this model's linears are its own: drop fp8 from the strategy")
         self.streams = sorted(self.rp.streams, key=lambda n: (n not in _P2P_ORDER, _P2P_ORDER.index(n)
                                                               if n in _P2P_ORDER else 0, n))
         self.pos = {i.id: (st, k) for st, ins in self.rp.streams.items() for k, i in enumerate(ins)}
@@ -212,6 +217,11 @@ class Interpreter:
         from .models import rope_tables
         spec, s, device = self.spec, self.strategy, self.device
         seq = int(self.step_meta.seq_len)
+        if s.fp8 != "none" and (s.sp or s.cp > 1):
+            raise StrategyError(f"the runtime runs fp8 without sp and cp (strategy {s}): their re-gathered inputs are "
+                                f"not the FP8 ones; drop sp/cp or fp8")
+        #: the fp8 recipe's GEMMs (:mod:`parashift.exec.fp8`); its amax history lives across steps
+        self.fp8 = Fp8Gemms(s.fp8, spec, s) if s.fp8 != "none" else None
         self.seq = seq // s.cp          # tokens of a sequence this rank holds
         self.atoms = chunk_atoms(spec, s)
         rc = {(i.chunk, i.microbatch, a) for i in self.rp.instrs() if i.phase == "recompute"
@@ -228,7 +238,8 @@ class Interpreter:
                                                                                  device=device)),
                              chain=s.tp == 1 and not spec.is_moe and s.cp == 1 and not s.zero_stage.grad_buckets
                              and not s.overlap_param,   # ZeRO-2/3, overlap_param: unfused region buckets
-                             grad_leaf=self._grad_leaf, grad_fusion=s.grad_fusion)
+                             grad_leaf=self._grad_leaf, grad_fusion=s.grad_fusion,
+                             fp8=self.fp8)
         # chain mode: the regions whose backward is a full one build their linears on gradient leaves
         # (autograd accumulates those weight gradients itself; see _bwd_chain)
         self._auto = {(i.chunk, i.microbatch, a) for i in self.rp.instrs() if i.op == "compute" and i.phase == "bwd"
@@ -323,6 +334,8 @@ class Interpreter:
             return EP
         if isinstance(tag, SPTag) and ins.op == ("reduce_scatter" if tag.hop == "rs" else "all_gather"):
             return SP
+        if isinstance(tag, Fp8Tag) and ins.op == "all_reduce":
+            return FP8
         if isinstance(tag, SyncTag):
             return DP
         if isinstance(tag, Z3Tag) and ins.op == "all_gather":

@@ -99,6 +99,8 @@ class Runtime:
         if self.ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         loss = self.interp.run_step(self.steps_done)
+        if self.interp.fp8 is not None:     # the step's amaxes (reduced by the Program) into the history
+            self.interp.fp8.end_step()
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize()
         self.steps_done += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 
+from ..fp8 import get as fp8_recipe
 from .common import Export, Job, build
 
 __all__ = ["to_megatron", "VERSION"]
@@ -65,6 +66,15 @@ def _parallel(job: Job, out: Export) -> None:
                                "reduction with the weight-gradient GEMM and has no option to turn that off")
     if not s.grad_fusion:
         out.set("--no-gradient-accumulation-fusion")
+    recipe = fp8_recipe(s.fp8)
+    if recipe is not None:     # Transformer Engine's recipes under Megatron-LM's names
+        out.set("--fp8-format", "hybrid")
+        out.set("--fp8-recipe", {"delayed": "delayed", "current": "tensorwise", "mx": "mxfp8"}[s.fp8])
+        if recipe.delayed:
+            out.set("--fp8-amax-history-len", recipe.amax_history)
+            out.set("--fp8-amax-compute-algo", "max")
+        if s.fp8_gather:
+            out.set("--fp8-param-gather")
     for name, value in _RECOMPUTE.get(s.recompute, []):
         out.set(name, value)
     out.set("--micro-batch-size", s.mbs)

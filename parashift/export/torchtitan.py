@@ -129,8 +129,26 @@ def _parallel(job: Job, out: Export) -> None:
     out.set("training.local_batch_size", job.global_batch // s.dp if s.pp > 1 else s.mbs)
 
 
+def _fp8(job: Job, out: Export) -> None:
+    """The strategy's fp8 recipe as torchao's float8 converter (tensorwise: dynamic, E4M3 throughout)."""
+    s = job.strategy
+    if s.fp8 == "mx":
+        out.unsupported.append("fp8=mx: this export writes torchao's float8 converter only; the plan's MX "
+                               "(32-element block) scaling is not expressed")
+        return
+    out.set("model.converters", ["quantize.linear.float8"])
+    out.set("quantize.linear.float8.recipe_name", "tensorwise")
+    out.unsupported.append(f"fp8={s.fp8}: torchao's tensorwise recipe scales each tensor by its current amax and "
+                           f"keeps E4M3 for gradients too" + (" (the plan's delayed scaling keeps a 16-step amax "
+                                                             "history)" if s.fp8 == "delayed" else ""))
+    if s.fp8_gather:
+        out.set("quantize.linear.float8.enable_fsdp_float8_all_gather", True)
+
+
 def _training(job: Job, out: Export) -> None:
     t = job.training
+    if job.strategy.fp8 != "none":
+        _fp8(job, out)
     if t.fp8:
         out.set("model.converters", ["quantize.linear.float8"])
         out.set("quantize.linear.float8.recipe_name", "tensorwise")
