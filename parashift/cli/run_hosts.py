@@ -72,7 +72,6 @@ def run_cli(args: argparse.Namespace) -> dict:
     from .. import models
     from ..exec.job.endpoint import read_secret
     from ..exec.job.first_host import run_first_host
-    from ..exec.reference import OptimConfig
     from ..exec.switch import step_times
     from ..strategy import Strategy
     from ..units import parse_bytes
@@ -92,7 +91,7 @@ def run_cli(args: argparse.Namespace) -> dict:
     res, placed = run_first_host(args.model, s0, steps=args.steps, endpoint=args.endpoint, nprocs=nprocs,
                          secret=read_secret(args.secret_file, create=True), timeout=args.timeout,
                          quiet=bool(args.json), global_batch=args.global_batch, seq_len=args.seq_len,
-                         optim=OptimConfig(lr=args.lr), notice=args.switch_notice, memory_budget=budget,
+                         optim=args.optim, notice=args.switch_notice, memory_budget=budget,
                          placement=args.switch_placement, on_join=args.on_join,
                          snapshot_every=args.snapshot_every, snapshot_dir=os.path.abspath(args.snapshot_dir),
                          resume=args.resume, store_url=args.store,

@@ -7,7 +7,6 @@ import sys
 from .. import models
 from ..cluster import parse_devices
 from ..errors import RuntimeFailure, StrategyError
-from ..exec.reference import OptimConfig
 from ..exec.switch import run_live, step_times
 from ..strategy import Strategy
 from ..units import parse_bytes
@@ -33,7 +32,9 @@ def parse_switch_at(text: str) -> tuple[int, Strategy, tuple[int, ...] | None]:
 
 def run_cli(args) -> dict:
     """``parashift run ... --switch-at STEP:STRATEGY[:DEVICES]``: a live job that hot-switches."""
-    spec = models.get(args.model)
+    from ..exec.train import TokenData, with_precision
+    spec = with_precision(models.get(args.model), args.train["precision"])
+    data = TokenData(args.data, args.data_seed) if getattr(args, "data", None) else None
     s0 = Strategy.parse(args.strategy)
     if args.nprocs is not None and args.nprocs != s0.world:
         raise StrategyError(f"strategy {s0} needs {s0.world} processes, not --nprocs {args.nprocs}; "
@@ -47,10 +48,10 @@ def run_cli(args) -> dict:
     if budget:
         budget = parse_bytes(budget)
     res = run_live(spec, s0, steps=args.steps, switches=switches, global_batch=args.global_batch,
-                   seq_len=args.seq_len or spec.seq_len, optim=OptimConfig(lr=args.lr), timeout=args.timeout,
+                   seq_len=args.seq_len or spec.seq_len, optim=args.optim, timeout=args.timeout,
                    notice=getattr(args, "switch_notice", 3), memory_budget=budget or None,
                    placement=getattr(args, "switch_placement", "keep"), progress=progress,
-                   device=resolve_device(args), cluster=getattr(args, "switch_cluster", None))
+                   device=resolve_device(args), cluster=getattr(args, "switch_cluster", None), data=data)
     aborted = [s for s in res.switches if s.get("aborted")]
     out = {"model": spec.name, "strategy": str(s0), "nprocs": s0.world, "schedule": None, **res.to_json(),
            "step_times": step_times(res),
@@ -69,10 +70,28 @@ def run_cli(args) -> dict:
     if getattr(args, "trace", None):
         res.to_chrome_trace(args.trace)
         out["timeline"] = args.trace
+    out["train"] = args.train
+    if data is not None:
+        out["data"] = args.data
+    out["tokens"] = [args.global_batch * (args.seq_len or spec.seq_len)] * len(res.losses)
+    if getattr(args, "metrics", None) or getattr(args, "tensorboard", None):
+        _write_metrics(args, res, out["step_times"], out["tokens"][:1] or [0])
+        out["metrics"] = args.metrics
     if len(res.losses) < args.steps:
         why = aborted[0]["aborted"] if aborted else "a process failed"
         raise RuntimeFailure(f"the live job stopped after {len(res.losses)} of {args.steps} steps: {why}")
     return out
+
+
+def _write_metrics(args, res, times: list[float], tokens: list[int]) -> None:
+    """A live job's per-step metrics, written once it ends (the steps of every layout, switches included)."""
+    from ..exec.metrics import MetricsLog
+    log = MetricsLog(args.steps, tokens[0], path=args.metrics, tensorboard=args.tensorboard, bar=False)
+    try:
+        for k, loss in enumerate(res.losses):
+            log(k, loss, times[k] if k < len(times) else float("nan"), res.grad_norms[k], res.lrs[k])
+    finally:
+        log.close()
 
 
 def render_cli(result: dict) -> None:

@@ -135,6 +135,8 @@ class StepState:
     cp: dict = field(default_factory=dict)         # context parallelism's mailboxes (see exec.parallel.cp)
     loss: float = 0.0
     heads: int = 0                                 # head forwards done (the loss share is whole at n_heads)
+    grad_norm: float = float("nan")                # the global gradient norm before clipping (optim phase)
+    lr: float = float("nan")                       # the learning rate the step's update used
 
     def e(self, c: int, mb: int) -> dict:
         return self.env.setdefault((c, mb), {})
@@ -237,6 +239,7 @@ class Interpreter:
                              tuple(t.to(_DT[spec.dtype]) for t in rope_tables(seq, spec.head_dim, spec.rope_theta,
                                                                                  device=device)),
                              chain=s.tp == 1 and not spec.is_moe and s.cp == 1 and not s.zero_stage.grad_buckets
+                             and spec.dtype == "fp32"
                              and not s.overlap_param,   # ZeRO-2/3, overlap_param: unfused region buckets
                              grad_leaf=self._grad_leaf, grad_fusion=s.grad_fusion,
                              fp8=self.fp8)
@@ -580,8 +583,12 @@ class Interpreter:
     def _compute(self, ins: Instr) -> None:
         ph = ins.phase
         if ph == "optim":
-            for b in self.store.buffers.values():
-                b.optimizer_step(self.optim)
+            from .train import optimizer_step, owned_ranges
+            group = self.worlds.get(range(self.program.world)) if self.program.world > 1 else None
+            if getattr(self, "_owned", None) is None:
+                self._owned = owned_ranges(self.store)       # the gradient elements this rank counts in the norm
+            self.st.grad_norm, self.st.lr = optimizer_step(self.store, self.optim, self._step, group, self.timeout,
+                                                           self._owned)
             return
         c, mb = ins.chunk, ins.microbatch
         atoms = self.regions.get(ins.id) or atomic_regions(ins.region, self.spec)

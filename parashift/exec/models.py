@@ -202,9 +202,10 @@ def weight_grad(u: _Use, dy: torch.Tensor | None, acc: Callable[[str, int | None
 
 
 def accumulate_linear_grad(g: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, fused: bool) -> None:
-    """``g += dy^T x`` over every token: in the GEMM (``fused``) or as a GEMM then an add."""
+    """``g += dy^T x`` over every token: in the GEMM (``fused``) or as a GEMM then an add (always when
+    ``g`` is an fp32 accumulator of a bf16 model)."""
     d2, x2 = dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1])
-    if fused:
+    if fused and g.dtype == d2.dtype:
         g.addmm_(d2, x2)
     else:
         g.add_(torch.mm(d2, x2))

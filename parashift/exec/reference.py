@@ -11,11 +11,13 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..errors import ProgramError
 from ..models import ModelSpec
+from ..train.schedule import LRSchedule, decays
 from .models import apply_rope, check_supported, init_tensor, rms_norm, rope_tables, swiglu
 
-__all__ = ["OptimConfig", "Fp8Reference", "make_batch", "microbatch_rows", "reference_logits", "reference_loss", "reference_train",
-           "init_params"]
+__all__ = ["OptimConfig", "Fp8Reference", "make_batch", "microbatch_rows", "reference_logits", "reference_loss",
+           "reference_train", "init_params", "param_groups", "ReferenceRun"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,20 @@ class OptimConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
+    #: the learning rate of each step (None: ``lr`` throughout); a decaying one needs ``decay_steps``
+    schedule: "LRSchedule | None" = None
+    #: clip gradients to this global L2 norm before each update (0: no clipping; ``clip_grad_norm_``)
+    clip_grad: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.schedule is not None and self.schedule.lr != self.lr:
+            raise ProgramError(f"the schedule's peak rate {self.schedule.lr} differs from lr {self.lr}")
+        if self.clip_grad < 0 or self.clip_grad != self.clip_grad:
+            raise ProgramError(f"clip_grad {self.clip_grad} must be 0 (off) or a positive norm")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of update ``step`` (0-based)."""
+        return self.lr if self.schedule is None else self.schedule.at(step)
 
 
 def make_batch(spec: ModelSpec, step: int, global_batch: int, seq_len: int, seed: int = 0
@@ -162,20 +178,49 @@ class Fp8Reference:
         self.now = {}
 
 
+def param_groups(spec: ModelSpec, P: dict[str, torch.Tensor], weight_decay: float) -> list[dict]:
+    """torch.optim param groups: weight decay where :func:`parashift.train.decays` says, none elsewhere."""
+    shapes = {t.name: t.shape for t in spec.tensors}
+    dec = [v for k, v in P.items() if decays(k, shapes[k])]
+    rest = [v for k, v in P.items() if not decays(k, shapes[k])]
+    return [g for g in ({"params": dec, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0})
+            if g["params"]]
+
+
+@dataclass
+class ReferenceRun:
+    """Per-step losses, global gradient norms (before clipping) and rates of :func:`reference_train`."""
+
+    losses: list[float]
+    params: dict[str, torch.Tensor]
+    grad_norms: list[float]
+    lrs: list[float]
+
+    def __iter__(self):            # ``losses, params = reference_train(...)``
+        return iter((self.losses, self.params))
+
+    def __getitem__(self, i: int):
+        return (self.losses, self.params)[i]
+
+
 def reference_train(spec: ModelSpec, steps: int, global_batch: int, seq_len: int, *,
                     optim: OptimConfig = OptimConfig(), seed: int = 0, data_seed: int = 0,
-                    fp8: "Sequence[str] | str" = "none") -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Per-step losses and final parameters of a single-process run (torch.optim.AdamW). ``fp8``: the
-    recipe of every step (``none`` or ``delayed``), or one per step (a job switching precision)."""
+                    fp8: "Sequence[str] | str" = "none",
+                    batch: "Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None" = None) -> ReferenceRun:
+    """A single-process run: torch.optim.AdamW (decay on matrices and embeddings only), the rate of
+    ``optim.lr_at(step)``, ``clip_grad_norm_`` at ``optim.clip_grad``. ``fp8``: the recipe of every step
+    (``none`` or ``delayed``), or one per step (a job switching precision). ``batch(step)``: the step's
+    (tokens, targets) (default :func:`make_batch`)."""
     check_supported(spec)
     recipes = [fp8] * steps if isinstance(fp8, str) else list(fp8)
     f8: Fp8Reference | None = None
     P = {k: v.requires_grad_() for k, v in init_params(spec, seed).items()}
-    opt = torch.optim.AdamW(list(P.values()), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
-                            weight_decay=optim.weight_decay, foreach=False)
-    losses = []
+    opt = torch.optim.AdamW(param_groups(spec, P, optim.weight_decay), lr=optim.lr,
+                            betas=(optim.beta1, optim.beta2), eps=optim.eps, foreach=False)
+    losses, norms, lrs = [], [], []
     for step in range(steps):
-        tokens, targets = make_batch(spec, step, global_batch, seq_len, data_seed)
+        tokens, targets = batch(step) if batch is not None else make_batch(spec, step, global_batch, seq_len,
+                                                                           data_seed)
         opt.zero_grad()
         if recipes[step] == "none":
             f8 = None
@@ -187,6 +232,12 @@ def reference_train(spec: ModelSpec, steps: int, global_batch: int, seq_len: int
         loss.backward()
         if f8 is not None:
             f8.end_step()
+        norm = torch.nn.utils.clip_grad_norm_(list(P.values()), optim.clip_grad or float("inf"), foreach=False)
+        lr = optim.lr_at(step)
+        for g in opt.param_groups:
+            g["lr"] = lr
         opt.step()
         losses.append(float(loss.detach()))
-    return losses, {k: v.detach() for k, v in P.items()}
+        norms.append(float(norm))
+        lrs.append(lr)
+    return ReferenceRun(losses, {k: v.detach() for k, v in P.items()}, norms, lrs)

@@ -440,7 +440,7 @@ def _embed_bwd_weight(c: RegionCtx, rec: Rec) -> None:
     dh = rec.dys[0]
     mine = rec.t["mine"]
     g = c.grad("embed.word")
-    g.index_add_(0, rec.t["idx"][mine], dh[mine])
+    g.index_add_(0, rec.t["idx"][mine], dh[mine].to(g.dtype))
 
 
 def _head_fwd(c: RegionCtx, rec: Rec, env: dict, grad: bool) -> None:

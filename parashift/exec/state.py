@@ -14,7 +14,7 @@ released once its reduce-scatter has added it into the gradient shard, which liv
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -22,6 +22,7 @@ from ..ir.memory import grad_bucket
 from ..models import ModelSpec
 from ..states import zero_stage
 from ..strategy import Strategy
+from ..train.schedule import decays
 from .models import init_tensor
 from .reference import OptimConfig
 
@@ -121,6 +122,7 @@ class Buffer:
         self.q = self.padded // n
         self.lo, self.hi = index * self.q, (index + 1) * self.q
         self.dtype, self.device, self.mem = dtype, device, mem
+        self.gdtype = torch.float32      # gradients accumulate and reduce in fp32 (bf16 models: Megatron's main_grad)
         self.ranges: dict[int, tuple[int, int]] = {}
         for p in pieces:
             a, b = self.ranges.get(p.chunk, (p.start, p.start))
@@ -138,6 +140,7 @@ class Buffer:
         #   (chunk, mb) -> bucket (region, None: the chunk) -> (buffer offset, gradient)
         self.step = 0
         self.name = family
+        self._segments: list[tuple[int, int, bool]] | None = None   # weight-decay ranges (optimizer step)
         mem.alloc(f"param:{family}", self.param.numel() * self.param.element_size())
         for k in ("master", "exp_avg", "exp_avg_sq"):
             t = getattr(self, k)
@@ -214,13 +217,13 @@ class Buffer:
     # ---- gradients ----------------------------------------------------------------------------
     def grad_buffer(self) -> torch.Tensor:
         if self.grad is None:
-            self.grad = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+            self.grad = torch.zeros(self.padded, dtype=self.gdtype, device=self.device)
             self.mem.alloc(f"grad:{self.family}", self.padded * self.grad.element_size())
         return self.grad
 
     def grad_shard_buffer(self) -> torch.Tensor:
         if self.grad_shard is None:
-            self.grad_shard = torch.zeros(self.q, dtype=self.dtype, device=self.device)
+            self.grad_shard = torch.zeros(self.q, dtype=self.gdtype, device=self.device)
             self.mem.alloc(f"grad_shard:{self.family}", self.q * self.grad_shard.element_size())
         return self.grad_shard
 
@@ -245,7 +248,7 @@ class Buffer:
             raise RuntimeError(f"gradient bucket {region or 'chunk'} of chunk {chunk} micro-batch {mb} "
                                f"({self.family}) allocated twice")
         a, b = self.bucket_span(chunk, region)
-        t = torch.zeros(b - a, dtype=self.dtype, device=self.device)
+        t = torch.zeros(b - a, dtype=self.gdtype, device=self.device)
         buckets[region] = (a, t)
         self.mem.alloc(self._zg(chunk, mb, region), t.numel() * t.element_size())
 
@@ -271,18 +274,63 @@ class Buffer:
             self.mb_grads.pop((chunk, mb), None)
 
     # ---- optimizer ----------------------------------------------------------------------------
-    def optimizer_step(self, cfg: OptimConfig) -> None:
-        """AdamW on this rank's optimizer shard, then write the new values into the parameters."""
+    def opt_grad(self) -> torch.Tensor:
+        """The gradient the optimizer reads: this rank's ZeRO shard (zero >= 1), else the whole buffer."""
         if self.zero_stage.shards_optim and self.n == 1:   # no DP peers: no reduce-scatter, the shard is the buffer
-            g = self.grad_buffer()
-        elif self.zero_stage.shards_optim:
-            g = self.grad_shard if self.grad_shard is not None else torch.zeros(self.q, dtype=self.dtype,
-                                                                                device=self.device)
-        else:
-            g = self.grad_buffer()
+            return self.grad_buffer()
+        if self.zero_stage.shards_optim:
+            return self.grad_shard if self.grad_shard is not None else torch.zeros(self.q, dtype=self.gdtype,
+                                                                                   device=self.device)
+        return self.grad_buffer()
+
+    @property
+    def opt_base(self) -> int:
+        """Buffer offset of the optimizer state's element 0 (this rank's ZeRO shard's start, else 0)."""
+        return self.lo if self.zero_stage.shards_optim else 0
+
+    @property
+    def opt_len(self) -> int:
+        """Elements of the optimizer state (and of :meth:`opt_grad`)."""
+        return self.q if self.zero_stage.shards_optim else self.padded
+
+    def decay_segments(self) -> list[tuple[int, int, bool]]:
+        """``(a, b, decays)`` ranges covering the optimizer state (offsets into it): weight decay on
+        matrices and embeddings, not on norms and biases (:func:`parashift.train.decays`)."""
+        lo, n = self.opt_base, self.opt_len
+        out: list[tuple[int, int, bool]] = []
+        cur = 0
+        for p in self.pieces:
+            a, e = max(lo, p.start) - lo, min(lo + n, p.start + p.numel) - lo
+            if a >= e:
+                continue
+            flag = decays(p.name, p.sizes)
+            if a > cur:                           # a gap (none today): decayed, it is zero
+                out.append((cur, a, True))
+            if out and out[-1][2] == flag and out[-1][1] == a:
+                out[-1] = (out[-1][0], e, flag)
+            else:
+                out.append((a, e, flag))
+            cur = e
+        if cur < n:                               # the padding: decayed, it is zero
+            if out and out[-1][2]:
+                out[-1] = (out[-1][0], n, True)
+            else:
+                out.append((cur, n, True))
+        return out
+
+    def optimizer_step(self, cfg: OptimConfig, scale: float = 1.0) -> None:
+        """AdamW on this rank's optimizer shard (gradients times ``scale``; weight decay only on the
+        ranges of :meth:`decay_segments`), then write the new values into the parameters."""
+        g = self.opt_grad().float()
+        if scale != 1.0:
+            g = g * scale
         target = self.master if self.master is not None else (self.param_shard() if self.zero_stage.shards_optim else self.param)
         self.step += 1
-        adamw_(target, g.float(), self.exp_avg, self.exp_avg_sq, self.step, cfg)
+        if self._segments is None:
+            self._segments = self.decay_segments()
+        plain = replace(cfg, weight_decay=0.0)
+        for a, e, dec in self._segments:
+            adamw_(target[a:e], g[a:e], self.exp_avg[a:e], self.exp_avg_sq[a:e], self.step, cfg if dec else plain)
         if self.master is not None:
             (self.param_shard() if self.zero_stage.shards_optim else self.param).copy_(self.master.to(self.dtype))
         self.zero_grad()

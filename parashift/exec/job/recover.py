@@ -206,7 +206,9 @@ def guard(session: Any) -> None:
         if snaps is not None:
             if snaps.every > 0 and rt.steps_done % snaps.every == 0:
                 rt.sync_params()        # overlap_param: a snapshot holds whole parameters
-            snaps.maybe(store, rt.store, rt.program.strategy, rt.ctx.rank, session.device, rt.steps_done)
+            pos = rt.data_position()
+            snaps.maybe(store, rt.store, rt.program.strategy, rt.ctx.rank, session.device, rt.steps_done,
+                        pos.to_dict() if pos is not None else None)
         return loss, extra
     rt.step = step
     rt._hosts_guarded = True
@@ -423,6 +425,6 @@ def _rebuild(session: Any, g: int, old: Any, plan: dict) -> Any:
     worlds = training_worlds(session.manager, keys, rank, prog)
     rctx = RankContext(rank, st.world, session.ctx.backend, torch.device("cpu"), None)
     rt = Runtime(prog, rctx, store=new, worlds=worlds, data_seed=o.data_seed, model=session.spec, optim=o.optim,
-                 timeout=session.ctx.timeout)
+                 timeout=session.ctx.timeout, data=o.data)
     rt.steps_done = plan["step"]
     return rt

@@ -51,9 +51,11 @@ class Snapshotter:
         self.pending: tuple[int, Future] | None = None
         self.kept: list[int] = []
 
-    def maybe(self, kv: Any, state: Any, strategy: Any, rank: int, device: int, steps_done: int) -> bool:
+    def maybe(self, kv: Any, state: Any, strategy: Any, rank: int, device: int, steps_done: int,
+              data_position: dict | None = None) -> bool:
         """Start a snapshot of ``state`` when ``steps_done`` is a multiple of ``every`` (after the previous
-        one is on disk); returns whether one was started. It is recorded in ``kv`` as soon as it is written."""
+        one is on disk); returns whether one was started. It is recorded in ``kv`` as soon as it is written;
+        ``data_position`` (a :class:`~parashift.data.DataPosition` as a dict) goes into the record beside it."""
         due = self.every > 0 and steps_done % self.every == 0
         self.finish(wait=due)
         if not due:
@@ -73,7 +75,8 @@ class Snapshotter:
         fut = dcp.async_save(arrays, checkpoint_id=path, no_dist=True)
         meta = pickle.dumps((str(strategy), rank, opt))
         model = getattr(getattr(state, "spec", None), "name", None)
-        record = json.dumps({"strategy": str(strategy), "rank": rank, "opt_step": opt, "model": model})
+        record = json.dumps({"strategy": str(strategy), "rank": rank, "opt_step": opt, "model": model,
+                             "data_position": data_position})
 
         recorded = threading.Event()
 

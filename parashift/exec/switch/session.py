@@ -70,6 +70,7 @@ class LiveOptions:
     seed: int = 0
     data_seed: int = 0
     optim: OptimConfig = OptimConfig()
+    data: Any = None         # a TokenData: each step's global batch from its sampler (None: synthetic)
     notice: int = 3
     switch_timeout: float = 60.0
     memory_budget: Any = None
@@ -317,7 +318,7 @@ class LiveSession:
         new_rank = dst.devices.index(self.device)
         rctx = RankContext(new_rank, dst.strategy.world, self.backend, self.torch_device, None)
         rt = Runtime(prep.program, rctx, store=new, worlds=prep.worlds, data_seed=self.opts.data_seed,
-                     model=self.spec, optim=self.opts.optim, timeout=self.ctx.timeout)
+                     model=self.spec, optim=self.opts.optim, timeout=self.ctx.timeout, data=self.opts.data)
         for b in new.buffers.values():
             b.step = int(meta["opt_step"])
         rt.steps_done = int(meta["steps_done"])
@@ -372,7 +373,8 @@ class LiveSession:
                 step, snap_st, opt = self.opts.resume
                 store = restore(self.opts.snapshot_dir, self.spec, snap_st, step, g0.strategy, rank, opt)
             self.runtime = Runtime(prog, rctx, seed=self.opts.seed, data_seed=self.opts.data_seed, model=self.spec,
-                                   worlds=worlds, optim=self.opts.optim, timeout=self.ctx.timeout, store=store)
+                                   worlds=worlds, optim=self.opts.optim, timeout=self.ctx.timeout, store=store,
+                                   data=self.opts.data)
             if self.opts.resume:
                 self.runtime.steps_done = g0.step
             self.gen = 0
@@ -390,6 +392,7 @@ class LiveSession:
     def train(self, steps: int) -> dict:
         """Train until ``steps`` global steps, switching on schedule; returns this process's report."""
         losses: dict[int, float] = {}
+        trained: dict[int, dict] = {}      # step -> grad_norm, lr, samples (the step's sequence indices)
         error = None
         notice = self.opts.notice
         stop_switching = False
@@ -416,6 +419,9 @@ class LiveSession:
             loss, _ = self.runtime.step()
             self.rows.append(("train", "step", t0, time.time(), step))
             losses[step] = float(loss)
+            rt = self.runtime
+            trained[step] = {"grad_norm": rt.grad_norm, "lr": rt.lr,
+                             "samples": rt.feed.indices(step) if rt.feed is not None else None}
             if self.ctx.report is not None and self.opts.progress:
                 self.ctx.report((step, float(loss), self.gens[self.gen].devices))
         snaps = getattr(self, "_snapshots", None)
@@ -424,7 +430,8 @@ class LiveSession:
         finished = self.runtime is not None and self.runtime.steps_done >= steps
         if finished or error is not None:
             self.ctx.store.set("job/end", "1")
-        out = {"device": self.device, "key": self.ctx.member.key, "losses": losses, "error": error,
+        out = {"device": self.device, "key": self.ctx.member.key, "losses": losses, "trained": trained,
+               "error": error,
                "switches": [asdict(r) for r in self.records], "rows": self.rows,
                "final_gen": self.gen if self.runtime is not None else None,
                "groups_created": self.manager.created, "groups_reused": self.manager.reused}
@@ -516,6 +523,9 @@ class LiveResult:
     #: a job restarted with ``--resume``: the snapshot it started from (``step``, ``strategy``); ``losses``
     #: then begin at that step
     resumed: dict | None = None
+    grad_norms: list[float] = field(default_factory=list)     # global, before clipping, per step
+    lrs: list[float] = field(default_factory=list)
+    samples: list[list[int]] | None = None                    # each step's sequence indices (a token file)
 
     def timeline(self):
         """Training steps and switch phases of every process: ``device, stream, op, step, start, end``
@@ -553,6 +563,9 @@ class LiveResult:
             out["survivability"] = self.survivability
         if self.resumed:
             out["resumed"] = self.resumed
+        out["grad_norm"], out["lr"] = self.grad_norms, self.lrs
+        if self.samples is not None:
+            out["samples"] = self.samples
         return out
 
 
@@ -623,7 +636,7 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
              message_part: int = CHUNK, placement: str = "keep", cost_model: Any = None,
              progress: Callable[[int, float], None] | None = None, device: str = "cpu",
              ordered: bool | None = None, cluster: "str | Cluster | None" = None,
-             promote: bool | None = None) -> LiveResult:
+             promote: bool | None = None, data: Any = None) -> LiveResult:
     """Train ``model`` for ``steps`` steps, hot-switching at the scheduled steps.
 
     ``switches``: (step, strategy, devices or None). ``notice``: steps of warning before each switch
@@ -638,15 +651,18 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
     order on the device's streams (the NCCL driver; default on NCCL only, True runs its CPU twin).
     ``cluster``: what prices the switches' links (default: :func:`switch_cluster` of ``device``);
     ``promote``: let switches use collectives (default: on GPU clusters only, see :func:`.lower`).
+    ``data``: a :class:`~parashift.exec.train.TokenData` to train on (checked before any process starts).
     """
     spec = models.get(model)
+    if data is not None:
+        data.open(seq_len or spec.seq_len, global_batch, spec.vocab)
     if notice < 0:
         raise StrategyError(f"notice={notice} must be a number of steps >= 0 (the warning before each switch)")
     gens = generations(spec, strategy, steps, list(switches), placement)
     if device != "cpu":
         check_gpus(gens, _gpus(device))
     opts = LiveOptions(global_batch=global_batch, seq_len=seq_len or spec.seq_len, seed=seed, data_seed=data_seed,
-                       optim=optim, notice=notice, switch_timeout=switch_timeout, memory_budget=memory_budget,
+                       optim=optim, data=data, notice=notice, switch_timeout=switch_timeout, memory_budget=memory_budget,
                        export=export, progress=progress is not None, big_piece=big_piece, message_part=message_part,
                        placement=placement, cost_model=cost_model, faults=faults, device=device, ordered=ordered,
                        cluster=get_cluster(cluster) if cluster is not None else switch_cluster(device),
@@ -669,7 +685,14 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
         if not shares:
             break
         losses.append(float(sum(shares)))
-    return LiveResult(losses, _summarize(gens, reports, spec, memory_budget, device), reports, gens)
+    trained = [next((r["trained"][k] for r in reports.values() if r and k in r.get("trained", {})), None)
+               for k in range(len(losses))]
+    res = LiveResult(losses, _summarize(gens, reports, spec, memory_budget, device), reports, gens)
+    res.grad_norms = [t["grad_norm"] if t else float("nan") for t in trained]
+    res.lrs = [t["lr"] if t else float("nan") for t in trained]
+    if data is not None:
+        res.samples = [t["samples"] if t else None for t in trained]
+    return res
 
 
 def step_times(result: LiveResult) -> list[float]:
