@@ -66,15 +66,25 @@ def test_weight_decay_skips_norms_in_the_store_and_the_reference() -> None:
     assert len(groups[1]["params"]) == sum(1 for t in spec.tensors if t.name.endswith("norm.weight"))
 
 
+#: a Qwen-like model: q/k/v biases and per-head q/k norms (neither split nor decayed), tied embeddings
+QWENISH = models.gpt(2, 64, 4, kv_heads=2, ffn=128, vocab=256, seq_len=SEQ, name="qwenish", dtype="fp32",
+                     pad_vocab=8, dropout=0.0, tied=True, qkv_bias=True, qk_norm=True)
+
+
+def _spec(model: str):
+    return QWENISH if model == "qwenish" else models.get(model)
+
+
 @functools.lru_cache(maxsize=None)
 def golden(model: str):
     torch.set_num_threads(1)
-    return reference_train(models.get(model), STEPS, GB, SEQ, optim=OPT)
+    return reference_train(_spec(model), STEPS, GB, SEQ, optim=OPT)
 
 
 RUNS = [
     ("tiny-gpt", "dp=2,zero=1"), ("tiny-gpt", "tp=2,pp=2"), ("tiny-gpt", "dp=2,zero=3"),
     ("tiny-gpt", "cp=2,dp=2,zero=2"), ("tiny-moe", "dp=2,ep=2,zero=1"), ("tiny-moe", "tp=2,dp=2,ep=2"),
+    ("qwenish", "tp=2,dp=2,zero=1"),
 ]
 
 
@@ -82,7 +92,8 @@ RUNS = [
 def test_clipped_scheduled_training_matches_the_reference(model: str, strategy: str) -> None:
     ref = golden(model)
     assert all(n > 2 * OPT.clip_grad for n in ref.grad_norms)     # the clip bites on every step
-    res = run(model, strategy, steps=STEPS, global_batch=GB, seq_len=SEQ, optim=OPT, timeout=180)
+    res = run(_spec(model) if model == "qwenish" else model, strategy, steps=STEPS, global_batch=GB, seq_len=SEQ,
+              optim=OPT, timeout=180)
     np.testing.assert_allclose(res.grad_norms, ref.grad_norms, rtol=1e-5)
     np.testing.assert_allclose(res.losses, ref.losses, rtol=1e-5)
     np.testing.assert_allclose(res.lrs, ref.lrs, rtol=1e-12)

@@ -31,11 +31,10 @@ from .reference import OptimConfig
 if TYPE_CHECKING:  # pragma: no cover
     from ..models import ModelSpec
     from ..strategy import Strategy
-    from .state import Buffer, StateStore
+    from .state import StateStore
 
 __all__ = ["owned_ranges", "local_sumsq", "global_grad_norm", "clip_scale", "optimizer_step",
-           "coverage", "TokenData", "DataFeed",
-           "with_precision", "PRECISIONS"]
+           "coverage", "TokenData", "DataFeed", "with_precision", "TRAIN_PRECISIONS"]
 
 
 def owned_ranges(store: "StateStore") -> dict[str, list[tuple[int, int]]]:
@@ -183,7 +182,8 @@ class DataFeed:
         return DataPosition(self.sampler.seed, self.sampler.n, steps_done, steps_done * self.gb, self.sampler.source)
 
 
-PRECISIONS = {"fp32": "fp32", "bf16": "bf16"}
+#: what ``--precision`` trains in (the runtime has no fp16 loss scaling)
+TRAIN_PRECISIONS = ("fp32", "bf16")
 
 
 def with_precision(spec: "ModelSpec", precision: str | None) -> "ModelSpec":
@@ -192,6 +192,6 @@ def with_precision(spec: "ModelSpec", precision: str | None) -> "ModelSpec":
     from ..errors import InputError
     if precision is None or precision == spec.dtype:
         return spec
-    if precision not in PRECISIONS:
-        raise InputError(f"--precision {precision!r} is not one of {', '.join(PRECISIONS)}")
-    return replace(spec, dtype=PRECISIONS[precision])
+    if precision not in TRAIN_PRECISIONS:
+        raise InputError(f"--precision {precision!r} is not one of {', '.join(TRAIN_PRECISIONS)}")
+    return replace(spec, dtype=precision)
