@@ -75,11 +75,17 @@ def test_data_runs_train_on_the_samplers_batches_like_one_process(capsys, tmp_pa
 
 
 @pytest.mark.parametrize("switches", [["2:tp=2"], ["1:dp=1:0", "2:dp=2,zero=1:0,1"]], ids=["reshape", "shrink-grow"])
-def test_hot_switch_keeps_the_data_order_and_the_schedule(capsys, tokens, reference, switches):
+def test_hot_switch_keeps_the_data_order_and_the_schedule(capsys, tmp_path, tokens, reference, switches):
     ref, samples = reference
     at = [a for sw in switches for a in ("--switch-at", sw)]
-    out = _run(capsys, ["--strategy", "dp=2", "--data", str(tokens), *TRAIN, *at, "--switch-notice", "0"])
+    metrics = tmp_path / "m.jsonl"
+    out = _run(capsys, ["--strategy", "dp=2", "--data", str(tokens), *TRAIN, *at, "--switch-notice", "0",
+                        "--metrics", str(metrics)])
     assert out["samples"] == samples
+    rows = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert [r["loss"] for r in rows] == pytest.approx(out["losses"], rel=1e-12)
+    assert [r["grad_norm"] for r in rows] == out["grad_norm"] and all(r["step_seconds"] > 0 for r in rows)
     np.testing.assert_allclose(out["losses"], ref.losses, rtol=1e-5)
     np.testing.assert_allclose(out["grad_norm"], ref.grad_norms, rtol=1e-5)
     np.testing.assert_allclose(out["lr"], ref.lrs, rtol=1e-12)

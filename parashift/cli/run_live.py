@@ -42,16 +42,21 @@ def run_cli(args) -> dict:
     switches = [parse_switch_at(x) for x in args.switch_at]
 
     def progress(step: int, loss: float) -> None:
-        if not args.json:
+        if not args.json and not log.bar:
             print(f"step {step + 1}/{args.steps}  loss {loss:.6f}", file=sys.stderr, flush=True)
     budget = getattr(args, "switch_memory_budget", None)
     if budget:
         budget = parse_bytes(budget)
-    res = run_live(spec, s0, steps=args.steps, switches=switches, global_batch=args.global_batch,
-                   seq_len=args.seq_len or spec.seq_len, optim=args.optim, timeout=args.timeout,
-                   notice=getattr(args, "switch_notice", 3), memory_budget=budget or None,
-                   placement=getattr(args, "switch_placement", "keep"), progress=progress,
-                   device=resolve_device(args), cluster=getattr(args, "switch_cluster", None), data=data)
+    log = _metrics_log(args, spec)
+    try:
+        res = run_live(spec, s0, steps=args.steps, switches=switches, global_batch=args.global_batch,
+                       seq_len=args.seq_len or spec.seq_len, optim=args.optim, timeout=args.timeout,
+                       notice=getattr(args, "switch_notice", 3), memory_budget=budget or None,
+                       placement=getattr(args, "switch_placement", "keep"), progress=progress,
+                       device=resolve_device(args), cluster=getattr(args, "switch_cluster", None), data=data,
+                       metrics=log)
+    finally:
+        log.close()
     aborted = [s for s in res.switches if s.get("aborted")]
     out = {"model": spec.name, "strategy": str(s0), "nprocs": s0.world, "schedule": None, **res.to_json(),
            "step_times": step_times(res),
@@ -74,24 +79,21 @@ def run_cli(args) -> dict:
     if data is not None:
         out["data"] = args.data
     out["tokens"] = [args.global_batch * (args.seq_len or spec.seq_len)] * len(res.losses)
-    if getattr(args, "metrics", None) or getattr(args, "tensorboard", None):
-        _write_metrics(args, res, out["step_times"], out["tokens"][:1] or [0])
+    if getattr(args, "metrics", None):
         out["metrics"] = args.metrics
+    out["warnings"] = out.get("warnings", []) + log.notes
     if len(res.losses) < args.steps:
         why = aborted[0]["aborted"] if aborted else "a process failed"
         raise RuntimeFailure(f"the live job stopped after {len(res.losses)} of {args.steps} steps: {why}")
     return out
 
 
-def _write_metrics(args, res, times: list[float], tokens: list[int]) -> None:
-    """A live job's per-step metrics, written once it ends (the steps of every layout, switches included)."""
+def _metrics_log(args, spec):
+    """The per-step metrics sink of a live job (steps of every layout, switches included)."""
     from ..exec.metrics import MetricsLog
-    log = MetricsLog(args.steps, tokens[0], path=args.metrics, tensorboard=args.tensorboard, bar=False)
-    try:
-        for k, loss in enumerate(res.losses):
-            log(k, loss, times[k] if k < len(times) else float("nan"), res.grad_norms[k], res.lrs[k])
-    finally:
-        log.close()
+    tokens = args.global_batch * (args.seq_len or spec.seq_len)
+    return MetricsLog(args.steps, tokens, path=getattr(args, "metrics", None),
+                      tensorboard=getattr(args, "tensorboard", None), bar=not args.json)
 
 
 def render_cli(result: dict) -> None:

@@ -423,7 +423,8 @@ class LiveSession:
             trained[step] = {"grad_norm": rt.grad_norm, "lr": rt.lr,
                              "samples": rt.feed.indices(step) if rt.feed is not None else None}
             if self.ctx.report is not None and self.opts.progress:
-                self.ctx.report((step, float(loss), self.gens[self.gen].devices))
+                self.ctx.report((step, float(loss), self.gens[self.gen].devices, self.rows[-1][3] - t0,
+                                 rt.grad_norm, rt.lr))
         snaps = getattr(self, "_snapshots", None)
         if snaps is not None and error is None:
             snaps.finish(wait=True)        # the last snapshot is on disk before the job ends (a later --resume)
@@ -636,7 +637,8 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
              message_part: int = CHUNK, placement: str = "keep", cost_model: Any = None,
              progress: Callable[[int, float], None] | None = None, device: str = "cpu",
              ordered: bool | None = None, cluster: "str | Cluster | None" = None,
-             promote: bool | None = None, data: Any = None) -> LiveResult:
+             promote: bool | None = None, data: Any = None,
+             metrics: Callable[[int, float, float, float, float], Any] | None = None) -> LiveResult:
     """Train ``model`` for ``steps`` steps, hot-switching at the scheduled steps.
 
     ``switches``: (step, strategy, devices or None). ``notice``: steps of warning before each switch
@@ -651,7 +653,8 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
     order on the device's streams (the NCCL driver; default on NCCL only, True runs its CPU twin).
     ``cluster``: what prices the switches' links (default: :func:`switch_cluster` of ``device``);
     ``promote``: let switches use collectives (default: on GPU clusters only, see :func:`.lower`).
-    ``data``: a :class:`~parashift.exec.train.TokenData` to train on (checked before any process starts).
+    ``data``: a :class:`~parashift.exec.train.TokenData` to train on (checked before any process starts);
+    ``metrics(step, loss, seconds, grad_norm, lr)``: called as each step completes on every process.
     """
     spec = models.get(model)
     if data is not None:
@@ -663,21 +666,27 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
         check_gpus(gens, _gpus(device))
     opts = LiveOptions(global_batch=global_batch, seq_len=seq_len or spec.seq_len, seed=seed, data_seed=data_seed,
                        optim=optim, data=data, notice=notice, switch_timeout=switch_timeout, memory_budget=memory_budget,
-                       export=export, progress=progress is not None, big_piece=big_piece, message_part=message_part,
+                       export=export, progress=progress is not None or metrics is not None, big_piece=big_piece,
+                       message_part=message_part,
                        placement=placement, cost_model=cost_model, faults=faults, device=device, ordered=ordered,
                        cluster=get_cluster(cluster) if cluster is not None else switch_cluster(device),
                        promote=promote)
-    parts: dict[int, dict[str, float]] = {}
+    parts: dict[int, dict[str, tuple]] = {}
 
     def on_report(key: str, payload: tuple) -> None:
-        step, loss, devices = payload
+        step, loss, devices, secs, norm, lr = payload
         got = parts.setdefault(step, {})
-        got[key] = loss
+        got[key] = (loss, secs)
         if len(got) == len(devices):
-            progress(step, sum(got.values()))
+            total, slowest = sum(x for x, _ in got.values()), max(t for _, t in got.values())
+            if progress is not None:
+                progress(step, total)
+            if metrics is not None:
+                metrics(step, total, slowest, norm, lr)
+            del parts[step]
     reports = launch_elastic(_live_worker, incarnations([g.devices for g in gens]), args=(spec, gens, steps, opts),
                              timeout=timeout, allow_dead=faults is not None and faults.kills(),
-                             on_report=on_report if progress else None,
+                             on_report=on_report if progress or metrics else None,
                              start_key=lambda m: None if m.first == 0 else f"sw{m.first}/notice")
     losses = []
     for k in range(steps):
