@@ -77,7 +77,9 @@ def test_dualpipev_overlaps_ep_all_to_all_with_compute():
     dv = _run(moe, "dp=2,pp=2,ep=2,vpp=2,schedule=dualpipev", 16, cost=cost)
     assert set(dv.timeline.loc[dv.timeline["op"] == "all_to_all", "stream"]) == {"comm"}
     overall, best = _a2a_overlap(dv)
-    assert overall > 0.15 and best > 0.3
+    # planned with estimated F/I/W durations, an F and an I are ready together less often than on unit
+    # costs (0.33 overall, 0.44 on the best device), for the same step time
+    assert overall > 0.2 and best > 0.2
     # under 1f1b the all-to-alls sit on the compute stream: nothing hides them
     ob = _run(moe, "dp=2,pp=2,ep=2", 16, cost=cost)
     assert _a2a_overlap(ob)[0] == 0.0
