@@ -134,7 +134,8 @@ def _free_transfers(cm: CostModel) -> CostModel:
 def _ideal(cm: CostModel) -> CostModel:
     """The papers' idealized setting: free transfers and F = I = W (FLOPs pricing at one efficiency: a
     split backward's halves each take a forward's time)."""
-    return dataclasses.replace(_free_transfers(cm), compute_model="flops")
+    return dataclasses.replace(_free_transfers(cm), compute_model="flops", hbm_bw=1e30, attention_score_bytes=0.0,
+                               region_floor={k: 0.0 for k in cm.region_floor})
 
 
 def _phase_times(r) -> tuple[float, float, float]:

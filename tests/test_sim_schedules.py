@@ -148,7 +148,7 @@ def test_compiled_1f1b_matches_the_closed_form(pp, m):
     communication is free): step == (m + pp - 1)(tf + tb), bubble (pp - 1)/(m + pp - 1)."""
     eff = dict(fwd=1.0, bwd=1.0, bwd_input=1.0, bwd_weight=1.0, recompute=1.0, optim=1e30)
     cost = unit_cost(**FREE, efficiency=eff, region_efficiency=dict(embed=1.0, attn=1.0, mlp=1.0, moe=1.0,
-                                                                    head=1e30, layer=1.0))
+                                                                    head=1e30, layer=1.0), compute_model="flops")
     s = Strategy.parse(f"tp=2,pp={pp}")
     prog = ir_compile(DEEP, s, global_batch=m, seq_len=32)
     res = simulate(prog, "a100-1x8", cost)
