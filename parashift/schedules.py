@@ -13,7 +13,7 @@ from typing import Callable, Union
 
 from .errors import StrategyError
 
-__all__ = ["Schedule", "register", "get_schedule", "schedule_names"]
+__all__ = ["Schedule", "register", "get_schedule", "schedule_names", "canonical", "ALIASES"]
 
 # (strategy, micro-batches, ScheduleCosts or None) -> {stage: steps}; see parashift.ir.schedules
 Recipe = Callable[..., dict]
@@ -128,10 +128,20 @@ for _s in (
     register(_s)
 
 
+#: Other names a schedule is published under -> its registered name. ``zb-1p``: the zero-bubble paper's
+#: automatic schedule under 1F1B's in-flight bound, which zb-h1's list scheduler plans on F/I/W durations.
+ALIASES: dict[str, str] = {"zb-1p": "zb-h1"}
+
+
+def canonical(name: str) -> str:
+    """The registered name of schedule ``name`` (itself unless it is an alias)."""
+    return ALIASES.get(name, name)
+
+
 def get_schedule(name: str) -> Schedule:
-    """The registered schedule called ``name`` (StrategyError naming the choices otherwise)."""
+    """The registered schedule called ``name`` or aliased so (StrategyError naming the choices otherwise)."""
     try:
-        return _REGISTRY[name]
+        return _REGISTRY[canonical(name)]
     except KeyError:
         raise StrategyError(f"unknown schedule {name!r}; use one of {', '.join(_REGISTRY)}") from None
 

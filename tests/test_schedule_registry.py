@@ -237,3 +237,14 @@ def test_deeper_interleaving_raises_throughput_on_uniform_stages():
         s = Strategy.parse(f"tp=8,pp=4,sp{',vpp=%d' % v if v > 1 else ''}")
         tps.append(simulate(compile(spec, s, global_batch=16, seq_len=2048), "a100-4x8").tokens_per_s)
     assert tps[0] < tps[1] < tps[2], tps
+
+
+def test_a_fixed_chunk_count_and_a_published_alias_parse():
+    """``schedule=zb-v`` alone means its two chunks per stage; ``zb-1p`` (the paper's name) is zb-h1."""
+    assert Strategy.parse("pp=4,schedule=zb-v").vpp == 2 and Strategy.parse("pp=4,schedule=dualpipev").vpp == 2
+    assert Strategy.parse("pp=4,schedule=zb-2p").vpp == 1
+    s = Strategy.parse("pp=4,schedule=zb-1p")
+    assert s.schedule == "zb-h1" and str(s) == str(Strategy.parse("pp=4,schedule=zb-h1"))
+    assert "zb-1p" not in S.schedule_names()
+    with pytest.raises(StrategyError, match="exactly 2 chunks per stage"):
+        Strategy.parse("pp=4,vpp=1,schedule=zb-v")
