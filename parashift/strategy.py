@@ -101,6 +101,7 @@ class Strategy:
         z = zero_stage(self.zero)
         self._check_shard()
         sched = _schedule(self.schedule)
+        object.__setattr__(self, "schedule", sched.name)     # an alias (zb-1p) names its registered record
         if self.recompute not in RECOMPUTE:
             raise StrategyError(f"unknown recompute {self.recompute!r}; use one of {', '.join(RECOMPUTE)}")
         if self.dp % self.ep:
@@ -179,6 +180,10 @@ class Strategy:
                 kw[key] = val
         if kw.get("schedule") is None and int(kw.get("vpp", 1)) > 1:  # type: ignore[arg-type]
             kw["schedule"] = "interleaved-1f1b"
+        if "schedule" in kw and "vpp" not in kw:   # a schedule with a fixed chunk count (zb-v, dualpipev) implies it
+            fixed = _schedule(str(kw["schedule"])).chunks
+            if fixed not in (None, 1):
+                kw["vpp"] = fixed
         return cls(**kw)  # type: ignore[arg-type]
 
     def __str__(self) -> str:

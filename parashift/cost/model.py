@@ -542,7 +542,7 @@ def apply_knobs(base: CostModel, knobs: Mapping[str, float]) -> CostModel:
                         attention_score_bytes=float(k["attention_score_bytes"]),
                         elementwise_bytes=float(k["elementwise_bytes"]), optim_overhead=float(k["optim_overhead"]),
                         latency={**base.latency, "intra": float(k["intra_latency"])},
-                        p2p_overhead=float(k["p2p_overhead"]), comm_overhead=float(k["comm_overhead"]))
+                        comm_overhead=float(k["comm_overhead"]))
 
 
 def knobs_of(cm: CostModel) -> dict[str, float]:
@@ -552,5 +552,4 @@ def knobs_of(cm: CostModel) -> dict[str, float]:
             "layer_floor": f["attn"] + f["mlp"], "bwd_floor": cm.phase_floor["bwd"],
             "microbatch_floor": f["embed"] + f["head"], "attention_score_bytes": cm.attention_score_bytes,
             "elementwise_bytes": cm.elementwise_bytes, "optim_overhead": cm.optim_overhead,
-            "intra_latency": cm.latency["intra"], "p2p_overhead": cm.p2p_overhead,
-            "comm_overhead": cm.comm_overhead}
+            "intra_latency": cm.latency["intra"], "comm_overhead": cm.comm_overhead}

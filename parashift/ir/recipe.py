@@ -59,9 +59,8 @@ def planning_costs(spec: ModelSpec, s: Strategy, seq_len: int,
                    costs: "ScheduleCosts | Cluster | str | None" = None) -> "ScheduleCosts | None":
     """The durations :func:`~parashift.ir.compile.compile` plans ``s``'s schedule with, or None for a fixed recipe.
 
-    The schedule's registry record decides: ``costs="always"`` (zb-h1) plans with durations,
-    ``"given"`` (dualpipev, whose F&I pairing already hides the communication the estimate would
-    weigh) only with durations the caller passes."""
+    The schedule's registry record decides: ``costs="always"`` (the list-scheduled zb-h1, zb-2p, zb-v,
+    dualpipev) plans with durations, ``"given"`` only with durations the caller passes."""
     mode = get_schedule(s.schedule).costs
     if mode == "always" or (mode == "given" and costs is not None):
         return step_costs(spec, s, seq_len, costs)
