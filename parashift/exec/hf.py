@@ -184,10 +184,7 @@ def load_hf_weights(spec: ModelSpec, path: str) -> dict[str, torch.Tensor]:
 
 def hf_store(spec: ModelSpec, strategy, rank: int, device, path: str):
     """Rank ``rank``'s state store of ``strategy`` with its parameters read from Hugging Face weights
-    (every rank reads the files and keeps its own pieces)."""
-    from .state import StateStore
-    store = StateStore(spec, strategy, rank, device, init=False)
-    values = {k: v for k, v in load_hf_weights(spec, path).items() if k in store.pieces}
-    for b in store.buffers.values():
-        b.load(values)
-    return store
+    (only the boxes of its layout: :func:`.weights.load_store`)."""
+    from .weights import load_store
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    return load_store(spec, strategy, rank, device, folder)
