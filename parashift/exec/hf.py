@@ -139,11 +139,14 @@ def _fuse_experts(spec: ModelSpec, hf: Mapping[str, torch.Tensor]) -> dict[str, 
 
 
 def to_hf(spec: ModelSpec, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The Hugging Face state dict of parashift tensors (the inverse of :func:`to_parashift`)."""
+    """The Hugging Face state dict of parashift tensors (the inverse of :func:`to_parashift`; of those of
+    ``params``' tensors when it holds a part of the model)."""
     check_convertible(spec)
     out = {}
     r = spec.heads // spec.kv_heads
     for name, parts in _rows(spec).items():
+        if name not in params:
+            continue
         t = params[name]
         for key, part in parts:
             if part in ("q", "k", "v"):

@@ -25,6 +25,7 @@ from .models import check_supported
 from .profiler import Profiler, timeline_frame
 from .reference import OptimConfig, make_batch
 from .state import StateStore
+from .checkpoint import CheckpointOptions, Checkpointing
 from .train import DataFeed, TokenData
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -198,8 +199,10 @@ def _train_job(ctx: RankContext, program_json: dict, steps: int, opts: dict) -> 
     """What every rank runs under :func:`run_program`."""
     torch.manual_seed(0)
     program = Program.from_json(program_json)
-    store = None
-    if opts.get("weights"):
+    ckpt = Checkpointing(opts.get("checkpoint"), _spec(program, opts.get("model")), program.strategy, ctx.rank,
+                         opts.get("optim"))
+    store, start = ckpt.start(ctx.device)       # --resume: this rank's state cut from the checkpoint
+    if store is None and opts.get("weights"):
         from .hf import hf_store
         store = hf_store(_spec(program, opts.get("model")), program.strategy, ctx.rank, ctx.device, opts["weights"])
     rt = Runtime(program, ctx, seed=opts.get("seed", 0), data_seed=opts.get("data_seed", 0),
@@ -207,8 +210,9 @@ def _train_job(ctx: RankContext, program_json: dict, steps: int, opts: dict) -> 
                  model=opts.get("model"), profile=opts.get("profile", True), memory=opts.get("memory", True),
                  store=store, data=opts.get("data"))
     rt.worlds.prepare(export_keys(program))
+    rt.steps_done = start
     losses, times, norms, lrs, samples = [], [], [], [], []
-    for _ in range(steps):
+    for _ in range(start, steps):
         step = rt.steps_done
         loss, dt = rt.step()
         losses.append(loss)
@@ -218,10 +222,12 @@ def _train_job(ctx: RankContext, program_json: dict, steps: int, opts: dict) -> 
         if rt.feed is not None:
             samples.append(rt.feed.indices(step))
         if opts.get("progress") and ctx.report is not None:
-            ctx.report((len(losses) - 1, loss, dt, rt.grad_norm, rt.lr))
+            ctx.report((step, loss, dt, rt.grad_norm, rt.lr))     # the step number (a resumed run starts late)
+        ckpt.after_step(rt)
     pos = rt.data_position()
     out = {"rank": ctx.rank, "losses": losses, "step_times": times, "grad_norms": norms, "lrs": lrs,
            "samples": samples, "data_position": pos.to_dict() if pos is not None else None,
+           "checkpoint": ckpt.finish(rt), "start": start,
            "peak_memory": rt.peak_memory() if opts.get("memory", True) else None,
            "timeline": rt.profiler.rows if opts.get("profile", True) else []}
     if opts.get("params"):
@@ -243,6 +249,8 @@ class RunResult:
     lrs: list[float] = field(default_factory=list)
     samples: list[list[int]] | None = field(default=None, repr=False)   # sequence indices per step (--data)
     data_position: dict | None = None
+    first_step: int = 0                 # the step the run started at (a resumed run's checkpoint step)
+    checkpoint: dict = field(default_factory=dict)      # what was saved, resumed and exported
 
     @property
     def strategy(self) -> str:
@@ -278,6 +286,8 @@ class RunResult:
         if self.samples is not None:
             out["samples"] = self.samples
             out["data_position"] = self.data_position
+        out.update({"first_step": self.first_step} if self.first_step else {})
+        out.update(self.checkpoint)
         return out
 
 
@@ -328,7 +338,8 @@ def run_program(program: Program, *, steps: int = 1, seed: int = 0, data_seed: i
                 progress: Callable[[int, float, float], None] | None = None,
                 model: "models.ModelSpec | None" = None, weights: str | None = None,
                 data: TokenData | None = None,
-                metrics: Callable[[int, float, float, float, float], Any] | None = None) -> RunResult:
+                metrics: Callable[[int, float, float, float, float], Any] | None = None,
+                checkpoint: CheckpointOptions | None = None) -> RunResult:
     """Execute a compiled training-step Program on ``program.world`` local processes.
 
     The program carries its model, batch and sequence length (:class:`~parashift.ir.step_meta.StepMeta`);
@@ -337,7 +348,9 @@ def run_program(program: Program, *, steps: int = 1, seed: int = 0, data_seed: i
     :class:`~parashift.exec.metrics.MetricsLog`) too; ``model``: optional, checked to be the model the
     program carries; ``memory`` off: no peak memory (``peak_memory`` is empty) and no accounting cost;
     ``weights``: a folder of Hugging Face ``*.safetensors`` to start from (else initial values from
-    ``seed``); ``data``: train on a token file (checked here, before any process starts).
+    ``seed``); ``data``: train on a token file (checked here, before any process starts);
+    ``checkpoint``: save, resume (then ``steps`` counts from step 0 and the run trains the steps after
+    the checkpoint's) and export.
     """
     _check(program, model)
     if weights:
@@ -347,14 +360,16 @@ def run_program(program: Program, *, steps: int = 1, seed: int = 0, data_seed: i
         data.open(StepMeta.of(program).seq_len, StepMeta.of(program).global_batch, _spec(program, model).vocab)
     opts = {"seed": seed, "data_seed": data_seed, "optim": optim.__dict__, "params": params, "profile": profile,
             "memory": memory, "timeout": timeout, "progress": progress is not None or metrics is not None,
-            "model": model, "weights": weights, "data": data}
+            "model": model, "weights": weights, "data": data,
+            "checkpoint": checkpoint}
     outs = launch_local(_train_job, program.world, args=(program.to_json(), steps, opts), timeout=timeout,
                         backend=backend, on_report=StepProgress(program.world, progress, metrics)
                         if progress or metrics else None,
                         gather=True)
     outs = [o for o in outs if o is not None]
-    losses = [float(sum(o["losses"][k] for o in outs)) for k in range(steps)]
-    times = [max(o["step_times"][k] for o in outs) for k in range(steps)]
+    ran = len(outs[0]["losses"])
+    losses = [float(sum(o["losses"][k] for o in outs)) for k in range(ran)]
+    times = [max(o["step_times"][k] for o in outs) for k in range(ran)]
     rows = [r for o in outs for r in o["timeline"]]
     spec = _spec(program, model)
     first = min(outs, key=lambda o: o["rank"])
@@ -363,7 +378,7 @@ def run_program(program: Program, *, steps: int = 1, seed: int = 0, data_seed: i
     return RunResult(program, losses, times, [o["peak_memory"] for o in outs if o["peak_memory"] is not None], rows,
                      assemble_params(spec, [o["params"] for o in outs]) if params else None,
                      first["grad_norms"], first["lrs"], first["samples"] if data is not None else None,
-                     first["data_position"])
+                     first["data_position"], first_step=first["start"], checkpoint=first["checkpoint"])
 
 
 def run(model: "str | models.ModelSpec", strategy: "str | Strategy", *, steps: int = 1, global_batch: int = 8,

@@ -1,0 +1,146 @@
+"""Weights in and out through the VPS: each rank reads only its layout's boxes of a Hugging Face checkpoint,
+``export_hf`` writes sharded safetensors that transformers loads with the same logits, and a DCP checkpoint
+resumes in another strategy on the same loss curve."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from parashift import models                                                # noqa: E402
+from parashift.errors import ModelError                                      # noqa: E402
+from parashift.exec import compile_program, run_program                      # noqa: E402
+from parashift.exec.checkpoint import CheckpointOptions                      # noqa: E402
+from parashift.exec.hf import load_hf_weights                                # noqa: E402
+from parashift.exec.reference import OptimConfig, make_batch, reference_logits   # noqa: E402
+from parashift.exec.switch.stores import full_from_arrays, store_arrays     # noqa: E402
+from parashift.exec.weights import load_store                                # noqa: E402
+from parashift.models.hf import from_hf_config, hf_config                    # noqa: E402
+from parashift.strategy import Strategy                                      # noqa: E402
+from parashift.vps.layout import layout                                      # noqa: E402
+
+SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**SMALL, rope_theta=500000.0),
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL, rope_theta=1e6),
+    "qwen3-moe": lambda: transformers.Qwen3MoeConfig(**SMALL, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                                     moe_intermediate_size=24, norm_topk_prob=False),
+}
+GB, SEQ = 4, 16
+OPT = OptimConfig(lr=1e-2)
+
+
+def _save(kind: str, path, **kw):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[kind]()).float().eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path, **kw)
+    return model, models.get(f"hf:{path}")
+
+
+class _Counting:
+    """safetensors.safe_open that counts the bytes every slice read returns."""
+
+    read = 0
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __enter__(self):
+        self.fh = self.inner.__enter__()
+        return self
+
+    def __exit__(self, *a):
+        return self.inner.__exit__(*a)
+
+    def get_slice(self, key):
+        sl = self.fh.get_slice(key)
+        outer = self
+
+        class Slice:
+            def get_shape(self):
+                return sl.get_shape()
+
+            def __getitem__(self, idx):
+                t = sl[idx]
+                type(outer).read += t.numel() * t.element_size()
+                return t
+        return Slice()
+
+
+@pytest.mark.parametrize("kind,strategies", [("llama", ["tp=2,pp=2", "dp=2,zero=3"]),
+                                             ("qwen3-moe", ["tp=2,ep=2,dp=2,zero=3", "pp=2,dp=2,zero=1"])])
+def test_each_rank_reads_only_its_boxes(kind, strategies, tmp_path, monkeypatch):
+    """Every rank's bytes read equal its layout's parameter bytes, and the ranks together hold the checkpoint."""
+    import safetensors
+    _, spec = _save(kind, tmp_path, max_shard_size="20KB")          # several files and an index
+    assert os.path.exists(tmp_path / "model.safetensors.index.json")
+    want = load_hf_weights(spec, str(tmp_path))
+    real = safetensors.safe_open
+    monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: _Counting(real(*a, **k)))
+    total = sum(v.numel() * 4 for v in want.values())
+    for st in strategies:
+        s = Strategy.parse(st)
+        per_rank = layout(spec, s).bytes_per_rank("param")
+        arrays = {}
+        for r in range(s.world):
+            _Counting.read = 0
+            arrays[r] = store_arrays(load_store(spec, s, r, torch.device("cpu"), str(tmp_path)))
+            assert _Counting.read == per_rank[r], (st, r)
+            assert _Counting.read < total
+        full = full_from_arrays(spec, s, arrays)
+        for name, v in want.items():
+            assert np.array_equal(full[(name, "param")], v.numpy()), (st, name)
+
+
+@pytest.mark.parametrize("strategy", ["tp=2,pp=2", "dp=2,zero=3"])
+def test_first_loss_from_safetensors_is_transformers_loss(strategy, tmp_path):
+    torch.set_num_threads(1)
+    model, spec = _save("llama", tmp_path)
+    tokens, targets = make_batch(spec, 0, GB, SEQ)
+    with torch.no_grad():
+        want = float(torch.nn.functional.cross_entropy(model(tokens).logits.reshape(-1, spec.vocab),
+                                                       targets.reshape(-1)))
+    prog = compile_program(spec, strategy, global_batch=GB, seq_len=SEQ)
+    res = run_program(prog, steps=1, optim=OPT, model=spec, weights=str(tmp_path), timeout=120)
+    assert abs(res.losses[0] - want) <= 1e-5 * want, (res.losses, want)
+
+
+@pytest.mark.parametrize("model,strategy", [("tiny-gpt", "tp=2,pp=2"), ("tiny-gpt", "dp=2,zero=3"),
+                                            ("qwen3-moe", "ep=2,dp=2,zero=1")])
+def test_export_loads_in_transformers_with_equal_logits(model, strategy, tmp_path):
+    torch.set_num_threads(1)
+    spec = models.get(model) if model.startswith("tiny") else _save(model, tmp_path / "src")[1]
+    out = tmp_path / "out"
+    prog = compile_program(spec, strategy, global_batch=GB, seq_len=SEQ)
+    res = run_program(prog, steps=2, optim=OPT, params=True, model=spec, timeout=120,
+                      checkpoint=CheckpointOptions(export_hf=str(out)))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+    assert len(files) == Strategy.parse(strategy).world          # one file per writing rank
+    assert (out / "config.json").exists() and (out / "generation_config.json").exists()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+    tokens = torch.randint(0, spec.vocab, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = reference_logits(spec, res.params, tokens)
+        got = loaded(tokens).logits
+    assert float((got - want).abs().max()) < 1e-5
+
+
+def test_hf_config_reads_back_to_the_spec():
+    for name in ("tiny-gpt",):
+        spec = models.get(name)
+        back = from_hf_config(hf_config(spec), spec.name)
+        assert back == spec
+    with pytest.raises(ModelError, match="shared experts"):
+        hf_config(models.get("tiny-moe"))
