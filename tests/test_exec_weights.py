@@ -163,3 +163,34 @@ def test_resume_in_another_strategy_continues_the_loss_curve(first, then, tmp_pa
     assert resumed.first_step == 3 and len(resumed.losses) == 3
     for a, b in zip(resumed.losses, static[3:]):
         assert abs(a - b) <= 1e-5 * abs(b), (resumed.losses, static)
+
+
+def test_cli_save_resume_export(tmp_path, capsys):
+    """`run --save DIR --save-every 2`, then `run --resume DIR --export-hf OUT` under another strategy."""
+    from parashift.cli import main
+    base = ["run", "--model", "tiny-gpt", "--global-batch", str(GB), "--seq-len", str(SEQ), "--json", "--force"]
+    assert main(base + ["--strategy", "dp=2", "--steps", "4"]) == 0
+    static = json.loads(capsys.readouterr().out)["losses"]
+    ck, out = str(tmp_path / "ck"), tmp_path / "hf"
+    assert main(base + ["--strategy", "dp=2", "--steps", "2", "--save", ck, "--save-every", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["saved"]["step"] == 2
+    assert main(base + ["--strategy", "tp=2", "--steps", "4", "--resume", ck, "--export-hf", str(out)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["resumed"]["step"] == 2 and got["first_step"] == 2 and got["export_hf"] == str(out)
+    assert got["losses"] == pytest.approx(static[2:], rel=1e-5)
+    assert transformers.AutoConfig.from_pretrained(out).model_type == "llama"
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--model", "tiny-moe", "--export-hf", "X"], "no exact Hugging Face config"),
+    (["--resume"], "--resume needs the checkpoint folder"),
+    (["--save-every", "2"], "--save-every needs --save"),
+    (["--resume", "NOPE"], "no such folder"),
+    (["--save", "X", "--switch-at", "1:dp=1"], "static run"),
+])
+def test_cli_checkpoint_errors_are_one_line(extra, needle, tmp_path, capsys, monkeypatch):
+    from parashift.cli import main
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--steps", "3", "--force"] + extra) != 0
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1, err

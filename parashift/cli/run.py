@@ -11,6 +11,7 @@ from ..validate import arg_float, arg_int
 from .limits import MAX_LOCAL_PROCS, check_live
 from .options import add_batch_options, resolve_device, strategy_text
 from .run_hosts import add_host_arguments
+from .checkpoint_options import add_checkpoint_arguments, checkpoint_options
 from .train_options import add_train_options, optim_config, train_settings
 
 HELP = "train a model for real on local processes (gloo on CPU, NCCL on GPUs) under a strategy or a saved plan"
@@ -56,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--live", action="store_true", help="run a live (hot-switchable) job; implied by --switch-at, "
                    "needed with --endpoint")
     add_host_arguments(p)
+    add_checkpoint_arguments(p)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                    help="where training runs: cpu (gloo), cuda (one GPU per process, NCCL) or auto (default: cuda "
                         "when this machine has CUDA GPUs, else cpu)")
@@ -95,9 +97,7 @@ def run(args: argparse.Namespace) -> dict:
         if args.snapshot_every:
             raise StrategyError("--snapshot-every is for a multi-host live job (its snapshots restore a lost host's "
                                 "state); add --endpoint HOST:PORT and --live, or drop --snapshot-every")
-        if args.resume:
-            raise StrategyError("--resume restarts a multi-host live job from its snapshots; add --endpoint "
-                                "HOST:PORT and --live, or drop --resume")
+    checkpoint = checkpoint_options(args)
     if is_user_model(args.model):
         from .run_user import run_cli as run_user_cli
         return run_user_cli(args)
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> dict:
     try:
         res = run_program(program, steps=args.steps, optim=args.optim, timeout=args.timeout, progress=progress,
                           metrics=log, backend={"cpu": "gloo", "cuda": "nccl"}[resolve_device(args)],
-                          weights=weights, data=data)
+                          weights=weights, data=data, checkpoint=checkpoint)
     finally:
         log.close()
     if args.trace and not (under_torchrun() and int(os.environ["RANK"]) != 0):
@@ -259,3 +259,10 @@ def render(result: dict, args: argparse.Namespace) -> None:
         print(f"  warning: {w}")
     if result.get("timeline"):
         print(f"  timeline      {result['timeline']}")
+    if result.get("resumed"):
+        print(f"  resumed       from step {result['resumed']['step']} ({result['resumed']['strategy']}) in "
+              f"{result['resumed']['dir']}")
+    if result.get("saved"):
+        print(f"  saved         step {result['saved']['step']} in {result['saved']['dir']}")
+    if result.get("export_hf"):
+        print(f"  exported      Hugging Face safetensors in {result['export_hf']}")

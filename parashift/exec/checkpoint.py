@@ -44,6 +44,23 @@ class CheckpointOptions:
     def any(self) -> bool:
         return bool(self.save or self.resume or self.export_hf)
 
+    def check(self, spec: ModelSpec, steps: int) -> None:
+        """Refuse, before any process starts, an export the model cannot have or a resume with nothing to do."""
+        from ..errors import InputError
+        if self.export_hf:
+            from ..models.hf import hf_config
+            from .hf import check_convertible
+            hf_config(spec)             # the more precise message first
+            check_convertible(spec)
+        if self.resume:
+            from .job.snapshot import latest_on_disk
+            if not os.path.isdir(self.resume):
+                raise InputError(f"--resume {self.resume}: no such folder; give the --save DIR of an earlier run")
+            step = latest_on_disk(os.path.abspath(self.resume), model=spec.name)[0]
+            if step >= steps:
+                raise InputError(f"--resume {self.resume}: its newest checkpoint is at step {step}, and --steps "
+                                 f"{steps} counts from step 0; ask for more steps than {step}")
+
 
 class _NoStore:
     """The job store a snapshot records itself in, for a run without one (its records are on disk)."""
@@ -114,7 +131,8 @@ class Checkpointing:
         if self.opts.export_hf:
             from .weights import export_hf
             rt.sync_params()
-            out["export_hf"] = export_hf(rt.store, os.path.abspath(self.opts.export_hf))
+            export_hf(rt.store, os.path.abspath(self.opts.export_hf))
+            out["export_hf"] = os.path.abspath(self.opts.export_hf)
         if self.resumed is not None:
             out["resumed"] = {"dir": os.path.abspath(self.opts.resume), "step": self.resumed["step"],
                               "strategy": self.resumed["strategy"]}
