@@ -21,7 +21,7 @@ import torch
 from ..errors import ModelError
 from ..models import ModelSpec
 
-__all__ = ["LAYER", "MLP", "MOE", "GLOBAL", "to_parashift", "to_hf", "load_hf_weights", "check_convertible", "hf_store",
+__all__ = ["LAYER", "MLP", "MOE", "GLOBAL", "to_parashift", "to_hf", "load_hf_weights", "check_convertible",
            "weights_folder"]
 
 _A, _M = "model.layers.{i}.self_attn", "model.layers.{i}.mlp"
@@ -183,11 +183,3 @@ def load_hf_weights(spec: ModelSpec, path: str) -> dict[str, torch.Tensor]:
     for f in files:
         hf.update(load_file(f))
     return to_parashift(spec, hf)
-
-
-def hf_store(spec: ModelSpec, strategy, rank: int, device, path: str):
-    """Rank ``rank``'s state store of ``strategy`` with its parameters read from Hugging Face weights
-    (only the boxes of its layout: :func:`.weights.load_store`)."""
-    from .weights import load_store
-    folder = path if os.path.isdir(path) else os.path.dirname(path)
-    return load_store(spec, strategy, rank, device, folder)

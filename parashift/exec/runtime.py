@@ -203,8 +203,8 @@ def _train_job(ctx: RankContext, program_json: dict, steps: int, opts: dict) -> 
                          opts.get("optim"))
     store, start = ckpt.start(ctx.device)       # --resume: this rank's state cut from the checkpoint
     if store is None and opts.get("weights"):
-        from .hf import hf_store
-        store = hf_store(_spec(program, opts.get("model")), program.strategy, ctx.rank, ctx.device, opts["weights"])
+        from .weights import load_store      # only this rank's boxes of the safetensors
+        store = load_store(_spec(program, opts.get("model")), program.strategy, ctx.rank, ctx.device, opts["weights"])
     rt = Runtime(program, ctx, seed=opts.get("seed", 0), data_seed=opts.get("data_seed", 0),
                  optim=OptimConfig(**opts.get("optim", {})), timeout=opts.get("timeout", 300.0),
                  model=opts.get("model"), profile=opts.get("profile", True), memory=opts.get("memory", True),

@@ -142,12 +142,13 @@ def _holder_kinds(spec: ModelSpec) -> tuple[str, ...]:
 
 def load_store(spec: ModelSpec, strategy: Strategy, rank: int, device: torch.device, folder: str):
     """Rank ``rank``'s StateStore of ``strategy`` with its parameters (and master weights) read from the
-    safetensors in ``folder``: only the boxes the rank's layout holds are read."""
+    safetensors in ``folder`` (or beside the file ``folder``): only the boxes the rank's layout holds are read."""
     from safetensors import safe_open
     from ..vps.layout import layout
     from .state import StateStore
     from .switch.stores import piece_view
     check_convertible(spec)
+    folder = folder if os.path.isdir(folder) else os.path.dirname(folder)
     files = weight_files(folder)
     store = StateStore(spec, strategy, rank, device, init=False)
     lay = layout(spec, strategy)
