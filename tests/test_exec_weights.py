@@ -51,6 +51,7 @@ class _Counting:
     """safetensors.safe_open that counts the bytes every slice read returns."""
 
     read = 0
+    elements = 0
 
     def __init__(self, inner):
         self.inner = inner
@@ -61,6 +62,9 @@ class _Counting:
 
     def __exit__(self, *a):
         return self.inner.__exit__(*a)
+
+    def keys(self):
+        return self.fh.keys()
 
     def get_slice(self, key):
         sl = self.fh.get_slice(key)
@@ -73,6 +77,7 @@ class _Counting:
             def __getitem__(self, idx):
                 t = sl[idx]
                 type(outer).read += t.numel() * t.element_size()
+                type(outer).elements += t.numel()
                 return t
         return Slice()
 
@@ -194,3 +199,28 @@ def test_cli_checkpoint_errors_are_one_line(extra, needle, tmp_path, capsys, mon
     assert main(["run", "--steps", "3", "--force"] + extra) != 0
     err = capsys.readouterr().err.strip()
     assert needle in err and len(err.splitlines()) == 1, err
+
+
+def test_bf16_ranks_read_their_params_and_master_boxes(tmp_path, monkeypatch):
+    """A bf16 checkpoint: each rank reads its param boxes and its (ZeRO-sharded) fp32 master boxes, no more."""
+    import safetensors
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(CONFIGS["llama"]()).to(torch.bfloat16).save_pretrained(tmp_path)
+    spec = models.get(f"hf:{tmp_path}")
+    assert spec.dtype == "bf16"
+    want = load_hf_weights(spec, str(tmp_path))
+    real = safetensors.safe_open
+    monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: _Counting(real(*a, **k)))
+    s = Strategy.parse("tp=2,dp=2,zero=1")
+    lay = layout(spec, s)
+    arrays = {}
+    for r in range(s.world):
+        _Counting.elements = 0
+        store = load_store(spec, s, r, torch.device("cpu"), str(tmp_path))
+        arrays[r] = {fam: {"master": b.master.clone().numpy()} for fam, b in store.buffers.items()}
+        for name, p in store.pieces.items():        # the bf16 parameters: the file's values
+            assert torch.equal(store.param(name), want[name][p.box()].to(torch.bfloat16))
+        assert _Counting.elements == (lay.bytes_per_rank("param")[r] // 2 + lay.bytes_per_rank("master")[r] // 4)
+    full = full_from_arrays(spec, s, arrays)
+    for name, v in want.items():
+        assert np.array_equal(full[(name, "master")], v.numpy()), name
