@@ -17,7 +17,7 @@ from parashift.errors import ModelError                                      # n
 from parashift.exec import compile_program, run_program                      # noqa: E402
 from parashift.exec.checkpoint import CheckpointOptions                      # noqa: E402
 from parashift.exec.hf import load_hf_weights                                # noqa: E402
-from parashift.exec.reference import OptimConfig, make_batch, reference_logits   # noqa: E402
+from parashift.exec.reference import OptimConfig, reference_logits   # noqa: E402
 from parashift.exec.switch.stores import full_from_arrays, store_arrays     # noqa: E402
 from parashift.exec.weights import load_store                                # noqa: E402
 from parashift.models.hf import from_hf_config, hf_config                    # noqa: E402
@@ -105,19 +105,6 @@ def test_each_rank_reads_only_its_boxes(kind, strategies, tmp_path, monkeypatch)
         full = full_from_arrays(spec, s, arrays)
         for name, v in want.items():
             assert np.array_equal(full[(name, "param")], v.numpy()), (st, name)
-
-
-@pytest.mark.parametrize("strategy", ["tp=2,pp=2", "dp=2,zero=3"])
-def test_first_loss_from_safetensors_is_transformers_loss(strategy, tmp_path):
-    torch.set_num_threads(1)
-    model, spec = _save("llama", tmp_path)
-    tokens, targets = make_batch(spec, 0, GB, SEQ)
-    with torch.no_grad():
-        want = float(torch.nn.functional.cross_entropy(model(tokens).logits.reshape(-1, spec.vocab),
-                                                       targets.reshape(-1)))
-    prog = compile_program(spec, strategy, global_batch=GB, seq_len=SEQ)
-    res = run_program(prog, steps=1, optim=OPT, model=spec, weights=str(tmp_path), timeout=120)
-    assert abs(res.losses[0] - want) <= 1e-5 * want, (res.losses, want)
 
 
 @pytest.mark.parametrize("model,strategy", [("tiny-gpt", "tp=2,pp=2"), ("tiny-gpt", "dp=2,zero=3"),
