@@ -211,3 +211,25 @@ def test_bf16_ranks_read_their_params_and_master_boxes(tmp_path, monkeypatch):
     full = full_from_arrays(spec, s, arrays)
     for name, v in want.items():
         assert np.array_equal(full[(name, "master")], v.numpy()), name
+
+
+def test_cli_resume_with_data_and_schedule_continues_exactly(tmp_path, capsys):
+    """With --data, warmup + cosine and clipping: 4 static steps = 2 + save + 2 resumed under another strategy,
+    the same samples, rates and losses; the data position is in the checkpoint and checked on resume."""
+    from test_run_data import TRAIN, write_tokens
+    from parashift.cli import main
+    toks = write_tokens(tmp_path / "t.bin", np.random.default_rng(1).integers(0, 256, 32 * 20 + 1), 256)
+    base = ["run", "--model", "tiny-gpt", "--global-batch", "8", "--seq-len", "32", "--json", "--force", "--steps", "4",
+            "--data", str(toks), *TRAIN, "--lr-decay-steps", "4"]
+    ck = str(tmp_path / "ck")
+    assert main(base + ["--strategy", "dp=2,zero=1", "--save", ck, "--save-every", "2"]) == 0
+    static = json.loads(capsys.readouterr().out)
+    shutil.rmtree(tmp_path / "ck" / "step4")
+    rec = json.loads((tmp_path / "ck" / "step2" / "rank0.json").read_text())
+    assert rec["data_position"]["consumed"] == 16 and rec["optim"]["schedule"]["decay"] == "cosine"
+    assert main(base + ["--strategy", "tp=2,pp=2", "--resume", ck]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["samples"] == static["samples"][2:] and got["lr"] == pytest.approx(static["lr"][2:], rel=1e-12)
+    assert got["losses"] == pytest.approx(static["losses"][2:], rel=1e-5)
+    assert main(base + ["--strategy", "dp=2", "--resume", ck, "--global-batch", "4"]) != 0   # would skip samples
+    assert "global batch 8" in capsys.readouterr().err

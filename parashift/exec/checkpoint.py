@@ -2,8 +2,9 @@
 
 A saved checkpoint is a snapshot of :mod:`.job.snapshot` (one DCP checkpoint per rank of its flat state
 buffers: ``param``, ``master``, ``exp_avg``, ``exp_avg_sq``; ``step<s>/rank<r>.json`` beside it with the
-strategy, the optimizer step and the trainer's state: the step, the optimizer settings and whatever
-:meth:`Checkpointing.provide` registers, such as the data position and the LR schedule). Resuming reads
+strategy, the optimizer step and the trainer's state: the step, the optimizer settings with the LR
+schedule, the data position (:class:`~parashift.data.DataPosition`, a function of the step that resuming
+checks against ``--data``) and whatever :meth:`Checkpointing.provide` registers). Resuming reads
 it through the VPS (:func:`.job.snapshot.read_snapshot`): each rank of the new layout intersects its boxes with the
 checkpoint's layout and reads only the source ranks that hold a part of them, one at a time, so the
 whole model is never assembled. Exporting writes Hugging Face safetensors (:func:`.weights.export_hf`).
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from typing import Any, Callable
 
 import torch
@@ -44,9 +45,10 @@ class CheckpointOptions:
     def any(self) -> bool:
         return bool(self.save or self.resume or self.export_hf)
 
-    def check(self, spec: ModelSpec, steps: int) -> None:
-        """Refuse, before any process starts, an export the model cannot have or a resume with nothing to do."""
-        from ..errors import InputError
+    def check(self, spec: ModelSpec, steps: int, data: Any = None, global_batch: int = 0, seq_len: int = 0) -> None:
+        """Refuse, before any process starts, an export the model cannot have, a resume with nothing to do, or
+        one whose data position does not continue on ``data`` (a :class:`~.train.TokenData`)."""
+        from ..errors import DataError, InputError
         if self.export_hf:
             from ..models.hf import hf_config
             from .hf import check_convertible
@@ -60,6 +62,21 @@ class CheckpointOptions:
             if step >= steps:
                 raise InputError(f"--resume {self.resume}: its newest checkpoint is at step {step}, and --steps "
                                  f"{steps} counts from step 0; ask for more steps than {step}")
+            from .job.snapshot import _path
+            with open(_path(os.path.abspath(self.resume), step, 0) + ".json") as fh:
+                saved = json.load(fh).get("data_position")
+            if saved is not None:
+                from ..data import DataPosition
+                pos = DataPosition.from_dict(saved)
+                if data is None:
+                    raise DataError(f"--resume {self.resume}: the checkpoint trained on a token file; give the same "
+                                    f"--data (and --data-seed {pos.seed}) to continue its sequence order")
+                data.open(seq_len, global_batch, spec.vocab).sampler.check(pos)
+                if pos.consumed != pos.step * global_batch:
+                    raise DataError(f"--resume {self.resume}: the checkpoint consumed {pos.consumed} sequences in "
+                                    f"{pos.step} steps; resume with its global batch "
+                                    f"{pos.consumed // max(pos.step, 1)}, not {global_batch}, so that no sample is "
+                                    f"skipped or repeated")
 
 
 class _NoStore:
@@ -79,7 +96,8 @@ class Checkpointing:
                  optim: dict | None = None) -> None:
         self.opts = opts or CheckpointOptions()
         self.spec, self.strategy, self.rank = spec, strategy, rank
-        self.optim = optim or {}
+        # the optimizer settings as JSON (the LR schedule a dict: with the step, all of its state)
+        self.optim = {k: asdict(v) if is_dataclass(v) else v for k, v in (optim or {}).items()}
         self.providers: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
         self.resumed: dict[str, Any] | None = None
         self.snaps = None
@@ -116,7 +134,9 @@ class Checkpointing:
         due = self.snaps.every > 0 and rt.steps_done % self.snaps.every == 0
         if (due or last) and self.saved_at != rt.steps_done:
             rt.sync_params()            # overlap_param: a checkpoint holds whole parameters
-            self.snaps.maybe(_NoStore(), rt.store, self.strategy, self.rank, self.rank, rt.steps_done, force=True,
+            pos = rt.data_position()
+            self.snaps.maybe(_NoStore(), rt.store, self.strategy, self.rank, self.rank, rt.steps_done,
+                             pos.to_dict() if pos is not None else None, force=True,
                              extra=self._trainer(rt.steps_done))
             self.saved_at = rt.steps_done
         if last:

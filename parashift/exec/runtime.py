@@ -359,7 +359,8 @@ def run_program(program: Program, *, steps: int = 1, seed: int = 0, data_seed: i
     if data is not None:
         data.open(StepMeta.of(program).seq_len, StepMeta.of(program).global_batch, _spec(program, model).vocab)
     if checkpoint is not None:
-        checkpoint.check(_spec(program, model), steps)
+        checkpoint.check(_spec(program, model), steps, data, StepMeta.of(program).global_batch,
+                         StepMeta.of(program).seq_len)
     opts = {"seed": seed, "data_seed": data_seed, "optim": optim.__dict__, "params": params, "profile": profile,
             "memory": memory, "timeout": timeout, "progress": progress is not None or metrics is not None,
             "model": model, "weights": weights, "data": data,
