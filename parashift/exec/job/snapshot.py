@@ -84,7 +84,7 @@ class Snapshotter:
         meta = pickle.dumps((str(strategy), rank, opt))
         model = getattr(getattr(state, "spec", None), "name", None)
         record = json.dumps({**(extra or {}), "strategy": str(strategy), "rank": rank, "opt_step": opt, "model": model,
-                             "data_position": data_position})
+                             **({"data_position": data_position} if data_position is not None else {})})
 
         recorded = threading.Event()
 
