@@ -38,7 +38,10 @@ def checkpoint_options(args: argparse.Namespace):
     if is_user_model(args.model):
         raise StrategyError("--save, --resume DIR and --export-hf need a preset or hf:DIR model; a user model "
                             "(MODULE:NAME) keeps its own checkpoints")
-    if args.switch_at or args.live or getattr(args, "rollout", None):
-        raise StrategyError("--save, --resume DIR and --export-hf run with a static run; drop --switch-at, --live "
-                            "and --rollout (a live job keeps --snapshot-every snapshots)")
+    if (opts.save or opts.resume) and (args.switch_at or args.live) or getattr(args, "rollout", None):
+        raise StrategyError("--save and --resume DIR run with a static run, --export-hf with a static or hot-switched "
+                            "one; drop --switch-at and --live (a live job keeps --snapshot-every snapshots) or "
+                            "--rollout")
+    if args.switch_at or args.live:
+        return None             # a live job writes --export-hf itself (run_live)
     return opts

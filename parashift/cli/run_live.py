@@ -2,6 +2,7 @@
 the run, and its summary)."""
 from __future__ import annotations
 
+import os
 import sys
 
 from .. import models
@@ -48,13 +49,21 @@ def run_cli(args) -> dict:
     if budget:
         budget = parse_bytes(budget)
     log = _metrics_log(args, spec)
+    weights = None
+    if str(args.model).strip()[:3].lower() == "hf:":   # a Hugging Face model's own weights
+        from ..exec.hf import weights_folder
+        weights = weights_folder(str(args.model).strip()[3:])
+    export = getattr(args, "export_hf", None)
+    if export:          # refused before any process starts when the model has no exact Hugging Face config
+        from ..exec.checkpoint import CheckpointOptions
+        CheckpointOptions(export_hf=export).check(spec, args.steps)
     try:
         res = run_live(spec, s0, steps=args.steps, switches=switches, global_batch=args.global_batch,
                        seq_len=args.seq_len or spec.seq_len, optim=args.optim, timeout=args.timeout,
                        notice=getattr(args, "switch_notice", 3), memory_budget=budget or None,
                        placement=getattr(args, "switch_placement", "keep"), progress=progress,
                        device=resolve_device(args), cluster=getattr(args, "switch_cluster", None), data=data,
-                       metrics=log)
+                       weights=weights, export_hf=export, metrics=log)
     finally:
         log.close()
     aborted = [s for s in res.switches if s.get("aborted")]
@@ -76,6 +85,8 @@ def run_cli(args) -> dict:
         res.to_chrome_trace(args.trace)
         out["timeline"] = args.trace
     out["train"] = args.train
+    if export:
+        out["export_hf"] = os.path.abspath(export)
     if data is not None:
         out["data"] = args.data
     out["tokens"] = [args.global_batch * (args.seq_len or spec.seq_len)] * len(res.losses)

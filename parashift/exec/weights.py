@@ -224,7 +224,8 @@ def _writers(spec: ModelSpec, names: list[str], world: int) -> list[int]:
 
 def export_hf(store, folder: str, group=None) -> dict:
     """Write the parameters of every rank's ``store`` (the job's stores, one per process) as a Hugging
-    Face folder. Collective over the default process group (``group``); returns this rank's written
+    Face folder. Collective over ``group`` (the layout's whole world, ranks numbered as the strategy's;
+    None: the default process group); returns this rank's written
     file and keys. ZeRO-3 and ``overlap_param`` runs call it outside a step with their parameters whole."""
     import torch.distributed as dist
     from .switch.stores import piece_view
@@ -247,10 +248,10 @@ def export_hf(store, folder: str, group=None) -> dict:
                 full[box].copy_(piece_view(store, name, "param", lo, hi))
             elif r == me:
                 buf = piece_view(store, name, "param", lo, hi).contiguous()
-                sends.append((dist.isend(buf, w, group=group, tag=tag), buf))
+                sends.append((dist.isend(buf, group_dst=w, group=group, tag=tag), buf))
             elif w == me:
                 buf = torch.empty(tuple(b - a for a, b in zip(lo, hi)), dtype=full.dtype, device=_comm_device(store))
-                recvs.append((dist.irecv(buf, r, group=group, tag=tag), full, box, buf))
+                recvs.append((dist.irecv(buf, group_src=r, group=group, tag=tag), full, box, buf))
         if full is not None:
             mine[name] = full
     for work, full, box, buf in recvs:

@@ -17,6 +17,7 @@ executor's ``(on_received, on_issue)`` hooks); nothing in the runtime injects an
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -71,6 +72,8 @@ class LiveOptions:
     data_seed: int = 0
     optim: OptimConfig = OptimConfig()
     data: Any = None         # a TokenData: each step's global batch from its sampler (None: synthetic)
+    weights: str | None = None    # a folder of Hugging Face safetensors generation 0 starts from
+    export_hf: str | None = None  # a folder the final layout writes its parameters to (Hugging Face safetensors)
     notice: int = 3
     switch_timeout: float = 60.0
     memory_budget: Any = None
@@ -372,6 +375,9 @@ class LiveSession:
                 from ..job.snapshot import restore
                 step, snap_st, opt = self.opts.resume
                 store = restore(self.opts.snapshot_dir, self.spec, snap_st, step, g0.strategy, rank, opt)
+            elif self.opts.weights:     # only this rank's boxes of the safetensors
+                from ..weights import load_store
+                store = load_store(self.spec, g0.strategy, rank, self.torch_device, self.opts.weights)
             self.runtime = Runtime(prog, rctx, seed=self.opts.seed, data_seed=self.opts.data_seed, model=self.spec,
                                    worlds=worlds, optim=self.opts.optim, timeout=self.ctx.timeout, store=store,
                                    data=self.opts.data)
@@ -429,6 +435,12 @@ class LiveSession:
         if snaps is not None and error is None:
             snaps.finish(wait=True)        # the last snapshot is on disk before the job ends (a later --resume)
         finished = self.runtime is not None and self.runtime.steps_done >= steps
+        if finished and error is None and self.opts.export_hf:
+            from ..weights import export_hf
+            rt = self.runtime
+            rt.sync_params()
+            world = rt.program.strategy.world
+            export_hf(rt.store, self.opts.export_hf, group=rt.worlds.get(range(world)) if world > 1 else None)
         if finished or error is not None:
             self.ctx.store.set("job/end", "1")
         out = {"device": self.device, "key": self.ctx.member.key, "losses": losses, "trained": trained,
@@ -637,7 +649,7 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
              message_part: int = CHUNK, placement: str = "keep", cost_model: Any = None,
              progress: Callable[[int, float], None] | None = None, device: str = "cpu",
              ordered: bool | None = None, cluster: "str | Cluster | None" = None,
-             promote: bool | None = None, data: Any = None,
+             promote: bool | None = None, data: Any = None, weights: str | None = None, export_hf: str | None = None,
              metrics: Callable[[int, float, float, float, float], Any] | None = None) -> LiveResult:
     """Train ``model`` for ``steps`` steps, hot-switching at the scheduled steps.
 
@@ -655,6 +667,8 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
     ``promote``: let switches use collectives (default: on GPU clusters only, see :func:`.lower`).
     ``data``: a :class:`~parashift.exec.train.TokenData` to train on (checked before any process starts);
     ``metrics(step, loss, seconds, grad_norm, lr)``: called as each step completes on every process.
+    ``weights``: a folder of Hugging Face safetensors to start from (else initial values from ``seed``);
+    ``export_hf``: a folder the last layout writes the trained parameters to, as Hugging Face safetensors.
     """
     spec = models.get(model)
     if data is not None:
@@ -665,7 +679,9 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
     if device != "cpu":
         check_gpus(gens, _gpus(device))
     opts = LiveOptions(global_batch=global_batch, seq_len=seq_len or spec.seq_len, seed=seed, data_seed=data_seed,
-                       optim=optim, data=data, notice=notice, switch_timeout=switch_timeout, memory_budget=memory_budget,
+                       optim=optim, data=data, weights=weights,
+                       export_hf=os.path.abspath(export_hf) if export_hf else None, notice=notice,
+                       switch_timeout=switch_timeout, memory_budget=memory_budget,
                        export=export, progress=progress is not None or metrics is not None, big_piece=big_piece,
                        message_part=message_part,
                        placement=placement, cost_model=cost_model, faults=faults, device=device, ordered=ordered,
