@@ -202,7 +202,8 @@ def test_every_shown_command_runs_in_order(tmp_path, monkeypatch, capfd):
     worker processes; capfd also hears what those print)."""
     from parashift.cli import main
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "examples").symlink_to(ROOT / "examples")     # the shipped configs the pages name
+    for shipped in ("examples", "data"):     # the configs, tokenizer and text the pages name
+        (tmp_path / shipped).symlink_to(ROOT / shipped)
     for cmd in COMMANDS:
         argv = shlex.split(cmd)[1:]
         rc = main(argv)
