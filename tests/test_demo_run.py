@@ -175,7 +175,7 @@ def test_cli_demo_json_and_table(tmp_path, capsys):
     assert cli_main(["demo", "--out", str(tmp_path / "b"), "--only", "switch"]) == 0
     cap = capsys.readouterr()
     assert "simulated switch time" in cap.out and "summary.md" in cap.out
-    assert "[2/6] Switch: planning" in cap.err
+    assert "[2/7] Switch: planning" in cap.err
 
 
 def test_cli_demo_rejects_unknown_step(tmp_path, capsys):
