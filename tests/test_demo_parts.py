@@ -9,6 +9,8 @@ from parashift.demo import ablation, bytes_matrix, compare_schedules, node_bytes
 from parashift.ir import parse_order
 from parashift.plots import plot_bars, plot_bytes_heatmap, plot_gantt, plot_losses, plot_memory, plot_order
 from parashift.errors import StrategyError
+from parashift.demo import DemoError
+from parashift.demo.real import switch_target, tiny_llama_config
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +63,14 @@ def test_plots_write_pngs(tmp_path):
     plot_order(orders, str(tmp_path / "o.png"), chunked=True, title="two stages")
     for name in ("g", "m", "h", "b", "l", "o"):
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_real_data_model_and_switch_target(tmp_path):
+    import json
+    from parashift import models
+    (tmp_path / "config.json").write_text(json.dumps(tiny_llama_config(300)))
+    spec = models.get(f"hf:{tmp_path}")
+    assert (spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.vocab) == (4, 64, 4, 2, 300)
+    assert switch_target(["dp=2,zero=2", "dp=2,zero=1", "tp=2", "pp=2"]) == "tp=2"     # another dp/tp/pp shape
+    with pytest.raises(DemoError, match="only one dp/tp/pp shape"):
+        switch_target(["dp=2,zero=2", "dp=2"])
