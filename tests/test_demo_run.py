@@ -13,6 +13,7 @@ from parashift.cli import main as cli_main
 from parashift.cluster import get as get_cluster
 from parashift.cost import CostModel
 from parashift.demo import STEPS, run_demo
+from parashift.explore import compared_schedules
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +66,7 @@ def test_summary_links_existing_files_and_states_units(demo):
 def test_explore_figures_are_sane(demo):
     result, _ = demo
     table = result.steps[0].data["table"]
-    assert list(table["schedule"]) == ["1f1b", "interleaved-1f1b", "zb-h1", "dualpipev"]
+    assert list(table["schedule"]) == list(compared_schedules())
     assert table["fits"].all()
     assert (table["step_time_s"] > 1).all() and (table["step_time_s"] < 120).all()
     assert ((table["bubble_fraction"] > 0) & (table["bubble_fraction"] < 0.6)).all()
