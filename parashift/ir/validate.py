@@ -136,7 +136,24 @@ def validate_ranks(ranks: Mapping[int, RankProgram], strategy: "Strategy | None"
     if sorted(ranks) != list(range(world)):
         raise ProgramError(f"ranks must be 0..{world - 1}; got {sorted(ranks)[:8]}...")
     res = _Resolver(strategy, world)
-    # ---- classes by shared RankProgram, structural checks once per program ------------------------
+    prog_ids, progs, cls, members = _program_classes(ranks)
+    where = [_check_rank_program(rp, members[k]) for k, rp in enumerate(progs)]
+    comm = [[i for s in rp.streams.values() for i in s if i.is_p2p or i.is_collective] for rp in progs]
+    cls = _refine_classes(ranks, prog_ids, comm, cls, res)
+    ncls = int(cls.max()) + 1
+    rep = np.full(ncls, -1, np.int64)
+    rep[cls[::-1]] = np.arange(world)[::-1]
+    cprog = [prog_ids[id(ranks[int(rep[k])])] for k in range(ncls)]
+    cranks = [np.flatnonzero(cls == k) for k in range(ncls)]
+    partners = _Matcher(comm, cprog, cls, res).match(cranks)
+    _replay(progs, cprog, cranks, cls, where, partners, res)
+
+
+def _program_classes(ranks: Mapping[int, RankProgram]
+                     ) -> tuple[dict[int, int], list[RankProgram], np.ndarray, dict[int, list[int]]]:
+    """Group ranks by shared RankProgram object: (id(program) -> index, programs, rank -> index,
+    index -> its ranks)."""
+    world = len(ranks)
     prog_ids: dict[int, int] = {}
     progs: list[RankProgram] = []
     cls = np.empty(world, np.int64)
@@ -148,12 +165,15 @@ def validate_ranks(ranks: Mapping[int, RankProgram], strategy: "Strategy | None"
             progs.append(rp)
         cls[r] = k
         members.setdefault(k, []).append(r)
-    where = [_check_rank_program(rp, members[k]) for k, rp in enumerate(progs)]
-    instrs = [[i for s in rp.streams.values() for i in s] for rp in progs]
-    comm = [[i for i in lst if i.is_p2p or i.is_collective] for lst in instrs]
-    # ---- refine classes until peers and group members fall into uniform classes ------------------
+    return prog_ids, progs, cls, members
+
+
+def _refine_classes(ranks: Mapping[int, RankProgram], prog_ids: dict[int, int], comm: list[list[Instr]],
+                    cls: np.ndarray, res: _Resolver) -> np.ndarray:
+    """Split rank classes until every class's peers and group members fall into uniform classes."""
+    world = len(ranks)
     specs_of = [sorted({(i.is_p2p, i.peer if i.is_p2p else i.group) for i in comm[p]}, key=repr)
-                for p in range(len(progs))]
+                for p in range(len(comm))]
     while True:
         order = np.argsort(cls, kind="stable")
         bounds = np.searchsorted(cls[order], np.arange(cls.max() + 2))
@@ -180,108 +200,125 @@ def validate_ranks(ranks: Mapping[int, RankProgram], strategy: "Strategy | None"
             new[rk] = nxt + sub
             nxt += int(sub.max()) + 1
         if nxt == int(cls.max()) + 1:
-            break
+            return cls
         cls = new
-    ncls = int(cls.max()) + 1
-    rep = np.full(ncls, -1, np.int64)
-    rep[cls[::-1]] = np.arange(world)[::-1]
-    cprog = [prog_ids[id(ranks[int(rep[k])])] for k in range(ncls)]
-    cranks = [np.flatnonzero(cls == k) for k in range(ncls)]
-    # ---- matching, per class and instruction over all its ranks ---------------------------------------
-    index: list[dict[tuple[str, str], list[Instr]]] = []
-    for p in range(len(progs)):
-        d: dict[tuple[str, str], list[Instr]] = {}
-        for i in comm[p]:
-            d.setdefault((i.op, i.tag), []).append(i)
-        index.append(d)
-    partners: list[dict[int, list[tuple[int, int]]]] = [dict() for _ in range(ncls)]
-    peer_cache: dict[tuple, np.ndarray] = {}
-    trip_ok: dict[tuple, bool] = {}
-    mem_cache: dict[tuple, tuple] = {}
-    group_ok: dict[tuple, bool] = {}
-    for k in range(ncls):
-        p, rk = cprog[k], cranks[k]
-        r0 = int(rk[0])
-        single = len(rk) == 1
-        for x in comm[p]:
-            if single and x.is_p2p and isinstance(x.peer, int):  # concrete peer: scalar fast path
-                q0 = x.peer
-                if not 0 <= q0 < world:
-                    raise ProgramError(f"rank {r0} instruction {x}: peer outside the world of {world} ranks")
-                kb = int(cls[q0])
-                other = "recv" if x.op == "send" else "send"
-                hits = [y for y in index[cprog[kb]].get((other, x.tag), ())
-                        if (y.peer == r0 if isinstance(y.peer, int)
-                            else int(res.peers(np.asarray([q0]), y.peer, str(y))[0]) == r0)]
-                if len(hits) != 1 or hits[0].nbytes != x.nbytes:
-                    what = ("no matching" if not hits else f"{len(hits)} matching" if len(hits) > 1
-                            else "a size-mismatched")
-                    raise ProgramError(f"rank {r0} instruction {x}: {what} {other} with tag {x.tag!r} on rank "
-                                       f"{q0} (its peer must resolve back to rank {r0} and sizes must be "
-                                       f"equal); every send needs exactly one recv")
-                partners[k][x.id] = [(kb, hits[0].id)]
-                continue
-            if x.is_p2p:
-                ck = (k, x.peer)
-                q = peer_cache.get(ck)
-                if q is None:
-                    q = peer_cache[ck] = res.peers(rk, x.peer, f"rank {r0} instruction {x}")
-                    if (q < 0).any() or (q >= world).any():
-                        raise ProgramError(f"rank {r0} instruction {x}: peer outside the world of {world} ranks")
-                kb = int(cls[q[0]])
-                other = "recv" if x.op == "send" else "send"
-                cands = index[cprog[kb]].get((other, x.tag), ())
-                hits = []
-                for y in cands:
-                    tk = (k, x.peer, kb, y.peer)
-                    if tk not in trip_ok:
-                        trip_ok[tk] = bool(np.array_equal(res.peers(q, y.peer, f"rank {int(q[0])} instruction {y}"), rk))
-                    if trip_ok[tk]:
-                        hits.append(y)
-                if len(hits) != 1:
-                    what = "no matching" if not hits else f"{len(hits)} matching"
-                    raise ProgramError(f"rank {r0} instruction {x}: {what} {other} with tag {x.tag!r} on rank "
-                                       f"{int(q[0])} (its peer must resolve back to rank {r0}); every send needs "
-                                       f"exactly one recv")
-                y = hits[0]
-                if y.nbytes != x.nbytes:
-                    raise ProgramError(f"rank {r0} instruction {x}: {x.op} of {x.nbytes} bytes but rank {int(q[0])}'s "
-                                       f"{other} {y} has {y.nbytes} bytes; sizes must be equal")
-                partners[k][x.id] = [(kb, y.id)]
-                continue
-            ck = (k, x.group)
-            info = mem_cache.get(ck)
-            if info is None:
-                mem = res.members(rk, x.group, f"rank {r0} instruction {x}")
-                inside = (mem == rk[:, None]).any(axis=1)
-                if not inside.all():
-                    raise ProgramError(f"rank {int(rk[~inside][0])} instruction {x}: the rank is not a member "
-                                       f"of its own group")
-                per = []
-                for kb in np.unique(cls[mem[0]]).tolist():
-                    sel = cls[mem] == kb
-                    per.append((kb, mem[sel], np.repeat(mem, sel.sum(axis=1), axis=0)))
-                info = mem_cache[ck] = tuple(per)
-            parts = []
-            for kb, qs, rows in info:
-                cands = index[cprog[kb]].get((x.op, x.tag), ())
-                if len(cands) != 1:
-                    raise ProgramError(f"rank {r0} instruction {x}: member rank {int(qs[0])} issues {len(cands)} "
-                                       f"{x.op} with tag {x.tag!r}; every member must issue it exactly once")
-                y = cands[0]
-                if y.nbytes != x.nbytes or y.root != x.root:
-                    raise ProgramError(f"rank {r0} instruction {x}: member rank {int(qs[0])} issues {y} with "
-                                       f"different bytes/root")
-                gk = (k, x.group, kb, y.group)
-                if gk not in group_ok:
-                    my = res.members(qs, y.group, f"rank {int(qs[0])} instruction {y}")
-                    group_ok[gk] = my.shape == rows.shape and bool(np.array_equal(my, rows))
-                if not group_ok[gk]:
-                    raise ProgramError(f"rank {r0} instruction {x}: member rank {int(qs[0])} resolves the group of "
-                                       f"{y} to other ranks; all members must name the same group")
-                parts.append((kb, y.id))
-            partners[k][x.id] = parts
-    _replay(progs, cprog, cranks, cls, where, partners, res)
+
+
+class _Matcher:
+    """Match every communication instruction of each rank class to its partners; caches resolutions
+    shared between classes."""
+
+    def __init__(self, comm: list[list[Instr]], cprog: list[int], cls: np.ndarray, res: _Resolver):
+        self.cprog, self.cls, self.res = cprog, cls, res
+        self.world = len(cls)
+        self.index: list[dict[tuple[str, str], list[Instr]]] = []
+        for lst in comm:
+            d: dict[tuple[str, str], list[Instr]] = {}
+            for i in lst:
+                d.setdefault((i.op, i.tag), []).append(i)
+            self.index.append(d)
+        self.comm = comm
+        self.peer_cache: dict[tuple, np.ndarray] = {}
+        self.trip_ok: dict[tuple, bool] = {}
+        self.mem_cache: dict[tuple, tuple] = {}
+        self.group_ok: dict[tuple, bool] = {}
+
+    def match(self, cranks: list[np.ndarray]) -> list[dict[int, list[tuple[int, int]]]]:
+        """Per class: instruction id -> [(partner class, partner instruction id)]."""
+        partners: list[dict[int, list[tuple[int, int]]]] = [dict() for _ in cranks]
+        for k, rk in enumerate(cranks):
+            for x in self.comm[self.cprog[k]]:
+                if len(rk) == 1 and x.is_p2p and isinstance(x.peer, int):  # concrete peer: scalar fast path
+                    partners[k][x.id] = self._p2p_concrete(x, int(rk[0]))
+                elif x.is_p2p:
+                    partners[k][x.id] = self._p2p(x, k, rk)
+                else:
+                    partners[k][x.id] = self._collective(x, k, rk)
+        return partners
+
+    def _p2p_concrete(self, x: Instr, r0: int) -> list[tuple[int, int]]:
+        """The one matching send/recv of ``x`` issued by the single rank ``r0`` to a concrete peer."""
+        q0, world, res = x.peer, self.world, self.res
+        if not 0 <= q0 < world:
+            raise ProgramError(f"rank {r0} instruction {x}: peer outside the world of {world} ranks")
+        kb = int(self.cls[q0])
+        other = "recv" if x.op == "send" else "send"
+        hits = [y for y in self.index[self.cprog[kb]].get((other, x.tag), ())
+                if (y.peer == r0 if isinstance(y.peer, int)
+                    else int(res.peers(np.asarray([q0]), y.peer, str(y))[0]) == r0)]
+        if len(hits) != 1 or hits[0].nbytes != x.nbytes:
+            what = ("no matching" if not hits else f"{len(hits)} matching" if len(hits) > 1
+                    else "a size-mismatched")
+            raise ProgramError(f"rank {r0} instruction {x}: {what} {other} with tag {x.tag!r} on rank "
+                               f"{q0} (its peer must resolve back to rank {r0} and sizes must be "
+                               f"equal); every send needs exactly one recv")
+        return [(kb, hits[0].id)]
+
+    def _p2p(self, x: Instr, k: int, rk: np.ndarray) -> list[tuple[int, int]]:
+        """The one matching send/recv of ``x`` on the ranks ``rk`` of class ``k`` (symbolic peer)."""
+        r0, world, res = int(rk[0]), self.world, self.res
+        ck = (k, x.peer)
+        q = self.peer_cache.get(ck)
+        if q is None:
+            q = self.peer_cache[ck] = res.peers(rk, x.peer, f"rank {r0} instruction {x}")
+            if (q < 0).any() or (q >= world).any():
+                raise ProgramError(f"rank {r0} instruction {x}: peer outside the world of {world} ranks")
+        kb = int(self.cls[q[0]])
+        other = "recv" if x.op == "send" else "send"
+        cands = self.index[self.cprog[kb]].get((other, x.tag), ())
+        hits = []
+        for y in cands:
+            tk = (k, x.peer, kb, y.peer)
+            if tk not in self.trip_ok:
+                self.trip_ok[tk] = bool(np.array_equal(res.peers(q, y.peer, f"rank {int(q[0])} instruction {y}"), rk))
+            if self.trip_ok[tk]:
+                hits.append(y)
+        if len(hits) != 1:
+            what = "no matching" if not hits else f"{len(hits)} matching"
+            raise ProgramError(f"rank {r0} instruction {x}: {what} {other} with tag {x.tag!r} on rank "
+                               f"{int(q[0])} (its peer must resolve back to rank {r0}); every send needs "
+                               f"exactly one recv")
+        y = hits[0]
+        if y.nbytes != x.nbytes:
+            raise ProgramError(f"rank {r0} instruction {x}: {x.op} of {x.nbytes} bytes but rank {int(q[0])}'s "
+                               f"{other} {y} has {y.nbytes} bytes; sizes must be equal")
+        return [(kb, y.id)]
+
+    def _collective(self, x: Instr, k: int, rk: np.ndarray) -> list[tuple[int, int]]:
+        """The same collective of ``x`` in every member class of its group, on the ranks ``rk`` of class ``k``."""
+        r0, res, cls = int(rk[0]), self.res, self.cls
+        ck = (k, x.group)
+        info = self.mem_cache.get(ck)
+        if info is None:
+            mem = res.members(rk, x.group, f"rank {r0} instruction {x}")
+            inside = (mem == rk[:, None]).any(axis=1)
+            if not inside.all():
+                raise ProgramError(f"rank {int(rk[~inside][0])} instruction {x}: the rank is not a member "
+                                   f"of its own group")
+            per = []
+            for kb in np.unique(cls[mem[0]]).tolist():
+                sel = cls[mem] == kb
+                per.append((kb, mem[sel], np.repeat(mem, sel.sum(axis=1), axis=0)))
+            info = self.mem_cache[ck] = tuple(per)
+        parts = []
+        for kb, qs, rows in info:
+            cands = self.index[self.cprog[kb]].get((x.op, x.tag), ())
+            if len(cands) != 1:
+                raise ProgramError(f"rank {r0} instruction {x}: member rank {int(qs[0])} issues {len(cands)} "
+                                   f"{x.op} with tag {x.tag!r}; every member must issue it exactly once")
+            y = cands[0]
+            if y.nbytes != x.nbytes or y.root != x.root:
+                raise ProgramError(f"rank {r0} instruction {x}: member rank {int(qs[0])} issues {y} with "
+                                   f"different bytes/root")
+            gk = (k, x.group, kb, y.group)
+            if gk not in self.group_ok:
+                my = res.members(qs, y.group, f"rank {int(qs[0])} instruction {y}")
+                self.group_ok[gk] = my.shape == rows.shape and bool(np.array_equal(my, rows))
+            if not self.group_ok[gk]:
+                raise ProgramError(f"rank {r0} instruction {x}: member rank {int(qs[0])} resolves the group of "
+                                   f"{y} to other ranks; all members must name the same group")
+            parts.append((kb, y.id))
+        return parts
 
 
 def _replay(progs: list[RankProgram], cprog: list[int], cranks: list[np.ndarray],
