@@ -72,10 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from .. import models
-    from ..exec import compile_program, run_program, under_torchrun
-    from ..exec.train import TokenData, with_precision
-    from ..ir.step_meta import StepMeta
+    from ..exec import under_torchrun
     from .run_user import is_user_model
     args.trace = args.timeline   # the name run_user and switch_live read
     check_live(args)
@@ -83,20 +80,7 @@ def run(args: argparse.Namespace) -> dict:
     args.train = train_settings(args, args.steps, plan_train)
     args.optim = optim_config(args.train)
     args.lr = args.train["lr"]
-    if (args.data or args.metrics or args.tensorboard or args.train["precision"]) and \
-            (is_user_model(args.model) or getattr(args, "rollout", None) or args.endpoint):
-        raise StrategyError("--data, --metrics, --tensorboard and --precision train a preset model on this machine; "
-                            "drop them for a user model, --rollout or a multi-host job")
-    if not args.endpoint:   # the multi-host options, on any other run
-        if args.strategy_for:
-            raise StrategyError("--strategy-for is for a multi-host live job (the strategy as hosts come and go); "
-                                "add --endpoint HOST:PORT and --live, or use --switch-at STEP:STRATEGY")
-        if args.heartbeat_timeout is not None:
-            raise StrategyError("--heartbeat-timeout is for a multi-host live job (how fast a silent host is declared "
-                                "lost); add --endpoint HOST:PORT and --live, or drop --heartbeat-timeout")
-        if args.snapshot_every:
-            raise StrategyError("--snapshot-every is for a multi-host live job (its snapshots restore a lost host's "
-                                "state); add --endpoint HOST:PORT and --live, or drop --snapshot-every")
+    _check_single_host_options(args)
     checkpoint = checkpoint_options(args)
     if is_user_model(args.model):
         from .run_user import run_cli as run_user_cli
@@ -122,6 +106,41 @@ def run(args: argparse.Namespace) -> dict:
             raise StrategyError(f"--steps {args.steps} must be at least 1")
         from .run_live import run_cli
         return run_cli(args)
+    program, spec = _build_program(args)
+    res, log, pred = _launch(args, program, spec, checkpoint)
+    out = _report(args, program, res, log, pred)
+    if under_torchrun() and int(os.environ["RANK"]) != 0:
+        sys.stdout = open(os.devnull, "w")   # every rank has the gathered result; rank 0 prints it
+    return out
+
+
+def _check_single_host_options(args: argparse.Namespace) -> None:
+    """Reject options that belong to another kind of run (preset-model training, multi-host live job)."""
+    from .run_user import is_user_model
+    if (args.data or args.metrics or args.tensorboard or args.train["precision"]) and \
+            (is_user_model(args.model) or getattr(args, "rollout", None) or args.endpoint):
+        raise StrategyError("--data, --metrics, --tensorboard and --precision train a preset model on this machine; "
+                            "drop them for a user model, --rollout or a multi-host job")
+    if args.endpoint:
+        return
+    if args.strategy_for:   # the multi-host options, on any other run
+        raise StrategyError("--strategy-for is for a multi-host live job (the strategy as hosts come and go); "
+                            "add --endpoint HOST:PORT and --live, or use --switch-at STEP:STRATEGY")
+    if args.heartbeat_timeout is not None:
+        raise StrategyError("--heartbeat-timeout is for a multi-host live job (how fast a silent host is declared "
+                            "lost); add --endpoint HOST:PORT and --live, or drop --heartbeat-timeout")
+    if args.snapshot_every:
+        raise StrategyError("--snapshot-every is for a multi-host live job (its snapshots restore a lost host's "
+                            "state); add --endpoint HOST:PORT and --live, or drop --snapshot-every")
+
+
+def _build_program(args: argparse.Namespace):
+    """The Program a single-host run trains (from the plan file, directives or model/strategy) and its
+    model spec; checks it against --nprocs and --steps."""
+    from .. import models
+    from ..exec import compile_program
+    from ..exec.train import with_precision
+    from ..ir.step_meta import StepMeta
     if args.plan:
         from .inputs import load_plan as load_checked_plan
         program = load_checked_plan(args.plan)
@@ -144,6 +163,15 @@ def run(args: argparse.Namespace) -> dict:
                             f"drop --nprocs or change the strategy")
     if args.steps < 1:
         raise StrategyError(f"--steps {args.steps} must be at least 1")
+    return program, spec
+
+
+def _launch(args: argparse.Namespace, program, spec, checkpoint):
+    """Preflight ``program``, then train it for --steps; returns (its result, the metrics log, the
+    prediction or None)."""
+    from ..exec import run_program, under_torchrun
+    from ..exec.train import TokenData
+    from ..ir.step_meta import StepMeta
     from .preflight import prediction, preflight
     data = TokenData(args.data, args.data_seed) if args.data else None
     if data is not None:      # a bad file fails here, in one line, before any process starts
@@ -167,6 +195,14 @@ def run(args: argparse.Namespace) -> dict:
                           weights=weights, data=data, checkpoint=checkpoint)
     finally:
         log.close()
+    return res, log, pred
+
+
+def _report(args: argparse.Namespace, program, res, log, pred) -> dict:
+    """The run's JSON result: measured steps, settings, warnings and the comparison with the prediction;
+    writes the timeline when asked."""
+    from ..exec import under_torchrun
+    from ..ir.step_meta import StepMeta
     if args.trace and not (under_torchrun() and int(os.environ["RANK"]) != 0):
         res.to_chrome_trace(args.trace)
     out = res.to_json()
@@ -186,8 +222,6 @@ def run(args: argparse.Namespace) -> dict:
         cmp = _compare(pred, res.step_times)
         cmp["warnings"] = out["warnings"] + cmp["warnings"]
         out.update(cmp)
-    if under_torchrun() and int(os.environ["RANK"]) != 0:
-        sys.stdout = open(os.devnull, "w")   # every rank has the gathered result; rank 0 prints it
     return out
 
 
