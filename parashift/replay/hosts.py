@@ -148,22 +148,13 @@ def replay_hosts(trace: Any, *, model: str = "tiny-gpt", devices_per_node: int =
     for the first count). Returns ``{"job": the first host's JSON, "applied": [one record per applied
     event; a preemption with notice has ``notice_seconds``, its wall length, and ``ran_out``, the nodes
     SIGKILLed when it had run out], "exit_codes": {node: exit code}}``."""
-    import json
-    import secrets as _secrets
-    from ..exec.job.endpoint import SECRET_ENV
-    from ..exec.jobstore import connect
+    from ..strategy import Strategy
     from ..traces.schema import initial_of
     if seconds_per_step <= 0 or steps < 1 or devices_per_node < 1:
         raise StrategyError("replay_hosts needs seconds_per_step > 0, steps >= 1 and devices_per_node >= 1")
     nodes = initial_of(trace)
     if nodes < 1:
         raise StrategyError("the trace starts with no node: a node-level replay needs the first host from the start")
-    secret = secret or _secrets.token_hex(16)
-    env = dict(os.environ, **{SECRET_ENV: secret}, PYTHONUNBUFFERED="1")
-    port = _port()
-    at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", str(timeout), "--nprocs", str(devices_per_node)]
-    cmd = [sys.executable, "-m", "parashift"]
-    from ..strategy import Strategy
     table = {int(n): Strategy.parse(str(st)) for n, st in (strategies or {}).items()}
     first_st = table.get(nodes * devices_per_node, f"dp={nodes * devices_per_node}")
     run = ["run", "--model", model, "--strategy", str(first_st), "--steps", str(steps),
@@ -171,66 +162,92 @@ def replay_hosts(trace: Any, *, model: str = "tiny-gpt", devices_per_node: int =
     run += [f"--strategy-for={n}:{st}" for n, st in sorted(table.items())]
     if snapshot_every:
         run += ["--snapshot-every", str(snapshot_every), "--snapshot-dir", snapshot_dir or "parashift-snapshots"]
-    log = tempfile.TemporaryFile("w+")             # the first host's messages (read when it fails)
-    first = subprocess.Popen([*cmd, *run, *at], stdout=subprocess.PIPE, stderr=log, text=True,
-                             env=env, start_new_session=True)
-    end = time.monotonic() + timeout
-    while True:
-        try:
-            store = connect("127.0.0.1", port, secret, 30.0)
-            break
-        except Exception:  # noqa: BLE001 - not serving yet
-            if first.poll() is not None or time.monotonic() > end:
-                raise RuntimeFailure(f"the first host did not start: {_tail(log)}") from None
-            time.sleep(0.1)
-    job = _Job(store, first)
+    rep = _HostReplay(run, devices_per_node, timeout, secret)
+    try:
+        for node in range(2, nodes + 1):
+            rep.start(node)
+        applied = rep.play(trace, nodes + 1, seconds_per_step)
+        return rep.report(applied)
+    finally:
+        rep.close()
 
-    def start(node: int) -> _Agent:
+
+class _HostReplay:
+    """One node-level replay: the first host's process, its store, the joined agents and pending notices."""
+
+    def __init__(self, run: list[str], devices_per_node: int, timeout: float, secret: str | None):
+        """Start the first host with the ``run`` arguments and wait until its store serves."""
+        import secrets as _secrets
+        from ..exec.job.endpoint import SECRET_ENV
+        from ..exec.jobstore import connect
+        secret = secret or _secrets.token_hex(16)
+        self.env = dict(os.environ, **{SECRET_ENV: secret}, PYTHONUNBUFFERED="1")
+        port = _port()
+        self.at = ["--endpoint", f"127.0.0.1:{port}", "--timeout", str(timeout), "--nprocs", str(devices_per_node)]
+        self.cmd = [sys.executable, "-m", "parashift"]
+        self.log = log = tempfile.TemporaryFile("w+")       # the first host's messages (read when it fails)
+        self.first = first = subprocess.Popen([*self.cmd, *run, *self.at], stdout=subprocess.PIPE, stderr=log,
+                                              text=True, env=self.env, start_new_session=True)
+        self.timeout = timeout
+        self.end = time.monotonic() + timeout
+        while True:
+            try:
+                store = connect("127.0.0.1", port, secret, 30.0)
+                break
+            except Exception:  # noqa: BLE001 - not serving yet
+                if first.poll() is not None or time.monotonic() > self.end:
+                    raise RuntimeFailure(f"the first host did not start: {_tail(log)}") from None
+                time.sleep(0.1)
+        self.store = store
+        self.job = _Job(store, first)
+        self.notices = _Notices()
+
+    def start(self, node: int) -> _Agent:
+        """Start ``node``'s agent and wait until it has joined the job with its devices."""
+        store = self.store
         n = int(store.add("hosts/count", 0))
-        a = _Agent(node, subprocess.Popen([*cmd, "join", *at], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                          env=env, start_new_session=True))
+        a = _Agent(node, subprocess.Popen([*self.cmd, "join", *self.at], stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL, env=self.env, start_new_session=True))
         while int(store.add("hosts/count", 0)) == n or not store.check([f"hosts/devices_of/{n + 1}"]):
-            if a.proc.poll() is not None or time.monotonic() > end:
+            if a.proc.poll() is not None or time.monotonic() > self.end:
                 raise RuntimeFailure(f"node {node}'s agent did not join (exit code {a.proc.poll()})")
             time.sleep(0.02)
         a.host = n + 1
         lo, hi = (int(x) for x in store.get(f"hosts/devices_of/{a.host}").decode().split("-"))
         a.devices = tuple(range(lo, hi + 1))
-        job.agents.append(a)
+        self.job.agents.append(a)
         return a
 
-    def took_effect(pending: list[tuple[str, _Agent]]) -> bool:
+    def took_effect(self, pending: list[tuple[str, _Agent]]) -> bool:
         """The job trained a step in a layout that uses the added agents' devices / not the removed ones'."""
-        gens, done = _gens(store), job.progress()
+        gens, done = _gens(self.store), self.job.progress()
         for kind, a in pending:
             if kind == "add" and not any(set(a.devices) <= set(g.devices) and done > g.step for g in gens):
-                if not store.check([f"hosts/report/{a.host}"]):       # (an agent the job never used reports)
+                if not self.store.check([f"hosts/report/{a.host}"]):       # (an agent the job never used reports)
                     return False
             if kind == "preempt" and not (gens and not set(a.devices) & set(gens[-1].devices)
                                           and done > gens[-1].step):
                 return False
         return True
 
-    applied: list[dict] = []
-    notices = _Notices()
-    try:
-        for node in range(2, nodes + 1):
-            start(node)
+    def play(self, trace: Any, next_node: int, seconds_per_step: float) -> list[dict]:
+        """Apply each event of ``trace`` at its step, once the previous one took effect; one record each."""
+        job = self.job
+        applied: list[dict] = []
         pending: list[tuple[str, _Agent]] = []
-        next_node = nodes + 1
         for row in trace.itertuples(index=False):
             due = math.ceil(float(row.time) / seconds_per_step)
-            while job.first.poll() is None and (job.progress() < due or not took_effect(pending)):
-                if time.monotonic() > end:
-                    raise RuntimeFailure(f"the replay did not reach the event at t={row.time:g}s within {timeout:.0f} s")
+            while job.first.poll() is None and (job.progress() < due or not self.took_effect(pending)):
+                if time.monotonic() > self.end:
+                    raise RuntimeFailure(f"the replay did not reach the event at t={row.time:g}s within "
+                                         f"{self.timeout:.0f} s")
                 time.sleep(0.02)
             if job.first.poll() is not None:
                 break
-            pending = []
             rec = {"time": float(row.time), "event": row.event, "count": int(row.count), "step": job.progress()}
             if row.event == "add":
                 try:
-                    got = [start(next_node + i) for i in range(int(row.count))]
+                    got = [self.start(next_node + i) for i in range(int(row.count))]
                 except Exception:  # noqa: BLE001 - the store went away: the job ended before the event
                     if job.first.poll() is None and not _ended(job.first):
                         raise
@@ -239,41 +256,54 @@ def replay_hosts(trace: Any, *, model: str = "tiny-gpt", devices_per_node: int =
                 pending = [("add", a) for a in got]
                 rec["nodes"] = [a.node for a in got]
             else:
-                live = [a for a in job.agents if not a.signalled and a.proc.poll() is None]
-                victims = live[::-1][:int(row.count)]
-                sig = "SIGTERM" if isinstance(row.notice, float) and row.notice > 0 else "SIGKILL"
-                each = job.step_seconds()          # before the job's first step a notice is not timed
-                if sig == "SIGTERM":
-                    rec["notice_seconds"] = None if each is None else float(row.notice) / seconds_per_step * each
-                for a in victims:
-                    if sig == "SIGTERM":
-                        a.proc.send_signal(signal.SIGTERM)
-                        if each is not None:
-                            notices.add(rec["notice_seconds"], a, rec)
-                    else:
-                        os.killpg(a.proc.pid, signal.SIGKILL)
-                    a.signalled = sig
-                pending = [("preempt", a) for a in victims]
-                rec.update(nodes=[a.node for a in victims], signal=sig, cut=int(row.count) - len(victims))
+                pending = [("preempt", a) for a in self.preempt(row, rec, seconds_per_step)]
             applied.append(rec)
+        return applied
+
+    def preempt(self, row: Any, rec: dict, seconds_per_step: float) -> list[_Agent]:
+        """Signal the newest live agents for a preemption event (SIGTERM with notice, else SIGKILL); fills
+        ``rec`` and returns the victims."""
+        live = [a for a in self.job.agents if not a.signalled and a.proc.poll() is None]
+        victims = live[::-1][:int(row.count)]
+        sig = "SIGTERM" if isinstance(row.notice, float) and row.notice > 0 else "SIGKILL"
+        each = self.job.step_seconds()          # before the job's first step a notice is not timed
+        if sig == "SIGTERM":
+            rec["notice_seconds"] = None if each is None else float(row.notice) / seconds_per_step * each
+        for a in victims:
+            if sig == "SIGTERM":
+                a.proc.send_signal(signal.SIGTERM)
+                if each is not None:
+                    self.notices.add(rec["notice_seconds"], a, rec)
+            else:
+                os.killpg(a.proc.pid, signal.SIGKILL)
+            a.signalled = sig
+        rec.update(nodes=[a.node for a in victims], signal=sig, cut=int(row.count) - len(victims))
+        return victims
+
+    def report(self, applied: list[dict]) -> dict:
+        """Wait for every process to end; the first host's JSON, the applied events and the exit codes."""
+        import json
+        first, end = self.first, self.end
         out, _ = first.communicate(timeout=max(end - time.monotonic(), 1.0))
         codes = {1: first.returncode}
-        for a in job.agents:
+        for a in self.job.agents:
             try:
                 a.proc.communicate(timeout=max(end - time.monotonic(), 1.0))
             except subprocess.TimeoutExpired:
                 pass
             codes[a.node] = a.proc.returncode if a.proc.returncode is not None else "running"
         if first.returncode != 0:
-            raise RuntimeFailure(f"the replayed job failed: {_tail(log)}")
+            raise RuntimeFailure(f"the replayed job failed: {_tail(self.log)}")
         return {"job": json.loads(out), "applied": applied, "exit_codes": codes}
-    finally:
-        notices.stop.set()
-        for p in [first] + [a.proc for a in job.agents]:
+
+    def close(self) -> None:
+        """Stop the notice timer and SIGKILL every process still running."""
+        self.notices.stop.set()
+        for p in [self.first] + [a.proc for a in self.job.agents]:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-        log.close()
+        self.log.close()
 
 
 def _ended(p: subprocess.Popen, within: float = 5.0) -> bool:
