@@ -47,6 +47,54 @@ def _static(spec: models.ModelSpec, sched: ReplaySchedule, steps: int, opts: dic
     return res.losses, _full(spec, sched.initial_strategy, finals)
 
 
+def _job_layouts(sched: ReplaySchedule) -> tuple[list, list[float], list[int | None]]:
+    """The job's layouts: one per event that changes (strategy, devices), their announce times, and per
+    event the index of its layout (None for an event that leaves the job alone)."""
+    layouts, announce, gen_of = [sched.layouts()[0]], [0.0], []
+    for e, lay in zip(sched.events, sched.layouts()[1:]):
+        if (str(lay[0]), lay[1]) != (str(layouts[-1][0]), layouts[-1][1]):
+            layouts.append(lay)
+            announce.append(e.announce)
+            gen_of.append(len(layouts) - 1)
+        else:
+            gen_of.append(None)
+    return layouts, announce, gen_of
+
+
+def _event_rows(sched: ReplaySchedule, gen_of: list[int | None], gens: list, procs: list[dict],
+                steps: pd.DataFrame, lost: list[float]) -> list[dict]:
+    """One result row per trace event: when it took effect, its pause, lost time and switch phases."""
+    t0 = next(r["t0"] for r in procs if r.get("gen_steps") is not None)
+    records = [sw for r in procs for sw in r["switches"]]
+    tokens_per_step = sched.global_batch * sched.seq_len
+    events = []
+    first_start = steps.groupby("step")["start"].max()
+    for e, g in zip(sched.events, gen_of):
+        row: dict[str, Any] = {"time": e.time, "trace_time": e.trace_time, "event": e.event, "count": e.count,
+                               "devices": e.devices, "notice": e.notice, "strategy": str(e.strategy),
+                               "world": e.world, "switched": False, "applied": False, "pause_seconds": 0.0,
+                               "lost_seconds": 0.0, "baseline_lost_seconds": None}
+        if g is not None and g < len(gens):
+            s = gens[g].step
+            recs = [x for x in records if x["step"] == s]
+            keep = [x for x in recs if not x["joining"]] or recs
+            wall = float(first_start[s] - t0)
+            row.update(step=s, switched=True, applied=True, wall_time=wall, lag_seconds=wall - e.time,
+                       pause_seconds=max(x["pause_seconds"] for x in keep), lost_seconds=lost[g - 1],
+                       bytes_moved=int(sum(x["bytes_sent"] for x in recs)))
+            for k in ("plan_seconds", "world_seconds", "transfer_seconds", "verify_seconds", "rebuild_seconds"):
+                row[k] = max(x[k] for x in recs)
+        elif g is None:
+            # the job's layout did not change: the event takes effect at the first step starting after it
+            later = first_start[first_start >= t0 + e.time]
+            if len(later):
+                row.update(step=int(later.index[0]), applied=True, wall_time=e.time)
+        if "step" in row:
+            row["tokens"] = int(row["step"]) * tokens_per_step
+        events.append(row)
+    return events
+
+
 def replay(trace: "str | Path | pd.DataFrame", model: "str | models.ModelSpec" = "tiny-gpt", *,
            policy: str = "switch-aware", max_procs: int = 4, time_scale: float = 600.0, start: float | None = None,
            end: float | None = None, max_events: int | None = None, baseline: str | None = None,
@@ -77,15 +125,7 @@ def replay(trace: "str | Path | pd.DataFrame", model: "str | models.ModelSpec" =
     sched = replay_schedule(trace, spec, policy=policy, max_procs=max_procs, time_scale=time_scale, start=start,
                             end=end, max_events=max_events, notice=notice, devices_per_node=devices_per_node,
                             global_batch=global_batch, seq_len=seq_len, cost_model=cost_model)
-    # a layout per event that changes (strategy, devices); events that leave the job alone map to None
-    layouts, announce, gen_of = [sched.layouts()[0]], [0.0], []
-    for e, lay in zip(sched.events, sched.layouts()[1:]):
-        if (str(lay[0]), lay[1]) != (str(layouts[-1][0]), layouts[-1][1]):
-            layouts.append(lay)
-            announce.append(e.announce)
-            gen_of.append(len(layouts) - 1)
-        else:
-            gen_of.append(None)
+    layouts, announce, gen_of = _job_layouts(sched)
     opts = {"seed": seed, "data_seed": data_seed, "optim": optim, "timeout": timeout}
     say(f"replaying {len(sched.events)} events ({len(layouts) - 1} switches) over {sched.duration:.1f} s")
     gens, reports = run_replay_job(spec, layouts, announce, duration=sched.duration, max_steps=max_steps,
@@ -104,36 +144,10 @@ def replay(trace: "str | Path | pd.DataFrame", model: "str | models.ModelSpec" =
     diff = state_difference(_full(spec, last.strategy, finals), static_full)
 
     steps = step_rows(procs)
-    t0 = next(r["t0"] for r in procs if r.get("gen_steps") is not None)
     switch_steps = [g.step for g in gens[1:]]
     lost = lost_per_switch(steps, switch_steps)
-    records = [sw for r in procs for sw in r["switches"]]
     tokens_per_step = sched.global_batch * sched.seq_len
-    events = []
-    first_start = steps.groupby("step")["start"].max()
-    for e, g in zip(sched.events, gen_of):
-        row: dict[str, Any] = {"time": e.time, "trace_time": e.trace_time, "event": e.event, "count": e.count,
-                               "devices": e.devices, "notice": e.notice, "strategy": str(e.strategy),
-                               "world": e.world, "switched": False, "applied": False, "pause_seconds": 0.0,
-                               "lost_seconds": 0.0, "baseline_lost_seconds": None}
-        if g is not None and g < len(gens):
-            s = gens[g].step
-            recs = [x for x in records if x["step"] == s]
-            keep = [x for x in recs if not x["joining"]] or recs
-            wall = float(first_start[s] - t0)
-            row.update(step=s, switched=True, applied=True, wall_time=wall, lag_seconds=wall - e.time,
-                       pause_seconds=max(x["pause_seconds"] for x in keep), lost_seconds=lost[g - 1],
-                       bytes_moved=int(sum(x["bytes_sent"] for x in recs)))
-            for k in ("plan_seconds", "world_seconds", "transfer_seconds", "verify_seconds", "rebuild_seconds"):
-                row[k] = max(x[k] for x in recs)
-        elif g is None:
-            # the job's layout did not change: the event takes effect at the first step starting after it
-            later = first_start[first_start >= t0 + e.time]
-            if len(later):
-                row.update(step=int(later.index[0]), applied=True, wall_time=e.time)
-        if "step" in row:
-            row["tokens"] = int(row["step"]) * tokens_per_step
-        events.append(row)
+    events = _event_rows(sched, gen_of, gens, procs, steps, lost)
     t_first, t_last = float(steps["start"].min()), float(steps["end"].max())
     av = pd.DataFrame({"time": np.concatenate([[0.0], [e.time for e in sched.events], [sched.duration]]),
                        "devices": [sched.initial_devices] + [e.devices for e in sched.events]
