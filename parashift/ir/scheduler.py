@@ -353,7 +353,38 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     if missing:
         raise ProgramError(f"{len(missing)} nodes have no order (e.g. {g.node(missing[0])}); apply an Order "
                            f"covering stage {c['stage'][missing[0]]}")
-    # ---- per-stream positions -----------------------------------------------------------------
+    sid = _stream_index(cols)
+    cross_stage = stage[cols.src] != stage[cols.dst]
+    krank, prank = _rank(cols.slot_k), _rank(cols.slot_p)
+    seq_order, bounds, index = _stream_positions(g, cols, sid, krank, prank, cross_stage, step_time)
+    # ---- ids: per stage, in (slot, stream) order -------------------------------------------------
+    id_order = _sort(stage, krank, prank, sid, index, unique=True)
+    ids = np.zeros(n, np.int64)
+    ids[id_order] = _within(id_order, stage)[0]
+    dep_col = _dep_column(g, cols, sid, cross_stage, index, ids)
+    built = _instructions(c, cols, index, ids, dep_col, chunk)
+    per_stage: list[dict[str, tuple[Instr, ...]]] = [{} for _ in range(pp)]
+    so, b = seq_order.tolist(), bounds.tolist()
+    stage_l = stage[seq_order[bounds[:-1]]].tolist() if n else []
+    for gi in range(len(b) - 1):        # each (stage, stream) group, taken in stream order
+        idx = so[b[gi]:b[gi + 1]]
+        group = itemgetter(*idx)(built) if len(idx) > 1 else (built[idx[0]],)
+        per_stage[stage_l[gi]][group[0].stream] = group
+    progs: list[RankProgram] = []
+    for st in range(pp):
+        mem = dict(static_memory[st]) if st < len(static_memory) else {}
+        progs.append(RankProgram(per_stage[st], mem))
+    ranks_stage = np.arange(strategy.world) // (strategy.world // strategy.pp)
+    ranks = {int(r): progs[int(st)] for r, st in enumerate(ranks_stage)}
+    meta = dict(meta or {})
+    if placement_meta(strategy):
+        meta["placement"] = placement_meta(strategy)
+    return Program(ranks, strategy, meta)
+
+
+def _stream_index(cols: _Columns) -> np.ndarray:
+    """Per node, the index of its stream in :func:`stream_names` order; raises on a name that is not an
+    identifier."""
     unknown = {s for s in cols.stream_code if not isinstance(s, str) or not s.isidentifier()}
     if unknown:
         raise ProgramError(f"stream names {sorted(map(str, unknown))} are not identifiers; name a Stream "
@@ -362,11 +393,15 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     lut = np.zeros(len(cols.stream_code), np.int64)
     for s, k in cols.stream_code.items():
         lut[k] = names.index(s)
-    sid = lut[cols.stream]
-    slot_k, krank, prank = cols.slot_k, _rank(cols.slot_k), _rank(cols.slot_p)
+    return lut[cols.stream]
+
+
+def _stream_positions(g: Graph, cols: _Columns, sid: np.ndarray, krank: np.ndarray, prank: np.ndarray,
+                      cross_stage: np.ndarray, step_time: "Callable[[Action], float] | None") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Order each (stage, stream): compute and collectives by slot priority, sends/recvs in pair order.
+    Returns (nodes grouped by (stage, stream) in stream order, group bounds, each node's position)."""
+    stage, src, dst = cols.stage, cols.src, cols.dst
     sends = pair_order(g, step_time, _cols=cols)
-    src, dst = cols.src, cols.dst
-    cross_stage = stage[src] != stage[dst]
     key = _slot_rank(g, stage, sid, krank, prank, src, dst, ~cross_stage)      # compute/comm: slot-priority order
     p2p = sid == _P2P
     key[p2p] = -1
@@ -378,13 +413,16 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
         raise ProgramError(f"{g.node(i)} is on the p2p stream but is not a send/recv pair; apply Place")
     seq_order = _sort(stage, sid, key)                   # grouped by (stage, stream), in stream order
     pos, bounds = _within(seq_order, stage, sid)
-    index = np.zeros(n, np.int64)
+    index = np.zeros(len(g), np.int64)
     index[seq_order] = pos
-    # ---- ids: per stage, in (slot, stream) order -------------------------------------------------
-    id_order = _sort(stage, krank, prank, sid, index, unique=True)
-    ids = np.zeros(n, np.int64)
-    ids[id_order] = _within(id_order, stage)[0]
-    # ---- deps ------------------------------------------------------------------------------------
+    return seq_order, bounds, index
+
+
+def _dep_column(g: Graph, cols: _Columns, sid: np.ndarray, cross_stage: np.ndarray, index: np.ndarray,
+                ids: np.ndarray) -> list:
+    """Per node, the ids it depends on: the latest producer on each other stream of its stage (its own
+    stream's order implies the rest); raises on a cross-stage edge without send/recv or a backward edge."""
+    src, dst = cols.src, cols.dst
     if cross_stage.any():
         bad = np.flatnonzero(cross_stage & ~(cols.is_send[src] & cols.is_recv[dst]))
         if len(bad):
@@ -406,42 +444,29 @@ def lower(g: Graph, strategy: Strategy, *, static_memory: Sequence[Mapping[str, 
     first[1:] = (d3[1:] != d3[:-1]) | (sid[s3][1:] != sid[s3][:-1])
     dv, du = d3[first], ids[s3[first]]
     o = _sort(dv, du, unique=True)
-    # ---- instructions -------------------------------------------------------------------------------
-    dep_col: list = [()] * n
+    dep_col: list = [()] * len(g)
     for v, u in zip(dv[o].tolist(), du[o].tolist()):
         lst = dep_col[v]
         dep_col[v] = (u,) if not lst else lst + (u,)
+    return dep_col
+
+
+def _instructions(c: Mapping[str, Any], cols: _Columns, index: np.ndarray, ids: np.ndarray, dep_col: list,
+                  chunk: np.ndarray) -> list:
+    """Every node's instruction, built from its fields' columns in node order (the order the graph's
+    values lie in memory), with the activation buffers' alloc/free added."""
     alloc_c, free_c = _tuples(c["alloc"]), _tuples(c["free"])
     alloc_at, alloc_names, alloc_bytes, free_at, free_names = _act_buffers(c, index, cols)
     for i, name, nb in zip(alloc_at.tolist(), alloc_names, alloc_bytes):
         alloc_c[i] = ((name, nb),) + alloc_c[i]
     for i, name in zip(free_at.tolist(), free_names):
         free_c[i] = free_c[i] + (name,)
-    # every node's instruction, built from its fields' columns in node order (the order the graph's
-    # values lie in memory), then taken in stream order
-    comp = cols.is_compute
+    comp, stage = cols.is_compute, cols.stage
     mb = _ints(c["mb"])
-    built = instrs_from_columns(
+    return instrs_from_columns(
         _shared_ints(ids), c["op"], c["stream"], dep_col, c["phase"], _unless(stage, comp), _unless(chunk, chunk >= 0),
         _shared_ints(mb), _unless(c["region"], comp), _flops(c["flops"]), _nbytes(c["nbytes"]),
         c["peer"], c["group"], repeat(None), c["tag"], c["key"], alloc_c, free_c)
-    per_stage: list[dict[str, tuple[Instr, ...]]] = [{} for _ in range(pp)]
-    so, b = seq_order.tolist(), bounds.tolist()
-    stage_l = stage[seq_order[bounds[:-1]]].tolist() if n else []
-    for gi in range(len(b) - 1):        # each (stage, stream) group, taken in stream order
-        idx = so[b[gi]:b[gi + 1]]
-        group = itemgetter(*idx)(built) if len(idx) > 1 else (built[idx[0]],)
-        per_stage[stage_l[gi]][group[0].stream] = group
-    progs: list[RankProgram] = []
-    for st in range(pp):
-        mem = dict(static_memory[st]) if st < len(static_memory) else {}
-        progs.append(RankProgram(per_stage[st], mem))
-    ranks_stage = np.arange(strategy.world) // (strategy.world // strategy.pp)
-    ranks = {int(r): progs[int(st)] for r, st in enumerate(ranks_stage)}
-    meta = dict(meta or {})
-    if placement_meta(strategy):
-        meta["placement"] = placement_meta(strategy)
-    return Program(ranks, strategy, meta)
 
 
 def _flops(col: list) -> list:
