@@ -542,6 +542,35 @@ class Recompute:
         return out
 
 
+def _compute_index(c: dict) -> tuple[dict[int, int], dict[int, int], dict[int, list[int]],
+                                                  dict[Action, int], dict[Action, int]]:
+    """Index a placed graph's compute nodes: (chunk -> stage, stage -> optimizer node, chunk -> backward
+    nodes, action -> its first node, action -> its last node; first/last by ``pos``)."""
+    stage_of: dict[int, int] = {}
+    optim: dict[int, int] = {}
+    bwd_of_chunk: dict[int, list[int]] = {}
+    first_of_action: dict[Action, int] = {}
+    last_of_action: dict[Action, int] = {}
+    pos = c["pos"]
+    for i, (op, ph, ch, st, a) in enumerate(zip(c["op"], c["phase"], c["chunk"], c["stage"], c["action"])):
+        if op != "compute":
+            continue
+        if ph == "optim":
+            optim[st] = i
+            continue
+        stage_of[ch] = st
+        if ph in _BWD:
+            bwd_of_chunk.setdefault(ch, []).append(i)
+        if isinstance(a, Action):
+            j = first_of_action.get(a)
+            if j is None or pos[i] < pos[j]:
+                first_of_action[a] = i
+            j = last_of_action.get(a)
+            if j is None or pos[i] > pos[j]:
+                last_of_action[a] = i
+    return stage_of, optim, bwd_of_chunk, first_of_action, last_of_action
+
+
 @dataclass(frozen=True)
 class Replicate:
     """Replicate every stage over a DP group of ``ways`` ranks with ZeRO stage ``zero``.
@@ -588,42 +617,40 @@ class Replicate:
 
     def apply(self, g: Graph) -> Graph:
         out = g.owned()
-        c = out.cols
         z = self.zero_stage
         chunks = len(self.dense_bytes)
-        stage_of: dict[int, int] = {}
-        optim: dict[int, int] = {}
-        bwd_of_chunk: dict[int, list[int]] = {}
-        first_of_action: dict[Action, int] = {}
-        last_of_action: dict[Action, int] = {}
-        pos = c["pos"]
-        for i, (op, ph, ch, st, a) in enumerate(zip(c["op"], c["phase"], c["chunk"], c["stage"], c["action"])):
-            if op != "compute":
-                continue
-            if ph == "optim":
-                optim[st] = i
-                continue
-            stage_of[ch] = st
-            if ph in _BWD:
-                bwd_of_chunk.setdefault(ch, []).append(i)
-            if isinstance(a, Action):
-                j = first_of_action.get(a)
-                if j is None or pos[i] < pos[j]:
-                    first_of_action[a] = i
-                j = last_of_action.get(a)
-                if j is None or pos[i] > pos[j]:
-                    last_of_action[a] = i
+        stage_of, optim, bwd_of_chunk, first_of_action, last_of_action = _compute_index(out.cols)
         if len(stage_of) != chunks:
             raise ProgramError("Replicate needs a placed graph (apply Place first)")
         edp = self.ways // self.ep
-        last = chunks - 1
-        tied = bool(self.tied_bytes) and stage_of[0] != stage_of[last]
-        sync_nodes: dict[int, list[int]] = {}
-        replica_after: list[tuple[int, int]] = []
+        tied = bool(self.tied_bytes) and stage_of[0] != stage_of[chunks - 1]
         rs_of: dict[int, list[int]] = {}      # chunk -> its ZeRO-2/3 per-micro-batch reduce-scatters
         if z.grad_buckets and not tied:
             rs_of = self._per_microbatch(out, stage_of, optim, bwd_of_chunk, first_of_action, last_of_action, edp)
-        for ch in (range(0) if z.grad_buckets and not tied else range(chunks)):
+        sync_nodes, replica_after = self._grad_syncs(out, stage_of, optim, bwd_of_chunk, rs_of, edp,
+                                                     per_chunk=not (z.grad_buckets and not tied))
+        self._wire_syncs(out, stage_of, optim, bwd_of_chunk, sync_nodes, replica_after)
+        self._wait_async_tp(out, optim, sync_nodes, rs_of)
+        if tied:
+            self._tied_sync(out, stage_of, optim, bwd_of_chunk, sync_nodes)
+        # ZeRO parameter all-gathers
+        if z.gathers_after_step and self.overlap_param:
+            self._forward_gathers(out, first_of_action, optim, edp)
+        elif z.gathers_after_step:
+            self._step_gathers(out, stage_of, optim, edp)
+        elif z.gathers_around_use and not self._region_gathers(out):
+            self._use_gathers(out, first_of_action, last_of_action, edp)
+        return out
+
+    def _grad_syncs(self, out: Graph, stage_of: dict[int, int], optim: dict[int, int],
+                    bwd_of_chunk: dict[int, list[int]], rs_of: dict[int, list[int]], edp: int, *,
+                    per_chunk: bool) -> tuple[dict[int, list[int]], list[tuple[int, int]]]:
+        """Add the gradient syncs: per chunk after its backward (``per_chunk``), and the hybrid replicas'
+        sums. Returns (chunk -> its sync nodes, (sync, replica sum) pairs still to order)."""
+        z = self.zero_stage
+        sync_nodes: dict[int, list[int]] = {}
+        replica_after: list[tuple[int, int]] = []
+        for ch in (range(len(self.dense_bytes)) if per_chunk else range(0)):
             st = stage_of[ch]
             anchor = (AFTER, ch)
             for grp, nb, what in self._specs(ch, edp):
@@ -637,14 +664,21 @@ class Replicate:
                 for u in sync_nodes.get(ch, []):
                     replica_after.append((u, r))
                 sync_nodes.setdefault(ch, []).append(r)
-        if z.grad_buckets and not tied and self.replicas > 1:   # after the chunk's last micro-batch
-            for ch in range(chunks):
+        if not per_chunk and self.replicas > 1:   # after the chunk's last micro-batch
+            for ch in range(len(self.dense_bytes)):
                 if self.grad_dense[ch]:
                     r = self._replica_sync(out, ch, stage_of[ch])
                     for u in rs_of.get(ch) or bwd_of_chunk.get(ch, []):
                         out.edge(u, r, SAVED)
                     out.edge(r, optim[stage_of[ch]], SAVED)
-        # reroute bwd -> optim edges through the chunk's syncs
+        return sync_nodes, replica_after
+
+    def _wire_syncs(self, out: Graph, stage_of: dict[int, int], optim: dict[int, int],
+                    bwd_of_chunk: dict[int, list[int]], sync_nodes: dict[int, list[int]],
+                    replica_after: list[tuple[int, int]]) -> None:
+        """Reroute backward -> optimizer edges through the chunks' syncs: each sync waits for its chunk's
+        (with ``overlap``) or its stage's backward and precedes the stage's optimizer step."""
+        c = out.cols
         syncs_by_node = {}
         for ch, nodes in sync_nodes.items():
             for i in bwd_of_chunk.get(ch, []):
@@ -667,55 +701,59 @@ class Replicate:
                 out.edge(s, optim[stage_of[ch]], SAVED)
         for u, r in replica_after:
             out.edge(u, r, SAVED)
-        self._wait_async_tp(out, optim, sync_nodes, rs_of)
-        # tied embedding: all-reduce between the first and the last stage, at the end of the comm stream
-        if tied:
-            for ch, kind in ((0, "embed"), (last, "head")):
-                st = stage_of[ch]
-                t = out.add(op="all_reduce", group="embed", chunk=ch, stage=st, tag=str(T.EmbedTag()),
-                            key=str(T.StepKey("grad", None, "embed")), nbytes=int(self.tied_bytes), stream="comm", action=(END, 0))
-                for i in bwd_of_chunk[ch]:
-                    if c["kind"][i] == kind:
-                        out.edge(i, t, SAVED)
-                for k, s in enumerate(sync_nodes.get(ch, [])):
-                    c["action"][s] = (END, 1 + k)
-                    out.edge(t, s, SAVED)
-                if not sync_nodes.get(ch):
-                    out.edge(t, optim[st], SAVED)
-        # ZeRO parameter all-gathers
-        if z.gathers_after_step and self.overlap_param:
-            self._forward_gathers(out, first_of_action, optim, edp)
-        elif z.gathers_after_step:
-            for ch in range(chunks):
-                for grp, nb, pfx in ((self.axis, self.dense_bytes[ch], "dp"), ("edp", self.expert_bytes[ch], "edp")):
-                    size = self.ways if grp == self.axis else (edp if self.ep > 1 else 1)
-                    if size > 1 and nb:
-                        a = out.add(op="all_gather", group=grp, chunk=ch, stage=stage_of[ch],
-                                    tag=str(T.SyncTag(T.Axis(pfx), T.Sync.PARAM, ch)),
-                                    key=str(T.StepKey("param", ch, "dense" if grp == self.axis else "expert")),
-                                    nbytes=int(nb), stream="comm", action=(POST, ch))
-                        out.edge(optim[stage_of[ch]], a, SAVED)
-        elif z.gathers_around_use and not self._region_gathers(out):
-            for a, first in first_of_action.items():
-                if a.type == "W":
+
+    def _tied_sync(self, out: Graph, stage_of: dict[int, int], optim: dict[int, int],
+                   bwd_of_chunk: dict[int, list[int]], sync_nodes: dict[int, list[int]]) -> None:
+        """Tied embedding: all-reduce between the first and the last stage, at the end of the comm stream."""
+        c = out.cols
+        for ch, kind in ((0, "embed"), (len(self.dense_bytes) - 1, "head")):
+            st = stage_of[ch]
+            t = out.add(op="all_reduce", group="embed", chunk=ch, stage=st, tag=str(T.EmbedTag()),
+                        key=str(T.StepKey("grad", None, "embed")), nbytes=int(self.tied_bytes), stream="comm", action=(END, 0))
+            for i in bwd_of_chunk[ch]:
+                if c["kind"][i] == kind:
+                    out.edge(i, t, SAVED)
+            for k, s in enumerate(sync_nodes.get(ch, [])):
+                c["action"][s] = (END, 1 + k)
+                out.edge(t, s, SAVED)
+            if not sync_nodes.get(ch):
+                out.edge(t, optim[st], SAVED)
+
+    def _step_gathers(self, out: Graph, stage_of: dict[int, int], optim: dict[int, int], edp: int) -> None:
+        """ZeRO-1/2: gather each chunk's updated parameters right after the optimizer step."""
+        for ch in range(len(self.dense_bytes)):
+            for grp, nb, pfx in ((self.axis, self.dense_bytes[ch], "dp"), ("edp", self.expert_bytes[ch], "edp")):
+                size = self.ways if grp == self.axis else (edp if self.ep > 1 else 1)
+                if size > 1 and nb:
+                    a = out.add(op="all_gather", group=grp, chunk=ch, stage=stage_of[ch],
+                                tag=str(T.SyncTag(T.Axis(pfx), T.Sync.PARAM, ch)),
+                                key=str(T.StepKey("param", ch, "dense" if grp == self.axis else "expert")),
+                                nbytes=int(nb), stream="comm", action=(POST, ch))
+                    out.edge(optim[stage_of[ch]], a, SAVED)
+
+    def _use_gathers(self, out: Graph, first_of_action: dict, last_of_action: dict, edp: int) -> None:
+        """ZeRO-3: gather a chunk's parameters before each forward/backward action that uses them, into a
+        buffer freed at the action's last node."""
+        c = out.cols
+        for a, first in first_of_action.items():
+            if a.type == "W":
+                continue
+            ph = "fwd" if a.type == "F" else "bwd"
+            users = [first]
+            end = last_of_action[a]     # a weight-gradient node needs no parameters
+            for grp, nb, pfx, buf in ((self.axis, self.dense_bytes[a.chunk], "z3.param", "z3"),
+                                      ("edp", self.expert_bytes[a.chunk], "z3.eparam", "z3e")):
+                size = self.ways if grp == self.axis else (edp if self.ep > 1 else 1)
+                if size <= 1 or not nb:
                     continue
-                ph = "fwd" if a.type == "F" else "bwd"
-                users = [first]
-                end = last_of_action[a]     # a weight-gradient node needs no parameters
-                for grp, nb, pfx, buf in ((self.axis, self.dense_bytes[a.chunk], "z3.param", "z3"),
-                                          ("edp", self.expert_bytes[a.chunk], "z3.eparam", "z3e")):
-                    size = self.ways if grp == self.axis else (edp if self.ep > 1 else 1)
-                    if size <= 1 or not nb:
-                        continue
-                    name = str(T.StepBuffer(buf, a.mb, chunk=a.chunk, phase=ph))
-                    n = out.add(op="all_gather", group=grp, chunk=a.chunk, stage=c["stage"][first],
-                                phase=ph, mb=a.mb, tag=str(T.Z3Tag(grp == "edp", a.chunk, ph, a.mb)), nbytes=int(nb),
-                                key=str(T.StepKey("param", a.chunk, "dense" if grp == self.axis else "expert")),
-                                stream="comm", action=a, pos=-1.0, alloc=((name, int(nb)),))
-                    for u in users:
-                        out.edge(n, u, SAVED)
-                    c["free"][end] = c["free"][end] + (name,)
-        return out
+                name = str(T.StepBuffer(buf, a.mb, chunk=a.chunk, phase=ph))
+                n = out.add(op="all_gather", group=grp, chunk=a.chunk, stage=c["stage"][first],
+                            phase=ph, mb=a.mb, tag=str(T.Z3Tag(grp == "edp", a.chunk, ph, a.mb)), nbytes=int(nb),
+                            key=str(T.StepKey("param", a.chunk, "dense" if grp == self.axis else "expert")),
+                            stream="comm", action=a, pos=-1.0, alloc=((name, int(nb)),))
+                for u in users:
+                    out.edge(n, u, SAVED)
+                c["free"][end] = c["free"][end] + (name,)
 
     def _forward_gathers(self, out: Graph, first_of_action: dict, optim: dict[int, int], edp: int) -> None:
         """ZeRO-1/2 with ``overlap_param``: the gathers of the previous optimizer step's parameters run
