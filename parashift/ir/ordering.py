@@ -152,20 +152,8 @@ class Order:
                 kpos[i] = k
         if not self._acyclic(out, steps, aid, len(alist), ids, ks):
             self._check_acyclic(out, steps)      # names the cycle
-        big = 1 << 40
         pos_col = c["pos"]
-        # overlapped steps: spread each action's nodes evenly over [0, 1) so their regions interleave
-        overlapped = {a for ss in steps.values() for step in ss if len(step) > 1 for a in step}
-        spread: dict[int, float] = {}
-        if overlapped:
-            members: dict[Action, list[int]] = {}
-            for i in range(n):
-                if acts_col[i] in overlapped and pos_col[i] >= 0:
-                    members.setdefault(acts_col[i], []).append(i)
-            for nodes in members.values():
-                nodes.sort(key=lambda i: pos_col[i])
-                for r, i in enumerate(nodes):
-                    spread[i] = r / len(nodes)
+        spread = _spread(steps, acts_col, pos_col)
         in_order = np.isin(stage, np.fromiter(steps, np.int64, len(steps)))
         kk = kpos[aid]
         placed = in_order & has
@@ -187,61 +175,8 @@ class Order:
             if in_order[i]:
                 slot[i] = (int(kk[i]), p)
                 posv[np.searchsorted(act_nodes, i)] = p
-        last_bwd: dict[int, int] = {}     # chunk -> the position of its last listed backward action
-        for i in np.flatnonzero(in_order & ~has).tolist():
-            a = acts_col[i]
-            if a is None:
-                raise ProgramError(f"node {out.node(i)} belongs to no action; place the graph first")
-            elif a[0] == AFTER:  # behind the gather for the next step, so it overlaps that step
-                if not last_bwd:
-                    for b, k in zip(alist, kpos.tolist()):
-                        if k >= 0 and b.type != "F":
-                            last_bwd[b.chunk] = max(last_bwd.get(b.chunk, -1), k)
-                slot[i] = (last_bwd[a[1]] + 1, -0.5)
-            elif a[0] == END:
-                slot[i] = (big, float(a[1]))
-            elif a[0] == OPTIM:
-                slot[i] = (big + 1, 0.0)
-            elif a[0] == POST:
-                slot[i] = (big + 2, float(a[1]))
-        # per (stage, step), keyed stage * width + step: its compute-stream node first and last in position
-        # (ties: lowest index); each step's first waits for the step before's last, in the order the
-        # (stage, step)s first show such a node
-        on = _equals(c["stream"], "compute")[act_nodes]
-        comp = act_nodes[on]
-        keys, firsts, width = np.zeros(0, np.int64), np.zeros(0, np.int64), 1
-        if len(comp):
-            pv = posv[on]
-            width = int(kk[comp].max()) + 2
-            gk = stage[comp] * width + kk[comp]
-            keys, seen, lo, hi = _group_ends(gk, pv)
-            firsts, lasts = comp[lo], comp[hi]
-            keyed = np.argsort(seen, kind="stable")
-            prev = np.minimum(np.searchsorted(keys, keys - 1), len(keys) - 1)
-            js = keyed[(keys[prev] == keys - 1)[keyed]]
-            out.add_edges(lasts[prev[js]].tolist(), firsts[js].tolist(), ORDER)
-            # tp_async: a step's last reduction on stream "tp" ends before the next step's first compute
-            # (Megatron's backward waits for its asynchronous all-reduce before it returns)
-            on = _equals(c["stream"], "tp")[act_nodes] if "tp" in c["stream"] else np.zeros(len(act_nodes), bool)
-            tpn = act_nodes[on]
-            if len(tpn):
-                tv = posv[on]
-                tk = stage[tpn] * width + kk[tpn]
-                o = np.lexsort((-tpn, -tv, tk))
-                lead = np.ones(len(o), bool)
-                lead[1:] = tk[o][1:] != tk[o][:-1]
-                last_tp, nxt = tpn[o][lead], tk[o][lead] + 1
-                at = np.minimum(np.searchsorted(keys, nxt), len(keys) - 1)
-                ok = keys[at] == nxt
-                out.add_edges(last_tp[ok].tolist(), firsts[at[ok]].tolist(), ORDER)
-        # ZeRO-3 prefetch depth 1: the gather for step k waits for step k-1 to start
-        gathers = np.flatnonzero(in_order & has & _equals(c["op"], "all_gather")) if "all_gather" in c["op"] else []
-        if len(gathers) and len(keys):
-            want = kk[gathers] - 1
-            ok = (want >= 0) & (want < width)
-            at = np.minimum(np.searchsorted(keys, stage[gathers] * width + want), len(keys) - 1)
-            ok &= keys[at] == stage[gathers] * width + want
-            out.add_edges(firsts[at[ok]].tolist(), gathers[ok].tolist(), ORDER)
+        _slot_anchored(out, slot, in_order & ~has, alist, kpos)
+        _chain_steps(out, act_nodes, posv, kk, stage, placed)
         _bound_grad_buckets(out, in_order)
         return out
 
@@ -426,3 +361,90 @@ def _fused_name(c: dict, members: list[int]) -> str:
     if "head" in kinds:
         parts.append("head")
     return "+".join(parts)
+
+
+def _spread(steps: dict, acts_col: list, pos_col: list) -> dict[int, float]:
+    """Overlapped steps (several actions in one step): per node of such an action, its rank among the
+    action's placed nodes scaled to [0, 1), so the actions' regions interleave."""
+    overlapped = {a for ss in steps.values() for step in ss if len(step) > 1 for a in step}
+    spread: dict[int, float] = {}
+    if overlapped:
+        members: dict[Action, list[int]] = {}
+        for i in range(len(acts_col)):
+            if acts_col[i] in overlapped and pos_col[i] >= 0:
+                members.setdefault(acts_col[i], []).append(i)
+        for nodes in members.values():
+            nodes.sort(key=lambda i: pos_col[i])
+            for r, i in enumerate(nodes):
+                spread[i] = r / len(nodes)
+    return spread
+
+
+def _slot_anchored(out: Graph, slot: list, anchored: np.ndarray, alist: list, kpos: np.ndarray) -> None:
+    """Slot the nodes of a listed stage that belong to no action by their anchor: after a chunk's last
+    backward, at the step's end, at the optimizer step or after it."""
+    acts_col = out.cols["action"]
+    big = 1 << 40
+    last_bwd: dict[int, int] = {}     # chunk -> the position of its last listed backward action
+    for i in np.flatnonzero(anchored).tolist():
+        a = acts_col[i]
+        if a is None:
+            raise ProgramError(f"node {out.node(i)} belongs to no action; place the graph first")
+        elif a[0] == AFTER:  # behind the gather for the next step, so it overlaps that step
+            if not last_bwd:
+                for b, k in zip(alist, kpos.tolist()):
+                    if k >= 0 and b.type != "F":
+                        last_bwd[b.chunk] = max(last_bwd.get(b.chunk, -1), k)
+            slot[i] = (last_bwd[a[1]] + 1, -0.5)
+        elif a[0] == END:
+            slot[i] = (big, float(a[1]))
+        elif a[0] == OPTIM:
+            slot[i] = (big + 1, 0.0)
+        elif a[0] == POST:
+            slot[i] = (big + 2, float(a[1]))
+
+
+def _chain_steps(out: Graph, act_nodes: np.ndarray, posv: np.ndarray, kk: np.ndarray, stage: np.ndarray,
+                 placed: np.ndarray) -> None:
+    """Order edges between steps: each (stage, step)'s first compute node waits for the step before's last;
+    a step's last "tp" reduction ends before the next step's first compute; ZeRO-3 gathers prefetch one
+    step ahead."""
+    c = out.cols
+    # per (stage, step), keyed stage * width + step: its compute-stream node first and last in position
+    # (ties: lowest index); each step's first waits for the step before's last, in the order the
+    # (stage, step)s first show such a node
+    on = _equals(c["stream"], "compute")[act_nodes]
+    comp = act_nodes[on]
+    keys, firsts, width = np.zeros(0, np.int64), np.zeros(0, np.int64), 1
+    if len(comp):
+        pv = posv[on]
+        width = int(kk[comp].max()) + 2
+        gk = stage[comp] * width + kk[comp]
+        keys, seen, lo, hi = _group_ends(gk, pv)
+        firsts, lasts = comp[lo], comp[hi]
+        keyed = np.argsort(seen, kind="stable")
+        prev = np.minimum(np.searchsorted(keys, keys - 1), len(keys) - 1)
+        js = keyed[(keys[prev] == keys - 1)[keyed]]
+        out.add_edges(lasts[prev[js]].tolist(), firsts[js].tolist(), ORDER)
+        # tp_async: a step's last reduction on stream "tp" ends before the next step's first compute
+        # (Megatron's backward waits for its asynchronous all-reduce before it returns)
+        on = _equals(c["stream"], "tp")[act_nodes] if "tp" in c["stream"] else np.zeros(len(act_nodes), bool)
+        tpn = act_nodes[on]
+        if len(tpn):
+            tv = posv[on]
+            tk = stage[tpn] * width + kk[tpn]
+            o = np.lexsort((-tpn, -tv, tk))
+            lead = np.ones(len(o), bool)
+            lead[1:] = tk[o][1:] != tk[o][:-1]
+            last_tp, nxt = tpn[o][lead], tk[o][lead] + 1
+            at = np.minimum(np.searchsorted(keys, nxt), len(keys) - 1)
+            ok = keys[at] == nxt
+            out.add_edges(last_tp[ok].tolist(), firsts[at[ok]].tolist(), ORDER)
+    # ZeRO-3 prefetch depth 1: the gather for step k waits for step k-1 to start
+    gathers = np.flatnonzero(placed & _equals(c["op"], "all_gather")) if "all_gather" in c["op"] else []
+    if len(gathers) and len(keys):
+        want = kk[gathers] - 1
+        ok = (want >= 0) & (want < width)
+        at = np.minimum(np.searchsorted(keys, stage[gathers] * width + want), len(keys) - 1)
+        ok &= keys[at] == stage[gathers] * width + want
+        out.add_edges(firsts[at[ok]].tolist(), gathers[ok].tolist(), ORDER)
