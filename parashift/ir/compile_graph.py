@@ -69,6 +69,39 @@ def _region_order(g: Graph) -> list[int]:
     return [int(i) for i in g.topo_order()]
 
 
+def _placement(g: Graph, s: Strategy, res, model_order: list[int], directives: Sequence
+               ) -> tuple[Graph, tuple[int, ...], tuple[int, ...], Strategy]:
+    """Where the layers run: (the graph, layer -> chunk, chunk -> stage, the strategy that runs it), from
+    the strategy's even split or from Place directives on regions."""
+    c = g.cols
+    if res.region_chunk is None:
+        layers = max(c["layer"]) if any(k == "head" for k in c["kind"]) else max(c["layer"]) + 1
+        if s.stages > max(layers, 1):
+            raise StrategyError(f"pp*vpp={s.stages} exceeds the {layers} layers of the traced model; lower pp or vpp")
+        layer_chunk = tuple(int(x) for x in s.layer_stages(max(layers, 1)))
+        chunk_stage = tuple(int(s.chunk_rank_stage(ch)) for ch in range(s.stages))
+        run = s
+    else:
+        layer_chunk = _by_layer(g, res.region_chunk, len(res.chunk_stages))
+        if layer_chunk is None:
+            g, layer_chunk = _place_regions(g, res.region_chunk, model_order, directives)
+        chunk_stage = tuple(res.chunk_stages)
+        run = placed(s, layer_chunk, chunk_stage)
+    return g, layer_chunk, chunk_stage, run
+
+
+def _static_memory(s: Strategy, stage_bytes: np.ndarray) -> tuple[list[dict[str, int]], tuple]:
+    """Per stage: its static memory (parameters, gradients, optimizer state, ZeRO-sharded) and its
+    optimizer step's (FLOPs, bytes)."""
+    z = s.zero_stage
+    shard = (lambda b, sharded: -(-int(b) // s.zero_ways) if sharded else int(b))
+    elems = [int(b) // 4 for b in stage_bytes]
+    mem = [{"param": shard(b, z.shards_params), "grad": shard(b, z.shards_grads), "master": 0,
+            "optim": shard(2 * b, z.shards_optim)} for b in stage_bytes]
+    opt = tuple((OPTIM_FLOPS_PER_ELEMENT * shard(e, z.shards_optim), shard(e, z.shards_optim) * 16) for e in elems)
+    return mem, opt
+
+
 def compile_graph(graph: Graph, strategy: "str | Strategy" = "dp=1", *, global_batch: int, name: str = "custom",
                   order: "Order | Callable[[Strategy, int], Order] | None" = None, directives: Sequence = (),
                   validate: bool = False) -> Program:
@@ -98,30 +131,13 @@ def compile_graph(graph: Graph, strategy: "str | Strategy" = "dp=1", *, global_b
     order = res.order if res.order is not None else order
     if callable(order) and not isinstance(order, Order):
         order = order(s, m)
-    if res.region_chunk is None:
-        layers = max(c["layer"]) if any(k == "head" for k in c["kind"]) else max(c["layer"]) + 1
-        if s.stages > max(layers, 1):
-            raise StrategyError(f"pp*vpp={s.stages} exceeds the {layers} layers of the traced model; lower pp or vpp")
-        layer_chunk = tuple(int(x) for x in s.layer_stages(max(layers, 1)))
-        chunk_stage = tuple(int(s.chunk_rank_stage(ch)) for ch in range(s.stages))
-        run = s
-    else:
-        layer_chunk = _by_layer(g, res.region_chunk, len(res.chunk_stages))
-        if layer_chunk is None:
-            g, layer_chunk = _place_regions(g, res.region_chunk, model_order, directives)
-            c = g.cols
-        chunk_stage = tuple(res.chunk_stages)
-        run = placed(s, layer_chunk, chunk_stage)
+    g, layer_chunk, chunk_stage, run = _placement(g, s, res, model_order, directives)
+    c = g.cols
     chunks = len(chunk_stage)
     node_chunk = [0 if L < 0 else chunks - 1 if L >= len(layer_chunk) else layer_chunk[L] for L in c["layer"]]
     chunk_bytes = np.bincount(node_chunk, weights=c["params"], minlength=chunks).astype(np.int64)
     stage_bytes = np.bincount(np.asarray(chunk_stage), weights=chunk_bytes, minlength=s.pp).astype(np.int64)
-    z = s.zero_stage
-    shard = (lambda b, sharded: -(-int(b) // s.zero_ways) if sharded else int(b))
-    elems = [int(b) // 4 for b in stage_bytes]
-    mem = [{"param": shard(b, z.shards_params), "grad": shard(b, z.shards_grads), "master": 0,
-            "optim": shard(2 * b, z.shards_optim)} for b in stage_bytes]
-    opt = tuple((OPTIM_FLOPS_PER_ELEMENT * shard(e, z.shards_optim), shard(e, z.shards_optim) * 16) for e in elems)
+    mem, opt = _static_memory(s, stage_bytes)
     act_msg = int(max(c["act"][i] for i in range(len(g)) if c["kind"][i] != "head") if len(g) > 1 else c["act"][0])
     split = split_backward(s.schedule) or res.split_backward
     if order is None:
