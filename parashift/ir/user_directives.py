@@ -299,10 +299,10 @@ def resolve(directives: Sequence[Any], base: Strategy, regions: Sequence[str], *
         chunks, pp = len(chunk_stages), max(chunk_stages) + 1
         vpp = chunks // pp if chunks % pp == 0 else 1
         vshape = vpp == 2 and chunk_stages == tuple(c if c < pp else 2 * pp - 1 - c for c in range(chunks))
-        s = s.replace(pp=pp, vpp=vpp, schedule=_label(s.schedule, vpp, vshape, split_bw))
+        s = s.replace(pp=pp, vpp=vpp, schedule=_label(s.schedule, vpp, vshape, split_bw, _paired(of[Order])))
     elif split_bw:
         from .schedules import get_schedule
-        s = s.replace(schedule=_label(s.schedule, s.vpp, get_schedule(s.schedule).vshape, True))
+        s = s.replace(schedule=_label(s.schedule, s.vpp, get_schedule(s.schedule).vshape, True, _paired(of[Order])))
     return Resolved(s, m, region_chunk, chunk_stages, split_bw, of[Order][0] if of[Order] else None,
                     tuple(OffComm(x) for x in of[Stream]))
 
@@ -444,16 +444,23 @@ def _placement(p: Place, regions: Sequence[str]) -> tuple[dict[str, int], tuple[
     return region_chunk, tuple(chunk_stages)
 
 
-def _label(base: str, vpp: int, vshape: bool, split: bool) -> str:
-    """The registered schedule whose placement and backward match (``base`` when it does): the label
-    a Program compiled from directives carries (its order is the directives' own)."""
+def _paired(orders: Sequence[Any]) -> bool:
+    """Whether an ``Order`` runs two actions in one step (DualPipeV's overlapped forward and backward)."""
+    return any(len(step) > 1 for o in orders for stage in o.steps().values() for step in stage)
+
+
+def _label(base: str, vpp: int, vshape: bool, split: bool, paired: bool = False) -> str:
+    """The registered schedule whose placement, backward and overlap match (``base`` when it does): the
+    label a Program compiled from directives carries (its order is the directives' own). Two V-shaped
+    split-backward schedules differ in whether a step overlaps a forward with a backward
+    (``hides_ep_comm``: DualPipeV) or not (ZB-V)."""
     from .schedules import get_schedule, schedule_names
     names = [base] + [n for n in schedule_names() if n != base]
     for n in names:
         sch = get_schedule(n)
         if sch.vpp_problems(vpp) or sch.vshape != vshape or (split and not sch.split_backward):
             continue
-        if n != base and sch.split_backward != split:
+        if n != base and (sch.split_backward != split or (vshape and sch.hides_ep_comm != paired)):
             continue
         return n
     return "interleaved-1f1b" if vpp > 1 else "1f1b"
