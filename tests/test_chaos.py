@@ -41,7 +41,7 @@ def test_a_short_chaos_run_survives_every_event():
     host is declared (mid-recovery). Every event survived, the short stall not declared, the losses those
     of the static job on every step, both lost hosts reported by failure switches, nothing of the job left
     10 s after its last process exited."""
-    out = chaos.main(["--hosts", "3", "--events", "4", "--seed", "7", "--json"])
+    out = chaos.main(["--hosts", "3", "--events", "4", "--seed", "7", "--steps", "90", "--json"])
     assert [r["type"] for r in out["records"]] == ["snapshot_fail", "stall_short", "stall_long", "kill"]
     assert out["records"][3]["moment"] == "mid-recovery"
     assert out["survived"] == out["events"] == 4, out["records"]
