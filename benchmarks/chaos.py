@@ -288,8 +288,10 @@ class Chaos:
             try:
                 got = cond()
             except Exception as e:  # noqa: BLE001 - the store went away with the first host
-                if self.hosts[1].p.poll() is None:
-                    raise
+                try:
+                    self.hosts[1].p.wait(10.0)
+                except subprocess.TimeoutExpired:
+                    raise e from None
                 raise TimeoutError(f"{what}: the first host exited ({self.hosts[1].p.returncode})") from e
             if got:
                 return time.monotonic()
@@ -519,6 +521,10 @@ class Chaos:
                     left = a.steps - self.newest()
                 except Exception:  # noqa: BLE001 - the store went away with the first host
                     break
+                if a.time_limit and time.monotonic() - self.t0 > a.time_limit:
+                    print(f"chaos: --time-limit {a.time_limit:g} s reached; events {ev['i']}.. not fired",
+                          file=sys.stderr, flush=True)
+                    break
                 if left < 20:          # too few steps left for the event to play out: stop here, said in the JSON
                     print(f"chaos: only {left} steps left; events {ev['i']}.. not fired (raise --steps)",
                           file=sys.stderr, flush=True)
@@ -709,6 +715,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--event-timeout", type=float, default=90.0)
     ap.add_argument("--coordinator-kills", action="store_true",
                     help="draw a SIGKILL of the first host as the last event (not survived: no takeover yet)")
+    ap.add_argument("--time-limit", type=float, default=0.0, metavar="SECONDS",
+                    help="fire no event after this long (the job then runs to its end; events < events_planned)")
     ap.add_argument("--keep", action="store_true", help="keep the logs and snapshots (their folder is printed)")
     a = ap.parse_args(argv)
     if a.hosts < 2 or a.events < 1:
