@@ -247,7 +247,8 @@ class Chaos:
     def start(self) -> None:
         a = self.a
         port = _port()
-        at = ["--timeout", "300", "--nprocs", str(a.nprocs)]
+        # --timeout bounds the whole job's wall time too (launch_elastic): room for every event and step
+        at = ["--timeout", str(int(max(300, 120 + 45 * a.events + 2 * a.steps))), "--nprocs", str(a.nprocs)]
         self.job = ["--model", "tiny-gpt", "--strategy", f"dp={a.hosts * a.nprocs}", "--steps", str(a.steps),
                     "--global-batch", str(self.batch), "--live"]
         if a.store == "etcd":
@@ -689,7 +690,7 @@ class Chaos:
         out, leaks = {}, []
         for k, v in series.items():
             half = len(v) // 2
-            if half < 2 or k.endswith(".procs"):
+            if half < 2 or k.endswith(".procs") or k == "dev_shm":      # dev_shm: the machine's, other jobs' too
                 continue
             a_, b_ = statistics.median(v[:half]), statistics.median(v[half:])
             rel, ab = margins[k.split(".")[-1]]
