@@ -37,6 +37,12 @@ __all__ = ["Snapshotter", "latest", "latest_on_disk", "restore", "KEEP"]
 #: snapshots each process keeps on disk (the newest may be incomplete when a host is lost)
 KEEP = 3
 
+try:       # DCP's error for a failed write (ENOSPC from a full disk included) derives from BaseException
+    from torch.distributed.checkpoint.api import CheckpointException as _CheckpointException
+except ImportError:  # pragma: no cover - older torch
+    _CheckpointException = Exception
+_WRITE_ERRORS = (Exception, _CheckpointException)
+
 
 def _path(root: str, step: int, rank: int) -> str:
     return os.path.join(root, f"step{step}", f"rank{rank}")
@@ -79,7 +85,7 @@ class Snapshotter:
         try:
             os.makedirs(path, exist_ok=True)
             fut = dcp.async_save(arrays, checkpoint_id=path, no_dist=True)
-        except Exception as e:  # noqa: BLE001 - the folder cannot be made, or the write cannot start
+        except _WRITE_ERRORS as e:     # the folder cannot be made, or the write cannot start
             self._drop(steps_done, rank)
             self._failed(kv, device, steps_done, RuntimeFailure(self._why(steps_done, e)))
             return False
@@ -129,7 +135,9 @@ class Snapshotter:
                     shutil.rmtree(os.path.join(self.root, n), ignore_errors=True)
 
     def _why(self, step: int, e: BaseException) -> str:
-        return (f"writing the snapshot of step {step} to {self.root} failed ({type(e).__name__}: {e}); check that "
+        lines = str(e).strip().splitlines() or [""]
+        cause = lines[-1].strip(" )") if len(lines) > 1 else lines[0]     # DCP's: a rank's traceback, the error last
+        return (f"writing the snapshot of step {step} to {self.root} failed ({type(e).__name__}: {cause}); check that "
                 f"--snapshot-dir is writable and has space on every host")
 
     def _failed(self, kv: Any, device: int, step: int, e: RuntimeFailure) -> None:
@@ -154,7 +162,7 @@ class Snapshotter:
             recorded.wait()             # its record is written too (the callback runs after the result is set)
             if self.record_error is not None:
                 raise self.record_error
-        except Exception as e:  # noqa: BLE001 - a snapshot that failed is not recorded
+        except _WRITE_ERRORS as e:     # a snapshot that failed is not recorded
             err = RuntimeFailure(self._why(s, e))
             err.step = s
             raise err from e
