@@ -65,3 +65,42 @@ def test_chaos_on_etcd_loses_a_member():
                 [e["type"] for e in chaos.schedule(np.random.default_rng(s), 3, 3, 4, True, False)[0]])
     out = chaos.main(["--hosts", "3", "--events", "3", "--seed", str(seed), "--store", "etcd", "--json"])
     assert out["survived"] == out["events"] and out["orphans"] == 0 and out["losses_equal_static"], out["records"]
+
+
+def test_a_failed_snapshot_write_is_recorded_and_training_goes_on(tmp_path, capsys):
+    """A snapshot whose data file is on a full disk (/dev/full: ENOSPC, raised by DCP as a BaseException) or whose
+    folder is blocked by a file is not recorded, is said on stderr and in ``hosts/snap_failed``, and leaves
+    nothing behind; the next snapshot is written. Only the last KEEP written snapshots stay, and a step folder
+    another process left behind (a lost rank's) is swept once it is older than those."""
+    import os
+    import types
+
+    import torch
+
+    from parashift.exec.job import snapshot
+    from parashift.exec.switch.stores import STATE_KINDS
+
+    class KV(dict):
+        def set(self, k, v):
+            self[k] = v
+    kv = KV()
+    b = types.SimpleNamespace(step=1, **{k: None for k in STATE_KINDS})
+    b.param = torch.ones(4)
+    state = types.SimpleNamespace(buffers={"x": b})
+    root = str(tmp_path)
+    os.makedirs(f"{root}/step2/rank0")
+    os.symlink("/dev/full", f"{root}/step2/rank0/__0_0.distcp")
+    with open(f"{root}/step4", "w") as f:
+        f.write("in the way")
+    os.makedirs(f"{root}/step0/rank5")                           # a lost process's snapshot
+    sn = snapshot.Snapshotter(root, 2)
+    for step in range(2, 15):
+        if step == 5:
+            os.remove(f"{root}/step4")
+        sn.maybe(kv, state, "dp=1", 0, 0, step)
+    sn.finish(wait=True)
+    err = capsys.readouterr().err
+    assert "snapshot of step 2" in err and "No space left on device" in err and "snapshot of step 4" in err
+    assert {"hosts/snap_failed/2/0", "hosts/snap_failed/4/0"} <= set(kv)
+    assert sorted(k for k in kv if k.startswith("hosts/snap/")) == [f"hosts/snap/{s}/0" for s in (10, 12, 14, 6, 8)]
+    assert sorted(os.listdir(root)) == ["step10", "step12", "step14"]
