@@ -626,10 +626,144 @@ pd.DataFrame(moe.iterations)[["iteration", "loss", "reference_loss", "rollout_sw
     ]
 
 
+def nb07() -> list:
+    return [
+        new_markdown_cell("""\
+# 07 · Deploy for real: a Hugging Face model on real text
+
+The journey of a real job, with the commands a user types: a tiny Llama `config.json`, a tokenizer
+trained on the shipped public-domain `data/lighthouse.txt` (see `data/PROVENANCE.md`), the token file,
+a strategy searched on the embedded `cpu-local` cluster, training on those tokens across a hot switch next
+to a static run, and the trained weights and the strategy exported (Hugging Face safetensors, Megatron-LM
+arguments, a torchtitan TOML). Each cell runs `parashift` commands through the CLI's entry function and
+prints them; they run unchanged in a shell."""),
+        new_code_cell(SETUP + """
+import contextlib, io, json, shlex
+from parashift.cli import main
+
+def sh(command):          # one `parashift ...` command line; its --json output as a dict (else its text)
+    print("$", command)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(shlex.split(command)[1:])
+    assert rc == 0, f"{command!r} exited {rc}"
+    return json.loads(buf.getvalue()) if "--json" in command else buf.getvalue()"""),
+        new_markdown_cell("""\
+## A tokenizer and the token file
+
+A byte-level BPE tokenizer of 512 tokens, trained with the `tokenizers` library on the shipped text, then
+`parashift data prepare`: one document per paragraph, each ending with the end-of-text token, written as a
+flat little-endian uint16 file with a JSON sidecar (dtype, document offsets, SHA-256)."""),
+        new_code_cell("""\
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+TEXT = Path("..") / "data" / "lighthouse.txt"
+tok = Tokenizer(models.BPE(unk_token="<unk>"))
+tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+tok.decoder = decoders.ByteLevel()
+tok.train([str(TEXT)], trainers.BpeTrainer(vocab_size=512, special_tokens=["<unk>", "<|endoftext|>"],
+                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+(OUT / "tokenizer").mkdir()
+tok.save(str(OUT / "tokenizer" / "tokenizer.json"))
+data = sh(f"parashift data prepare {TEXT} --tokenizer {OUT}/tokenizer --out {OUT}/lighthouse.bin --split paragraph --json")
+print(data["tokens"], data["dtype"], "tokens in", data["documents"], "documents; vocabulary", data["vocab_size"])"""),
+        new_markdown_cell("""\
+## A tiny Llama, from its `config.json`
+
+`--model hf:DIR` reads a local Hugging Face config (Llama, Qwen2/3, Mixtral, ...); nothing is downloaded.
+This one is written with the standard library: 4 layers, hidden 64, grouped-query attention (4 heads, 2
+KV heads), the tokenizer's vocabulary."""),
+        new_code_cell("""\
+LLAMA = OUT / "llama"
+LLAMA.mkdir()
+config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": data["vocab_size"],
+          "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 128, "rms_norm_eps": 1e-5,
+          "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32"}
+(LLAMA / "config.json").write_text(json.dumps(config, indent=1))
+spec = ps.models.get(f"hf:{LLAMA}")
+print(f"{spec.params:,} parameters,", spec.layers, "layers, hidden", spec.hidden, "vocabulary", spec.vocab)"""),
+        new_markdown_cell("""\
+## Search a strategy on `cpu-local`
+
+Two CPU processes, 8 sequences of 32 tokens per step, a few trials. The run below starts with the winner
+and switches, in memory, to the best-ranked strategy of another dp/tp/pp shape."""),
+        new_code_cell("""\
+SHAPE = "--global-batch 8 --seq-len 32"
+found = sh(f"parashift search --model hf:{LLAMA} --cluster cpu-local --devices 2 {SHAPE} --trials 8 --seed 0 "
+           f"--out {OUT}/plan.json --json")
+top = pd.DataFrame(found["top"])[["strategy", "step_time", "tokens_per_s", "peak_memory"]]
+shapes = [(s.dp, s.tp, s.pp) for s in map(ps.Strategy.parse, top["strategy"])]
+BEST = top["strategy"][0]
+OTHER = next(t for t, shape in zip(top["strategy"], shapes) if shape != shapes[0])
+print("start with", BEST, "then switch to", OTHER)
+top"""),
+        new_markdown_cell("""\
+## Train on the tokens across a hot switch, and a static run
+
+12 steps with warmup and cosine decay, clipping at 1.0. The switched run changes strategy before step 7;
+the static run keeps the winner throughout and writes the trained weights as Hugging Face safetensors.
+Both read the same global batch at every step (the sampler depends on the seed and the step only), so
+their loss curves coincide."""),
+        new_code_cell("""\
+TRAIN = "--lr 3e-3 --lr-warmup-steps 2 --lr-decay cosine --min-lr 3e-4 --clip-grad 1.0"
+RUN = f"parashift run --model hf:{LLAMA} --data {OUT}/lighthouse.bin --steps 12 {SHAPE} {TRAIN} --strategy {BEST} --json"
+switched = sh(f"{RUN} --switch-at 6:{OTHER} --switch-notice 0")
+static = sh(f"{RUN} --export-hf {OUT}/hf-export")
+assert switched["samples"] == static["samples"]
+diff = max(abs(a - b) for a, b in zip(switched["losses"], static["losses"]))
+print(f"largest loss difference, switched vs static: {diff:.2e}")
+assert diff < 1e-5"""),
+        new_code_cell("""\
+plots.plot_losses({f"hot switch {BEST} -> {OTHER}": switched["losses"], f"static {BEST}": static["losses"]},
+                  OUT / "loss.png", marks=[(6, "hot switch")], title="tiny Llama on lighthouse.txt")"""),
+        new_code_cell("""\
+import matplotlib.pyplot as plt
+fig, ax = plt.subplots(figsize=(7, 3))
+steps = range(1, 13)
+ax.plot(steps, switched["grad_norm"], "o-", label="gradient norm (before clipping)")
+ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+ax.set_xlabel("training step"); ax.set_ylabel("global L2 norm"); ax.legend(loc="upper left")
+ax2 = ax.twinx()
+ax2.plot(steps, switched["lr"], "s--", color="#C44E52"); ax2.set_ylabel("learning rate", color="#C44E52")
+fig.savefig(OUT / "schedule.png", dpi=110, bbox_inches="tight")"""),
+        new_markdown_cell("""\
+## The exports
+
+The weights load in `transformers` as any Hugging Face checkpoint; the strategy goes to Megatron-LM as
+command-line arguments and to torchtitan as a TOML, each with what the target cannot express said in
+comments."""),
+        new_code_cell("""\
+from transformers import AutoModelForCausalLM
+print(sorted(p.name for p in (OUT / "hf-export").iterdir()))
+hf = AutoModelForCausalLM.from_pretrained(OUT / "hf-export")
+print(type(hf).__name__, f"{sum(p.numel() for p in hf.parameters()):,} parameters")"""),
+        new_code_cell("""\
+megatron = sh(f"parashift export {OUT}/plan.json --to megatron {TRAIN} --steps 12")
+(OUT / "megatron_args.sh").write_text(megatron)
+print(megatron)"""),
+        new_code_cell("""\
+torchtitan = sh(f"parashift export {OUT}/plan.json --to torchtitan {TRAIN} --steps 12")
+(OUT / "torchtitan.toml").write_text(torchtitan)
+print(torchtitan)"""),
+        new_markdown_cell("""\
+The commands above run unchanged in a shell. Without a plan file, `export` takes a strategy, a model and
+the batch shape:
+
+```
+parashift export dp=2,zero=2 --to megatron --model tiny-gpt --global-batch 8 --seq-len 32 --lr 3e-3 --lr-warmup-steps 2 --steps 12 --clip-grad 1.0
+parashift export dp=1,tp=2 --to torchtitan --model tiny-gpt --global-batch 8 --seq-len 32
+```
+
+`parashift demo` runs the same journey as its step 6 (`--only real-data`) and writes the loss plot, the
+exported weights, the Megatron-LM and torchtitan files and the commands to `demo-out/`."""),
+    ]
+
+
 NOTEBOOKS = {"01_explore_strategies.ipynb": nb01, "02_switch_plans.ipynb": nb02,
              "03_autotune_and_deploy.ipynb": nb03, "04_replay_preemption.ipynb": nb04}
 NOTEBOOKS["05_program_a_schedule.ipynb"] = nb05
 NOTEBOOKS["06_rl_phases.ipynb"] = nb06
+NOTEBOOKS["07_deploy_real_data.ipynb"] = nb07
 
 
 def build(name: str) -> nbformat.NotebookNode:

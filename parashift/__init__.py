@@ -5,7 +5,7 @@ optuna) load only when their subpackages are used.
 """
 from __future__ import annotations
 
-from . import cluster, gpus, models
+from . import cluster, fp8, gpus, models
 from .cluster import Cluster
 from .errors import (ClusterError, DeadlockError, DeviceListError, MemoryBudgetError, ParashiftError,
                      PlanError, ProgramError, RuntimeFailure, StrategyError, SwitchAborted,
@@ -16,7 +16,7 @@ from .strategy import Strategy
 __version__ = "0.1.0"
 
 __all__ = [
-    "cluster", "gpus", "models", "Cluster", "ModelSpec", "TensorSpec", "Strategy",
+    "cluster", "fp8", "gpus", "models", "Cluster", "ModelSpec", "TensorSpec", "Strategy",
     "ParashiftError", "UnknownPresetError", "UnknownGPUError", "StrategyError", "ClusterError", "DeviceListError",
     "PlanError", "MemoryBudgetError", "ProgramError", "DeadlockError", "TraceFormatError",
     "RuntimeFailure", "SwitchAborted", "region",

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from .errors import StrategyError
+from .schedules import get_schedule, schedule_names
 from .strategy import RECOMPUTE, Strategy
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -18,11 +18,19 @@ if TYPE_CHECKING:  # pragma: no cover
     from .sim import SimResult
     from .vps import SwitchPlan
 
-__all__ = ["SCHEDULE_VPP", "ScheduleRun", "schedule_strategy", "simulate_fitting", "compare_schedules",
+__all__ = ["schedule_vpp", "compared_schedules", "ScheduleRun", "schedule_strategy", "simulate_fitting", "compare_schedules",
            "stage_ranks", "bytes_matrix", "node_bytes", "lower_and_simulate", "ablation", "PASSES"]
 
-#: Model chunks per pipeline rank each schedule runs.
-SCHEDULE_VPP = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zb-h1": 1, "dualpipev": 2}
+def schedule_vpp(schedule: str) -> int:
+    """Model chunks per pipeline rank ``schedule`` runs here: its registry record's fixed count, or 2
+    where it takes any ``vpp >= 2`` (StrategyError naming the registered schedules if unknown)."""
+    return get_schedule(schedule).vpp_choices((2,))[0]
+
+
+def compared_schedules() -> tuple[str, ...]:
+    """The schedules :func:`compare_schedules` runs by default: every registered one but ``gpipe``
+    (1F1B's bubble, with every micro-batch's activations held at once)."""
+    return tuple(n for n in schedule_names() if n != "gpipe")
 
 
 
@@ -37,10 +45,9 @@ class ScheduleRun:
 
 
 def schedule_strategy(base: "Strategy | str", schedule: str, recompute: str = "none") -> Strategy:
-    """``base`` under ``schedule`` with the schedule's chunks per rank (vpp) and ``recompute``."""
-    if schedule not in SCHEDULE_VPP:
-        raise StrategyError(f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULE_VPP)}")
-    return Strategy.parse(base).replace(schedule=schedule, vpp=SCHEDULE_VPP[schedule], recompute=recompute)
+    """``base`` under ``schedule`` with the schedule's chunks per rank (vpp, :func:`schedule_vpp`)
+    and ``recompute``."""
+    return Strategy.parse(base).replace(schedule=schedule, vpp=schedule_vpp(schedule), recompute=recompute)
 
 
 def simulate_fitting(model: str, cluster: str, strategy: Strategy, *, global_batch: int, seq_len: int,
@@ -66,14 +73,16 @@ def simulate_fitting(model: str, cluster: str, strategy: Strategy, *, global_bat
 
 
 def compare_schedules(model: str, cluster: str, base: "Strategy | str", *, global_batch: int, seq_len: int,
-                      schedules: Sequence[str] = ("1f1b", "interleaved-1f1b", "zb-h1", "dualpipev"),
+                      schedules: "Sequence[str] | None" = None,
                       recompute: "str | None" = None,
                       progress: "Callable[[str], None] | None" = None) -> tuple["pd.DataFrame", dict[str, ScheduleRun]]:
-    """Simulate ``base`` under each schedule (recompute: the lightest that fits unless given).
+    """Simulate ``base`` under each schedule (default: :func:`compared_schedules`; recompute: the
+    lightest that fits unless given).
 
     Returns a table (one row per schedule: strategy, recompute, step time s, tokens/s, MFU,
     bubble fraction, peak memory GiB and its states/activations split, fits) and the runs."""
     import pandas as pd
+    schedules = compared_schedules() if schedules is None else schedules
     runs: dict[str, ScheduleRun] = {}
     rows = []
     for sched in schedules:

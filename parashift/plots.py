@@ -1,5 +1,7 @@
-"""Pictures for the demo and the notebooks (matplotlib): Gantt charts of timelines (one panel per
-timeline, e.g. simulated next to measured), memory bars, switch heatmaps, loss curves.
+"""Every picture parashift draws (matplotlib): Gantt charts of timelines (one panel per timeline,
+e.g. simulated next to measured; ``SimResult.plot_timeline`` draws one), pipeline schedule grids
+(``parashift schedule --plot``), memory bars, switch heatmaps, loss curves, and the colour tables.
+It imports nothing of parashift, so every layer may import it.
 
 Each ``plot_*`` returns its figure and writes ``path`` when given. In a notebook (an inline
 backend) the figure stays open, so it is both saved and displayed; elsewhere a written figure is
@@ -10,14 +12,17 @@ thousands of instructions plots in about a second.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
 
-__all__ = ["COLORS", "plot_gantt", "plot_memory", "plot_bytes_heatmap", "plot_bars", "plot_losses", "pyplot", "inline"]
+__all__ = ["COLORS", "ACTION_COLORS", "plot_gantt", "plot_order", "plot_memory", "plot_bytes_heatmap", "plot_bars",
+           "plot_losses", "pyplot", "inline"]
+
+#: Gantt bar colour per compute phase or communication op.
 
 COLORS = {"fwd": "#4C72B0", "bwd": "#55A868", "bwd_input": "#8FD19E", "bwd_weight": "#2E7D32",
           "recompute": "#937860", "optim": "#8172B2", "send": "#DD8452", "recv": "#E8A87C",
@@ -25,6 +30,8 @@ COLORS = {"fwd": "#4C72B0", "bwd": "#55A868", "bwd_input": "#8FD19E", "bwd_weigh
           "all_to_all": "#64B5CD", "broadcast": "#8C8C8C", "scatter": "#8C8C8C", "gather": "#8C8C8C",
           "copy": "#B0B0B0"}
 _OTHER = "#999999"
+#: Schedule-grid cell colour per action type (forward, backward, input-grad, weight-grad).
+ACTION_COLORS = {"F": "#4c72b0", "B": "#dd8452", "I": "#c44e52", "W": "#55a868"}
 
 
 def pyplot() -> Any:
@@ -95,6 +102,32 @@ def plot_gantt(timelines: "Mapping[str, pd.DataFrame]", path: str | None = None,
                loc="lower center", ncol=8, frameon=False)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     return _finish(fig, path)
+
+
+def plot_order(orders: "Mapping[int, Iterable[Any]]", path: str | None = None, *, chunked: bool = False,
+               title: str = "") -> Any:
+    """Stage x slot grid of each stage's actions (``type``, ``mb``, ``chunk``; e.g.
+    :func:`parashift.ir.actions.stage_orders`), coloured by type and labelled with the micro-batch
+    (and ``c<chunk>`` when ``chunked``). Writes ``path`` when given; returns the figure."""
+    from matplotlib.patches import Patch, Rectangle
+    orders = {st: list(acts) for st, acts in orders.items()}
+    width = max((len(v) for v in orders.values()), default=1)
+    fig, ax = _subplots(figsize=(min(2 + 0.32 * width, 60), 1 + 0.5 * len(orders)))
+    for st, acts in orders.items():
+        for k, a in enumerate(acts):
+            ax.add_patch(Rectangle((k, st), 1, 1, facecolor=ACTION_COLORS[a.type], edgecolor="white"))
+            label = f"{a.mb}" + (f"\u2009c{a.chunk}" if chunked else "")
+            ax.text(k + 0.5, st + 0.5, label, ha="center", va="center", fontsize=7, color="white")
+    ax.set_xlim(0, width)
+    ax.set_ylim(len(orders), 0)
+    ax.set_yticks([i + 0.5 for i in range(len(orders))])
+    ax.set_yticklabels([f"stage {i}" for i in range(len(orders))])
+    ax.set_xlabel("slot")
+    ax.legend(handles=[Patch(color=c, label=t) for t, c in ACTION_COLORS.items()], loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.set_title(title)
+    fig.tight_layout()
+    return _finish(fig, path, dpi=120)
 
 
 def plot_memory(frame: "pd.DataFrame", path: str | None = None, *, label: str = "schedule",
@@ -178,9 +211,9 @@ def plot_losses(curves: "Mapping[str, Sequence[float]]", path: str | None = None
     return _finish(fig, path)
 
 
-def _finish(fig: Any, path: str | None) -> Any:
+def _finish(fig: Any, path: str | None, dpi: int = 110) -> Any:
     if path is not None:
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=dpi)
         if not inline():
             pyplot().close(fig)
     return fig

@@ -13,7 +13,7 @@ from typing import Callable, Union
 
 from .errors import StrategyError
 
-__all__ = ["Schedule", "register", "get_schedule", "schedule_names"]
+__all__ = ["Schedule", "register", "get_schedule", "schedule_names", "canonical", "ALIASES"]
 
 # (strategy, micro-batches, ScheduleCosts or None) -> {stage: steps}; see parashift.ir.schedules
 Recipe = Callable[..., dict]
@@ -111,19 +111,37 @@ for _s in (
              lambda p, m, v, f, i, w: (p - 1) * (f + i - w) / (m * (f + i + w)),
              "Qi et al. 2024 (Zero Bubble PP), ZB-H1: (p-1)(F+B-W) over m(F+B+W)",
              split_backward=True, costs="always"),
+    Schedule("zb-2p", "zb-2p", "zero-bubble 2p: split backward, twice 1F1B's activations in flight, W fills the rest",
+             lambda p, m, v, f, i, w: (p - 1) * max(0.0, f + i - 2 * w) / (m * (f + i + w)),
+             "Qi et al. 2024 (Zero Bubble PP), ZB-H2: (p-1)(F+B-2W) over m(F+B+W), 0 when F=B=W",
+             split_backward=True, costs="always"),
+    Schedule("zb-v", "zb-v", "ZB-V: V-shaped chunks, split backward, 1F1B's activation memory, W fills the bubbles",
+             lambda p, m, v, f, i, w: (p - 1) * max(0.0, f + i - 2 * w) / (m * v * (f + i + w)),
+             "Qi et al. 2024 (Zero Bubble PP, ZB-V): 0 when F=B=W; (p-1)(F+B-2W) per chunk over m*v*(F+B+W)",
+             chunks=2, vshape=True, split_backward=True, costs="always"),
     Schedule("dualpipev", "dualpipev",
              "DualPipeV: V-shaped chunks, split backward, forward overlapped with input-grad backward",
              lambda p, m, v, f, i, w: (p - 1) * ((f + i) + (i + w) - 3 * w) / (m * v * (f + i + w)),
              "DeepSeek-V3 report / DualPipe: (PP/2-1)(F&B+B-3W) with PP/2 = p ranks, F&B = F+I unoverlapped",
-             chunks=2, vshape=True, split_backward=True, costs="given", hides_ep_comm=True),
+             chunks=2, vshape=True, split_backward=True, costs="always", hides_ep_comm=True),
 ):
     register(_s)
 
 
+#: Other names a schedule is published under -> its registered name. ``zb-1p``: the zero-bubble paper's
+#: automatic schedule under 1F1B's in-flight bound, which zb-h1's list scheduler plans on F/I/W durations.
+ALIASES: dict[str, str] = {"zb-1p": "zb-h1"}
+
+
+def canonical(name: str) -> str:
+    """The registered name of schedule ``name`` (itself unless it is an alias)."""
+    return ALIASES.get(name, name)
+
+
 def get_schedule(name: str) -> Schedule:
-    """The registered schedule called ``name`` (StrategyError naming the choices otherwise)."""
+    """The registered schedule called ``name`` or aliased so (StrategyError naming the choices otherwise)."""
     try:
-        return _REGISTRY[name]
+        return _REGISTRY[canonical(name)]
     except KeyError:
         raise StrategyError(f"unknown schedule {name!r}; use one of {', '.join(_REGISTRY)}") from None
 

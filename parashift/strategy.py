@@ -7,17 +7,19 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .errors import StrategyError
+from .fp8 import NAMES as FP8_RECIPES, get as _fp8_recipe
 from .schedules import get_schedule as _schedule, schedule_names
+from .states import ZeroStage, zero_stage
 
 if TYPE_CHECKING:  # pragma: no cover
     from .models import ModelSpec
 
-__all__ = ["Strategy", "SCHEDULES", "RECOMPUTE"]
+__all__ = ["Strategy", "SCHEDULES", "RECOMPUTE", "FP8_RECIPES"]
 
 RECOMPUTE = ("none", "selective", "full")
 _INT_FIELDS = ("dp", "tp", "pp", "ep", "zero", "vpp", "mbs", "cp", "shard")
-_BOOL_FIELDS = ("sp", "overlap_grad", "overlap_param", "tp_async", "grad_fusion")
-_KEYS = _INT_FIELDS + _BOOL_FIELDS + ("schedule", "recompute")
+_BOOL_FIELDS = ("sp", "overlap_grad", "overlap_param", "tp_async", "grad_fusion", "fp8_gather")
+_KEYS = _INT_FIELDS + _BOOL_FIELDS + ("schedule", "recompute", "fp8")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -57,6 +59,9 @@ class Strategy:
     ``--gradient-accumulation-fusion``, default on since February 2022); off: a separate pass adds each
     micro-batch's gradient into the buffer (priced by the cost model's ``grad_accum_traffic``). Both off by
     default: the 2021 software the SC21 and vTrain anchors ran.
+    ``fp8``: the FP8 training recipe (:mod:`parashift.fp8`): ``none`` (BF16 GEMMs), ``delayed``, ``current`` or
+    ``mx`` scaling of the transformer's GEMMs; a bare ``fp8`` is ``delayed``. ``fp8_gather``: ZeRO's parameter
+    all-gathers move the FP8 copies (half the bytes of BF16; TransformerEngine's and torchao's FP8 all-gather).
     """
 
     dp: int = 1
@@ -75,6 +80,8 @@ class Strategy:
     overlap_param: bool = False
     tp_async: bool = False
     grad_fusion: bool = False
+    fp8: str = "none"
+    fp8_gather: bool = False
 
     def __post_init__(self) -> None:
         for name in _BOOL_FIELDS:
@@ -91,10 +98,10 @@ class Strategy:
                 object.__setattr__(self, name, int(v))
             if v < 1 and name not in ("zero", "shard"):
                 raise StrategyError(f"{name}={v} must be at least 1")
-        if not 0 <= self.zero <= 3:
-            raise StrategyError(f"zero={self.zero} is not a ZeRO stage; use 0, 1, 2 or 3")
+        z = zero_stage(self.zero)
         self._check_shard()
         sched = _schedule(self.schedule)
+        object.__setattr__(self, "schedule", sched.name)     # an alias (zb-1p) names its registered record
         if self.recompute not in RECOMPUTE:
             raise StrategyError(f"unknown recompute {self.recompute!r}; use one of {', '.join(RECOMPUTE)}")
         if self.dp % self.ep:
@@ -106,11 +113,15 @@ class Strategy:
         if self.tp_async and self.tp == 1:
             raise StrategyError("tp_async overlaps the backward's tensor-parallel reduction with the weight-gradient "
                                 "compute and needs tp > 1; set tp=2 or more, or drop tp_async")
-        if self.overlap_param and self.zero not in (1, 2):
+        if self.overlap_param and not z.gathers_after_step:
             raise StrategyError(f"overlap_param overlaps the distributed optimizer's parameter all-gather and needs "
                                 f"zero=1 or zero=2 (zero={self.zero}: "
-                                + ("ZeRO-3 already gathers each use's parameters" if self.zero == 3
+                                + ("ZeRO-3 already gathers each use's parameters" if z.gathers_around_use
                                    else "nothing is gathered") + "); set zero=1 or drop overlap_param")
+        _fp8_recipe(self.fp8)
+        if self.fp8_gather and (self.fp8 == "none" or self.zero == 0):
+            raise StrategyError(f"fp8_gather all-gathers ZeRO's parameters in FP8 and needs an fp8 recipe and zero>=1 "
+                                f"(fp8={self.fp8}, zero={self.zero}); set fp8 and zero, or drop fp8_gather")
         if self.cp > 1 and self.ep > 1:
             raise StrategyError(f"cp={self.cp} with ep={self.ep} is not supported (experts would span the "
                                 f"dp x cp ranks); use cp=1 for mixture-of-experts strategies")
@@ -128,7 +139,7 @@ class Strategy:
         if n == self.dp:
             object.__setattr__(self, "shard", 0)      # one group of all dp ranks: plain ZeRO
             return
-        if n and self.zero == 0:
+        if n and not self.zero_stage.sharded:
             raise StrategyError(f"shard={n} shards ZeRO state over groups of {n} DP ranks and needs zero>=1; "
                                 f"set zero=1, or drop shard")
         if n and (self.cp > 1 or self.ep > 1):
@@ -147,6 +158,8 @@ class Strategy:
                 continue
             if part in _BOOL_FIELDS:
                 part += "=1"
+            elif part == "fp8":
+                part = "fp8=delayed"
             if "=" not in part:
                 raise StrategyError(f"strategy item {part!r} is not key=value; write e.g. 'dp=4,tp=2'")
             key, val = part.split("=", 1)
@@ -167,6 +180,10 @@ class Strategy:
                 kw[key] = val
         if kw.get("schedule") is None and int(kw.get("vpp", 1)) > 1:  # type: ignore[arg-type]
             kw["schedule"] = "interleaved-1f1b"
+        if "schedule" in kw and "vpp" not in kw:   # a schedule with a fixed chunk count (zb-v, dualpipev) implies it
+            fixed = _schedule(str(kw["schedule"])).chunks
+            if fixed not in (None, 1):
+                kw["vpp"] = fixed
         return cls(**kw)  # type: ignore[arg-type]
 
     def __str__(self) -> str:
@@ -211,6 +228,11 @@ class Strategy:
     def shard_size(self) -> int:
         """DP ranks of one ZeRO shard group (``shard``, or the whole ``dp`` when not hybrid)."""
         return self.shard or self.dp
+
+    @property
+    def zero_stage(self) -> ZeroStage:
+        """The ZeRO stage record: what ``zero`` shards and how it moves parameters and gradients."""
+        return zero_stage(self.zero)
 
     @property
     def zero_ways(self) -> int:
@@ -289,8 +311,9 @@ class Strategy:
         return np.arange(self.world).reshape(self.pp, self.dp, self.cp, self.tp)
 
     def group(self, rank: int, axis: str) -> tuple[int, ...]:
-        """Members of ``rank``'s group along ``axis`` (tp, cp, dp, dpcp, pp, ep, edp, embed, shard or replica),
-        ascending. ``shard``: the DP ranks of its ZeRO shard group; ``replica``: the DP ranks holding the same shard."""
+        """Members of ``rank``'s group along ``axis`` (tp, cp, dp, dpcp, pp, ep, edp, embed, shard, replica or
+        stage), ascending. ``shard``: the DP ranks of its ZeRO shard group; ``replica``: the DP ranks holding the
+        same shard; ``stage``: every rank of its pipeline stage."""
         c = self.coords(rank)
         tp, dp, pp, cp = c["tp"], c["dp"], c["pp"], c["cp"]
         if axis == "tp":
@@ -312,11 +335,13 @@ class Strategy:
             r = self.rank(tp, c["replica"] * S + np.arange(S), pp, cp)
         elif axis == "replica":
             r = self.rank(tp, c["shard"] + self.shard_size * np.arange(self.dp_replicas), pp, cp)
+        elif axis == "stage":  # every rank of this pipeline stage (the FP8 amax reduction's group)
+            r = self.grid()[pp].ravel()
         elif axis == "embed":  # first and last pipeline stage of this (tp, cp, dp): tied embeddings
             r = np.unique([self.rank(tp, dp, 0, cp), self.rank(tp, dp, self.pp - 1, cp)])
         else:
-            raise StrategyError(f"unknown group axis {axis!r}; use tp, cp, dp, dpcp, pp, ep, edp, embed, shard "
-                                f"or replica")
+            raise StrategyError(f"unknown group axis {axis!r}; use tp, cp, dp, dpcp, pp, ep, edp, embed, shard, "
+                                f"replica or stage")
         return tuple(int(x) for x in np.atleast_1d(r))
 
     def groups(self, axis: str) -> np.ndarray:
@@ -343,9 +368,12 @@ class Strategy:
             if axis == "shard":
                 return h.transpose(0, 1, 3, 4, 2).reshape(-1, self.shard_size)
             return h.transpose(0, 2, 3, 4, 1).reshape(-1, self.dp_replicas)
+        if axis == "stage":
+            return g.reshape(pp, -1)
         if axis == "embed":
             return np.unique(g[[0, -1]].transpose(1, 2, 3, 0).reshape(-1, 2), axis=1)
-        raise StrategyError(f"unknown group axis {axis!r}; use tp, cp, dp, dpcp, pp, ep, edp, embed, shard or replica")
+        raise StrategyError(f"unknown group axis {axis!r}; use tp, cp, dp, dpcp, pp, ep, edp, embed, shard, replica "
+                           f"or stage")
 
     # ---- model-dependent checks ------------------------------------------------------------
     def validate(self, model: "ModelSpec", devices: int | None = None) -> "Strategy":

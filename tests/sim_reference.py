@@ -34,6 +34,8 @@ CONFIGS = {
     "interleaved_sp": ("llama2-13b", "a100-64x8", "dp=2,tp=4,pp=4,vpp=2,sp=1", 32, 1024),
     "zb_h1": ("llama2-7b", "a100-64x8", "dp=2,tp=2,pp=4,schedule=zb-h1", 32, 1024),
     "zb_h1_fused": ("gpt3-1.3b", "a100-1x8", "dp=2,pp=4,schedule=zb-h1", 32, 512),
+    "zb_2p": ("llama2-7b", "a100-64x8", "dp=2,tp=2,pp=4,zero=1,schedule=zb-2p", 32, 1024),
+    "zb_v_moe": ("qwen1.5-moe-a2.7b", "a100-64x8", "dp=4,tp=2,pp=2,ep=2,vpp=2,schedule=zb-v", 32, 1024),
     "dualpipev_moe": ("tiny-moe", "a100-64x8", "dp=4,pp=2,ep=2,vpp=2,schedule=dualpipev", 32, 128),
     "dualpipev_sp_cp": ("llama2-7b", "a100-64x8", "dp=2,tp=2,pp=4,cp=2,sp=1,vpp=2,schedule=dualpipev", 32, 1024),
     "cp_ring": ("llama2-7b", "a100-64x8", "dp=2,tp=2,pp=2,cp=2", 16, 2048),

@@ -1,5 +1,5 @@
 """`parashift demo` end to end: run once into a temporary folder, then check the summary, the files
-it links and that every figure is sane. Steps 3-5 run live on gloo processes."""
+it links and that every figure is sane. Steps 3-6 run live on gloo processes."""
 from __future__ import annotations
 
 import json
@@ -13,6 +13,7 @@ from parashift.cli import main as cli_main
 from parashift.cluster import get as get_cluster
 from parashift.cost import CostModel
 from parashift.demo import STEPS, run_demo
+from parashift.explore import compared_schedules
 
 
 @pytest.fixture(scope="module")
@@ -29,15 +30,15 @@ def _fig(result, step: int, name: str) -> float:
 
 def test_every_step_ran_and_none_failed(demo):
     result, seen = demo
-    assert [s.number for s in result.steps] == [1, 2, 3, 4, 5]
+    assert [s.number for s in result.steps] == [1, 2, 3, 4, 5, 6]
     for s in result.steps:
         assert s.status == "ok" or s.status.startswith("not available: "), f"step {s.number}: {s.status}"
     assert result.steps[0].ok and result.steps[1].ok        # pure planning: always available
     assert result.ok
-    # progress: "[i/6] ..." for every step, then the summary
-    for i in range(1, 6):
-        assert any(line.startswith(f"[{i}/6] ") for line in seen)
-    assert seen[-1].startswith("[6/6] Summary")
+    # progress: "[i/7] ..." for every step, then the summary
+    for i in range(1, 7):
+        assert any(line.startswith(f"[{i}/7] ") for line in seen)
+    assert seen[-1].startswith("[7/7] Summary")
 
 
 def test_summary_links_existing_files_and_states_units(demo):
@@ -65,7 +66,7 @@ def test_summary_links_existing_files_and_states_units(demo):
 def test_explore_figures_are_sane(demo):
     result, _ = demo
     table = result.steps[0].data["table"]
-    assert list(table["schedule"]) == ["1f1b", "interleaved-1f1b", "zb-h1", "dualpipev"]
+    assert list(table["schedule"]) == list(compared_schedules())
     assert table["fits"].all()
     assert (table["step_time_s"] > 1).all() and (table["step_time_s"] < 120).all()
     assert ((table["bubble_fraction"] > 0) & (table["bubble_fraction"] < 0.6)).all()
@@ -135,6 +136,27 @@ def test_live_steps_when_available(demo):
         assert (result.out / "replay_events.csv").is_file()
 
 
+def test_real_data_step_when_available(demo):
+    result, _ = demo
+    real = result.steps[5]
+    if not real.ok:
+        return
+    r = real.data["real"]
+    assert len(r["losses"]) == len(r["static_losses"]) == 12 and r["best"] != r["other"]
+    assert r["live"]["samples"] == r["static"]["samples"]          # the same global batches, switch or not
+    assert len(r["live"]["switches"]) == 1 and r["static"]["export_hf"]
+    assert _fig(result, 6, "largest loss difference, switched vs static") < 1e-5
+    assert _fig(result, 6, "last loss (switched run)") < _fig(result, 6, "first loss")
+    assert _fig(result, 6, "exported safetensors shards") >= 1
+    assert (result.out / "real_data_loss.png").stat().st_size > 1000
+    cfg = json.loads((result.out / "real" / "hf-export" / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["vocab_size"] == 512
+    assert "--tensor-model-parallel-size" in (result.out / "real" / "megatron_args.sh").read_text()
+    assert "[parallelism]" in (result.out / "real" / "torchtitan.toml").read_text()
+    commands = (result.out / "real" / "commands.sh").read_text().splitlines()
+    assert [c.split()[1] for c in commands] == ["data", "search", "run", "run", "export", "export"]
+
+
 def test_frame_and_json(demo):
     result, _ = demo
     df = result.frame()
@@ -154,11 +176,11 @@ def test_cli_demo_json_and_table(tmp_path, capsys):
     assert cli_main(["demo", "--out", str(tmp_path / "b"), "--only", "switch"]) == 0
     cap = capsys.readouterr()
     assert "simulated switch time" in cap.out and "summary.md" in cap.out
-    assert "[2/6] Switch: planning" in cap.err
+    assert "[2/7] Switch: planning" in cap.err
 
 
 def test_cli_demo_rejects_unknown_step(tmp_path, capsys):
     assert cli_main(["demo", "--out", str(tmp_path), "--only", "explore,fly"]) == 1
     err = capsys.readouterr().err
     assert "unknown demo step(s) fly" in err and "explore" in err
-    assert set(STEPS) == {"explore", "switch", "deploy", "hot-switch", "replay"}
+    assert set(STEPS) == {"explore", "switch", "deploy", "hot-switch", "replay", "real-data"}

@@ -55,7 +55,7 @@ def test_figure_text_units():
 
 def test_cli_exits_nonzero_when_a_step_fails(tmp_path, monkeypatch, capsys):
     steps = [("Explore: fake", _ok), ("Switch: fake", _broken), ("Tune and deploy: fake", _missing),
-             ("Hot switch: fake", _ok), ("Replay: fake", _missing_name)]
+             ("Hot switch: fake", _ok), ("Replay: fake", _missing_name), ("Real data: fake", _ok)]
     monkeypatch.setattr(demo, "_steps", lambda: steps)
     assert cli_main(["demo", "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err

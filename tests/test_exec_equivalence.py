@@ -63,6 +63,9 @@ CI = [
     ("tiny-gpt", "tp=2,pp=2,tp_async,grad_fusion,recompute=full"),   # wgrads run while the all-reduce flies
     ("tiny-gpt", "tp=2,sp,tp_async"),                                # ... while the reduce-scatter flies
     ("tiny-gpt", "dp=2,tp=2,sp,zero=2"),     # ZeRO-2's and sp's reduce-scatters in flight together (gloo: wait-only)
+    ("tiny-gpt", "dp=2,pp=2,zero=1,schedule=zb-2p"),   # twice 1F1B's forwards in flight, W's deferred
+    ("tiny-gpt", "pp=2,vpp=2,schedule=zb-v"),           # V placement, split backward, no & steps
+    ("tiny-moe", "dp=2,ep=2,pp=2,vpp=2,schedule=zb-v"),
 ]
 
 
@@ -73,7 +76,7 @@ def test_matches_single_process(model: str, strategy: str) -> None:
 
 def _full_matrix() -> list[tuple[str, str]]:
     out = []
-    scheds = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zb-h1": 1, "dualpipev": 2}
+    scheds = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "zb-h1": 1, "zb-2p": 1, "zb-v": 2, "dualpipev": 2}
     for model, (dp, tp, pp), zero, (sched, vpp) in itertools.product(
             ("tiny-gpt", "tiny-moe"), [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (4, 1, 2), (2, 1, 4)],
             (0, 1, 2, 3), scheds.items()):

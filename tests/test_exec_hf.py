@@ -116,9 +116,10 @@ def test_parallel_runs_train_like_one_process(kind, strategy, tmp_path_factory):
         assert float((res.params[name] - ref).abs().max()) <= 0.05 * OPT.lr, (strategy, name)
 
 
-@pytest.mark.parametrize("kind,strategy", [("qwen3", "tp=2,sp,pp=2")])
+@pytest.mark.parametrize("kind,strategy", [("qwen3", "tp=2,sp,pp=2"), ("llama", "tp=2,pp=2"), ("llama", "dp=2,zero=3")])
 def test_runtime_from_hf_weights_matches_transformers(kind, strategy, tmp_path):
-    """Started from the saved safetensors, the runtime's first loss is transformers' loss on the same tokens."""
+    """Started from the saved safetensors (each rank reading its own boxes), the runtime's first loss is
+    transformers' loss on the same tokens."""
     from parashift.exec import compile_program, run_program
     from parashift.exec.reference import make_batch
     torch.set_num_threads(1)

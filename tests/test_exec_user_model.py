@@ -12,6 +12,7 @@ from parashift.errors import StrategyError
 from parashift.exec import OptimConfig
 from parashift.exec.user_model import compile_user_model, run_user_model
 from parashift.ir.annotate import annotate
+from parashift.train import decays
 
 VOCAB, D, SEQ, LAYERS, GB, STEPS = 16, 16, 6, 4, 8, 4
 
@@ -78,12 +79,20 @@ EXAMPLE = torch.zeros(1, SEQ, dtype=torch.int64)
 OPT = OptimConfig()
 
 
+def adamw(model: torch.nn.Module) -> torch.optim.AdamW:
+    """torch.optim.AdamW with weight decay on matrices only (the runtime's rule, parashift.train.decays)."""
+    named = list(model.named_parameters())
+    groups = [{"params": [p for n, p in named if decays(n, p.shape) == d], "weight_decay": OPT.weight_decay * d}
+              for d in (True, False)]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=OPT.lr, betas=(OPT.beta1, OPT.beta2),
+                             eps=OPT.eps, foreach=False)
+
+
 def reference(factory, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Plain single-process training: the model on the whole global batch, torch.optim.AdamW."""
     torch.manual_seed(0)
     model = factory()
-    opt = torch.optim.AdamW(model.parameters(), lr=OPT.lr, betas=(OPT.beta1, OPT.beta2), eps=OPT.eps,
-                            weight_decay=OPT.weight_decay, foreach=False)
+    opt = adamw(model)
     losses = []
     for step in range(steps):
         x, y = batches(step)
@@ -200,8 +209,7 @@ def check_mlp_losses(module, losses: list[float]) -> None:
     """``losses`` equal a single-process AdamW run of ``module.make()`` on ``module.data`` (MSE)."""
     torch.manual_seed(0)
     model = module.make()
-    opt = torch.optim.AdamW(model.parameters(), lr=OPT.lr, betas=(OPT.beta1, OPT.beta2), eps=OPT.eps,
-                            weight_decay=OPT.weight_decay, foreach=False)
+    opt = adamw(model)
     for step, got in enumerate(losses):
         x, y = module.data(step)
         opt.zero_grad()

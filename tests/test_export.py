@@ -1,4 +1,5 @@
 """`parashift export`: Megatron-LM arguments and torchtitan TOML, checked against the frameworks' documented options."""
+import dataclasses
 import json
 import shlex
 import tomllib
@@ -31,8 +32,10 @@ MEGATRON_OPTIONS = {
     "--normalization", "--position-embedding-type", "--disable-bias-linear", "--add-qkv-bias", "--qk-layernorm",
     "--untie-embeddings-and-output-weights", "--attention-dropout", "--hidden-dropout", "--attention-backend",
     "--num-experts", "--moe-router-topk", "--moe-ffn-hidden-size", "--moe-router-pre-softmax",
+    "--moe-router-score-function",    # TransformerConfig.moe_router_score_function: softmax or sigmoid
     "--moe-router-load-balancing-type", "--moe-shared-expert-intermediate-size", "--moe-shared-expert-gate",
-    "--bf16", "--fp16", "--fp8-format", "--fp8-recipe", "--lr", "--min-lr", "--lr-decay-style", "--lr-warmup-iters",
+    "--bf16", "--fp16", "--fp8-format", "--fp8-recipe", "--fp8-amax-history-len", "--fp8-amax-compute-algo",
+    "--fp8-param-gather", "--lr", "--min-lr", "--lr-decay-style", "--lr-warmup-iters",
     "--lr-warmup-init", "--lr-decay-iters", "--train-iters", "--clip-grad", "--weight-decay",
 }
 # Fields of pytorch/torchtitan v0.2.2 (73a0e6979dd10b6b1904098eb3c8f62c18ab87ce, 2026-02-20)
@@ -52,6 +55,7 @@ TORCHTITAN_OPTIONS = {
     "parallelism.context_parallel_degree", "parallelism.expert_parallel_degree",
     "parallelism.expert_tensor_parallel_degree", "activation_checkpoint.mode",
     "activation_checkpoint.selective_ac_option", "quantize.linear.float8.recipe_name",
+    "quantize.linear.float8.enable_fsdp_float8_all_gather",
 }
 # torch.distributed.pipelining.schedules.get_schedule_class names (torch 2.13)
 TORCH_SCHEDULES = {"1F1B", "Interleaved1F1B", "GPipe", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"}
@@ -62,12 +66,16 @@ CASES = [("llama2-7b", "dp=4,tp=2,pp=2,vpp=2,zero=1,sp,recompute=selective", 64,
          ("tiny-gpt", "dp=2,tp=1,pp=3,schedule=gpipe,cp=2", 12, 64),
          ("tiny-gpt", "dp=2,tp=2,pp=2,schedule=zb-h1", 8, 32),
          ("tiny-gpt", "dp=1,tp=1,pp=2,vpp=2,schedule=dualpipev", 8, 32),
-         ("tiny-gpt", "dp=4,zero=1,shard=2,overlap_param", 8, 32)]
+         ("tiny-gpt", "dp=4,zero=1,shard=2,overlap_param", 8, 32),
+         ("tiny-gpt", "dp=4,zero=3,fp8,fp8_gather", 8, 32)]
 TRAIN = Training(LRSchedule(3e-4, 10, "cosine", 3e-5), steps=100, clip_grad=1.0, weight_decay=0.1, fp8="e4m3")
 
 
 def _job(model, strategy, gb, seq, training=TRAIN):
-    return Job(models.get(model), Strategy.parse(strategy), gb, seq, training)
+    s = Strategy.parse(strategy)
+    if s.fp8 != "none":          # the strategy's recipe replaces --fp8
+        training = dataclasses.replace(training, fp8=None)
+    return Job(models.get(model), s, gb, seq, training)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[1] for c in CASES])
@@ -202,3 +210,14 @@ def test_cli_errors_are_one_line(capsys):
     assert "needs --steps" in capsys.readouterr().err
     with pytest.raises(InputError, match="not one of"):
         export(_job("tiny-gpt", "dp=1", 2, 8, Training()), "deepspeed")
+
+
+def test_moe_routing_follows_the_model():
+    """Renormalised top-k routing (Mixtral, Qwen3-MoE) is Megatron's default order (top-k, then softmax);
+    softmax over every expert before top-k is --moe-router-pre-softmax; DeepSeek-V3 scores by sigmoid."""
+    def args(model):
+        job = Job(models.get(model), Strategy.parse("dp=8,ep=8"), 64, 4096)
+        return export(job, "megatron").text
+    assert "--moe-router-pre-softmax" not in args("mixtral-8x7b")
+    assert "--moe-router-pre-softmax" in args("moe:layers=2,hidden=256,heads=4,experts=8,top_k=2,expert_ffn=512,vocab=512")
+    assert "--moe-router-score-function sigmoid" in args("deepseek-v3")

@@ -123,7 +123,7 @@ def test_importing_ir_does_not_import_torch():
 def test_traced_model_compiles_for_dp_pp_zero(strategy):
     from parashift.ir import Program, compile
     from parashift.ir.annotate import trace
-    from parashift.ir.plot import stage_orders
+    from parashift.ir.actions import stage_orders
     g = trace(TinyGPT(layers=4), torch.zeros(1, 16, dtype=torch.long))
     prog = compile(g, strategy, global_batch=8).validate()
     assert Program.from_json(prog.to_json()) == prog

@@ -15,6 +15,7 @@ from parashift.errors import StrategyError, UnknownPresetError
 from parashift.ir import Program, compile
 from parashift.ir.memory import region_state_bytes, static_memory
 from parashift.ir.model_graph import model_graph
+from parashift.ir.schedules import get_schedule, schedule_names
 from parashift.sim import simulate
 
 SEQ = 16
@@ -286,8 +287,8 @@ def strategies(draw):
     pp = draw(st.sampled_from([1, 2, 4]))
     dp = draw(st.sampled_from([1, 2, 4]))
     ep = draw(st.sampled_from([d for d in (1, 2, 4) if dp % d == 0 and (spec.is_moe or d == 1)]))
-    sched = draw(st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dualpipev"]))
-    vpp = 2 if sched in ("interleaved-1f1b", "dualpipev") else 1
+    sched = draw(st.sampled_from(schedule_names()))
+    vpp = get_schedule(sched).vpp_choices((2,))[0]
     if pp * vpp > spec.layers:
         vpp, sched = 1, "1f1b"
     s = Strategy(dp=dp, tp=tp, pp=pp, ep=ep, zero=draw(st.integers(0, 3)), vpp=vpp, schedule=sched,

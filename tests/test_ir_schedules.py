@@ -7,7 +7,7 @@ from parashift import Strategy, models
 from parashift.errors import ProgramError, StrategyError
 from parashift.ir import Action, Order, compile, format_order, parse_order, schedule_steps
 from parashift.ir import schedules as S
-from parashift.ir.plot import stage_orders
+from parashift.ir.actions import stage_orders
 
 #: 8 layers so pp * vpp = 8 fits; fp32 like the tiny presets.
 GPT8 = models.gpt(8, 64, 4, kv_heads=2, ffn=128, vocab=256, seq_len=16, name="gpt8", dtype="fp32", pad_vocab=8)
@@ -76,6 +76,18 @@ GOLDEN = {
         "2F0 2F1 2I0 2F2 2I1 2F3 2I2 2F4 2I3 2W0 2F5 2I4 2W1 2F6 2I5 2W2 2F7 2I6 2W3 2W4 2I7 2W5 2W6 2W7",
         "3F0 3I0 3F1 3I1 3F2 3I2 3F3 3I3 3W0 3F4 3I4 3W1 3F5 3I5 3W2 3F6 3I6 3W3 3F7 3I7 3W4 3W5 3W6 3W7",
     ],
+    # ZB-2p: ZB-H2's bound, 2(pp-s)-1 forwards in flight; the deferred W's fill the end
+    ("zb-2p", 4, 1, 8): [
+        "0F0 0F1 0F2 0F3 0F4 0F5 0F6 0I0 0F7 0I1 0W0 0I2 0W1 0I3 0W2 0I4 0W3 0I5 0W4 0I6 0W5 0I7 0W6 0W7",
+        "1F0 1F1 1F2 1F3 1F4 1I0 1F5 1I1 1F6 1I2 1F7 1I3 1W0 1I4 1W1 1I5 1W2 1I6 1W3 1I7 1W4 1W5 1W6 1W7",
+        "2F0 2F1 2F2 2I0 2F3 2I1 2F4 2I2 2F5 2I3 2F6 2I4 2F7 2I5 2W0 2I6 2W1 2I7 2W2 2W3 2W4 2W5 2W6 2W7",
+        "3F0 3I0 3F1 3I1 3F2 3I2 3F3 3I3 3F4 3I4 3F5 3I5 3F6 3I6 3F7 3I7 3W0 3W1 3W2 3W3 3W4 3W5 3W6 3W7",
+    ],
+    # ZB-V: stage s holds chunks s and 2pp-1-s; no & steps (that is DualPipeV)
+    ("zb-v", 2, 2, 4): [
+        "0F0 0F1 0F2 3F0 3I0 3F1 3I1 0I0 0F3 0I1 3W0 3F2 3I2 3F3 3I3 0W0 0I2 3W1 0W1 3W2 0I3 0W2 3W3 0W3",
+        "1F0 2F0 1F1 2F1 2I0 1I0 2I1 1I1 1F2 2F2 1F3 2F3 2I2 2W0 1I2 1W0 2I3 2W1 1I3 1W1 2W2 1W2 2W3 1W3",
+    ],
     ("dualpipev", 2, 2, 4): [
         "0F0 0F1 0F2 3F0 3I0 3F1 3I1 0I0 3W0 0F3 0W0 3W1 3F2&0I1 3I2 3F3 3I3 0W1 0I2 3W2 0W2 3W3 0I3 0W3",
         "1F0 2F0 1F1 2F1 2I0 1I0 1F2&2I1 2W0 2F2&1I1 1W0 1F3 2F3 2I2 2W1 1I2 1W1 2I3 2W2 1I3 1W2 2W3 1W3",
@@ -93,7 +105,7 @@ def test_schedule_text_goldens(key):
 
 
 @pytest.mark.parametrize("name,vpp", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("zb-h1", 1),
-                                      ("dualpipev", 2)])
+                                      ("zb-2p", 1), ("zb-v", 2), ("dualpipev", 2)])
 @pytest.mark.parametrize("pp", [1, 2, 4])
 def test_every_schedule_is_complete_and_causal(name, pp, vpp):
     m = 2 * pp
@@ -107,7 +119,7 @@ def test_every_schedule_is_complete_and_causal(name, pp, vpp):
                 assert s.chunk_rank_stage(a.chunk) == st
                 assert a not in seen
                 seen[a] = (st, k)
-    split = name in ("zb-h1", "dualpipev")
+    split = S.get_schedule(name).split_backward
     types = "FIW" if split else "FB"
     assert len(seen) == chunks * m * len(types)
     for a, (st, k) in seen.items():
@@ -117,24 +129,24 @@ def test_every_schedule_is_complete_and_causal(name, pp, vpp):
             assert seen[Action(a.chunk, "I", a.mb)][1] < k
 
 
-@pytest.mark.parametrize("name", ["interleaved-1f1b", "zb-h1", "dualpipev"])
+@pytest.mark.parametrize("name", [n for n in S.schedule_names() if n not in ("gpipe", "1f1b")])
 @pytest.mark.parametrize("pp", [2, 4])
 @pytest.mark.parametrize("mult", [1, 2])
 @pytest.mark.parametrize("model", [GPT8, MOE8], ids=["gpt", "moe"])
 def test_advanced_schedules_validate(name, pp, mult, model):
-    vpp = 1 if name == "zb-h1" else 2
+    vpp = S.get_schedule(name).vpp_choices((2,))[0]
     ep = 2 if model.is_moe else 1
     strat = Strategy(dp=2, pp=pp, vpp=vpp, ep=ep, schedule=name)
     prog = compile(model, strat, global_batch=2 * pp * mult, seq_len=16).validate()
     assert prog.meta["microbatches"] == pp * mult
     phases = {i.phase for p in prog.ranks.values() for i in p.instrs() if i.op == "compute"}
-    if name in ("zb-h1", "dualpipev"):
+    if S.get_schedule(name).split_backward:
         assert {"bwd_input", "bwd_weight"} <= phases and "bwd" not in phases
-    if name == "dualpipev":
+    if S.get_schedule(name).vshape:
         # V shape: stage 0 holds the first and the last chunk (embedding and head)
         regions = {i.region for i in prog.ranks[0].instrs() if i.op == "compute" and i.region}
         assert any(r.startswith("embed") for r in regions) and any("head" in r for r in regions)
-        if ep > 1:  # EP all-to-alls overlap on the comm stream
+        if ep > 1 and name == "dualpipev":  # EP all-to-alls overlap on the comm stream
             assert all(i.stream == "comm" for p in prog.ranks.values() for i in p.instrs() if i.op == "all_to_all")
 
 

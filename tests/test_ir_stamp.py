@@ -14,6 +14,7 @@ from parashift.ir import Graph, Split, compile, compile_graph, model_graph
 from parashift.ir import stamp as S
 from parashift.ir.recipe import base_graph as _base
 from parashift.ir.compile import directives as recipe
+from parashift.ir.schedules import get_schedule, schedule_names
 
 D = importlib.import_module("parashift.ir.directives")
 SEQ = 16
@@ -58,8 +59,8 @@ def cases(draw):
     tp = draw(st.sampled_from([1, 2]))
     cp = 1 if spec.is_moe else draw(st.sampled_from([1, 2]))
     ep = draw(st.sampled_from([d for d in (1, 2, 4) if dp % d == 0 and (spec.is_moe or d == 1)]))
-    sched = draw(st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "dualpipev"]))
-    vpp = 2 if sched in ("interleaved-1f1b", "dualpipev") else 1
+    sched = draw(st.sampled_from(schedule_names()))
+    vpp = get_schedule(sched).vpp_choices((2,))[0]
     if pp * vpp > spec.layers:
         vpp, sched = 1, "1f1b"
     zero = draw(st.integers(0, 3))

@@ -25,6 +25,7 @@ step_tags = st.one_of(
     st.builds(T.Z3Tag, st.booleans(), ints, st.sampled_from(T.Z3_PHASES), ints),
     st.builds(lambda c, p, m, r: T.Z3Tag(False, c, p, m, r), ints, st.sampled_from(T.Z3_PHASES), ints, names),
     st.just(T.EmbedTag()),
+    st.builds(T.Fp8Tag, st.integers(0, 99)),
     st.builds(T.SPTag, names, st.sampled_from(T.TP_PHASES), st.sampled_from(T.SP_HOPS), ints),
     st.builds(T.CPTag, names, st.sampled_from(T.TP_PHASES), st.sampled_from(T.CP_PARTS), ints))
 members = st.lists(ints, min_size=1, max_size=5).map(tuple)

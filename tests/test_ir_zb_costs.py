@@ -11,8 +11,10 @@ from parashift import Strategy, models
 from parashift.errors import StrategyError
 from parashift.ir import Action, compile
 from parashift.ir import schedules as S
-from parashift.ir.costs import estimate_costs
-from parashift.ir.plot import stage_orders
+from parashift.cluster import get
+from parashift.ir.actions import stage_orders
+from parashift.ir.costs import COMPUTE_EFFICIENCY, estimate_costs
+from parashift.ir.model_graph import core_attention_flops
 
 
 def _step(model: str, strategy: str, cluster: str, global_batch: int, seq_len: int | None) -> float:
@@ -98,9 +100,11 @@ def test_estimate_reflects_tp_communication():
     spec = models.get("llama2-70b")
     c1 = estimate_costs(spec, Strategy.parse("dp=4,pp=4"), 4096, "a800-16x8")
     c8 = estimate_costs(spec, Strategy.parse("dp=4,tp=8,pp=4"), 4096, "a800-16x8")
-    # no TP: F, I and W of a body chunk take the same time; with TP the all-reduces lengthen F and I only
-    assert c1.f[1] == pytest.approx(c1.i[1]) == pytest.approx(c1.w[1])
-    assert c8.i[1] > 1.2 * c8.w[1] and c8.f[1] == pytest.approx(c8.i[1])
+    # no TP: W runs the GEMMs once more, F adds the core attention (QK^T, AV) and I twice that (its backward)
+    core = core_attention_flops(spec, 4096, 4096) * 20 / (get("a800-16x8").gpu.peak_flops * COMPUTE_EFFICIENCY)
+    assert c1.f[1] - c1.w[1] == pytest.approx(core) and c1.i[1] - c1.w[1] == pytest.approx(2 * core)
+    # with TP the all-reduces lengthen F and I only
+    assert c8.i[1] > 1.2 * c8.w[1] and c8.i[1] - c8.f[1] == pytest.approx(core / 8)
     assert c8.f[-1] > c8.f[0]  # the head sits on the last chunk
     full = estimate_costs(spec, Strategy.parse("dp=4,tp=8,pp=4,recompute=full"), 4096, "a800-16x8")
     assert full.i[1] > 1.8 * c8.w[1] and full.w == c8.w

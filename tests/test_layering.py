@@ -1,7 +1,7 @@
 """The import graph keeps the layering DESIGN.md describes (every import, function-level ones too).
 
 Planning code (``models``, ``strategy``, ``cluster``, ``vps``, ``ir``, ``cost``, ``sim`` and the
-bottom modules ``units``, ``states``, ``collectives``, ``gpus``) never
+bottom modules ``units``, ``states``, ``collectives``, ``gpus``, ``plots``) never
 imports torch.distributed, the runtime (``exec``), ``search``, ``replay`` or ``cli``; ``vps`` and
 ``ir`` never import the simulator; ``cost`` imports neither ``vps``, ``ir`` nor ``sim``; the bottom
 modules import nothing of parashift but its errors; ``exec`` never imports ``cli``, ``search`` or
@@ -23,13 +23,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "parashift"
 
 PLANNING = ("models", "strategy", "cluster", "vps", "ir", "cost", "sim", "units", "states", "collectives",
-            "schedules", "gpus")
+            "schedules", "gpus", "plots")
 RULES = [(p, ("torch.distributed", "parashift.exec", "parashift.search", "parashift.replay", "parashift.cli"))
          for p in PLANNING]
 RULES += [("vps", ("parashift.sim",)), ("ir", ("parashift.sim",)),
           ("cost", ("parashift.vps", "parashift.ir.graph", "parashift.ir.compile", "parashift.sim")),
           *[(b, ("parashift.models", "parashift.strategy", "parashift.cluster", "parashift.vps", "parashift.ir",
-                 "parashift.cost", "parashift.sim")) for b in ("units", "states", "collectives", "schedules", "gpus")],
+                 "parashift.cost", "parashift.sim"))
+            for b in ("units", "states", "collectives", "schedules", "gpus", "plots")],
           ("exec", ("parashift.cli", "parashift.search", "parashift.replay")),
           *[(p, ("torch", "parashift.exec", "parashift.search", "parashift.replay", "parashift.cli"))
             for p in ("data", "train", "export")]]

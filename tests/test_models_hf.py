@@ -1,6 +1,7 @@
 """Hugging Face configs -> ModelSpec: published parameter counts, MLA / shared experts in the cost
 model, one-line errors for what a spec cannot hold, and `parashift simulate --model hf:...`."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -113,3 +114,13 @@ def test_simulate_hf_config_from_the_cli(tmp_path, capsys):
     assert main(["simulate", "--model", f"hf:{tmp_path}/none", "--cluster", "h100-1x8", "--strategy", "dp=8", "--global-batch", "8",
                  "--seq-len", "4096"]) != 0
     assert "no config.json there" in capsys.readouterr().err
+
+
+def test_shipped_example_configs_equal_the_fixtures():
+    """examples/hf/<name>/config.json (what the README simulates) holds the fixture's fields exactly."""
+    root = Path(__file__).resolve().parents[1] / "examples" / "hf"
+    shipped = sorted(p.parent.name for p in root.glob("*/config.json") if p.parent.name in CONFIGS)
+    assert len(shipped) >= 7
+    for name in shipped:
+        assert json.loads((root / name / "config.json").read_text()) == json.loads(json.dumps(CONFIGS[name])), name
+        assert models.get(f"hf:{root / name}").layers == CONFIGS[name]["num_hidden_layers"]

@@ -51,7 +51,8 @@ def _client(nb, **kw):
 
 def test_the_four_notebooks_are_there():
     assert NAMES == ["01_explore_strategies.ipynb", "02_switch_plans.ipynb", "03_autotune_and_deploy.ipynb",
-                     "04_replay_preemption.ipynb", "05_program_a_schedule.ipynb", "06_rl_phases.ipynb"]
+                     "04_replay_preemption.ipynb", "05_program_a_schedule.ipynb", "06_rl_phases.ipynb",
+                     "07_deploy_real_data.ipynb"]
 
 
 @pytest.mark.parametrize("name", NAMES)

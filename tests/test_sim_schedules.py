@@ -77,7 +77,9 @@ def test_dualpipev_overlaps_ep_all_to_all_with_compute():
     dv = _run(moe, "dp=2,pp=2,ep=2,vpp=2,schedule=dualpipev", 16, cost=cost)
     assert set(dv.timeline.loc[dv.timeline["op"] == "all_to_all", "stream"]) == {"comm"}
     overall, best = _a2a_overlap(dv)
-    assert overall > 0.15 and best > 0.3
+    # planned with estimated F/I/W durations, an F and an I are ready together less often than on unit
+    # costs (0.33 overall, 0.44 on the best device), for the same step time
+    assert overall > 0.2 and best > 0.2
     # under 1f1b the all-to-alls sit on the compute stream: nothing hides them
     ob = _run(moe, "dp=2,pp=2,ep=2", 16, cost=cost)
     assert _a2a_overlap(ob)[0] == 0.0
@@ -146,7 +148,7 @@ def test_compiled_1f1b_matches_the_closed_form(pp, m):
     communication is free): step == (m + pp - 1)(tf + tb), bubble (pp - 1)/(m + pp - 1)."""
     eff = dict(fwd=1.0, bwd=1.0, bwd_input=1.0, bwd_weight=1.0, recompute=1.0, optim=1e30)
     cost = unit_cost(**FREE, efficiency=eff, region_efficiency=dict(embed=1.0, attn=1.0, mlp=1.0, moe=1.0,
-                                                                    head=1e30, layer=1.0))
+                                                                    head=1e30, layer=1.0), compute_model="flops")
     s = Strategy.parse(f"tp=2,pp={pp}")
     prog = ir_compile(DEEP, s, global_batch=m, seq_len=32)
     res = simulate(prog, "a100-1x8", cost)

@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from parashift import Strategy, models, vps
 from parashift.errors import PlanError, StrategyError, UnknownPresetError
+from parashift.ir.schedules import get_schedule, schedule_names
 
 ZERO_STAGE = {"param": 3, "grad": 2, "master": 1, "exp_avg": 1, "exp_avg_sq": 1}
 
@@ -23,7 +24,7 @@ def _stage_of_tensors(model, s: Strategy) -> list[set[int]]:
     chunk_of_layer = [c for c in range(stages) for _ in range(base + (1 if c < extra else 0))]
 
     def stage(c: int) -> int:
-        if s.schedule == "dualpipev":
+        if get_schedule(s.schedule).vshape:
             lap, pos = divmod(c, s.pp)
             return pos if lap % 2 == 0 else s.pp - 1 - pos
         return c % s.pp
@@ -124,7 +125,7 @@ def strategies_for(draw, model, max_world: int = 16):
     tp = draw(st.sampled_from([t for t in (1, 2, 4) if model.kv_heads % t == 0]))
     vpp = draw(st.sampled_from([1, 2] if model.layers >= 2 else [1]))
     pp = draw(st.integers(1, max(1, model.layers // vpp)))
-    schedule = "1f1b" if vpp == 1 else draw(st.sampled_from(["interleaved-1f1b", "dualpipev"]))
+    schedule = "1f1b" if vpp == 1 else draw(st.sampled_from([n for n in schedule_names() if get_schedule(n).vpp_choices((2,)) == (2,)]))
     dp = draw(st.integers(1, max(1, min(4, max_world // (tp * pp)))))
     eps = [e for e in (1, 2, 4) if dp % e == 0 and (model.experts % e == 0 if model.experts else e == 1)]
     ep = draw(st.sampled_from(eps))

@@ -1,4 +1,4 @@
-"""`parashift demo`: the whole tour (explore, switch, tune and deploy, hot switch, replay) into one folder."""
+"""`parashift demo`: the whole tour (explore, switch, tune and deploy, hot switch, replay, real data) into one folder."""
 from __future__ import annotations
 
 import argparse
@@ -10,8 +10,8 @@ OUTPUTS = {"out": "dir"}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="demo-out", help="output folder (default demo-out)")
-    p.add_argument("--only", help="comma-separated steps to run: explore, switch, deploy, hot-switch, replay "
-                                  "(default: all)")
+    p.add_argument("--only", help="comma-separated steps to run: explore, switch, deploy, hot-switch, replay, "
+                                  "real-data (default: all)")
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -75,9 +75,10 @@ def add_space_options(p: argparse.ArgumentParser) -> None:
 
 def space_options(args: argparse.Namespace) -> dict:
     """make_space axes from the flags of :func:`add_space_options`."""
+    from ..states import ZERO_LEVELS
     from ..strategy import RECOMPUTE, SCHEDULES
     from ..validate import arg_choices_list
-    allowed = {"schedules": SCHEDULES, "zero": (0, 1, 2, 3), "recompute": RECOMPUTE, "mbs": None}
+    allowed = {"schedules": SCHEDULES, "zero": ZERO_LEVELS, "recompute": RECOMPUTE, "mbs": None}
     out: dict = {}
     for flag, key, conv, _ in _SPACE:
         text = getattr(args, key)

@@ -61,10 +61,10 @@ def add_host_arguments(p: argparse.ArgumentParser, first: bool = True) -> None:
         p.add_argument("--snapshot-dir", default="parashift-snapshots", metavar="DIR",
                        help="where snapshots go: a directory every host reaches at the same path (a shared "
                             "filesystem; default ./parashift-snapshots)")
-        p.add_argument("--resume", action="store_true",
-                       help="multi-host live job: start from the newest whole snapshot in --snapshot-dir (a job "
-                            "restarted after its first host was lost), resharded into --strategy; training goes "
-                            "on from that step to --steps")
+        p.add_argument("--resume", nargs="?", const=True, default=False, metavar="DIR",
+                       help="start from the newest whole checkpoint, resharded into --strategy; training goes on "
+                            "from that step to --steps. A local run: --resume DIR (a --save DIR); a multi-host live "
+                            "job: the snapshots in DIR or --snapshot-dir (a job restarted after its first host was lost)")
 
 
 def run_cli(args: argparse.Namespace) -> dict:
@@ -72,7 +72,6 @@ def run_cli(args: argparse.Namespace) -> dict:
     from .. import models
     from ..exec.job.endpoint import read_secret
     from ..exec.job.first_host import run_first_host
-    from ..exec.reference import OptimConfig
     from ..exec.switch import step_times
     from ..strategy import Strategy
     from ..units import parse_bytes
@@ -92,10 +91,11 @@ def run_cli(args: argparse.Namespace) -> dict:
     res, placed = run_first_host(args.model, s0, steps=args.steps, endpoint=args.endpoint, nprocs=nprocs,
                          secret=read_secret(args.secret_file, create=True), timeout=args.timeout,
                          quiet=bool(args.json), global_batch=args.global_batch, seq_len=args.seq_len,
-                         optim=OptimConfig(lr=args.lr), notice=args.switch_notice, memory_budget=budget,
+                         optim=args.optim, notice=args.switch_notice, memory_budget=budget,
                          placement=args.switch_placement, on_join=args.on_join,
-                         snapshot_every=args.snapshot_every, snapshot_dir=os.path.abspath(args.snapshot_dir),
-                         resume=args.resume, store_url=args.store,
+                         snapshot_every=args.snapshot_every,
+                         snapshot_dir=os.path.abspath(args.resume if isinstance(args.resume, str) else args.snapshot_dir),
+                         resume=bool(args.resume), store_url=args.store,
                          strategy_for=table, device=device, cluster=args.switch_cluster,
                          **({} if args.heartbeat_timeout is None else {"heartbeat_timeout": args.heartbeat_timeout}))
     out = {"model": models.get(args.model).name, "strategy": str(s0), "nprocs": s0.world, "endpoint": args.endpoint, "store": args.store,

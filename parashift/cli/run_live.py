@@ -2,12 +2,12 @@
 the run, and its summary)."""
 from __future__ import annotations
 
+import os
 import sys
 
 from .. import models
 from ..cluster import parse_devices
 from ..errors import RuntimeFailure, StrategyError
-from ..exec.reference import OptimConfig
 from ..exec.switch import run_live, step_times
 from ..strategy import Strategy
 from ..units import parse_bytes
@@ -33,7 +33,9 @@ def parse_switch_at(text: str) -> tuple[int, Strategy, tuple[int, ...] | None]:
 
 def run_cli(args) -> dict:
     """``parashift run ... --switch-at STEP:STRATEGY[:DEVICES]``: a live job that hot-switches."""
-    spec = models.get(args.model)
+    from ..exec.train import TokenData, with_precision
+    spec = with_precision(models.get(args.model), args.train["precision"])
+    data = TokenData(args.data, args.data_seed) if getattr(args, "data", None) else None
     s0 = Strategy.parse(args.strategy)
     if args.nprocs is not None and args.nprocs != s0.world:
         raise StrategyError(f"strategy {s0} needs {s0.world} processes, not --nprocs {args.nprocs}; "
@@ -41,16 +43,29 @@ def run_cli(args) -> dict:
     switches = [parse_switch_at(x) for x in args.switch_at]
 
     def progress(step: int, loss: float) -> None:
-        if not args.json:
+        if not args.json and not log.bar:
             print(f"step {step + 1}/{args.steps}  loss {loss:.6f}", file=sys.stderr, flush=True)
     budget = getattr(args, "switch_memory_budget", None)
     if budget:
         budget = parse_bytes(budget)
-    res = run_live(spec, s0, steps=args.steps, switches=switches, global_batch=args.global_batch,
-                   seq_len=args.seq_len or spec.seq_len, optim=OptimConfig(lr=args.lr), timeout=args.timeout,
-                   notice=getattr(args, "switch_notice", 3), memory_budget=budget or None,
-                   placement=getattr(args, "switch_placement", "keep"), progress=progress,
-                   device=resolve_device(args), cluster=getattr(args, "switch_cluster", None))
+    log = _metrics_log(args, spec)
+    weights = None
+    if str(args.model).strip()[:3].lower() == "hf:":   # a Hugging Face model's own weights
+        from ..exec.hf import weights_folder
+        weights = weights_folder(str(args.model).strip()[3:])
+    export = getattr(args, "export_hf", None)
+    if export:          # refused before any process starts when the model has no exact Hugging Face config
+        from ..exec.checkpoint import CheckpointOptions
+        CheckpointOptions(export_hf=export).check(spec, args.steps)
+    try:
+        res = run_live(spec, s0, steps=args.steps, switches=switches, global_batch=args.global_batch,
+                       seq_len=args.seq_len or spec.seq_len, optim=args.optim, timeout=args.timeout,
+                       notice=getattr(args, "switch_notice", 3), memory_budget=budget or None,
+                       placement=getattr(args, "switch_placement", "keep"), progress=progress,
+                       device=resolve_device(args), cluster=getattr(args, "switch_cluster", None), data=data,
+                       weights=weights, export_hf=export, metrics=log)
+    finally:
+        log.close()
     aborted = [s for s in res.switches if s.get("aborted")]
     out = {"model": spec.name, "strategy": str(s0), "nprocs": s0.world, "schedule": None, **res.to_json(),
            "step_times": step_times(res),
@@ -69,10 +84,27 @@ def run_cli(args) -> dict:
     if getattr(args, "trace", None):
         res.to_chrome_trace(args.trace)
         out["timeline"] = args.trace
+    out["train"] = args.train
+    if export:
+        out["export_hf"] = os.path.abspath(export)
+    if data is not None:
+        out["data"] = args.data
+    out["tokens"] = [args.global_batch * (args.seq_len or spec.seq_len)] * len(res.losses)
+    if getattr(args, "metrics", None):
+        out["metrics"] = args.metrics
+    out["warnings"] = out.get("warnings", []) + log.notes
     if len(res.losses) < args.steps:
         why = aborted[0]["aborted"] if aborted else "a process failed"
         raise RuntimeFailure(f"the live job stopped after {len(res.losses)} of {args.steps} steps: {why}")
     return out
+
+
+def _metrics_log(args, spec):
+    """The per-step metrics sink of a live job (steps of every layout, switches included)."""
+    from ..exec.metrics import MetricsLog
+    tokens = args.global_batch * (args.seq_len or spec.seq_len)
+    return MetricsLog(args.steps, tokens, path=getattr(args, "metrics", None),
+                      tensorboard=getattr(args, "tensorboard", None), bar=not args.json)
 
 
 def render_cli(result: dict) -> None:

@@ -25,7 +25,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_cli(args: argparse.Namespace) -> dict:
-    from ..exec import OptimConfig
     from ..exec.rl.job import run_rl
     if args.plan or args.switch_at:
         raise StrategyError("--rollout runs an RL job from --model/--strategy; drop the plan file and --switch-at")
@@ -39,7 +38,7 @@ def run_cli(args: argparse.Namespace) -> dict:
     res = run_rl(args.model, args.strategy, args.rollout, iterations=iterations, rollout_tokens=args.rollout_tokens,
                  prompts=args.global_batch, prompt_len=args.prompt_len, dtype=args.rollout_dtype,
                  release=False if args.rollout_keep_weights else None,
-                 optim=OptimConfig(lr=args.lr), timeout=args.timeout, progress=progress)
+                 optim=args.optim, timeout=args.timeout, progress=progress)
     if args.trace:
         res.timeline().to_csv(args.trace, index=False)
     out = res.to_json()

@@ -41,7 +41,6 @@ def read_directives(value: "str | None") -> list:
 def run_cli(args: argparse.Namespace) -> dict:
     """``parashift run --model MODULE:NAME --strategy S [--directives FILE|TEXT] --steps K [--global-batch B]
     [--trace F]``: compile, simulate (cpu-local) and run the same Program."""
-    from ..exec import OptimConfig
     from ..exec.user_model import compile_user_model, load_user_model, run_user_model
     from ..sim import simulate
     um = load_user_model(args.model)
@@ -68,7 +67,7 @@ def run_cli(args: argparse.Namespace) -> dict:
 
     res = run_user_model(um.factory, args.strategy, directives=directives, example_input=um.example_input,
                          data=um.data, loss_fn=um.loss_fn, steps=args.steps, global_batch=args.global_batch,
-                         name=um.name, optim=OptimConfig(lr=args.lr), timeout=args.timeout, progress=progress,
+                         name=um.name, optim=args.optim, timeout=args.timeout, progress=progress,
                          backend={"cpu": "gloo", "cuda": "nccl"}[resolve_device(args)])
     if args.trace:
         res.to_chrome_trace(args.trace)

@@ -25,7 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     from .. import ir
-    from ..ir.plot import plot_order, stage_orders
+    from ..ir.actions import stage_orders
     from ..ir.step_meta import StepMeta
 
     from ..strategy import Strategy
@@ -64,7 +64,10 @@ def run(args: argparse.Namespace) -> dict:
         prog.save(args.out)
         out["out"] = args.out
     if args.plot:
-        out["plot"] = plot_order(prog, args.plot)
+        from ..plots import plot_order
+        plot_order(orders, args.plot, chunked=s.vpp > 1,
+                   title=f"{step.name} {step.strategy}".strip())
+        out["plot"] = args.plot
     return out
 
 

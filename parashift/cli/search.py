@@ -8,6 +8,7 @@ from ..validate import arg_int
 from .dialect import format_bytes
 from .options import (add_batch_options, add_cost_model, add_space_options, load_cost_model, positive_int,
                       space_options)
+from .train_options import add_train_options
 
 HELP = "search the fastest strategy that fits (Optuna over the simulator); write a deploy plan"
 OUTPUTS = {"out": "file", "plot": "image"}
@@ -37,12 +38,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--explain", action="store_true",
                    help="per listed strategy: step split into compute, exposed communication and bubble, peak "
                         "memory, the binding constraint and what it lost on against the winner")
+    add_train_options(p)   # recorded in the --out plan, which `parashift run` trains with
 
 
 def run(args: argparse.Namespace) -> dict:
     from .. import cluster as clusters, models, search
+    from ..exec.train import with_precision
+    from .train_options import train_settings
 
-    model = models.get(args.model)
+    train = train_settings(args, None)       # checked before the search starts; recorded in the plan
+    model = with_precision(models.get(args.model), train["precision"])
     cl = clusters.get(args.cluster)
     devices = args.devices or cl.devices
     cost = load_cost_model(args.cost_model)
@@ -79,7 +84,7 @@ def run(args: argparse.Namespace) -> dict:
         why = res.trials.loc[res.trials["status"] != "ok", "reason"].astype(str).value_counts().head(3)
         out["reasons"] = [{"reason": r, "trials": int(n)} for r, n in why.items()]
     if args.out:
-        res.export(args.out)
+        res.export(args.out, train=train)
         out["out"] = args.out
     if args.plot:
         res.plot(args.plot)

@@ -25,6 +25,9 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from ..fp8 import get as fp8_recipe
+from ..states import zero_stage
+
 if TYPE_CHECKING:  # pragma: no cover
     from ..models import ModelSpec
 
@@ -63,6 +66,7 @@ class ShapeKnobs(Protocol):
     def elementwise_bytes(self) -> float: ...
     @property
     def grad_accum_traffic(self) -> float: ...
+    def peak(self, dtype: str) -> float: ...
 
 
 #: Region kinds the shape model knows (others fall back to FLOPs at ``gemm_efficiency``).
@@ -134,6 +138,7 @@ class Workload:
     grad_fusion: bool = False
     column_wgrad: bool = False
     zero: int = 0
+    fp8: str = "none"
     _cache: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -145,7 +150,7 @@ class Workload:
                    bool(sp) if not isinstance(sp, str) else sp not in ("", "0", "false", "none"),
                    int(getattr(strategy, "cp", 1) or 1), str(getattr(strategy, "recompute", "full") or "full"),
                    bool(getattr(strategy, "grad_fusion", False)), bool(getattr(strategy, "column_wgrad", False)),
-                   int(getattr(strategy, "zero", 0) or 0))
+                   int(getattr(strategy, "zero", 0) or 0), str(getattr(strategy, "fp8", "none") or "none"))
 
     @property
     def selective(self) -> bool:
@@ -173,15 +178,17 @@ class Workload:
         gemms, core, ew = self._parts(cm, kind)
         if phase == "recompute" and self.selective:
             return core[0] if kind == "attn" and self.cp == 1 else 0.0
+        dt = self._gemm_dt(cm, kind)
+        cast_in, cast_dy = self._casts(cm, kind, gemms)
         if phase in ("fwd", "recompute"):
-            return sum(gemm_time(cm, m, n, k, *self._dt(cm)) for m, n, k in gemms) + core[0] + ew
-        dgrad = sum(gemm_time(cm, m, k, n, *self._dt(cm)) for m, n, k in gemms)
-        wgrads = [gemm_time(cm, n, k, m, *self._dt(cm)) for m, n, k in gemms]
+            return sum(gemm_time(cm, m, n, k, *dt) for m, n, k in gemms) + core[0] + ew + cast_in
+        dgrad = sum(gemm_time(cm, m, k, n, *dt) for m, n, k in gemms)
+        wgrads = [gemm_time(cm, n, k, m, *dt) for m, n, k in gemms]
         wgrad = sum(wgrads)
         early = sum(wgrads[1:]) if self.column_wgrad and kind in ("attn", "mlp") else 0.0   # row-parallel
         if phase == "bwd_weight":
             return wgrad - early
-        rest = dgrad + core[1] + 2.0 * ew + early
+        rest = dgrad + cast_dy + core[1] + 2.0 * ew + early
         return rest if phase == "bwd_input" else rest + wgrad
 
     def grad_accum(self, cm: ShapeKnobs, kind: str) -> float:
@@ -189,7 +196,7 @@ class Workload:
         gradient buffer (``grad_accum_traffic`` x dtype bytes per parameter on this rank, through HBM);
         0 under ``grad_fusion`` (the GEMM accumulates as it writes) and under ZeRO-2/3 (each micro-batch's
         gradients go to a bucket of their own, which its reduce-scatter adds into the rank's shard)."""
-        if self.grad_fusion or self.zero >= 2:
+        if self.grad_fusion or zero_stage(self.zero).grad_buckets:
             return 0.0
         if kind == "layer":
             return self.grad_accum(cm, "attn") + self.grad_accum(cm, "mlp")
@@ -201,6 +208,88 @@ class Workload:
         params = {"attn": attn, "mlp": (3 if md.gated else 2) * h * md.ffn / tp,
                   "head": md.vocab * h / tp, "embed": md.vocab * h / tp}.get(kind, 0)
         return params * cm.grad_accum_traffic * md.dtype_bytes / (cm.hbm_bw * cm.memory_efficiency)
+
+    def fp8_weight_cast(self, cm: ShapeKnobs, kind: str) -> float:
+        """Seconds of casting a ``kind`` region's FP8 GEMM weights on this rank, once per step (the first
+        micro-batch's forward; later ones reuse the copies): read the BF16 weight, write its FP8 copy and
+        transposed copy (current scaling reads it once more for its amax); 0 without an fp8 recipe."""
+        r = fp8_recipe(self.fp8)
+        if r is None:
+            return 0.0
+        if kind == "layer":
+            return self.fp8_weight_cast(cm, "attn") + self.fp8_weight_cast(cm, "mlp")
+        md, tp = self.model, self.tp
+        if kind == "attn":
+            n = sum(o * i / (1 if split is None else tp) for o, i, split in md.attn_matrices())
+        elif kind == "mlp" and not md.is_moe:
+            n = (3 if md.gated else 2) * md.hidden * md.ffn / tp
+        else:
+            return 0.0
+        return n * self._cast_bytes(r) / (cm.hbm_bw * cm.memory_efficiency)
+
+    def fp8_share(self, units: tuple) -> float:
+        """The fraction of a region's FLOPs (``units``: kinds and counts) an fp8 recipe runs in FP8: the
+        attention projections, dense MLPs, routed and shared experts; not the attention core, router, head
+        or embedding (for the FLOPs rule, which prices what the shape model does not: MoE)."""
+        if self.fp8 == "none":
+            return 0.0
+        md = self.model
+        mats = 3 if md.gated else 2
+        attn8 = sum(2 * o * i for o, i, _ in md.attn_matrices())
+        if md.is_moe:
+            mlp8 = 2 * mats * md.hidden * (md.top_k * md.expert_ffn + md.shared_ffn)
+        else:
+            mlp8 = 2 * mats * md.hidden * md.ffn
+        attn, mlp = md.attn_flops(1, self.seq_len), md.mlp_flops(1)
+        parts = {"attn": (attn8, attn), "mlp": (mlp8, mlp), "moe": (mlp8, mlp), "layer": (attn8 + mlp8, attn + mlp),
+                 "head": (0.0, md.head_flops(1)), "embed": (0.0, 0.0)}
+        f8 = sum(parts.get(k, (0.0, 0.0))[0] * n for k, n in units)
+        total = sum(parts.get(k, (0.0, 0.0))[1] * n for k, n in units)
+        return min(1.0, f8 / total) if total else 0.0
+
+    def fp8_flops_casts(self, cm: ShapeKnobs, units: tuple, phase: str) -> float:
+        """Seconds of the FP8 casts of the regions the FLOPs rule prices (MoE blocks, and the attention of a
+        MoE model's whole layers): each expert GEMM's input forward (routed ones see ``top_k`` copies of
+        each token, balanced over the EP ranks) and output gradient backward (input-gradient phase)."""
+        md = self.model
+        if self.fp8 == "none" or not md.is_moe or phase == "bwd_weight":
+            return 0.0
+        T = self.mbs * self.seq_len / self.cp
+        gi = 2 if md.gated else 1
+        per = self._cast_bytes(fp8_recipe(self.fp8)) / (cm.hbm_bw * cm.memory_efficiency)
+        fwd = phase in ("fwd", "recompute")
+        t = 0.0
+        for k, n in units:
+            if k in ("moe", "layer"):
+                for tokens, f in ((T * md.top_k, md.expert_ffn / self.tp), (T, md.shared_ffn / self.tp)):
+                    if f:
+                        t += n * tokens * ((md.hidden + f) if fwd else (gi * f + md.hidden)) * per
+            if k == "layer":
+                cast_in, cast_dy = self._casts(cm, "attn", self._parts(cm, "attn")[0])
+                t += n * (cast_in if fwd else cast_dy)
+        return t
+
+    def _fp8_kind(self, kind: str) -> bool:
+        """Whether a region's GEMMs run in FP8 (attention projections and MLPs; never embedding or head)."""
+        return self.fp8 != "none" and kind in ("attn", "mlp")
+
+    def _gemm_dt(self, cm: ShapeKnobs, kind: str) -> tuple[int, float]:
+        """(operand bytes, peak FLOP/s) of a region's GEMMs: FP8 under a recipe, else the model's dtype."""
+        return (1, cm.peak("fp8")) if self._fp8_kind(kind) else self._dt(cm)
+
+    def _cast_bytes(self, r) -> float:
+        """HBM bytes per element of one FP8 cast of a 16-bit tensor: read it, write the FP8 copy (and the
+        transposed one where the recipe keeps it); current scaling reads it once more for its amax."""
+        return 2 + 1 + (1 if r.transpose else 0) + (2 if not r.delayed and not r.block else 0)
+
+    def _casts(self, cm: ShapeKnobs, kind: str, gemms: list) -> tuple[float, float]:
+        """Seconds of the FP8 casts of one micro-batch's GEMM inputs (forward) and output gradients
+        (backward, E5M2) in a ``kind`` region; (0, 0) when its GEMMs are not FP8."""
+        if not self._fp8_kind(kind):
+            return 0.0, 0.0
+        r = fp8_recipe(self.fp8)
+        per = self._cast_bytes(r) / (cm.hbm_bw * cm.memory_efficiency)
+        return sum(m * k for m, n, k in gemms) * per, sum(m * n for m, n, k in gemms) * per
 
     def _dt(self, cm: ShapeKnobs) -> tuple[int, float]:
         db = self.model.dtype_bytes

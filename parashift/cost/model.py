@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
-from ..collectives import OPS as SWITCH_OPS
+from ..collectives import OPS as SWITCH_OPS, P2P_OPS, TWO_ENDED_OPS
 from ..errors import ParashiftError
 from ..gpus import DTYPES
 from .fitted import A100_VTRAIN
@@ -272,6 +272,8 @@ class CostModel:
                 t = self._with_floor(t_shape, units, phase)
                 if phase == "recompute" and self.recompute_tp_comm and work.tp > 1:
                     t += self._recompute_comm(units, work)
+                if phase == "fwd" and not instr.microbatch and work.fp8 != "none":   # the step's FP8 weight copies
+                    t += sum(work.fp8_weight_cast(self, k) * n for k, n in units if n)
                 if phase in ("bwd", "bwd_weight") and instr.microbatch and self.grad_accum_traffic:
                     t += sum(work.grad_accum(self, k) * n for k, n in units if n)
                 return t
@@ -282,6 +284,9 @@ class CostModel:
         elif kinds:
             eff *= self.region_efficiency.get("layer", 1.0)
         t = instr.flops / (self.peak_flops * eff) if instr.flops else 0.0
+        if t and work is not None and work.fp8 != "none" and "fp8" in self.dtype_peaks:
+            f = work.fp8_share(units)            # the FP8 GEMMs' FLOPs at the FP8 rate
+            t = t * (1 - f + f * self.peak_flops / self.peak("fp8")) + work.fp8_flops_casts(self, units, phase)
         if instr.nbytes:
             t = max(t, instr.nbytes / (self.hbm_bw * self.memory_efficiency))
         pf = self.phase_floor.get(phase, 1.0)
@@ -365,7 +370,7 @@ class CostModel:
     def op_overhead(self, op: str) -> float:
         """Fixed seconds of one ``op`` (``send``/``recv`` also pay ``p2p_overhead``)."""
         base = self.comm_op_overhead.get(op, self.comm_overhead)
-        return base + self.p2p_overhead if op in ("send", "recv") else base
+        return base + self.p2p_overhead if op in P2P_OPS else base
 
     def op_bw(self, op: str, link: str) -> float:
         """Achieved bytes/s of ``op`` on one link class."""
@@ -385,7 +390,7 @@ class CostModel:
         """
         if instr.op == "compute":
             return self.compute_time(instr, state_bytes)
-        if instr.op in ("send", "recv", "copy"):
+        if instr.op in TWO_ENDED_OPS:
             if len(devices) != 2:
                 raise CostModelError(f"{instr.op} needs devices=(src, dst), got {tuple(devices)}")
             return self.op_time(instr.op, self.p2p_phases(instr.nbytes, link_class(cluster, devices[0], devices[1])))
@@ -537,7 +542,7 @@ def apply_knobs(base: CostModel, knobs: Mapping[str, float]) -> CostModel:
                         attention_score_bytes=float(k["attention_score_bytes"]),
                         elementwise_bytes=float(k["elementwise_bytes"]), optim_overhead=float(k["optim_overhead"]),
                         latency={**base.latency, "intra": float(k["intra_latency"])},
-                        p2p_overhead=float(k["p2p_overhead"]), comm_overhead=float(k["comm_overhead"]))
+                        comm_overhead=float(k["comm_overhead"]))
 
 
 def knobs_of(cm: CostModel) -> dict[str, float]:
@@ -547,5 +552,4 @@ def knobs_of(cm: CostModel) -> dict[str, float]:
             "layer_floor": f["attn"] + f["mlp"], "bwd_floor": cm.phase_floor["bwd"],
             "microbatch_floor": f["embed"] + f["head"], "attention_score_bytes": cm.attention_score_bytes,
             "elementwise_bytes": cm.elementwise_bytes, "optim_overhead": cm.optim_overhead,
-            "intra_latency": cm.latency["intra"], "p2p_overhead": cm.p2p_overhead,
-            "comm_overhead": cm.comm_overhead}
+            "intra_latency": cm.latency["intra"], "comm_overhead": cm.comm_overhead}

@@ -5,7 +5,8 @@ simulate the 128 -> 120 device shrink after a node loss, against checkpoint-rest
 loop (calibrate cpu-local on short probe runs, search tiny-gpt on up to 4 CPU processes with the
 fitted model, run the winner and the runner-up live: predicted vs measured, did the ranking hold), 4. hot switch (the live job shrinks to 3 devices and grows back, against a DCP
 checkpoint-reshard), 5. replay (a time-compressed slice of a shipped preemption trace against the
-live job), 6. ``summary.md``.
+live job), 6. real data (a tiny Hugging Face Llama config trained on the shipped text across a hot
+switch, next to a static run; its weights and strategy exported), 7. ``summary.md``.
 
 >>> from parashift.demo import run_demo
 >>> result = run_demo("demo-out")          # doctest: +SKIP
@@ -36,17 +37,19 @@ def _steps() -> list[tuple[str, Callable[[DemoContext, StepResult], None]]]:
     from .deploy import step_deploy
     from .explore import step_explore
     from .hot import step_hot_switch
+    from .real import step_real_data
     from .replay import step_replay
     from .switch import step_switch
     return [("Explore: four pipeline schedules of llama2-70b on 128 A800s", step_explore),
             ("Switch: 128 -> 120 devices after a node loss", step_switch),
             ("Closed loop: calibrate cpu-local, search, run the winner and the runner-up live", step_deploy),
             ("Hot switch: the live job shrinks to 3 devices and grows back", step_hot_switch),
-            ("Replay: a time-compressed slice of a shipped preemption trace", step_replay)]
+            ("Replay: a time-compressed slice of a shipped preemption trace", step_replay),
+            ("Real data: a Hugging Face Llama on the shipped text, across a hot switch, exported", step_real_data)]
 
 
-#: Titles of steps 1-5 (step 6 writes the summary).
-STEPS = ("explore", "switch", "deploy", "hot-switch", "replay")
+#: Titles of steps 1-6 (step 7 writes the summary).
+STEPS = ("explore", "switch", "deploy", "hot-switch", "replay", "real-data")
 
 
 @dataclass

@@ -88,7 +88,7 @@ def step_deploy(ctx: "DemoContext", res: "StepResult") -> None:
     """Step 3: calibrate, search, deploy the winner, measure winner and runner-up, compare."""
     from ..search import measure, ranking_held, runner_up
     from ..sim import simulate
-    from .plots import plot_gantt
+    from ..plots import plot_gantt
     ctx.say(f"calibrating {LIVE['cluster']}: {LIVE['probes']} short probe runs of {LIVE['model']}")
     fitted = calibrate_here(progress=ctx.say)
     cost = fitted.cost_model

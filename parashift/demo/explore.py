@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..explore import (SCHEDULE_VPP, ScheduleRun, compare_schedules, schedule_strategy, simulate_fitting,
+from ..explore import (ScheduleRun, compare_schedules, schedule_strategy, simulate_fitting,
                        stage_ranks)
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -14,13 +14,13 @@ if TYPE_CHECKING:  # pragma: no cover
 MODEL, CLUSTER, BASE = "llama2-70b", "a800-16x8", "dp=4,tp=8,pp=4,zero=1"
 GLOBAL_BATCH, SEQ_LEN = 128, 4096
 
-__all__ = ["SCHEDULE_VPP", "ScheduleRun", "schedule_strategy", "simulate_fitting", "compare_schedules",
+__all__ = ["ScheduleRun", "schedule_strategy", "simulate_fitting", "compare_schedules",
            "stage_ranks", "step_explore"]
 
 
 def step_explore(ctx: "DemoContext", res: "StepResult") -> None:
     """Step 1: llama2-70b on a800-16x8, dp=4,tp=8,pp=4,zero=1 under four schedules."""
-    from .plots import plot_gantt, plot_memory
+    from ..plots import plot_gantt, plot_memory
     table, runs = compare_schedules(MODEL, CLUSTER, BASE, global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN,
                                     progress=ctx.say)
     table.to_csv(ctx.path("explore_schedules.csv"), index=False)

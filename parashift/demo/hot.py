@@ -78,7 +78,7 @@ def hot_switch(big: Any, small: Any, *, steps: int = HOT["steps"], shrink_at: in
 
 def step_hot_switch(ctx: "DemoContext", res: "StepResult") -> None:
     """Step 4: shrink 4 -> 3, grow 3 -> 4, against DCP checkpoint-reshard of the same state."""
-    from .plots import plot_bars, plot_losses
+    from ..plots import plot_bars, plot_losses
     big = ctx.shared.get("share_strategy")
     if big is None or big.world != LIVE["devices"]:  # the job shrinks from all four devices
         ctx.say(f"searching the best strategy on {LIVE['devices']} processes")

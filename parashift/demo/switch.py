@@ -46,7 +46,7 @@ def node_loss(**overrides: str) -> tuple["SwitchPlan", dict]:
 
 def step_switch(ctx: "DemoContext", res: "StepResult") -> None:
     """Step 2: plan stats, simulated switch time and the checkpoint-restart estimate."""
-    from .plots import plot_bars, plot_bytes_heatmap
+    from ..plots import plot_bars, plot_bytes_heatmap
     ctx.say("planning and verifying the 128 -> 120 device switch")
     plan, f = node_loss()
     gib = 2**30

@@ -21,7 +21,7 @@ import torch
 from ..errors import ModelError
 from ..models import ModelSpec
 
-__all__ = ["LAYER", "MLP", "MOE", "GLOBAL", "to_parashift", "to_hf", "load_hf_weights", "check_convertible", "hf_store",
+__all__ = ["LAYER", "MLP", "MOE", "GLOBAL", "to_parashift", "to_hf", "load_hf_weights", "check_convertible",
            "weights_folder"]
 
 _A, _M = "model.layers.{i}.self_attn", "model.layers.{i}.mlp"
@@ -139,11 +139,14 @@ def _fuse_experts(spec: ModelSpec, hf: Mapping[str, torch.Tensor]) -> dict[str, 
 
 
 def to_hf(spec: ModelSpec, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The Hugging Face state dict of parashift tensors (the inverse of :func:`to_parashift`)."""
+    """The Hugging Face state dict of parashift tensors (the inverse of :func:`to_parashift`; of those of
+    ``params``' tensors when it holds a part of the model)."""
     check_convertible(spec)
     out = {}
     r = spec.heads // spec.kv_heads
     for name, parts in _rows(spec).items():
+        if name not in params:
+            continue
         t = params[name]
         for key, part in parts:
             if part in ("q", "k", "v"):
@@ -180,14 +183,3 @@ def load_hf_weights(spec: ModelSpec, path: str) -> dict[str, torch.Tensor]:
     for f in files:
         hf.update(load_file(f))
     return to_parashift(spec, hf)
-
-
-def hf_store(spec: ModelSpec, strategy, rank: int, device, path: str):
-    """Rank ``rank``'s state store of ``strategy`` with its parameters read from Hugging Face weights
-    (every rank reads the files and keeps its own pieces)."""
-    from .state import StateStore
-    store = StateStore(spec, strategy, rank, device, init=False)
-    values = {k: v for k, v in load_hf_weights(spec, path).items() if k in store.pieces}
-    for b in store.buffers.values():
-        b.load(values)
-    return store

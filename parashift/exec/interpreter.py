@@ -49,16 +49,17 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import RuntimeFailure
+from ..errors import RuntimeFailure, StrategyError
 from ..ir.program import Instr, Program
 from ..ir.step_meta import StepMeta
-from ..ir.tags import CPTag, EPTag, P2PTag, SPTag, StepTag, Sync, SyncTag, TPTag, Z3Tag, parse_tag
+from ..ir.tags import CPTag, EPTag, Fp8Tag, P2PTag, SPTag, StepTag, Sync, SyncTag, TPTag, Z3Tag, parse_tag
 from ..models import ModelSpec
 from .comm import Flight, Poller
 from .parallel import cp, dp, ep, pipeline, tp, zero
-from .prepared import COMPUTE, CP, DP, EP, RECV, SEND, SP, TP, Z3, Prepared
+from .prepared import COMPUTE, CP, DP, EP, FP8, RECV, SEND, SP, TP, Z3, Prepared
 from .reference import OptimConfig, microbatch_rows
 from .models import weight_grad
+from .fp8 import Fp8Gemms, reduce_amax
 from .regions import (KINDS, CoreRecompute, Rec, RegionCtx, atomic_regions, chain_residual, finish_weights,
                       head_logit_grad, region_kind)
 from .state import _DT, StateStore
@@ -134,6 +135,8 @@ class StepState:
     cp: dict = field(default_factory=dict)         # context parallelism's mailboxes (see exec.parallel.cp)
     loss: float = 0.0
     heads: int = 0                                 # head forwards done (the loss share is whole at n_heads)
+    grad_norm: float = float("nan")                # the global gradient norm before clipping (optim phase)
+    lr: float = float("nan")                       # the learning rate the step's update used
 
     def e(self, c: int, mb: int) -> dict:
         return self.env.setdefault((c, mb), {})
@@ -153,7 +156,7 @@ def _grad_mode(on: bool):
 #: the communication handler of each instruction kind: ``handler(interpreter, prepared) -> Flight``
 HANDLERS: dict[int, Callable[[Any, Prepared], Flight]] = {
     SEND: pipeline.send, RECV: pipeline.post_recv, TP: tp.reduce, SP: tp.sequence, EP: ep.exchange,
-    DP: dp.sync, Z3: zero.gather_params, CP: cp.exchange}
+    DP: dp.sync, Z3: zero.gather_params, CP: cp.exchange, FP8: reduce_amax}
 
 
 class Interpreter:
@@ -187,7 +190,11 @@ class Interpreter:
         self._auto: set[tuple[int, int, str]] = set()
         self._leaves: dict[str, torch.Tensor] = {}            # parameter -> its gradient leaf (_grad_leaf)
         self._leaves_of: list[tuple[Any, Any]] = []           # the store's flat buffers they alias
+        self.fp8: Fp8Gemms | None = None    # set by _init_model under an fp8 recipe
         self._init_model()
+        if self.strategy.fp8 != "none" and self.fp8 is None:
+            raise StrategyError(f"fp8={self.strategy.fp8} runs on the preset and Hugging Face transformer models only; "
+                                f"this model's linears are its own: drop fp8 from the strategy")
         self.streams = sorted(self.rp.streams, key=lambda n: (n not in _P2P_ORDER, _P2P_ORDER.index(n)
                                                               if n in _P2P_ORDER else 0, n))
         self.pos = {i.id: (st, k) for st, ins in self.rp.streams.items() for k, i in enumerate(ins)}
@@ -212,6 +219,11 @@ class Interpreter:
         from .models import rope_tables
         spec, s, device = self.spec, self.strategy, self.device
         seq = int(self.step_meta.seq_len)
+        if s.fp8 != "none" and (s.sp or s.cp > 1):
+            raise StrategyError(f"the runtime runs fp8 without sp and cp (strategy {s}): their re-gathered inputs are "
+                                f"not the FP8 ones; drop sp/cp or fp8")
+        #: the fp8 recipe's GEMMs (:mod:`parashift.exec.fp8`); its amax history lives across steps
+        self.fp8 = Fp8Gemms(s.fp8, spec, s) if s.fp8 != "none" else None
         self.seq = seq // s.cp          # tokens of a sequence this rank holds
         self.atoms = chunk_atoms(spec, s)
         rc = {(i.chunk, i.microbatch, a) for i in self.rp.instrs() if i.phase == "recompute"
@@ -226,9 +238,11 @@ class Interpreter:
                              self.store.param, self.store.grad,
                              tuple(t.to(_DT[spec.dtype]) for t in rope_tables(seq, spec.head_dim, spec.rope_theta,
                                                                                  device=device)),
-                             chain=s.tp == 1 and not spec.is_moe and s.cp == 1 and s.zero < 2
+                             chain=s.tp == 1 and not spec.is_moe and s.cp == 1 and not s.zero_stage.grad_buckets
+                             and spec.dtype == "fp32"
                              and not s.overlap_param,   # ZeRO-2/3, overlap_param: unfused region buckets
-                             grad_leaf=self._grad_leaf, grad_fusion=s.grad_fusion)
+                             grad_leaf=self._grad_leaf, grad_fusion=s.grad_fusion,
+                             fp8=self.fp8)
         # chain mode: the regions whose backward is a full one build their linears on gradient leaves
         # (autograd accumulates those weight gradients itself; see _bwd_chain)
         self._auto = {(i.chunk, i.microbatch, a) for i in self.rp.instrs() if i.op == "compute" and i.phase == "bwd"
@@ -323,6 +337,8 @@ class Interpreter:
             return EP
         if isinstance(tag, SPTag) and ins.op == ("reduce_scatter" if tag.hop == "rs" else "all_gather"):
             return SP
+        if isinstance(tag, Fp8Tag) and ins.op == "all_reduce":
+            return FP8
         if isinstance(tag, SyncTag):
             return DP
         if isinstance(tag, Z3Tag) and ins.op == "all_gather":
@@ -521,7 +537,7 @@ class Interpreter:
         t0 = self.clock.stamp()
         try:
             if p.kind == COMPUTE:
-                if self.strategy.zero >= 2 and ins.phase != "optim":
+                if self.strategy.zero_stage.grad_buckets and ins.phase != "optim":
                     self._grad_buckets(ins)
                 self._compute(ins)
                 if p.z3_free:
@@ -567,12 +583,16 @@ class Interpreter:
     def _compute(self, ins: Instr) -> None:
         ph = ins.phase
         if ph == "optim":
-            for b in self.store.buffers.values():
-                b.optimizer_step(self.optim)
+            from .train import optimizer_step, owned_ranges
+            group = self.worlds.get(range(self.program.world)) if self.program.world > 1 else None
+            if getattr(self, "_owned", None) is None:
+                self._owned = owned_ranges(self.store)       # the gradient elements this rank counts in the norm
+            self.st.grad_norm, self.st.lr = optimizer_step(self.store, self.optim, self._step, group, self.timeout,
+                                                           self._owned)
             return
         c, mb = ins.chunk, ins.microbatch
         atoms = self.regions.get(ins.id) or atomic_regions(ins.region, self.spec)
-        if self.strategy.zero == 3:         # the gathered copy this compute uses: its region's, else its chunk's
+        if self.strategy.zero_stage.gathers_around_use:   # the gathered copy this compute uses: its region's, else its chunk's
             name = f"z3.c{c}.{'fwd' if ph == 'fwd' else 'bwd'}.m{mb}"
             own = f"{name}.{ins.region}"
             self.store.active[c] = own if any(b.has_copy(c, own) for b in self.store.buffers.values()) else name

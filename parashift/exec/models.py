@@ -26,7 +26,7 @@ import functools
 import math
 import zlib
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,9 @@ import torch.nn.functional as F
 from ..errors import StrategyError
 from ..models import ModelSpec, TensorSpec
 from ..strategy import Strategy
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .fp8 import Fp8Gemms
 
 __all__ = ["check_supported", "init_tensor", "Tape", "rms_norm", "rope_tables", "apply_rope", "swiglu",
            "INIT_STD"]
@@ -90,6 +93,7 @@ class _Use:
     x: torch.Tensor
     y: torch.Tensor
     r: torch.Tensor | None = None   # "norm": the per-token reciprocal RMS ``[..., 1]``
+    q: Callable[[torch.Tensor], torch.Tensor] | None = None   # FP8: the output gradient's cast (E5M2)
 
 
 _NO_Y = torch.empty(0)
@@ -102,10 +106,17 @@ class Tape:
     uses: list[_Use] = field(default_factory=list)
     leaves: list[torch.Tensor] = field(default_factory=list)   # the gradient leaves its linears used
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, name: str, index: int | None = None) -> torch.Tensor:
-        """``x @ w.T`` (``w`` a gradient leaf: a backward that accumulates into leaves takes its gradient)."""
-        y = torch.matmul(x, w.t())
-        self.uses.append(_Use((name, index), "lin", x, y))
+    def linear(self, x: torch.Tensor, w: torch.Tensor, name: str, index: int | None = None,
+               fp8: "Fp8Gemms | None" = None) -> torch.Tensor:
+        """``x @ w.T`` (``w`` a gradient leaf: a backward that accumulates into leaves takes its gradient);
+        in FP8 when ``fp8`` covers ``name`` (the weight gradient then multiplies the E5M2 output gradient
+        with the FP8 input)."""
+        if fp8 is not None and fp8.covers(name):
+            y, xq = fp8.linear(x, w, name)
+            self.uses.append(_Use((name, index), "lin", xq, y, q=lambda dy: fp8.cast(dy, name, 2)))
+        else:
+            y = torch.matmul(x, w.t())
+            self.uses.append(_Use((name, index), "lin", x, y))
         if w.requires_grad:
             self.leaves.append(w)
         return y
@@ -159,7 +170,7 @@ class Tape:
         for u in self.uses:
             y = u.y
             if y.requires_grad and y is not skip:     # the hook holds a copy of the use without ``y`` (no cycle)
-                y.grad_fn.register_prehook(functools.partial(hook, use=_Use(u.key, u.kind, u.x, _NO_Y, u.r),
+                y.grad_fn.register_prehook(functools.partial(hook, use=_Use(u.key, u.kind, u.x, _NO_Y, u.r, u.q),
                                                              k=y.output_nr))
                 n += 1
         return n
@@ -178,6 +189,8 @@ def weight_grad(u: _Use, dy: torch.Tensor | None, acc: Callable[[str, int | None
         return
     x = u.x.detach()
     g = acc(*u.key)
+    if u.q is not None:
+        dy = u.q(dy)
     if u.kind == "lin":
         accumulate_linear_grad(g, dy, x, fused)
     elif u.kind == "norm":
@@ -189,9 +202,10 @@ def weight_grad(u: _Use, dy: torch.Tensor | None, acc: Callable[[str, int | None
 
 
 def accumulate_linear_grad(g: torch.Tensor, dy: torch.Tensor, x: torch.Tensor, fused: bool) -> None:
-    """``g += dy^T x`` over every token: in the GEMM (``fused``) or as a GEMM then an add."""
+    """``g += dy^T x`` over every token: in the GEMM (``fused``) or as a GEMM then an add (always when
+    ``g`` is an fp32 accumulator of a bf16 model)."""
     d2, x2 = dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1])
-    if fused:
+    if fused and g.dtype == d2.dtype:
         g.addmm_(d2, x2)
     else:
         g.add_(torch.mm(d2, x2))

@@ -10,10 +10,10 @@ import torch
 from ..ir.instr import Instr
 from ..ir.tags import StepTag
 
-__all__ = ["Prepared", "COMPUTE", "SEND", "RECV", "TP", "EP", "DP", "Z3", "SP", "CP"]
+__all__ = ["Prepared", "COMPUTE", "SEND", "RECV", "TP", "EP", "DP", "Z3", "SP", "CP", "FP8"]
 
 #: what an instruction does, decided once at load: compute, p2p send / recv, and one kind per collective payload
-COMPUTE, SEND, RECV, TP, EP, DP, Z3, SP, CP = range(9)
+COMPUTE, SEND, RECV, TP, EP, DP, Z3, SP, CP, FP8 = range(10)
 
 
 @dataclass(eq=False)

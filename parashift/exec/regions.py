@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from ..models import ModelSpec
 from .models import Tape, apply_rope, swiglu, weight_grad
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .fp8 import Fp8Gemms
 
 __all__ = ["RegionCtx", "Rec", "KINDS", "CoreRecompute", "chain_residual", "finish_weights", "atomic_regions",
            "region_kind", "head_logit_grad", "cp_attn_pre", "cp_attn_core", "cp_attn_bwd_out", "cp_attn_bwd_core",
@@ -49,6 +52,7 @@ class RegionCtx:
     grad_leaf: Callable[[str], torch.Tensor] | None = None   # a parameter's gradient leaf (see ``w``)
     auto: bool = False      # the region being built uses gradient leaves (its backward is a full chain one)
     grad_fusion: bool = False   # linears' weight-gradient GEMMs accumulate into the gradient buffer
+    fp8: "Fp8Gemms | None" = None   # the strategy's fp8 recipe: its GEMMs run in FP8
 
     def w(self, name: str) -> torch.Tensor:
         """A linear's weight: its gradient leaf when ``auto`` (a backward that accumulates into
@@ -181,7 +185,7 @@ def _qkv(c: RegionCtx, tape: Tape, z: torch.Tensor, p: str) -> tuple[torch.Tenso
     b, n, _ = z.shape
     d, r = s.head_dim, s.heads // s.kv_heads
     groups = s.kv_heads // c.tp
-    y = tape.linear(z, c.w(f"{p}.qkv.weight"), f"{p}.qkv.weight")
+    y = tape.linear(z, c.w(f"{p}.qkv.weight"), f"{p}.qkv.weight", fp8=c.fp8)
     if s.qkv_bias:
         y = tape.bias(y, c.w(f"{p}.qkv.bias"), f"{p}.qkv.bias")
     qkv = y.view(b, n, groups, r + 2, d)
@@ -203,12 +207,12 @@ def _attn_body(c: RegionCtx, tape: Tape, z: torch.Tensor, p: str,
     v = v.repeat_interleave(r, dim=1)
     o = (core or _core)(q, k, v)
     o = o.transpose(1, 2).reshape(b, n, -1)
-    return tape.linear(o, c.w(f"{p}.out.weight"), f"{p}.out.weight")
+    return tape.linear(o, c.w(f"{p}.out.weight"), f"{p}.out.weight", fp8=c.fp8)
 
 
 def _mlp_body(c: RegionCtx, tape: Tape, z: torch.Tensor, p: str) -> torch.Tensor:
-    a = swiglu(tape.linear(z, c.w(f"{p}.fc1.weight"), f"{p}.fc1.weight"))
-    return tape.linear(a, c.w(f"{p}.fc2.weight"), f"{p}.fc2.weight")
+    a = swiglu(tape.linear(z, c.w(f"{p}.fc1.weight"), f"{p}.fc1.weight", fp8=c.fp8))
+    return tape.linear(a, c.w(f"{p}.fc2.weight"), f"{p}.fc2.weight", fp8=c.fp8)
 
 
 def _norm(c: RegionCtx, rec: Rec, h: torch.Tensor, name: str, grad: bool) -> torch.Tensor:
@@ -436,7 +440,7 @@ def _embed_bwd_weight(c: RegionCtx, rec: Rec) -> None:
     dh = rec.dys[0]
     mine = rec.t["mine"]
     g = c.grad("embed.word")
-    g.index_add_(0, rec.t["idx"][mine], dh[mine])
+    g.index_add_(0, rec.t["idx"][mine], dh[mine].to(g.dtype))
 
 
 def _head_fwd(c: RegionCtx, rec: Rec, env: dict, grad: bool) -> None:
@@ -515,8 +519,8 @@ def _route_fwd(c: RegionCtx, rec: Rec, env: dict, grad: bool) -> None:
     xs = zf[tok]
     outs = {"xs": xs, "w": w}
     if s.shared_ffn:
-        a = swiglu(rec.tape.linear(zf, c.param(f"{p}.shared.fc1"), f"{p}.shared.fc1"))
-        sh = rec.tape.linear(a, c.param(f"{p}.shared.fc2"), f"{p}.shared.fc2")
+        a = swiglu(rec.tape.linear(zf, c.param(f"{p}.shared.fc1"), f"{p}.shared.fc1", fp8=c.fp8))
+        sh = rec.tape.linear(a, c.param(f"{p}.shared.fc2"), f"{p}.shared.fc2", fp8=c.fp8)
         gate = torch.sigmoid(rec.tape.linear(zf, c.param(f"{p}.shared.gate"), f"{p}.shared.gate"))
         outs["sh"] = sh * gate                        # TP-partial (row-parallel fc2)
     rec.t.update(z_leaf=z, outs=outs)
@@ -569,8 +573,8 @@ def _experts_fwd(c: RegionCtx, rec: Rec, env: dict, grad: bool) -> None:
     w1, w2 = c.param(f"{p}.experts.fc1"), c.param(f"{p}.experts.fc2")
     ys = []
     for e, xe in enumerate(torch.split(x_leaf[order], per)):
-        a = swiglu(rec.tape.linear(xe, w1[e], f"{p}.experts.fc1", e))
-        ys.append(rec.tape.linear(a, w2[e], f"{p}.experts.fc2", e))
+        a = swiglu(rec.tape.linear(xe, w1[e], f"{p}.experts.fc1", e, fp8=c.fp8))
+        ys.append(rec.tape.linear(a, w2[e], f"{p}.experts.fc2", e, fp8=c.fp8))
     y = torch.cat(ys)[torch.argsort(order)]
     rec.t.update(x=x_leaf, y=y)
     env["moe.yr"] = y.detach()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -25,6 +25,11 @@ from .models import check_supported
 from .profiler import Profiler, timeline_frame
 from .reference import OptimConfig, make_batch
 from .state import StateStore
+from .checkpoint import CheckpointOptions, Checkpointing
+from .train import DataFeed, TokenData
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..data import DataPosition
 
 __all__ = ["Runtime", "RunResult", "run", "run_program", "compile_program", "load_plan", "world_keys", "export_keys",
            "assemble_params", "StepProgress"]
@@ -55,17 +60,20 @@ class Runtime:
     """One rank's runtime: its process groups, state store and interpreter."""
 
     memory = True      # the CPU peak memory is tracked (``memory=False`` turns the accounting off)
+    feed: "DataFeed | None" = None     # the token file's batches (None: synthetic data)
 
     def __init__(self, program: Program, ctx: RankContext, *, seed: int = 0, data_seed: int = 0,
                  optim: OptimConfig = OptimConfig(), timeout: float = 300.0,
                  model: "models.ModelSpec | None" = None, store: StateStore | None = None,
-                 worlds: Worlds | None = None, profile: bool = True, memory: bool = True) -> None:
+                 worlds: Worlds | None = None, profile: bool = True, memory: bool = True,
+                 data: "TokenData | None" = None) -> None:
         """``store``: this rank's state in the program's layout (a hot switch builds it), else
         initialized from ``seed``. ``worlds``: the process groups to run on, already prepared with
         :func:`world_keys` (a live job builds them ahead), else created here. ``profile``: record
         every instruction's timing (off: no timing, no synchronization, receives posted early). ``memory``:
         track the CPU peak memory (:meth:`peak_memory`; off: no activation accounting, GPUs read the
-        allocator instead)."""
+        allocator instead). ``data``: a token file whose sampler gives each step's global batch (default:
+        the synthetic :func:`~parashift.exec.reference.make_batch` at ``data_seed``)."""
         _check(program, model)
         self.program, self.ctx = program, ctx
         if program.world != ctx.world:
@@ -83,13 +91,29 @@ class Runtime:
         step = StepMeta.of(program)
         gb, seq = step.global_batch, step.seq_len
         self.memory = memory
-        self.interp = Interpreter(program, ctx.rank, self.worlds, self.store, self.spec, ctx.device,
-                                  lambda step: make_batch(self.spec, step, gb, seq, data_seed), optim,
+        self.feed = data.open(seq, gb, self.spec.vocab) if data is not None else None
+        batch = self.feed.batch if self.feed is not None else (lambda step: make_batch(self.spec, step, gb, seq,
+                                                                                       data_seed))
+        self.interp = Interpreter(program, ctx.rank, self.worlds, self.store, self.spec, ctx.device, batch, optim,
                                   self.profiler.record if profile else None, timeout,
                                   memory=memory and ctx.device.type != "cuda")
         self.steps_done = 0
         #: overlap_param: the last step left its parameter gathers to the next step's forward
         self.params_pending = False
+
+    @property
+    def grad_norm(self) -> float:
+        """The global gradient norm (before clipping) of the last step."""
+        return self.interp.st.grad_norm
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the last step's update."""
+        return self.interp.st.lr
+
+    def data_position(self) -> "DataPosition | None":
+        """Where the token stream stands after the steps done (None on synthetic data)."""
+        return self.feed.position(self.steps_done) if self.feed is not None else None
 
     def step(self) -> tuple[float, float]:
         """One training step; returns (this rank's loss share, seconds)."""
@@ -99,6 +123,8 @@ class Runtime:
         if self.ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         loss = self.interp.run_step(self.steps_done)
+        if self.interp.fp8 is not None:     # the step's amaxes (reduced by the Program) into the history
+            self.interp.fp8.end_step()
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize()
         self.steps_done += 1
@@ -126,7 +152,7 @@ class Runtime:
         from .comm import all_gather
         self.sync_params()
         s = self.program.strategy
-        if s.zero == 3:
+        if s.zero_stage.gathers_around_use:
             works = []
             for fam, b in self.store.buffers.items():
                 axis = "edp" if fam == "expert" and s.ep > 1 else s.zero_axis     # dp, dp x cp or shard
@@ -143,7 +169,7 @@ class Runtime:
                     then()
                     works.append(keep)
         out = {k: (off, v.numpy()) for k, (off, v) in self.store.local_params().items()}
-        if s.zero == 3:
+        if s.zero_stage.gathers_around_use:
             self.store.release("export")
         return out
 
@@ -160,7 +186,7 @@ def export_keys(program: Program) -> set:
     """The process groups :meth:`Runtime.gathered_parameters` needs (ZeRO-3 DP groups)."""
     s = program.strategy
     keys = set()
-    if s.zero == 3:
+    if s.zero_stage.gathers_around_use:
         for r in range(s.world):
             for axis in (s.zero_axis, "edp"):
                 g = s.group(r, axis)
@@ -173,23 +199,35 @@ def _train_job(ctx: RankContext, program_json: dict, steps: int, opts: dict) -> 
     """What every rank runs under :func:`run_program`."""
     torch.manual_seed(0)
     program = Program.from_json(program_json)
-    store = None
-    if opts.get("weights"):
-        from .hf import hf_store
-        store = hf_store(_spec(program, opts.get("model")), program.strategy, ctx.rank, ctx.device, opts["weights"])
+    ckpt = Checkpointing(opts.get("checkpoint"), _spec(program, opts.get("model")), program.strategy, ctx.rank,
+                         opts.get("optim"))
+    store, start = ckpt.start(ctx.device)       # --resume: this rank's state cut from the checkpoint
+    if store is None and opts.get("weights"):
+        from .weights import load_store      # only this rank's boxes of the safetensors
+        store = load_store(_spec(program, opts.get("model")), program.strategy, ctx.rank, ctx.device, opts["weights"])
     rt = Runtime(program, ctx, seed=opts.get("seed", 0), data_seed=opts.get("data_seed", 0),
                  optim=OptimConfig(**opts.get("optim", {})), timeout=opts.get("timeout", 300.0),
                  model=opts.get("model"), profile=opts.get("profile", True), memory=opts.get("memory", True),
-                 store=store)
+                 store=store, data=opts.get("data"))
     rt.worlds.prepare(export_keys(program))
-    losses, times = [], []
-    for _ in range(steps):
+    rt.steps_done = start
+    losses, times, norms, lrs, samples = [], [], [], [], []
+    for _ in range(start, steps):
+        step = rt.steps_done
         loss, dt = rt.step()
         losses.append(loss)
         times.append(dt)
+        norms.append(rt.grad_norm)
+        lrs.append(rt.lr)
+        if rt.feed is not None:
+            samples.append(rt.feed.indices(step))
         if opts.get("progress") and ctx.report is not None:
-            ctx.report((len(losses) - 1, loss, dt))
-    out = {"rank": ctx.rank, "losses": losses, "step_times": times,
+            ctx.report((step, loss, dt, rt.grad_norm, rt.lr))     # the step number (a resumed run starts late)
+        ckpt.after_step(rt)
+    pos = rt.data_position()
+    out = {"rank": ctx.rank, "losses": losses, "step_times": times, "grad_norms": norms, "lrs": lrs,
+           "samples": samples, "data_position": pos.to_dict() if pos is not None else None,
+           "checkpoint": ckpt.finish(rt), "start": start,
            "peak_memory": rt.peak_memory() if opts.get("memory", True) else None,
            "timeline": rt.profiler.rows if opts.get("profile", True) else []}
     if opts.get("params"):
@@ -207,6 +245,12 @@ class RunResult:
     peak_memory: list[int]
     rows: list[tuple] = field(default_factory=list, repr=False)
     params: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    grad_norms: list[float] = field(default_factory=list)     # global, before clipping
+    lrs: list[float] = field(default_factory=list)
+    samples: list[list[int]] | None = field(default=None, repr=False)   # sequence indices per step (--data)
+    data_position: dict | None = None
+    first_step: int = 0                 # the step the run started at (a resumed run's checkpoint step)
+    checkpoint: dict = field(default_factory=dict)      # what was saved, resumed and exported
 
     @property
     def strategy(self) -> str:
@@ -229,10 +273,22 @@ class RunResult:
         from ..traces.chrome import write_chrome_trace
         write_chrome_trace(self.to_frame(step), path)
 
+    @property
+    def tokens(self) -> int | None:
+        """Tokens one step trains on (global batch x sequence length; None for a model without sequences)."""
+        return self.step.global_batch * self.step.seq_len if self.step.seq_len else None
+
     def to_json(self) -> dict:
-        return {"losses": self.losses, "step_times": self.step_times, "peak_memory": self.peak_memory,
-                "strategy": self.strategy, "nprocs": self.nprocs, "model": self.step.name,
-                "schedule": self.step.schedule}
+        out = {"losses": self.losses, "step_times": self.step_times, "peak_memory": self.peak_memory,
+               "strategy": self.strategy, "nprocs": self.nprocs, "model": self.step.name,
+               "schedule": self.step.schedule, "grad_norm": self.grad_norms, "lr": self.lrs,
+               "tokens": [self.tokens] * len(self.losses)}
+        if self.samples is not None:
+            out["samples"] = self.samples
+            out["data_position"] = self.data_position
+        out.update({"first_step": self.first_step} if self.first_step else {})
+        out.update(self.checkpoint)
+        return out
 
 
 def assemble_params(spec, parts: list[dict]) -> dict[str, torch.Tensor]:
@@ -255,18 +311,24 @@ def compile_program(model: "str | models.ModelSpec", strategy: "str | Strategy",
 
 
 class StepProgress:
-    """Sums the ranks' per-step reports and calls ``fn(step, loss, seconds)`` once a step is complete."""
+    """Sums the ranks' per-step reports and calls ``fn(step, loss, seconds)`` once a step is complete;
+    ``metrics(step, loss, seconds, grad_norm, lr)`` too when the ranks report those."""
 
-    def __init__(self, world: int, fn: Callable[[int, float, float], None]) -> None:
-        self.world, self.fn = world, fn
-        self.parts: dict[int, list[tuple[float, float]]] = {}
+    def __init__(self, world: int, fn: Callable[[int, float, float], None] | None,
+                 metrics: Callable[[int, float, float, float, float], Any] | None = None) -> None:
+        self.world, self.fn, self.metrics = world, fn, metrics
+        self.parts: dict[int, list[tuple]] = {}
 
     def __call__(self, rank: int, payload: tuple) -> None:
-        step, loss, dt = payload
+        step, loss, dt, *rest = payload
         got = self.parts.setdefault(step, [])
-        got.append((loss, dt))
+        got.append((loss, dt, *rest))
         if len(got) == self.world:
-            self.fn(step, sum(x for x, _ in got), max(t for _, t in got))
+            total, secs = sum(x[0] for x in got), max(x[1] for x in got)
+            if self.fn is not None:
+                self.fn(step, total, secs)
+            if self.metrics is not None and rest:
+                self.metrics(step, total, secs, *rest)
             del self.parts[step]
 
 
@@ -274,31 +336,52 @@ def run_program(program: Program, *, steps: int = 1, seed: int = 0, data_seed: i
                 optim: OptimConfig = OptimConfig(), params: bool = False, profile: bool = True,
                 memory: bool = True, timeout: float = 300.0, backend: str | None = None,
                 progress: Callable[[int, float, float], None] | None = None,
-                model: "models.ModelSpec | None" = None, weights: str | None = None) -> RunResult:
+                model: "models.ModelSpec | None" = None, weights: str | None = None,
+                data: TokenData | None = None,
+                metrics: Callable[[int, float, float, float, float], Any] | None = None,
+                checkpoint: CheckpointOptions | None = None) -> RunResult:
     """Execute a compiled training-step Program on ``program.world`` local processes.
 
     The program carries its model, batch and sequence length (:class:`~parashift.ir.step_meta.StepMeta`);
     nothing else is needed. ``progress(step, loss, seconds)`` is called in this process as each step
-    completes on all ranks; ``model``: optional, checked to be the model the program carries;
-    ``memory`` off: no peak memory (``peak_memory`` is empty) and no accounting cost; ``weights``: a
-    folder of Hugging Face ``*.safetensors`` to start from (else initial values from ``seed``).
+    completes on all ranks, and ``metrics(step, loss, seconds, grad_norm, lr)`` (a
+    :class:`~parashift.exec.metrics.MetricsLog`) too; ``model``: optional, checked to be the model the
+    program carries; ``memory`` off: no peak memory (``peak_memory`` is empty) and no accounting cost;
+    ``weights``: a folder of Hugging Face ``*.safetensors`` to start from (else initial values from
+    ``seed``); ``data``: train on a token file (checked here, before any process starts);
+    ``checkpoint``: save, resume (then ``steps`` counts from step 0 and the run trains the steps after
+    the checkpoint's) and export.
     """
     _check(program, model)
     if weights:
         from .hf import check_convertible
         check_convertible(_spec(program, model))
+    if data is not None:
+        data.open(StepMeta.of(program).seq_len, StepMeta.of(program).global_batch, _spec(program, model).vocab)
+    if checkpoint is not None:
+        checkpoint.check(_spec(program, model), steps, data, StepMeta.of(program).global_batch,
+                         StepMeta.of(program).seq_len)
     opts = {"seed": seed, "data_seed": data_seed, "optim": optim.__dict__, "params": params, "profile": profile,
-            "memory": memory, "timeout": timeout, "progress": progress is not None, "model": model, "weights": weights}
+            "memory": memory, "timeout": timeout, "progress": progress is not None or metrics is not None,
+            "model": model, "weights": weights, "data": data,
+            "checkpoint": checkpoint}
     outs = launch_local(_train_job, program.world, args=(program.to_json(), steps, opts), timeout=timeout,
-                        backend=backend, on_report=StepProgress(program.world, progress) if progress else None,
+                        backend=backend, on_report=StepProgress(program.world, progress, metrics)
+                        if progress or metrics else None,
                         gather=True)
     outs = [o for o in outs if o is not None]
-    losses = [float(sum(o["losses"][k] for o in outs)) for k in range(steps)]
-    times = [max(o["step_times"][k] for o in outs) for k in range(steps)]
+    ran = len(outs[0]["losses"])
+    losses = [float(sum(o["losses"][k] for o in outs)) for k in range(ran)]
+    times = [max(o["step_times"][k] for o in outs) for k in range(ran)]
     rows = [r for o in outs for r in o["timeline"]]
     spec = _spec(program, model)
+    first = min(outs, key=lambda o: o["rank"])
+    if data is not None and any(o["samples"] != first["samples"] for o in outs):
+        raise ProgramError("the ranks trained on different sequences; the sampler must not depend on the rank")
     return RunResult(program, losses, times, [o["peak_memory"] for o in outs if o["peak_memory"] is not None], rows,
-                     assemble_params(spec, [o["params"] for o in outs]) if params else None)
+                     assemble_params(spec, [o["params"] for o in outs]) if params else None,
+                     first["grad_norms"], first["lrs"], first["samples"] if data is not None else None,
+                     first["data_position"], first_step=first["start"], checkpoint=first["checkpoint"])
 
 
 def run(model: "str | models.ModelSpec", strategy: "str | Strategy", *, steps: int = 1, global_batch: int = 8,

@@ -14,13 +14,15 @@ released once its reduce-scatter has added it into the gradient shard, which liv
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..ir.memory import grad_bucket
 from ..models import ModelSpec
+from ..states import zero_stage
 from ..strategy import Strategy
+from ..train.schedule import decays
 from .models import init_tensor
 from .reference import OptimConfig
 
@@ -114,28 +116,31 @@ class Buffer:
                  dtype: torch.dtype, device: torch.device, mem: MemoryTracker, alloc=None) -> None:
         zeros = alloc or (lambda n_, dt, dev: torch.zeros(n_, dtype=dt, device=dev))
         self.family, self.pieces, self.n, self.index, self.zero = family, pieces, n, index, zero
+        self.zero_stage = z = zero_stage(zero)
         self.numel = sum(p.numel for p in pieces)
         self.padded = -(-self.numel // n) * n
         self.q = self.padded // n
         self.lo, self.hi = index * self.q, (index + 1) * self.q
         self.dtype, self.device, self.mem = dtype, device, mem
+        self.gdtype = torch.float32      # gradients accumulate and reduce in fp32 (bf16 models: Megatron's main_grad)
         self.ranges: dict[int, tuple[int, int]] = {}
         for p in pieces:
             a, b = self.ranges.get(p.chunk, (p.start, p.start))
             self.ranges[p.chunk] = (min(a, p.start), max(b, p.start + p.numel))
-        self.param = zeros(self.padded if zero < 3 else self.q, dtype, device)
+        self.param = zeros(self.q if z.shards_params else self.padded, dtype, device)
         self.copies: dict[int, list[tuple[str, torch.Tensor, int]]] = {}   # zero 3: chunk -> (name, copy, offset)
-        osz = self.q if zero >= 1 else self.padded
+        osz = self.q if z.shards_optim else self.padded
         self.master = None if dtype == torch.float32 else zeros(osz, torch.float32, device)
         self.exp_avg = zeros(osz, torch.float32, device)
         self.exp_avg_sq = zeros(osz, torch.float32, device)
         self.grad: torch.Tensor | None = None          # full local accumulation buffer
         self.grad_shard: torch.Tensor | None = None    # reduce-scattered shard (zero >= 1)
-        self.per_mb = zero >= 2 and n > 1                # gradients reduce-scattered per micro-batch
+        self.per_mb = z.grad_buckets and n > 1                # gradients reduce-scattered per micro-batch
         self.mb_grads: dict[tuple[int, int], dict[str | None, tuple[int, torch.Tensor]]] = {}
         #   (chunk, mb) -> bucket (region, None: the chunk) -> (buffer offset, gradient)
         self.step = 0
         self.name = family
+        self._segments: list[tuple[int, int, bool]] | None = None   # weight-decay ranges (optimizer step)
         mem.alloc(f"param:{family}", self.param.numel() * self.param.element_size())
         for k in ("master", "exp_avg", "exp_avg_sq"):
             t = getattr(self, k)
@@ -151,19 +156,19 @@ class Buffer:
         for p in self.pieces:
             full[p.start:p.start + p.numel] = values[p.name][p.box()].reshape(-1)
         full = full.to(self.device)
-        self.param.copy_((full if self.zero < 3 else full[self.lo:self.hi]).to(self.dtype))
+        self.param.copy_((full[self.lo:self.hi] if self.zero_stage.shards_params else full).to(self.dtype))
         if self.master is not None:
-            self.master.copy_(full[self.lo:self.hi] if self.zero >= 1 else full)
+            self.master.copy_(full[self.lo:self.hi] if self.zero_stage.shards_optim else full)
 
     def param_shard(self) -> torch.Tensor:
-        return self.param if self.zero == 3 else self.param[self.lo:self.hi]
+        return self.param if self.zero_stage.shards_params else self.param[self.lo:self.hi]
 
     def chunk_param(self, chunk: int, name: str | None = None) -> tuple[torch.Tensor, int] | None:
         """(flat tensor, offset of buffer element 0 in it) holding chunk's parameters, or None.
 
         ZeRO-3: the gathered copy called ``name`` (the copy of the running action), else the latest.
         """
-        if self.zero < 3 or self.n == 1:      # a group of one holds everything: no gather exists
+        if not self.zero_stage.shards_params or self.n == 1:      # a group of one holds everything: no gather exists
             return self.param, 0
         copies = self.copies.get(chunk)
         if not copies:
@@ -212,13 +217,13 @@ class Buffer:
     # ---- gradients ----------------------------------------------------------------------------
     def grad_buffer(self) -> torch.Tensor:
         if self.grad is None:
-            self.grad = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+            self.grad = torch.zeros(self.padded, dtype=self.gdtype, device=self.device)
             self.mem.alloc(f"grad:{self.family}", self.padded * self.grad.element_size())
         return self.grad
 
     def grad_shard_buffer(self) -> torch.Tensor:
         if self.grad_shard is None:
-            self.grad_shard = torch.zeros(self.q, dtype=self.dtype, device=self.device)
+            self.grad_shard = torch.zeros(self.q, dtype=self.gdtype, device=self.device)
             self.mem.alloc(f"grad_shard:{self.family}", self.q * self.grad_shard.element_size())
         return self.grad_shard
 
@@ -243,7 +248,7 @@ class Buffer:
             raise RuntimeError(f"gradient bucket {region or 'chunk'} of chunk {chunk} micro-batch {mb} "
                                f"({self.family}) allocated twice")
         a, b = self.bucket_span(chunk, region)
-        t = torch.zeros(b - a, dtype=self.dtype, device=self.device)
+        t = torch.zeros(b - a, dtype=self.gdtype, device=self.device)
         buckets[region] = (a, t)
         self.mem.alloc(self._zg(chunk, mb, region), t.numel() * t.element_size())
 
@@ -269,20 +274,65 @@ class Buffer:
             self.mb_grads.pop((chunk, mb), None)
 
     # ---- optimizer ----------------------------------------------------------------------------
-    def optimizer_step(self, cfg: OptimConfig) -> None:
-        """AdamW on this rank's optimizer shard, then write the new values into the parameters."""
-        if self.zero >= 1 and self.n == 1:   # no DP peers: no reduce-scatter, the shard is the buffer
-            g = self.grad_buffer()
-        elif self.zero >= 1:
-            g = self.grad_shard if self.grad_shard is not None else torch.zeros(self.q, dtype=self.dtype,
-                                                                                device=self.device)
-        else:
-            g = self.grad_buffer()
-        target = self.master if self.master is not None else (self.param_shard() if self.zero >= 1 else self.param)
+    def opt_grad(self) -> torch.Tensor:
+        """The gradient the optimizer reads: this rank's ZeRO shard (zero >= 1), else the whole buffer."""
+        if self.zero_stage.shards_optim and self.n == 1:   # no DP peers: no reduce-scatter, the shard is the buffer
+            return self.grad_buffer()
+        if self.zero_stage.shards_optim:
+            return self.grad_shard if self.grad_shard is not None else torch.zeros(self.q, dtype=self.gdtype,
+                                                                                   device=self.device)
+        return self.grad_buffer()
+
+    @property
+    def opt_base(self) -> int:
+        """Buffer offset of the optimizer state's element 0 (this rank's ZeRO shard's start, else 0)."""
+        return self.lo if self.zero_stage.shards_optim else 0
+
+    @property
+    def opt_len(self) -> int:
+        """Elements of the optimizer state (and of :meth:`opt_grad`)."""
+        return self.q if self.zero_stage.shards_optim else self.padded
+
+    def decay_segments(self) -> list[tuple[int, int, bool]]:
+        """``(a, b, decays)`` ranges covering the optimizer state (offsets into it): weight decay on
+        matrices and embeddings, not on norms and biases (:func:`parashift.train.decays`)."""
+        lo, n = self.opt_base, self.opt_len
+        out: list[tuple[int, int, bool]] = []
+        cur = 0
+        for p in self.pieces:
+            a, e = max(lo, p.start) - lo, min(lo + n, p.start + p.numel) - lo
+            if a >= e:
+                continue
+            flag = decays(p.name, p.sizes)
+            if a > cur:                           # a gap (none today): decayed, it is zero
+                out.append((cur, a, True))
+            if out and out[-1][2] == flag and out[-1][1] == a:
+                out[-1] = (out[-1][0], e, flag)
+            else:
+                out.append((a, e, flag))
+            cur = e
+        if cur < n:                               # the padding: decayed, it is zero
+            if out and out[-1][2]:
+                out[-1] = (out[-1][0], n, True)
+            else:
+                out.append((cur, n, True))
+        return out
+
+    def optimizer_step(self, cfg: OptimConfig, scale: float = 1.0) -> None:
+        """AdamW on this rank's optimizer shard (gradients times ``scale``; weight decay only on the
+        ranges of :meth:`decay_segments`), then write the new values into the parameters."""
+        g = self.opt_grad().float()
+        if scale != 1.0:
+            g = g * scale
+        target = self.master if self.master is not None else (self.param_shard() if self.zero_stage.shards_optim else self.param)
         self.step += 1
-        adamw_(target, g.float(), self.exp_avg, self.exp_avg_sq, self.step, cfg)
+        if self._segments is None:
+            self._segments = self.decay_segments()
+        plain = replace(cfg, weight_decay=0.0)
+        for a, e, dec in self._segments:
+            adamw_(target[a:e], g[a:e], self.exp_avg[a:e], self.exp_avg_sq[a:e], self.step, cfg if dec else plain)
         if self.master is not None:
-            (self.param_shard() if self.zero >= 1 else self.param).copy_(self.master.to(self.dtype))
+            (self.param_shard() if self.zero_stage.shards_optim else self.param).copy_(self.master.to(self.dtype))
         self.zero_grad()
 
     def zero_grad(self) -> None:
@@ -293,7 +343,7 @@ class Buffer:
             self.grad_shard_buffer().zero_()
             return
         if self.grad is not None:
-            if self.zero >= 2:
+            if self.zero_stage.grad_buckets:
                 self.grad = None
                 self.mem.free(f"grad:{self.family}")
             else:

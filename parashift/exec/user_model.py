@@ -174,19 +174,18 @@ class UserInterpreter(Interpreter):
     def _compute(self, ins: Instr) -> None:
         ph, c, mb = ins.phase, ins.chunk, ins.microbatch
         if ph == "optim":
-            for b in self.store.buffers.values():
-                b.optimizer_step(self.optim)
+            super()._compute(ins)        # the shared optimizer phase: global norm, clipping, rate, AdamW
             return
-        if self.strategy.zero == 3:
+        if self.strategy.zero_stage.gathers_around_use:
             self.store.active[c] = f"z3.c{c}.{'fwd' if ph == 'fwd' else 'bwd'}.m{mb}"
         if ph == "fwd":
             x = self._to(rows_of(self.tokens, self._rows(mb))) if c == 0 else self.st.act.pop((c - 1, mb))
             self.st.recs[(c, mb)] = {"x": x}
-            self._forward(c, mb, grad=(c, mb) not in self.rc and self.strategy.zero != 3)
+            self._forward(c, mb, grad=(c, mb) not in self.rc and not self.strategy.zero_stage.gathers_around_use)
         elif ph == "recompute":
             self._forward(c, mb, grad=True)
         elif ph in ("bwd", "bwd_input", "bwd_weight"):
-            if self.strategy.zero == 3 and not self.st.recs[(c, mb)]["out"].requires_grad:
+            if self.strategy.zero_stage.gathers_around_use and not self.st.recs[(c, mb)]["out"].requires_grad:
                 self._forward(c, mb, grad=True)    # rebuild the graph on the backward's gathered parameters
             self._backward(c, mb, ph)
         else:
@@ -292,14 +291,16 @@ def _user_job(ctx: RankContext, program_json: dict, plan: UserPlan, packed: tupl
     program = Program.from_json(program_json)
     rt = UserRuntime(program, plan, model, ctx, data=data, loss_fn=loss_fn, optim=OptimConfig(**opts["optim"]),
                      timeout=opts["timeout"], profile=opts["profile"])
-    losses, times = [], []
+    losses, times, norms, lrs = [], [], [], []
     for _ in range(steps):
         loss, dt = rt.step()
         losses.append(loss)
         times.append(dt)
+        norms.append(rt.grad_norm)
+        lrs.append(rt.lr)
         if opts["progress"] and ctx.report is not None:
             ctx.report((len(losses) - 1, loss, dt))
-    out = {"losses": losses, "step_times": times, "peak_memory": rt.peak_memory(),
+    out = {"losses": losses, "step_times": times, "peak_memory": rt.peak_memory(), "grad_norms": norms, "lrs": lrs,
            "timeline": rt.profiler.rows if opts["profile"] else []}
     if opts["params"]:
         out["params"] = rt.gathered_parameters()
@@ -345,5 +346,6 @@ def run_user_model(model_or_builder: Any, strategy: "str | Strategy" = "dp=1", *
     times = [max(o["step_times"][k] for o in outs) for k in range(steps)]
     rows = [r for o in outs for r in o["timeline"]]
     return RunResult(program, losses, times, [o["peak_memory"] for o in outs], rows,
-                     assemble_params(plan.spec, [o["params"] for o in outs]) if params else None)
+                     assemble_params(plan.spec, [o["params"] for o in outs]) if params else None,
+                     outs[0]["grad_norms"], outs[0]["lrs"])
 

@@ -48,6 +48,9 @@ class Job:
 
     def __post_init__(self) -> None:
         self.strategy.validate(self.model)
+        if self.training.fp8 and self.strategy.fp8 != "none":
+            raise InputError(f"fp8 is given twice: the strategy's fp8={self.strategy.fp8} (simulated) and --fp8 "
+                             f"{self.training.fp8}; drop --fp8")
         self.strategy.num_microbatches(self.global_batch)   # raises when gb does not divide into micro-batches
 
 

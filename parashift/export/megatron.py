@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 
+from ..fp8 import get as fp8_recipe
 from .common import Export, Job, build
 
 __all__ = ["to_megatron", "VERSION"]
@@ -47,11 +48,12 @@ def _parallel(job: Job, out: Export) -> None:
             out.set("--pipeline-model-parallel-layout", _layout(job))
         else:
             out.set("--num-virtual-stages-per-pipeline-rank", s.vpp)
-    if s.zero == 1:
+    z = s.zero_stage
+    if z.sharded and not z.shards_grads:
         out.set("--use-distributed-optimizer")
-    elif s.zero in (2, 3):
+    elif z.shards_grads:
         out.set("--use-megatron-fsdp")
-        out.set("--data-parallel-sharding-strategy", "optim_grads" if s.zero == 2 else "optim_grads_params")
+        out.set("--data-parallel-sharding-strategy", "optim_grads_params" if z.shards_params else "optim_grads")
         out.notes.append(f"zero={s.zero} maps to Megatron-FSDP, which checkpoints with --ckpt-format fsdp_dtensor")
     if s.shard:
         out.set("--num-distributed-optimizer-instances", s.dp_replicas)
@@ -64,6 +66,15 @@ def _parallel(job: Job, out: Export) -> None:
                                "reduction with the weight-gradient GEMM and has no option to turn that off")
     if not s.grad_fusion:
         out.set("--no-gradient-accumulation-fusion")
+    recipe = fp8_recipe(s.fp8)
+    if recipe is not None:     # Transformer Engine's recipes under Megatron-LM's names
+        out.set("--fp8-format", "hybrid")
+        out.set("--fp8-recipe", {"delayed": "delayed", "current": "tensorwise", "mx": "mxfp8"}[s.fp8])
+        if recipe.delayed:
+            out.set("--fp8-amax-history-len", recipe.amax_history)
+            out.set("--fp8-amax-compute-algo", "max")
+        if s.fp8_gather:
+            out.set("--fp8-param-gather")
     for name, value in _RECOMPUTE.get(s.recompute, []):
         out.set(name, value)
     out.set("--micro-batch-size", s.mbs)
@@ -105,7 +116,10 @@ def _model(job: Job, out: Export) -> None:
         out.set("--num-experts", m.experts)
         out.set("--moe-router-topk", m.top_k)
         out.set("--moe-ffn-hidden-size", m.expert_ffn)
-        out.set("--moe-router-pre-softmax")                      # softmax over all experts, then top-k
+        if m.router == "sigmoid":                                  # DeepSeek-V3's scores
+            out.set("--moe-router-score-function", "sigmoid")
+        if not m.norm_topk:     # softmax over all experts, then top-k; Megatron's default (top-k, then softmax
+            out.set("--moe-router-pre-softmax")   # over those k) is the renormalised routing of Mixtral and Qwen3
         out.set("--moe-router-load-balancing-type", "none")      # the plan's model has no auxiliary loss
         if m.shared_ffn:
             out.set("--moe-shared-expert-intermediate-size", m.shared_ffn)

@@ -30,10 +30,23 @@ def model_args(job: Job) -> dict:
             "max_seq_len": max(job.seq_len, m.seq_len)}
 
 
+def flavor_name(name: str) -> str:
+    """A flavor key for a model name: a Hugging Face config's folder (``hf:/x/llama3-8b/config.json`` ->
+    ``llama3-8b``), else the name itself."""
+    if name.startswith("hf:"):
+        path = name[3:].rstrip("/")
+        parts = [p for p in path.split("/") if p]
+        if parts and parts[-1] == "config.json":
+            parts = parts[:-1]
+        return parts[-1] if parts else name
+    return name
+
+
 def _model(job: Job, out: Export) -> None:
     m = job.model
+    flavor = flavor_name(m.name)
     out.set("model.name", "llama3")
-    out.set("model.flavor", m.name)
+    out.set("model.flavor", flavor)
     misfits = [what for bad, what in [
         (not m.gated, "a GELU MLP (llama3 has SwiGLU)"), (m.norm != "rms", "LayerNorm (llama3 has RMSNorm)"),
         (m.pos_emb != "rope", "learned position embeddings (llama3 has RoPE)"),
@@ -43,7 +56,7 @@ def _model(job: Job, out: Export) -> None:
         (m.dropout > 0, f"dropout {m.dropout} (torchtitan trains without dropout)")] if bad]
     if misfits:
         out.unsupported.append(f"model {m.name}: torchtitan's llama3 cannot express " + "; ".join(misfits))
-    out.notes.append(f"register flavor {m.name!r} in torchtitan/models/llama3/__init__.py: llama3_args[{m.name!r}] = "
+    out.notes.append(f"register flavor {flavor!r} in torchtitan/models/llama3/__init__.py: llama3_args[{flavor!r}] = "
                      "TransformerModelArgs(" + ", ".join(f"{k}={v!r}" for k, v in model_args(job).items()) + ")")
     if m.dtype == "fp16":
         out.unsupported.append("fp16: torchtitan trains in bfloat16 or float32 only")
@@ -63,16 +76,17 @@ def _fqns(job: Job) -> list[list[str]]:
 
 def _parallel(job: Job, out: Export) -> None:
     s = job.strategy
-    if s.zero == 0:
+    z = s.zero_stage
+    if not z.sharded:
         out.set("parallelism.data_parallel_replicate_degree", s.dp)
         out.set("parallelism.data_parallel_shard_degree", 1)
     else:
         shard = s.shard or s.dp
         out.set("parallelism.data_parallel_replicate_degree", s.dp // shard)
         out.set("parallelism.data_parallel_shard_degree", shard)
-        if s.zero in (1, 2):
+        if z.gathers_after_step:      # full parameters kept between steps
             out.set("parallelism.fsdp_reshard_after_forward", "never")
-        if s.zero == 1:
+        if not z.shards_grads:
             out.unsupported.append("zero=1: torchtitan shards with FSDP2, which also shards gradients; with "
                                    "fsdp_reshard_after_forward = never it is ZeRO-2 (less memory, the same traffic)")
     out.set("parallelism.tensor_parallel_degree", s.tp)
@@ -115,8 +129,26 @@ def _parallel(job: Job, out: Export) -> None:
     out.set("training.local_batch_size", job.global_batch // s.dp if s.pp > 1 else s.mbs)
 
 
+def _fp8(job: Job, out: Export) -> None:
+    """The strategy's fp8 recipe as torchao's float8 converter (tensorwise: dynamic, E4M3 throughout)."""
+    s = job.strategy
+    if s.fp8 == "mx":
+        out.unsupported.append("fp8=mx: this export writes torchao's float8 converter only; the plan's MX "
+                               "(32-element block) scaling is not expressed")
+        return
+    out.set("model.converters", ["quantize.linear.float8"])
+    out.set("quantize.linear.float8.recipe_name", "tensorwise")
+    out.unsupported.append(f"fp8={s.fp8}: torchao's tensorwise recipe scales each tensor by its current amax and "
+                           f"keeps E4M3 for gradients too" + (" (the plan's delayed scaling keeps a 16-step amax "
+                                                             "history)" if s.fp8 == "delayed" else ""))
+    if s.fp8_gather:
+        out.set("quantize.linear.float8.enable_fsdp_float8_all_gather", True)
+
+
 def _training(job: Job, out: Export) -> None:
     t = job.training
+    if job.strategy.fp8 != "none":
+        _fp8(job, out)
     if t.fp8:
         out.set("model.converters", ["quantize.linear.float8"])
         out.set("quantize.linear.float8.recipe_name", "tensorwise")

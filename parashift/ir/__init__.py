@@ -4,7 +4,7 @@ Importing ``parashift.ir`` never imports torch (``annotate`` loads it inside its
 """
 from __future__ import annotations
 
-from .actions import Action, format_order, parse_order
+from .actions import Action, format_order, parse_order, stage_orders
 from .compile import compile, directives, distributed_graph
 from .compile_graph import compile_graph
 from .directives import Fuse, Order, Place, Recompute, Replicate, Shard, Split, Stream, apply_all
@@ -15,7 +15,7 @@ from .scheduler import lower
 from .schedules import RECIPES, schedule_order, schedule_steps
 
 __all__ = [
-    "Action", "format_order", "parse_order", "compile", "compile_graph", "directives", "distributed_graph",
+    "Action", "format_order", "parse_order", "stage_orders", "compile", "compile_graph", "directives", "distributed_graph",
     "Fuse", "Order", "Place", "Recompute", "Replicate", "Shard", "Split", "Stream", "apply_all",
     "DATA", "ORDER", "SAVED", "Graph", "model_graph", "COMM_OPS", "PHASES", "Instr", "Program",
     "RankProgram", "lower", "RECIPES", "schedule_order", "schedule_steps", "region", "annotate", "trace",

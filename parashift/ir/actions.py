@@ -9,13 +9,14 @@ micro-batch's communication hides behind the other's compute (DualPipe's F&B blo
 from __future__ import annotations
 
 import re
-from typing import Iterable, NamedTuple, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
 from ..errors import ProgramError
 
-__all__ = ["Action", "Step", "action_ids", "parse_order", "format_order", "TYPES", "PHASES_OF", "AFTER", "END", "OPTIM", "POST"]
+__all__ = ["Action", "Step", "action_ids", "parse_order", "format_order", "stage_orders", "TYPES", "PHASES_OF", "AFTER",
+           "END", "OPTIM", "POST"]
 
 #: Anchors for graph nodes that belong to no action: after a chunk's last backward, at the end of the
 #: comm stream, the optimizer step, after the optimizer step.
@@ -104,3 +105,29 @@ def as_steps(order: "str | Iterable[Step | Action]") -> list[Step]:
     if isinstance(order, str):
         return parse_order(order)
     return [(st,) if isinstance(st, Action) else tuple(st) for st in order]
+
+
+_TYPE_OF = {"fwd": "F", "bwd": "B", "recompute": "B", "bwd_input": "I", "bwd_weight": "W"}
+
+
+def stage_orders(program: Any) -> dict[int, list[Action]]:
+    """Each stage's compute actions in stream order, read back from a compiled
+    :class:`~parashift.ir.program.Program` (consecutive instructions of one action merged; a
+    recompute counts as its backward). Typed loosely: this module sits below the Program."""
+    s = program.strategy
+    per = (s.world // s.pp) if s is not None else 1
+    stages = (s.pp if s is not None else 1)
+    out: dict[int, list[Action]] = {}
+    for st in range(stages):
+        rp = program.ranks[st * per]
+        acts: list[Action] = []
+        seen: set = set()
+        for ins in rp.streams.get("compute", ()):
+            if ins.op != "compute" or ins.phase not in _TYPE_OF:
+                continue
+            a = Action(ins.chunk, _TYPE_OF[ins.phase], ins.microbatch)
+            if a not in seen:
+                seen.add(a)
+                acts.append(a)
+        out[st] = acts
+    return out

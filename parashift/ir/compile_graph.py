@@ -116,10 +116,12 @@ def compile_graph(graph: Graph, strategy: "str | Strategy" = "dp=1", *, global_b
     node_chunk = [0 if L < 0 else chunks - 1 if L >= len(layer_chunk) else layer_chunk[L] for L in c["layer"]]
     chunk_bytes = np.bincount(node_chunk, weights=c["params"], minlength=chunks).astype(np.int64)
     stage_bytes = np.bincount(np.asarray(chunk_stage), weights=chunk_bytes, minlength=s.pp).astype(np.int64)
-    shard = (lambda b, lvl: -(-int(b) // s.zero_ways) if s.zero >= lvl else int(b))
+    z = s.zero_stage
+    shard = (lambda b, sharded: -(-int(b) // s.zero_ways) if sharded else int(b))
     elems = [int(b) // 4 for b in stage_bytes]
-    mem = [{"param": shard(b, 3), "grad": shard(b, 2), "master": 0, "optim": shard(2 * b, 1)} for b in stage_bytes]
-    opt = tuple((OPTIM_FLOPS_PER_ELEMENT * shard(e, 1), shard(e, 1) * 16) for e in elems)
+    mem = [{"param": shard(b, z.shards_params), "grad": shard(b, z.shards_grads), "master": 0,
+            "optim": shard(2 * b, z.shards_optim)} for b in stage_bytes]
+    opt = tuple((OPTIM_FLOPS_PER_ELEMENT * shard(e, z.shards_optim), shard(e, z.shards_optim) * 16) for e in elems)
     act_msg = int(max(c["act"][i] for i in range(len(g)) if c["kind"][i] != "head") if len(g) > 1 else c["act"][0])
     split = split_backward(s.schedule) or res.split_backward
     if order is None:

@@ -63,14 +63,17 @@ def estimate_costs(model: ModelSpec, strategy: Strategy, seq_len: int,
         comm += 2 * _collective(a2a, 1, g.inter_bw if inter else g.intra_bw,
                                 g.inter_latency if inter else g.intra_latency)
     layers = np.bincount(s.layer_stages(model.layers), minlength=s.stages).astype(float)
-    fwd = layers * layer_flops
-    fwd[-1] += model.head_flops(tokens)
-    compute = fwd / s.tp / rate
+    head = np.zeros(s.stages)
+    head[-1] = model.head_flops(tokens)
+    # the weight-grad runs the GEMMs with weights once more; the input-grad runs them too, plus the core
+    # attention's backward (QK^T and AV have no weights: twice their forward FLOPs, all in I)
+    gemm = (layers * (layer_flops - core) + head) / s.tp / rate
+    attn = layers * core / s.tp / rate
     extra = {"none": 0.0, "selective": core, "full": layer_flops}[s.recompute] * layers / s.tp / rate
     t_comm = layers * comm
-    f = compute + t_comm
-    i = compute + t_comm + extra + (t_comm if s.recompute == "full" else 0.0)
-    w = compute
+    f = gemm + attn + t_comm
+    i = gemm + 2 * attn + t_comm + extra + (t_comm if s.recompute == "full" else 0.0)
+    w = gemm
     multi = _stage_is_multi_node(s, cl)
     p2p = msg / ((g.inter_bw if multi else g.intra_bw) * LINK_EFFICIENCY) + (g.inter_latency if multi else g.intra_latency)
     floor = 1e-12

@@ -26,7 +26,9 @@ from typing import ClassVar, Mapping, Sequence
 
 import numpy as np
 
+from ..collectives import ACTIVATION_PHASES, BACKWARD_PHASES
 from ..errors import ProgramError
+from ..states import ZeroStage, zero_stage
 from .actions import AFTER, END, OPTIM, POST, Action
 from .graph import DATA, SAVED, Graph, equals as _equals, take as _take
 from .ordering import Fuse, Order, Stream
@@ -36,7 +38,7 @@ __all__ = ["Split", "Place", "Shard", "Recompute", "Replicate", "Order", "Stream
            "END", "OPTIM", "POST", "AFTER"]
 
 _TYPE_OF_PHASE = {"fwd": "F", "bwd": "B", "bwd_input": "I", "bwd_weight": "W"}
-_BWD = ("bwd", "bwd_input", "bwd_weight")
+_BWD = BACKWARD_PHASES
 
 
 def _comm(g: Graph, u: int, *, op: str, tag: str, group: "str | None" = None, peer: "str | None" = None,
@@ -449,7 +451,7 @@ class Shard:
                 continue
             c["flops"][i] /= self.ways
             ph = c["phase"][i]
-            if c["kind"][i] != "attn" or ph not in ("fwd", "bwd", "bwd_input"):
+            if c["kind"][i] != "attn" or ph not in ACTIVATION_PHASES:
                 continue
             reg, mb = c["region"][i], c["mb"][i]
             kv = _comm(out, i, op="all_gather", tag=_tag(made, mb, T.CPTag, reg, ph, "kv"), group="cp",
@@ -579,9 +581,15 @@ class Replicate:
     overlap_param: bool = False   # ZeRO-1/2: the parameter gathers run in the step's forward, see _forward_gathers
     stampable: ClassVar[bool] = True
 
+    @property
+    def zero_stage(self) -> ZeroStage:
+        """The ZeRO stage record of ``zero``."""
+        return zero_stage(self.zero)
+
     def apply(self, g: Graph) -> Graph:
         out = g.owned()
         c = out.cols
+        z = self.zero_stage
         chunks = len(self.dense_bytes)
         stage_of: dict[int, int] = {}
         optim: dict[int, int] = {}
@@ -613,13 +621,13 @@ class Replicate:
         sync_nodes: dict[int, list[int]] = {}
         replica_after: list[tuple[int, int]] = []
         rs_of: dict[int, list[int]] = {}      # chunk -> its ZeRO-2/3 per-micro-batch reduce-scatters
-        if self.zero >= 2 and not tied:
+        if z.grad_buckets and not tied:
             rs_of = self._per_microbatch(out, stage_of, optim, bwd_of_chunk, first_of_action, last_of_action, edp)
-        for ch in (range(0) if self.zero >= 2 and not tied else range(chunks)):
+        for ch in (range(0) if z.grad_buckets and not tied else range(chunks)):
             st = stage_of[ch]
             anchor = (AFTER, ch)
             for grp, nb, what in self._specs(ch, edp):
-                s = out.add(op="all_reduce" if self.zero == 0 else "reduce_scatter", group=grp, chunk=ch,
+                s = out.add(op=z.grad_sync, group=grp, chunk=ch,
                             stage=st, tag=str(T.SyncTag(T.Axis("edp" if what == "expert" else "dp"), T.Sync.GRAD, ch)),
                             key=str(T.StepKey("grad", ch, what)), nbytes=int(nb),
                             stream="comm", action=anchor)
@@ -629,7 +637,7 @@ class Replicate:
                 for u in sync_nodes.get(ch, []):
                     replica_after.append((u, r))
                 sync_nodes.setdefault(ch, []).append(r)
-        if self.zero >= 2 and not tied and self.replicas > 1:   # after the chunk's last micro-batch
+        if z.grad_buckets and not tied and self.replicas > 1:   # after the chunk's last micro-batch
             for ch in range(chunks):
                 if self.grad_dense[ch]:
                     r = self._replica_sync(out, ch, stage_of[ch])
@@ -675,9 +683,9 @@ class Replicate:
                 if not sync_nodes.get(ch):
                     out.edge(t, optim[st], SAVED)
         # ZeRO parameter all-gathers
-        if self.zero in (1, 2) and self.overlap_param:
+        if z.gathers_after_step and self.overlap_param:
             self._forward_gathers(out, first_of_action, optim, edp)
-        elif self.zero in (1, 2):
+        elif z.gathers_after_step:
             for ch in range(chunks):
                 for grp, nb, pfx in ((self.axis, self.dense_bytes[ch], "dp"), ("edp", self.expert_bytes[ch], "edp")):
                     size = self.ways if grp == self.axis else (edp if self.ep > 1 else 1)
@@ -687,7 +695,7 @@ class Replicate:
                                     key=str(T.StepKey("param", ch, "dense" if grp == self.axis else "expert")),
                                     nbytes=int(nb), stream="comm", action=(POST, ch))
                         out.edge(optim[stage_of[ch]], a, SAVED)
-        elif self.zero == 3 and not self._region_gathers(out):
+        elif z.gathers_around_use and not self._region_gathers(out):
             for a, first in first_of_action.items():
                 if a.type == "W":
                     continue

@@ -9,15 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterable, Iterator, Mapping
 
+from ..collectives import COLLECTIVES, COMM_OPS, COMPUTE, P2P_OPS, PHASES
 from ..errors import ProgramError
 
 __all__ = ["Instr", "RankProgram", "COMPUTE", "COMM_OPS", "COLLECTIVES", "PHASES", "instrs_from_columns"]
 
-COMPUTE = "compute"
-COMM_OPS = ("send", "recv", "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast",
-            "scatter", "gather", "copy")
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "scatter", "gather")
-PHASES = ("fwd", "bwd", "bwd_input", "bwd_weight", "optim", "recompute")
 Group = "tuple[int, ...] | str | None"
 
 
@@ -73,7 +69,7 @@ class Instr:
 
     @property
     def is_p2p(self) -> bool:
-        return self.op in ("send", "recv")
+        return self.op in P2P_OPS
 
     @property
     def is_collective(self) -> bool:

@@ -32,11 +32,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..fp8 import FP8_GEMMS, get as fp8_recipe
 from ..models import ModelSpec
-from ..states import zero_shards
 from ..strategy import Strategy
 
-__all__ = ["ChunkParams", "chunk_params", "static_memory", "optimizer_elements", "region_activation",
+__all__ = ["ChunkParams", "chunk_params", "fp8_params", "gather_bytes", "static_memory", "optimizer_elements", "region_activation",
            "recompute_bytes", "region_state_bytes", "grad_bucket", "OPTIM_FLOPS_PER_ELEMENT"]
 
 OPTIM_FLOPS_PER_ELEMENT = 10.0
@@ -81,6 +81,29 @@ def chunk_params(model: ModelSpec, strategy: Strategy) -> ChunkParams:
     return ChunkParams(dense, expert, tied)
 
 
+def fp8_params(model: ModelSpec, strategy: Strategy) -> ChunkParams:
+    """Per chunk, the elements of one rank's GEMM weights an fp8 recipe casts (:data:`parashift.fp8.FP8_GEMMS`;
+    TP and EP shards, before ZeRO): all zero without a recipe."""
+    s = strategy
+    layer_chunk = s.layer_stages(model.layers)
+    dense = np.zeros(s.stages, np.int64)
+    expert = np.zeros(s.stages, np.int64)
+    if s.fp8 != "none":
+        for t in model.tensors:
+            if 0 <= t.layer < model.layers and t.name.endswith(FP8_GEMMS):
+                n = t.numel // (s.tp if t.tp_dim is not None else 1) // (s.ep if t.ep_dim is not None else 1)
+                (expert if t.ep_dim is not None else dense)[int(layer_chunk[t.layer])] += n
+    return ChunkParams(dense, expert, 0)
+
+
+def gather_bytes(model: ModelSpec, strategy: Strategy, elements: int, fp8_elements: int) -> int:
+    """Bytes a ZeRO parameter all-gather moves for ``elements`` parameters of which ``fp8_elements`` are FP8
+    GEMM weights: those at one byte under ``fp8_gather``, everything else in the parameter dtype."""
+    pb = model.kind_bytes("param")
+    n8 = fp8_elements if strategy.fp8_gather else 0
+    return int((elements - n8) * pb + n8)
+
+
 def grad_bucket(tensor: str) -> str:
     """The atomic region (gradient bucket) a dense model's tensor belongs to: ``layers.3.mlp.fc1.weight``
     -> ``layers.3.mlp``, ``embed.word`` -> ``embed``, ``head.out`` -> ``head``."""
@@ -95,12 +118,16 @@ def region_state_bytes(model: ModelSpec, strategy: Strategy) -> tuple[tuple[str,
     parameters and gradients move per chunk)."""
     if model.is_moe:
         return ()
-    pb, gb = model.kind_bytes("param"), model.kind_bytes("grad")
+    gb = model.kind_bytes("grad")
     out: dict[str, int] = {}
+    f8: dict[str, int] = {}
     for t in model.tensors:
         region = grad_bucket(t.name)
-        out[region] = out.get(region, 0) + (t.numel // strategy.tp if t.tp_dim is not None else t.numel)
-    return tuple((r, n * pb, n * gb) for r, n in out.items())
+        n = t.numel // strategy.tp if t.tp_dim is not None else t.numel
+        out[region] = out.get(region, 0) + n
+        if strategy.fp8 != "none" and t.layer >= 0 and t.name.endswith(FP8_GEMMS):
+            f8[region] = f8.get(region, 0) + n
+    return tuple((r, gather_bytes(model, strategy, n, f8.get(r, 0)), n * gb) for r, n in out.items())
 
 
 def _shard(n: int, ways: int) -> int:
@@ -115,24 +142,30 @@ def _groups(s: Strategy) -> tuple[int, int]:
 
 def static_memory(model: ModelSpec, strategy: Strategy) -> list[dict[str, int]]:
     """Per pipeline stage: {"param", "grad", "master", "optim"} bytes one rank of that stage holds
-    (ZeRO buffers with their padding, as :func:`parashift.vps.layout` lays them out)."""
+    (ZeRO buffers with their padding, as :func:`parashift.vps.layout` lays them out); under an fp8 recipe
+    also "fp8": the FP8 copies of its GEMM weights (and their transposes, where the recipe keeps them,
+    with their scales), ZeRO-3-sharded as the parameters are."""
     s = strategy
     cp = chunk_params(model, s)
     stage_of = np.asarray(s.chunk_rank_stage(np.arange(s.stages)))
     pb, gb = model.kind_bytes("param"), model.kind_bytes("grad")
     master = 0 if model.dtype == "fp32" else 4
     dense_g, expert_g = _groups(s)
+    recipe, f8 = fp8_recipe(s.fp8), fp8_params(model, s)
     out = []
     for st in range(s.pp):
         mask = stage_of == st
         dense, exp_ = int(cp.dense[mask].sum()), int(cp.expert[mask].sum())
 
         def z(n: int, ways: int, kind: str) -> int:
-            return _shard(n, ways) if zero_shards(kind, s.zero) else n
+            return _shard(n, ways) if s.zero_stage.shards(kind) else n
 
         elems = {k: z(dense, dense_g, k) + z(exp_, expert_g, k) for k in ("param", "grad", "master")}
         out.append({"param": elems["param"] * pb, "grad": elems["grad"] * gb,
                     "master": elems["master"] * master, "optim": elems["master"] * 8})
+        if recipe is not None:
+            n8 = z(int(f8.dense[mask].sum()), dense_g, "param") + z(int(f8.expert[mask].sum()), expert_g, "param")
+            out[-1]["fp8"] = int(n8 * (2 if recipe.transpose else 1) + 2 * recipe.scale_bytes(n8))
     return out
 
 
@@ -146,7 +179,7 @@ def optimizer_elements(model: ModelSpec, strategy: Strategy) -> list[int]:
     for st in range(s.pp):
         mask = stage_of == st
         d, e = int(cp.dense[mask].sum()), int(cp.expert[mask].sum())
-        out.append(_shard(d, dense_g) + _shard(e, expert_g) if s.zero >= 1 else d + e)
+        out.append(_shard(d, dense_g) + _shard(e, expert_g) if s.zero_stage.shards_optim else d + e)
     return out
 
 

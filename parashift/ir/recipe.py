@@ -14,9 +14,10 @@ from ..cluster import Cluster
 from ..models import ModelSpec
 from ..strategy import Strategy
 from .directives import TP_BWD_KINDS, Fuse, Order, Place, Recompute, Replicate, Shard, Split, Stream, apply_all
+from .fp8 import amax_directives
 from .graph import Graph
-from .memory import (OPTIM_FLOPS_PER_ELEMENT, chunk_params, optimizer_elements, recompute_bytes, region_activation,
-                     region_state_bytes)
+from .memory import (OPTIM_FLOPS_PER_ELEMENT, chunk_params, fp8_params, gather_bytes, optimizer_elements,
+                     recompute_bytes, region_activation, region_state_bytes)
 from .model_graph import core_attention_flops, model_graph
 from .costs import estimate_costs
 from .schedules import ScheduleCosts, get_schedule, schedule_order
@@ -58,9 +59,8 @@ def planning_costs(spec: ModelSpec, s: Strategy, seq_len: int,
                    costs: "ScheduleCosts | Cluster | str | None" = None) -> "ScheduleCosts | None":
     """The durations :func:`~parashift.ir.compile.compile` plans ``s``'s schedule with, or None for a fixed recipe.
 
-    The schedule's registry record decides: ``costs="always"`` (zb-h1) plans with durations,
-    ``"given"`` (dualpipev, whose F&I pairing already hides the communication the estimate would
-    weigh) only with durations the caller passes."""
+    The schedule's registry record decides: ``costs="always"`` (the list-scheduled zb-h1, zb-2p, zb-v,
+    dualpipev) plans with durations, ``"given"`` only with durations the caller passes."""
     mode = get_schedule(s.schedule).costs
     if mode == "always" or (mode == "given" and costs is not None):
         return step_costs(spec, s, seq_len, costs)
@@ -111,18 +111,22 @@ def directives(model: "str | ModelSpec", strategy: "str | Strategy", *, global_b
     if spec.is_moe:
         out.append(Shard("ep", s.ep, tokens * spec.top_k * spec.hidden * db))
     out.append(Recompute(s.recompute, core_attention_flops(spec, s.mbs * seq_len, seq_len) / s.tp / s.cp, rc_bytes))
-    pb, gb = spec.kind_bytes("param"), spec.kind_bytes("grad")
+    gb = spec.kind_bytes("grad")
     grad_dense = cp.dense if s.ep > 1 else cp.total()
-    out.append(Replicate(s.zero_ways, s.zero, tuple(int(x) * pb for x in (cp.dense if s.ep > 1 else cp.total())),
-                         tuple(int(x) * pb for x in (cp.expert if s.ep > 1 else cp.expert * 0)),
+    f8 = fp8_params(spec, s)
+    dense, dense8 = (cp.dense, f8.dense) if s.ep > 1 else (cp.total(), f8.total())
+    expert, expert8 = (cp.expert, f8.expert) if s.ep > 1 else (cp.expert * 0, f8.expert * 0)
+    out.append(Replicate(s.zero_ways, s.zero, tuple(gather_bytes(spec, s, int(x), int(y)) for x, y in zip(dense, dense8)),
+                         tuple(gather_bytes(spec, s, int(x), int(y)) for x, y in zip(expert, expert8)),
                          tuple(int(x) * gb for x in grad_dense), tuple(int(x) * gb for x in cp.expert),
                          ep=s.ep, tied_bytes=cp.tied * gb, axis=s.zero_axis, overlap=s.overlap_grad,
-                         buckets=region_state_bytes(spec, s) if s.zero >= 2 or s.overlap_param else (),
+                         buckets=region_state_bytes(spec, s) if s.zero_stage.grad_buckets or s.overlap_param else (),
                          replicas=s.dp_replicas, overlap_param=s.overlap_param))
+    out += amax_directives(spec, s)
     if sched.hides_ep_comm and s.ep > 1:
         out.append(Stream("comm", ops=("all_to_all",), tag_prefix="ep."))
     out.append(order if order is not None else schedule_order(s, m, planning_costs(spec, s, seq_len, costs)))
-    if s.tp == 1 and s.ep == 1 and s.cp == 1 and not ((s.zero >= 2 or s.overlap_param) and not spec.is_moe):
+    if s.tp == 1 and s.ep == 1 and s.cp == 1 and not ((s.zero_stage.grad_buckets or s.overlap_param) and not spec.is_moe):
         # ZeRO-2/3 and overlap_param: region buckets
         out.append(Fuse())
     return out

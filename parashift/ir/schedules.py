@@ -13,11 +13,16 @@ recipe here (:data:`BUILTIN_RECIPES`) or carries it: a new schedule is one :func
   forwards keep 1F1B's in-flight bound (``pp - s``), and every stage defers up to ``pp - 1``
   weight-grads, which fill the cool-down bubbles (the last stages' deferred W's let the
   input-grads reach the first stage early: the bubble is ZB-H1's ``(p-1)(F+I-W)``).
+- ``zb-2p``: zero-bubble with twice 1F1B's activation memory (ZB-H2's bound: stage s keeps up to
+  ``2(pp - s) - 1`` micro-batches in flight, ``2 pp - 1`` weight-grads deferred); its extra warm-up
+  forwards fill the start, deferred weight-grads the end: no bubble within a stage's span when F = I = W.
+- ``zb-v``: ZB-V, the V placement with split backward and 1F1B's activation memory (``2 pp`` chunk
+  forwards in flight per stage); no bubble within a stage's span when F = I = W.
 - ``dualpipev``: V-shaped placement (stage s holds chunks s and 2*pp-1-s), split backward, and a
   forward of one micro-batch overlapped with the input-grad backward of another when both are ready
   (``&`` steps), so one's all-to-alls and p2p hide behind the other's compute.
 
-zb-h1 and dualpipev are produced by a deterministic list scheduler that plays the stages forward in
+zb-h1, zb-2p, zb-v and dualpipev are produced by a deterministic list scheduler that plays the stages forward in
 time with per-chunk F/I/W durations and a p2p latency (:class:`ScheduleCosts`; unit costs F = I = W = 1
 by default, ``ir.compile`` passes an estimate from FLOPs and TP communication), so weight-grads fill
 the time a stage would otherwise wait; write your own schedule as text (``"0F0 0F1 0B0 ..."``) and pass
@@ -35,7 +40,7 @@ from ..strategy import Strategy
 from .actions import Action, Step
 from .directives import Order
 
-__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "dualpipev", "RECIPES", "schedule_steps",
+__all__ = ["gpipe", "one_f_one_b", "interleaved_1f1b", "zb_h1", "zb_2p", "zb_v", "dualpipev", "RECIPES", "schedule_steps",
            "schedule_order", "ScheduleCosts", "Schedule", "register", "get_schedule", "schedule_names",
            "split_backward", "BUILTIN_RECIPES"]
 
@@ -283,11 +288,30 @@ def zb_h1(pp: int, m: int, costs: "ScheduleCosts | None" = None) -> Orders:
                           costs=costs)
 
 
+def zb_2p(pp: int, m: int, costs: "ScheduleCosts | None" = None) -> Orders:
+    """Zero-bubble 2p: ZB-H2's bound (stage s keeps up to ``2(pp - s) - 1`` micro-batches awaiting their
+    input-grad and ``2 pp - 1`` weight-grads pending: about twice zb-h1's activations), so the extra warm-up
+    forwards fill the start and the deferred weight-grads the end (planned with ``costs``, unit by default)."""
+    return _list_schedule(pp, m, list(range(pp)), lambda s: 2 * (pp - s) - 1, lambda s: 2 * pp - 1, overlap=False,
+                          costs=costs)
+
+
+def _v_stages(pp: int) -> list[int]:
+    """Stage of each of the 2*pp chunks of a V: down the stages, then back up."""
+    return [c if c < pp else 2 * pp - 1 - c for c in range(2 * pp)]
+
+
+def zb_v(pp: int, m: int, costs: "ScheduleCosts | None" = None) -> Orders:
+    """ZB-V: the V placement (stage s holds chunks s and 2*pp-1-s), split backward and 1F1B's activation
+    memory (at most ``2 * pp`` chunk forwards awaiting their input-grad on every stage, i.e. ``pp`` whole
+    micro-batches), weight-grads deferred to fill the bubbles (planned with ``costs``, unit by default)."""
+    return _list_schedule(pp, m, _v_stages(pp), lambda s: 2 * pp, lambda s: 2 * pp, overlap=False, costs=costs)
+
+
 def dualpipev(pp: int, m: int, costs: "ScheduleCosts | None" = None) -> Orders:
     """DualPipeV: stage s holds chunks s and 2*pp-1-s; forwards overlap input-grad backwards
     (planned with ``costs``, unit costs by default)."""
-    stages = [c if c < pp else 2 * pp - 1 - c for c in range(2 * pp)]
-    return _list_schedule(pp, m, stages, lambda s: 2 * pp, lambda s: pp, overlap=True, costs=costs)
+    return _list_schedule(pp, m, _v_stages(pp), lambda s: 2 * pp, lambda s: pp, overlap=True, costs=costs)
 
 
 # ---- the recipes behind the registry's records (parashift.schedules) --------------------------------
@@ -306,6 +330,8 @@ BUILTIN_RECIPES: dict[str, Recipe] = {
     "1f1b": lambda s, m, c: one_f_one_b(s.pp, m),
     "interleaved-1f1b": _interleaved,
     "zb-h1": lambda s, m, c: zb_h1(s.pp, m, c),
+    "zb-2p": lambda s, m, c: zb_2p(s.pp, m, c),
+    "zb-v": lambda s, m, c: zb_v(s.pp, m, c),
     "dualpipev": lambda s, m, c: dualpipev(s.pp, m, c),
 }
 
@@ -333,7 +359,7 @@ for _n in schedule_names():
 
 def schedule_steps(strategy: Strategy, m: int, costs: "ScheduleCosts | None" = None) -> Orders:
     """Every stage's steps for ``strategy.schedule`` with ``m`` micro-batches; the list-scheduled
-    recipes (zb-h1, dualpipev) plan with ``costs`` (unit costs when None)."""
+    recipes (zb-h1, zb-2p, zb-v, dualpipev) plan with ``costs`` (unit costs when None)."""
     return _order(get_schedule(strategy.schedule), strategy, m, costs)
 
 

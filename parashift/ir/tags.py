@@ -18,6 +18,7 @@ SyncTag       ``{dp|edp}.{grad|param}.c{chunk}``     DP gradient sync / ZeRO-1/2
 Z3Tag         ``z3.{param|eparam}.c{c}.{ph}.m{mb}[.{region}]``  ZeRO-3 parameter gather before an
                                                      action (of one region's parameters)
 EmbedTag      ``embed.grad``                         tied-embedding gradient all-reduce
+Fp8Tag        ``fp8.amax.c{chunk}``                  a chunk's FP8 amax max-reduction (delayed scaling)
 SPTag         ``sp.{region}.{ph}.{rs|ag|input}.m{mb}``  sequence-parallel reduce-scatter / all-gather
                                                      / backward input re-gather around a region
 CPTag         ``cp.{region}.{ph}.{kv|dkv}.m{mb}``    context-parallel K/V gather / K/V-grad scatter
@@ -46,15 +47,15 @@ from operator import add
 from typing import Any, Callable, Union
 
 from ..errors import ProgramError
-from ..collectives import OPS
+from ..collectives import ACTIVATION_PHASES, OPS
 
 __all__ = ["mb_namer", "mb_head", "mb_names", "Payload", "Axis", "Sync", "A2A", "P2PTag", "TPTag", "EPTag", "SyncTag",
-           "Z3Tag", "EmbedTag",
+           "Z3Tag", "EmbedTag", "Fp8Tag",
            "SPTag", "CPTag", "StepTag", "parse_tag", "StepKey", "StepBuffer", "TransferTag", "SwitchKey", "StateBuffer",
            "TP_PHASES", "EP_PHASES", "Z3_PHASES", "SP_HOPS", "CP_PARTS", "FLAT_KEYS"]
 
-TP_PHASES = ("fwd", "bwd", "bwd_input")
-EP_PHASES = ("fwd", "bwd", "bwd_input")
+TP_PHASES = ACTIVATION_PHASES
+EP_PHASES = ACTIVATION_PHASES
 Z3_PHASES = ("fwd", "bwd")
 SP_HOPS = ("rs", "ag", "input")
 CP_PARTS = ("kv", "dkv")
@@ -235,6 +236,15 @@ class EmbedTag:
 
 
 @dataclass(frozen=True)
+class Fp8Tag:
+    """A chunk's FP8 amax reduction at the end of a step (delayed scaling, :mod:`parashift.fp8`)."""
+    chunk: int
+
+    def __str__(self) -> str:
+        return f"fp8.amax.c{self.chunk}"
+
+
+@dataclass(frozen=True)
 class SPTag:
     """A sequence-parallel collective around ``region``'s ``phase``: ``rs`` (reduce-scatter), ``ag``
     (all-gather) or ``input`` (the backward's re-gather of the saved input)."""
@@ -270,7 +280,7 @@ class CPTag:
         return f"cp.{self.region}.{self.phase}.{self.part}.m{self.mb}"
 
 
-StepTag = Union[P2PTag, TPTag, EPTag, SyncTag, Z3Tag, EmbedTag, SPTag, CPTag]
+StepTag = Union[P2PTag, TPTag, EPTag, SyncTag, Z3Tag, EmbedTag, SPTag, CPTag, Fp8Tag]
 
 
 def mb_namer(tag_at: Callable[[int], Any]) -> Callable[[int], str]:
@@ -350,6 +360,12 @@ def parse_tag(text: str) -> StepTag:
                      parts[4] if len(parts) == 5 else None)
     if text == "embed.grad":
         return EmbedTag()
+    if head == "fp8":
+        what = "FP8 tag fp8.amax.c<chunk>"
+        parts = rest.split(".")
+        if len(parts) != 2 or parts[0] != "amax":
+            raise _bad(text, what)
+        return Fp8Tag(_int(text, parts[1], "c", what))
     raise _bad(text, "training-step tag")
 
 

@@ -33,7 +33,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
+from ..collectives import PROGRAM_OPS
 from ..errors import ProgramError
+from ..states import ZERO
 from ..strategy import Strategy
 from .actions import format_order
 from .directives import Recompute, Split
@@ -43,7 +45,8 @@ __all__ = ["Place", "Replicate", "Shard", "Split", "Order", "Stream", "Recompute
            "strategy_directives", "matches", "format_directives", "parse_directives"]
 
 _RANGE = re.compile(r"^(?P<pre>.*?)(?P<a>\d+)-(?P<b>\d+)(?P<post>(\..*)?)$")
-_COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
+#: the collectives a user Stream may move: a training step's, over a group with no root
+_COLLECTIVES = tuple(n for n, o in PROGRAM_OPS.items() if o.collective and not o.rooted)
 
 
 def _expand(pattern: str) -> list[str]:
@@ -377,12 +380,12 @@ def _dp_sizes(syncs: list, regions: Sequence[str], param_regions: "Sequence[str]
     if not syncs:
         return {}
     for d in syncs:
-        if isinstance(d, Shard) and d.level not in (1, 2, 3):
+        if isinstance(d, Shard) and d.level not in [z.level for z in ZERO if z.sharded]:
             raise ProgramError(f"{_fmt(d)}: level must be 1, 2 or 3 (ZeRO stage); use Replicate for none")
         if d.async_bwd:
             raise ProgramError(f"{_fmt(d)}: async_bwd overlaps the backward's tensor-parallel reduction, an option "
                                f"of Shard('*', over='tp' or 'sp', ways=...), not of the dp directive")
-        if d.overlap_gather and d.level not in (1, 2):
+        if d.overlap_gather and d.level not in [z.level for z in ZERO if z.gathers_after_step]:
             raise ProgramError(f"{_fmt(d)}: overlap_gather moves the ZeRO-1/2 parameter gathers into the next "
                                f"step's forward; at level 3 every use already gathers its parameters: use level=1 "
                                f"or 2, or drop overlap_gather")
@@ -478,7 +481,7 @@ def strategy_directives(strategy: "str | Strategy", *, layers: int, global_batch
     out: list = [Place(table, stages=tuple(int(s.chunk_rank_stage(c)) for c in range(s.stages)))]
     out.append(Split(microbatches=m, backward=split_backward(s.schedule)))
     out.append(Replicate("*", over="dp", ways=s.dp, fuse_accum=s.grad_fusion, overlap_reduce=s.overlap_grad)
-               if s.zero == 0 else
+               if not s.zero_stage.sharded else
                Shard("*", level=s.zero, over="dp", ways=s.dp, group=s.shard or None, fuse_accum=s.grad_fusion,
                      overlap_reduce=s.overlap_grad, overlap_gather=s.overlap_param))
     for axis, ways in (("sp" if s.sp else "tp", s.tp), ("cp", s.cp), ("ep", s.ep)):

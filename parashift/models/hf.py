@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 from ..errors import ModelError
 from .spec import ModelSpec, gpt, moe
 
-__all__ = ["load_hf", "from_hf_config", "FAMILIES", "SEQ_LEN_CAP"]
+__all__ = ["load_hf", "from_hf_config", "hf_config", "FAMILIES", "SEQ_LEN_CAP"]
 
 #: The training sequence length a spec gets: the config's context length, capped (a config states
 #: what the model can attend to, not what it is trained on; the simulator's options override it).
@@ -194,3 +194,56 @@ def load_hf(path: str) -> ModelSpec:
     if not os.path.isfile(p):
         raise ModelError(f"hf:{path}: no config.json there; give hf:DIR of a Hugging Face model or hf:PATH/config.json")
     return from_hf_config(read_json(p, "Hugging Face config"), f"hf:{p}", p)
+
+
+def hf_config(spec: ModelSpec) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` of ``spec`` (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral or Mixtral,
+    whichever describes it exactly); ModelError when none does. ``from_hf_config`` reads it back to ``spec``."""
+    def no(why: str) -> ModelError:
+        return ModelError(f"model {spec.name!r} has no exact Hugging Face config ({why}); export the weights of a "
+                          f"Llama, Qwen2/3, Qwen3-MoE, Mistral or Mixtral-shaped model")
+    if spec.attention != "gqa" or spec.norm != "rms" or spec.pos_emb != "rope" or not spec.gated or spec.bias:
+        raise no("it needs grouped-query attention, RMSNorm, RoPE, a SwiGLU MLP and no biases but q/k/v's")
+    if spec.rope_scaling:
+        raise no(f"its rope scaling {spec.rope_scaling!r} has parameters the spec does not keep")
+    if spec.attn_sinks or spec.full_every or spec.mtp_layers or spec.dense_layers or spec.shared_ffn:
+        raise no("attention sinks, alternating windows, MTP, dense first layers or shared experts")
+    if spec.qkv_bias and (spec.qk_norm or spec.is_moe or spec.sliding_window):
+        raise no("q/k/v biases come only with Qwen2's plain dense layers")
+    if spec.sliding_window and (spec.qk_norm or (spec.is_moe and not spec.norm_topk)):
+        raise no("a sliding window comes only with Mistral or Mixtral")
+    if spec.is_moe and (spec.router != "softmax" or (not spec.qk_norm and not spec.norm_topk)):
+        raise no("its router is neither Qwen3-MoE's nor Mixtral's")
+    rows = spec.tensor("embed.word").shape[0]
+    if rows != spec.vocab:
+        raise no(f"its embedding is padded to {rows} rows for a vocabulary of {spec.vocab}")
+    dtype = {v: k for k, v in _DTYPES.items()}[spec.dtype]
+    c: dict[str, Any] = dict(
+        vocab_size=spec.vocab, hidden_size=spec.hidden, num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim,
+        max_position_embeddings=spec.seq_len, rms_norm_eps=spec.norm_eps, rope_theta=spec.rope_theta,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta}, hidden_act="silu",
+        tie_word_embeddings=spec.tied, attention_dropout=spec.dropout, torch_dtype=dtype, dtype=dtype,
+        initializer_range=0.02, use_cache=True)
+    if spec.is_moe and spec.qk_norm:
+        family, arch = "qwen3_moe", "Qwen3MoeForCausalLM"
+        c.update(num_experts=spec.experts, num_experts_per_tok=spec.top_k, moe_intermediate_size=spec.expert_ffn,
+                 intermediate_size=spec.ffn or spec.expert_ffn, norm_topk_prob=spec.norm_topk, decoder_sparse_step=1,
+                 mlp_only_layers=[], attention_bias=False, use_sliding_window=False)
+    elif spec.is_moe:
+        family, arch = "mixtral", "MixtralForCausalLM"
+        c.update(num_local_experts=spec.experts, num_experts_per_tok=spec.top_k, intermediate_size=spec.expert_ffn,
+                 sliding_window=spec.sliding_window or None)
+    elif spec.sliding_window:
+        family, arch = "mistral", "MistralForCausalLM"
+        c.update(intermediate_size=spec.ffn, sliding_window=spec.sliding_window)
+    elif spec.qkv_bias:
+        family, arch = "qwen2", "Qwen2ForCausalLM"
+        c.update(intermediate_size=spec.ffn, use_sliding_window=False)
+    elif spec.qk_norm:
+        family, arch = "qwen3", "Qwen3ForCausalLM"
+        c.update(intermediate_size=spec.ffn, attention_bias=False, use_sliding_window=False)
+    else:
+        family, arch = "llama", "LlamaForCausalLM"
+        c.update(intermediate_size=spec.ffn, attention_bias=False, mlp_bias=False)
+    return {"architectures": [arch], "model_type": family, **c}

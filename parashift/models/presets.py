@@ -33,7 +33,7 @@ _PRESETS: dict[str, Callable[[], ModelSpec]] = {
                               rope_theta=500000.0),
     # Mixtral 8x7B: 8 experts of Mistral-7B's MLP, top-2.
     "mixtral-8x7b": lambda: moe(32, 4096, 32, kv_heads=8, vocab=32000, seq_len=4096, experts=8, top_k=2,
-                                expert_ffn=14336, rope_theta=1e6, name="mixtral-8x7b"),
+                                expert_ffn=14336, rope_theta=1e6, norm_topk=True, name="mixtral-8x7b"),
     # DeepSeek-V3: MLA, 3 dense layers, 1 shared + 256 routed experts (top-8 within 4 of 8 groups), one MTP module.
     "deepseek-v3": lambda: moe(61, 7168, 128, ffn=18432, vocab=129280, seq_len=4096, experts=256, top_k=8,
                                expert_ffn=2048, shared_ffn=2048, shared_gate=False, router="sigmoid", dense_layers=3,

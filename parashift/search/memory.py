@@ -41,9 +41,10 @@ def state_bytes_per_stage(model: ModelSpec, strategy: Strategy) -> np.ndarray:
     pb = model.kind_bytes("param")
     master = 0 if model.dtype == "fp32" else 4
     shard = np.full(len(numel), s.shard) if s.shard else np.where(expert, max(s.edp, 1) * s.cp, s.dpcp)
-    param = local * pb // (shard if s.zero >= 3 else 1)
-    grad = local * pb // (shard if s.zero >= 2 else 1)
-    optim = local * (master + 8) // (shard if s.zero >= 1 else 1)
+    z = s.zero_stage
+    param = local * pb // (shard if z.shards_params else 1)
+    grad = local * pb // (shard if z.shards_grads else 1)
+    optim = local * (master + 8) // (shard if z.shards_optim else 1)
     per_tensor = param + grad + optim
     out = np.bincount(stage, weights=per_tensor, minlength=s.pp)
     last = int(s.chunk_rank_stage(s.stages - 1))

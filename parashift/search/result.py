@@ -251,17 +251,18 @@ class SearchResult:
         from .. import ir
         return ir.compile(self.model, s, global_batch=self.global_batch, seq_len=self.seq_len)
 
-    def export(self, path: str, strategy: "Strategy | None" = None) -> dict[str, Any]:
+    def export(self, path: str, strategy: "Strategy | None" = None, train: dict | None = None) -> dict[str, Any]:
         """Write the deploy plan of ``strategy`` (default: the best) to ``path`` and return it.
 
         The file is the compiled Program's JSON (``Program.load`` reads it) whose ``meta`` also
-        holds ``deploy``: the model, strategy, batch, cluster, devices, the cost model used and
-        the simulated figures; ``parashift run plan.json`` executes it.
+        holds ``deploy``: the model, strategy, batch, cluster, devices, the cost model used, the
+        simulated figures and ``train`` (the trainer settings, when given: learning rate and its
+        schedule, clipping, weight decay, precision); ``parashift run plan.json`` executes it.
         """
         cand = self._best() if strategy is None else self._candidate(strategy)
         obj = plan_json(self.program(cand.strategy), model=self.model, strategy=cand.strategy,
                         global_batch=self.global_batch, seq_len=self.seq_len, cluster=self.cluster,
-                        devices=self.devices, cost_model=self.cost_model, predicted=cand.to_dict())
+                        devices=self.devices, cost_model=self.cost_model, predicted=cand.to_dict(), train=train)
         with open(path, "w") as f:
             json.dump(obj, f, separators=(",", ":"))
         return obj
@@ -287,7 +288,8 @@ class SearchResult:
 
 
 def plan_json(program: Any, *, model: ModelSpec, strategy: Strategy, global_batch: int, seq_len: int,
-              cluster: Cluster, devices: int, cost_model: Any = None, predicted: dict | None = None) -> dict:
+              cluster: Cluster, devices: int, cost_model: Any = None, predicted: dict | None = None,
+              train: dict | None = None) -> dict:
     """A deploy plan: ``program.to_json()`` with ``meta["deploy"]`` describing how it was made."""
     obj = program.to_json()
     if cost_model is None:
@@ -298,6 +300,8 @@ def plan_json(program: Any, *, model: ModelSpec, strategy: Strategy, global_batc
               "cost_model": cost_model.to_json() if hasattr(cost_model, "to_json") else cost_model,
               "predicted": {k: (v if not (isinstance(v, float) and math.isnan(v)) else None)
                             for k, v in (predicted or {}).items()}}
+    if train is not None:
+        deploy["train"] = dict(train)
     obj["meta"] = {**obj.get("meta", {}), "deploy": deploy}
     return obj
 

@@ -21,6 +21,7 @@ from typing import Any, Callable
 from ..cluster import Cluster, get as get_cluster
 from ..errors import StrategyError
 from ..models import ModelSpec, get as get_model
+from ..states import zero_stage
 from ..strategy import Strategy
 from .evaluate import SimEvaluator
 from .space import divisors, enumerate_space
@@ -196,4 +197,4 @@ def _kept_bytes(spec: ModelSpec, train: Strategy, release: bool) -> float:
 
 def _generates(s: Strategy) -> bool:
     """Whether training layout ``s`` can generate as it is (TP shards and whole-weight replicas)."""
-    return s.pp == 1 and s.ep == 1 and s.zero < 3 and getattr(s, "cp", 1) == 1 and not getattr(s, "sp", False)
+    return s.pp == 1 and s.ep == 1 and not zero_stage(s.zero).shards_params and getattr(s, "cp", 1) == 1 and not getattr(s, "sp", False)

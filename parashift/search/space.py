@@ -31,6 +31,7 @@ from ..cluster import Cluster, get as get_cluster
 from ..errors import StrategyError
 from ..models import ModelSpec, get as get_model
 from ..ir.schedules import get_schedule, schedule_names
+from ..states import ZERO_LEVELS
 from ..strategy import RECOMPUTE, Strategy
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -58,7 +59,7 @@ def canonical(strategy: Strategy) -> Strategy:
     s = strategy
     if s.pp == 1 and (s.schedule != "1f1b" or s.vpp != 1):
         s = s.replace(schedule="1f1b", vpp=1)
-    if s.dpcp == 1 and s.zero:
+    if s.dpcp == 1 and s.zero_stage.sharded:
         s = s.replace(zero=0, overlap_param=False)
     return s
 
@@ -75,7 +76,7 @@ class Space:
     tp: tuple[int, ...]
     pp: tuple[int, ...]
     ep: tuple[int, ...] = (1,)
-    zero: tuple[int, ...] = (0, 1, 2, 3)
+    zero: tuple[int, ...] = ZERO_LEVELS
     mbs: tuple[int, ...] = (1, 2, 4, 8)
     schedule: tuple[str, ...] = field(default_factory=schedule_names)
     vpp: tuple[int, ...] = (2, 4)
@@ -269,7 +270,7 @@ def _try(s: Strategy, **changes: Any) -> Strategy | None:
 
 def make_space(model: "str | ModelSpec", cluster: "str | Cluster", *, devices: int, global_batch: int,
                seq_len: int, tp: "tuple[int, ...] | None" = None, pp: "tuple[int, ...] | None" = None,
-               ep: "tuple[int, ...] | None" = None, zero: tuple[int, ...] = (0, 1, 2, 3),
+               ep: "tuple[int, ...] | None" = None, zero: tuple[int, ...] = ZERO_LEVELS,
                mbs: "tuple[int, ...] | None" = None, schedules: "tuple[str, ...] | None" = None,
                vpp: tuple[int, ...] = (2, 4), recompute: tuple[str, ...] = RECOMPUTE,
                cp: tuple[int, ...] = (1,), sp: tuple[bool, ...] = (False,), all_devices: bool = True,

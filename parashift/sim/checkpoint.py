@@ -65,7 +65,7 @@ def _read_bytes(model: ModelSpec, s: Strategy) -> float:
     """Bytes all ranks of ``s`` read: every rank its parameters (replicated over DP unless
     ZeRO-3) and its optimizer shard."""
     dpb, epb, dob, eob = _state_bytes(model)
-    params = (dpb + epb) if s.zero >= 3 else (dpb * s.dp + epb * s.edp)
+    params = (dpb + epb) if s.zero_stage.shards_params else (dpb * s.dp + epb * s.edp)
     return params + dob + eob
 
 
@@ -80,7 +80,7 @@ def estimate_checkpoint_restart(model: "ModelSpec | str", src: "Strategy | str",
     src_nodes = max(1, -(-src.world // cluster.per_node))
     dst_nodes = max(1, -(-dst.world // cluster.per_node))
     w_bw = min(storage.aggregate_bw, src_nodes * storage.write_bw_per_node)
-    writers = src.world // src.dp_replicas if src.zero else src.tp * src.pp  # ZeRO: every distinct shard
+    writers = src.world // src.dp_replicas if src.zero_stage.sharded else src.tp * src.pp  # ZeRO: every distinct shard
     save = written / w_bw + storage.file_overhead * -(-writers // src_nodes)
     read = _read_bytes(model, dst)
     r_bw = min(storage.aggregate_bw, dst_nodes * storage.read_bw_per_node)

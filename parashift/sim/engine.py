@@ -19,6 +19,7 @@ from inspect import getgeneratorlocals
 from typing import Mapping, Sequence
 
 from ..cluster import Cluster
+from ..collectives import MODEL_PHASES
 from ..errors import DeadlockError, DeviceListError, ProgramError
 from ..ir.graph import paused_gc
 from ..ir.program import Instr, Program
@@ -31,7 +32,7 @@ __all__ = ["Engine", "RawRun", "resolve_devices"]
 
 _ACT_PREFIXES = ("act", "rc.")  # activation and recompute buffers; other named buffers are comm/params
 _INF = float("inf")   # Kernel._cur of a FIFO entry
-_MODEL_PHASES = frozenset(("fwd", "bwd", "bwd_input", "bwd_weight"))   # compute that counts as model FLOPs (MFU)
+_MODEL_PHASES = frozenset(MODEL_PHASES)   # compute that counts as model FLOPs (MFU)
 
 
 def _noop(_arg: object) -> None:

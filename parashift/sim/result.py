@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # pragma: no cover
 from ..ir.program import TIMELINE_COLUMNS
 from ..traces.chrome import write_chrome_trace
 
-__all__ = ["SimResult", "TIMELINE_COLUMNS", "timeline_frame", "write_chrome_trace", "plot_timeline"]
+__all__ = ["SimResult", "TIMELINE_COLUMNS", "timeline_frame", "write_chrome_trace"]
 
 @dataclass(frozen=True)
 class SimResult:
@@ -154,9 +154,10 @@ class SimResult:
         write_chrome_trace(self.timeline_of(ranks), path)
 
     def plot_timeline(self, path: str, ranks: "list[int] | None" = None, max_devices: int = 16) -> None:
-        """A Gantt chart per device and stream, written to ``path`` (matplotlib, Agg)."""
-        df = self.timeline_of(ranks)
-        plot_timeline(df, path, max_devices=max_devices, title=str(self.program.meta.get("strategy", "")))
+        """A Gantt chart per device and stream (the first ``max_devices`` devices), titled with the
+        strategy, written to ``path`` (:func:`parashift.plots.plot_gantt`)."""
+        from ..plots import plot_gantt
+        plot_gantt({str(self.program.meta.get("strategy", "")): self.timeline_of(ranks)}, path, max_devices=max_devices)
 
 
 def timeline_frame(raw: "RawRun", ranks: "list[int] | None" = None) -> "pd.DataFrame":
@@ -183,43 +184,3 @@ def timeline_frame(raw: "RawRun", ranks: "list[int] | None" = None) -> "pd.DataF
     df = base.merge(mem, on="rep", how="inner")
     df = df.sort_values(["start", "device", "stream", "id"], kind="stable").reset_index(drop=True)
     return df[list(TIMELINE_COLUMNS)]
-
-
-_COLORS = {"fwd": "#4C72B0", "bwd": "#55A868", "bwd_input": "#8FD19E", "bwd_weight": "#2E7D32",
-           "recompute": "#937860", "optim": "#8172B2", "send": "#DD8452", "recv": "#E8A87C",
-           "all_reduce": "#C44E52", "all_gather": "#DA8BC3", "reduce_scatter": "#CCB974",
-           "all_to_all": "#64B5CD", "broadcast": "#8C8C8C", "scatter": "#8C8C8C", "gather": "#8C8C8C",
-           "copy": "#B0B0B0"}
-
-
-def plot_timeline(df: "pd.DataFrame", path: str, max_devices: int = 16, title: str = "") -> None:
-    """Gantt chart: one row per (device, stream), bars colored by phase (compute) or op (comm)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    devs = sorted(df["device"].unique())[:max_devices]
-    df = df[df["device"].isin(devs)]
-    rows = sorted({(int(d), s) for d, s in zip(df["device"], df["stream"])})
-    ypos = {k: i for i, k in enumerate(rows)}
-    fig, ax = plt.subplots(figsize=(12, max(2.0, 0.35 * len(rows) + 1)))
-    keys = [(p if o == "compute" else o) for o, p in zip(df["op"], df["phase"])]
-    used = set(keys)
-    # one broken_barh per (row, color): a handful of artists instead of one per instruction
-    spans: dict[tuple[int, str], list[tuple[float, float]]] = {}
-    for (k, d, s, a, b) in zip(keys, df["device"], df["stream"], df["start"], df["end"]):
-        spans.setdefault((ypos[(int(d), s)], k), []).append((a, b - a))
-    for (y, k), xs in spans.items():
-        ax.broken_barh(xs, (y - 0.4, 0.8), facecolors=_COLORS.get(k, "#999999"), linewidth=0)
-    ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([f"dev {d} {s}" for d, s in rows], fontsize=7)
-    ax.invert_yaxis()
-    ax.set_xlabel("time (s)")
-    if title:
-        ax.set_title(title)
-    fig.legend(handles=[Patch(color=_COLORS.get(k, "#999999"), label=k) for k in sorted(used, key=str)],
-               fontsize=7, loc="lower center", ncol=8, frameon=False)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

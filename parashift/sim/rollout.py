@@ -52,7 +52,7 @@ def rollout_program(model: "ModelSpec | str", strategy: "Strategy | str", *, pro
     ``max_len``: the longest sequence of the rollout (the key/value cache every rank allocates)."""
     spec = get_model(model)
     s = Strategy.parse(strategy)
-    if s.pp != 1 or s.ep != 1 or s.zero != 0:
+    if s.pp != 1 or s.ep != 1 or s.zero_stage.sharded:
         raise StrategyError(f"rollout layout {s} must have pp=1, ep=1, zero=0 (TP shards and DP replicas)")
     s.validate(spec)
     if prompts % s.dp:

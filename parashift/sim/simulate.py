@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Mapping, NamedTuple, Sequence
 
 from ..cluster import Cluster, get as get_cluster
 from ..errors import LimitError, ProgramError
+from ..fp8 import check_gpu
 from ..ir.graph import paused_gc
 from ..ir.program import Program
 from ..ir.step_meta import StepMeta, spec_of
@@ -37,6 +38,9 @@ def simulate(program: Program, cluster: "Cluster | str", cost_model: CostModel |
         raise ProgramError(f"simulate() needs a parashift Program, got {type(program).__name__}; "
                            f"build one with parashift.ir.compile(...)")
     cluster = get_cluster(cluster)
+    s = program.strategy
+    if s is not None and s.fp8 != "none":
+        check_gpu(s.fp8, cluster.gpu)
     cost = cost_model if cost_model is not None else CostModel.for_cluster(cluster)
     shape = _shape(program, model)
     scores = _scores_per_layer(program, shape) if cost.attention_score_bytes else 0.0

@@ -30,7 +30,7 @@ from ..errors import PlanError
 from ..models import ModelSpec, get as get_model
 from ..strategy import Strategy
 from .boxes import concat_ranges, flat_to_boxes, volume
-from .tensors import ZERO_STAGE, TensorTable, held_by_stage, local_shape, shard_origin, tensor_table
+from .tensors import TensorTable, held_by_stage, local_shape, shard_origin, tensor_table
 
 __all__ = ["Layout", "Regions", "layout", "SLOTS"]
 
@@ -107,7 +107,7 @@ class Layout:
 
     def sharded(self, kind: str) -> bool:
         """Does ZeRO shard ``kind`` in this layout."""
-        return self.strategy.zero >= ZERO_STAGE[kind]
+        return self.strategy.zero_stage.shards(kind)
 
     # ---- CSR helpers ----------------------------------------------------------------------------
     @property
@@ -233,7 +233,7 @@ def layout(model: "ModelSpec | str", strategy: "Strategy | str") -> Layout:
     lnumel = np.prod(lshape, axis=1)
     held = held_by_stage(model, table, s)
     kinds = model.state_kinds
-    sharded_mask = sum(1 << i for i, k in enumerate(kinds) if s.zero >= ZERO_STAGE[k])
+    sharded_mask = sum(1 << i for i, k in enumerate(kinds) if s.zero_stage.shards(k))
     plain_mask = ((1 << len(kinds)) - 1) & ~sharded_mask
     D = s.dpcp                                                     # replicas: (dp, cp), cp fastest
     grid = np.arange(s.world).reshape(s.pp, D, s.tp)               # rank at (pp, dp*cp + cp, tp)

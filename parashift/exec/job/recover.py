@@ -49,18 +49,18 @@ WATCH_SECONDS = 0.1
 
 def replicated(strategy: Any) -> bool:
     """Whether every device holds every piece of the state (so any survivor can carry the job on)."""
-    return strategy.tp == 1 and strategy.pp == 1 and strategy.cp == 1 and strategy.ep == 1 and strategy.zero == 0
+    return strategy.tp == 1 and strategy.pp == 1 and strategy.cp == 1 and strategy.ep == 1 and not strategy.zero_stage.sharded
 
 
 def _cell(strategy: Any, rank: int) -> tuple[int, int, int, int]:
     """The state a rank holds: its (tp, cp, pp) position and ZeRO shard index (0 without ZeRO)."""
     c = strategy.coords(rank)
-    return int(c["tp"]), int(c["cp"]), int(c["pp"]), int(c["shard"]) if strategy.zero else 0
+    return int(c["tp"]), int(c["cp"]), int(c["pp"]), int(c["shard"]) if strategy.zero_stage.sharded else 0
 
 
 def copies_axis(strategy: Any) -> str:
     """Group axis of the ranks holding the same state as a rank: ``dp`` (ZeRO 0) or ``replica`` (ZeRO)."""
-    return "replica" if strategy.zero else "dp"
+    return "replica" if strategy.zero_stage.sharded else "dp"
 
 
 def uncovered(spec: Any, strategy: Any, lost_ranks: "list[int] | set[int]") -> dict[str, int]:
@@ -96,14 +96,14 @@ def memory_plan(spec: Any, strategy: Any, devices: tuple[int, ...], survivors: l
     for r, d in enumerate(devices):
         if d in survivors:
             cells.setdefault(_cell(strategy, r), []).append(d)
-    per = strategy.shard_size if strategy.zero else 1     # dp ranks holding distinct state
+    per = strategy.shard_size if strategy.zero_stage.sharded else 1     # dp ranks holding distinct state
     ncell = strategy.world // strategy.dp * per
     if len(cells) < ncell:
         return None
     for c in cells.values():
         c.sort(key=lambda d: (-(prefer or {}).get(d, 0), d))
     st = fit_strategy(spec, strategy, min(len(c) for c in cells.values()) * ncell, global_batch)
-    if st is None or (strategy.zero and st.shard_size != per):
+    if st is None or (strategy.zero_stage.sharded and st.shard_size != per):
         return None
     return st, tuple(cells[_cell(st, r)][int(st.coords(r)[copies_axis(strategy)])] for r in range(st.world))
 
@@ -206,7 +206,9 @@ def guard(session: Any) -> None:
         if snaps is not None:
             if snaps.every > 0 and rt.steps_done % snaps.every == 0:
                 rt.sync_params()        # overlap_param: a snapshot holds whole parameters
-            snaps.maybe(store, rt.store, rt.program.strategy, rt.ctx.rank, session.device, rt.steps_done)
+            pos = rt.data_position()
+            snaps.maybe(store, rt.store, rt.program.strategy, rt.ctx.rank, session.device, rt.steps_done,
+                        pos.to_dict() if pos is not None else None)
         return loss, extra
     rt.step = step
     rt._hosts_guarded = True
@@ -451,6 +453,6 @@ def _rebuild(session: Any, g: int, old: Any, plan: dict) -> Any:
     worlds = training_worlds(session.manager, keys, rank, prog)
     rctx = RankContext(rank, st.world, session.ctx.backend, torch.device("cpu"), None)
     rt = Runtime(prog, rctx, store=new, worlds=worlds, data_seed=o.data_seed, model=session.spec, optim=o.optim,
-                 timeout=session.ctx.timeout)
+                 timeout=session.ctx.timeout, data=o.data)
     rt.steps_done = plan["step"]
     return rt

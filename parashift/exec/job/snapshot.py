@@ -6,9 +6,10 @@ collective: a snapshot never waits for a peer that may be gone) and training goe
 thread writes it. Once written, the writer records ``hosts/snap/<s>/<device>`` (its strategy, rank
 and optimizer step) in the job's store and the same beside the checkpoint (``<dir>/step<s>/rank<r>.json``,
 with the model); a snapshot is whole when every rank of its strategy has recorded it (:func:`latest`
-in the store, :func:`latest_on_disk` for a job restarted with ``--resume`` after its store is gone). Restoring (:func:`restore`) reads every rank's checkpoint of the
-snapshot with ``dcp.load``, assembles the global state and cuts the new layout's shard out of it
-(:func:`..switch.stores.store_from_full`): any layout restores from any other.
+in the store, :func:`latest_on_disk` for a job restarted with ``--resume`` after its store is gone). Restoring (:func:`restore`, :func:`read_snapshot`) goes through the VPS:
+the new rank's boxes are intersected with the snapshot's layout (:func:`snapshot_pieces`, each element
+from one holder), and only the source ranks holding a part of them are read with ``dcp.load``, one at a
+time: any layout restores from any other, and no rank assembles the whole model.
 
 The directory must be one that every host reaches (a shared filesystem on a real cluster; on
 loopback any local directory). Each process keeps its last :data:`KEEP` written snapshots and removes
@@ -28,11 +29,16 @@ import warnings
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
 import torch
 
 from ...errors import RuntimeFailure
+from ...models import ModelSpec
+from ...strategy import Strategy
+from ...vps.boxes import exactly_once, intersect_pairs
+from ...vps.layout import layout
 
-__all__ = ["Snapshotter", "latest", "latest_on_disk", "restore", "KEEP"]
+__all__ = ["Snapshotter", "latest", "latest_on_disk", "restore", "read_snapshot", "snapshot_pieces", "KEEP"]
 
 #: snapshots each process keeps on disk (the newest may be incomplete when a host is lost)
 KEEP = 3
@@ -55,16 +61,20 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled", categ
 class Snapshotter:
     """One process's snapshots: ``maybe(kv, state, strategy, rank, device, steps_done)`` after each step."""
 
-    def __init__(self, root: str, every: int) -> None:
-        self.root, self.every = root, int(every)
+    def __init__(self, root: str, every: int, keep: int | None = KEEP) -> None:
+        """``keep``: snapshots kept on disk (None: all)."""
+        self.root, self.every, self.keep = root, int(every), keep
         self.pending: tuple[int, Future, threading.Event] | None = None
         self.kept: list[tuple[int, int]] = []        # (step, rank) of the snapshots written, oldest first
         self.record_error: OSError | None = None
 
-    def maybe(self, kv: Any, state: Any, strategy: Any, rank: int, device: int, steps_done: int) -> bool:
-        """Start a snapshot of ``state`` when ``steps_done`` is a multiple of ``every`` (after the previous
-        one is on disk); returns whether one was started. It is recorded in ``kv`` as soon as it is written."""
-        due = self.every > 0 and steps_done % self.every == 0
+    def maybe(self, kv: Any, state: Any, strategy: Any, rank: int, device: int, steps_done: int,
+              data_position: dict | None = None, *, force: bool = False, extra: dict | None = None) -> bool:
+        """Start a snapshot of ``state`` when ``steps_done`` is a multiple of ``every`` (or ``force``; after the
+        previous one is on disk); returns whether one was started. It is recorded in ``kv`` as soon as it is
+        written; ``data_position`` (a :class:`~parashift.data.DataPosition` as a dict) and ``extra`` (JSON: the
+        trainer's state) go into the record beside it."""
+        due = force or (self.every > 0 and steps_done % self.every == 0)
         try:
             self.finish(wait=due)
         except RuntimeFailure as e:
@@ -91,7 +101,8 @@ class Snapshotter:
             return False
         meta = pickle.dumps((str(strategy), rank, opt))
         model = getattr(getattr(state, "spec", None), "name", None)
-        record = json.dumps({"strategy": str(strategy), "rank": rank, "opt_step": opt, "model": model})
+        record = json.dumps({**(extra or {}), "strategy": str(strategy), "rank": rank, "opt_step": opt, "model": model,
+                             **({"data_position": data_position} if data_position is not None else {})})
 
         recorded = threading.Event()
 
@@ -104,9 +115,10 @@ class Snapshotter:
                     fh.write(record)
                 kv.set(f"hosts/snap/{steps_done}/{device}", meta)
                 self.kept.append((steps_done, rank))
-                while len(self.kept) > KEEP:
-                    self._drop(*self.kept.pop(0))
-                self._sweep(self.kept[0][0])
+                if self.keep is not None:
+                    while len(self.kept) > self.keep:
+                        self._drop(*self.kept.pop(0))
+                    self._sweep(self.kept[0][0])
             except OSError as e:                         # the record could not be written: not whole
                 self._drop(steps_done, rank)
                 self.record_error = e
@@ -171,7 +183,6 @@ class Snapshotter:
 def latest(kv: Any, devices: int, every: int, before: int) -> tuple[int, str, int] | None:
     """The newest whole snapshot at or before step ``before``: (step, strategy, optimizer step), or None.
     ``devices``: device ids ever registered (0..devices-1)."""
-    from ...strategy import Strategy
     if every <= 0:
         return None
     for s in range(before - before % every, 0, -every):
@@ -190,7 +201,6 @@ def latest_on_disk(root: str, model: str | None = None) -> tuple[int, str, int]:
     optimizer step). Whole: every rank of one strategy recorded it (and its checkpoint is there); ``model``:
     only snapshots of that model. Raises RuntimeFailure naming what was found when there is none."""
     from ...errors import StrategyError
-    from ...strategy import Strategy
     if not os.path.isdir(root):
         raise RuntimeFailure(f"--resume: the snapshot directory {root} does not exist; give the --snapshot-dir "
                              f"the job wrote its snapshots to (run with --snapshot-every N)")
@@ -228,24 +238,60 @@ def latest_on_disk(root: str, model: str | None = None) -> tuple[int, str, int]:
 
 def restore(root: str, spec: Any, snap_strategy: str, step: int, strategy: Any, rank: int, opt_step: int) -> Any:
     """Rank ``rank`` of ``strategy``'s StateStore from the snapshot of step ``step`` (taken under ``snap_strategy``)."""
+    return read_snapshot(root, spec, snap_strategy, step, strategy, rank, opt_step)
+
+
+def snapshot_pieces(spec: ModelSpec, src: Strategy, dst: Strategy, rank: int, kinds: tuple[str, ...]):
+    """The boxes rank ``rank`` of ``dst`` reads from a checkpoint written under ``src``: per source rank,
+    a list of (tensor, kind, lo, hi), covering the rank's state exactly once (RuntimeFailure otherwise)."""
+    lq, lp = layout(spec, dst), layout(spec, src)
+    names = lq.table.names
+    need = lq.regions([rank], kinds=kinds)
+    have = lp.regions(None, kinds=kinds)
+    kq = np.array([kinds.index(lq.kinds[k]) for k in need.kind], dtype=np.int64)
+    kp = np.array([kinds.index(lp.kinds[k]) for k in have.kind], dtype=np.int64)
+    # identical copies (replicas) collapse to the lowest rank that holds them (rows come in rank order)
+    _, first = np.unique(np.concatenate([(have.tensor * len(kinds) + kp)[:, None], have.lo, have.hi], axis=1),
+                         axis=0, return_index=True)
+    first.sort()
+    h_t, h_k, h_lo, h_hi, h_r = have.tensor[first], kp[first], have.lo[first], have.hi[first], have.rank[first]
+    ia, jb, lo, hi = intersect_pairs(need.lo, need.hi, h_lo, h_hi, need.tensor * len(kinds) + kq,
+                                     h_t * len(kinds) + h_k)
+    cov = exactly_once(need.lo, need.hi, np.arange(len(need.lo)), lo, hi, ia)
+    if not cov.ok:
+        t = int(need.tensor[cov.group]) if cov.group >= 0 else 0
+        raise RuntimeFailure(f"the checkpoint written under {src} does not hold rank {rank}'s part of {names[t]!r} "
+                             f"under {dst} exactly once ({cov.reason}); it is not a checkpoint of this model")
+    out: dict[int, list] = {}
+    for i, j, a, b in zip(ia.tolist(), jb.tolist(), lo.tolist(), hi.tolist()):
+        t = int(need.tensor[i])
+        n = int(lq.table.ndim[t])
+        out.setdefault(int(h_r[j]), []).append((names[t], kinds[int(kq[i])], tuple(a[:n]), tuple(b[:n])))
+    return out
+
+
+def read_snapshot(root: str, spec: ModelSpec, snap_strategy: str, step: int, strategy: Strategy, rank: int,
+                  opt_step: int, device: torch.device = torch.device("cpu")):
+    """Rank ``rank`` of ``strategy``'s StateStore from the snapshot of step ``step`` under ``snap_strategy``:
+    only the source ranks holding a part of it are read, one at a time (DCP, their needed buffers only)."""
     import torch.distributed.checkpoint as dcp
-    from ...strategy import Strategy
     from ..state import StateStore
-    from ..switch.stores import STATE_KINDS, full_from_arrays, store_from_full
+    from ..switch.stores import STATE_KINDS, piece_view
     src = Strategy.parse(snap_strategy)
-    arrays: dict[int, dict] = {}
-    for r in range(src.world):
-        skel = StateStore(spec, src, r, torch.device("cpu"), init=False)
-        want = {f"{fam}.{k}": getattr(b, k) for fam, b in skel.buffers.items() for k in STATE_KINDS
-                if getattr(b, k) is not None}
+    store = StateStore(spec, strategy, rank, device, init=False)
+    kinds = tuple(k for k in STATE_KINDS if k != "master" or spec.dtype != "fp32")
+    for r, pieces in sorted(snapshot_pieces(spec, src, strategy, rank, kinds).items()):
         path = _path(root, step, r)
         if not os.path.isdir(path):
-            raise RuntimeFailure(f"the snapshot of step {step} has no files for rank {r} at {path}; every host must "
-                                 f"write snapshots where the others can read them (a shared --snapshot-dir)")
-        dcp.load(want, checkpoint_id=path, no_dist=True)
-        out: dict[str, dict] = {}
-        for key, t in want.items():
-            fam, k = key.rsplit(".", 1)
-            out.setdefault(fam, {})[k] = t.numpy()
-        arrays[r] = out
-    return store_from_full(spec, strategy, rank, full_from_arrays(spec, src, arrays), opt_step=opt_step)
+            raise RuntimeFailure(f"the checkpoint of step {step} has no files for rank {r} at {path}; every rank "
+                                 f"must write where the others read (a shared directory)")
+        skel = StateStore(spec, src, r, torch.device("cpu"), init=False)
+        want = {f"{skel.pieces[t].group}.{k}" for t, k, _, _ in pieces}
+        dcp.load({key: getattr(skel.buffers[key.split(".")[0]], key.split(".")[1]) for key in sorted(want)},
+                 checkpoint_id=path, no_dist=True)
+        for t, k, lo, hi in pieces:
+            piece_view(store, t, k, lo, hi).copy_(piece_view(skel, t, k, lo, hi))
+        del skel
+    for b in store.buffers.values():
+        b.step = opt_step
+    return store

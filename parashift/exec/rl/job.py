@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ... import models
 from ...errors import StrategyError
 from ..launch import RankContext, launch_local
-from ..reference import OptimConfig, init_params, make_batch, reference_loss
+from ..reference import OptimConfig, init_params, make_batch, param_groups, reference_loss
 from .generate import greedy_generate, local_weights
 from .weights import ROLLOUT_DTYPES, WeightSwitch, check_rollout
 
@@ -186,8 +186,8 @@ def reference_rl(spec: "models.ModelSpec | str", iterations: int, opts: RLOption
     spec = models.get(spec)
     P = {k: v.requires_grad_() for k, v in init_params(spec, opts.seed).items()}
     o = opts.optim
-    opt = torch.optim.AdamW(list(P.values()), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                            weight_decay=o.weight_decay, foreach=False)
+    opt = torch.optim.AdamW(param_groups(spec, P, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                            foreach=False)
     losses, seqs = [], []
     for it in range(iterations):
         W = {k: v.detach().to(ROLLOUT_DTYPES[opts.dtype]) for k, v in P.items()}

@@ -53,7 +53,7 @@ def check_rollout(spec: ModelSpec, train: "Strategy | str", rollout: "Strategy |
     tr, ro = Strategy.parse(train), Strategy.parse(rollout)
     tr.validate(spec)
     ro.validate(spec)
-    bad = [f"{k}={getattr(ro, k)}" for k, ok in (("pp", ro.pp == 1), ("zero", ro.zero == 0), ("ep", ro.ep == 1))
+    bad = [f"{k}={getattr(ro, k)}" for k, ok in (("pp", ro.pp == 1), ("zero", not ro.zero_stage.sharded), ("ep", ro.ep == 1))
            if not ok]
     if bad:
         raise StrategyError(f"rollout layout {ro} has {', '.join(bad)}; a rollout layout holds weights only, as "
@@ -72,7 +72,7 @@ def rollout_store(spec: ModelSpec, strategy: Strategy, rank: int) -> StateStore:
                    alloc=lambda n, dt, dev: torch.empty(1, dtype=dt).expand(n))     # stand-ins, replaced below
     s.mem = MemoryTracker()
     for fam, b in s.buffers.items():
-        b.param = torch.zeros(b.q if b.zero >= 3 else b.padded, dtype=b.dtype)
+        b.param = torch.zeros(b.q if b.zero_stage.shards_params else b.padded, dtype=b.dtype)
         b.master = b.exp_avg = b.exp_avg_sq = None
         b.mem = s.mem
         s.mem.alloc(f"param:{fam}", b.param.numel() * b.param.element_size())

@@ -17,6 +17,7 @@ executor's ``(on_received, on_issue)`` hooks); nothing in the runtime injects an
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -70,6 +71,9 @@ class LiveOptions:
     seed: int = 0
     data_seed: int = 0
     optim: OptimConfig = OptimConfig()
+    data: Any = None         # a TokenData: each step's global batch from its sampler (None: synthetic)
+    weights: str | None = None    # a folder of Hugging Face safetensors generation 0 starts from
+    export_hf: str | None = None  # a folder the final layout writes its parameters to (Hugging Face safetensors)
     notice: int = 3
     switch_timeout: float = 60.0
     memory_budget: Any = None
@@ -317,7 +321,7 @@ class LiveSession:
         new_rank = dst.devices.index(self.device)
         rctx = RankContext(new_rank, dst.strategy.world, self.backend, self.torch_device, None)
         rt = Runtime(prep.program, rctx, store=new, worlds=prep.worlds, data_seed=self.opts.data_seed,
-                     model=self.spec, optim=self.opts.optim, timeout=self.ctx.timeout)
+                     model=self.spec, optim=self.opts.optim, timeout=self.ctx.timeout, data=self.opts.data)
         for b in new.buffers.values():
             b.step = int(meta["opt_step"])
         rt.steps_done = int(meta["steps_done"])
@@ -371,8 +375,12 @@ class LiveSession:
                 from ..job.snapshot import restore
                 step, snap_st, opt = self.opts.resume
                 store = restore(self.opts.snapshot_dir, self.spec, snap_st, step, g0.strategy, rank, opt)
+            elif self.opts.weights:     # only this rank's boxes of the safetensors
+                from ..weights import load_store
+                store = load_store(self.spec, g0.strategy, rank, self.torch_device, self.opts.weights)
             self.runtime = Runtime(prog, rctx, seed=self.opts.seed, data_seed=self.opts.data_seed, model=self.spec,
-                                   worlds=worlds, optim=self.opts.optim, timeout=self.ctx.timeout, store=store)
+                                   worlds=worlds, optim=self.opts.optim, timeout=self.ctx.timeout, store=store,
+                                   data=self.opts.data)
             if self.opts.resume:
                 self.runtime.steps_done = g0.step
             self.gen = 0
@@ -390,6 +398,7 @@ class LiveSession:
     def train(self, steps: int) -> dict:
         """Train until ``steps`` global steps, switching on schedule; returns this process's report."""
         losses: dict[int, float] = {}
+        trained: dict[int, dict] = {}      # step -> grad_norm, lr, samples (the step's sequence indices)
         error = None
         notice = self.opts.notice
         stop_switching = False
@@ -416,15 +425,26 @@ class LiveSession:
             loss, _ = self.runtime.step()
             self.rows.append(("train", "step", t0, time.time(), step))
             losses[step] = float(loss)
+            rt = self.runtime
+            trained[step] = {"grad_norm": rt.grad_norm, "lr": rt.lr,
+                             "samples": rt.feed.indices(step) if rt.feed is not None else None}
             if self.ctx.report is not None and self.opts.progress:
-                self.ctx.report((step, float(loss), self.gens[self.gen].devices))
+                self.ctx.report((step, float(loss), self.gens[self.gen].devices, self.rows[-1][3] - t0,
+                                 rt.grad_norm, rt.lr))
         snaps = getattr(self, "_snapshots", None)
         if snaps is not None and error is None:
             snaps.finish(wait=True)        # the last snapshot is on disk before the job ends (a later --resume)
         finished = self.runtime is not None and self.runtime.steps_done >= steps
+        if finished and error is None and self.opts.export_hf:
+            from ..weights import export_hf
+            rt = self.runtime
+            rt.sync_params()
+            world = rt.program.strategy.world
+            export_hf(rt.store, self.opts.export_hf, group=rt.worlds.get(range(world)) if world > 1 else None)
         if finished or error is not None:
             self.ctx.store.set("job/end", "1")
-        out = {"device": self.device, "key": self.ctx.member.key, "losses": losses, "error": error,
+        out = {"device": self.device, "key": self.ctx.member.key, "losses": losses, "trained": trained,
+               "error": error,
                "switches": [asdict(r) for r in self.records], "rows": self.rows,
                "final_gen": self.gen if self.runtime is not None else None,
                "groups_created": self.manager.created, "groups_reused": self.manager.reused}
@@ -516,6 +536,9 @@ class LiveResult:
     #: a job restarted with ``--resume``: the snapshot it started from (``step``, ``strategy``); ``losses``
     #: then begin at that step
     resumed: dict | None = None
+    grad_norms: list[float] = field(default_factory=list)     # global, before clipping, per step
+    lrs: list[float] = field(default_factory=list)
+    samples: list[list[int]] | None = None                    # each step's sequence indices (a token file)
 
     def timeline(self):
         """Training steps and switch phases of every process: ``device, stream, op, step, start, end``
@@ -553,6 +576,9 @@ class LiveResult:
             out["survivability"] = self.survivability
         if self.resumed:
             out["resumed"] = self.resumed
+        out["grad_norm"], out["lr"] = self.grad_norms, self.lrs
+        if self.samples is not None:
+            out["samples"] = self.samples
         return out
 
 
@@ -623,7 +649,8 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
              message_part: int = CHUNK, placement: str = "keep", cost_model: Any = None,
              progress: Callable[[int, float], None] | None = None, device: str = "cpu",
              ordered: bool | None = None, cluster: "str | Cluster | None" = None,
-             promote: bool | None = None) -> LiveResult:
+             promote: bool | None = None, data: Any = None, weights: str | None = None, export_hf: str | None = None,
+             metrics: Callable[[int, float, float, float, float], Any] | None = None) -> LiveResult:
     """Train ``model`` for ``steps`` steps, hot-switching at the scheduled steps.
 
     ``switches``: (step, strategy, devices or None). ``notice``: steps of warning before each switch
@@ -638,30 +665,44 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
     order on the device's streams (the NCCL driver; default on NCCL only, True runs its CPU twin).
     ``cluster``: what prices the switches' links (default: :func:`switch_cluster` of ``device``);
     ``promote``: let switches use collectives (default: on GPU clusters only, see :func:`.lower`).
+    ``data``: a :class:`~parashift.exec.train.TokenData` to train on (checked before any process starts);
+    ``metrics(step, loss, seconds, grad_norm, lr)``: called as each step completes on every process.
+    ``weights``: a folder of Hugging Face safetensors to start from (else initial values from ``seed``);
+    ``export_hf``: a folder the last layout writes the trained parameters to, as Hugging Face safetensors.
     """
     spec = models.get(model)
+    if data is not None:
+        data.open(seq_len or spec.seq_len, global_batch, spec.vocab)
     if notice < 0:
         raise StrategyError(f"notice={notice} must be a number of steps >= 0 (the warning before each switch)")
     gens = generations(spec, strategy, steps, list(switches), placement)
     if device != "cpu":
         check_gpus(gens, _gpus(device))
     opts = LiveOptions(global_batch=global_batch, seq_len=seq_len or spec.seq_len, seed=seed, data_seed=data_seed,
-                       optim=optim, notice=notice, switch_timeout=switch_timeout, memory_budget=memory_budget,
-                       export=export, progress=progress is not None, big_piece=big_piece, message_part=message_part,
+                       optim=optim, data=data, weights=weights,
+                       export_hf=os.path.abspath(export_hf) if export_hf else None, notice=notice,
+                       switch_timeout=switch_timeout, memory_budget=memory_budget,
+                       export=export, progress=progress is not None or metrics is not None, big_piece=big_piece,
+                       message_part=message_part,
                        placement=placement, cost_model=cost_model, faults=faults, device=device, ordered=ordered,
                        cluster=get_cluster(cluster) if cluster is not None else switch_cluster(device),
                        promote=promote)
-    parts: dict[int, dict[str, float]] = {}
+    parts: dict[int, dict[str, tuple]] = {}
 
     def on_report(key: str, payload: tuple) -> None:
-        step, loss, devices = payload
+        step, loss, devices, secs, norm, lr = payload
         got = parts.setdefault(step, {})
-        got[key] = loss
+        got[key] = (loss, secs)
         if len(got) == len(devices):
-            progress(step, sum(got.values()))
+            total, slowest = sum(x for x, _ in got.values()), max(t for _, t in got.values())
+            if progress is not None:
+                progress(step, total)
+            if metrics is not None:
+                metrics(step, total, slowest, norm, lr)
+            del parts[step]
     reports = launch_elastic(_live_worker, incarnations([g.devices for g in gens]), args=(spec, gens, steps, opts),
                              timeout=timeout, allow_dead=faults is not None and faults.kills(),
-                             on_report=on_report if progress else None,
+                             on_report=on_report if progress or metrics else None,
                              start_key=lambda m: None if m.first == 0 else f"sw{m.first}/notice")
     losses = []
     for k in range(steps):
@@ -669,7 +710,14 @@ def run_live(model: "str | models.ModelSpec", strategy: "str | Strategy", *, ste
         if not shares:
             break
         losses.append(float(sum(shares)))
-    return LiveResult(losses, _summarize(gens, reports, spec, memory_budget, device), reports, gens)
+    trained = [next((r["trained"][k] for r in reports.values() if r and k in r.get("trained", {})), None)
+               for k in range(len(losses))]
+    res = LiveResult(losses, _summarize(gens, reports, spec, memory_budget, device), reports, gens)
+    res.grad_norms = [t["grad_norm"] if t else float("nan") for t in trained]
+    res.lrs = [t["lr"] if t else float("nan") for t in trained]
+    if data is not None:
+        res.samples = [t["samples"] if t else None for t in trained]
+    return res
 
 
 def step_times(result: LiveResult) -> list[float]:

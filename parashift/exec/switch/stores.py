@@ -27,12 +27,12 @@ def kind_tensor(store: StateStore, family: str, kind: str) -> tuple[torch.Tensor
     """(flat tensor holding ``kind`` of ``family``, buffer coordinate of its element 0)."""
     b = store.buffers[family]
     if kind == "param":
-        return b.param, (b.lo if b.zero >= 3 else 0)
+        return b.param, (b.lo if b.zero_stage.shards_params else 0)
     t = getattr(b, kind)
     if t is None:
         raise SwitchAborted(f"rank {store.rank} keeps no {kind!r} state ({store.spec.dtype} training); "
                             f"plan the switch with the model's state kinds")
-    return t, (b.lo if b.zero >= 1 else 0)
+    return t, (b.lo if b.zero_stage.shards_optim else 0)
 
 
 def piece_view(store: StateStore, tensor: str, kind: str, lo: tuple[int, ...], hi: tuple[int, ...]) -> torch.Tensor:
