@@ -10,7 +10,7 @@ declares it lost, once), ``hosts/dead/<h>`` and ``dead/<device>`` (declared lost
 ``hosts/done``; written by :mod:`.recover`: ``hosts/loss/<step>/<device>`` (loss shares),
 ``hosts/fault`` (failed steps), ``hosts/recovery`` (the open round), ``hosts/lost/<g>``,
 ``hosts/state/<g>/<device>``, ``hosts/plan/<g>``, ``hosts/recovered/<g>/<device>``; by
-:mod:`.snapshot`: ``hosts/snap/<step>/<device>``.
+:mod:`.snapshot`: ``hosts/snap/<step>/<device>`` (written) and ``hosts/snap_failed/<step>/<device>`` (a failed write).
 """
 from __future__ import annotations
 

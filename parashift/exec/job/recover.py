@@ -335,8 +335,8 @@ def _plan(session: Any, g: int, gone: list[int], err: Exception) -> None:
     from ..switch.session import Generation
     store, cur, o = session.side_store(), session.gens[session.gen], session.opts
     survivors = [d for d in cur.devices if d not in gone]
-    reports = {d: pickle.loads(_wait(store, f"hosts/state/{g}/{d}", session.timeout, f"device {d}'s report", err))
-               for d in survivors}
+    reports = _reports(store, g, survivors, gone, session.timeout, err)
+    survivors = sorted(reports)
     top = max(r[0] for r in reports.values())
     at_top = {d: int(r[0] == top) for d, r in reports.items()}
     plan: dict[str, Any] = {"kind": "end", "lost": gone, "reports": reports, "step": top, "failed_at": top}
@@ -378,6 +378,34 @@ def _plan(session: Any, g: int, gone: list[int], err: Exception) -> None:
     if plan["kind"] != "end":
         store.set(f"hosts/gen/{g}", pickle.dumps((Generation(plan["step"], plan["strategy"], plan["devices"]),
                                                   "failure")))
+
+
+def _reports(store: Any, g: int, survivors: list[int], gone: list[int], timeout: float, err: Exception) -> dict:
+    """Device 0: every survivor's report of round ``g``. A host declared lost meanwhile (killed mid-recovery)
+    is taken out in this round: its devices join ``gone`` and it is marked handled, instead of its report
+    being waited for until the timeout."""
+    reports: dict[int, Any] = {}
+    todo = list(survivors)
+    end = time.monotonic() + timeout
+    while todo:
+        for d in list(todo):
+            if store.check([f"hosts/state/{g}/{d}"]):
+                reports[d] = pickle.loads(store.get(f"hosts/state/{g}/{d}"))
+                todo.remove(d)
+        if todo and any(store.check([f"dead/{d}"]) for d in todo):
+            for h in range(2, int(store.add("hosts/count", 0)) + 1):
+                if store.check([f"hosts/dead/{h}"]) and not store.check([f"hosts/handled/{h}"]):
+                    a, b = (int(x) for x in store.get(f"hosts/devices_of/{h}").decode().split("-"))
+                    store.set(f"hosts/handled/{h}", str(g))
+                    gone += [d for d in range(a, b + 1) if d not in gone]
+            todo = [d for d in todo if d not in gone]
+            gone.sort()
+        if todo and time.monotonic() > end:
+            raise RuntimeFailure(f"device {todo[0]}'s report did not come within {timeout:.0f} s during the "
+                                 f"recovery") from err
+        if todo:
+            time.sleep(0.02)
+    return reports
 
 
 def _rebuild(session: Any, g: int, old: Any, plan: dict) -> Any:

@@ -12,7 +12,10 @@ from one holder), and only the source ranks holding a part of them are read with
 time: any layout restores from any other, and no rank assembles the whole model.
 
 The directory must be one that every host reaches (a shared filesystem on a real cluster; on
-loopback any local directory). Each process keeps its last :data:`KEEP` snapshots.
+loopback any local directory). Each process keeps its last :data:`KEEP` written snapshots and removes
+older step folders, those of processes lost since included. A write that fails (a full disk, a read-only
+or blocked path) is not recorded: the process says so on stderr, records the cause under
+``hosts/snap_failed/<s>/<device>`` and trains on; a recovery then uses an older whole snapshot.
 """
 from __future__ import annotations
 
@@ -40,6 +43,12 @@ __all__ = ["Snapshotter", "latest", "latest_on_disk", "restore", "read_snapshot"
 #: snapshots each process keeps on disk (the newest may be incomplete when a host is lost)
 KEEP = 3
 
+try:       # DCP's error for a failed write (ENOSPC from a full disk included) derives from BaseException
+    from torch.distributed.checkpoint.api import CheckpointException as _CheckpointException
+except ImportError:  # pragma: no cover - older torch
+    _CheckpointException = Exception
+_WRITE_ERRORS = (Exception, _CheckpointException)
+
 
 def _path(root: str, step: int, rank: int) -> str:
     return os.path.join(root, f"step{step}", f"rank{rank}")
@@ -55,8 +64,9 @@ class Snapshotter:
     def __init__(self, root: str, every: int, keep: int | None = KEEP) -> None:
         """``keep``: snapshots kept on disk (None: all)."""
         self.root, self.every, self.keep = root, int(every), keep
-        self.pending: tuple[int, Future] | None = None
-        self.kept: list[int] = []
+        self.pending: tuple[int, Future, threading.Event] | None = None
+        self.kept: list[tuple[int, int]] = []        # (step, rank) of the snapshots written, oldest first
+        self.record_error: OSError | None = None
 
     def maybe(self, kv: Any, state: Any, strategy: Any, rank: int, device: int, steps_done: int,
               data_position: dict | None = None, *, force: bool = False, extra: dict | None = None) -> bool:
@@ -65,7 +75,10 @@ class Snapshotter:
         written; ``data_position`` (a :class:`~parashift.data.DataPosition` as a dict) and ``extra`` (JSON: the
         trainer's state) go into the record beside it."""
         due = force or (self.every > 0 and steps_done % self.every == 0)
-        self.finish(wait=due)
+        try:
+            self.finish(wait=due)
+        except RuntimeFailure as e:
+            self._failed(kv, device, e.step, e)
         if not due:
             return False
         from ..switch.stores import STATE_KINDS
@@ -79,8 +92,13 @@ class Snapshotter:
                 if t is not None:
                     arrays[f"{fam}.{kind}"] = t.detach().clone()      # the state of this step, not of later ones
         path = _path(self.root, steps_done, rank)
-        os.makedirs(path, exist_ok=True)
-        fut = dcp.async_save(arrays, checkpoint_id=path, no_dist=True)
+        try:
+            os.makedirs(path, exist_ok=True)
+            fut = dcp.async_save(arrays, checkpoint_id=path, no_dist=True)
+        except _WRITE_ERRORS as e:     # the folder cannot be made, or the write cannot start
+            self._drop(steps_done, rank)
+            self._failed(kv, device, steps_done, RuntimeFailure(self._why(steps_done, e)))
+            return False
         meta = pickle.dumps((str(strategy), rank, opt))
         model = getattr(getattr(state, "spec", None), "name", None)
         record = json.dumps({**(extra or {}), "strategy": str(strategy), "rank": rank, "opt_step": opt, "model": model,
@@ -91,23 +109,57 @@ class Snapshotter:
         def written(f: Future) -> None:        # the writer thread: record it, drop this rank's oldest
             try:
                 if f.exception() is not None:
+                    self._drop(steps_done, rank)         # a write cut short leaves no half checkpoint
                     return
                 with open(path + ".json", "w") as fh:
                     fh.write(record)
                 kv.set(f"hosts/snap/{steps_done}/{device}", meta)
-                self.kept.append(steps_done)
-                while self.keep is not None and len(self.kept) > self.keep:
-                    old = _path(self.root, self.kept.pop(0), rank)
-                    shutil.rmtree(old, ignore_errors=True)
-                    with contextlib.suppress(OSError):
-                        os.remove(old + ".json")
-                    with contextlib.suppress(OSError):
-                        os.rmdir(os.path.dirname(old))           # the last rank out removes the step
+                self.kept.append((steps_done, rank))
+                if self.keep is not None:
+                    while len(self.kept) > self.keep:
+                        self._drop(*self.kept.pop(0))
+                    self._sweep(self.kept[0][0])
+            except OSError as e:                         # the record could not be written: not whole
+                self._drop(steps_done, rank)
+                self.record_error = e
             finally:
                 recorded.set()
         fut.add_done_callback(written)
+        self.record_error = None
         self.pending = (steps_done, fut, recorded)
         return True
+
+    def _drop(self, step: int, rank: int) -> None:
+        """Remove rank ``rank``'s checkpoint of ``step`` and its record (and the step's folder once empty)."""
+        old = _path(self.root, step, rank)
+        shutil.rmtree(old, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.remove(old + ".json")
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(old))           # the last rank out removes the step
+
+    def _sweep(self, oldest: int) -> None:
+        """Remove step folders older than ``oldest`` (this process's oldest kept snapshot): those of ranks whose
+        process was lost, or that changed rank in a switch, are never dropped by their writer."""
+        with contextlib.suppress(OSError):
+            for n in os.listdir(self.root):
+                if n.startswith("step") and n[4:].isdigit() and int(n[4:]) < oldest:
+                    shutil.rmtree(os.path.join(self.root, n), ignore_errors=True)
+
+    def _why(self, step: int, e: BaseException) -> str:
+        lines = str(e).strip().splitlines() or [""]
+        cause = lines[-1].strip(" )") if len(lines) > 1 else lines[0]     # DCP's: a rank's traceback, the error last
+        return (f"writing the snapshot of step {step} to {self.root} failed ({type(e).__name__}: {cause}); check that "
+                f"--snapshot-dir is writable and has space on every host")
+
+    def _failed(self, kv: Any, device: int, step: int, e: RuntimeFailure) -> None:
+        """The snapshot of ``step`` could not be written: said on stderr and recorded in the store; training
+        goes on (it is not recorded as written, so no recovery uses it)."""
+        import sys
+        print(f"parashift: device {device}: {e}; training goes on, the snapshot is not used", file=sys.stderr,
+              flush=True)
+        with contextlib.suppress(Exception):
+            kv.set(f"hosts/snap_failed/{step}/{device}", str(e))
 
     def finish(self, wait: bool = False) -> None:
         """Raise if the pending snapshot failed (``wait``: block until it is written)."""
@@ -120,9 +172,12 @@ class Snapshotter:
         try:
             fut.result()
             recorded.wait()             # its record is written too (the callback runs after the result is set)
-        except Exception as e:  # noqa: BLE001 - a snapshot that failed is not recorded
-            raise RuntimeFailure(f"writing the snapshot of step {s} to {self.root} failed ({type(e).__name__}: "
-                                 f"{e}); check that --snapshot-dir is writable on every host") from e
+            if self.record_error is not None:
+                raise self.record_error
+        except _WRITE_ERRORS as e:     # a snapshot that failed is not recorded
+            err = RuntimeFailure(self._why(s, e))
+            err.step = s
+            raise err from e
 
 
 def latest(kv: Any, devices: int, every: int, before: int) -> tuple[int, str, int] | None:
