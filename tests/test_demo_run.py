@@ -67,10 +67,12 @@ def test_explore_figures_are_sane(demo):
     result, _ = demo
     table = result.steps[0].data["table"]
     assert list(table["schedule"]) == list(compared_schedules())
-    assert table["fits"].all()
-    assert (table["step_time_s"] > 1).all() and (table["step_time_s"] < 120).all()
-    assert ((table["bubble_fraction"] > 0) & (table["bubble_fraction"] < 0.6)).all()
-    assert ((table["peak_memory_gib"] > 10) & (table["peak_memory_gib"] < 80)).all()
+    fits = table.set_index("schedule")["fits"]
+    assert fits.drop("zb-2p").all()     # ZB-2p holds up to twice 1F1B's activations (the paper's 2x memory)
+    ok = table[table["fits"]]
+    assert (ok["step_time_s"] > 1).all() and (ok["step_time_s"] < 120).all()
+    assert ((ok["bubble_fraction"] > 0) & (ok["bubble_fraction"] < 0.6)).all()
+    assert ((ok["peak_memory_gib"] > 10) & (ok["peak_memory_gib"] < 80)).all()
     assert (table["mfu"] < 1).all()
     best = result.steps[0].data["best"]
     assert table.loc[table["schedule"] == best, "step_time_s"].iloc[0] == table["step_time_s"].min()

@@ -101,16 +101,17 @@ def test_moe_chain_changes_ep_bit_exactly():
 
 def test_grow_from_one_device_and_shrink_to_one_through_promoted_collectives():
     chain = [(1, "dp=4,zero=1", None), (2, "tp=4", None), (3, "dp=1", (2,))]
-    # priced as an A100 job (its switches' collectives), run by gloo processes: the GPU job's CPU twin
-    planned = [plan_live_switch(GPT, Strategy.parse(a), Strategy.parse(b), da, db, cluster="a100-1x8")
+    # priced as an H100 job (its switches' collectives), run by gloo processes: the GPU job's CPU twin (since a
+    # send costs its link's latency and bytes, not a fitted 1.6 ms, the A100 preset sends these pieces point to point)
+    planned = [plan_live_switch(GPT, Strategy.parse(a), Strategy.parse(b), da, db, cluster="h100-1x8")
                for a, da, b, db in [("dp=1", (0,), "dp=4,zero=1", (0, 1, 2, 3)), ("tp=4", (0, 1, 2, 3), "dp=1", (2,))]]
     assert planned[0].program.meta["collectives"]["scatter"] >= 1
     assert planned[1].program.meta["collectives"]["gather"] >= 1
     res = run_live(GPT, "dp=1", steps=5, switches=chain, export=True, timeout=240, switch_timeout=30,
-                   big_piece=4096, cluster="a100-1x8")
+                   big_piece=4096, cluster="h100-1x8")
     assert [s.get("aborted") for s in res.switches] == [None] * len(chain)
     assert check_switches(GPT, res) == len(chain)
-    assert [s["cluster"] for s in res.switches] == ["a100-1x8"] * len(chain)       # priced as asked
+    assert [s["cluster"] for s in res.switches] == ["h100-1x8"] * len(chain)       # priced as asked
     for r in res.reports.values():
         for sw in (r or {}).get("switches", []):
             # the memory high-water mark: both layouts' states whole, plus the staging in use at once
